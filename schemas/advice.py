@@ -1,0 +1,51 @@
+"""Semantic donor advice: router -> engine plugin on ``<prefix>.v1.advice.<worker>``.
+
+Discovery is evidence, not authority: the router found an earlier prompt (the donor) in
+the same namespace whose KV may help ``session_id``. The worker checks that the donor's
+blocks are still resident, may retain them for ``ttl_s``, and answers with a
+:class:`~kvhint.schemas.outcomes.HintOutcome` whose ``action_type`` is ``kv.donor`` and
+``action_id`` is ``advice_id``: accepted (all resident), clipped (some), missing (none),
+rejected (malformed or another namespace). Non-identical KV is never reported as an exact
+prefix hit.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from kvhint.schemas._codec import U64_MAX, decode_json, encode_json
+
+DONOR_ACTION_TYPE = "kv.donor"
+
+
+class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    advice_id: str
+    # The session the advice is for (the recipient of the placement).
+    session_id: str
+    namespace: str
+    donor_session_id: str | None = None
+    donor_block_hashes: list[Annotated[int, Meta(ge=0)]]
+    similarity: Annotated[float, Meta(ge=0.0, le=1.0)]
+    # How the donor was found, for operators ("minhash:0.82 over 12 chunks", ...).
+    evidence: str = ""
+    ttl_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    at: float
+
+    def problem(self) -> str | None:
+        """Why a worker must reject this advice, or None."""
+        if not self.donor_block_hashes:
+            return "donor_block_hashes is empty"
+        if any(h > U64_MAX for h in self.donor_block_hashes):
+            return "donor_block_hashes must be unsigned 64-bit integers"
+        return None
+
+
+def encode_advice(advice: DonorAdvice) -> bytes:
+    return encode_json(advice)
+
+
+def decode_advice(data: bytes | str) -> DonorAdvice:
+    return decode_json(data, DonorAdvice, "donor advice")

@@ -1,0 +1,152 @@
+"""KV event batches: engine plugin -> router on ``<prefix>.v1.events.<worker>``.
+
+The payload is vLLM's own msgpack ``KVEventBatch`` (``vllm/distributed/kv_events.py``,
+0.32): ``[ts, [event, ...], data_parallel_rank]`` with each event a map tagged by
+``type`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). These types decode
+those bytes without importing vLLM; fields vLLM may add later are ignored, and an event
+type we do not know is counted in :attr:`DecodedEventBatch.unknown_events`, not fatal.
+
+The per-worker sequence number and the engine epoch travel as NATS headers
+(:class:`EventBatchMeta`), so the payload stays byte-for-byte what vLLM would publish.
+Block hashes are unsigned 64-bit ints (vLLM's default
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``); a publisher that sends raw bytes is
+normalised with :func:`external_hash_to_int`, the same low-64-bits rule vLLM applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvhint.schemas._codec import U64_MAX, WireDecodeError
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+
+HEADER_WORKER = "Kvhint-Worker"
+HEADER_EPOCH = "Kvhint-Epoch"
+HEADER_SEQ = "Kvhint-Seq"
+
+
+def external_hash_to_int(value: int | bytes) -> int:
+    """vLLM's external block hash as an int: ints pass, bytes keep their low 64 bits."""
+    if isinstance(value, int):
+        return value
+    return int.from_bytes(value, byteorder="big") & U64_MAX
+
+
+class KVCacheEvent(msgspec.Struct, frozen=True, tag=True, omit_defaults=True, gc=False):
+    """Base of the tagged event union (tag = class name, as in vLLM)."""
+
+
+class BlockStored(KVCacheEvent, frozen=True):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    # Required (no default), as in vLLM, so vLLM's decoder accepts what we encode.
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent, frozen=True):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent, frozen=True):
+    pass
+
+
+KnownEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KnownEvent]
+    data_parallel_rank: int | None = None
+
+
+class _LooseBatch(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedEventBatch:
+    ts: float
+    events: list[KnownEvent]
+    data_parallel_rank: int | None
+    unknown_events: int = 0
+
+
+class EventBatchDecoder:
+    """Decodes vLLM msgpack event batches; reuse one instance (it caches the decoder)."""
+
+    def __init__(self) -> None:
+        self._strict = msgspec.msgpack.Decoder(KVEventBatch)
+        self._loose = msgspec.msgpack.Decoder(_LooseBatch)
+
+    def decode(self, data: bytes) -> DecodedEventBatch:
+        try:
+            batch = self._strict.decode(data)
+            return DecodedEventBatch(batch.ts, batch.events, batch.data_parallel_rank)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        # Slow path: keep every event we understand, count the rest.
+        try:
+            loose = self._loose.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise WireDecodeError(f"invalid KV event batch: {exc}") from exc
+        events: list[KnownEvent] = []
+        unknown = 0
+        for raw in loose.events:
+            try:
+                events.append(msgspec.convert(raw, KnownEvent))
+            except msgspec.ValidationError:
+                unknown += 1
+        return DecodedEventBatch(loose.ts, events, loose.data_parallel_rank, unknown)
+
+
+def encode_event_batch(batch: KVEventBatch) -> bytes:
+    return msgspec.msgpack.encode(batch)
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatchMeta:
+    """Where a batch sits in its worker's stream. ``seq`` starts at 1 for each epoch;
+    ``epoch`` changes whenever the engine (and so its cache) restarts."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+
+    def to_headers(self) -> dict[str, str]:
+        return {HEADER_WORKER: self.worker_id, HEADER_EPOCH: self.epoch, HEADER_SEQ: str(self.seq)}
+
+    @classmethod
+    def from_headers(cls, headers: dict[str, str] | None) -> EventBatchMeta:
+        if not headers:
+            raise WireDecodeError("KV event batch has no headers (need worker, epoch, seq)")
+        try:
+            seq = int(headers[HEADER_SEQ])
+            return cls(headers[HEADER_WORKER], headers[HEADER_EPOCH], seq)
+        except KeyError as exc:
+            raise WireDecodeError(f"KV event batch lacks header {exc.args[0]}") from exc
+        except ValueError as exc:
+            raise WireDecodeError(f"KV event batch has a non-integer {HEADER_SEQ}") from exc

@@ -1,0 +1,273 @@
+"""Hints: router (or an agent runtime, through the router) -> engine plugin.
+
+The envelope is the shape vLLM merged in ``vllm/v1/kv_hints/protocol.py`` (and Dynamo
+emits), so a payload can later ride on a request unchanged::
+
+    KvHintsEnvelope {protocol_version: "1", message_id, actions: [KvHintAction]}
+    KvHintAction    {action_id, action_type: "kv.retain"|..., action_version: "1.0", payload}
+
+``payload`` stays an untyped mapping on the envelope (as in vLLM); :func:`parse_action`
+turns it into a typed payload or into an :class:`InvalidAction` carrying the reason, so
+an unknown type, an unknown version or a malformed payload becomes a ``rejected``
+outcome instead of an exception in the receiver's loop.
+
+Encoding: JSON. Block hashes are the unsigned 64-bit ints vLLM publishes in KV events.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from kvhint.schemas._codec import (
+    U64_MAX,
+    WORKER_ID_PATTERN,
+    WireDecodeError,
+    convert,
+    decode_json,
+    encode_json,
+)
+
+PROTOCOL_VERSION = "1"
+ACTION_VERSION = "1.0"
+
+# Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
+MAX_TTL_S = 86_400.0
+
+Priority = Annotated[int, Meta(ge=0, le=100, description="0 = lowest, 100 = highest")]
+Seconds = Annotated[float, Meta(gt=0, le=MAX_TTL_S)]
+# Unsigned 64-bit; the upper bound is checked in Target.problem() (msgspec cannot
+# express bounds beyond int64).
+BlockHash = Annotated[int, Meta(ge=0)]
+WorkerId = Annotated[str, Meta(pattern=WORKER_ID_PATTERN)]
+
+
+class ActionType(str, enum.Enum):
+    RETAIN = "kv.retain"
+    PIN = "kv.pin"
+    DEMOTE = "kv.demote"
+    PREFETCH = "kv.prefetch"
+    SHARE = "kv.share"
+
+
+class KvHintAction(msgspec.Struct, frozen=True):
+    """One versioned action; ``payload`` is validated by :func:`parse_action`."""
+
+    action_id: str
+    action_type: str
+    action_version: str
+    payload: dict[str, Any]
+
+
+class KvHintsEnvelope(msgspec.Struct, frozen=True):
+    protocol_version: str
+    message_id: str
+    actions: list[KvHintAction]
+
+
+class Target(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Which blocks an action is about. Exactly one form:
+
+    - ``{session_id}``: every block of the session's chains on that worker;
+    - ``{block_hashes}``: those blocks (64-bit hashes from KV events);
+    - ``{session_id, prefix_tokens}``: the first ``prefix_tokens`` tokens of the session's
+      chain (rounded down to whole blocks).
+    """
+
+    session_id: str | None = None
+    block_hashes: list[BlockHash] | None = None
+    prefix_tokens: Annotated[int, Meta(gt=0)] | None = None
+
+    def problem(self) -> str | None:
+        """Why this selector is unusable, or None when it is one of the three forms."""
+        if self.block_hashes is not None:
+            if self.session_id is not None or self.prefix_tokens is not None:
+                return "target: give block_hashes alone, not with session_id or prefix_tokens"
+            if not self.block_hashes:
+                return "target: block_hashes is empty"
+            if any(h > U64_MAX for h in self.block_hashes):
+                return "target: block_hashes must be unsigned 64-bit integers"
+            return None
+        if self.session_id is None:
+            if self.prefix_tokens is not None:
+                return "target: prefix_tokens needs a session_id"
+            return "target: give session_id, block_hashes, or session_id with prefix_tokens"
+        if not self.session_id:
+            return "target: session_id is empty"
+        return None
+
+
+class _Payload(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    target: Target
+    # Unix time after which the worker must not apply the action any more (answers
+    # ``rejected`` with reason "expired"). None: no expiry beyond the action's own TTL.
+    expires_at: float | None = None
+
+
+class RetainPayload(_Payload, frozen=True):
+    """Bias eviction order; no guarantee. Released under pressure before any preemption."""
+
+    priority: Priority = 50
+    ttl_s: Seconds | None = None
+
+
+class PinPayload(_Payload, frozen=True):
+    """Protect from eviction until ``ttl_s``; clipped to the worker's budget and max TTL."""
+
+    ttl_s: Seconds = 60.0
+
+
+class DemotePayload(_Payload, frozen=True):
+    """Keep a host-tier (G2) copy, then let the GPU (G1) copy go first."""
+
+
+class PrefetchPayload(_Payload, frozen=True):
+    """Have the blocks in G1 within ``deadline_s``."""
+
+    deadline_s: Seconds = 5.0
+
+
+class SharePayload(_Payload, frozen=True):
+    """Make the blocks readable by ``destination_worker`` for ``ttl_s``."""
+
+    destination_worker: WorkerId
+    ttl_s: Seconds = 60.0
+
+
+HintPayload = RetainPayload | PinPayload | DemotePayload | PrefetchPayload | SharePayload
+
+PAYLOAD_TYPES: dict[ActionType, type[_Payload]] = {
+    ActionType.RETAIN: RetainPayload,
+    ActionType.PIN: PinPayload,
+    ActionType.DEMOTE: DemotePayload,
+    ActionType.PREFETCH: PrefetchPayload,
+    ActionType.SHARE: SharePayload,
+}
+
+# action type -> versions this contract defines. A worker advertises the subset it runs.
+SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {t.value: (ACTION_VERSION,) for t in ActionType}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedAction:
+    action_id: str
+    action_type: ActionType
+    payload: HintPayload
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidAction:
+    """An action the receiver must answer ``rejected`` with ``reason``."""
+
+    action_id: str
+    action_type: str
+    reason: str
+
+
+def parse_action(action: KvHintAction) -> ParsedAction | InvalidAction:
+    """Type an action's payload; never raises for bad input."""
+    if not action.action_id:
+        return InvalidAction(action.action_id, action.action_type, "action_id is empty")
+    try:
+        action_type = ActionType(action.action_type)
+    except ValueError:
+        known = ", ".join(t.value for t in ActionType)
+        return InvalidAction(
+            action.action_id,
+            action.action_type,
+            f"unsupported action_type {action.action_type!r} (known: {known})",
+        )
+    if action.action_version not in SUPPORTED_VERSIONS[action_type.value]:
+        return InvalidAction(
+            action.action_id,
+            action.action_type,
+            f"unsupported action_version {action.action_version!r} for {action_type.value} "
+            f"(supported: {', '.join(SUPPORTED_VERSIONS[action_type.value])})",
+        )
+    try:
+        payload = convert(action.payload, PAYLOAD_TYPES[action_type], "payload")
+    except WireDecodeError as exc:
+        return InvalidAction(action.action_id, action.action_type, str(exc))
+    problem = payload.target.problem()
+    if problem is not None:
+        return InvalidAction(action.action_id, action.action_type, f"invalid payload: {problem}")
+    return ParsedAction(action.action_id, action_type, payload)
+
+
+class _LooseEnvelope(msgspec.Struct, frozen=True):
+    protocol_version: str
+    message_id: str
+    actions: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedHints:
+    """What a receiver made of one hints message.
+
+    ``error`` is set when the message as a whole is unusable (not JSON, wrong
+    protocol_version, no message_id); then ``actions`` holds whatever actions could still
+    be identified, all invalid, so each can be answered.
+    """
+
+    message_id: str
+    actions: list[ParsedAction | InvalidAction]
+    error: str | None = None
+
+
+def decode_hints(data: bytes | str) -> DecodedHints:
+    """Decode one hints message leniently: one bad action does not sink the others."""
+    try:
+        loose = decode_json(data, _LooseEnvelope, "hints envelope")
+    except WireDecodeError as exc:
+        return DecodedHints(message_id="", actions=[], error=str(exc))
+    actions: list[ParsedAction | InvalidAction] = []
+    for index, raw in enumerate(loose.actions):
+        try:
+            action = convert(raw, KvHintAction, f"actions[{index}]")
+        except WireDecodeError as exc:
+            action_id = raw.get("action_id", "") if isinstance(raw, dict) else ""
+            action_type = raw.get("action_type", "") if isinstance(raw, dict) else ""
+            actions.append(
+                InvalidAction(str(action_id or ""), str(action_type or ""), str(exc))
+            )
+            continue
+        actions.append(parse_action(action))
+    if loose.protocol_version != PROTOCOL_VERSION:
+        reason = (
+            f"unsupported protocol_version {loose.protocol_version!r} "
+            f"(supported: {PROTOCOL_VERSION!r})"
+        )
+        rejected = [InvalidAction(a.action_id, _type_name(a), reason) for a in actions]
+        return DecodedHints(loose.message_id, rejected, error=reason)
+    if not loose.message_id:
+        reason = "message_id is empty"
+        rejected = [InvalidAction(a.action_id, _type_name(a), reason) for a in actions]
+        return DecodedHints("", rejected, error=reason)
+    return DecodedHints(loose.message_id, actions)
+
+
+def _type_name(action: ParsedAction | InvalidAction) -> str:
+    if isinstance(action, ParsedAction):
+        return action.action_type.value
+    return action.action_type
+
+
+def make_action(action_id: str, payload: HintPayload) -> KvHintAction:
+    """Build a wire action from a typed payload (the planner's and tests' way in)."""
+    action_type = next(t for t, cls in PAYLOAD_TYPES.items() if type(payload) is cls)
+    return KvHintAction(
+        action_id=action_id,
+        action_type=action_type.value,
+        action_version=ACTION_VERSION,
+        payload=msgspec.to_builtins(payload),
+    )
+
+
+def encode_hints(envelope: KvHintsEnvelope) -> bytes:
+    return encode_json(envelope)

@@ -1,0 +1,67 @@
+"""Snapshot request/reply on ``<prefix>.v1.snapshot.<worker>``.
+
+A router that starts late, sees a sequence gap or a new epoch asks for the worker's full
+residency and session index, page by page (NATS messages are bounded), then continues
+from the event stream after ``seq``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from kvhint.schemas._codec import decode_json, encode_json
+
+MAX_SNAPSHOT_PAGE = 50_000
+
+
+class SnapshotRequest(msgspec.Struct, frozen=True, kw_only=True):
+    cursor: Annotated[int, Meta(ge=0)] = 0
+    limit: Annotated[int, Meta(gt=0, le=MAX_SNAPSHOT_PAGE)] = 20_000
+
+
+class SnapshotBlock(msgspec.Struct, frozen=True, array_like=True):
+    """``[hash, parent_hash | null, medium]``, parents listed before children."""
+
+    block_hash: int
+    parent_hash: int | None
+    medium: str
+
+
+class SnapshotSession(msgspec.Struct, frozen=True, array_like=True):
+    """``[session_id, [frontier hash, ...]]``: the deepest resident block of each branch."""
+
+    session_id: str
+    frontiers: list[int]
+
+
+class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    epoch: str
+    # The last event sequence number this page reflects; replay events after it.
+    seq: int
+    block_size: int
+    blocks: list[SnapshotBlock]
+    sessions: list[SnapshotSession]
+    # Cursor for the next page, None on the last page.
+    next_cursor: int | None = None
+
+
+def encode_snapshot_request(request: SnapshotRequest) -> bytes:
+    return encode_json(request)
+
+
+def decode_snapshot_request(data: bytes | str) -> SnapshotRequest:
+    if not data:
+        return SnapshotRequest()
+    return decode_json(data, SnapshotRequest, "snapshot request")
+
+
+def encode_snapshot(snapshot: WorkerSnapshot) -> bytes:
+    return encode_json(snapshot)
+
+
+def decode_snapshot(data: bytes | str) -> WorkerSnapshot:
+    return decode_json(data, WorkerSnapshot, "worker snapshot")

@@ -1,0 +1,152 @@
+"""Fixtures for real parts: NATS with JetStream, SQLite and PostgreSQL, the tiny model,
+and real vLLM OpenAI servers on the CPU.
+
+Markers follow the folder: tests/unit -> unit, tests/integration -> integration,
+tests/e2e -> e2e. ``make test`` runs all; ``make test-unit`` runs unit only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvhint.router.devstack.nats_server import NatsServerProcess, free_port, running_nats
+from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
+from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Built artefacts (the tiny model) are reused across runs; set KVHINT_TEST_STATE_DIR to move.
+STATE_DIR = Path(os.environ.get("KVHINT_TEST_STATE_DIR", REPO_ROOT / ".kvhint" / "test"))
+POSTGRES_HOST = os.environ.get("KVHINT_TEST_PG_HOST", "127.0.0.1")
+POSTGRES_PORT = int(os.environ.get("KVHINT_TEST_PG_PORT", "5432"))
+POSTGRES_ADMIN_DB = os.environ.get("KVHINT_TEST_PG_DB", "test")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts
+        if parts and parts[0] in ("unit", "integration", "e2e"):
+            item.add_marker(getattr(pytest.mark, parts[0]))
+
+
+@pytest.fixture(scope="session")
+def state_dir() -> Path:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    return STATE_DIR
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(state_dir: Path) -> Path:
+    return build_tiny_model(state_dir / "models" / RECIPE_VERSION)
+
+
+# --- NATS -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    """The NATS on 127.0.0.1:4222 when it answers, else one started for the session."""
+    with running_nats(os.environ.get("KVHINT_TEST_NATS_URL", "nats://127.0.0.1:4222")) as ep:
+        yield ep.url
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    """A NATS server this test owns and may stop and start again (same port and store)."""
+    server = NatsServerProcess(store_dir=tmp_path / "nats-store", log_path=tmp_path / "nats.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def subject_prefix() -> str:
+    """A prefix of its own for each test, so tests sharing one NATS never cross."""
+    return f"kvhinttest.{uuid.uuid4().hex[:10]}"
+
+
+# --- Databases ------------------------------------------------------------------------
+
+def _postgres_answers() -> bool:
+    try:
+        with socket.create_connection((POSTGRES_HOST, POSTGRES_PORT), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: a SQLite file, or a new PostgreSQL database on
+    127.0.0.1:5432 (skipped, with the reason shown, when PostgreSQL is not there)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'kvhint.db'}"
+        return
+    if not _postgres_answers():
+        pytest.skip(f"PostgreSQL not reachable on {POSTGRES_HOST}:{POSTGRES_PORT}; "
+                    "the SQLite variant of this test still ran")
+    import psycopg
+
+    name = f"kvhint_test_{uuid.uuid4().hex[:12]}"
+    admin = f"host={POSTGRES_HOST} port={POSTGRES_PORT} user=postgres dbname={POSTGRES_ADMIN_DB}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@{POSTGRES_HOST}:{POSTGRES_PORT}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- vLLM servers ---------------------------------------------------------------------
+
+class VllmServerPool:
+    """Starts real vLLM servers on demand and stops every one at session end."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.log_dir = log_dir
+        self._servers: list[VllmServer] = []
+
+    @property
+    def base_spec(self) -> VllmWorkerSpec:
+        """The default worker; vary it with ``dataclasses.replace``. Port 0 = pick one."""
+        return VllmWorkerSpec(model_dir=self.model_dir, port=0)
+
+    def start(self, name: str, spec: VllmWorkerSpec | None = None) -> VllmServer:
+        spec = spec or self.base_spec
+        if spec.port == 0:
+            spec = replace(spec, port=free_port())
+        server = VllmServer(spec, self.log_dir / f"{name}-{spec.port}.log")
+        self._servers.append(server)
+        server.start()
+        server.wait_ready()
+        return server
+
+    def stop_all(self) -> None:
+        for server in reversed(self._servers):
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def vllm_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[VllmServerPool]:
+    pool = VllmServerPool(tiny_model_dir, tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_pool: VllmServerPool) -> VllmServer:
+    """One plain vLLM CPU server (prefix caching, prompt token details), shared."""
+    return vllm_pool.start("plain")

@@ -1,0 +1,110 @@
+"""Golden tests: the exact JSON (or msgpack) of every wire message.
+
+A change here is a wire-contract change: bump the version it belongs to, do not just
+regenerate. To regenerate after an intended change: KVHINT_UPDATE_GOLDEN=1 pytest this file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvhint import schemas as s
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+AT = 1_790_000_000.25
+BIG_HASH = 18_446_744_073_709_551_557  # close to 2**64: must survive JSON exactly
+
+
+def _envelope() -> s.KvHintsEnvelope:
+    return s.KvHintsEnvelope(
+        protocol_version="1",
+        message_id="msg-1",
+        actions=[
+            s.make_action("a-retain", s.RetainPayload(
+                target=s.Target(session_id="tenant-a/sess-1"), priority=80, ttl_s=120.0)),
+            s.make_action("a-pin", s.PinPayload(
+                target=s.Target(session_id="tenant-a/sess-1", prefix_tokens=4096), ttl_s=30.0,
+                expires_at=AT + 5)),
+            s.make_action("a-demote", s.DemotePayload(
+                target=s.Target(block_hashes=[BIG_HASH, 7]))),
+            s.make_action("a-prefetch", s.PrefetchPayload(
+                target=s.Target(session_id="tenant-a/sess-2"), deadline_s=2.5)),
+            s.make_action("a-share", s.SharePayload(
+                target=s.Target(session_id="tenant-a/sess-2"), destination_worker="w1",
+                ttl_s=60.0)),
+        ],
+    )
+
+
+SAMPLES: dict[str, tuple[object, type]] = {
+    "hints_envelope": (_envelope(), s.KvHintsEnvelope),
+    "hint_outcome": (s.HintOutcome(
+        message_id="msg-1", action_id="a-pin", action_type="kv.pin", worker_id="w0",
+        status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",
+        requested=s.Amount(blocks=128, tokens=4096), applied=s.Amount(blocks=64, tokens=2048),
+        at=AT), s.HintOutcome),
+    "donor_advice": (s.DonorAdvice(
+        advice_id="adv-1", session_id="tenant-a/sess-9", namespace="tiny|sha256|32|salt:a",
+        donor_session_id="tenant-a/sess-3", donor_block_hashes=[1, 2, BIG_HASH],
+        similarity=0.82, evidence="minhash 0.82 over 12 chunks", ttl_s=30.0, at=AT),
+        s.DonorAdvice),
+    "worker_status": (s.WorkerStatus(
+        worker_id="w0", epoch="e-5f2c", model="tiny", cache_namespace="tiny|sha256|32",
+        block_size=32, hash_algo="sha256", none_hash_seed="vllm-none-hash",
+        data_parallel_rank=0,
+        supported_actions={"kv.retain": ["1.0"], "kv.pin": ["1.0"], "kv.prefetch": ["1.0"]},
+        host_tier=False,
+        budgets=s.Budgets(max_pinned_blocks=51, max_pin_ttl_s=600.0, max_retained_blocks=256,
+                          max_retain_ttl_s=3600.0),
+        usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8,
+                      pinned_blocks=10, retained_blocks=20, indexed_blocks=400, sessions=7,
+                      active_requests=2, pending_hints=1),
+        last_event_seq=42, interval_s=1.0, at=AT), s.WorkerStatus),
+    "snapshot_request": (s.SnapshotRequest(cursor=0, limit=1000), s.SnapshotRequest),
+    "worker_snapshot": (s.WorkerSnapshot(
+        worker_id="w0", epoch="e-5f2c", seq=42, block_size=32,
+        blocks=[s.SnapshotBlock(11, None, "GPU"), s.SnapshotBlock(12, 11, "GPU")],
+        sessions=[s.SnapshotSession("tenant-a/sess-1", [12])], next_cursor=None),
+        s.WorkerSnapshot),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_json_matches_golden(name: str) -> None:
+    message, type_ = SAMPLES[name]
+    encoded = msgspec.json.format(msgspec.json.encode(message), indent=2) + b"\n"
+    path = GOLDEN / f"{name}.json"
+    if os.environ.get("KVHINT_UPDATE_GOLDEN") == "1":
+        path.write_bytes(encoded)
+    assert encoded == path.read_bytes(), f"wire form of {name} changed"
+    assert msgspec.json.decode(path.read_bytes(), type=type_) == message
+
+
+def test_event_batch_msgpack_matches_golden() -> None:
+    batch = s.KVEventBatch(ts=AT, events=[
+        s.BlockStored(block_hashes=[BIG_HASH], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                      block_size=4, lora_id=None, medium="GPU", lora_name=None, group_idx=0,
+                      session_id="tenant-a/sess-1"),
+        s.BlockRemoved(block_hashes=[BIG_HASH], medium="GPU", group_idx=0),
+        s.AllBlocksCleared(),
+    ], data_parallel_rank=0)
+    encoded = s.encode_event_batch(batch)
+    path = GOLDEN / "kv_event_batch.msgpack.hex"
+    if os.environ.get("KVHINT_UPDATE_GOLDEN") == "1":
+        path.write_text(encoded.hex() + "\n")
+    assert encoded.hex() == path.read_text().strip()
+    decoded = s.EventBatchDecoder().decode(encoded)
+    assert decoded.events == batch.events and decoded.data_parallel_rank == 0
+
+
+def test_every_exported_message_has_a_golden() -> None:
+    from kvhint.schemas.export import MESSAGES
+
+    covered = {type_ for _, type_ in SAMPLES.values()} | {s.KVEventBatch}
+    payloads = {s.RetainPayload, s.PinPayload, s.DemotePayload, s.PrefetchPayload,
+                s.SharePayload}  # inside hints_envelope
+    assert set(MESSAGES.values()) <= covered | payloads

@@ -1,0 +1,152 @@
+"""Malformed input becomes a typed error (or an InvalidAction) a person can act on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvhint import schemas as s
+from kvhint.schemas.events import EventBatchMeta
+
+
+def _envelope(actions: list[dict], protocol_version: str = "1", message_id: str = "m") -> bytes:
+    return json.dumps({"protocol_version": protocol_version, "message_id": message_id,
+                       "actions": actions}).encode()
+
+
+def _action(action_type: str, payload: dict, action_id: str = "a1",
+            version: str = "1.0") -> dict:
+    return {"action_id": action_id, "action_type": action_type, "action_version": version,
+            "payload": payload}
+
+
+def test_valid_actions_parse_to_typed_payloads() -> None:
+    decoded = s.decode_hints(_envelope([
+        _action("kv.pin", {"target": {"session_id": "x"}, "ttl_s": 10}),
+        _action("kv.retain", {"target": {"block_hashes": [1, 2]}, "priority": 3}, "a2"),
+    ]))
+    assert decoded.error is None and decoded.message_id == "m"
+    pin, retain = decoded.actions
+    assert isinstance(pin, s.ParsedAction) and isinstance(pin.payload, s.PinPayload)
+    assert pin.payload.ttl_s == 10.0 and pin.payload.target.session_id == "x"
+    assert isinstance(retain.payload, s.RetainPayload) and retain.payload.priority == 3
+
+
+@pytest.mark.parametrize(
+    ("action", "fragment"),
+    [
+        (_action("kv.evict", {}), "unsupported action_type 'kv.evict'"),
+        (_action("kv.pin", {"target": {"session_id": "x"}}, version="2.0"),
+         "unsupported action_version '2.0'"),
+        (_action("kv.pin", {"target": {"session_id": "x"}, "ttl_s": -1}), "`$.ttl_s`"),
+        (_action("kv.retain", {"target": {"session_id": "x"}, "priority": 101}),
+         "`$.priority`"),
+        (_action("kv.pin", {"target": {}}), "give session_id, block_hashes"),
+        (_action("kv.pin", {"target": {"prefix_tokens": 5}}), "prefix_tokens needs a session_id"),
+        (_action("kv.pin", {"target": {"block_hashes": []}}), "block_hashes is empty"),
+        (_action("kv.pin", {"target": {"block_hashes": [2**64]}}), "unsigned 64-bit"),
+        (_action("kv.pin", {"target": {"block_hashes": [1], "session_id": "x"}}),
+         "block_hashes alone"),
+        (_action("kv.pin", {"target": {"session_id": "x"}, "colour": "red"}),
+         "unknown field `colour`"),
+        (_action("kv.share", {"target": {"session_id": "x"}}), "destination_worker"),
+        (_action("kv.share", {"target": {"session_id": "x"}, "destination_worker": "a.b"}),
+         "destination_worker"),
+        (_action("kv.pin", {"target": {"session_id": "x"}}, action_id=""), "action_id is empty"),
+    ],
+)
+def test_bad_actions_become_invalid_with_reason(action: dict, fragment: str) -> None:
+    decoded = s.decode_hints(_envelope([action]))
+    assert decoded.error is None
+    (result,) = decoded.actions
+    assert isinstance(result, s.InvalidAction)
+    assert fragment in result.reason
+    assert result.action_id == action["action_id"]
+
+
+def test_one_bad_action_does_not_sink_the_others() -> None:
+    decoded = s.decode_hints(_envelope([
+        {"action_id": "broken", "payload": 3},
+        _action("kv.pin", {"target": {"session_id": "x"}}, "good"),
+    ]))
+    bad, good = decoded.actions
+    assert isinstance(bad, s.InvalidAction) and bad.action_id == "broken"
+    assert "actions[0]" in bad.reason
+    assert isinstance(good, s.ParsedAction)
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        (b"not json", "not valid JSON"),
+        (b'{"message_id": "m", "actions": []}', "protocol_version"),
+        (b"[1, 2]", "invalid hints envelope"),
+    ],
+)
+def test_unusable_messages_carry_an_error(data: bytes, fragment: str) -> None:
+    decoded = s.decode_hints(data)
+    assert decoded.error is not None and fragment in decoded.error
+    assert decoded.actions == []
+
+
+def test_wrong_protocol_version_rejects_every_action_by_id() -> None:
+    decoded = s.decode_hints(_envelope([_action("kv.pin", {"target": {"session_id": "x"}})],
+                                       protocol_version="9"))
+    assert decoded.error and "protocol_version '9'" in decoded.error
+    (result,) = decoded.actions
+    assert isinstance(result, s.InvalidAction) and result.action_id == "a1"
+
+
+def test_typed_decoders_raise_wire_decode_error() -> None:
+    with pytest.raises(s.WireDecodeError, match="invalid hint outcome.*status"):
+        s.decode_outcome(b'{"message_id":"m","action_id":"a","worker_id":"w",'
+                         b'"status":"maybe","at":1}')
+    with pytest.raises(s.WireDecodeError, match="worker status"):
+        s.decode_status(b'{"worker_id": 5}')
+    with pytest.raises(s.WireDecodeError, match="donor advice"):
+        s.decode_advice(b"{}")
+    with pytest.raises(s.WireDecodeError, match="limit"):
+        s.decode_snapshot_request(b'{"limit": 0}')
+    assert s.decode_snapshot_request(b"") == s.SnapshotRequest()
+
+
+def test_donor_advice_problems() -> None:
+    advice = s.DonorAdvice(advice_id="a", session_id="s", namespace="n",
+                           donor_block_hashes=[], similarity=0.5, at=1.0)
+    assert advice.problem() == "donor_block_hashes is empty"
+
+
+def test_event_batch_garbage_is_a_wire_error() -> None:
+    with pytest.raises(s.WireDecodeError, match="invalid KV event batch"):
+        s.EventBatchDecoder().decode(b"\x01\x02")
+
+
+def test_unknown_event_types_are_counted_not_fatal() -> None:
+    import msgspec
+
+    raw = msgspec.msgpack.encode([1.0, [
+        {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"},
+        {"type": "BlockTeleported", "block_hashes": [5]},
+    ], None])
+    decoded = s.EventBatchDecoder().decode(raw)
+    assert decoded.unknown_events == 1
+    assert decoded.events == [s.BlockRemoved(block_hashes=[5], medium="GPU")]
+
+
+def test_event_meta_headers_round_trip_and_errors() -> None:
+    meta = EventBatchMeta("w0", "epoch-1", 17)
+    assert EventBatchMeta.from_headers(meta.to_headers()) == meta
+    with pytest.raises(s.WireDecodeError, match="no headers"):
+        EventBatchMeta.from_headers(None)
+    with pytest.raises(s.WireDecodeError, match="Kvhint-Epoch"):
+        EventBatchMeta.from_headers({"Kvhint-Worker": "w0", "Kvhint-Seq": "1"})
+    with pytest.raises(s.WireDecodeError, match="non-integer"):
+        EventBatchMeta.from_headers({"Kvhint-Worker": "w", "Kvhint-Epoch": "e",
+                                     "Kvhint-Seq": "x"})
+
+
+def test_external_hash_to_int_matches_vllm_rule() -> None:
+    digest = bytes(range(32))
+    assert s.external_hash_to_int(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
+    assert s.external_hash_to_int(12) == 12
