@@ -7,12 +7,14 @@ tests/e2e -> e2e. ``make test`` runs all; ``make test-unit`` runs unit only.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -107,6 +109,11 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 # --- vLLM servers ---------------------------------------------------------------------
 
+# Several sessions may share one small machine (2 cores): vLLM servers from different
+# pytest sessions would starve each other, so a session holds this lock while it has any.
+VLLM_LOCK_PATH = Path(os.environ.get("KVHINT_VLLM_LOCK", "/tmp/kvhint-vllm-servers.lock"))
+
+
 class VllmServerPool:
     """Starts real vLLM servers on demand and stops every one at session end."""
 
@@ -114,6 +121,12 @@ class VllmServerPool:
         self.model_dir = model_dir
         self.log_dir = log_dir
         self._servers: list[VllmServer] = []
+        self._lock_file: IO[bytes] | None = None
+
+    def _hold_machine_lock(self) -> None:
+        if self._lock_file is None:
+            self._lock_file = open(VLLM_LOCK_PATH, "ab")
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
 
     @property
     def base_spec(self) -> VllmWorkerSpec:
@@ -122,6 +135,7 @@ class VllmServerPool:
 
     def start(self, name: str, spec: VllmWorkerSpec | None = None) -> VllmServer:
         spec = spec or self.base_spec
+        self._hold_machine_lock()
         if spec.port == 0:
             spec = replace(spec, port=free_port())
         server = VllmServer(spec, self.log_dir / f"{name}-{spec.port}.log")
@@ -134,6 +148,10 @@ class VllmServerPool:
         for server in reversed(self._servers):
             server.stop()
         self._servers.clear()
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
 
 
 @pytest.fixture(scope="session")
