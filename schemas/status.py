@@ -51,6 +51,9 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_event_seq: int = 0
     interval_s: float
     at: float
+    # Where the router reaches this worker's OpenAI server (a worker known only by its
+    # heartbeat can then be routed to). None: the router must have it from its config.
+    http_url: str | None = None
 
 
 def encode_status(status: WorkerStatus) -> bytes:
