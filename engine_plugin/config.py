@@ -1,0 +1,124 @@
+"""The plugin's settings: vLLM's ``kv_connector_extra_config``, validated at start-up.
+
+A bad value stops the engine with a message naming the key (``PluginConfigError``);
+unknown keys are errors too, so a typo does not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvhint.schemas import Subjects, WireDecodeError, is_valid_worker_id
+
+# Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
+# and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
+LOGGER_NAME = "vllm.kvhint"
+
+_URL_RE = re.compile(r"^(nats|tls|ws|wss)://[^\s]+$")
+
+
+class PluginConfigError(ValueError):
+    """The connector's extra config is invalid; the message names every bad key."""
+
+
+class PluginConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Identity. One worker id per data-parallel rank; `None` = "w<dp rank>".
+    worker_id: str | None = None
+    # NATS server(s), comma-separated. Absent: the index and metrics run, nothing is
+    # published or received (said once in the log).
+    nats_url: str | None = None
+    subject_prefix: str = "kvhint"
+    # Where operators reach this worker over HTTP (put in the heartbeat), if known.
+    http_url: str | None = None
+
+    # Budgets. Pins are hard: they may cost a preemption, so they get a small budget.
+    # Retained blocks are released whenever an allocation would otherwise fail.
+    pin_budget_fraction: float = Field(0.10, ge=0.0, le=0.9)
+    max_pin_ttl_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    retain_budget_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    max_retain_ttl_s: float = Field(3600.0, gt=0.0, le=86_400.0)
+    # Donor advice: keep the donor's resident blocks retained for the advice's ttl_s.
+    donor_retain: bool = True
+    donor_retain_priority: int = Field(60, ge=0, le=100)
+    # Prefetch of blocks already in G1: keep them retained at this priority until the deadline.
+    prefetch_retain_priority: int = Field(80, ge=0, le=100)
+
+    # Session index bounds.
+    max_sessions: int = Field(100_000, ge=1)
+    max_frontiers_per_session: int = Field(8, ge=1, le=1024)
+    # Idempotency memory: outcomes of this many recent action ids are kept.
+    max_remembered_actions: int = Field(100_000, ge=1)
+
+    # Transport.
+    heartbeat_interval_s: float = Field(2.0, gt=0.0, le=300.0)
+    event_buffer_batches: int = Field(10_000, ge=1)
+    outcome_buffer: int = Field(10_000, ge=1)
+    inbound_buffer: int = Field(10_000, ge=1)
+    # Create the JetStream events stream when it does not exist yet.
+    create_events_stream: bool = True
+    events_stream_max_age_s: float = Field(3600.0, gt=0.0)
+    events_stream_max_bytes: int = Field(1 << 30, gt=0)
+    # Wake an idle engine when a hint arrives, so it is applied within milliseconds.
+    wake_idle_engine: bool = True
+    # A hint the engine has not taken after this long (a long prefill step, or an engine
+    # that cannot be woken) is answered ``deferred`` at once; its final outcome follows.
+    defer_after_s: float = Field(0.02, gt=0.0, le=10.0)
+
+    @field_validator("worker_id")
+    @classmethod
+    def _check_worker_id(cls, value: str | None) -> str | None:
+        if value is not None and not is_valid_worker_id(value):
+            raise ValueError("use 1-128 letters, digits, '_' or '-' (a NATS subject token)")
+        return value
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_nats_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        for part in value.split(","):
+            if not _URL_RE.match(part.strip()):
+                raise ValueError(f"{part.strip()!r} is not a nats:// (or tls/ws/wss) URL")
+        return value
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        try:
+            Subjects(value)
+        except WireDecodeError as exc:
+            raise ValueError(str(exc)) from exc
+        return value
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [p.strip() for p in self.nats_url.split(",")] if self.nats_url else []
+
+    def resolved_worker_id(self, data_parallel_rank: int) -> str:
+        return self.worker_id or f"w{data_parallel_rank}"
+
+    def pin_budget_blocks(self, num_blocks: int) -> int:
+        return int(self.pin_budget_fraction * num_blocks)
+
+    def retain_budget_blocks(self, num_blocks: int) -> int:
+        return int(self.retain_budget_fraction * num_blocks)
+
+
+def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:
+    """Validate vLLM's ``kv_connector_extra_config``; raise PluginConfigError naming keys."""
+    try:
+        return PluginConfig.model_validate(dict(extra or {}))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "(config)"
+            problems.append(f"kv_connector_extra_config[{key!r}]: {err['msg']}"
+                            f" (got {err.get('input')!r})")
+        raise PluginConfigError("kvhint engine plugin: invalid config: "
+                                + "; ".join(problems)) from None

@@ -1,0 +1,223 @@
+"""KvHintConnector: the engine plugin as a vLLM KV connector.
+
+Load it with::
+
+    --enable-prefix-caching --kv-transfer-config '{"kv_connector": "KvHintConnector",
+      "kv_connector_module_path": "kvhint.engine_plugin.connector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"worker_id": "w0", "nats_url": "nats://127.0.0.1:4222"}}'
+
+Only the SCHEDULER-role instance (in EngineCore, one per data-parallel rank) does
+anything: it binds :class:`~kvhint.engine_plugin.core.PluginCore` to the KVCacheManager,
+forwards vLLM's hooks to it, and runs the NATS transport in its own thread. The WORKER-role
+instance moves no data (no host tier on this backend) and is a no-op.
+
+A hook never lets a plugin error escape into the scheduler (``PluginCore.guard``): it is
+logged with its traceback once per hook, counted (``kvhint:internal_errors``), and the
+engine goes on as plain vLLM would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig, load_plugin_config
+from kvhint.engine_plugin.core import EngineIdentity, PluginCore
+from kvhint.engine_plugin.mailbox import Mailbox
+from kvhint.engine_plugin.metrics import (
+    HINTS_KEY,
+    LATENCY_KEY,
+    KvHintConnectorStats,
+    KvHintPromMetrics,
+    StatsTracker,
+)
+from kvhint.engine_plugin.transport import NatsTransport
+from kvhint.engine_plugin.vllm_adapter import (
+    EventBatchEncoder,
+    find_engine_waker,
+    none_hash_seed,
+)
+from kvhint.schemas import Usage, WorkerStatus
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class KvHintConnectorMetadata(KVConnectorMetadata):
+    """Nothing travels to the workers: the plugin moves no KV data."""
+
+
+class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        # Validated in every role, so a bad value stops start-up wherever it is read.
+        self.plugin_config: PluginConfig = load_plugin_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        self.core: PluginCore | None = None
+        self.transport: NatsTransport | None = None
+        self._stats = StatsTracker(self._read_stats)
+        self._waker = None
+        if role == KVConnectorRole.SCHEDULER:
+            # Only while EngineCore is being built is it on the call stack.
+            self._waker = find_engine_waker() if self.plugin_config.wake_idle_engine else None
+
+    # --- binding ---------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.core is not None:
+            return
+        config = self.plugin_config
+        parallel = self._vllm_config.parallel_config
+        rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        model_config = self._vllm_config.model_config
+        hash_algo = str(self._vllm_config.cache_config.prefix_caching_hash_algo)
+        identity = EngineIdentity(
+            worker_id=config.resolved_worker_id(rank),
+            model=str(getattr(model_config, "served_model_name", None) or model_config.model),
+            hash_algo=hash_algo, none_hash_seed=none_hash_seed(hash_algo),
+            data_parallel_rank=rank)
+        mailbox = None
+        if config.nats_url:
+            mailbox = Mailbox(config.inbound_buffer, config.outcome_buffer,
+                              config.event_buffer_batches)
+            if self._waker is not None:
+                mailbox.wake_engine = self._waker
+        self.core = PluginCore.attach(kv_cache_manager, config, identity=identity,
+                                      mailbox=mailbox)
+        self.core.refresh_status()
+        if mailbox is None:
+            logger.info("kvhint: no nats_url in kv_connector_extra_config: the session index "
+                        "and metrics run, no hints are received and nothing is published "
+                        "(worker %s)", identity.worker_id)
+            return
+        if self._waker is None:
+            logger.warning("kvhint: found no EngineCore busy loop to wake; a hint that "
+                           "arrives while the engine is idle waits for its next step")
+        encoder = EventBatchEncoder()
+        self.transport = NatsTransport(
+            config, identity.worker_id, identity.epoch, mailbox, self._status_of,
+            lambda ts, events: encoder.encode(ts, events, rank), self.core.adapter.block_size)
+        self.transport.start()
+        logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
+                    identity.worker_id, identity.epoch, config.nats_url, config.subject_prefix)
+
+    def _status_of(self, usage: Usage | None, seq: int) -> WorkerStatus:
+        assert self.core is not None
+        status = self.core.worker_status(usage=usage)
+        return msgspec.structs.replace(status, last_event_seq=seq)
+
+    # --- scheduler hooks ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # no external KV: prefix hits are observed in allocate_slots
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.core is not None:
+            self.core.guard("build_connector_meta", self.core.pump)
+        return KvHintConnectorMetadata()
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        return False, None  # never delays the free: the plugin moves no data
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: Any) -> tuple[bool, dict | None]:
+        return self.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        if self.core is None:
+            return False
+        if self._stats.flush_due():
+            return True  # one step ships the figures an idle engine still holds
+        return bool(self.core.guard("has_pending_push_work", self.core.has_pending_work))
+
+    def take_events(self) -> tuple[()]:
+        return ()  # the plugin adds no events of its own to vLLM's stream
+
+    def get_kv_connector_stats(self) -> KvHintConnectorStats | None:
+        if self.core is None:
+            return None
+        stats = self.core.guard("get_kv_connector_stats", self._stats.take)
+        mailbox = self.core.mailbox
+        if mailbox is not None:  # the transport wakes an idle engine when it falls due
+            flush_at = self._stats.flush_at
+            mailbox.stats_flush_at = (
+                None if flush_at is None else time.time() + flush_at - time.monotonic())
+        return stats
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.stop()
+            self.transport = None
+        if self.core is not None:
+            self.core.detach()
+
+    def _read_stats(self) -> dict[str, Any]:
+        core = self.core
+        assert core is not None
+        ex, cc, holds = core.executor.counters, core.counters, core.executor.holds.counters
+        mailbox = core.mailbox
+        tc = self.transport.counters if self.transport is not None else None
+        latencies, cc.apply_latencies_s = cc.apply_latencies_s, []
+        out: dict[str, Any] = {
+            "outcomes_dropped": mailbox.counters.outcomes_dropped if mailbox else 0,
+            "events_dropped": mailbox.counters.events_dropped if mailbox else 0,
+            "inbound_dropped": mailbox.counters.inbound_dropped if mailbox else 0,
+            "events_published": tc.events_published if tc else 0,
+            "outcomes_published": tc.outcomes_published if tc else 0,
+            "retained_released_under_pressure": holds.released_under_pressure,
+            "retained_displaced": holds.displaced,
+            "claims_expired": holds.expired_claims,
+            "index_events": core.index.counters.events,
+            "internal_errors": cc.internal_errors,
+            "pinned_blocks": core.executor.pinned_blocks,
+            "retained_blocks": core.executor.retained_blocks,
+            "index_blocks": len(core.index),
+            "index_sessions": core.index.num_sessions,
+            "nats_connected": int(self.transport is not None and self.transport.connected),
+            HINTS_KEY: {f"{a}|{s}": n for (a, s), n in ex.outcomes.items()},
+            LATENCY_KEY: latencies,
+        }
+        return out
+
+    # --- vLLM's metrics plumbing (front-end process) --------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KvHintConnectorStats | None:
+        return KvHintConnectorStats(data=dict(data)) if data is not None else KvHintConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvHintPromMetrics:
+        return KvHintPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # --- worker side: no data moves ----------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

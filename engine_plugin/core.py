@@ -1,0 +1,361 @@
+"""PluginCore: the engine-side brain, everything that runs on the scheduler thread.
+
+It owns the SessionPrefixIndex, the HintExecutor and the vLLM adapter, and talks to the
+transport only through the :class:`~kvhint.engine_plugin.mailbox.Mailbox`. No threads,
+no NATS, no vLLM imports here: the connector calls it from vLLM's hooks, and the
+simulator calls it directly on a headless KVCacheManager with a virtual clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.executor import HintExecutor
+from kvhint.engine_plugin.host_tier import HostTier
+from kvhint.engine_plugin.mailbox import (
+    EventBatchOut,
+    Inbound,
+    Mailbox,
+    SnapshotOut,
+    peek_advice_id,
+)
+from kvhint.engine_plugin.session_index import (
+    Cleared,
+    Hit,
+    IndexEvent,
+    Removed,
+    SessionPrefixIndex,
+)
+from kvhint.engine_plugin.vllm_adapter import VllmCacheAdapter
+from kvhint.schemas import (
+    DONOR_ACTION_TYPE,
+    Budgets,
+    DecodedHints,
+    DonorAdvice,
+    HintOutcome,
+    OutcomeStatus,
+    Usage,
+    WireDecodeError,
+    WorkerStatus,
+    decode_advice,
+    decode_hints,
+    decode_snapshot_request,
+)
+from kvhint.schemas.hints import SUPPORTED_VERSIONS
+
+logger = logging.getLogger(LOGGER_NAME)
+
+# Inbound messages handled per scheduler step, so a flood of hints cannot stall a step.
+MAX_INBOUND_PER_STEP = 64
+STATUS_REFRESH_S = 0.25
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Who this engine is, as the router sees it (heartbeat, outcomes, namespaces)."""
+
+    worker_id: str
+    model: str = "unknown"
+    hash_algo: str = "sha256"
+    none_hash_seed: str | None = "vllm-none-hash"
+    data_parallel_rank: int = 0
+    epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    def cache_namespace(self, block_size: int) -> str:
+        """Blocks are comparable across workers only within one namespace."""
+        seed = self.none_hash_seed if self.none_hash_seed is not None else "secret"
+        return f"{self.model}|{self.hash_algo}|{seed}|bs{block_size}"
+
+
+@dataclass(slots=True)
+class CoreCounters:
+    event_batches: int = 0
+    events: int = 0
+    hits_observed: int = 0
+    hint_messages: int = 0
+    advice_messages: int = 0
+    snapshot_requests: int = 0
+    internal_errors: int = 0
+    # Seconds from a message's arrival at the transport to its outcomes (in the engine).
+    apply_latencies_s: list[float] = field(default_factory=list)
+
+
+class PluginCore:
+    """See the module docstring. Construct with :meth:`attach`."""
+
+    def __init__(self, adapter: VllmCacheAdapter, config: PluginConfig,
+                 identity: EngineIdentity, clock: Callable[[], float],
+                 mailbox: Mailbox | None = None, host_tier: HostTier | None = None) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.identity = identity
+        self.clock = clock
+        self.mailbox = mailbox
+        self.index = SessionPrefixIndex(config.max_sessions, config.max_frontiers_per_session)
+        self.executor = HintExecutor(adapter, self.index, config, identity.worker_id, clock,
+                                     host_tier)
+        self.counters = CoreCounters()
+        self.event_seq = 0
+        self.cache_namespace = identity.cache_namespace(adapter.block_size)
+        self._pending_hits: list[Hit] = []
+        self._status_at = 0.0
+        self._event_log: list[IndexEvent] | None = None
+        self._errors_logged: set[str] = set()
+
+    @classmethod
+    def attach(cls, kv_cache_manager: Any, config: PluginConfig | None = None, *,
+               clock: Callable[[], float] = time.time, identity: EngineIdentity | None = None,
+               mailbox: Mailbox | None = None, host_tier: HostTier | None = None
+               ) -> PluginCore:
+        """Bind to vLLM's KVCacheManager (installs the adapter's tees and wrappers)."""
+        config = config or PluginConfig()
+        identity = identity or EngineIdentity(worker_id=config.resolved_worker_id(0))
+        core = cls(VllmCacheAdapter(kv_cache_manager), config, identity, clock, mailbox,
+                   host_tier)
+        core.adapter.install(
+            core.guarded("take_events", core.on_engine_events),
+            core.guarded("reset_prefix_cache", core.before_reset),
+            core.guarded("allocate_slots", core.executor.relieve_pressure, default=0),
+            core.guarded("allocate_slots", core.observe_admission),
+            core.guarded("allocate_slots", lambda: core.executor.retained_blocks, default=0))
+        if core.adapter.events_enabled_by_plugin:
+            logger.info("kvhint: KV cache events were off; the plugin turned them on in the "
+                        "block pool (vLLM publishes them nowhere without --kv-events-config)")
+        return core
+
+    def detach(self) -> None:
+        self.adapter.uninstall()
+
+    def guard(self, hook: str, fn: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+        """Run plugin code called from inside vLLM: an exception is logged (once per
+        hook, with its traceback), counted, and never reaches the engine."""
+        try:
+            return fn(*args)
+        except Exception:  # a plugin bug must never take the engine down
+            self.counters.internal_errors += 1
+            if hook not in self._errors_logged:
+                self._errors_logged.add(hook)
+                logger.exception("kvhint: error in %s (logged once; the engine continues as "
+                                 "plain vLLM)", hook)
+            return default
+
+    def guarded(self, hook: str, fn: Callable[..., Any], default: Any = None
+                ) -> Callable[..., Any]:
+        return lambda *args: self.guard(hook, fn, *args, default=default)
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Swap the injected clock (tests, and the simulator's virtual time)."""
+        self.clock = clock
+        self.executor.clock = clock
+
+    def record_events(self, log: list[IndexEvent] | None) -> None:
+        """Append every event applied to the index, in order, to ``log`` (replay proofs)."""
+        self._event_log = log
+
+    # --- request lifecycle (scheduler hooks) ------------------------------------------------
+
+    def observe_admission(self, request: Any, num_local_hit_tokens: int) -> None:
+        """The request was admitted reusing ``num_local_hit_tokens`` cached tokens. The
+        adapter calls this from ``allocate_slots``; call it yourself only when admitting
+        requests without going through the manager's ``allocate_slots``."""
+        keys = self.adapter.hit_keys(request, num_local_hit_tokens)
+        session_id = self.adapter.session_id(request)
+        if keys and session_id is not None:
+            hit = Hit(session_id, tuple(keys))
+            self.counters.hits_observed += 1
+            if self.index.is_resident(keys[-1], None):
+                # Applied now, before this step's BlockStored events extend the same chain,
+                # so the session's frontier ends on the new leaf, not on the hit prefix.
+                self._apply_hits((hit,))
+            else:
+                # The hit is on blocks another request cached earlier in this very step;
+                # their BlockStored events arrive with this step's drain.
+                self._pending_hits.append(hit)
+
+    def observe_new_request(self, request: Any) -> None:
+        """Not needed any more (the adapter sees requests in ``allocate_slots`` and
+        ``free``); kept so callers of the first API keep working."""
+
+    def observe_finished(self, request: Any) -> None:
+        """Not needed any more; see :meth:`observe_new_request`."""
+
+    def sync(self) -> None:
+        """Drain the manager's events into the index (the scheduler does this every step
+        through the tee; the simulator calls it after driving the manager itself)."""
+        self.adapter.manager.take_events()
+        self._apply_pending_hits()
+
+    def on_engine_events(self, events: list[Any]) -> None:
+        """Every KV event the scheduler drains passes here (via the adapter's tee)."""
+        index, adapter, log = self.index, self.adapter, self._event_log
+        for event in adapter.index_events(events):
+            index.apply(event)
+            if log is not None:
+                log.append(event)
+            if isinstance(event, Removed):
+                adapter.forget([k for k in event.hashes if not index.is_resident(k, None)])
+            elif isinstance(event, Cleared):
+                adapter.forget_all()
+        self._apply_pending_hits()
+        self.counters.event_batches += 1
+        self.counters.events += len(events)
+        if self.mailbox is not None:
+            self.event_seq += 1
+            self.mailbox.put_events(EventBatchOut(self.event_seq, time.time(), events))
+
+    def before_reset(self) -> None:
+        """vLLM is about to reset its prefix cache: release our holds if they are all
+        that stands in the way (with running requests the reset fails anyway)."""
+        handles = self.executor.holds.handles()
+        if handles and self.adapter.only_held_blocks_in_use(handles):
+            released = self.executor.release_all()
+            logger.info("kvhint: released %d held blocks for a prefix-cache reset", released)
+
+    def _apply_pending_hits(self) -> None:
+        if self._pending_hits:
+            self._apply_hits(self._pending_hits)
+            self._pending_hits.clear()
+
+    def _apply_hits(self, hits: Sequence[Hit]) -> None:
+        for hit in hits:
+            self.index.apply(hit)
+        if self._event_log is not None:
+            self._event_log.extend(hits)
+
+    # --- hints --------------------------------------------------------------------------------
+
+    def apply_hints(self, message: bytes | str | DecodedHints) -> list[HintOutcome]:
+        decoded = message if isinstance(message, DecodedHints) else decode_hints(message)
+        self.counters.hint_messages += 1
+        return self.executor.apply(decoded)
+
+    def apply_advice(self, advice: bytes | str | DonorAdvice) -> HintOutcome:
+        self.counters.advice_messages += 1
+        if not isinstance(advice, DonorAdvice):
+            try:
+                advice = decode_advice(advice)
+            except WireDecodeError as exc:
+                return self._rejected_advice(advice, str(exc))
+        return self.executor.advise(advice, self.cache_namespace)
+
+    def advance(self) -> list[HintOutcome]:
+        """TTL expiry and deferred Prefetch completion at ``clock()``."""
+        return self.executor.advance()
+
+    def _rejected_advice(self, data: bytes | str, reason: str) -> HintOutcome:
+        advice_id = peek_advice_id(data)
+        outcome = HintOutcome(message_id=advice_id, action_id=advice_id,
+                              action_type=DONOR_ACTION_TYPE,
+                              worker_id=self.identity.worker_id,
+                              status=OutcomeStatus.REJECTED, reason=reason, at=self.clock())
+        self.executor.counters.outcomes[(DONOR_ACTION_TYPE, "rejected")] += 1
+        return outcome
+
+    # --- the engine loop (connector) ------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Once per scheduler step: handle inbound messages, expire TTLs, refresh status."""
+        self._apply_pending_hits()
+        mailbox = self.mailbox
+        if mailbox is not None:
+            mailbox.last_engine_activity = time.monotonic()
+            handled = 0
+            while handled < MAX_INBOUND_PER_STEP and (item := mailbox.take()) is not None:
+                handled += 1
+                mailbox.put_outcomes(self._handle(item))
+        outcomes = self.executor.advance()
+        if mailbox is not None:
+            mailbox.put_outcomes(outcomes)
+            now = time.monotonic()
+            mailbox.next_deadline = self.executor.next_deadline()
+            if now - self._status_at >= STATUS_REFRESH_S:
+                self._status_at = now
+                self.refresh_status()
+
+    def refresh_status(self) -> None:
+        """Hand the transport the figures its heartbeat reports (scheduler thread)."""
+        if self.mailbox is not None:
+            self.mailbox.status = {"usage": self.status_usage(), "seq": self.event_seq}
+
+    def _handle(self, item: Inbound) -> list[HintOutcome]:
+        if item.kind == "hints":
+            outcomes = self.apply_hints(item.data)
+        elif item.kind == "advice":
+            outcomes = [self.apply_advice(item.data)]
+        elif item.kind == "snapshot":
+            self._snapshot(item)
+            return []
+        else:
+            raise ValueError(f"unknown inbound kind {item.kind!r}")
+        latencies = self.counters.apply_latencies_s
+        if len(latencies) < 10_000:
+            latencies.append(time.monotonic() - item.received_at)
+        return outcomes
+
+    def _snapshot(self, item: Inbound) -> None:
+        self.counters.snapshot_requests += 1
+        assert self.mailbox is not None
+        try:
+            request = decode_snapshot_request(item.data)
+        except WireDecodeError as exc:
+            self.mailbox.put_snapshot(SnapshotOut(self.event_seq, [], [], item.reply_to, -1,
+                                                  0, error=str(exc)))
+            return
+        self.mailbox.put_snapshot(SnapshotOut(
+            self.event_seq, self.index.snapshot_raw(), self.index.snapshot_sessions(),
+            item.reply_to, request.cursor, request.limit))
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine should run a step even with no request (a hint is waiting,
+        or a TTL / deadline is due)."""
+        if self.mailbox is not None and self.mailbox.inbound:
+            return True
+        deadline = self.executor.next_deadline()
+        return deadline is not None and self.clock() >= deadline
+
+    # --- status ---------------------------------------------------------------------------------
+
+    def budgets(self) -> Budgets:
+        return Budgets(max_pinned_blocks=self.executor.max_pinned_blocks,
+                       max_pin_ttl_s=self.config.max_pin_ttl_s,
+                       max_retained_blocks=self.executor.max_retained_blocks,
+                       max_retain_ttl_s=self.config.max_retain_ttl_s)
+
+    def status_usage(self) -> Usage:
+        adapter = self.adapter
+        total = adapter.num_blocks
+        free = adapter.num_free_blocks
+        return Usage(gpu_blocks_total=total, gpu_blocks_free=free,
+                     kv_usage=round(1.0 - free / total, 6) if total else 0.0,
+                     pinned_blocks=self.executor.pinned_blocks,
+                     retained_blocks=self.executor.retained_blocks,
+                     indexed_blocks=len(self.index), sessions=self.index.num_sessions,
+                     active_requests=adapter.num_live_requests,
+                     pending_hints=(len(self.mailbox.inbound) if self.mailbox else 0)
+                     + self.executor.pending_actions)
+
+    def worker_status(self, usage: Usage | None = None, interval_s: float | None = None
+                      ) -> WorkerStatus:
+        ident = self.identity
+        return WorkerStatus(
+            worker_id=ident.worker_id, epoch=ident.epoch, model=ident.model,
+            cache_namespace=self.cache_namespace, block_size=self.adapter.block_size,
+            hash_algo=ident.hash_algo, none_hash_seed=ident.none_hash_seed,
+            data_parallel_rank=ident.data_parallel_rank,
+            supported_actions=self.supported_actions(),
+            host_tier=self.executor.host_tier is not None, budgets=self.budgets(),
+            usage=usage or self.status_usage(), last_event_seq=self.event_seq,
+            interval_s=interval_s or self.config.heartbeat_interval_s, at=time.time(),
+            http_url=self.config.http_url)
+
+    def supported_actions(self) -> dict[str, list[str]]:
+        """What this worker applies (Demote and Share need a host tier)."""
+        skip = {"kv.share"} if self.executor.host_tier is not None else {"kv.share", "kv.demote"}
+        return {action: list(versions) for action, versions in SUPPORTED_VERSIONS.items()
+                if action not in skip}

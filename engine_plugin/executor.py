@@ -1,0 +1,397 @@
+"""HintExecutor: applies parsed hints to one engine's block cache and answers outcomes.
+
+Synchronous and single-threaded (the scheduler thread, or the simulator); time comes from
+an injected clock. It knows vLLM only through the :class:`BlockCache` port, which the
+vLLM adapter implements over the real BlockPool.
+
+Semantics (DESIGN §2, issue 3):
+- every action gets exactly one terminal outcome; Prefetch may send ``deferred`` first;
+  actions are idempotent by ``action_id`` (a duplicate gets the latest outcome again).
+- a block is *held* (one extra reference in the pool, out of the free queue) while it has
+  at least one claim. Pin claims are hard until their TTL; retain claims are soft: they
+  are dropped whenever the engine needs the memory (:meth:`relieve_pressure`), lowest
+  priority first, then least recently hinted, leaf first, so retention never causes an
+  allocation failure or a preemption that plain vLLM would not have. A block under several
+  retains has the highest of their priorities.
+- a Pin, Retain or (applied) Demote whose target is a session supersedes that session's
+  earlier Pin and Retain claims on this worker: the old claims are dropped first, so
+  priority and TTL are replaced, not combined. ``Retain{priority: 0}`` therefore releases
+  a session: it holds nothing, and the free blocks that only this session used move to the
+  head of the eviction order (leaf first), so an ended session goes before live ones.
+- pins are clipped to a block budget and a max TTL; retains to their own budget, where a
+  higher-priority retain displaces lower-priority retained blocks.
+- Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
+  backend) Demote and Share are rejected with that reason, and Prefetch succeeds only for
+  blocks already in G1 (waiting, ``deferred``, until the deadline for the others).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.engine_plugin.holds import BlockCache, BlockHandle, HoldLedger
+from kvhint.engine_plugin.host_tier import HostTier
+from kvhint.engine_plugin.session_index import SessionPrefixIndex
+from kvhint.schemas import (
+    DONOR_ACTION_TYPE,
+    ActionType,
+    Amount,
+    DecodedHints,
+    DemotePayload,
+    DonorAdvice,
+    HintOutcome,
+    InvalidAction,
+    OutcomeStatus,
+    ParsedAction,
+    PinPayload,
+    PrefetchPayload,
+    RetainPayload,
+    SharePayload,
+    Target,
+)
+
+ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
+REJECTED, MISSING = OutcomeStatus.REJECTED, OutcomeStatus.MISSING
+
+NO_HOST_TIER = ("no host tier on this worker (vLLM's offloading connectors need CUDA; the CPU "
+                "backend keeps KV in one tier)")
+@dataclass(slots=True)
+class _PendingPrefetch:
+    message_id: str
+    keys: list[int]
+    requested: Amount
+    deadline: float
+
+
+@dataclass(slots=True)
+class ExecutorCounters:
+    outcomes: Counter = field(default_factory=Counter)  # (action_type, status) -> n
+    duplicates: int = 0
+
+
+class HintExecutor:
+    """Applies hints against a :class:`BlockCache`; see the module docstring."""
+
+    def __init__(self, cache: BlockCache, index: SessionPrefixIndex, config: PluginConfig,
+                 worker_id: str, clock: Callable[[], float],
+                 host_tier: HostTier | None = None) -> None:
+        self.cache = cache
+        self.index = index
+        self.config = config
+        self.worker_id = worker_id
+        self.clock = clock
+        self.host_tier = host_tier
+        self.holds = HoldLedger(cache, config.pin_budget_blocks(cache.num_blocks),
+                                config.retain_budget_blocks(cache.num_blocks))
+        self.counters = ExecutorCounters()
+        self._pending: dict[str, _PendingPrefetch] = {}
+        self._memory: OrderedDict[tuple[str, str], HintOutcome] = OrderedDict()
+
+    # --- public API -----------------------------------------------------------------------
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        return self.holds.max_pinned
+
+    @property
+    def max_retained_blocks(self) -> int:
+        return self.holds.max_retained
+
+    @property
+    def pinned_blocks(self) -> int:
+        return self.holds.pinned
+
+    @property
+    def retained_blocks(self) -> int:
+        return self.holds.retained
+
+    @property
+    def pending_actions(self) -> int:
+        return len(self._pending)
+
+    def apply(self, decoded: DecodedHints) -> list[HintOutcome]:
+        """Apply one hints message; one outcome per action (or one for a message that
+        names no action at all)."""
+        if not decoded.actions:
+            reason = (f"malformed hints message: {decoded.error}" if decoded.error
+                      else "hints message has no actions")
+            outcome = self._outcome(decoded.message_id, "", "", REJECTED, reason)
+            self.counters.outcomes[("", REJECTED.value)] += 1
+            return [outcome]
+        return [self.submit(decoded.message_id, action) for action in decoded.actions]
+
+    def submit(self, message_id: str, action: ParsedAction | InvalidAction) -> HintOutcome:
+        """Apply one action and return its outcome (the remembered one for a duplicate)."""
+        key = ("hint", action.action_id)
+        if action.action_id and key in self._memory:
+            self.counters.duplicates += 1
+            self._memory.move_to_end(key)
+            return self._memory[key]
+        if isinstance(action, InvalidAction):
+            outcome = self._outcome(message_id, action.action_id, action.action_type,
+                                    REJECTED, action.reason)
+        else:
+            outcome = self._dispatch(message_id, action)
+        self._remember(key, outcome)
+        return outcome
+
+    def advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
+        """Check a donor's residency (and retain it for ``ttl_s``); answer ``kv.donor``."""
+        key = ("donor", advice.advice_id)
+        if key in self._memory:
+            self.counters.duplicates += 1
+            return self._memory[key]
+        outcome = self._advise(advice, namespace)
+        self._remember(key, outcome)
+        return outcome
+
+    def advance(self) -> list[HintOutcome]:
+        """Expire claims whose TTL passed and settle deferred Prefetches at ``clock()``;
+        returns the terminal outcomes of those Prefetches."""
+        now = self.clock()
+        self.holds.expire(now)
+        return self._settle_prefetches(now) if self._pending else []
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`advance` next has work (a claim expiry or a Prefetch deadline)."""
+        times = [p.deadline for p in self._pending.values()]
+        expiry = self.holds.next_expiry()
+        if expiry is not None:
+            times.append(expiry)
+        return min(times) if times else None
+
+    def relieve_pressure(self, num_blocks: int) -> int:
+        """The engine cannot allocate: release up to ``num_blocks`` retained blocks."""
+        return self.holds.relieve(num_blocks)
+
+    def release_all(self) -> int:
+        """Give every held block back (before vLLM resets its prefix cache)."""
+        return self.holds.release_all()
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    def _dispatch(self, message_id: str, action: ParsedAction) -> HintOutcome:
+        payload = action.payload
+        action_id, type_ = action.action_id, action.action_type.value
+
+        def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),
+                   applied: Amount = Amount()) -> HintOutcome:
+            return self._outcome(message_id, action_id, type_, status, reason, requested,
+                                 applied)
+
+        if payload.expires_at is not None and self.clock() > payload.expires_at:
+            return answer(REJECTED, f"expired: expires_at {payload.expires_at:.3f} has passed")
+        if isinstance(payload, SharePayload):
+            if payload.destination_worker == self.worker_id:
+                return answer(REJECTED, "share destination is this worker")
+            return answer(REJECTED, "share needs a tier both workers can read and none is "
+                                    "configured here; nothing changed")
+        if isinstance(payload, DemotePayload) and self.host_tier is None:
+            return answer(REJECTED, f"demote needs a host tier: {NO_HOST_TIER}; nothing changed")
+        resolved = self._resolve(payload.target)
+        if isinstance(resolved, tuple):
+            keys, requested_blocks = resolved
+        else:
+            return answer(resolved[0], resolved[1])
+        requested = self._amount(requested_blocks)
+        handles = [h for h in map(self.cache.lookup, keys) if h is not None]
+        if isinstance(payload, PrefetchPayload):
+            return self._prefetch(message_id, action_id, payload, keys, handles, requested)
+        scope = payload.target.session_id
+        if not handles:
+            return answer(MISSING, "no target block is resident", requested)
+        notes = []
+        if len(handles) < requested_blocks:
+            notes.append(f"{len(handles)} of {requested_blocks} target blocks resident")
+        if isinstance(payload, DemotePayload):
+            return self._demote(answer, scope, handles, requested, notes)
+        if scope is not None:
+            self.holds.supersede(scope)
+        if isinstance(payload, PinPayload):
+            applied = self._pin(action_id, payload.ttl_s, handles, notes, scope)
+        elif isinstance(payload, RetainPayload):
+            if payload.priority == 0:
+                moved = self._evict_first_exclusive(scope)
+                notes.append(f"priority 0: released; {moved} free blocks only this session "
+                             "used now go first")
+                return answer(ACCEPTED, "; ".join(notes), requested, self._amount(len(handles)))
+            applied = self._retain(action_id, payload.priority, payload.ttl_s, handles, notes,
+                                   scope)
+        else:  # pragma: no cover - every payload type is handled above
+            raise TypeError(type(payload))
+        return answer(ACCEPTED if not notes else CLIPPED, "; ".join(notes), requested,
+                      self._amount(applied))
+
+    def _resolve(self, target: Target) -> tuple[list[int], int] | list:
+        """Target -> (hashes root first, number of blocks asked for), or
+        ``[status, reason]`` when it cannot name any block here."""
+        if target.block_hashes is not None:
+            keys = list(dict.fromkeys(target.block_hashes))
+            return keys, len(keys)
+        session_id = target.session_id
+        assert session_id is not None  # Target.problem() guarantees one of the forms
+        if not self.index.has_session(session_id):
+            return [MISSING, f"session {session_id!r} has no resident blocks here"]
+        if target.prefix_tokens is not None:
+            num = target.prefix_tokens // self.cache.block_size
+            if num == 0:
+                return [REJECTED, f"prefix_tokens {target.prefix_tokens} is less than one "
+                                  f"block ({self.cache.block_size} tokens)"]
+            return self.index.session_prefix(session_id, num), num
+        keys = self.index.session_blocks(session_id)
+        return keys, len(keys)
+
+    # --- pin / retain / demote ------------------------------------------------------------------
+
+    def _pin(self, action_id: str, ttl: float, handles: list[BlockHandle], notes: list[str],
+             scope: str | None) -> int:
+        if ttl > self.config.max_pin_ttl_s:
+            ttl = self.config.max_pin_ttl_s
+            notes.append(f"ttl clipped to max_pin_ttl_s={ttl:g}")
+        applied, note = self.holds.pin(action_id, handles, self.clock() + ttl, scope)
+        if note:
+            notes.append(note)
+        return applied
+
+    def _retain(self, action_id: str, priority: int, ttl_s: float | None,
+                handles: list[BlockHandle], notes: list[str], scope: str | None) -> int:
+        ttl = ttl_s if ttl_s is not None else self.config.max_retain_ttl_s
+        if ttl > self.config.max_retain_ttl_s:
+            ttl = self.config.max_retain_ttl_s
+            notes.append(f"ttl clipped to max_retain_ttl_s={ttl:g}")
+        applied, note = self.holds.retain(action_id, priority, handles, self.clock() + ttl,
+                                          scope)
+        if note:
+            notes.append(note)
+        return applied
+
+    def _evict_first_exclusive(self, session_id: str | None) -> int:
+        """Move the free blocks no other session or claim uses to the head of the eviction
+        order: a released (ended, abandoned) session is the cheapest thing to lose."""
+        if session_id is None:
+            return 0
+        handles = [h for h in map(self.cache.lookup, self.index.exclusive_blocks(session_id))
+                   if h is not None and not self.holds.is_held(h.block_id)]
+        return self.cache.evict_first(handles)
+
+    def _demote(self, answer: Callable[..., HintOutcome], scope: str | None,
+                handles: list[BlockHandle], requested: Amount, notes: list[str]
+                ) -> HintOutcome:
+        assert self.host_tier is not None
+        if scope is not None:
+            self.holds.supersede(scope)
+        stored = self.host_tier.store([h.key for h in handles])
+        # The GPU copies go first: drop our retains on them, then move them to the head.
+        self.holds.unretain(handles)
+        self.cache.evict_first(handles)
+        if stored < len(handles):
+            notes.append(f"host tier kept {stored} of {len(handles)} resident blocks")
+        status = ACCEPTED if not notes else (CLIPPED if stored else REJECTED)
+        return answer(status, "; ".join(notes), requested, self._amount(stored))
+
+    # --- prefetch / donor -------------------------------------------------------------------
+
+    def _prefetch(self, message_id: str, action_id: str, payload: PrefetchPayload,
+                  keys: list[int], handles: list[BlockHandle], requested: Amount
+                  ) -> HintOutcome:
+        type_ = ActionType.PREFETCH.value
+        if requested.blocks and len(handles) >= requested.blocks:
+            self._retain_until(action_id, handles, payload.deadline_s)
+            return self._outcome(message_id, action_id, type_, ACCEPTED,
+                                 "already resident in G1; retained until the deadline",
+                                 requested, self._amount(len(handles)))
+        self._pending[action_id] = _PendingPrefetch(
+            message_id, keys, requested, self.clock() + payload.deadline_s)
+        if self.host_tier is None:
+            source = f"{NO_HOST_TIER} to load from"
+        else:
+            in_host = sum(1 for k in keys if self.host_tier.contains(k))
+            source = f"{in_host} in the host tier, which vLLM loads only when a request is admitted"
+        return self._outcome(
+            message_id, action_id, type_, DEFERRED,
+            f"{len(handles)} of {requested.blocks} blocks in G1; {source}; the rest arrive "
+            "only with a request, so the final outcome comes then or at the deadline",
+            requested, self._amount(len(handles)))
+
+    def _settle_prefetches(self, now: float) -> list[HintOutcome]:
+        done: list[HintOutcome] = []
+        type_ = ActionType.PREFETCH.value
+        for action_id, pending in list(self._pending.items()):
+            handles = [h for h in map(self.cache.lookup, pending.keys) if h is not None]
+            complete = bool(pending.keys) and len(handles) >= pending.requested.blocks
+            if not complete and now < pending.deadline:
+                continue
+            del self._pending[action_id]
+            if complete:
+                self._retain_until(action_id, handles, pending.deadline - now)
+                outcome = self._outcome(pending.message_id, action_id, type_, ACCEPTED,
+                                        "blocks became resident in G1 before the deadline",
+                                        pending.requested, self._amount(len(handles)))
+            elif handles:
+                outcome = self._outcome(
+                    pending.message_id, action_id, type_, CLIPPED,
+                    f"deadline passed with {len(handles)} of {pending.requested.blocks} "
+                    "blocks in G1", pending.requested, self._amount(len(handles)))
+            else:
+                outcome = self._outcome(pending.message_id, action_id, type_, MISSING,
+                                        "deadline passed with no target block in G1",
+                                        pending.requested)
+            self._remember(("hint", action_id), outcome)
+            done.append(outcome)
+        return done
+
+    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> None:
+        if ttl_s > 0:
+            self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles, [],
+                         None)
+
+    def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
+        def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),
+                   applied: Amount = Amount()) -> HintOutcome:
+            return self._outcome(advice.advice_id, advice.advice_id, DONOR_ACTION_TYPE,
+                                 status, reason, requested, applied)
+
+        problem = advice.problem()
+        if problem is not None:
+            return answer(REJECTED, problem)
+        if advice.namespace != namespace:
+            return answer(REJECTED, f"namespace {advice.namespace!r} is not this worker's "
+                                    f"({namespace!r})")
+        keys = list(dict.fromkeys(advice.donor_block_hashes))
+        requested = self._amount(len(keys))
+        handles = [h for h in map(self.cache.lookup, keys) if h is not None]
+        if not handles:
+            return answer(MISSING, "no donor block is resident", requested)
+        notes = []
+        if len(handles) < len(keys):
+            notes.append(f"{len(handles)} of {len(keys)} donor blocks resident")
+        if self.config.donor_retain:
+            retained = self._retain(advice.advice_id, self.config.donor_retain_priority,
+                                    advice.ttl_s, handles, [], None)
+            notes.append(f"{retained} donor blocks retained for {advice.ttl_s:g}s")
+        status = CLIPPED if len(handles) < len(keys) else ACCEPTED
+        return answer(status, "; ".join(notes), requested, self._amount(len(handles)))
+
+    # --- outcomes ---------------------------------------------------------------------------
+
+    def _amount(self, blocks: int) -> Amount:
+        return Amount(blocks=blocks, tokens=blocks * self.cache.block_size)
+
+    def _outcome(self, message_id: str, action_id: str, action_type: str,
+                 status: OutcomeStatus, reason: str, requested: Amount = Amount(),
+                 applied: Amount = Amount()) -> HintOutcome:
+        return HintOutcome(message_id=message_id, action_id=action_id, action_type=action_type,
+                           worker_id=self.worker_id, status=status, reason=reason,
+                           requested=requested, applied=applied, at=self.clock())
+
+    def _remember(self, key: tuple[str, str], outcome: HintOutcome) -> None:
+        self.counters.outcomes[(outcome.action_type, outcome.status.value)] += 1
+        if not key[1]:
+            return
+        self._memory[key] = outcome
+        self._memory.move_to_end(key)
+        while len(self._memory) > self.config.max_remembered_actions:
+            self._memory.popitem(last=False)

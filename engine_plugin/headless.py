@@ -1,0 +1,333 @@
+"""vLLM's real scheduler-side objects on the CPU, without a model (tests and simulator).
+
+Two builders:
+- :func:`build_kv_cache_manager`: vLLM's own ``KVCacheManager``/``BlockPool`` with prefix
+  caching and KV events on, nothing else (no VllmConfig, no Scheduler): fast enough to
+  replay hour-long traces. :class:`HeadlessCache` drives it the way the scheduler does
+  (``get_computed_blocks`` + ``allocate_slots`` + ``free``).
+- :func:`build_scheduler`: vLLM's real ``Scheduler`` (and its manager) from a
+  ``config.json``-only model folder (``skip_tokenizer_init``, ``HF_HUB_OFFLINE``,
+  ``DeviceConfig("cpu")``, events on with the ``null`` publisher), optionally with a KV
+  connector loaded by module path; :class:`HeadlessScheduler` steps it with fabricated
+  model outputs (one sampled token per request that finished its prefill).
+
+This module constructs vLLM objects for tests and the simulator only; the plugin that runs
+inside vLLM touches vLLM internals only in :mod:`kvhint.engine_plugin.vllm_adapter`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# A Llama shape the CPU backend accepts (head_dim 64); only config.json is written.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "max_position_embeddings": 1 << 20,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_NUM_LAYERS, _NUM_KV_HEADS, _HEAD_DIM = 2, 4, 64
+
+
+def config_only_model_dir(root: Path | None = None) -> Path:
+    """A folder holding just ``config.json`` (enough for vLLM's ModelConfig)."""
+    root = root or Path(os.environ.get("KVHINT_HEADLESS_DIR",
+                                       Path(tempfile.gettempdir()) / "kvhint-headless"))
+    model_dir = root / "config-only-llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / "config.json"
+    text = json.dumps(MODEL_CONFIG, indent=1, sort_keys=True)
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return model_dir
+
+
+def tokens_for_block_ids(block_ids: Sequence[int], block_size: int,
+                         vocab_size: int = 1 << 30) -> list[int]:
+    """Token ids whose vLLM block hashes chain like ``block_ids`` (e.g. Mooncake
+    ``hash_ids``): block i is ``block_size`` copies of a token derived from its id, and
+    vLLM's hash already chains over the parent, so equal id prefixes give equal hash
+    prefixes and different ids give different hashes."""
+    out: list[int] = []
+    for block_id in block_ids:
+        out.extend([block_id % vocab_size] * block_size)
+    return out
+
+
+def _request_factory(block_hasher: Callable[[Any], Any]) -> Callable[..., Any]:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    counter = itertools.count(1)
+
+    def make_request(prompt_token_ids: Sequence[int], *, session_id: str | None = None,
+                     request_id: str | None = None, max_tokens: int = 1,
+                     extra_args: Mapping[str, Any] | None = None) -> Any:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                extra_args=dict(extra_args) if extra_args else None)
+        return Request(request_id=request_id or f"req-{next(counter)}",
+                       prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                       pooling_params=None, block_hasher=block_hasher, session_id=session_id)
+
+    return make_request
+
+
+def _block_hasher(block_size: int, hash_algo: str = "sha256") -> Callable[[Any], Any]:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    init_none_hash(hash_fn)  # before any Request computes block hashes
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+def _full_attention_spec(block_size: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=_NUM_KV_HEADS,
+                             head_size=_HEAD_DIM, dtype=torch.float32)
+
+
+# --- the manager alone ------------------------------------------------------------------------
+
+@dataclass
+class HeadlessCache:
+    """vLLM's KVCacheManager driven directly, the way the scheduler drives it."""
+
+    manager: Any
+    block_size: int
+    make_request: Callable[..., Any]
+
+    @property
+    def block_pool(self) -> Any:
+        return self.manager.block_pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+    def lookup_hit_tokens(self, request: Any) -> int:
+        """Tokens of the request's prompt found in the prefix cache (no side effects)."""
+        _, num_tokens, _ = self.manager.get_computed_blocks(request)
+        return num_tokens
+
+    def admit(self, request: Any) -> int | None:
+        """Allocate and cache the whole prompt; returns the prefix-hit tokens, or None
+        when it does not fit (nothing changes then)."""
+        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
+        new = self.manager.allocate_slots(request, request.num_tokens - num_hit,
+                                          num_new_computed_tokens=num_hit,
+                                          new_computed_blocks=blocks)
+        if new is None:
+            return None
+        request.num_computed_tokens = request.num_tokens
+        return num_hit
+
+    def append_tokens(self, request: Any, token_ids: Sequence[int]) -> bool:
+        """Decode: append output tokens, allocate and cache their blocks."""
+        ok = True
+        for token in token_ids:
+            request.append_output_token_ids(token)
+            if self.manager.allocate_slots(request, 1) is None:
+                ok = False
+                break
+            request.num_computed_tokens = request.num_tokens
+        return ok
+
+    def finish(self, request: Any) -> None:
+        self.manager.free(request)
+
+
+def build_kv_cache_manager(block_size: int = 512, num_blocks: int = 5_000, *,
+                           max_model_len: int | None = None, hash_algo: str = "sha256",
+                           enable_events: bool = True) -> HeadlessCache:
+    """vLLM's real KVCacheManager + BlockPool (prefix caching on). ``num_blocks`` usable
+    blocks (vLLM adds its null block)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    spec = _full_attention_spec(block_size)
+    total = num_blocks + 1  # block 0 is vLLM's null block
+    config = KVCacheConfig(
+        num_blocks=total, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"
+                                           for i in range(_NUM_LAYERS)], spec)])
+    config.hash_block_size = block_size
+    manager = KVCacheManager(
+        kv_cache_config=config,
+        max_model_len=max_model_len or num_blocks * block_size,
+        scheduler_block_size=block_size, hash_block_size=block_size,
+        enable_caching=True, log_stats=False, enable_kv_cache_events=enable_events)
+    return HeadlessCache(manager, block_size, _request_factory(_block_hasher(block_size,
+                                                                            hash_algo)))
+
+
+# --- the scheduler ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HeadlessSchedulerSpec:
+    block_size: int = 32
+    num_blocks: int = 64  # including vLLM's null block, as --num-gpu-blocks-override
+    max_model_len: int | None = None  # default: what the cache can hold, at most 8192
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    connector_module: str | None = None  # e.g. "kvhint.engine_plugin.connector"
+    connector_class: str = "KvHintConnector"
+    connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    log_stats: bool = True
+    model_dir: Path | None = None
+
+
+@dataclass
+class HeadlessScheduler:
+    scheduler: Any
+    vllm_config: Any
+    make_request: Callable[..., Any]
+    steps: int = 0
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def block_pool(self) -> Any:
+        return self.scheduler.kv_cache_manager.block_pool
+
+    def add(self, request: Any) -> Any:
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, after_schedule: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+        """One schedule() + update_from_output() with a fabricated model output;
+        ``after_schedule(scheduler_output)`` runs in between (e.g. to read a request's
+        ``prefill_stats``, which vLLM clears when the request finishes)."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        scheduler = self.scheduler
+        out = scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule(out)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            req = scheduler.requests[req_id]
+            # After schedule(), num_computed_tokens includes this step's tokens; a
+            # partial prefill chunk samples nothing, as in the real model runner.
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([7 + len(req.output_token_ids) % 100] if done else [])
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            # A real runner with a connector always attaches one; without it the
+            # scheduler never calls connector.update_connector_output().
+            kv_connector_output=KVConnectorOutput())
+        engine_outputs = scheduler.update_from_output(out, output)
+        self.steps += 1
+        return out, engine_outputs
+
+    def run_until_done(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.scheduler.has_requests() and steps < max_steps:
+            self.step()
+            steps += 1
+        return steps
+
+    def run(self, request: Any) -> Any:
+        """Add one request and step until the scheduler is idle; returns the request."""
+        self.add(request)
+        self.run_until_done()
+        return request
+
+
+def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> HeadlessScheduler:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_dir = str(spec.model_dir or config_only_model_dir())
+    # The cache must hold one max_model_len request: (num_blocks - 1) * block_size.
+    max_model_len = spec.max_model_len or min(8192, (spec.num_blocks - 1) * spec.block_size)
+    transfer = None
+    if spec.connector_module is not None:
+        transfer = KVTransferConfig(kv_connector=spec.connector_class,
+                                    kv_connector_module_path=spec.connector_module,
+                                    kv_role="kv_both",
+                                    kv_connector_extra_config=dict(spec.connector_extra_config))
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
+                                 dtype="float32", max_model_len=max_model_len, seed=0),
+        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=True,
+                                 prefix_caching_hash_algo="sha256",
+                                 num_gpu_blocks_override=spec.num_blocks),
+        scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,
+                                         max_num_batched_tokens=max(spec.max_num_batched_tokens,
+                                                                    spec.block_size),
+                                         max_model_len=max_model_len,
+                                         is_encoder_decoder=False, enable_chunked_prefill=True,
+                                         async_scheduling=False),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )
+    # What EngineCore._initialize_kv_caches does with the workers' layer specs; the CPU
+    # attention backend's layout is LBHNC. num_gpu_blocks_override fixes the block count.
+    attention = _full_attention_spec(spec.block_size)
+    layer_specs = {f"model.layers.{i}.self_attn.attn": attention for i in range(_NUM_LAYERS)}
+    memory = attention.page_size_bytes * _NUM_LAYERS * (spec.num_blocks + 1)
+    resolve_kv_cache_layout(vllm_config, [["LBHNC"]], list(layer_specs.values()))
+    kv_cache_config = generate_scheduler_kv_cache_config(
+        get_kv_cache_configs(vllm_config, [layer_specs], [memory]))
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config,
+                                                                         vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    hasher = _block_hasher(hash_block_size)
+    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                          structured_output_manager=StructuredOutputManager(vllm_config),
+                          block_size=scheduler_block_size, hash_block_size=hash_block_size,
+                          include_finished_set=False, log_stats=spec.log_stats)
+    return HeadlessScheduler(scheduler, vllm_config, _request_factory(hasher))

@@ -1,0 +1,333 @@
+"""HoldLedger: which blocks the plugin holds in the engine's pool, for which actions.
+
+A block is *held* (one extra reference in vLLM's BlockPool, so it is out of the free queue
+and cannot be evicted) while at least one *claim* covers it. A claim is one action's hold
+on its blocks, ending at its expiry:
+- pin claims are hard until their expiry, within ``max_pinned_blocks``;
+- retain claims are soft: :meth:`HoldLedger.relieve` drops them whenever the engine needs
+  the memory, lowest priority first, then least recently claimed, then leaf first. A
+  block under several retains has the highest of their priorities. Re-prioritising is a
+  heap push (stale entries are skipped lazily), never a re-sort.
+- claims made for a session (``scope``) can be dropped together (:meth:`supersede`).
+
+Counts: ``pinned`` = holds with a pin claim; ``retained`` = holds with retain claims and
+no pin claim. Single-threaded (the scheduler thread).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+PIN, RETAIN = "pin", "retain"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHandle:
+    """A resident block as the cache port sees it. ``block_id`` is stable while held;
+    ``depth`` is the block's position in its chain (0 = root), for leaf-first release;
+    ``blocks`` are the engine's block objects (one per KV cache group)."""
+
+    key: int
+    block_id: int
+    depth: int
+    blocks: tuple[object, ...]
+
+
+class BlockCache(Protocol):
+    """What the plugin needs from the engine's block pool (scheduler thread only)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def lookup(self, key: int) -> BlockHandle | None:
+        """The block cached under hash ``key`` now, or None when it is not resident."""
+
+    def hold(self, handles: Sequence[BlockHandle]) -> None:
+        """Take one reference on each block (it leaves the free queue)."""
+
+    def release(self, handles: Sequence[BlockHandle]) -> None:
+        """Give the references back; ``handles`` in eviction order (first evicted first)."""
+
+    def evict_first(self, handles: Sequence[BlockHandle]) -> int:
+        """Move these blocks, where free, to the head of the eviction order, deepest
+        first (whatever order they come in); returns how many moved."""
+
+
+@dataclass(slots=True)
+class _Hold:
+    handle: BlockHandle
+    pins: dict[str, float] = field(default_factory=dict)  # action id -> expiry
+    retains: dict[str, int] = field(default_factory=dict)  # action id -> priority
+    version: int = 0
+    touched: int = 0  # sequence number of the latest retain claim (LRU among equals)
+
+
+@dataclass(slots=True)
+class _Claim:
+    kind: str
+    block_ids: set[int]
+    expiry: float
+    scope: str | None  # the session a session-targeted action was about
+
+
+@dataclass(slots=True)
+class HoldCounters:
+    released_under_pressure: int = 0
+    displaced: int = 0
+    released_on_reset: int = 0
+    expired_claims: int = 0
+    superseded_claims: int = 0
+
+
+class HoldLedger:
+    def __init__(self, cache: BlockCache, max_pinned: int, max_retained: int) -> None:
+        self.cache = cache
+        self.max_pinned = max_pinned
+        self.max_retained = max_retained
+        self.counters = HoldCounters()
+        self._holds: dict[int, _Hold] = {}
+        self._claims: dict[str, _Claim] = {}
+        self._by_scope: dict[str, set[str]] = {}
+        self._pinned = 0
+        self._retained = 0
+        self._expiry_heap: list[tuple[float, int, str]] = []
+        # (priority, touched, -depth, block_id, version): what relieve() drops first.
+        self._pressure_heap: list[tuple[int, int, int, int, int]] = []
+        self._seq = itertools.count(1)
+
+    @property
+    def pinned(self) -> int:
+        return self._pinned
+
+    @property
+    def retained(self) -> int:
+        return self._retained
+
+    def is_pinned(self, block_id: int) -> bool:
+        hold = self._holds.get(block_id)
+        return hold is not None and bool(hold.pins)
+
+    def is_held(self, block_id: int) -> bool:
+        return block_id in self._holds
+
+    def handles(self) -> list[BlockHandle]:
+        return [h.handle for h in self._holds.values()]
+
+    def keys(self) -> dict[str, list[int]]:
+        pinned = [h.handle.key for h in self._holds.values() if h.pins]
+        retained = [h.handle.key for h in self._holds.values() if not h.pins and h.retains]
+        return {"pinned": pinned, "retained": retained}
+
+    def next_expiry(self) -> float | None:
+        return self._expiry_heap[0][0] if self._expiry_heap else None
+
+    # --- claims ---------------------------------------------------------------------------
+
+    def pin(self, action_id: str, handles: list[BlockHandle], expiry: float,
+            scope: str | None) -> tuple[int, str | None]:
+        """Pin ``handles`` (root-most first); returns (blocks pinned, budget note)."""
+        note = None
+        fresh = [h for h in handles if not self.is_pinned(h.block_id)]
+        room = max(self.max_pinned - self._pinned, 0)
+        if len(fresh) > room:
+            note = (f"pin budget: {room} of {len(fresh)} new blocks fit "
+                    f"(max_pinned_blocks={self.max_pinned})")
+            keep = {h.block_id for h in fresh[:room]}  # root-most first: what a hit needs
+            handles = [h for h in handles if self.is_pinned(h.block_id) or h.block_id in keep]
+        if not handles:
+            return 0, note
+        new_holds = []
+        for handle in handles:
+            hold = self._holds.get(handle.block_id)
+            if hold is None:
+                hold = self._holds[handle.block_id] = _Hold(handle)
+                new_holds.append(handle)
+            elif not hold.pins and hold.retains:
+                self._retained -= 1
+            if not hold.pins:
+                self._pinned += 1
+            hold.pins[action_id] = expiry
+        self.cache.hold(new_holds)
+        self._add_claim(action_id, PIN, handles, expiry, scope)
+        return len(handles), note
+
+    def retain(self, action_id: str, priority: int, handles: list[BlockHandle], expiry: float,
+               scope: str | None) -> tuple[int, str | None]:
+        """Retain ``handles`` (root-most first); a full budget first displaces retained
+        blocks of lower priority. Returns (blocks retained, budget note)."""
+        note = None
+        fresh = [h for h in handles if h.block_id not in self._holds]
+        room = self.max_retained - self._retained
+        if len(fresh) > room:
+            self.counters.displaced += self._drop_retained(len(fresh) - room, priority)
+            room = self.max_retained - self._retained
+            fresh = [h for h in handles if h.block_id not in self._holds]
+        if len(fresh) > room:
+            room = max(room, 0)
+            note = (f"retain budget: {room} of {len(fresh)} new blocks fit "
+                    f"(max_retained_blocks={self.max_retained})")
+            keep = {h.block_id for h in fresh[:room]}
+            handles = [h for h in handles if h.block_id in self._holds or h.block_id in keep]
+        if not handles:
+            return 0, note
+        touched = next(self._seq)
+        new_holds = []
+        for handle in handles:
+            hold = self._holds.get(handle.block_id)
+            if hold is None:
+                hold = self._holds[handle.block_id] = _Hold(handle)
+                new_holds.append(handle)
+                self._retained += 1
+            hold.retains[action_id] = priority
+            hold.touched = touched
+            if not hold.pins:
+                self._push_pressure(hold)
+        self.cache.hold(new_holds)
+        self._add_claim(action_id, RETAIN, handles, expiry, scope)
+        return len(handles), note
+
+    def supersede(self, scope: str) -> None:
+        """Drop every claim made for ``scope`` (a session)."""
+        action_ids = self._by_scope.pop(scope, None)
+        if not action_ids:
+            return
+        released: list[BlockHandle] = []
+        for action_id in action_ids:
+            self.counters.superseded_claims += 1
+            self._end_claim(action_id, released, keep_scope=True)
+        self._release(released)
+
+    def unretain(self, handles: Sequence[BlockHandle]) -> None:
+        """Drop the retain claims on these blocks (pinned ones keep their pins)."""
+        released: list[BlockHandle] = []
+        for handle in handles:
+            hold = self._holds.get(handle.block_id)
+            if hold is not None and not hold.pins:
+                self._drop_hold(hold, released)
+        self._release(released)
+
+    def expire(self, now: float) -> int:
+        """End the claims whose expiry has come; returns how many."""
+        released: list[BlockHandle] = []
+        heap = self._expiry_heap
+        ended = 0
+        while heap and heap[0][0] <= now:
+            expiry, _, action_id = heapq.heappop(heap)
+            claim = self._claims.get(action_id)
+            if claim is None or claim.expiry != expiry:
+                continue
+            ended += 1
+            self._end_claim(action_id, released)
+        self.counters.expired_claims += ended
+        self._release(released)
+        return ended
+
+    def relieve(self, num_blocks: int) -> int:
+        """The engine needs memory: drop up to ``num_blocks`` retained blocks."""
+        released = self._drop_retained(num_blocks, 101)
+        self.counters.released_under_pressure += released
+        return released
+
+    def release_all(self) -> int:
+        handles = self.handles()
+        self._holds.clear()
+        self._claims.clear()
+        self._by_scope.clear()
+        self._expiry_heap.clear()
+        self._pressure_heap.clear()
+        self._pinned = self._retained = 0
+        self.counters.released_on_reset += len(handles)
+        self._release(handles)
+        return len(handles)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
+                   expiry: float, scope: str | None) -> None:
+        self._claims[action_id] = _Claim(kind, {h.block_id for h in handles}, expiry, scope)
+        if scope is not None:
+            self._by_scope.setdefault(scope, set()).add(action_id)
+        heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))
+
+    def _push_pressure(self, hold: _Hold) -> None:
+        hold.version += 1
+        heapq.heappush(self._pressure_heap, (max(hold.retains.values()), hold.touched,
+                                             -hold.handle.depth, hold.handle.block_id,
+                                             hold.version))
+
+    def _drop_retained(self, num_blocks: int, below_priority: int) -> int:
+        """Release up to ``num_blocks`` retain-only holds with priority below
+        ``below_priority``, in pressure order; returns how many."""
+        heap = self._pressure_heap
+        released: list[BlockHandle] = []
+        while heap and len(released) < num_blocks:
+            priority, _, _, block_id, version = heap[0]
+            hold = self._holds.get(block_id)
+            if hold is None or hold.version != version or hold.pins or not hold.retains:
+                heapq.heappop(heap)
+                continue
+            if priority >= below_priority:
+                break
+            heapq.heappop(heap)
+            self._drop_hold(hold, released)
+        self._release(released)
+        return len(released)
+
+    def _drop_hold(self, hold: _Hold, released: list[BlockHandle]) -> None:
+        """Forget a retain-only hold; its block goes to ``released``."""
+        block_id = hold.handle.block_id
+        for action_id in hold.retains:
+            claim = self._claims.get(action_id)
+            if claim is not None:
+                claim.block_ids.discard(block_id)
+        hold.retains.clear()
+        self._retained -= 1
+        del self._holds[block_id]
+        released.append(hold.handle)
+
+    def _end_claim(self, action_id: str, released: list[BlockHandle],
+                   keep_scope: bool = False) -> None:
+        claim = self._claims.pop(action_id, None)
+        if claim is None:
+            return
+        if claim.scope is not None and not keep_scope:
+            scoped = self._by_scope.get(claim.scope)
+            if scoped is not None:
+                scoped.discard(action_id)
+                if not scoped:
+                    del self._by_scope[claim.scope]
+        for block_id in claim.block_ids:
+            hold = self._holds.get(block_id)
+            if hold is None:
+                continue
+            if claim.kind == PIN:
+                if hold.pins.pop(action_id, None) is None:
+                    continue
+                if not hold.pins:
+                    self._pinned -= 1
+                    if hold.retains:
+                        self._retained += 1
+                        self._push_pressure(hold)
+            else:
+                if hold.retains.pop(action_id, None) is None:
+                    continue
+                if not hold.pins:
+                    if hold.retains:
+                        self._push_pressure(hold)
+                    else:
+                        self._retained -= 1
+            if not hold.pins and not hold.retains:
+                del self._holds[block_id]
+                released.append(hold.handle)
+
+    def _release(self, handles: list[BlockHandle]) -> None:
+        if handles:
+            handles.sort(key=lambda h: -h.depth)  # leaf first: evicted first
+            self.cache.release(handles)

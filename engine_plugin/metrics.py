@@ -1,0 +1,178 @@
+"""Plugin metrics, exposed on vLLM's own ``/metrics`` through the connector-stats path.
+
+The plugin runs inside EngineCore, while vLLM's API server (another process) serves
+``/metrics``. vLLM already carries connector telemetry across that boundary: each step
+the scheduler calls ``connector.get_kv_connector_stats()``, ships the stats' ``to_dict()``
+to the front end in ``SchedulerStats``, and the front end feeds it to the
+``KVConnectorPromMetrics`` that the connector class built (``build_prom_metrics``). So an
+operator scrapes the same vLLM endpoint as always and finds ``kvhint:*`` series there,
+labelled like vLLM's own (``model_name``, ``engine``).
+
+:class:`StatsTracker` turns the plugin's cumulative counters into the per-interval
+deltas that path expects (sent at most every ``interval_s``, and only when something
+changed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# Cumulative counters -> Prometheus counter (name without _total; the client adds it).
+COUNTERS = {
+    "events_published": "Events published to NATS.",
+    "events_dropped": "Events dropped (buffer full or oversized batch); the router resyncs.",
+    "outcomes_published": "Hint outcomes published to NATS.",
+    "outcomes_dropped": "Hint outcomes dropped because the outbound buffer was full.",
+    "inbound_dropped": "Hint/advice messages rejected because the engine inbox was full.",
+    "retained_released_under_pressure": "Retained blocks released so vLLM could allocate.",
+    "retained_displaced": "Retained blocks displaced by a higher-priority retain.",
+    "claims_expired": "Pin/retain claims that reached their TTL.",
+    "index_events": "KV events applied to the session index.",
+    "internal_errors": "Exceptions caught in plugin hooks (the engine kept running).",
+}
+GAUGES = {
+    "pinned_blocks": "Blocks pinned by hints.",
+    "retained_blocks": "Blocks retained (soft) by hints.",
+    "index_blocks": "Blocks in the session index (resident or connecting).",
+    "index_sessions": "Sessions in the session index.",
+    "nats_connected": "1 when the plugin is connected to NATS.",
+}
+HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
+LATENCY_KEY = "apply_latency_s"  # [seconds, ...]
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0)
+
+
+class KvHintConnectorStats(KVConnectorStats):
+    """Per-interval deltas (counters, hints by action/status, latencies) plus the
+    latest gauges."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        mine, theirs = self.data, other.data
+        for key, value in theirs.items():
+            if key in GAUGES:
+                mine[key] = value
+            elif key == HINTS_KEY:
+                hints = mine.setdefault(HINTS_KEY, {})
+                for label, n in value.items():
+                    hints[label] = hints.get(label, 0) + n
+            elif key == LATENCY_KEY:
+                mine.setdefault(LATENCY_KEY, []).extend(value)
+            else:
+                mine[key] = mine.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if key == HINTS_KEY:
+                out["hints"] = sum(value.values())
+            elif key == LATENCY_KEY:
+                if value:
+                    ordered = sorted(value)
+                    out["apply_p50_ms"] = round(1000 * ordered[len(ordered) // 2], 3)
+            else:
+                out[key] = value
+        return out
+
+
+class KvHintPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Mapping[type, type],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._labels = per_engine_labelvalues
+        self._counters = {
+            key: self._counter_cls(name=f"kvhint:{key}", documentation=doc,
+                                   labelnames=labelnames)
+            for key, doc in COUNTERS.items()}
+        self._gauges = {
+            key: self._gauge_cls(name=f"kvhint:{key}", documentation=doc,
+                                 labelnames=labelnames, multiprocess_mode="mostrecent")
+            for key, doc in GAUGES.items()}
+        self._hints = self._counter_cls(
+            name="kvhint:hints", documentation="Hint outcomes by action type and status.",
+            labelnames=[*labelnames, "action", "status"])
+        self._latency = self._histogram_cls(
+            name="kvhint:hint_apply_seconds",
+            documentation="From a hint's arrival at the plugin to its outcome.",
+            labelnames=labelnames, buckets=list(LATENCY_BUCKETS))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self._labels.get(engine_idx, self._labels.get(0, []))
+        for key, value in transfer_stats_data.items():
+            if key in self._counters:
+                if value:
+                    self._counters[key].labels(*labels).inc(value)
+            elif key in self._gauges:
+                self._gauges[key].labels(*labels).set(value)
+            elif key == HINTS_KEY:
+                for label, n in value.items():
+                    action, _, status = label.partition("|")
+                    self._hints.labels(*labels, action or "unknown", status).inc(n)
+            elif key == LATENCY_KEY:
+                histogram = self._latency.labels(*labels)
+                for seconds in value:
+                    histogram.observe(seconds)
+
+
+@dataclass
+class StatsTracker:
+    """Builds :class:`KvHintConnectorStats` deltas from cumulative readings.
+
+    vLLM asks for connector stats once per scheduler step; a delta is built at most once
+    per ``interval_s``. A call inside the interval may leave changes unsent: ``flush_at``
+    then says when the next call would send them, so an engine that went idle in between
+    can be woken for one step instead of holding the figures back until its next request
+    (``None``: nothing is held back)."""
+
+    read: Callable[[], dict[str, Any]]  # cumulative counters + gauges + hints + latencies
+    interval_s: float = 1.0
+    flush_at: float | None = None  # monotonic seconds
+    _sent: dict[str, Any] | None = None
+    _at: float = 0.0
+
+    def flush_due(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.flush_at is not None and now >= self.flush_at
+
+    def take(self, now: float | None = None) -> KvHintConnectorStats | None:
+        now = time.monotonic() if now is None else now
+        if now - self._at < self.interval_s:
+            self.flush_at = self._at + self.interval_s
+            return None
+        self._at = now
+        self.flush_at = None
+        current = self.read()
+        sent = self._sent or {}
+        delta: dict[str, Any] = {}
+        for key in COUNTERS:
+            diff = current.get(key, 0) - sent.get(key, 0)
+            if diff:
+                delta[key] = diff
+        for key in GAUGES:
+            if key in current and current[key] != sent.get(key):
+                delta[key] = current[key]
+        hints_now, hints_sent = current.get(HINTS_KEY, {}), sent.get(HINTS_KEY, {})
+        hints = {k: v - hints_sent.get(k, 0) for k, v in hints_now.items()
+                 if v != hints_sent.get(k, 0)}
+        if hints:
+            delta[HINTS_KEY] = hints
+        latencies = current.pop(LATENCY_KEY, [])
+        if latencies:
+            delta[LATENCY_KEY] = latencies
+        self._sent = current
+        return KvHintConnectorStats(data=delta) if delta else None

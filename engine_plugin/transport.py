@@ -1,0 +1,438 @@
+"""NATS transport: an asyncio loop in a daemon thread, talking to the engine only through
+the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
+
+Lifetimes live in :meth:`NatsTransport._main`: connect (retrying forever with backoff),
+subscribe to hints, advice and snapshot requests, ensure the JetStream events stream,
+then publish outcomes, event batches (vLLM's msgpack ``KVEventBatch`` with
+``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
+
+NATS being down or slow never blocks the engine: the scheduler thread only appends to
+bounded deques; while disconnected, batches wait there (the oldest are dropped, counted,
+when full: the router sees the sequence gap and resyncs from a snapshot), and nats-py
+reconnects on its own. Inbound messages that find the engine's inbox full are answered
+``rejected`` from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.errors import Error as NatsError
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.session_index import ordered_blocks
+from kvhint.engine_plugin.mailbox import (
+    EventBatchOut,
+    Inbound,
+    Mailbox,
+    SnapshotOut,
+    peek_advice_id,
+    pop_oldest,
+)
+from kvhint.schemas import (
+    DONOR_ACTION_TYPE,
+    EventBatchMeta,
+    HintOutcome,
+    OutcomeStatus,
+    ParsedAction,
+    SnapshotBlock,
+    SnapshotSession,
+    Subjects,
+    Usage,
+    WorkerSnapshot,
+    WorkerStatus,
+    decode_hints,
+    decode_snapshot_request,
+    encode_outcome,
+    encode_snapshot,
+    encode_status,
+)
+from kvhint.schemas._codec import WireDecodeError, encode_json
+
+logger = logging.getLogger(LOGGER_NAME)
+
+_FULL_INBOX = "worker inbox full ({limit} messages waiting for the scheduler); not applied"
+
+
+@dataclass(slots=True)
+class TransportCounters:
+    connects: int = 0
+    disconnects: int = 0
+    event_batches_published: int = 0
+    events_published: int = 0
+    outcomes_published: int = 0
+    heartbeats_published: int = 0
+    snapshot_pages: int = 0
+    publish_errors: int = 0
+    inbound_rejected: int = 0
+    deferred_at_once: int = 0
+
+
+class NatsTransport:
+    """Owns the NATS connection and its thread. ``status_of(usage, seq)`` builds the
+    heartbeat from the figures the scheduler thread last left in the mailbox;
+    ``encode_events(ts, events)`` turns a drained batch into vLLM's msgpack bytes."""
+
+    def __init__(self, config: PluginConfig, worker_id: str, epoch: str, mailbox: Mailbox,
+                 status_of: Callable[[Usage | None, int], WorkerStatus],
+                 encode_events: Callable[[float, list[Any]], bytes],
+                 block_size: int) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self.mailbox = mailbox
+        self.subjects = Subjects(config.subject_prefix)
+        self._status_of = status_of
+        self._encode_events = encode_events
+        self._block_size = block_size
+        self.counters = TransportCounters()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._wake: asyncio.Event | None = None
+        self._nc: Any = None
+        # The latest snapshot and its ordered blocks, for the pages after the first.
+        self._last_snapshot: tuple[SnapshotOut, list[tuple[int, int | None, str]]] | None = None
+        self._ready = threading.Event()
+
+    @property
+    def connected(self) -> bool:
+        nc = self._nc
+        return nc is not None and nc.is_connected
+
+    # --- lifetime (engine thread) -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"kvhint-nats-{self.worker_id}",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait(5.0)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        loop, stop = self._loop, self._stop
+        if loop is not None and stop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:  # loop already closed
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._thread = None
+
+    def _notify(self) -> None:
+        """Called from the scheduler thread when something was queued outbound."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not wake.is_set():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:
+                pass
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except Exception:  # the thread must end quietly whatever happened
+            logger.exception("kvhint: NATS transport thread failed; the engine keeps running "
+                             "without NATS")
+        finally:
+            loop.close()
+
+    # --- the loop (transport thread) ------------------------------------------------------------
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.mailbox.notify_transport = self._notify
+        self._ready.set()
+        nc = await self._connect()
+        if nc is None:
+            return
+        self._nc = nc
+        try:
+            await self._subscribe(nc)
+            await self._ensure_stream(nc)
+            await self._publish_loop(nc)
+        finally:
+            self.mailbox.notify_transport = _noop
+            try:
+                await asyncio.wait_for(nc.drain(), timeout=2.0)
+            except (NatsError, asyncio.TimeoutError, OSError):
+                await nc.close()
+
+    async def _connect(self) -> Any:
+        delay = 0.25
+        servers = self.config.nats_servers
+        while not self._stop.is_set():
+            try:
+                nc = await nats.connect(
+                    servers=servers, name=f"kvhint-plugin-{self.worker_id}",
+                    allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                    connect_timeout=2, ping_interval=5, max_outstanding_pings=2,
+                    error_cb=self._on_error, disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected)
+                self.counters.connects += 1
+                logger.info("kvhint: connected to NATS %s as worker %s", nc.connected_url.netloc
+                            if nc.connected_url else servers, self.worker_id)
+                return nc
+            except (NatsError, OSError, asyncio.TimeoutError) as exc:
+                if delay == 0.25:
+                    logger.warning("kvhint: NATS %s unreachable (%s); retrying in the "
+                                   "background, the engine runs meanwhile", servers, exc)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
+                except asyncio.TimeoutError:
+                    pass
+                delay = min(delay * 2, 5.0)
+        return None
+
+    async def _on_error(self, exc: Exception) -> None:
+        logger.debug("kvhint: NATS error: %s", exc)
+
+    async def _on_disconnected(self) -> None:
+        self.counters.disconnects += 1
+        if self._stop is not None and self._stop.is_set():
+            return
+        logger.warning("kvhint: disconnected from NATS; buffering (bounded) and reconnecting")
+
+    async def _on_reconnected(self) -> None:
+        self.counters.connects += 1
+        logger.info("kvhint: reconnected to NATS")
+        self._notify()
+
+    async def _subscribe(self, nc: Any) -> None:
+        subjects, worker = self.subjects, self.worker_id
+        await nc.subscribe(subjects.hints(worker), cb=self._on_hints)
+        await nc.subscribe(subjects.advice(worker), cb=self._on_advice)
+        await nc.subscribe(subjects.snapshot(worker), cb=self._on_snapshot)
+
+    async def _ensure_stream(self, nc: Any) -> None:
+        """Create the events stream when missing (the router creates the same one)."""
+        if not self.config.create_events_stream:
+            return
+        js = nc.jetstream()
+        name = self.subjects.events_stream
+        try:
+            await js.stream_info(name)
+            return
+        except NotFoundError:
+            pass
+        except (NatsError, asyncio.TimeoutError) as exc:
+            logger.warning("kvhint: JetStream not available (%s); events go out as plain "
+                           "NATS messages", exc)
+            return
+        try:
+            await js.add_stream(StreamConfig(
+                name=name, subjects=[self.subjects.all_of("events")],
+                storage=StorageType.FILE, max_age=self.config.events_stream_max_age_s,
+                max_bytes=self.config.events_stream_max_bytes, discard=DiscardPolicy.OLD))
+            logger.info("kvhint: created JetStream stream %s", name)
+        except (NatsError, asyncio.TimeoutError) as exc:
+            logger.warning("kvhint: could not create stream %s: %s", name, exc)
+
+    # --- inbound --------------------------------------------------------------------------------
+
+    async def _on_hints(self, msg: Any) -> None:
+        self._post("hints", msg)
+
+    async def _on_advice(self, msg: Any) -> None:
+        self._post("advice", msg)
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        cached = self._last_snapshot
+        try:
+            request = decode_snapshot_request(msg.data)
+        except WireDecodeError:
+            request = None
+        if request is not None and request.cursor > 0 and cached is not None:
+            await self._reply_page(*cached, msg.reply, request.cursor, request.limit)
+            return
+        self._post("snapshot", msg)
+
+    def _post(self, kind: str, msg: Any) -> None:
+        item = Inbound(kind, msg.data, time.monotonic(), msg.reply or None)
+        if self.mailbox.post(item):
+            if kind in ("hints", "advice"):
+                self._loop.call_later(self.config.defer_after_s, self._defer_if_waiting, item)
+            return
+        self.counters.inbound_rejected += 1
+        if kind == "hints":
+            decoded = decode_hints(msg.data)
+            reason = _FULL_INBOX.format(limit=self.mailbox.inbound_limit)
+            targets = [(a.action_id, getattr(a.action_type, "value", a.action_type))
+                       for a in decoded.actions] or [("", "")]
+            self.mailbox.put_outcomes([
+                HintOutcome(message_id=decoded.message_id, action_id=action_id,
+                            action_type=action_type, worker_id=self.worker_id,
+                            status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
+                for action_id, action_type in targets])
+
+    def _defer_if_waiting(self, item: Inbound) -> None:
+        """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
+        answer ``deferred`` now, ahead of the final outcome."""
+        if item.taken:
+            return
+        mailbox = self.mailbox
+        outcomes = self._deferred_outcomes(item)
+        with mailbox.lock:  # the scheduler marks items taken under the same lock
+            if item.taken:
+                return
+            mailbox.outcomes.extend(outcomes)  # the final outcomes can only come after
+        self.counters.deferred_at_once += len(outcomes)
+        self._notify()
+
+    def _deferred_outcomes(self, item: Inbound) -> list[HintOutcome]:
+        reason = (f"not applied yet: the engine has not reached its next scheduler step "
+                  f"within {self.config.defer_after_s:g}s; the final outcome follows")
+        now = time.time()
+        if item.kind == "advice":
+            advice_id = peek_advice_id(item.data)
+            return [HintOutcome(message_id=advice_id, action_id=advice_id,
+                                action_type=DONOR_ACTION_TYPE, worker_id=self.worker_id,
+                                status=OutcomeStatus.DEFERRED, reason=reason, at=now)]
+        decoded = decode_hints(item.data)
+        return [HintOutcome(message_id=decoded.message_id, action_id=a.action_id,
+                            action_type=a.action_type.value, worker_id=self.worker_id,
+                            status=OutcomeStatus.DEFERRED, reason=reason, at=now)
+                for a in decoded.actions if isinstance(a, ParsedAction)]
+
+    # --- outbound -------------------------------------------------------------------------------
+
+    async def _publish_loop(self, nc: Any) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + interval
+                await self._heartbeat(nc)
+            self._maybe_wake_for_deadline()
+            if nc.is_connected:
+                await self._flush_outbound(nc)
+            self._wake.clear()
+            if self.mailbox.outcomes or self.mailbox.snapshots or (
+                    self.mailbox.event_batches and nc.is_connected):
+                continue
+            try:
+                await asyncio.wait_for(self._wake.wait(),
+                                       timeout=max(0.01, min(next_beat - time.monotonic(),
+                                                             0.5)))
+            except asyncio.TimeoutError:
+                pass
+            if self._stop.is_set():
+                break
+        if nc.is_connected:
+            await self._flush_outbound(nc)
+
+    def _maybe_wake_for_deadline(self) -> None:
+        now = time.time()
+        due = [t for t in (self.mailbox.next_deadline, self.mailbox.stats_flush_at)
+               if t is not None and now >= t]
+        if due:
+            self.mailbox.wake_engine()
+
+    async def _flush_outbound(self, nc: Any) -> None:
+        """Publish what is queued. Items are taken before publishing and put back at the
+        head on failure, so a drop by the scheduler thread (full buffer) never makes us
+        skip an item unpublished and uncounted."""
+        mailbox = self.mailbox
+        subject = self.subjects.outcomes(self.worker_id)
+        while nc.is_connected and (outcome := pop_oldest(mailbox.outcomes)) is not None:
+            try:
+                await nc.publish(subject, encode_outcome(outcome))
+            except (NatsError, OSError) as exc:
+                mailbox.outcomes.appendleft(outcome)
+                return await self._publish_failed(exc)
+            self.counters.outcomes_published += 1
+        while nc.is_connected and (batch := pop_oldest(mailbox.event_batches)) is not None:
+            try:
+                await self._publish_batch(nc, batch)
+            except (NatsError, OSError) as exc:
+                mailbox.event_batches.appendleft(batch)
+                return await self._publish_failed(exc)
+        while (snapshot := pop_oldest(mailbox.snapshots)) is not None:
+            blocks = ordered_blocks(snapshot.raw_blocks)
+            self._last_snapshot = (snapshot, blocks) if snapshot.error is None else None
+            await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
+                                   snapshot.limit)
+        return None
+
+    async def _publish_failed(self, exc: Exception) -> None:
+        self.counters.publish_errors += 1
+        logger.debug("kvhint: publish failed (%s); will retry", exc)
+        await asyncio.sleep(0.05)
+
+    async def _publish_batch(self, nc: Any, batch: EventBatchOut) -> None:
+        payload = self._encode_events(batch.ts, batch.events)
+        if len(payload) > nc.max_payload:
+            logger.warning("kvhint: event batch %d (%d bytes) exceeds NATS max_payload; "
+                           "dropped", batch.seq, len(payload))
+            self.mailbox.drop_event_batch(batch)
+            return
+        meta = EventBatchMeta(self.worker_id, self.epoch, batch.seq)
+        await nc.publish(self.subjects.events(self.worker_id), payload,
+                         headers=meta.to_headers())
+        self.counters.event_batches_published += 1
+        self.counters.events_published += len(batch.events)
+
+    async def _heartbeat(self, nc: Any) -> None:
+        if not nc.is_connected:
+            return
+        status = self.mailbox.status
+        beat = self._status_of(status.get("usage"), int(status.get("seq", 0)))
+        try:
+            await nc.publish(self.subjects.status(self.worker_id), encode_status(beat))
+            self.counters.heartbeats_published += 1
+        except (NatsError, OSError) as exc:
+            self.counters.publish_errors += 1
+            logger.debug("kvhint: heartbeat failed: %s", exc)
+
+    async def _reply_page(self, snapshot: SnapshotOut, blocks: list[tuple[int, int | None, str]],
+                          reply_to: str | None, cursor: int, limit: int) -> None:
+        nc = self._nc
+        if not reply_to or nc is None:
+            return
+        if snapshot.error is not None:
+            body = encode_json({"error": snapshot.error})
+        else:
+            body = self._page(snapshot, blocks, cursor, limit, int(nc.max_payload * 0.9))
+        try:
+            await nc.publish(reply_to, body)
+            self.counters.snapshot_pages += 1
+        except (NatsError, OSError) as exc:
+            self.counters.publish_errors += 1
+            logger.debug("kvhint: snapshot reply failed: %s", exc)
+
+    def _page(self, snapshot: SnapshotOut, ordered: list[tuple[int, int | None, str]],
+              cursor: int, limit: int, max_bytes: int) -> bytes:
+        """Items are the blocks then the sessions; ``cursor`` indexes that sequence."""
+        total = len(ordered) + len(snapshot.sessions)
+        count = max(1, min(limit, total - cursor))
+        while True:
+            end = min(cursor + count, total)
+            nb = len(ordered)
+            blocks = [SnapshotBlock(*b) for b in ordered[min(cursor, nb):min(end, nb)]]
+            sessions = [SnapshotSession(sid, fronts) for sid, fronts in
+                        snapshot.sessions[max(cursor - nb, 0):max(end - nb, 0)]]
+            body = encode_snapshot(WorkerSnapshot(
+                worker_id=self.worker_id, epoch=self.epoch, seq=snapshot.seq,
+                block_size=self._block_size, blocks=blocks, sessions=sessions,
+                next_cursor=end if end < total else None))
+            if len(body) <= max_bytes or count == 1:
+                return body
+            count = max(1, count // 2)
+
+
+def _noop() -> None:
+    return None
+

@@ -1,0 +1,397 @@
+"""The one place that touches vLLM internals (KVCacheManager, BlockPool, Request, events).
+
+Everything here runs on the scheduler thread. It detects features instead of checking
+versions: every attribute it relies on is looked up once in :meth:`VllmCacheAdapter.check`
+and a missing one stops start-up with its name.
+
+What it does to the engine (all reversible, nothing patched at class level):
+- tees ``kv_cache_manager.take_events()`` so the plugin sees every KV event the scheduler
+  drains (the list is returned unchanged, so vLLM's own publisher sees the same events);
+- wraps ``kv_cache_manager.reset_prefix_cache()`` so the plugin's held blocks are released
+  first when that is what stands between vLLM and a successful reset;
+- wraps ``kv_cache_manager.allocate_slots()``: when vLLM cannot allocate, retained (soft)
+  blocks are released, lowest priority first, and the allocation is retried, so a retain
+  never causes a preemption or a failed admission that plain vLLM would not have. A
+  successful allocation also reports the request's local prefix hit
+  (``num_new_computed_tokens``: vLLM emits no BlockStored for reused blocks) and maps its
+  new block hashes;
+- wraps ``kv_cache_manager.free()`` to map a finished request's last hashes and forget the
+  ones that were never cached;
+- turns on the block pool's KV events when the operator did not (``--kv-events-config``
+  absent): vLLM then drains them every step into its null publisher.
+
+The pool is keyed by sha256 digests (bytes) while events and hints use the low 64 bits as
+an int; the int -> digest map is learnt from ``request.block_hashes`` (incrementally, at
+each allocation) and pruned when a hash leaves the cache. It therefore works the same
+under vLLM's scheduler and under the simulator, which drives the manager directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from kvhint.engine_plugin.config import LOGGER_NAME
+from kvhint.engine_plugin.holds import BlockHandle
+from kvhint.engine_plugin.session_index import GPU, Cleared, IndexEvent, Removed, Stored
+from kvhint.schemas import external_hash_to_int
+
+logger = logging.getLogger(LOGGER_NAME)
+
+U64_MASK = (1 << 64) - 1
+
+# Attributes the plugin needs, by object; checked at bind time.
+_REQUIRED = {
+    "kv_cache_manager": ("take_events", "allocate_slots", "free", "reset_prefix_cache",
+                         "block_pool", "kv_cache_config"),
+    "block_pool": ("touch", "free_blocks", "get_cached_block", "get_num_free_blocks",
+                   "num_gpu_blocks", "hash_block_size", "enable_kv_cache_events", "blocks"),
+}
+
+
+class VllmFeatureMissing(RuntimeError):
+    """The installed vLLM lacks something the plugin needs (named in the message)."""
+
+
+def digest_to_int(digest: bytes) -> int:
+    """vLLM's event form of a block hash: the low 64 bits of the digest."""
+    return int.from_bytes(digest, "big") & U64_MASK
+
+
+class VllmCacheAdapter:
+    """Implements the executor's BlockCache port over vLLM's KVCacheManager."""
+
+    def __init__(self, kv_cache_manager: Any) -> None:
+        self.check(kv_cache_manager)
+        self.manager = kv_cache_manager
+        self.pool = kv_cache_manager.block_pool
+        groups = kv_cache_manager.kv_cache_config.kv_cache_groups
+        self._block_size = self._group_block_size(groups)
+        self._hash_block_size = int(self.pool.hash_block_size)
+        self._group_ids = self._full_attention_groups(groups)
+        self._resolve_hashes = self._hash_resolver()
+        self._digests: dict[int, bytes] = {}
+        self._mapped: dict[str, int] = {}  # live request id -> block hashes already mapped
+        self._installed: dict[str, Any] = {}
+        self.events_enabled_by_plugin = False
+
+    # --- feature detection ------------------------------------------------------------------
+
+    @staticmethod
+    def check(kv_cache_manager: Any) -> None:
+        for attr in _REQUIRED["kv_cache_manager"]:
+            if not hasattr(kv_cache_manager, attr):
+                raise VllmFeatureMissing(f"vLLM KVCacheManager has no {attr!r}; the kvhint "
+                                         "plugin needs it")
+        pool = kv_cache_manager.block_pool
+        for attr in _REQUIRED["block_pool"]:
+            if not hasattr(pool, attr):
+                raise VllmFeatureMissing(f"vLLM BlockPool has no {attr!r}; the kvhint plugin "
+                                         "needs it")
+
+    @staticmethod
+    def _group_block_size(groups: Sequence[Any]) -> int:
+        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+        if len(sizes) != 1:
+            logger.warning("kvhint: KV cache groups have block sizes %s; using the smallest",
+                           sorted(sizes))
+        return min(sizes)
+
+    @staticmethod
+    def _full_attention_groups(groups: Sequence[Any]) -> list[int]:
+        from vllm.v1 import kv_cache_interface as kci
+
+        full = getattr(kci, "FullAttentionSpec", None)
+        ids = [i for i, g in enumerate(groups)
+               if full is not None and isinstance(g.kv_cache_spec, full)]
+        return ids or list(range(len(groups)))
+
+    def _hash_resolver(self) -> Callable[[Sequence[bytes]], Sequence[bytes]]:
+        if self._block_size == self._hash_block_size:
+            return lambda hashes: hashes
+        from vllm.v1.core import kv_cache_utils
+
+        resolve = getattr(kv_cache_utils, "resolve_block_hashes", None)
+        if resolve is None:
+            raise VllmFeatureMissing(
+                f"block size {self._block_size} differs from the hash block size "
+                f"{self._hash_block_size} and this vLLM has no resolve_block_hashes")
+        return lambda hashes: resolve(hashes, self._hash_block_size, self._block_size)
+
+    # --- installing the tees and wrappers ---------------------------------------------------
+
+    def install(self, on_events: Callable[[list[Any]], None],
+                before_reset: Callable[[], None],
+                relieve_pressure: Callable[[int], int],
+                on_hit: Callable[[Any, int], None],
+                releasable: Callable[[], int]) -> None:
+        """Shadow manager methods on the instance (see the module docstring)."""
+        manager, pool = self.manager, self.pool
+        if not pool.enable_kv_cache_events:
+            pool.enable_kv_cache_events = True
+            self.events_enabled_by_plugin = True
+        take_events = manager.take_events
+        reset_prefix_cache = manager.reset_prefix_cache
+        allocate_slots = manager.allocate_slots
+        free = manager.free
+        self._installed = {"take_events": take_events, "reset_prefix_cache": reset_prefix_cache,
+                           "allocate_slots": allocate_slots, "free": free}
+        hit_position = _positional_index(allocate_slots, "num_new_computed_tokens")
+        block_size = self._block_size
+        map_request = self._map_request
+
+        def tee_take_events() -> list[Any]:
+            events = take_events()
+            if events:
+                on_events(list(events))
+            return events
+
+        def reset_releasing_holds() -> bool:
+            before_reset()
+            return reset_prefix_cache()
+
+        def allocate_slots_releasing_retained(request: Any, num_new_tokens: int,
+                                              *args: Any, **kwargs: Any) -> Any:
+            # Pass-through wrapper: the signature varies across vLLM releases.
+            blocks = allocate_slots(request, num_new_tokens, *args, **kwargs)
+            if blocks is None:
+                need = -(-num_new_tokens // block_size)  # less one if a block is partly full
+                free = pool.get_num_free_blocks()
+                if free + releasable() < need - 1:
+                    return None  # releasing every retained block would not be enough
+                chunk = max(1, need - free)
+                while blocks is None and relieve_pressure(chunk) > 0:
+                    blocks = allocate_slots(request, num_new_tokens, *args, **kwargs)
+                    chunk *= 2
+                if blocks is None:
+                    return None
+            map_request(request)
+            hit = kwargs.get("num_new_computed_tokens", 0)
+            if not hit and hit_position is not None and len(args) > hit_position:
+                hit = args[hit_position]
+            if hit:
+                on_hit(request, hit)
+            return blocks
+
+        def free_mapping_last_hashes(request: Any) -> None:
+            map_request(request)
+            free(request)
+            self._forget_request(request)
+
+        manager.take_events = tee_take_events
+        manager.reset_prefix_cache = reset_releasing_holds
+        manager.allocate_slots = allocate_slots_releasing_retained
+        manager.free = free_mapping_last_hashes
+
+    def uninstall(self) -> None:
+        for name, original in self._installed.items():
+            setattr(self.manager, name, original)
+        self._installed = {}
+
+    # --- BlockCache port ----------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.pool.num_gpu_blocks) - 1  # one is vLLM's null block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.pool.get_num_free_blocks())
+
+    def lookup(self, key: int) -> BlockHandle | None:
+        digest = self._digests.get(key)
+        if digest is None:
+            return None
+        blocks = self.pool.get_cached_block(digest, self._group_ids)
+        if not blocks:
+            return None
+        first = blocks[0]
+        num_tokens = getattr(first, "block_hash_num_tokens", None)
+        depth = num_tokens // self._block_size - 1 if num_tokens else 0
+        return BlockHandle(key=key, block_id=first.block_id, depth=depth, blocks=tuple(blocks))
+
+    def hold(self, handles: Sequence[BlockHandle]) -> None:
+        if handles:
+            self.pool.touch([b for h in handles for b in h.blocks])
+
+    def release(self, handles: Sequence[BlockHandle]) -> None:
+        if handles:
+            self.pool.free_blocks([b for h in handles for b in h.blocks])
+
+    def evict_first(self, handles: Sequence[BlockHandle]) -> int:
+        queue = self.pool.free_block_queue
+        if not hasattr(queue, "prepend_n"):
+            return 0
+        # Deepest first: the head of the queue is evicted first, and a chain is worth
+        # most from its root.
+        ordered = sorted(handles, key=lambda h: h.depth, reverse=True)
+        free = [b for h in ordered for b in h.blocks if b.ref_cnt == 0]
+        for block in free:
+            queue.remove(block)
+        queue.prepend_n(free)
+        return len(free)
+
+    def only_held_blocks_in_use(self, handles: Iterable[BlockHandle]) -> bool:
+        """True when nothing but these holds keeps blocks in use (so releasing them lets
+        ``reset_prefix_cache`` succeed)."""
+        ours = sum(1 for h in handles for b in h.blocks if b.ref_cnt == 1)
+        used = int(self.pool.num_gpu_blocks) - int(self.pool.get_num_free_blocks()) - 1
+        return used == ours
+
+    # --- requests and hashes --------------------------------------------------------------
+
+    def _forget_request(self, request: Any) -> None:
+        """The request's blocks went back to the pool: stop tracking it and drop the
+        hashes it computed that never made it into the cache."""
+        if self._mapped.pop(request.request_id, None) is None:
+            return
+        for digest in self._resolve_hashes(request.block_hashes):
+            if self.pool.get_cached_block(digest, self._group_ids) is None:
+                self._digests.pop(digest_to_int(digest), None)
+
+    def forget_request(self, request: Any) -> None:
+        """The scheduler is done with the request (its blocks may be freed later)."""
+        self._map_request(request)
+        self._mapped.pop(request.request_id, None)
+
+    def hit_keys(self, request: Any, num_hit_tokens: int) -> list[int]:
+        """The 64-bit hashes of the request's first ``num_hit_tokens`` (cached) tokens."""
+        self._map_request(request)
+        hashes = self._resolve_hashes(request.block_hashes)
+        return [digest_to_int(d) for d in hashes[:num_hit_tokens // self._block_size]]
+
+    def session_id(self, request: Any) -> str | None:
+        return getattr(request, "session_id", None)
+
+    def forget(self, keys: Iterable[int]) -> None:
+        """These hashes left the cache (per the event stream); drop their digests unless
+        another copy is still cached."""
+        for key in keys:
+            digest = self._digests.get(key)
+            if digest is not None and self.pool.get_cached_block(digest, self._group_ids) is None:
+                del self._digests[key]
+
+    def forget_all(self) -> None:
+        self._digests.clear()
+        self._mapped = dict.fromkeys(self._mapped, 0)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._mapped)
+
+    @property
+    def num_mapped_hashes(self) -> int:
+        return len(self._digests)
+
+    def _map_request(self, request: Any) -> None:
+        hashes = self._resolve_hashes(request.block_hashes)
+        start = self._mapped.get(request.request_id, 0)
+        if start >= len(hashes):
+            return
+        digests = self._digests
+        for digest in hashes[start:]:
+            digests[digest_to_int(digest)] = digest
+        self._mapped[request.request_id] = len(hashes)
+
+    # --- events -------------------------------------------------------------------------------
+
+    @staticmethod
+    def index_events(events: Iterable[Any]) -> list[IndexEvent]:
+        """vLLM KV events -> the index's domain events (unknown kinds are skipped)."""
+        out: list[IndexEvent] = []
+        for event in events:
+            name = type(event).__name__
+            if name == "BlockStored":
+                parent = event.parent_block_hash
+                out.append(Stored(
+                    tuple(external_hash_to_int(h) for h in event.block_hashes),
+                    None if parent is None else external_hash_to_int(parent),
+                    getattr(event, "session_id", None), event.medium or GPU))
+            elif name == "BlockRemoved":
+                out.append(Removed(tuple(external_hash_to_int(h) for h in event.block_hashes),
+                                   event.medium or GPU))
+            elif name == "AllBlocksCleared":
+                out.append(Cleared(getattr(event, "medium", None) or GPU))
+        return out
+
+
+class EventBatchEncoder:
+    """Encodes drained events as vLLM's own msgpack ``KVEventBatch`` (byte for byte what
+    vLLM's publisher sends). One per thread."""
+
+    def __init__(self) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._batch_type = KVEventBatch
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, ts: float, events: list[Any], data_parallel_rank: int | None) -> bytes:
+        return self._encoder.encode(self._batch_type(ts=ts, events=events,
+                                                     data_parallel_rank=data_parallel_rank))
+
+
+def none_hash_seed(hash_algo: str) -> str | None:
+    """The seed of vLLM's NONE_HASH as the router must use it, or None when it is a
+    per-process secret (non-cryptographic hash without PYTHONHASHSEED)."""
+    from vllm.v1.core import kv_cache_utils
+
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if hash_algo.startswith("xxhash"):
+        return None
+    return getattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED", "vllm-none-hash")
+
+
+def find_engine_waker() -> Callable[[], None] | None:
+    """A callable that wakes vLLM's idle EngineCore busy loop, or None.
+
+    The busy loop blocks on ``input_queue.get()`` while it has no work; vLLM itself wakes
+    it with a ``WAKEUP`` request. The connector is constructed inside
+    ``EngineCore.__init__`` (through the Scheduler), so the engine object is on the call
+    stack then: find the frame whose ``self`` owns an ``input_queue``. Any thread may call
+    the waker (``queue.Queue.put_nowait`` is thread-safe). Once awake, the loop steps
+    because the connector's ``has_pending_push_work()`` reports the waiting hint.
+    """
+    import inspect
+
+    try:
+        from vllm.v1.engine import EngineCoreRequestType
+    except ImportError:
+        return None
+    wakeup = getattr(EngineCoreRequestType, "WAKEUP", None)
+    if wakeup is None:
+        return None
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            queue = getattr(owner, "input_queue", None)
+            if queue is not None and hasattr(queue, "put_nowait") and \
+                    type(owner).__name__.startswith("EngineCore"):
+                message = (wakeup, None)
+                return lambda: queue.put_nowait(message)
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+def _positional_index(fn: Callable[..., Any], name: str) -> int | None:
+    """Position of parameter ``name`` among ``fn``'s positional args after the first two
+    (request, num_new_tokens), or None when it has no such parameter."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) - 2 if name in params[2:] else None

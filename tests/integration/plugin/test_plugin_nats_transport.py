@@ -1,0 +1,310 @@
+"""The plugin's NATS transport with a real NATS server and vLLM's real scheduler.
+
+The headless scheduler has no EngineCore busy loop, so the test steps it itself where
+the engine would (the idle wake-up is measured against a real server in the e2e tests and
+the latency benchmark).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import nats
+import pytest
+
+from kvhint.engine_plugin.headless import (
+    HeadlessScheduler,
+    HeadlessSchedulerSpec,
+    build_scheduler,
+    tokens_for_block_ids,
+)
+from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
+from kvhint.schemas import (
+    EventBatchDecoder,
+    EventBatchMeta,
+    KvHintsEnvelope,
+    PinPayload,
+    SnapshotRequest,
+    Subjects,
+    Target,
+    decode_outcome,
+    decode_snapshot,
+    decode_status,
+    encode_hints,
+    encode_snapshot_request,
+    make_action,
+)
+
+BS = 32
+
+
+@contextmanager
+def plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessScheduler]:
+    # The test steps the engine by hand, slower than a real one: no deferred unless asked.
+    config = {"worker_id": "w0", "nats_url": nats_url, "subject_prefix": prefix,
+              "heartbeat_interval_s": 0.2, "defer_after_s": 5.0, **extra}
+    h = build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config=config))
+    try:
+        yield h
+    finally:
+        h.connector.shutdown()
+
+
+def turn(h: HeadlessScheduler, session: str, ids: list[int]) -> None:
+    h.run(h.make_request(tokens_for_block_ids(ids, BS) + [3] * 5, session_id=session))
+
+
+def pin_message(action_id: str, session: str = "s", message_id: str | None = None) -> bytes:
+    return encode_hints(KvHintsEnvelope(
+        protocol_version="1", message_id=message_id or f"m-{action_id}",
+        actions=[make_action(action_id, PinPayload(target=Target(session_id=session), ttl_s=30))]))
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+async def step_until(h: HeadlessScheduler, predicate: Callable[[], bool],
+                     timeout_s: float = 10.0) -> None:
+    """Step the scheduler like an awake engine until ``predicate`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        h.step()
+        await asyncio.sleep(0.01)
+
+
+async def collect(nc: Any, subject: str) -> asyncio.Queue:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        await queue.put(msg)
+
+    await nc.subscribe(subject, cb=on_msg)
+    return queue
+
+
+async def test_hints_outcomes_events_and_heartbeat_over_nats(nats_url: str,
+                                                             subject_prefix: str) -> None:
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        status = await collect(nc, subjects.status("w0"))
+        with plugin(nats_url, subject_prefix, pin_budget_fraction=0.2) as h:
+            transport = h.connector.transport
+            await until(lambda: transport.connected)
+            turn(h, "s", [1, 2, 3])
+            await nc.publish(subjects.hints("w0"), pin_message("p1"))
+            await until(lambda: bool(h.connector.core.mailbox.inbound))
+            h.step()  # the engine's next step applies it
+            outcome = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (outcome.action_id, outcome.status.value, outcome.worker_id) == \
+                ("p1", "accepted", "w0")
+            assert outcome.applied.blocks == 3
+            # Heartbeat: identity, budgets and the usage the scheduler thread reported.
+            beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
+            while beat.usage.pinned_blocks != 3:
+                h.step()
+                beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
+            assert beat.worker_id == "w0" and beat.block_size == BS
+            assert beat.budgets.max_pinned_blocks == 12 and beat.hash_algo == "sha256"
+            assert beat.none_hash_seed == "vllm-none-hash"
+            assert "kv.pin" in beat.supported_actions and "kv.demote" not in beat.supported_actions
+            assert beat.cache_namespace == h.connector.core.cache_namespace
+            assert beat.http_url is None
+            epoch = beat.epoch
+            # Events: vLLM's msgpack batches on the JetStream stream, seq 1.. per epoch.
+            turn(h, "t", [5, 6])
+            sub = await js.subscribe(subjects.events("w0"), ordered_consumer=True)
+            decoder = EventBatchDecoder()
+            metas, stored_sessions = [], []
+            while len(metas) < 2:
+                msg = await sub.next_msg(timeout=5)
+                metas.append(EventBatchMeta.from_headers(msg.headers))
+                for event in decoder.decode(msg.data).events:
+                    stored_sessions.append(getattr(event, "session_id", None))
+            assert [(m.worker_id, m.epoch, m.seq) for m in metas] == [("w0", epoch, 1),
+                                                                      ("w0", epoch, 2)]
+            assert "s" in stored_sessions
+            assert beat.last_event_seq >= 1
+    finally:
+        try:
+            await js.delete_stream(subjects.events_stream)
+        finally:
+            await nc.drain()
+
+
+async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -> None:
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
+            await until(lambda: h.connector.transport.connected)
+            turn(h, "a", [1, 2, 3])
+            turn(h, "b", [1, 2, 7, 8])
+            turn(h, "c", [20])
+            core = h.connector.core
+            request = asyncio.ensure_future(nc.request(
+                subjects.snapshot("w0"), encode_snapshot_request(SnapshotRequest(limit=3)),
+                timeout=5))
+            await step_until(h, request.done)
+            pages = [decode_snapshot((await request).data)]
+            while pages[-1].next_cursor is not None:
+                reply = await nc.request(subjects.snapshot("w0"), encode_snapshot_request(
+                    SnapshotRequest(cursor=pages[-1].next_cursor, limit=3)), timeout=5)
+                pages.append(decode_snapshot(reply.data))
+            blocks = [(b.block_hash, b.parent_hash, b.medium) for p in pages for b in p.blocks]
+            sessions = {s.session_id: s.frontiers for p in pages for s in p.sessions}
+            assert len(pages) == 3  # 6 blocks + 3 sessions, 3 per page
+            assert blocks == core.index.snapshot_blocks()
+            assert sessions == dict(core.index.snapshot_sessions())
+            assert {p.seq for p in pages} == {core.event_seq}
+            assert all(p.worker_id == "w0" and p.block_size == BS for p in pages)
+            bad = asyncio.ensure_future(nc.request(subjects.snapshot("w0"), b'{"limit": -1}',
+                                                   timeout=5))
+            await step_until(h, bad.done)
+            assert b"error" in (await bad).data
+    finally:
+        await nc.drain()
+
+
+async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
+        nats_url: str, subject_prefix: str) -> None:
+    """The engine is in a long step (here: not stepped at all): after defer_after_s the
+    plugin answers ``deferred``, then the final outcome once the step comes."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, defer_after_s=0.05, pin_budget_fraction=0.2,
+                    create_events_stream=False) as h:
+            await until(lambda: h.connector.transport.connected)
+            turn(h, "s", [1, 2, 3])
+            started = time.monotonic()
+            await nc.publish(subjects.hints("w0"), pin_message("slow"))
+            first = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (first.action_id, first.status.value) == ("slow", "deferred")
+            assert time.monotonic() - started < 2.0
+            h.step()
+            final = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (final.action_id, final.status.value) == ("slow", "accepted")
+            # A message the engine takes in time gets no deferred.
+            await nc.publish(subjects.hints("w0"), pin_message("fast"))
+            await step_until(h, lambda: not outcomes.empty())
+            quick = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (quick.action_id, quick.status.value) == ("fast", "accepted")
+            assert h.connector.transport.counters.deferred_at_once == 1
+    finally:
+        await nc.drain()
+
+
+async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
+                                                       subject_prefix: str) -> None:
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, inbound_buffer=1,
+                    create_events_stream=False) as h:
+            await until(lambda: h.connector.transport.connected)
+            for i in range(3):  # the engine does not step: the inbox holds one
+                await nc.publish(subjects.hints("w0"), pin_message(f"f{i}"))
+            rejected = [decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+                        for _ in range(2)]
+            assert [o.action_id for o in rejected] == ["f1", "f2"]
+            assert all(o.status.value == "rejected" and "inbox full" in o.reason
+                       for o in rejected)
+            assert h.connector.core.mailbox.counters.inbound_dropped == 2
+            h.step()
+            first = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (first.action_id, first.status.value) == ("f0", "missing")
+    finally:
+        await nc.drain()
+
+
+async def test_nats_down_never_blocks_the_engine_and_hints_flow_after_it_returns(
+        own_nats: NatsServerProcess, subject_prefix: str) -> None:
+    subjects = Subjects(subject_prefix)
+    with plugin(own_nats.url, subject_prefix, event_buffer_batches=1000,
+                pin_budget_fraction=0.2) as h:
+        transport = h.connector.transport
+        await until(lambda: transport.connected)
+        turn(h, "s", [1, 2, 3])
+        await until(lambda: transport.counters.event_batches_published >= 1)
+        own_nats.stop()
+        await until(lambda: not transport.connected)
+        started = time.monotonic()
+        for i in range(20):  # the engine runs on; batches wait in the bounded buffer
+            turn(h, f"x{i}", [100 + 5 * i, 101 + 5 * i])
+        assert time.monotonic() - started < 5.0
+        waiting = len(h.connector.core.mailbox.event_batches)
+        assert waiting >= 20
+        own_nats.start()
+        await until(lambda: transport.connected, timeout_s=20)
+        await until(lambda: not h.connector.core.mailbox.event_batches)
+        nc = await nats.connect(own_nats.url)
+        try:
+            outcomes = await collect(nc, subjects.outcomes("w0"))
+            js = nc.jetstream()
+            info = await js.stream_info(subjects.events_stream)
+            assert info.state.messages == h.connector.core.event_seq  # no gap, no loss
+            await nc.publish(subjects.hints("w0"), pin_message("after"))
+            await until(lambda: bool(h.connector.core.mailbox.inbound))
+            h.step()
+            outcome = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (outcome.action_id, outcome.status.value) == ("after", "accepted")
+        finally:
+            await nc.drain()
+        assert h.connector.core.mailbox.counters.events_dropped == 0
+
+
+async def test_a_small_buffer_drops_oldest_batches_and_counts_them(
+        own_nats: NatsServerProcess, subject_prefix: str) -> None:
+    with plugin(own_nats.url, subject_prefix, event_buffer_batches=3,
+                create_events_stream=False) as h:
+        transport = h.connector.transport
+        await until(lambda: transport.connected)
+        own_nats.stop()
+        await until(lambda: not transport.connected)
+        for i in range(10):
+            turn(h, f"x{i}", [100 + 5 * i])
+        counters = h.connector.core.mailbox.counters
+        assert len(h.connector.core.mailbox.event_batches) == 3
+        assert counters.event_batches_dropped == h.connector.core.event_seq - 3
+        assert counters.events_dropped >= counters.event_batches_dropped
+
+
+async def test_unreachable_nats_at_start_leaves_the_engine_running() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    with plugin(url, "kvhinttest.unreachable") as h:
+        turn(h, "s", [1, 2, 3])
+        assert not h.connector.transport.connected
+        assert h.connector.core.index.session_blocks("s")
+    # shutdown returned (the connect loop is interruptible)
+
+
+def test_without_nats_url_the_index_runs_and_nothing_is_queued() -> None:
+    h = build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config={"worker_id": "w0"}))
+    turn(h, "s", [1, 2])
+    assert h.connector.transport is None and h.connector.core.mailbox is None
+    assert len(h.connector.core.index.session_blocks("s")) == 2
+
+
+@pytest.fixture(autouse=True)
+def _quiet_nats_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("ERROR", logger="nats")

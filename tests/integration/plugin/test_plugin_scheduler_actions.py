@@ -1,0 +1,384 @@
+"""Each hint action against vLLM's real Scheduler and block pool (no model).
+
+The connector is loaded by module path, exactly as a server loads it; hints are applied
+through the connector's PluginCore (the NATS path has its own tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from kvhint.engine_plugin.headless import (
+    HeadlessScheduler,
+    HeadlessSchedulerSpec,
+    build_scheduler,
+    tokens_for_block_ids,
+)
+from kvhint.schemas import (
+    DemotePayload,
+    HintOutcome,
+    KvHintsEnvelope,
+    PinPayload,
+    PrefetchPayload,
+    RetainPayload,
+    SharePayload,
+    Target,
+    encode_hints,
+    make_action,
+)
+
+BS = 32
+_ids = itertools.count(1)
+
+
+def sched(num_blocks: int = 64, **extra: Any) -> HeadlessScheduler:
+    config = {"worker_id": "w0", **extra}
+    return build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=num_blocks, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config=config))
+
+
+def prompt(block_ids: list[int], tail: int = 5) -> list[int]:
+    return tokens_for_block_ids(block_ids, BS) + [3] * tail
+
+
+def turn(h: HeadlessScheduler, session: str | None, block_ids: list[int],
+         max_tokens: int = 1) -> Any:
+    return h.run(h.make_request(prompt(block_ids), session_id=session, max_tokens=max_tokens))
+
+
+def turn_hit(h: HeadlessScheduler, session: str | None, block_ids: list[int]) -> int:
+    """Run a turn; return the prefix-cache tokens vLLM reused for it at admission."""
+    request = h.add(h.make_request(prompt(block_ids), session_id=session))
+    hits: list[int] = []
+    h.step(lambda _: hits.append(request.prefill_stats.num_local_cached_tokens))
+    h.run_until_done()
+    return hits[0]
+
+
+def hint(h: HeadlessScheduler, payload: Any, action_id: str | None = None) -> HintOutcome:
+    action_id = action_id or f"a{next(_ids)}"
+    envelope = KvHintsEnvelope(protocol_version="1", message_id=f"m-{action_id}",
+                               actions=[make_action(action_id, payload)])
+    (outcome,) = h.connector.core.apply_hints(encode_hints(envelope))
+    return outcome
+
+
+def cached_tokens(h: HeadlessScheduler, block_ids: list[int]) -> int:
+    """What a new request with this prefix would hit (side-effect free lookup)."""
+    _, hit, _ = h.kv_cache_manager.get_computed_blocks(h.make_request(prompt(block_ids)))
+    return hit
+
+
+def flood(h: HeadlessScheduler, requests: int, first_id: int = 10_000) -> None:
+    for i in range(requests):
+        base = first_id + 10 * i
+        turn(h, f"filler-{i}", [base, base + 1, base + 2, base + 3])
+
+
+def test_pinned_session_survives_pressure_that_evicts_the_control() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "pinned", [1, 2, 3, 4])
+    turn(h, "control", [5, 6, 7, 8])
+    assert cached_tokens(h, [1, 2, 3, 4]) == 4 * BS and cached_tokens(h, [5, 6, 7, 8]) == 4 * BS
+    outcome = hint(h, PinPayload(target=Target(session_id="pinned"), ttl_s=60))
+    assert outcome.status.value == "accepted" and outcome.applied.blocks == 4
+    assert h.connector.core.executor.pinned_blocks == 4
+    flood(h, 40)  # 160 blocks through a 63-block pool
+    assert cached_tokens(h, [1, 2, 3, 4]) == 4 * BS
+    assert cached_tokens(h, [5, 6, 7, 8]) == 0
+    # The next turn of the pinned session really reuses the cache.
+    assert turn_hit(h, "pinned", [1, 2, 3, 4, 9]) == 4 * BS
+    assert h.connector.core.counters.internal_errors == 0
+
+
+def _workload(h: HeadlessScheduler) -> list[Any]:
+    """A long decode running while a big prompt arrives that needs nearly the whole pool."""
+    running = h.add(h.make_request(prompt([900, 901]), session_id="runner", max_tokens=40))
+    h.step()
+    big = h.add(h.make_request(prompt(list(range(500, 550))), session_id="big"))
+    h.run_until_done()
+    return [running, big]
+
+
+def test_retain_orders_eviction_by_priority_and_never_preempts() -> None:
+    # Plain vLLM first: the same workload, no hints, no plugin.
+    plain = build_scheduler(HeadlessSchedulerSpec(block_size=BS, num_blocks=64))
+    for session, ids in (("lo", [1, 2, 3, 4]), ("mid", [5, 6, 7, 8]), ("hi", [11, 12, 13, 14])):
+        turn(plain, session, ids)
+    plain_reqs = _workload(plain)
+    plain_steps = plain.steps
+
+    h = sched()
+    for session, ids in (("lo", [1, 2, 3, 4]), ("mid", [5, 6, 7, 8]), ("hi", [11, 12, 13, 14])):
+        turn(h, session, ids)
+    for session, priority in (("lo", 10), ("mid", 50), ("hi", 90)):
+        outcome = hint(h, RetainPayload(target=Target(session_id=session), priority=priority))
+        assert outcome.status.value == "accepted" and outcome.applied.blocks == 4
+    executor = h.connector.core.executor
+    assert executor.retained_blocks == 12
+    reqs = _workload(h)
+
+    # Retention cost vLLM nothing: same steps, no preemption, everything finished.
+    assert [r.num_preemptions for r in reqs] == [r.num_preemptions for r in plain_reqs] == [0, 0]
+    assert all(r.is_finished() for r in reqs)
+    assert h.steps - 3 == plain_steps - 3  # (the 3 warm-up turns took the same steps too)
+    # The big prompt needed retained blocks: the lowest priority went first, leaf first.
+    assert executor.holds.counters.released_under_pressure > 0
+    assert cached_tokens(h, [11, 12, 13, 14]) == 4 * BS
+    assert cached_tokens(h, [1, 2, 3, 4]) < cached_tokens(h, [11, 12, 13, 14])
+    assert executor.retained_blocks + executor.holds.counters.released_under_pressure == 12
+
+
+def test_retain_with_priority_zero_releases_a_session_to_plain_lru() -> None:
+    h = sched()
+    turn(h, "s", [1, 2, 3, 4])
+    hint(h, RetainPayload(target=Target(session_id="s"), priority=70))
+    assert h.connector.core.executor.retained_blocks == 4
+    free_before = h.block_pool.get_num_free_blocks()
+    outcome = hint(h, RetainPayload(target=Target(session_id="s"), priority=0, ttl_s=1))
+    assert outcome.status.value == "accepted" and "priority 0" in outcome.reason
+    assert h.connector.core.executor.retained_blocks == 0
+    assert h.block_pool.get_num_free_blocks() == free_before + 4
+
+
+def test_released_session_is_evicted_before_older_untouched_sessions() -> None:
+    # Plain LRU would evict "older" first (finished first); a release (Retain priority 0)
+    # of "ended" puts its own blocks at the head, while the system prompt it shares with
+    # "live" (blocks 1, 2) stays where LRU has it.
+    h = sched()
+    turn(h, "older", [40, 41, 42, 43])
+    turn(h, "live", [1, 2, 30, 31])
+    turn(h, "ended", [1, 2, 20, 21, 22])
+    outcome = hint(h, RetainPayload(target=Target(session_id="ended"), priority=0, ttl_s=1))
+    assert outcome.status.value == "accepted"
+    assert "3 free blocks only this session used now go first" in outcome.reason, outcome.reason
+    # Three more blocks of pressure: exactly what "ended" alone gave up.
+    turn(h, "new", list(range(600, 600 + h.block_pool.get_num_free_blocks() - 14 + 3)))
+    assert cached_tokens(h, [1, 2, 20, 21, 22]) == 2 * BS
+    assert cached_tokens(h, [40, 41, 42, 43]) == 4 * BS
+    assert cached_tokens(h, [1, 2, 30, 31]) == 4 * BS
+
+
+def test_a_newer_session_hint_supersedes_the_older_one() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3, 4])
+    hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60))
+    hint(h, RetainPayload(target=Target(session_id="s"), priority=30))
+    executor = h.connector.core.executor
+    assert executor.pinned_blocks == 0 and executor.retained_blocks == 4
+    assert executor.holds.counters.superseded_claims == 1
+
+
+def test_pin_budget_and_ttl_clip() -> None:
+    h = sched(pin_budget_fraction=0.1, max_pin_ttl_s=30)  # 63 blocks -> 6 pinnable
+    turn(h, "s", [1, 2, 3, 4, 5, 6, 7, 8])
+    outcome = hint(h, PinPayload(target=Target(session_id="s"), ttl_s=600))
+    assert outcome.status.value == "clipped"
+    assert outcome.requested.blocks == 8 and outcome.applied.blocks == 6
+    assert "pin budget" in outcome.reason and "ttl clipped to max_pin_ttl_s=30" in outcome.reason
+    # Root-most blocks are the ones kept: a prefix hit needs them.
+    assert cached_tokens(h, [1, 2, 3, 4, 5, 6]) == 6 * BS
+    flood(h, 40)
+    assert cached_tokens(h, [1, 2, 3, 4, 5, 6, 7, 8]) == 6 * BS
+    turn(h, "t", [21, 22])
+    full = hint(h, PinPayload(target=Target(session_id="t"), ttl_s=10))
+    assert full.status.value == "clipped" and full.applied.blocks == 0
+
+
+def test_retain_budget_displaces_lower_priority() -> None:
+    h = sched(retain_budget_fraction=0.1)  # 6 blocks
+    turn(h, "lo", [1, 2, 3, 4])
+    turn(h, "hi", [5, 6, 7, 8])
+    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
+    outcome = hint(h, RetainPayload(target=Target(session_id="hi"), priority=90))
+    assert outcome.status.value == "accepted" and outcome.applied.blocks == 4
+    executor = h.connector.core.executor
+    assert executor.retained_blocks == 6 and executor.holds.counters.displaced == 2
+    low = hint(h, RetainPayload(target=Target(block_hashes=[1 << 40]), priority=5))
+    assert low.status.value == "missing"
+
+
+def test_ttl_expiry_releases_blocks_at_the_next_step() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    core = h.connector.core
+    now = [1_000.0]
+    core.use_clock(lambda: now[0])
+    turn(h, "s", [1, 2, 3])
+    free = h.block_pool.get_num_free_blocks()
+    hint(h, PinPayload(target=Target(session_id="s"), ttl_s=5))
+    hint(h, RetainPayload(target=Target(block_hashes=core.index.session_blocks("s")),
+                          priority=40, ttl_s=8))
+    assert h.block_pool.get_num_free_blocks() == free - 3
+    now[0] += 6
+    assert core.has_pending_work()  # has_pending_push_work keeps an idle engine stepping
+    h.step()  # an empty step: build_connector_meta -> pump -> expiry
+    assert core.executor.pinned_blocks == 0 and core.executor.retained_blocks == 3
+    now[0] += 3
+    h.step()
+    assert core.executor.retained_blocks == 0 and not core.has_pending_work()
+    assert h.block_pool.get_num_free_blocks() == free
+    assert core.executor.holds.counters.expired_claims == 2
+
+
+def test_duplicate_action_ids_answer_the_same_outcome() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3])
+    first = hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60), action_id="dup")
+    free = h.block_pool.get_num_free_blocks()
+    second = hint(h, PinPayload(target=Target(session_id="s"), ttl_s=5), action_id="dup")
+    assert second == first
+    assert h.block_pool.get_num_free_blocks() == free
+    assert h.connector.core.executor.counters.duplicates == 1
+
+
+def test_prefix_cache_reset_works_with_pins_held() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3])
+    hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60))
+    # A running request holds blocks: vLLM's own reset fails, and the pins stay.
+    running = h.add(h.make_request(prompt([40, 41]), session_id="r", max_tokens=20))
+    h.step()
+    assert h.scheduler.reset_prefix_cache() is False
+    assert h.connector.core.executor.pinned_blocks == 3
+    h.run_until_done()
+    assert running.is_finished()
+    # Idle: the pins are all that stands in the way; they are released and the reset works.
+    assert h.scheduler.reset_prefix_cache() is True
+    assert h.connector.core.executor.pinned_blocks == 0
+    assert cached_tokens(h, [1, 2, 3]) == 0
+    turn(h, "s", [1, 2, 3])  # the step drains AllBlocksCleared into the index
+    assert h.connector.core.index.session_blocks("s") == \
+        h.connector.core.index.chain(h.connector.core.index.frontiers("s")[0])
+    # reset_running_requests=True preempts runners, then our wrapper releases the pins.
+    hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60))
+    h.add(h.make_request(prompt([50, 51]), session_id="r2", max_tokens=20))
+    h.step()
+    assert h.scheduler.reset_prefix_cache(reset_running_requests=True) is True
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"{not json", "malformed hints message"),
+    (b'{"protocol_version": "9", "message_id": "m", "actions": '
+     b'[{"action_id": "x", "action_type": "kv.pin", "action_version": "1.0", '
+     b'"payload": {"target": {"session_id": "s"}}}]}', "unsupported protocol_version"),
+    (b'{"protocol_version": "1", "message_id": "m", "actions": '
+     b'[{"action_id": "x", "action_type": "kv.nope", "action_version": "1.0", "payload": {}}]}',
+     "unsupported action_type"),
+    (b'{"protocol_version": "1", "message_id": "m", "actions": '
+     b'[{"action_id": "x", "action_type": "kv.retain", "action_version": "1.0", '
+     b'"payload": {"target": {"session_id": "s"}, "priority": 101}}]}', "priority"),
+    (b'{"protocol_version": "1", "message_id": "m", "actions": '
+     b'[{"action_id": "x", "action_type": "kv.pin", "action_version": "2.0", '
+     b'"payload": {"target": {"session_id": "s"}}}]}', "unsupported action_version"),
+])
+def test_malformed_messages_are_rejected_and_change_nothing(raw: bytes, reason: str) -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3])
+    free = h.block_pool.get_num_free_blocks()
+    outcomes = h.connector.core.apply_hints(raw)
+    assert len(outcomes) == 1 and outcomes[0].status.value == "rejected"
+    assert reason in outcomes[0].reason
+    assert h.block_pool.get_num_free_blocks() == free
+    # The engine keeps going.
+    assert turn_hit(h, "s", [1, 2, 3, 4]) == 3 * BS
+
+
+def test_one_bad_action_does_not_sink_the_others() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3])
+    raw = (b'{"protocol_version": "1", "message_id": "m", "actions": ['
+           b'{"action_id": "bad", "action_type": "kv.pin", "action_version": "1.0", '
+           b'"payload": {"target": {}}},'
+           b'{"action_id": "good", "action_type": "kv.pin", "action_version": "1.0", '
+           b'"payload": {"target": {"session_id": "s"}, "ttl_s": 30}}]}')
+    bad, good = h.connector.core.apply_hints(raw)
+    assert (bad.action_id, bad.status.value) == ("bad", "rejected")
+    assert (good.action_id, good.status.value) == ("good", "accepted")
+
+
+def test_unknown_session_and_evicted_blocks_are_missing() -> None:
+    h = sched()
+    assert hint(h, PinPayload(target=Target(session_id="ghost"))).status.value == "missing"
+    turn(h, "s", [1, 2, 3])
+    blocks = h.connector.core.index.session_blocks("s")
+    flood(h, 30)
+    outcome = hint(h, RetainPayload(target=Target(block_hashes=blocks), priority=50))
+    assert outcome.status.value == "missing" and outcome.requested.blocks == 3
+    part = hint(h, PinPayload(target=Target(session_id="s", prefix_tokens=100)))
+    assert part.status.value == "missing"
+
+
+def test_prefix_tokens_target_takes_whole_blocks_from_the_root() -> None:
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3, 4, 5])
+    outcome = hint(h, PinPayload(target=Target(session_id="s", prefix_tokens=3 * BS + 7)))
+    assert outcome.status.value == "accepted" and outcome.applied.blocks == 3
+    assert outcome.applied.tokens == 3 * BS
+    tiny = hint(h, PinPayload(target=Target(session_id="s", prefix_tokens=BS - 1)))
+    assert tiny.status.value == "rejected" and "less than one block" in tiny.reason
+
+
+def test_demote_share_and_prefetch_answer_honestly_on_the_cpu_backend() -> None:
+    h = sched()
+    core = h.connector.core
+    now = [1_000.0]
+    core.use_clock(lambda: now[0])
+    turn(h, "s", [1, 2, 3])
+    free = h.block_pool.get_num_free_blocks()
+    demote = hint(h, DemotePayload(target=Target(session_id="s")))
+    assert demote.status.value == "rejected" and "no host tier" in demote.reason
+    share = hint(h, SharePayload(target=Target(session_id="s"), destination_worker="w1"))
+    assert share.status.value == "rejected" and "nothing changed" in share.reason
+    assert h.block_pool.get_num_free_blocks() == free
+    assert "kv.demote" not in core.supported_actions() and "kv.share" not in core.supported_actions()
+    # Prefetch of resident blocks: nothing to load, kept resident until the deadline.
+    ready = hint(h, PrefetchPayload(target=Target(session_id="s"), deadline_s=5))
+    assert ready.status.value == "accepted" and core.executor.retained_blocks == 3
+    # Prefetch of blocks that are gone: deferred at once, final when they come back.
+    turn(h, "t", [7, 8])
+    gone = core.index.session_blocks("t")
+    flood(h, 30)
+    deferred = hint(h, PrefetchPayload(target=Target(block_hashes=gone), deadline_s=5),
+                    action_id="pf")
+    assert deferred.status.value == "deferred" and "no host tier" in deferred.reason
+    turn(h, "t", [7, 8])  # a request recomputes them; the step settles the prefetch
+    settled = hint(h, PrefetchPayload(target=Target(block_hashes=gone)), action_id="pf")
+    assert settled.status.value == "accepted" and settled.applied.blocks == 2
+    # Another one that never comes back ends at its deadline.
+    late = hint(h, PrefetchPayload(target=Target(block_hashes=[123456789]), deadline_s=2),
+                action_id="pf2")
+    assert late.status.value == "deferred"
+    now[0] += 3
+    (final,) = core.advance()
+    assert (final.action_id, final.status.value) == ("pf2", "missing")
+    assert hint(h, PrefetchPayload(target=Target(block_hashes=[1])), action_id="pf2") == final
+
+
+def test_expired_hints_are_rejected() -> None:
+    h = sched()
+    core = h.connector.core
+    core.use_clock(lambda: 5_000.0)
+    turn(h, "s", [1, 2])
+    outcome = hint(h, PinPayload(target=Target(session_id="s"), expires_at=4_999.0))
+    assert outcome.status.value == "rejected" and "expired" in outcome.reason
+
+
+def test_a_plugin_bug_is_counted_and_never_stops_the_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Injected fault (a bug cannot be caused on purpose otherwise): every index update
+    and every step's pump raise; vLLM still serves, exactly as without the plugin."""
+    h = sched()
+    core = h.connector.core
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(core.index, "apply", broken)
+    monkeypatch.setattr(core, "pump", broken)
+    turn(h, "s", [1, 2, 3])
+    assert turn_hit(h, "s", [1, 2, 3, 4]) == 3 * BS
+    assert core.counters.internal_errors >= 3

@@ -1,0 +1,43 @@
+"""The connector's extra config: defaults, and bad values named by key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhint.engine_plugin.config import PluginConfig, PluginConfigError, load_plugin_config
+
+
+def test_defaults_run_without_nats() -> None:
+    config = load_plugin_config({})
+    assert config.nats_url is None and config.nats_servers == []
+    assert config.resolved_worker_id(3) == "w3"
+    assert config.pin_budget_blocks(1000) == 100  # 10% by default
+    assert config.subject_prefix == "kvhint"
+
+
+def test_values_from_the_dev_stack_are_accepted() -> None:
+    config = load_plugin_config({"worker_id": "w0", "nats_url": "nats://127.0.0.1:4222"})
+    assert config.worker_id == "w0" and config.nats_servers == ["nats://127.0.0.1:4222"]
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"worker_id": "w.0"}, "worker_id"),
+    ({"nats_url": "http://x"}, "nats_url"),
+    ({"subject_prefix": "a..b"}, "subject_prefix"),
+    ({"pin_budget_fraction": 2}, "pin_budget_fraction"),
+    ({"max_pin_ttl_s": 0}, "max_pin_ttl_s"),
+    ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
+    ({"event_buffer_batches": 0}, "event_buffer_batches"),
+    ({"inbound_buffer": "many"}, "inbound_buffer"),
+    ({"pin_budget": 0.1}, "pin_budget"),  # unknown key (typo) is an error, not ignored
+])
+def test_bad_values_stop_with_the_key_named(extra: dict, key: str) -> None:
+    with pytest.raises(PluginConfigError) as err:
+        load_plugin_config(extra)
+    assert f"kv_connector_extra_config[{key!r}]" in str(err.value)
+
+
+def test_config_is_frozen() -> None:
+    config = PluginConfig()
+    with pytest.raises(ValueError):
+        config.worker_id = "x"  # type: ignore[misc]
