@@ -1,0 +1,156 @@
+"""Wire -> domain: vLLM event batches and snapshot pages into index events.
+
+The only part of the index package that knows the wire contract (``kvhint.schemas``).
+Batch-level fast path: one ``BlocksStored`` per vLLM ``BlockStored`` (a whole run of
+hashes), and consecutive ``BlockRemoved`` events of one tier (vLLM sends one hash each)
+merged into a single ``BlocksRemoved``; no per-block objects.
+
+Dropped on purpose, and counted in :class:`AdapterCounters`: events of a KV-cache group
+other than the first (``group_idx > 0``: hybrid models repeat each hash per group, and the
+first group decides prefix hits for full attention) and event types we do not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvhint.router.kv_index.events import (
+    TIERS,
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    IndexEvent,
+    SnapshotBlock,
+    SnapshotLoaded,
+    tier_of_medium,
+)
+from kvhint.schemas import events as wire
+from kvhint.schemas.events import external_hash_to_int
+from kvhint.schemas.snapshot import WorkerSnapshot
+
+
+@dataclass(slots=True)
+class AdapterCounters:
+    batches: int = 0
+    events: int = 0
+    decode_errors: int = 0
+    unknown_events: int = 0
+    other_group_events: int = 0
+    unknown_medium_events: int = 0
+
+
+def _ints(values: Sequence[int | bytes]) -> Sequence[int]:
+    # Publishers send all ints (vLLM's default) or all bytes; look at the first only.
+    if values and type(values[0]) is not int:
+        return [external_hash_to_int(v) for v in values]
+    return values  # type: ignore[return-value]
+
+
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+# Event classes we understand, by identity: our summaries, our full wire types, and (by
+# name, added lazily) vLLM's own classes, which share names and fields.
+_KINDS: dict[type, int] = {
+    wire.BlockStoredSummary: _STORED, wire.BlockRemovedSummary: _REMOVED,
+    wire.AllBlocksClearedSummary: _CLEARED, wire.BlockStored: _STORED,
+    wire.BlockRemoved: _REMOVED, wire.AllBlocksCleared: _CLEARED}
+_KIND_BY_NAME = {"BlockStored": _STORED, "BlockRemoved": _REMOVED, "AllBlocksCleared": _CLEARED}
+
+
+class EventBatchAdapter:
+    """Decodes one worker's vLLM ``KVEventBatch`` payloads into domain events.
+
+    Reuse one instance (it keeps the msgspec decoder, a small cache and the counters).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = wire.EventSummaryDecoder()
+        self.counters = AdapterCounters()
+        self._tiers: dict[str | None, str] = {None: TIERS[0], **{t: t for t in TIERS}}
+        self._kinds = dict(_KINDS)
+
+    def decode(self, worker_id: str, payload: bytes) -> list[IndexEvent]:
+        """Raises ``kvhint.schemas.WireDecodeError`` (counted) for undecodable bytes."""
+        try:
+            batch = self._decoder.decode(payload)
+        except wire.WireDecodeError:
+            self.counters.decode_errors += 1
+            raise
+        counters = self.counters
+        counters.batches += 1
+        counters.unknown_events += batch.unknown_events
+        return self.convert_events(worker_id, batch.events)
+
+    def convert_events(self, worker_id: str, events: Sequence[object]) -> list[IndexEvent]:
+        """Events as decoded by ``kvhint.schemas`` or vLLM's own event objects (the
+        simulator passes those); unknown types are counted and skipped."""
+        self.counters.events += len(events)
+        out: list[IndexEvent] = []
+        removed: list[int] = []
+        removed_tier = ""
+        kinds, tiers = self._kinds, self._tiers
+        for ev in events:
+            kind = kinds.get(type(ev)) or self._learn_kind(ev)
+            if kind == _REMOVED:
+                if ev.group_idx:  # type: ignore[attr-defined]
+                    self.counters.other_group_events += 1
+                    continue
+                tier = tiers.get(ev.medium) or self._tier(ev.medium)  # type: ignore[attr-defined]
+                if tier != removed_tier and removed:
+                    out.append(BlocksRemoved(worker_id, removed, removed_tier))
+                    removed = []
+                removed_tier = tier
+                hashes = ev.block_hashes  # type: ignore[attr-defined]
+                if hashes and type(hashes[0]) is int:
+                    removed += hashes
+                else:
+                    removed += _ints(hashes)
+                continue
+            if kind == 0:
+                continue
+            if removed:
+                out.append(BlocksRemoved(worker_id, removed, removed_tier))
+                removed = []
+            if kind == _CLEARED:
+                out.append(AllBlocksCleared(worker_id))
+                continue
+            if ev.group_idx:  # type: ignore[attr-defined]
+                self.counters.other_group_events += 1
+                continue
+            tier = tiers.get(ev.medium) or self._tier(ev.medium)  # type: ignore[attr-defined]
+            hashes = _ints(ev.block_hashes)  # type: ignore[attr-defined]
+            parent = ev.parent_block_hash  # type: ignore[attr-defined]
+            if parent is not None and type(parent) is not int:
+                parent = external_hash_to_int(parent)
+            out.append(BlocksStored(worker_id, hashes, parent, tier,
+                                    ev.session_id,  # type: ignore[attr-defined]
+                                    len(hashes) * ev.block_size))  # type: ignore[attr-defined]
+        if removed:
+            out.append(BlocksRemoved(worker_id, removed, removed_tier))
+        return out
+
+    def _learn_kind(self, ev: object) -> int:
+        kind = _KIND_BY_NAME.get(type(ev).__name__, 0)
+        if kind:
+            self._kinds[type(ev)] = kind
+        else:
+            self.counters.unknown_events += 1
+        return kind
+
+    def _tier(self, medium: str | None) -> str:
+        self.counters.unknown_medium_events += 1
+        return tier_of_medium(medium)
+
+
+def snapshot_to_event(pages: Sequence[WorkerSnapshot]) -> SnapshotLoaded:
+    """Join a worker's snapshot pages into one ``SnapshotLoaded`` (pages in cursor order)."""
+    if not pages:
+        raise ValueError("a snapshot needs at least one page")
+    worker_id = pages[0].worker_id
+    blocks = [SnapshotBlock(b.block_hash, b.parent_hash, tier_of_medium(b.medium))
+              for page in pages for b in page.blocks]
+    sessions: dict[str, list[int]] = {}
+    for page in pages:
+        for s in page.sessions:
+            sessions.setdefault(s.session_id, []).extend(s.frontiers)
+    return SnapshotLoaded(worker_id, blocks, tuple(sessions.items()))

@@ -1,0 +1,265 @@
+"""The one object the router service feeds every KV-related message to.
+
+``KvEventIngestor`` joins the adapter (bytes -> domain events), the per-worker stream rules
+(:mod:`.stream`) and the index. It does no I/O: each ``on_*`` call returns the actions the
+owner must perform (:mod:`.actions`), typically ``RequestSnapshot`` pages. The clock is
+injected. Everything dropped is counted (:meth:`KvEventIngestor.stats`).
+
+Typical wiring (the service owns NATS)::
+
+    ingestor = KvEventIngestor(InMemoryClusterKvIndex(), clock=time.monotonic)
+    # events.<w> (core NATS or a JetStream consumer):
+    actions = ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
+    # status.<w>:
+    actions = ingestor.on_status_message(msg.data)
+    # every second or so:
+    actions = ingestor.tick()
+    # for RequestSnapshot(w, cursor, limit): request snapshot.<w> and then
+    actions = ingestor.on_snapshot_page(decode_snapshot(reply.data))   # or on_snapshot_failed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from kvhint.router.kv_index.actions import (
+    IngestAction,
+    RequestSnapshot,
+    WorkerAlive,
+    WorkerDead,
+    WorkerPurgedNotice,
+)
+from kvhint.router.kv_index.adapter import EventBatchAdapter, snapshot_to_event
+from kvhint.router.kv_index.events import WorkerPurged
+from kvhint.router.kv_index.protocol import ClusterKvIndex
+from kvhint.router.kv_index.stream import (
+    BatchVerdict,
+    Decision,
+    StreamConfig,
+    StreamCounters,
+    StreamPhase,
+    WorkerStream,
+)
+from kvhint.schemas import WireDecodeError
+from kvhint.schemas.events import EventBatchMeta
+from kvhint.schemas.snapshot import WorkerSnapshot
+from kvhint.schemas.status import WorkerStatus, decode_status
+from kvhint.schemas.subjects import Subjects
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStreamView:
+    """A worker's stream state, for the admin API and metrics."""
+
+    worker_id: str
+    phase: str
+    epoch: str | None
+    applied_seq: int
+    last_heard: float | None
+    last_status: WorkerStatus | None
+    counters: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class IngestStats:
+    """Totals over all workers (stream counters, adapter counters, message-level drops)."""
+
+    stream: Mapping[str, int]
+    adapter: Mapping[str, int]
+    malformed_messages: int
+    subject_mismatches: int
+    unknown_worker_pages: int
+
+
+class KvEventIngestor:
+    """Feeds one :class:`ClusterKvIndex` from the workers' event, status and snapshot
+    messages, keeping each worker's stream consistent (see :mod:`.stream`)."""
+
+    def __init__(self, index: ClusterKvIndex, clock: Callable[[], float],
+                 config: StreamConfig | None = None, subjects: Subjects | None = None) -> None:
+        self.index = index
+        self._clock = clock
+        self.config = config or StreamConfig()
+        self._subjects = subjects
+        self._adapter = EventBatchAdapter()
+        self._streams: dict[str, WorkerStream[bytes]] = {}
+        self._malformed = 0
+        self._subject_mismatch = 0
+        self._unknown_pages = 0
+
+    # --- messages -------------------------------------------------------------------
+
+    def on_event_message(self, headers: Mapping[str, str] | None, payload: bytes,
+                         subject: str | None = None) -> list[IngestAction]:
+        """One ``events.<w>`` message: NATS headers (worker, epoch, seq) + vLLM msgpack."""
+        try:
+            meta = EventBatchMeta.from_headers(dict(headers) if headers else None)
+        except WireDecodeError:
+            self._malformed += 1
+            return []
+        if subject is not None and self._subjects is not None:
+            try:
+                subject_worker = self._subjects.worker_of(subject)
+            except WireDecodeError:
+                subject_worker = None
+            if subject_worker != meta.worker_id:
+                self._subject_mismatch += 1
+                return []
+        return self.on_event_batch(meta, payload)
+
+    def on_event_batch(self, meta: EventBatchMeta, payload: bytes) -> list[IngestAction]:
+        """Same, with the headers already parsed."""
+        stream = self._streams.get(meta.worker_id) or self._stream(meta.worker_id)
+        was_alive = stream.phase is StreamPhase.LIVE or stream.phase is StreamPhase.RESYNCING
+        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock())
+        if was_alive and decision.purge_reason is None and decision.resync_reason is None:
+            # The hot path: an in-order batch (or a dropped one) of a known worker.
+            if decision.verdict is BatchVerdict.APPLY:
+                return self._apply_payload(stream, payload)
+            return []
+        actions = self._alive_actions(stream, was_alive)
+        actions += self._carry_out(stream, decision)
+        if decision.verdict is BatchVerdict.APPLY:
+            actions += self._apply_payload(stream, payload)
+        return actions
+
+    def on_status_message(self, payload: bytes) -> list[IngestAction]:
+        try:
+            status = decode_status(payload)
+        except WireDecodeError:
+            self._malformed += 1
+            return []
+        return self.on_status(status)
+
+    def on_status(self, status: WorkerStatus) -> list[IngestAction]:
+        stream = self._stream(status.worker_id)
+        was_alive = stream.phase not in (StreamPhase.NEW, StreamPhase.DEAD)
+        decision = stream.on_status(status.epoch, status.last_event_seq, status.interval_s,
+                                    self._clock(), status)
+        return self._alive_actions(stream, was_alive) + self._carry_out(stream, decision)
+
+    def on_snapshot_page(self, page: WorkerSnapshot, cursor: int | None = None
+                         ) -> list[IngestAction]:
+        """The reply to the last ``RequestSnapshot`` for ``page.worker_id``. Pass the
+        request's ``cursor`` when you have it: a page answering any other request (a late
+        reply to one that timed out) is then ignored and counted."""
+        stream = self._streams.get(page.worker_id)
+        if stream is None:
+            self._unknown_pages += 1
+            return []
+        awaited = stream.resync_cursor
+        answered = awaited if cursor is None else cursor
+        outcome, pages = stream.on_snapshot_page(page.epoch, page.seq,
+                                                 answered if answered is not None else -1,
+                                                 page.next_cursor, page, self._clock())
+        if outcome == "ignored":
+            return []
+        if outcome in ("more", "restart"):
+            return [self._request_page(stream, "snapshot continues" if outcome == "more"
+                                       else "epoch changed during snapshot; restarting")]
+        assert pages is not None
+        self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
+        ready, decision = stream.finish_resync()
+        actions: list[IngestAction] = []
+        for payload in ready:
+            actions += self._apply_payload(stream, payload)
+        return actions + self._carry_out(stream, decision)
+
+    def on_snapshot_failed(self, worker_id: str, reason: str = "") -> list[IngestAction]:
+        """The snapshot request failed or timed out; it is retried from :meth:`tick`."""
+        stream = self._streams.get(worker_id)
+        if stream is not None:
+            stream.on_snapshot_failed(self._clock())
+        return []
+
+    def tick(self) -> list[IngestAction]:
+        """Call periodically (about once per second): dead workers, snapshot retries and
+        timeouts, heartbeats that show lost trailing batches."""
+        now = self._clock()
+        actions: list[IngestAction] = []
+        for stream in list(self._streams.values()):
+            was_heard = stream.last_heard
+            decision, request_page = stream.tick(now)
+            if stream.phase is StreamPhase.DEAD and decision.purge_reason:
+                self.index.apply(WorkerPurged(stream.worker_id, decision.purge_reason))
+                actions.append(WorkerDead(stream.worker_id,
+                                          now - (was_heard if was_heard is not None else now)))
+                continue
+            actions += self._carry_out(stream, decision)
+            if request_page:
+                actions.append(self._request_page(stream, "retrying snapshot"))
+        return actions
+
+    def forget_worker(self, worker_id: str, reason: str = "removed") -> None:
+        """The worker left the configuration: drop its stream state and index entries."""
+        stream = self._streams.pop(worker_id, None)
+        if stream is not None:
+            stream.forget()
+        self.index.apply(WorkerPurged(worker_id, reason))
+
+    # --- views ----------------------------------------------------------------------
+
+    def worker_views(self) -> dict[str, WorkerStreamView]:
+        return {w: WorkerStreamView(
+            worker_id=w, phase=s.phase.value, epoch=s.epoch, applied_seq=s.applied_seq,
+            last_heard=s.last_heard,
+            last_status=s.last_status if isinstance(s.last_status, WorkerStatus) else None,
+            counters=_as_dict(s.counters)) for w, s in self._streams.items()}
+
+    def live_workers(self) -> tuple[str, ...]:
+        """Workers whose stream is consistent (LIVE), sorted: route by their overlap."""
+        return tuple(sorted(w for w, s in self._streams.items()
+                            if s.phase is StreamPhase.LIVE))
+
+    def stats(self) -> IngestStats:
+        totals = dict.fromkeys((f.name for f in fields(StreamCounters)), 0)
+        for stream in self._streams.values():
+            for name, value in _as_dict(stream.counters).items():
+                totals[name] += value
+        return IngestStats(stream=totals, adapter=_as_dict(self._adapter.counters),
+                           malformed_messages=self._malformed,
+                           subject_mismatches=self._subject_mismatch,
+                           unknown_worker_pages=self._unknown_pages)
+
+    # --- internals ------------------------------------------------------------------
+
+    def _stream(self, worker_id: str) -> WorkerStream[bytes]:
+        stream = self._streams.get(worker_id)
+        if stream is None:
+            stream = self._streams[worker_id] = WorkerStream(worker_id, self.config)
+        return stream
+
+    def _alive_actions(self, stream: WorkerStream[bytes], was_alive: bool) -> list[IngestAction]:
+        if was_alive or stream.epoch is None:
+            return []
+        return [WorkerAlive(stream.worker_id, stream.epoch)]
+
+    def _carry_out(self, stream: WorkerStream[bytes], decision: Decision) -> list[IngestAction]:
+        actions: list[IngestAction] = []
+        if decision.purge_reason:
+            self.index.apply(WorkerPurged(stream.worker_id, decision.purge_reason))
+            actions.append(WorkerPurgedNotice(stream.worker_id, decision.purge_reason))
+        if decision.resync_reason:
+            actions.append(self._request_page(stream, decision.resync_reason))
+        return actions
+
+    def _request_page(self, stream: WorkerStream[bytes], reason: str) -> RequestSnapshot:
+        stream.page_requested(self._clock())
+        cursor = stream.resync_cursor
+        return RequestSnapshot(stream.worker_id, cursor if cursor is not None else 0,
+                               self.config.snapshot_page_limit, reason)
+
+    def _apply_payload(self, stream: WorkerStream[bytes], payload: bytes) -> list[IngestAction]:
+        try:
+            events = self._adapter.decode(stream.worker_id, payload)
+        except WireDecodeError:
+            # The batch is lost for good: its effect on the cache is unknown, so resync.
+            decision = stream.force_resync("undecodable event batch")
+            return self._carry_out(stream, decision)
+        self.index.apply_all(events)
+        return []
+
+
+def _as_dict(obj: object) -> dict[str, int]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}  # type: ignore[arg-type]

@@ -1,0 +1,378 @@
+"""Per-worker event-stream bookkeeping: ordering, gaps, restarts, liveness (pure).
+
+Each worker publishes event batches numbered ``seq = 1, 2, ...`` within an ``epoch`` that
+changes whenever its engine (and so its cache) restarts, plus a status heartbeat every
+``interval_s``. :class:`WorkerStream` turns those observations into verdicts:
+
+- in-order batch -> apply; ``seq`` already applied -> duplicate (dropped, counted);
+- a batch from an epoch we moved past -> stale (dropped, counted);
+- a new epoch -> the old cache is gone: purge; if the batch is ``seq == 1`` we have the whole
+  new stream, else resync from a snapshot;
+- a sequence gap, joining mid-stream, or a heartbeat reporting a ``last_event_seq`` we have
+  not applied within a grace period -> resync: batches are buffered (bounded, overflow
+  counted) until the snapshot's pages arrive, then buffered batches after the snapshot's
+  ``seq`` are applied in order;
+- no message for ``heartbeat_misses * interval_s`` -> dead: purge.
+
+Time comes from the caller (an injected clock); nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class StreamPhase(enum.Enum):
+    NEW = "new"              # never heard
+    LIVE = "live"            # applying batches in order
+    RESYNCING = "resyncing"  # waiting for snapshot pages; batches buffered
+    DEAD = "dead"            # silent too long; purged
+
+
+class BatchVerdict(enum.Enum):
+    APPLY = "apply"
+    DUPLICATE = "duplicate"
+    STALE_EPOCH = "stale_epoch"
+    BUFFERED = "buffered"
+    OVERFLOW = "overflow"    # resync buffer full: dropped (the resync will notice the hole)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """Tuning of the stream rules; the defaults suit a heartbeat every 1-5 s."""
+
+    heartbeat_misses: float = 3.0
+    default_interval_s: float = 2.0
+    max_buffered_batches: int = 10_000
+    snapshot_page_limit: int = 20_000
+    snapshot_retry_s: float = 1.0
+    snapshot_timeout_s: float = 10.0
+    # How long a heartbeat's last_event_seq may run ahead of what we applied before we
+    # treat the difference as lost batches. None: one heartbeat interval.
+    tail_gap_grace_s: float | None = None
+    max_retired_epochs: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the owner must do besides applying/buffering the batch."""
+
+    verdict: BatchVerdict | None = None
+    purge_reason: str | None = None   # purge the worker from the index first
+    resync_reason: str | None = None  # then start a snapshot resync
+
+
+_APPLY = Decision(BatchVerdict.APPLY)  # the hot path's answer, built once
+_NOTHING = Decision()
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    batches_applied: int = 0
+    duplicates: int = 0
+    stale_epoch: int = 0
+    buffered: int = 0
+    overflow_dropped: int = 0
+    covered_by_snapshot: int = 0
+    gaps: int = 0
+    missing_batches: int = 0
+    epoch_changes: int = 0
+    resyncs_started: int = 0
+    resyncs_completed: int = 0
+    snapshot_pages: int = 0
+    snapshot_pages_ignored: int = 0
+    snapshot_failures: int = 0
+    deaths: int = 0
+    stale_status: int = 0
+
+
+@dataclass(slots=True)
+class _Resync(Generic[T]):
+    reason: str
+    cursor: int = 0
+    awaiting_since: float | None = None   # a page request is out
+    retry_at: float | None = None         # set after a failure
+    page_epoch: str | None = None
+    base_seq: int | None = None           # min seq over the pages received
+    pages: list[object] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Buffered(Generic[T]):
+    seq: int
+    item: T
+
+
+class WorkerStream(Generic[T]):
+    """One worker's stream state. ``T`` is whatever the owner buffers per batch (raw
+    payload bytes, usually), so nothing is decoded before it is needed."""
+
+    def __init__(self, worker_id: str, config: StreamConfig) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.phase = StreamPhase.NEW
+        self.epoch: str | None = None
+        self.applied_seq = 0
+        self.last_heard: float | None = None
+        self.interval_s = config.default_interval_s
+        self.counters = StreamCounters()
+        self.last_status: object | None = None
+        self._retired: deque[str] = deque(maxlen=config.max_retired_epochs)
+        self._buffer: list[_Buffered[T]] = []
+        self._buffered_max_seq = 0
+        self._resync: _Resync[T] | None = None
+        self._behind: tuple[int, float] | None = None  # (worker's seq, since)
+
+    # --- observations -------------------------------------------------------------
+
+    def on_batch(self, epoch: str, seq: int, item: T, now: float) -> Decision:
+        self.last_heard = now
+        if epoch in self._retired:
+            self.counters.stale_epoch += 1
+            return Decision(BatchVerdict.STALE_EPOCH)
+        purge = self._observe_epoch(epoch)
+        if self.phase is StreamPhase.RESYNCING:
+            return self._buffer_batch(seq, item, purge)
+        if self.phase is not StreamPhase.LIVE:  # first batch of this epoch
+            if seq == 1:
+                self.phase = StreamPhase.LIVE
+            else:
+                return self._begin_resync(seq, item, purge,
+                                          f"joined mid-stream at seq {seq}")
+        if seq <= self.applied_seq:
+            self.counters.duplicates += 1
+            return Decision(BatchVerdict.DUPLICATE, purge)
+        if seq == self.applied_seq + 1:
+            self.applied_seq = seq
+            self.counters.batches_applied += 1
+            if self._behind is not None:
+                self._clear_behind_if_caught_up()
+            return _APPLY if purge is None else Decision(BatchVerdict.APPLY, purge)
+        self.counters.gaps += 1
+        self.counters.missing_batches += seq - self.applied_seq - 1
+        return self._begin_resync(seq, item, purge,
+                                  f"sequence gap: expected {self.applied_seq + 1}, got {seq}")
+
+    def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
+                  status: object | None = None) -> Decision:
+        """A heartbeat. Returns a decision with no verdict (there is no batch)."""
+        if epoch in self._retired:
+            self.counters.stale_status += 1
+            return Decision()
+        self.last_heard = now
+        self.interval_s = interval_s if interval_s > 0 else self.config.default_interval_s
+        self.last_status = status
+        purge = self._observe_epoch(epoch)
+        if self.phase is StreamPhase.RESYNCING:
+            return Decision(None, purge)
+        if self.phase is not StreamPhase.LIVE:
+            if last_event_seq == 0:
+                self.phase = StreamPhase.LIVE  # nothing published yet: empty cache
+                return Decision(None, purge)
+            return self._begin_resync(None, None, purge,
+                                      f"joined mid-stream (worker at seq {last_event_seq})")
+        if last_event_seq > self.applied_seq:
+            if self._behind is None:  # keep the oldest claim we have not caught up with
+                self._behind = (last_event_seq, now)
+        else:
+            self._behind = None
+        return Decision(None, purge) if purge else self._check_tail_gap(now)
+
+    def tick(self, now: float) -> tuple[Decision, bool]:
+        """Liveness and timers. Returns (decision, request_page_now)."""
+        if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or self.last_heard is None:
+            return _NOTHING, False
+        if now - self.last_heard > self.interval_s * self.config.heartbeat_misses:
+            self.counters.deaths += 1
+            silence = now - self.last_heard
+            self._reset_stream()
+            self.phase = StreamPhase.DEAD
+            return Decision(None, f"no heartbeat for {silence:.1f}s"), False
+        resync = self._resync
+        if resync is not None:
+            if resync.retry_at is not None and now >= resync.retry_at:
+                resync.retry_at = None
+                return _NOTHING, True
+            if (resync.awaiting_since is not None
+                    and now - resync.awaiting_since > self.config.snapshot_timeout_s):
+                self.counters.snapshot_failures += 1
+                return _NOTHING, True
+            return _NOTHING, False
+        return self._check_tail_gap(now), False
+
+    # --- resync -------------------------------------------------------------------
+
+    @property
+    def resync_cursor(self) -> int | None:
+        return None if self._resync is None else self._resync.cursor
+
+    def page_requested(self, now: float) -> None:
+        if self._resync is not None:
+            self._resync.awaiting_since = now
+
+    def on_snapshot_failed(self, now: float) -> None:
+        if self._resync is not None:
+            self.counters.snapshot_failures += 1
+            self._resync.awaiting_since = None
+            self._resync.retry_at = now + self.config.snapshot_retry_s
+
+    def on_snapshot_page(self, epoch: str, seq: int, cursor: int, next_cursor: int | None,
+                         page: object, now: float) -> tuple[str, list[object] | None]:
+        """Returns ("ignored"|"restart"|"more"|"done", pages when done).
+
+        "restart": the worker's epoch changed between pages; pagination restarts at 0.
+        """
+        self.last_heard = now
+        resync = self._resync
+        if resync is None or cursor != resync.cursor:
+            self.counters.snapshot_pages_ignored += 1
+            return "ignored", None
+        self.counters.snapshot_pages += 1
+        resync.awaiting_since = None
+        if resync.page_epoch is not None and epoch != resync.page_epoch:
+            resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
+            return "restart", None
+        resync.page_epoch = epoch
+        resync.base_seq = seq if resync.base_seq is None else min(resync.base_seq, seq)
+        resync.pages.append(page)
+        if next_cursor is not None:
+            resync.cursor = next_cursor
+            return "more", None
+        return "done", resync.pages
+
+    def finish_resync(self) -> tuple[list[T], Decision]:
+        """After the snapshot is loaded: the buffered items to apply, in order, and a
+        decision (a new resync if a hole remains after the snapshot)."""
+        resync = self._resync
+        assert resync is not None and resync.base_seq is not None and resync.page_epoch
+        self.counters.resyncs_completed += 1
+        if resync.page_epoch != self.epoch:
+            # The engine restarted while we waited: buffered batches belong to the old one.
+            if self.epoch is not None:
+                self._retired.append(self.epoch)
+            self.counters.stale_epoch += len(self._buffer)
+            self._buffer.clear()
+            self.epoch = resync.page_epoch
+        self.applied_seq = resync.base_seq
+        self._resync = None
+        self._behind = None
+        self.phase = StreamPhase.LIVE
+        ready: list[T] = []
+        buffered = sorted(self._buffer, key=lambda b: b.seq)
+        self._buffer.clear()
+        self._buffered_max_seq = 0
+        for i, entry in enumerate(buffered):
+            if entry.seq <= self.applied_seq:
+                self.counters.covered_by_snapshot += 1
+                continue
+            if entry.seq != self.applied_seq + 1:
+                self.counters.gaps += 1
+                self.counters.missing_batches += entry.seq - self.applied_seq - 1
+                rest = buffered[i:]
+                decision = self._begin_resync(None, None, None,
+                                              f"hole after snapshot: expected "
+                                              f"{self.applied_seq + 1}, got {entry.seq}")
+                self._buffer = rest
+                self._buffered_max_seq = rest[-1].seq
+                return ready, decision
+            self.applied_seq = entry.seq
+            self.counters.batches_applied += 1
+            ready.append(entry.item)
+        return ready, Decision()
+
+    def force_resync(self, reason: str) -> Decision:
+        """Start a resync now (e.g. an applied batch could not be decoded)."""
+        if self.phase is StreamPhase.RESYNCING:
+            return Decision()
+        return self._begin_resync(None, None, None, reason)
+
+    def forget(self) -> None:
+        """Back to NEW (the owner removed the worker)."""
+        self._reset_stream()
+        self.phase = StreamPhase.NEW
+        self.last_heard = None
+
+    # --- internals ----------------------------------------------------------------
+
+    def _observe_epoch(self, epoch: str) -> str | None:
+        """Take ``epoch`` as current; the purge reason when it replaces a live one."""
+        if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or self.epoch is None:
+            self._adopt_epoch(epoch)
+            return None
+        if epoch == self.epoch:
+            return None
+        self.counters.epoch_changes += 1
+        reason = f"engine restarted (epoch {self.epoch} -> {epoch})"
+        self._adopt_epoch(epoch)
+        return reason
+
+    def _adopt_epoch(self, epoch: str) -> None:
+        if self.epoch is not None and self.epoch != epoch:
+            self._retired.append(self.epoch)
+        if self.epoch != epoch:
+            self._reset_stream()
+        self.epoch = epoch
+        if self.phase is StreamPhase.DEAD:
+            self.phase = StreamPhase.NEW
+
+    def _reset_stream(self) -> None:
+        self.applied_seq = 0
+        self.counters.stale_epoch += len(self._buffer)
+        self._buffer.clear()
+        self._buffered_max_seq = 0
+        self._resync = None
+        self._behind = None
+        self.phase = StreamPhase.NEW
+
+    def _begin_resync(self, seq: int | None, item: T | None, purge: str | None,
+                      reason: str) -> Decision:
+        self.phase = StreamPhase.RESYNCING
+        self._resync = _Resync(reason)
+        self._behind = None
+        self.counters.resyncs_started += 1
+        verdict = None
+        if seq is not None:
+            verdict = self._push(seq, item)
+        return Decision(verdict, purge, reason)
+
+    def _buffer_batch(self, seq: int, item: T, purge: str | None) -> Decision:
+        if seq <= self.applied_seq or seq <= self._buffered_max_seq and any(
+                b.seq == seq for b in self._buffer):
+            self.counters.duplicates += 1
+            return Decision(BatchVerdict.DUPLICATE, purge)
+        return Decision(self._push(seq, item), purge)
+
+    def _push(self, seq: int, item: T | None) -> BatchVerdict:
+        if len(self._buffer) >= self.config.max_buffered_batches:
+            self.counters.overflow_dropped += 1
+            return BatchVerdict.OVERFLOW
+        self._buffer.append(_Buffered(seq, item))  # type: ignore[arg-type]
+        self._buffered_max_seq = max(self._buffered_max_seq, seq)
+        self.counters.buffered += 1
+        return BatchVerdict.BUFFERED
+
+    def _clear_behind_if_caught_up(self) -> None:
+        if self._behind is not None and self.applied_seq >= self._behind[0]:
+            self._behind = None
+
+    def _check_tail_gap(self, now: float) -> Decision:
+        if self._behind is None or self.phase is not StreamPhase.LIVE:
+            return Decision()
+        target, since = self._behind
+        grace = self.config.tail_gap_grace_s
+        grace = self.interval_s if grace is None else grace
+        if self.applied_seq >= target:
+            self._behind = None
+            return Decision()
+        if now - since < grace:
+            return Decision()
+        self.counters.gaps += 1
+        self.counters.missing_batches += target - self.applied_seq
+        return self._begin_resync(None, None, None,
+                                  f"tail gap: worker reported seq {target}, applied "
+                                  f"{self.applied_seq}")

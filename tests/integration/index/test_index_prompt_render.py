@@ -1,0 +1,111 @@
+"""PromptRenderer / RequestHasher on the tiny model's real tokenizer: what it refuses, how
+it fails, and that its fast tokenizer path gives the HF tokenizer's ids. (Equality with
+the vLLM server's own rendering is proven in tests/e2e/index.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvhint.router.hashing import (
+    HashConfig,
+    ModelTokenizerSource,
+    PromptRenderError,
+    PromptRenderer,
+    RequestHasher,
+    UnknownModel,
+    UnsupportedHashConfig,
+    UnsupportedPrompt,
+)
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir: Path) -> PromptRenderer:
+    return PromptRenderer.from_pretrained(tiny_model_dir)
+
+
+def chat(**extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]} | extra
+
+
+def test_fast_path_ids_equal_the_hf_tokenizer(renderer: PromptRenderer) -> None:
+    assert renderer._fast_backend is not None
+    texts = ["hello world", "<|user|>hi<|end|><|assistant|>", "  lead spaces\n\ttabs",
+             "unicode: héllo — 你好 🙂", "", "{\"name\": \"get_weather\"}" * 20]
+    for text in texts:
+        for special in (True, False):
+            hf = renderer.tokenizer(text, add_special_tokens=special)["input_ids"]
+            assert renderer._encode(text, special) == list(hf)
+
+
+@pytest.mark.parametrize("body, error", [
+    ({"model": "tiny"}, "'messages' must be a non-empty list"),
+    (chat(messages=[{"content": "no role"}]), "string 'role'"),
+    (chat(messages=[{"role": "user", "content": 5}]), "must be a string, a list or null"),
+    (chat(add_generation_prompt=True, continue_final_message=True), "Cannot set both"),
+    (chat(add_generation_prompt="yes"), "must be a boolean"),
+    (chat(tools={"not": "a list"}), "'tools' must be a list"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "x", "function": {}}]}]),
+     "of type 'function'"),
+])
+def test_malformed_chat_bodies_are_render_errors(renderer: PromptRenderer, body: dict,
+                                                 error: str) -> None:
+    with pytest.raises(PromptRenderError, match=error):
+        renderer.chat_token_ids(body)
+
+
+@pytest.mark.parametrize("body", [
+    chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+    chat(truncate_prompt_tokens=10),
+    chat(chat_template="{{ messages }}"),
+    chat(chat_template_kwargs={"tokenize": True}),
+])
+def test_prompts_we_cannot_reproduce_are_refused(renderer: PromptRenderer, body: dict) -> None:
+    with pytest.raises(UnsupportedPrompt):
+        renderer.chat_token_ids(body)
+
+
+def test_completion_prompt_shapes(renderer: PromptRenderer) -> None:
+    one = renderer.completion_token_ids({"prompt": "hello"})
+    assert len(one) == 1 and one[0]
+    assert renderer.completion_token_ids({"prompt": ["hello", "bye"]})[0] == one[0]
+    assert renderer.completion_token_ids({"prompt": [5, 6, 7]}) == [[5, 6, 7]]
+    assert renderer.completion_token_ids({"prompt": [[5], [6, 7]]}) == [[5], [6, 7]]
+    for bad in (None, [], [[]], [1, "x"], 3, [-1]):
+        with pytest.raises(PromptRenderError):
+            renderer.completion_token_ids({"prompt": bad})
+
+
+def test_request_hasher_salt_models_and_configs(tiny_model_dir: Path) -> None:
+    loads: list[str] = []
+
+    def loader(source: ModelTokenizerSource) -> PromptRenderer:
+        loads.append(str(source.path))
+        return PromptRenderer.from_pretrained(source.path)
+
+    hasher = RequestHasher({"tiny": ModelTokenizerSource(tiny_model_dir),
+                            "alias": ModelTokenizerSource(tiny_model_dir)},
+                           loader=loader, max_loaded_models=1)
+    config = HashConfig(block_size=4)
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    plain = hasher.hash_chat(chat(messages=[{"role": "user", "content": text}]), config)
+    salted = hasher.hash_chat(chat(messages=[{"role": "user", "content": text}],
+                                   cache_salt="t1"), config)
+    assert plain.token_ids == salted.token_ids and len(plain.block_hashes) >= 4
+    assert plain.hashed_tokens == 4 * len(plain.block_hashes) <= plain.num_tokens
+    assert all(a != b for a, b in zip(plain.block_hashes, salted.block_hashes))
+    hasher.hash_chat(chat(model="alias"), config)  # evicts "tiny" (max 1 loaded)
+    hasher.hash_chat(chat(), config)
+    assert len(loads) == 3
+    with pytest.raises(UnknownModel):
+        hasher.hash_chat(chat(model="nope"), config)
+    with pytest.raises(PromptRenderError, match="'model'"):
+        hasher.hash_chat({"messages": []}, config)
+    with pytest.raises(PromptRenderError, match="cache_salt"):
+        hasher.hash_chat(chat(cache_salt=5), config)
+    with pytest.raises(UnsupportedHashConfig, match="cannot reproduce"):
+        hasher.hash_chat(chat(), HashConfig(4, "md5"))
+    [completion] = hasher.hash_completion({"model": "tiny", "prompt": text}, config)
+    assert completion.block_size == 4 and completion.block_hashes
