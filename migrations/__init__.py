@@ -1,0 +1,1 @@
+"""Alembic migrations for the router store (script location: this folder)."""

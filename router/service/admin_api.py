@@ -1,0 +1,229 @@
+"""Admin API (``/admin/...``): sessions, workers, hints. Needs an admin key (a tenant
+admin sees its own tenant only); open in dev mode.
+
+Reads come from memory (sessions, workers, the index) and from the store (hint history,
+sessions no longer in memory); the writer is flushed first so a read sees every write
+made before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+
+from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
+from kvhint.router.store.reader import (
+    count_hints_by_status,
+    get_session,
+    query_hints,
+    query_sessions,
+)
+
+
+def admin_principal(request: Request) -> Principal:
+    runtime: RouterRuntime = request.app.state.runtime
+    key = api_key_from_headers(request.headers.get("authorization"),
+                               request.headers.get("x-api-key"))
+    try:
+        return runtime.directory.admin(key)
+    except AuthError as exc:
+        raise HTTPException(exc.status, exc.message) from exc
+
+
+def _scope(principal: Principal, tenant: str | None) -> str | None:
+    """The tenant a query is limited to (None: all, for a global admin)."""
+    if principal.tenant is None:
+        return tenant
+    if tenant is not None and tenant != principal.tenant.name:
+        raise HTTPException(403, f"this key administers tenant {principal.tenant.name!r} only")
+    return principal.tenant.name
+
+
+def session_view(runtime: RouterRuntime, record: SessionRecord, detail: bool) -> dict[str, Any]:
+    plan = record.plan
+    view: dict[str, Any] = {
+        "tenant": record.tenant, "session_id": record.session_id,
+        "worker_session_id": record.worker_session_id, "worker_id": record.worker_id,
+        "state": record.state, "turns": record.turns, "inflight": record.inflight,
+        "created_at": record.created_at, "last_activity": record.last_activity,
+        "ended_at": record.ended_at, "open_gap": record.open_gap,
+        "prompt_tokens": record.prompt_tokens, "cached_tokens": record.cached_tokens,
+        "cached_share": (record.cached_tokens / record.prompt_tokens
+                         if record.prompt_tokens else None),
+        "predicted_cached_tokens": record.predicted_cached_tokens,
+        "planner": {
+            "gap_kind": plan.gap_kind, "gap_predicted_s": plan.gap_predicted_s,
+            "protection": (msgspec.to_builtins(plan.protection)
+                           if plan.protection is not None else None),
+            "demoted": plan.demoted, "context_tokens": plan.context_tokens,
+        },
+    }
+    if detail:
+        view["gaps"] = record.gaps[-32:]
+        view["resident_blocks"] = resident_blocks(runtime, record)
+        view["index_placements"] = [
+            {"worker_id": p.worker_id, "frontiers": list(p.frontiers),
+             "frontiers_resident": sum(1 for f in p.frontiers
+                                       if runtime.index.has_block(p.worker_id, f))}
+            for p in runtime.index.session_placements(record.worker_session_id)]
+    return view
+
+
+def resident_blocks(runtime: RouterRuntime, record: SessionRecord) -> dict[str, Any]:
+    """Of the blocks of the session's last prompt: how many each worker holds, per tier
+    (from the cluster index, i.e. what the workers' events said)."""
+    per_worker: dict[str, dict[str, int]] = {}
+    for block_hash in record.last_block_hashes:
+        for worker_id, tiers in runtime.index.locate(block_hash).items():
+            counts = per_worker.setdefault(worker_id, {})
+            for tier in tiers:
+                counts[tier] = counts.get(tier, 0) + 1
+    return {"prompt_blocks": len(record.last_block_hashes), "by_worker": per_worker}
+
+
+def worker_view(runtime: RouterRuntime, worker_id: str) -> dict[str, Any]:
+    worker = runtime.workers.get(worker_id)
+    if worker is None:
+        raise HTTPException(404, f"unknown worker {worker_id!r}")
+    stream = runtime.ingestor.worker_views().get(worker_id)
+    feedback = runtime.hints.feedback.get(worker_id)
+    held = runtime.hints.holdings.worker(worker_id)
+    return {
+        "worker_id": worker.worker_id, "url": worker.url, "from_config": worker.from_config,
+        "http_up": worker.http_up, "http_failures": worker.http_failures,
+        "last_http_error": worker.last_http_error, "plugin_alive": worker.plugin_alive,
+        "epoch": worker.epoch, "inflight": worker.inflight, "requests": worker.requests,
+        "status": msgspec.to_builtins(worker.status) if worker.status is not None else None,
+        "index_blocks": dict(runtime.index.worker_block_counts(worker_id)),
+        "stream": ({"phase": stream.phase, "epoch": stream.epoch,
+                    "applied_seq": stream.applied_seq, "counters": dict(stream.counters)}
+                   if stream is not None else None),
+        "held_by_hints": {"pinned_blocks": held.pinned_blocks,
+                          "retained_blocks": held.retained_blocks},
+        "feedback": feedback.to_dict() if feedback is not None else None,
+    }
+
+
+def build_admin_router() -> APIRouter:
+    router = APIRouter(prefix="/admin", tags=["admin"])
+
+    @router.get("/sessions")
+    async def list_sessions(request: Request, tenant: str | None = None,
+                            state: str | None = None, source: str = "memory",
+                            limit: int = Query(100, ge=1, le=10_000),
+                            principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        scope = _scope(principal, tenant)
+        if source == "store":
+            await runtime.writer.flush()
+            rows = await asyncio.to_thread(query_sessions, runtime.engine, scope, state, limit)
+            return {"sessions": rows, "source": "store"}
+        records = [r for r in runtime.sessions
+                   if (scope is None or r.tenant == scope) and (state is None or r.state == state)]
+        records.sort(key=lambda r: r.last_activity, reverse=True)
+        return {"sessions": [session_view(runtime, r, detail=False) for r in records[:limit]],
+                "total": len(records), "source": "memory"}
+
+    @router.get("/sessions/{tenant}/{session_id}")
+    async def get_one_session(request: Request, tenant: str, session_id: str,
+                              principal: Principal = Depends(admin_principal)
+                              ) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        _scope(principal, tenant)
+        await runtime.writer.flush()
+        hints = await asyncio.to_thread(query_hints, runtime.engine, None, tenant, session_id,
+                                        None, 200)
+        record = runtime.sessions.get(tenant, session_id)
+        if record is not None:
+            return {**session_view(runtime, record, detail=True), "hints": hints}
+        row = await asyncio.to_thread(get_session, runtime.engine, tenant, session_id)
+        if row is None:
+            raise HTTPException(404, f"unknown session {tenant}/{session_id}")
+        return {**row, "source": "store", "hints": hints}
+
+    @router.post("/sessions/{tenant}/{session_id}/end")
+    async def end_session(request: Request, tenant: str, session_id: str,
+                          principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        _scope(principal, tenant)
+        record = runtime.sessions.get(tenant, session_id)
+        if record is None:
+            raise HTTPException(404, f"unknown session {tenant}/{session_id}")
+        await runtime.lifecycle.end(record)
+        return session_view(runtime, record, detail=False)
+
+    @router.get("/workers")
+    async def list_workers(request: Request, principal: Principal = Depends(admin_principal)
+                           ) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        return {"workers": [worker_view(runtime, w.worker_id) for w in runtime.workers.all()]}
+
+    @router.get("/workers/{worker_id}")
+    async def get_worker(request: Request, worker_id: str,
+                         principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
+        return worker_view(request.app.state.runtime, worker_id)
+
+    @router.get("/hints")
+    async def list_hints(request: Request, status: str | None = None,
+                         tenant: str | None = None, session_id: str | None = None,
+                         worker_id: str | None = None,
+                         limit: int = Query(100, ge=1, le=10_000),
+                         principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        scope = _scope(principal, tenant)
+        await runtime.writer.flush()
+        rows = await asyncio.to_thread(query_hints, runtime.engine, status, scope, session_id,
+                                       worker_id, limit)
+        counts = await asyncio.to_thread(count_hints_by_status, runtime.engine, scope)
+        return {"hints": rows, "counts_by_status": counts}
+
+    @router.get("/overview")
+    async def overview(request: Request, principal: Principal = Depends(admin_principal)
+                       ) -> dict[str, Any]:
+        runtime: RouterRuntime = request.app.state.runtime
+        return overview_of(runtime, principal)
+
+    return router
+
+
+def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
+    """Everything the dashboard draws, in one call."""
+    scope = principal.tenant.name if principal.tenant is not None else None
+    sessions = [r for r in runtime.sessions if scope is None or r.tenant == scope]
+    sessions.sort(key=lambda r: r.last_activity, reverse=True)
+    totals = runtime.metrics.totals
+    prompt = sum(t.prompt_tokens for t in totals.values())
+    cached = sum(t.cached_tokens for t in totals.values())
+    predicted = sum(t.predicted_cached_tokens for t in totals.values())
+    of_predicted = sum(t.actual_cached_of_predicted for t in totals.values())
+    recent_hints = list(runtime.hints.recent)[-50:][::-1]
+    pending = sorted(runtime.hints.pending.values(), key=lambda a: a.created_at, reverse=True)
+    hints = [a.row() for a in (pending[:50] + recent_hints)
+             if scope is None or a.tenant == scope][:100]
+    stats = runtime.index.stats()
+    return {
+        "now": time.time(), "started_at": runtime.started_at,
+        "dev_mode": runtime.directory.dev_mode,
+        "nats_connected": runtime.link.connected if runtime.link is not None else False,
+        "totals": {"requests": sum(t.requests for t in totals.values()),
+                   "errors": sum(t.errors for t in totals.values()),
+                   "prompt_tokens": prompt, "cached_tokens": cached,
+                   "predicted_cached_tokens": predicted,
+                   "actual_cached_of_predicted": of_predicted,
+                   "cached_share": cached / prompt if prompt else None},
+        "timeline": runtime.timeline.as_list(),
+        "workers": [worker_view(runtime, w.worker_id) for w in runtime.workers.all()],
+        "sessions": [session_view(runtime, r, detail=False) for r in sessions[:100]],
+        "sessions_by_state": runtime.sessions.counts_by_state(),
+        "hints": hints,
+        "hint_status_counts": dict(runtime.hints.status_counts),
+        "hints_pending": len(runtime.hints.pending),
+        "index": {"distinct_blocks": stats.distinct_blocks, "entries": stats.entries,
+                  "sessions": stats.sessions, "workers": stats.workers},
+    }

@@ -1,0 +1,178 @@
+"""The router's ASGI app: :func:`create_app` builds it, its lifespan builds everything else
+(:class:`~kvhint.router.service.runtime.RouterRuntime`).
+
+The inference routes bypass FastAPI on purpose (:class:`RouterApp`): they read the raw body
+once, skip FastAPI's body validation (vLLM validates, and its errors pass through), and
+keep the router's added latency and CPU per streamed token small. Handlers are thin: authenticate, parse into a typed
+:class:`InboundRequest`, hand it to the forwarder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvhint.router.service.admin_api import build_admin_router
+from kvhint.router.service.dashboard import build_dashboard_router
+from kvhint.router.service.inbound import (
+    SESSION_END_HEADER,
+    SESSION_HEADER,
+    BadRequest,
+    Endpoint,
+    openai_error,
+    parse_inbound,
+)
+from kvhint.router.service.metrics import CONTENT_TYPE
+from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.sessions_api import build_sessions_router
+from kvhint.router.service.settings import RouterSettings
+from kvhint.router.service.tenancy import AuthError, api_key_from_headers
+
+log = logging.getLogger("kvhint.router")
+
+
+class RouterApp:
+    """The ASGI app uvicorn runs: the two inference routes go straight to their handler
+    (the path every token takes: no middleware frames around each streamed chunk);
+    everything else, lifespan included, is the FastAPI app."""
+
+    def __init__(self, api: FastAPI) -> None:
+        self.api = api
+
+    @property
+    def state(self) -> Any:
+        return self.api.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = _INFERENCE_PATHS.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self.api
+                request = Request(scope, receive)
+                try:
+                    response = await _inference(request, endpoint)
+                except Exception as exc:  # noqa: BLE001 - answer 500, count, log
+                    response = await _internal_error(request, exc)
+                await response(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+def create_app(settings: RouterSettings) -> RouterApp:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = await RouterRuntime.start(settings)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(title="kvhint router", version="0.1.0", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    # Also known to FastAPI (a GET gets 405, not 404); POSTs never reach these.
+    app.router.add_route("/v1/chat/completions", _chat, methods=["POST"])
+    app.router.add_route("/v1/completions", _completions, methods=["POST"])
+    app.router.add_route("/v1/models", _models, methods=["GET"])
+    app.router.add_route("/health", _health, methods=["GET"])
+    app.router.add_route("/metrics", _metrics, methods=["GET"])
+    app.include_router(build_sessions_router())
+    app.include_router(build_admin_router())
+    app.include_router(build_dashboard_router())
+    app.add_exception_handler(Exception, _internal_error)
+    return RouterApp(app)
+
+
+_INFERENCE_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETION.path: Endpoint.COMPLETION}
+
+
+def runtime_of(request: Request) -> RouterRuntime:
+    return request.app.state.runtime
+
+
+async def _chat(request: Request) -> Response:
+    return await _inference(request, Endpoint.CHAT)
+
+
+async def _completions(request: Request) -> Response:
+    return await _inference(request, Endpoint.COMPLETION)
+
+
+async def _inference(request: Request, endpoint: Endpoint) -> Response:
+    runtime = runtime_of(request)
+    headers = request.headers
+    try:
+        tenant = runtime.directory.client(
+            api_key_from_headers(headers.get("authorization"), headers.get("x-api-key")))
+        body = await request.body()
+        if len(body) > runtime.settings.max_body_bytes:
+            raise BadRequest(f"request body is larger than {runtime.settings.max_body_bytes} "
+                             "bytes", status=413)
+        inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
+                                headers.get(SESSION_END_HEADER))
+    except AuthError as exc:
+        runtime.metrics.record_request(endpoint.value, "none", exc.status)
+        return _error(exc.message, exc.status, error_type="authentication_error")
+    except BadRequest as exc:
+        runtime.metrics.record_request(endpoint.value, "none", exc.status)
+        return _error(exc.message, exc.status, exc.param)
+    return await runtime.forwarder.forward(inbound)
+
+
+async def _models(request: Request) -> Response:
+    """The union of the workers' /v1/models (by model id)."""
+    runtime = runtime_of(request)
+    workers = [w for w in runtime.workers.routable() if w.url]
+    if not workers:
+        return _error("no worker available", 503)
+    results = await asyncio.gather(
+        *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0) for w in workers),
+        return_exceptions=True)
+    merged: dict[str, Any] = {}
+    for result in results:
+        if isinstance(result, dict):
+            for item in result.get("data", []):
+                if isinstance(item, dict) and "id" in item:
+                    merged.setdefault(item["id"], item)
+    if not merged:
+        return _error("no worker answered /v1/models", 502)
+    return JSONResponse({"object": "list", "data": list(merged.values())})
+
+
+async def _health(request: Request) -> Response:
+    runtime = runtime_of(request)
+    workers = runtime.workers.all()
+    return JSONResponse({
+        "status": "ok",
+        "dev_mode": runtime.directory.dev_mode,
+        "workers": {w.worker_id: {"http_up": w.http_up, "plugin_alive": w.plugin_alive}
+                    for w in workers},
+        "routable_workers": sum(1 for w in workers if w.routable),
+        "nats_connected": runtime.link.connected if runtime.link is not None else False,
+    })
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(runtime_of(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        runtime.metrics.drop("internal_error")
+    return _error(f"internal router error: {type(exc).__name__}", 500)
+
+
+def _error(message: str, status: int, param: str | None = None,
+           error_type: str | None = None) -> Response:
+    return Response(openai_error(message, status, param, error_type), status_code=status,
+                    media_type="application/json")

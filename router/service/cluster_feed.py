@@ -1,0 +1,207 @@
+"""NATS -> cluster KV index, worker registry and hint outcomes.
+
+- ``<prefix>.v1.events.*``: a JetStream ordered consumer over the events stream from its
+  start (replay rebuilds the index; where the stream no longer reaches back to a worker's
+  ``seq`` 1, the ingestor asks for a snapshot instead);
+- ``<prefix>.v1.status.*``: heartbeats (worker registry + stream liveness);
+- ``<prefix>.v1.outcomes.*``: a JetStream ordered consumer from the last stream sequence
+  the store recorded (a fresh store: from now on), so outcomes published while the router
+  was down still land;
+- snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
+  ingestor asks (gap, epoch change, joined mid-stream, missed tail).
+
+The ingestor (``kvhint.router.kv_index``) decides; this module only performs its actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+from kvhint.router.kv_index import (
+    IngestAction,
+    KvEventIngestor,
+    RequestSnapshot,
+    WorkerAlive,
+    WorkerDead,
+    WorkerPurgedNotice,
+)
+from kvhint.router.service.hint_dispatch import HintDispatcher
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.nats_link import NatsLink, outcomes_stream_name
+from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
+from kvhint.router.store.writer import StoreWriter
+from kvhint.schemas import (
+    SnapshotRequest,
+    WireDecodeError,
+    WorkerStatus,
+    decode_outcome,
+    decode_snapshot,
+    decode_status,
+    encode_snapshot_request,
+)
+
+log = logging.getLogger(__name__)
+
+OUTCOMES_CURSOR = "outcomes_stream_seq"
+
+
+class ClusterFeed:
+    def __init__(self, link: NatsLink, ingestor: KvEventIngestor, workers: WorkerRegistry,
+                 hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
+                 outcomes_start_seq: int | None, snapshot_timeout_s: float,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._link = link
+        self._subjects = link.subjects
+        self.ingestor = ingestor
+        self._workers = workers
+        self._hints = hints
+        self._metrics = metrics
+        self._writer = writer
+        self._outcomes_next = outcomes_start_seq
+        self._snapshot_timeout_s = snapshot_timeout_s
+        self._wall = wall_clock
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.outcomes_seq = (outcomes_start_seq or 1) - 1
+        # False when JetStream failed and the feed runs on plain subscriptions.
+        self.replay = True
+
+    async def on_connected(self) -> None:
+        """Streams and subscriptions; NatsLink calls this once per (re)established link."""
+        subjects = self._subjects
+        if self.outcomes_seq > 0:  # set up again after a failure: resume, do not replay
+            self._outcomes_next = self.outcomes_seq + 1
+        await self._link.subscribe(subjects.all_of("status"), self._on_status)
+        try:
+            await self._link.ensure_streams()
+            await self._link.subscribe_stream(subjects.all_of("events"), subjects.events_stream,
+                                              self._on_events, start_seq=1)
+            await self._link.subscribe_stream(subjects.all_of("outcomes"),
+                                              outcomes_stream_name(subjects), self._on_outcome,
+                                              start_seq=self._outcomes_next)
+        except (NatsError, asyncio.TimeoutError) as exc:
+            # No JetStream (disabled, out of storage): live messages still flow on plain
+            # subscriptions; what a restart misses is resynced from snapshots instead of
+            # replayed, and outcomes sent while the router is down are lost (counted).
+            log.error("JetStream unavailable (%r): events and outcomes without replay", exc)
+            self._metrics.drop("jetstream_unavailable")
+            self.replay = False
+            await self._link.subscribe(subjects.all_of("events"), self._on_events)
+            await self._link.subscribe(subjects.all_of("outcomes"), self._on_outcome)
+
+    # --- messages -----------------------------------------------------------------------
+
+    async def _on_events(self, msg: Msg) -> None:
+        actions = self.ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
+        if self.replay and msg.metadata is not None and msg.metadata.timestamp is not None:
+            lag = self._wall() - msg.metadata.timestamp.timestamp()
+            self._metrics.event_lag.observe(max(lag, 0.0))
+        self._perform(actions)
+
+    async def _on_status(self, msg: Msg) -> None:
+        actions = self.ingestor.on_status_message(msg.data)
+        try:
+            status = decode_status(msg.data)
+        except WireDecodeError:
+            # The ingestor counted it (malformed_messages).
+            self._perform(actions)
+            return
+        verdict = self._workers.on_heartbeat(status)
+        if verdict is HeartbeatVerdict.NEW_EPOCH:
+            self._hints.reset_worker(status.worker_id)
+        worker = self._workers.get(status.worker_id)
+        if worker is not None and self._writer is not None:
+            self._writer.upsert("workers", (worker.worker_id,), {
+                "worker_id": worker.worker_id, "url": worker.url,
+                "from_config": worker.from_config, "epoch": status.epoch,
+                "model": status.model, "cache_namespace": status.cache_namespace,
+                "block_size": status.block_size, "last_seen": status.at,
+                "status": _status_dict(status)})
+        self._perform(actions)
+
+    async def _on_outcome(self, msg: Msg) -> None:
+        if self.replay and msg.metadata is not None:
+            self.outcomes_seq = msg.metadata.sequence.stream
+            if self._writer is not None:
+                self._writer.upsert("cursors", (OUTCOMES_CURSOR,), {
+                    "name": OUTCOMES_CURSOR, "value": self.outcomes_seq,
+                    "updated_at": self._wall()})
+        try:
+            outcome = decode_outcome(msg.data)
+        except WireDecodeError as exc:
+            log.warning("malformed outcome on %s: %s", msg.subject, exc)
+            self._metrics.drop("outcome_malformed")
+            return
+        self._hints.on_outcome(outcome)
+
+    def tick(self) -> None:
+        self._perform(self.ingestor.tick())
+
+    # --- ingestor actions ---------------------------------------------------------------
+
+    def _perform(self, actions: list[IngestAction]) -> None:
+        for action in actions:
+            if isinstance(action, RequestSnapshot):
+                self._metrics.resyncs.labels(action.worker_id, _reason_label(action.reason),
+                                             "requested").inc()
+                self._spawn(self._fetch_page(action))
+            elif isinstance(action, WorkerPurgedNotice):
+                log.info("index purged worker %s: %s", action.worker_id, action.reason)
+                self._metrics.resyncs.labels(action.worker_id, _reason_label(action.reason),
+                                             "purged").inc()
+            elif isinstance(action, WorkerDead):
+                log.warning("worker %s silent for %.1fs: purged from the index",
+                            action.worker_id, action.silence_s)
+                worker = self._workers.get(action.worker_id)
+                if worker is not None:
+                    worker.plugin_alive = False
+            elif isinstance(action, WorkerAlive):
+                worker = self._workers.ensure(action.worker_id)
+                worker.plugin_alive = True
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_page(self, request: RequestSnapshot) -> None:
+        payload = encode_snapshot_request(SnapshotRequest(cursor=request.cursor,
+                                                          limit=request.limit))
+        try:
+            reply = await self._link.request(self._subjects.snapshot(request.worker_id),
+                                             payload, self._snapshot_timeout_s)
+            page = decode_snapshot(reply)
+        except (NatsError, asyncio.TimeoutError, WireDecodeError, RuntimeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            self._metrics.resyncs.labels(request.worker_id, "snapshot", "failed").inc()
+            self._perform(self.ingestor.on_snapshot_failed(request.worker_id, reason))
+            return
+        actions = self.ingestor.on_snapshot_page(page)
+        if page.next_cursor is None:
+            self._metrics.resyncs.labels(request.worker_id, "snapshot", "loaded").inc()
+        self._perform(actions)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _reason_label(reason: str) -> str:
+    """A bounded label from a free-text reason ("engine restarted (epoch a -> b)")."""
+    for word in ("restart", "gap", "mid-stream", "dead", "behind", "tail", "epoch", "silent"):
+        if word in reason:
+            return word
+    return "other"
+
+
+def _status_dict(status: WorkerStatus) -> dict[str, Any]:
+    return msgspec.to_builtins(status)

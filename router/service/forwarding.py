@@ -1,0 +1,251 @@
+"""One inference request through the router: session, route, forward, relay, account.
+
+Retry rule: a worker that fails before its response starts (connection refused, timeout,
+502/503/504) is marked down and the request goes once to the next-best worker. Once
+bytes have reached the client, a failure ends the stream with an OpenAI-style error
+event instead (the SDKs raise it as an ``APIError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from kvhint.router.policy import NoWorkerAvailable
+from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.lifecycle import SessionLifecycle
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.response_scan import ResponseObservation, SseRelay
+from kvhint.router.service.routing_service import RoutePlan, RoutingService
+from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.upstream import (
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamUnavailable,
+)
+from kvhint.router.service.workers import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+WORKER_HEADER = "x-kvhint-worker"
+MAX_ATTEMPTS = 2
+
+
+class _RelayResponse(Response):
+    """A streamed response that forwards each relayed chunk as it comes.
+
+    Starlette's StreamingResponse opens an anyio task group per response on ASGI < 2.4
+    (uvicorn reports 2.3) to notice a client that goes away; one plain task watching
+    ``receive`` does the same for a fraction of the cost. When the client is gone, or the
+    response ends any way, the relay generator is closed at once, which cancels the
+    upstream request and runs its accounting.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int,
+                 headers: dict[str, str]) -> None:
+        # No body attribute: init_headers then sets no Content-Length (chunked transfer).
+        self.status_code = status_code
+        self.media_type = headers.get("content-type", "text/event-stream")
+        self.background = None
+        self.init_headers(headers)
+        self._chunks = chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self._chunks:
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+            await self._chunks.aclose()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request's state between routing and accounting."""
+
+    inbound: InboundRequest
+    record: SessionRecord | None
+    plan: RoutePlan | None
+    received: float
+    worker_id: str | None = None
+    uncached: int = 0
+    predicted_cached: int | None = 0
+    prefill_pending: int = 0
+    observation: ResponseObservation = field(default_factory=ResponseObservation)
+
+
+class Forwarder:
+    def __init__(self, workers: WorkerRegistry, routing: RoutingService, pool: UpstreamPool,
+                 lifecycle: SessionLifecycle, metrics: RouterMetrics,
+                 on_worker_down: Callable[[str], None]) -> None:
+        self._workers = workers
+        self._routing = routing
+        self._pool = pool
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._on_worker_down = on_worker_down
+
+    async def forward(self, inbound: InboundRequest) -> Response:
+        flight = _Flight(inbound, None, None, time.perf_counter())
+        if inbound.client_session_id is not None:
+            flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
+                                                       inbound.client_session_id)
+        body = msgspec.json.encode(inbound.body)
+        excluded: frozenset[str] = frozenset()
+        last_error: UpstreamUnavailable | None = None
+        for attempt in range(MAX_ATTEMPTS):
+            record = flight.record
+            try:
+                flight.plan = self._routing.plan(
+                    inbound, record.worker_id if record else None,
+                    record.turns if record else 0, exclude=excluded)
+            except NoWorkerAvailable as exc:
+                if last_error is not None:
+                    break  # the retry found no other worker: report the first failure
+                await self._account(flight, 503)
+                return _error(f"no worker available: {exc}", 503)
+            worker_id = flight.plan.decision.worker_id
+            try:
+                upstream = await self._open(flight, worker_id, body)
+            except UpstreamUnavailable as exc:
+                last_error = exc
+                excluded = excluded | {worker_id}
+                if attempt + 1 < MAX_ATTEMPTS:
+                    self._metrics.retries.labels(worker_id).inc()
+                continue
+            return await self._respond(flight, upstream)
+        assert last_error is not None
+        await self._account(flight, last_error.status or 502)
+        if last_error.status is not None:
+            # The worker's own refusal (e.g. 503 overloaded): pass it through as it is.
+            return Response(last_error.body, status_code=last_error.status,
+                            media_type="application/json")
+        return _error(f"worker unavailable: {last_error.reason}", 502)
+
+    async def _open(self, flight: _Flight, worker_id: str, body: bytes) -> UpstreamResponse:
+        worker = self._workers.get(worker_id)
+        assert worker is not None and worker.url is not None and flight.plan is not None
+        worker.inflight += 1
+        opening = asyncio.ensure_future(
+            self._pool.open(worker_id, worker.url + flight.inbound.endpoint.path, body))
+        if flight.plan.deferred and flight.record is not None:
+            # One candidate: the decision needed no prompt hashes. A session still wants
+            # them (its blocks, the prediction), computed while the request is on its way;
+            # a request without a session skips hashing (and makes no prediction).
+            await asyncio.sleep(0)
+            flight.plan = self._routing.complete(flight.plan, flight.inbound)
+        plan = flight.plan
+        predicted = plan.predicted_for(worker_id)
+        uncached = max(plan.prompt_tokens - predicted, 0)
+        self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
+        try:
+            upstream = await opening
+        except UpstreamUnavailable as exc:
+            worker.inflight -= 1
+            self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size, uncached)
+            self._workers.mark_http_failure(worker_id, exc.reason)
+            self._on_worker_down(worker_id)
+            log.warning("worker %s failed before responding: %s", worker_id, exc.reason)
+            raise
+        worker.requests += 1
+        flight.worker_id = worker_id
+        flight.uncached = flight.prefill_pending = uncached
+        flight.predicted_cached = predicted if plan.exact else None
+        if flight.record is not None:
+            await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
+                                         predicted, plan.block_hashes)
+        return upstream
+
+    async def _respond(self, flight: _Flight, upstream: UpstreamResponse) -> Response:
+        headers = dict(upstream.headers)
+        headers[WORKER_HEADER] = upstream.worker_id
+        streaming = flight.inbound.stream and upstream.status < 400
+        if not streaming:
+            try:
+                payload = await upstream.read()
+            except UpstreamBroken as exc:
+                self._metrics.broken_streams.labels(upstream.worker_id).inc()
+                await self._account(flight, 502)
+                return _error(f"worker failed while responding: {exc}", 502)
+            self._first_byte(flight)
+            if upstream.status < 400:
+                flight.observation.observe_json(payload)
+            await self._account(flight, upstream.status)
+            return Response(payload, status_code=upstream.status, headers=headers)
+        return _RelayResponse(self._relay(flight, upstream), upstream.status, headers)
+
+    async def _relay(self, flight: _Flight, upstream: UpstreamResponse
+                     ) -> AsyncGenerator[bytes, None]:
+        relay = SseRelay(flight.observation, flight.inbound.strip_usage_chunk)
+        status = upstream.status
+        first = True
+        try:
+            async for chunk in relay.relay(upstream.chunks()):
+                if first:
+                    self._first_byte(flight)
+                    first = False
+                yield chunk
+        except UpstreamBroken as exc:
+            status = 502
+            self._metrics.broken_streams.labels(upstream.worker_id).inc()
+            yield b"data: " + openai_error(f"worker failed mid-stream: {exc}", 502) + b"\n\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            # Closed at a yield: the client went away before the stream's end.
+            status = 499
+            raise
+        finally:
+            upstream.close()
+            await self._account(flight, status)
+
+    def _first_byte(self, flight: _Flight) -> None:
+        if flight.worker_id is not None and flight.prefill_pending:
+            self._routing.first_byte(flight.worker_id, flight.prefill_pending)
+            flight.prefill_pending = 0
+        self._metrics.ttfb.labels(flight.inbound.endpoint.value).observe(
+            time.perf_counter() - flight.received)
+
+    async def _account(self, flight: _Flight, status: int) -> None:
+        endpoint = flight.inbound.endpoint.value
+        worker_id = flight.worker_id or "none"
+        self._metrics.record_request(endpoint, worker_id, status)
+        self._metrics.duration.labels(endpoint).observe(time.perf_counter() - flight.received)
+        plan = flight.plan
+        if flight.worker_id is not None and plan is not None:
+            worker = self._workers.get(flight.worker_id)
+            if worker is not None:
+                worker.inflight = max(worker.inflight - 1, 0)
+            self._routing.finished(flight.worker_id, plan.prompt_tokens, plan.block_size,
+                                   flight.prefill_pending)
+        observation = flight.observation
+        if observation.prompt_tokens is not None and flight.worker_id is not None:
+            self._metrics.record_usage(worker_id, observation.prompt_tokens,
+                                       observation.cached_tokens or 0, flight.predicted_cached)
+        if flight.record is not None:
+            ok = 200 <= status < 300 and observation.prompt_tokens is not None
+            await self._lifecycle.finished(flight.record, flight.worker_id or "",
+                                           observation if ok else None,
+                                           flight.inbound.session_end)
+
+
+def _error(message: str, status: int) -> Response:
+    return Response(openai_error(message, status), status_code=status,
+                    media_type="application/json")

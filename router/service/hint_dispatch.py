@@ -1,0 +1,342 @@
+"""Sending hints and taking their outcomes back.
+
+The planner (pure, :mod:`kvhint.router.policy`) decides; this module does the rest:
+builds its frozen context from the workers' heartbeats, the holdings ledger and the
+per-worker outcome feedback; wraps each worker's actions in one ``KvHintsEnvelope`` on
+``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
+back into holdings, feedback, metrics, the store and any API caller waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvhint.router.policy import (
+    FeedbackConfig,
+    HoldingsLedger,
+    LearnedStats,
+    Observation,
+    PlannedAction,
+    PlannerConfig,
+    PlannerContext,
+    WorkerFeedback,
+    WorkerPlanView,
+    apply_outcome,
+)
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.nats_link import NatsLink
+from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.workers import WorkerRegistry
+from kvhint.router.store.writer import StoreWriter
+from kvhint.schemas import (
+    PROTOCOL_VERSION,
+    ActionType,
+    HintOutcome,
+    KvHintsEnvelope,
+    OutcomeStatus,
+    Subjects,
+    encode_hints,
+)
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"
+EXPIRED = "expired"
+FAILED = "failed"
+# An action with no terminal outcome after this long is marked expired.
+OUTCOME_DEADLINE_S = 120.0
+_RECENT_KEPT = 2000
+
+
+@dataclass(slots=True)
+class SentAction:
+    action_id: str
+    message_id: str
+    worker_id: str
+    tenant: str | None
+    session_id: str | None  # the client's id (without tenant)
+    action_type: str
+    source: str  # planner | api
+    trigger: str
+    payload: dict[str, Any]
+    status: str
+    created_at: float
+    updated_at: float
+    reason: str = ""
+    requested_blocks: int = 0
+    requested_tokens: int = 0
+    applied_blocks: int = 0
+    applied_tokens: int = 0
+    waiter: asyncio.Future[SentAction] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status not in (PENDING, OutcomeStatus.DEFERRED.value)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "action_id": self.action_id, "message_id": self.message_id,
+            "tenant": self.tenant, "session_id": self.session_id,
+            "worker_id": self.worker_id, "action_type": self.action_type,
+            "source": self.source, "trigger": self.trigger, "payload": self.payload,
+            "status": self.status, "reason": self.reason,
+            "requested_blocks": self.requested_blocks,
+            "requested_tokens": self.requested_tokens,
+            "applied_blocks": self.applied_blocks, "applied_tokens": self.applied_tokens,
+            "created_at": self.created_at, "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> SentAction:
+        fields = {k: row[k] for k in (
+            "action_id", "message_id", "worker_id", "tenant", "session_id", "action_type",
+            "source", "trigger", "payload", "status", "created_at", "updated_at", "reason",
+            "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
+        return cls(**fields)
+
+
+class HintDispatcher:
+    def __init__(self, link: NatsLink | None, subjects: Subjects, workers: WorkerRegistry,
+                 writer: StoreWriter | None, metrics: RouterMetrics,
+                 planner_config: PlannerConfig, seed: int,
+                 budget_of: Callable[[str], TenantBudget | None] = lambda _tenant: None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._link = link
+        self._subjects = subjects
+        self._workers = workers
+        self._writer = writer
+        self._metrics = metrics
+        self.planner_config = planner_config
+        self._rng = random.Random(seed)
+        self._clock = clock
+        self._budget_of = budget_of
+        self.stats = LearnedStats()
+        self.holdings = HoldingsLedger()
+        self.feedback: dict[str, WorkerFeedback] = {}
+        self.pending: dict[str, SentAction] = {}
+        self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
+        self._feedback_config = FeedbackConfig()
+        # Actions per status they ended in (the dashboard's timeline differences it).
+        self.status_counts: dict[str, int] = {}
+        self._api_times: dict[str, deque[float]] = {}
+        self._stats_dirty = False
+
+    # --- planner context ----------------------------------------------------------------
+
+    def context(self, now: float | None = None, tenant: str | None = None) -> PlannerContext:
+        """The planner's frozen view; with ``tenant``, that tenant's budget applies."""
+        now = self._clock() if now is None else now
+        views = {}
+        for worker in self._workers.all():
+            status = worker.status
+            if status is None or not worker.plugin_alive:
+                continue
+            views[worker.worker_id] = WorkerPlanView(
+                worker_id=worker.worker_id,
+                block_size=status.block_size,
+                budgets=status.budgets,
+                supported_actions=frozenset(status.supported_actions),
+                host_tier=status.host_tier,
+                held=self.holdings.worker(worker.worker_id),
+                feedback=self.feedback.get(worker.worker_id),
+            )
+        config = self.planner_config
+        tenant_held = {}
+        if tenant is not None:
+            tenant_held[tenant] = self.holdings.tenant(tenant)
+            budget = self._budget_of(tenant)
+            if budget is not None:
+                config = replace(config, tenant_max_pinned_blocks=budget.max_pinned_blocks,
+                                 tenant_max_retained_blocks=budget.max_retained_blocks)
+        return PlannerContext(now=now, stats=self.stats, workers=views, rng=self._rng,
+                              config=config, tenant_held=tenant_held)
+
+    def observe(self, observations: Iterable[Observation]) -> None:
+        for observation in observations:
+            self.stats.apply(observation)
+            self._stats_dirty = True
+
+    def reset_worker(self, worker_id: str) -> None:
+        """A new engine epoch: forget what the old engine taught us about this worker."""
+        self.feedback[worker_id] = WorkerFeedback(worker_id)
+
+    # --- sending ------------------------------------------------------------------------
+
+    async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],
+                   source: str = "planner") -> list[SentAction]:
+        """Publish ``planned`` (one envelope per worker). ``session_ids`` maps each action's
+        scope to the client session id for the record."""
+        if not planned:
+            return []
+        by_worker: dict[str, list[PlannedAction]] = {}
+        for action in planned:
+            by_worker.setdefault(action.worker_id, []).append(action)
+        now = self._clock()
+        sent: list[SentAction] = []
+        for worker_id, actions in by_worker.items():
+            message_id = f"kvm-{uuid.uuid4().hex[:16]}"
+            envelope = KvHintsEnvelope(protocol_version=PROTOCOL_VERSION, message_id=message_id,
+                                       actions=[a.action for a in actions])
+            ok = False
+            if self._link is not None:
+                ok = await self._link.publish(self._subjects.hints(worker_id),
+                                              encode_hints(envelope))
+            for action in actions:
+                record = SentAction(
+                    action_id=action.action.action_id, message_id=message_id,
+                    worker_id=worker_id, tenant=action.tenant,
+                    session_id=session_ids.get(action.scope), action_type=action.action_type,
+                    source=source, trigger=action.reason, payload=action.action.payload,
+                    status=PENDING if ok else FAILED, created_at=now, updated_at=now,
+                    reason="" if ok else "NATS not connected",
+                    requested_blocks=action.blocks,
+                )
+                if ok:
+                    self.holdings.record(action_id=record.action_id, worker_id=worker_id,
+                                         tenant=action.tenant, scope=action.scope,
+                                         action_type=action.action_type, blocks=action.blocks,
+                                         expires_at=action.expires_at)
+                    self.pending[record.action_id] = record
+                    self._metrics.hints_sent.labels(action.action_type, source).inc()
+                else:
+                    self._metrics.drop("hint_unsent")
+                    self._metrics.hints.labels(action.action_type, FAILED, source).inc()
+                    self._finish(record)
+                self._save(record)
+                sent.append(record)
+        return sent
+
+    def new_id(self) -> str:
+        return f"{self._rng.getrandbits(64):016x}"
+
+    def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
+                           planned: Sequence[PlannedAction], now: float) -> str | None:
+        """Why API actions must not be sent (tenant rate and holdings, the worker's
+        advertised budgets), or None; a None answer counts them against the rate."""
+        times = self._api_times.setdefault(tenant, deque())
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if len(times) + len(planned) > budget.max_actions_per_minute:
+            return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
+                    "per minute")
+        pins = sum(a.blocks for a in planned if a.action_type == ActionType.PIN.value)
+        retains = sum(a.blocks for a in planned if a.action_type == ActionType.RETAIN.value)
+        held = self.holdings.tenant(tenant)
+        checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins,
+                   budget.max_pinned_blocks),
+                  (f"tenant {tenant!r}", "retained", held.retained_blocks, retains,
+                   budget.max_retained_blocks)]
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.status is not None:
+            limits, on_worker = worker.status.budgets, self.holdings.worker(worker_id)
+            checks += [(f"worker {worker_id}", "pinned", on_worker.pinned_blocks, pins,
+                        limits.max_pinned_blocks),
+                       (f"worker {worker_id}", "retained", on_worker.retained_blocks, retains,
+                        limits.max_retained_blocks)]
+        for who, kind, current, asked, limit in checks:
+            if asked and current + asked > limit:
+                return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
+        times.extend([now] * len(planned))
+        return None
+
+    # --- outcomes -----------------------------------------------------------------------
+
+    def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
+        record = self.pending.get(outcome.action_id)
+        if record is None:
+            self._metrics.drop("outcome_unknown_action")
+            return None
+        if record.terminal:
+            self._metrics.drop("outcome_duplicate")
+            return record
+        record.status = outcome.status.value
+        record.reason = outcome.reason
+        record.requested_blocks = outcome.requested.blocks
+        record.requested_tokens = outcome.requested.tokens
+        record.applied_blocks = outcome.applied.blocks
+        record.applied_tokens = outcome.applied.tokens
+        record.updated_at = self._clock()
+        self._save(record)
+        if not outcome.status.is_terminal:
+            return record
+        self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
+        self.holdings.settle(outcome)
+        feedback = self.feedback.get(record.worker_id) or WorkerFeedback(record.worker_id)
+        self.feedback[record.worker_id] = apply_outcome(feedback, outcome, self._feedback_config)
+        self._finish(record)
+        return record
+
+    def expire(self, now: float | None = None) -> int:
+        """Holdings past their TTL are forgotten; actions without a terminal outcome after
+        ``OUTCOME_DEADLINE_S`` are marked expired. Returns how many actions expired."""
+        now = self._clock() if now is None else now
+        self.holdings.expire(now)
+        late = [a for a in self.pending.values() if now - a.created_at > OUTCOME_DEADLINE_S]
+        for record in late:
+            record.status = EXPIRED
+            record.reason = f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s"
+            record.updated_at = now
+            self._metrics.hints.labels(record.action_type, EXPIRED, record.source).inc()
+            self._save(record)
+            self._finish(record)
+        return len(late)
+
+    def _finish(self, record: SentAction) -> None:
+        self.status_counts[record.status] = self.status_counts.get(record.status, 0) + 1
+        self.pending.pop(record.action_id, None)
+        self.recent.append(record)
+        if record.waiter is not None and not record.waiter.done():
+            record.waiter.set_result(record)
+
+    async def wait_terminal(self, records: Sequence[SentAction], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        waiters = []
+        for record in records:
+            if record.terminal:
+                continue
+            record.waiter = loop.create_future()
+            waiters.append(record.waiter)
+        if waiters and timeout_s > 0:
+            await asyncio.wait(waiters, timeout=timeout_s)
+
+    # --- persistence --------------------------------------------------------------------
+
+    def _save(self, record: SentAction) -> None:
+        if self._writer is not None:
+            self._writer.upsert("hint_actions", (record.action_id,), record.row())
+
+    def save_learned(self, now: float) -> None:
+        if self._writer is None:
+            return
+        if self._stats_dirty:
+            self._writer.upsert("learned_stats", ("*", "tool_gaps"), {
+                "tenant": "*", "kind": "tool_gaps", "data": self.stats.to_dict(),
+                "updated_at": now})
+            self._stats_dirty = False
+        for worker_id, feedback in self.feedback.items():
+            self._writer.upsert("learned_stats", ("*", f"feedback:{worker_id}"), {
+                "tenant": "*", "kind": f"feedback:{worker_id}", "data": feedback.to_dict(),
+                "updated_at": now})
+
+    def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]]) -> None:
+        for row in learned:
+            try:
+                if row["kind"] == "tool_gaps":
+                    self.stats = LearnedStats.from_dict(row["data"])
+                elif row["kind"].startswith("feedback:"):
+                    feedback = WorkerFeedback.from_dict(row["data"])
+                    self.feedback[feedback.worker_id] = feedback
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("ignoring stored %s: %s", row.get("kind"), exc)
+                self._metrics.drop("learned_stats_unreadable")
+        for row in pending:
+            record = SentAction.from_row(row)
+            self.pending[record.action_id] = record

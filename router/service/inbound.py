@@ -1,0 +1,182 @@
+"""Turn an OpenAI request body into a typed :class:`InboundRequest` and the body the
+worker gets.
+
+The router owns three fields of the forwarded body: ``session_id`` (``<tenant>/<client
+id>``), ``cache_salt`` (the tenant's) and ``kv_transfer_params`` (never from a client).
+Everything else passes through untouched, so vLLM validates it and its errors reach the
+client as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvhint.router.service.tenancy import Tenant
+
+SESSION_HEADER = "x-session-id"
+SESSION_END_HEADER = "x-session-end"
+MAX_SESSION_ID_LEN = 256
+# Stripped from every client body: the router sets them (or nobody does).
+ROUTER_OWNED_FIELDS = ("kv_transfer_params", "cache_salt", "prompt_cache_key", "session_id")
+
+_json_decoder = msgspec.json.Decoder()
+
+
+class Endpoint(str, enum.Enum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+
+
+class BadRequest(Exception):
+    """A client error the router answers itself (400 unless said), OpenAI-style."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class InboundRequest:
+    endpoint: Endpoint
+    tenant: Tenant
+    # The client's own session id (None: route by cache overlap alone).
+    client_session_id: str | None
+    model: str | None
+    stream: bool
+    # The router asked the worker for a final usage chunk the client did not want;
+    # the proxy removes it on the way back.
+    strip_usage_chunk: bool
+    session_end: bool
+    # The body to forward (already carrying session_id and cache_salt).
+    body: dict[str, Any]
+
+    @property
+    def worker_session_id(self) -> str | None:
+        if self.client_session_id is None:
+            return None
+        return self.tenant.worker_session_id(self.client_session_id)
+
+    @property
+    def messages(self) -> list[Any] | None:
+        return self.body.get("messages") if self.endpoint is Endpoint.CHAT else None
+
+    @property
+    def prompt(self) -> Any:
+        return self.body.get("prompt") if self.endpoint is Endpoint.COMPLETION else None
+
+
+def parse_inbound(
+    endpoint: Endpoint,
+    raw_body: bytes,
+    tenant: Tenant,
+    header_session_id: str | None,
+    header_session_end: str | None,
+) -> InboundRequest:
+    """Validate the parts the router relies on; raise :class:`BadRequest` with a message."""
+    if not raw_body:
+        raise BadRequest("request body is empty; send a JSON object")
+    try:
+        body = _json_decoder.decode(raw_body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+
+    if endpoint is Endpoint.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array", param="messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("every item of 'messages' must be an object", param="messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise BadRequest("'prompt' must be a string or a non-empty array", param="prompt")
+
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = bool(stream)
+
+    client_session_id = _session_id(body, header_session_id)
+    for field in ROUTER_OWNED_FIELDS:
+        body.pop(field, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        # vLLM also reads a session id from vllm_xargs; only the router may set it.
+        xargs.pop("session_id", None)
+    if client_session_id is not None:
+        body["session_id"] = tenant.worker_session_id(client_session_id)
+    if tenant.cache_salt is not None:
+        body["cache_salt"] = tenant.cache_salt
+
+    strip_usage = False
+    if stream:
+        options = body.get("stream_options")
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object", param="stream_options")
+        if not options.get("include_usage"):
+            # The worker's usage (cached tokens) is how the router learns what its
+            # routing achieved; the client never sees the extra chunk.
+            body["stream_options"] = {**options, "include_usage": True}
+            strip_usage = True
+
+    return InboundRequest(
+        endpoint=endpoint,
+        tenant=tenant,
+        client_session_id=client_session_id,
+        model=model,
+        stream=stream,
+        strip_usage_chunk=strip_usage,
+        session_end=_truthy(header_session_end),
+        body=body,
+    )
+
+
+def _session_id(body: dict[str, Any], header: str | None) -> str | None:
+    for source, value in (("session_id", body.get("session_id")),
+                          ("X-Session-ID", header),
+                          ("prompt_cache_key", body.get("prompt_cache_key"))):
+        if value is None or value == "":
+            continue
+        return check_session_id(value, source)
+    return None
+
+
+def check_session_id(value: Any, source: str = "session_id") -> str:
+    if not isinstance(value, str):
+        raise BadRequest(f"{source} must be a string", param=source)
+    if len(value) > MAX_SESSION_ID_LEN:
+        raise BadRequest(f"{source} is longer than {MAX_SESSION_ID_LEN} characters",
+                         param=source)
+    if any(ord(ch) < 32 for ch in value):
+        raise BadRequest(f"{source} contains control characters", param=source)
+    return value
+
+
+def _truthy(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes")
+
+
+def openai_error(message: str, status: int, param: str | None = None,
+                 error_type: str | None = None) -> bytes:
+    """An error body in the shape OpenAI clients parse."""
+    kind = error_type or ("invalid_request_error" if status < 500 else "server_error")
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )

@@ -1,0 +1,105 @@
+"""Child processes for tests, benchmarks and scripts: the router itself
+(:class:`RouterProcess`: start, wait until ``/health`` answers, stop with SIGTERM so the
+store is flushed and NATS drained, start again on the same port and database) and the
+common part every such process needs (:class:`ChildProcess`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+
+class ChildProcess:
+    """A command in its own process group with its output in a log file."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _spawn(self, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(env) if env is not None else None,
+                                          start_new_session=True)
+
+    def _wait_http(self, url: str, timeout_s: float) -> None:
+        """Until ``url`` answers 200; raises with the log's tail if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                code = self._proc.returncode if self._proc is not None else None
+                raise RuntimeError(f"{self.log_path.name}: exited ({code}):\n" + self.log_tail())
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{url} did not answer in {timeout_s:.0f}s:\n" + self.log_tail())
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, then SIGKILL what is left."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc is not None else None
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class RouterProcess(ChildProcess):
+    """``kvhint router`` with ``env`` (KVHINT_ROUTER_*) on ``port``."""
+
+    def __init__(self, env: Mapping[str, str], log_path: Path, port: int,
+                 config_file: Path | None = None) -> None:
+        super().__init__(log_path)
+        self.env = dict(env)
+        self.port = port
+        self.config_file = config_file
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 90.0) -> None:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["KVHINT_ROUTER_PORT"] = str(self.port)
+        env["PYTHONUNBUFFERED"] = "1"
+        command = [sys.executable, "-m", "kvhint.router.cli", "router"]
+        if self.config_file is not None:
+            command += ["--config", str(self.config_file)]
+        self._spawn(command, env)
+        self._wait_http(f"{self.url}/health", timeout_s)

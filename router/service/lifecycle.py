@@ -1,0 +1,176 @@
+"""Session lifecycle: what each turn, response, end and idle tick does to a session, and
+which planner function it asks for hints.
+
+- turn starts: the session's record opens (created on its first turn); an open tool gap
+  closes (its length is recorded for the operator; the planner learns it too);
+- turn routed: :func:`plan_turn_routed` (a move to another worker plans Share/Prefetch);
+- response finished: counters from the worker's usage; :func:`plan_response_finished`
+  (a response ending in tool calls opens a tool gap: Pin/Retain for the predicted gap);
+- end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): :func:`plan_session_end`;
+- tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon), hint
+  deadlines, learned statistics saved, long-gone sessions forgotten from memory; every
+  ``PREFIX_SCAN_S`` prefixes shared by many sessions are retained
+  (:func:`plan_shared_prefixes`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvhint.router.policy import (
+    FinishReason,
+    PlannerContext,
+    PlanResult,
+    ResponseFinished,
+    SessionEnded,
+    TurnRouted,
+    plan_idle,
+    plan_response_finished,
+    plan_shared_prefixes,
+    plan_session_end,
+    plan_turn_routed,
+)
+from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.response_scan import ResponseObservation
+from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
+from kvhint.router.service.shared_prefixes import shared_prefixes
+
+# How often shared prefixes are looked for (seconds).
+PREFIX_SCAN_S = 10.0
+
+
+class SessionLifecycle:
+    def __init__(self, sessions: SessionRegistry, hints: HintDispatcher, metrics: RouterMetrics,
+                 hints_enabled: bool, forget_after_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.sessions = sessions
+        self.hints = hints
+        self._metrics = metrics
+        self._hints_enabled = hints_enabled
+        self._forget_after_s = forget_after_s
+        self._clock = clock
+        # "<worker>:<prefix key>" -> when the retain sent for that shared prefix ends.
+        self._prefix_protected: dict[str, float] = {}
+        self._next_prefix_scan = 0.0
+
+    def begin_turn(self, tenant: str, session_id: str) -> SessionRecord:
+        now = self._clock()
+        record = self.sessions.open(tenant, session_id, now)
+        if record.open_gap is not None:
+            gap = record.open_gap
+            record.gaps.append({"tools": gap.get("tools", []),
+                                "seconds": round(now - gap.get("started_at", now), 3),
+                                "depth": record.turns})
+            record.open_gap = None
+        record.state = ACTIVE
+        record.ended_at = None
+        record.last_activity = now
+        record.inflight += 1
+        return record
+
+    async def routed(self, record: SessionRecord, worker_id: str, prompt_tokens: int,
+                     predicted_cached: int, block_hashes: tuple[int, ...]) -> None:
+        now = self._clock()
+        if record.worker_id is not None and record.worker_id != worker_id:
+            self._metrics.session_moves.inc()
+        record.worker_id = worker_id
+        record.turns += 1
+        record.predicted_cached_tokens += predicted_cached
+        record.last_block_hashes = block_hashes
+        event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now)
+        context = self.hints.context(now, record.tenant)
+        await self._apply(record, plan_turn_routed(context, record.plan, event))
+        self.sessions.save(record)
+
+    async def finished(self, record: SessionRecord, worker_id: str,
+                       observation: ResponseObservation | None, session_end: bool) -> None:
+        now = self._clock()
+        record.inflight = max(record.inflight - 1, 0)
+        record.last_activity = now
+        if observation is not None and observation.prompt_tokens is not None:
+            record.prompt_tokens += observation.prompt_tokens
+            record.cached_tokens += observation.cached_tokens or 0
+            reason = FinishReason.parse(observation.finish_reason)
+            if observation.tool_names and reason is not FinishReason.TOOL_CALLS and (
+                    reason in (FinishReason.STOP, FinishReason.OTHER)):
+                # Named tool_choice answers with tool calls and finish_reason "stop".
+                reason = FinishReason.TOOL_CALLS
+            if reason is FinishReason.TOOL_CALLS:
+                record.state = TOOL_GAP
+                record.open_gap = {"tools": sorted(set(observation.tool_names)),
+                                   "started_at": now, "worker_id": worker_id}
+            event = ResponseFinished(
+                record.worker_session_id, reason, observation.prompt_tokens,
+                observation.completion_tokens or 0, now,
+                tuple(sorted(set(observation.tool_names))))
+            await self._apply(record, plan_response_finished(
+                self.hints.context(now, record.tenant), record.plan, event))
+        if session_end:
+            await self.end(record)
+            return
+        self.sessions.save(record)
+
+    async def end(self, record: SessionRecord) -> list[SentAction]:
+        """End the session; returns the hint actions the end sent."""
+        now = self._clock()
+        record.state = ENDED
+        record.ended_at = now
+        record.open_gap = None
+        event = SessionEnded(record.worker_session_id, now)
+        sent = await self._apply(record, plan_session_end(
+            self.hints.context(now, record.tenant), record.plan, event))
+        self.sessions.save(record)
+        return sent
+
+    async def tick(self) -> None:
+        now = self._clock()
+        self.hints.expire(now)
+        await self._retain_shared_prefixes(now)
+        contexts: dict[str, PlannerContext] = {}  # per tenant, rebuilt after sends
+        for record in self.sessions:
+            if record.state == ENDED:
+                if record.ended_at is not None and now - record.ended_at > self._forget_after_s:
+                    self.sessions.forget(record)
+                continue
+            if record.inflight == 0 and now - record.last_activity > self._forget_after_s:
+                self.sessions.forget(record)
+                continue
+            if record.plan.awaiting_return and record.inflight == 0:
+                context = contexts.get(record.tenant)
+                if context is None:
+                    context = contexts[record.tenant] = self.hints.context(now, record.tenant)
+                result = plan_idle(context, record.plan)
+                if result.session is not record.plan or result.actions:
+                    await self._apply(record, result)
+                    if result.actions:
+                        contexts.clear()  # holdings changed
+                    if result.session is not None and result.session.ended:
+                        record.state = ENDED
+                        record.ended_at = now
+                    self.sessions.save(record)
+        self.hints.save_learned(now)
+
+    async def _retain_shared_prefixes(self, now: float) -> None:
+        if now < self._next_prefix_scan:
+            return
+        self._next_prefix_scan = now + PREFIX_SCAN_S
+        context = self.hints.context(now)
+        prefixes = shared_prefixes(self.sessions, context.config.shared_prefix_min_sessions,
+                                   self._prefix_protected)
+        actions = plan_shared_prefixes(context, prefixes)
+        if self._hints_enabled and actions:
+            await self.hints.send(actions, {})
+            for action in actions:
+                self._prefix_protected[f"{action.worker_id}:{action.scope[len('prefix:'):]}"] = (
+                    action.expires_at)
+
+    async def _apply(self, record: SessionRecord, result: PlanResult) -> list[SentAction]:
+        if result.session is not None:
+            record.plan = result.session
+        self.hints.observe(result.observations)
+        if self._hints_enabled and result.actions:
+            return await self.hints.send(result.actions,
+                                         {record.worker_session_id: record.session_id})
+        return []

@@ -1,0 +1,183 @@
+"""The router's Prometheus metrics, on a registry the app owns (no global state).
+
+Gauges that mirror in-memory state (index size, sessions, workers) are read at scrape
+time by :class:`_StateCollector` from a callback, so the request path never updates them.
+Every drop anywhere in the router is a ``kvhint_router_drops_total{what}`` increment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSample:
+    """What the scrape-time collector reports; built by the runtime on demand."""
+
+    index_blocks_by_worker_tier: dict[tuple[str, str], int] = field(default_factory=dict)
+    index_distinct_blocks: int = 0
+    sessions_by_state: dict[str, int] = field(default_factory=dict)
+    workers_up: dict[str, tuple[bool, bool]] = field(default_factory=dict)  # http, plugin
+    worker_inflight: dict[str, int] = field(default_factory=dict)
+    pending_hints: int = 0
+    store_queue: int = 0
+    # The index ingestor's counters (batches applied, gaps, duplicates, drops...).
+    ingest: dict[str, int] = field(default_factory=dict)
+
+
+class _StateCollector(Collector):
+    def __init__(self, sample: Callable[[], StateSample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._sample()
+        blocks = GaugeMetricFamily("kvhint_router_index_blocks",
+                                   "Blocks the cluster index holds per worker and tier",
+                                   labels=["worker", "tier"])
+        for (worker, tier), count in sorted(s.index_blocks_by_worker_tier.items()):
+            blocks.add_metric([worker, tier], count)
+        yield blocks
+        yield GaugeMetricFamily("kvhint_router_index_distinct_blocks",
+                                "Distinct block hashes in the cluster index",
+                                value=s.index_distinct_blocks)
+        sessions = GaugeMetricFamily("kvhint_router_sessions", "Sessions in memory by state",
+                                     labels=["state"])
+        for state, count in sorted(s.sessions_by_state.items()):
+            sessions.add_metric([state], count)
+        yield sessions
+        up = GaugeMetricFamily("kvhint_router_worker_up", "1 when the worker is usable",
+                               labels=["worker", "kind"])
+        inflight = GaugeMetricFamily("kvhint_router_worker_inflight",
+                                     "Requests in flight per worker", labels=["worker"])
+        for worker, (http_up, plugin_up) in sorted(s.workers_up.items()):
+            up.add_metric([worker, "http"], int(http_up))
+            up.add_metric([worker, "plugin"], int(plugin_up))
+            inflight.add_metric([worker], s.worker_inflight.get(worker, 0))
+        yield up
+        yield inflight
+        yield GaugeMetricFamily("kvhint_router_hints_pending",
+                                "Hint actions sent and awaiting a terminal outcome",
+                                value=s.pending_hints)
+        yield GaugeMetricFamily("kvhint_router_store_queue",
+                                "Store writes waiting for the next batch", value=s.store_queue)
+        ingest = CounterMetricFamily("kvhint_router_index_ingest",
+                                     "Event-stream ingestion counters (applied, gaps, "
+                                     "duplicates, stale epochs, overflow and decode drops...)",
+                                     labels=["what"])
+        for what, value in sorted(s.ingest.items()):
+            ingest.add_metric([what], value)
+        yield ingest
+
+
+@dataclass(slots=True)
+class TrafficTotals:
+    """Running totals per worker, for the dashboard's timeline (sampled, differenced)."""
+
+    requests: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    # Actual cached tokens of the requests the router made a prediction for (the
+    # denominator of prediction accuracy).
+    actual_cached_of_predicted: int = 0
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.totals: dict[str, TrafficTotals] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvhint_router_requests", "Inference requests by outcome",
+                                ["endpoint", "worker", "code"], registry=r)
+        self.retries = Counter("kvhint_router_retries",
+                               "Requests retried on the next-best worker", ["worker"],
+                               registry=r)
+        self.broken_streams = Counter("kvhint_router_broken_responses",
+                                      "Responses that failed after bytes were sent",
+                                      ["worker"], registry=r)
+        self.ttfb = Histogram("kvhint_router_time_to_first_byte_seconds",
+                              "Router receive to first response byte from the worker",
+                              ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("kvhint_router_request_duration_seconds",
+                                  "Whole request through the router", ["endpoint"],
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.decision = Histogram("kvhint_router_routing_decision_seconds",
+                                  "Routing decision (hashing excluded)",
+                                  buckets=_DECISION_BUCKETS, registry=r)
+        self.hashing = Histogram("kvhint_router_prompt_hashing_seconds",
+                                 "Tokenizing and hashing a prompt for routing",
+                                 buckets=_DECISION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvhint_router_prompt_tokens",
+                                     "Prompt tokens the workers reported", ["worker"],
+                                     registry=r)
+        self.cached_predicted = Counter("kvhint_router_cached_tokens_predicted",
+                                        "Cached prompt tokens the router predicted",
+                                        ["worker"], registry=r)
+        self.cached_actual = Counter("kvhint_router_cached_tokens_actual",
+                                     "Cached prompt tokens the worker reported "
+                                     "(usage.prompt_tokens_details.cached_tokens); "
+                                     "predicted=true: requests the router predicted for",
+                                     ["worker", "predicted"], registry=r)
+        self.hints = Counter("kvhint_router_hints", "Hint actions by type and outcome",
+                             ["action", "outcome", "source"], registry=r)
+        self.hints_sent = Counter("kvhint_router_hints_sent", "Hint actions sent",
+                                  ["action", "source"], registry=r)
+        self.events = Counter("kvhint_router_event_batches", "KV event batches by verdict",
+                              ["worker", "verdict"], registry=r)
+        self.event_lag = Histogram("kvhint_router_event_lag_seconds",
+                                   "Event batch timestamp to router ingestion",
+                                   buckets=_LAG_BUCKETS, registry=r)
+        self.resyncs = Counter("kvhint_router_resyncs", "Worker resyncs by reason and result",
+                               ["worker", "reason", "result"], registry=r)
+        self.drops = Counter("kvhint_router_drops",
+                             "Anything the router dropped, by what it was", ["what"],
+                             registry=r)
+        self.session_moves = Counter("kvhint_router_session_moves",
+                                     "Turns routed to a different worker than the last",
+                                     registry=r)
+        self._state_collector: _StateCollector | None = None
+
+    def bind_state(self, sample: Callable[[], StateSample]) -> None:
+        if self._state_collector is not None:
+            self.registry.unregister(self._state_collector)
+        self._state_collector = _StateCollector(sample)
+        self.registry.register(self._state_collector)
+
+    def record_request(self, endpoint: str, worker: str, status: int) -> None:
+        self.requests.labels(endpoint, worker, str(status)).inc()
+        totals = self.totals.setdefault(worker, TrafficTotals())
+        totals.requests += 1
+        if status >= 400:
+            totals.errors += 1
+
+    def record_usage(self, worker: str, prompt: int, cached: int,
+                     predicted: int | None) -> None:
+        """The worker's usage for one request, and what the router predicted it would
+        cache (None: no prediction was needed, e.g. the only worker was chosen unhashed)."""
+        self.prompt_tokens.labels(worker).inc(prompt)
+        self.cached_actual.labels(worker, "false" if predicted is None else "true").inc(cached)
+        totals = self.totals.setdefault(worker, TrafficTotals())
+        totals.prompt_tokens += prompt
+        totals.cached_tokens += cached
+        if predicted is not None:
+            self.cached_predicted.labels(worker).inc(predicted)
+            totals.predicted_cached_tokens += predicted
+            totals.actual_cached_of_predicted += cached
+
+    def drop(self, what: str, count: int = 1) -> None:
+        self.drops.labels(what).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

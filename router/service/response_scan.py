@@ -1,0 +1,134 @@
+"""What the router learns from a worker's response, without changing a byte it forwards
+(except the usage-only chunk it asked for itself).
+
+:class:`SseRelay` splits a server-sent-event byte stream into whole events, hands each
+to the observer, and yields what the client gets, one event as soon as it is complete:
+no buffering beyond one partial event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class _Function(msgspec.Struct):
+    name: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
+
+
+class _Message(msgspec.Struct):
+    tool_calls: list[_ToolCall] | None = None
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+    message: _Message | None = None
+    delta: _Message | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+
+
+class _Body(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+
+
+_body_decoder = msgspec.json.Decoder(_Body)
+
+
+@dataclass(slots=True)
+class ResponseObservation:
+    """Accumulated over one response (streamed or not)."""
+
+    finish_reason: str | None = None
+    tool_names: list[str] = field(default_factory=list)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    malformed_chunks: int = 0
+
+    def observe_json(self, payload: bytes) -> bool:
+        """Take one response body or chunk; True when it is a usage-only chunk."""
+        try:
+            body = _body_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.malformed_chunks += 1
+            return False
+        for choice in body.choices:
+            if choice.finish_reason:
+                self.finish_reason = choice.finish_reason
+            message = choice.message or choice.delta
+            if message is not None and message.tool_calls:
+                for call in message.tool_calls:
+                    if call.function is not None and call.function.name:
+                        self.tool_names.append(call.function.name)
+        if body.usage is not None:
+            self.prompt_tokens = body.usage.prompt_tokens
+            self.completion_tokens = body.usage.completion_tokens
+            details = body.usage.prompt_tokens_details
+            self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
+            return not body.choices
+        return False
+
+
+class SseRelay:
+    """Relays SSE events from ``chunks`` while filling ``observation``."""
+
+    def __init__(self, observation: ResponseObservation, strip_usage_chunk: bool) -> None:
+        self.observation = observation
+        self.strip_usage_chunk = strip_usage_chunk
+        self._pending = b""
+
+    async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            out = self.feed(chunk)
+            if out:
+                yield out
+        if self._pending:
+            # A stream that ended mid-event: pass the rest through as it is.
+            rest, self._pending = self._pending, b""
+            yield rest
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Whole events of ``pending + chunk`` to send now (may be empty)."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: end + 2], data[end + 2:]
+        if complete.count(b"\n\n") == 1:
+            return b"" if self._inspect(complete) else complete
+        kept = [event + b"\n\n" for event in complete.split(b"\n\n")[:-1]
+                if not self._inspect(event)]
+        return b"".join(kept)
+
+    def _inspect(self, event: bytes) -> bool:
+        """Observe one event; True when it must not reach the client."""
+        if (b'"finish_reason":null' in event and b"tool_calls" not in event
+                and b'"usage"' not in event and b'"error"' not in event):
+            # A plain content delta (nearly every event): nothing to learn from it, and
+            # skipping the JSON parse keeps the router's CPU per token small.
+            return False
+        start = event.find(b"data:")
+        if start < 0:
+            return False
+        payload = event[start + 5:].strip()
+        if not payload.startswith(b"{"):
+            return False
+        usage_only = self.observation.observe_json(payload)
+        return usage_only and self.strip_usage_chunk

@@ -1,0 +1,242 @@
+"""Routing glue: build the policy's frozen context from in-memory state and call
+:func:`kvhint.router.policy.route`. No I/O here: hashing is CPU work on the request's own
+body, the index and the load bookkeeping are in memory.
+
+Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
+routed there whose first byte has not come back (``pending_prefill_tokens``), and a
+time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvhint.router.hashing import HashConfig, HashingError, PromptHashes, RequestHasher
+from kvhint.router.kv_index.protocol import ClusterKvIndex
+from kvhint.router.policy import (
+    Overlap,
+    RouteDecision,
+    RouteRequest,
+    WorkerScore,
+    cached_tokens,
+    RoutingConfig,
+    RoutingContext,
+    SessionPlacement,
+    WorkerLoad,
+    decay_recent,
+    route,
+)
+from kvhint.router.service.inbound import Endpoint, InboundRequest
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.workers import WorkerRegistry, WorkerState
+
+RECENT_HALF_LIFE_S = 120.0
+# Rough tokens-per-character when the prompt cannot be tokenized (unknown model).
+_CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """The decision plus what the rest of the request needs from routing."""
+
+    decision: RouteDecision
+    prompt_tokens: int
+    block_hashes: tuple[int, ...]
+    block_size: int
+    exact: bool  # prompt_tokens/block_hashes come from the real tokenizer
+    # Only one worker could take it: decided without hashing; complete() hashes later.
+    deferred: bool = False
+
+    def predicted_for(self, worker_id: str) -> int:
+        """Cached tokens the decision predicted on ``worker_id``."""
+        for score in self.decision.scores:
+            if score.worker_id == worker_id:
+                return score.cached_tokens
+        return 0
+
+
+@dataclass(slots=True)
+class _Load:
+    recent: float = 0.0
+    recent_at: float = 0.0
+    pending_prefill: int = 0
+    active_blocks: int = 0
+    # New sessions placed here, decayed like ``recent`` (same half-life and clock).
+    sessions: float = 0.0
+
+    def decay_to(self, now: float) -> None:
+        factor = decay_recent(1.0, now - self.recent_at, RECENT_HALF_LIFE_S)
+        self.recent *= factor
+        self.sessions *= factor
+        self.recent_at = now
+
+
+@dataclass(slots=True)
+class RoutingService:
+    workers: WorkerRegistry
+    metrics: RouterMetrics
+    config: RoutingConfig
+    hasher: RequestHasher | None
+    default_block_size: int
+    index: ClusterKvIndex | None = None
+    seed: int = 0
+    clock: Callable[[], float] = time.monotonic
+    default_model: str | None = None
+    # Added to every worker's recent prefill tokens (see RoutingSettings.balance_floor_tokens):
+    # the policy's relative hot-spot cap then needs an absolute excess before it moves a
+    # session away from its cache at low load.
+    balance_floor_tokens: float = 0.0
+    _rng: random.Random = field(init=False)
+    _loads: dict[str, _Load] = field(default_factory=dict)
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    # --- the decision -------------------------------------------------------------------
+
+    def plan(self, inbound: InboundRequest, session_worker: str | None, session_turns: int,
+             exclude: frozenset[str] = frozenset()) -> RoutePlan:
+        """Rank the routable workers for ``inbound``; raises ``NoWorkerAvailable``."""
+        candidates = [w for w in self.workers.routable() if w.worker_id not in exclude]
+        if len(candidates) == 1 and not exclude:
+            only = candidates[0].worker_id
+            decision = RouteDecision(worker_id=only, fallbacks=(), predicted_cached_tokens=0,
+                                     predicted_host_tokens=0, reason="only_worker")
+            return RoutePlan(decision, _estimate_tokens(inbound), (), self._block_size(),
+                             exact=False, deferred=True)
+        hashes = self._hash(inbound)
+        block_size = hashes.block_size if hashes is not None else self._block_size()
+        prompt_tokens = hashes.num_tokens if hashes is not None else _estimate_tokens(inbound)
+        started = time.perf_counter()
+        now = self.clock()
+        overlaps: dict[str, Overlap] = {}
+        if hashes is not None and self.index is not None and hashes.block_hashes:
+            match = self.index.match_prefix(hashes.block_hashes)
+            overlaps = {w: Overlap(o.gpu_blocks, o.external_blocks)
+                        for w, o in match.workers.items()}
+        loads = tuple(self._worker_load(w, now, exclude) for w in self.workers.all()
+                      if w.url is not None)
+        placement = (SessionPlacement(session_worker, session_turns)
+                     if session_worker is not None or session_turns else None)
+        self._seq += 1
+        decision = route(
+            RoutingContext(workers=loads, config=self.config, session=placement, now=now),
+            RouteRequest(prompt_tokens=prompt_tokens, block_size=block_size,
+                         session_key=inbound.worker_session_id, request_seq=self._seq,
+                         overlaps=overlaps),
+            self._rng,
+        )
+        self.metrics.decision.observe(time.perf_counter() - started)
+        if inbound.worker_session_id is not None and placement is None:
+            # A new session's first turn: counted where it lands (new_session_spread).
+            load = self._loads.setdefault(decision.worker_id, _Load(recent_at=now))
+            load.decay_to(now)
+            load.sessions += 1.0
+        return RoutePlan(decision, prompt_tokens,
+                         hashes.block_hashes if hashes is not None else (),
+                         block_size, hashes is not None)
+
+    def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
+        """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""
+        hashes = self._hash(inbound)
+        if hashes is None:
+            return replace(plan, deferred=False)
+        worker_id = plan.decision.worker_id
+        cached = host = 0
+        if self.index is not None and hashes.block_hashes:
+            overlap = self.index.match_prefix(hashes.block_hashes).of(worker_id)
+            cached, host = cached_tokens(Overlap(overlap.gpu_blocks, overlap.external_blocks),
+                                         hashes.num_tokens, hashes.block_size)
+        score = WorkerScore(worker_id, 0.0, cached, host)
+        decision = replace(plan.decision, predicted_cached_tokens=cached,
+                           predicted_host_tokens=host, scores=(score,))
+        return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes, hashes.block_size,
+                         exact=True)
+
+    def _hash(self, inbound: InboundRequest) -> PromptHashes | None:
+        if self.hasher is None:
+            return None
+        body: dict[str, Any] = inbound.body
+        if "model" not in body and self.default_model is not None:
+            body = {**body, "model": self.default_model}
+        started = time.perf_counter()
+        try:
+            if inbound.endpoint is Endpoint.CHAT:
+                hashes = self.hasher.hash_chat(body, self._hash_config())
+            else:
+                prompts = self.hasher.hash_completion(body, self._hash_config())
+                # A batch of prompts is routed as one request by its first prompt.
+                hashes = prompts[0] if prompts else None
+        except HashingError as exc:
+            self.metrics.drop(f"prompt_hashing:{type(exc).__name__}")
+            return None
+        self.metrics.hashing.observe(time.perf_counter() - started)
+        return hashes
+
+    def _hash_config(self) -> HashConfig:
+        for worker in self.workers.all():
+            if worker.status is not None and worker.plugin_alive:
+                return HashConfig.from_status(worker.status)
+        return HashConfig(block_size=self.default_block_size)
+
+    def _block_size(self) -> int:
+        return self._hash_config().block_size
+
+    def _worker_load(self, worker: WorkerState, now: float, exclude: frozenset[str]) -> WorkerLoad:
+        load = self._loads.get(worker.worker_id)
+        recent = sessions = 0.0
+        pending = active_blocks = 0
+        if load is not None:
+            recent = decay_recent(load.recent, now - load.recent_at, RECENT_HALF_LIFE_S)
+            sessions = decay_recent(load.sessions, now - load.recent_at, RECENT_HALF_LIFE_S)
+            pending, active_blocks = load.pending_prefill, load.active_blocks
+        return WorkerLoad(
+            worker_id=worker.worker_id,
+            healthy=worker.routable and worker.worker_id not in exclude,
+            active_requests=worker.inflight,
+            active_blocks=active_blocks,
+            pending_prefill_tokens=pending,
+            recent_prefill_tokens=recent + self.balance_floor_tokens,
+            recent_sessions=sessions,
+        )
+
+    # --- bookkeeping the proxy reports --------------------------------------------------
+
+    def dispatched(self, worker_id: str, uncached_tokens: int, prompt_tokens: int,
+                   block_size: int) -> None:
+        """A request with ``uncached_tokens`` to prefill went to ``worker_id``."""
+        now = self.clock()
+        load = self._loads.setdefault(worker_id, _Load(recent_at=now))
+        load.decay_to(now)
+        load.recent += uncached_tokens
+        load.pending_prefill += uncached_tokens
+        load.active_blocks += -(-prompt_tokens // max(block_size, 1))
+
+    def first_byte(self, worker_id: str, uncached_tokens: int) -> None:
+        load = self._loads.get(worker_id)
+        if load is not None:
+            load.pending_prefill = max(load.pending_prefill - uncached_tokens, 0)
+
+    def finished(self, worker_id: str, prompt_tokens: int, block_size: int,
+                 prefill_pending: int) -> None:
+        load = self._loads.get(worker_id)
+        if load is not None:
+            load.pending_prefill = max(load.pending_prefill - prefill_pending, 0)
+            blocks = -(-prompt_tokens // max(block_size, 1))
+            load.active_blocks = max(load.active_blocks - blocks, 0)
+
+
+def _estimate_tokens(inbound: InboundRequest) -> int:
+    if inbound.endpoint is Endpoint.CHAT:
+        chars = sum(len(str(m.get("content") or "")) for m in inbound.messages or ())
+    else:
+        prompt = inbound.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        chars = len(str(prompt))
+    return max(chars // _CHARS_PER_TOKEN, 1)

@@ -1,0 +1,304 @@
+"""Everything the router holds for its lifetime, built in the app's lifespan and torn
+down in reverse order. Nothing here exists at import time.
+
+Start order: metrics -> store (migrate, recover) -> workers, sessions, hints -> upstream
+HTTP pool -> tokenizer discovery -> index + ingestor -> NATS (background connect) ->
+periodic loops. Stop: loops -> NATS drain -> HTTP pool -> last store flush -> engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
+from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, StreamConfig
+from kvhint.router.policy import PlannerConfig, RoutingConfig, RoutingPolicy
+from kvhint.router.service.cluster_feed import OUTCOMES_CURSOR, ClusterFeed
+from kvhint.router.service.forwarding import Forwarder
+from kvhint.router.service.health import HealthProber
+from kvhint.router.service.hint_dispatch import HintDispatcher
+from kvhint.router.service.lifecycle import SessionLifecycle
+from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.nats_link import NatsLink, StreamLimits
+from kvhint.router.service.routing_service import RoutingService
+from kvhint.router.service.sessions import SessionRegistry
+from kvhint.router.service.settings import RouterSettings
+from kvhint.router.service.tenancy import TenantDirectory
+from kvhint.router.service.timeline import Timeline
+from kvhint.router.service.upstream import UpstreamPool
+from kvhint.router.service.workers import WorkerRegistry
+from kvhint.router.store.database import create_store_engine, migrate
+from kvhint.router.store.reader import load_recovery
+from kvhint.router.store.writer import StoreWriter
+from kvhint.schemas import Subjects
+
+log = logging.getLogger("kvhint.router")
+
+MAX_SESSIONS_IN_MEMORY = 200_000
+TIMELINE_INTERVAL_S = 5.0
+FEED_TICK_S = 1.0
+MODEL_DISCOVERY_S = 10.0
+
+
+@dataclass
+class RouterRuntime:
+    settings: RouterSettings
+    directory: TenantDirectory
+    metrics: RouterMetrics
+    engine: Engine
+    writer: StoreWriter
+    workers: WorkerRegistry
+    sessions: SessionRegistry
+    hints: HintDispatcher
+    lifecycle: SessionLifecycle
+    routing: RoutingService
+    forwarder: Forwarder
+    pool: UpstreamPool
+    prober: HealthProber
+    index: InMemoryClusterKvIndex
+    ingestor: KvEventIngestor
+    timeline: Timeline
+    link: NatsLink | None = None
+    feed: ClusterFeed | None = None
+    models: dict[str, str] = field(default_factory=dict)  # served name -> tokenizer path
+    started_at: float = field(default_factory=time.time)
+    _loops: list[asyncio.Task[None]] = field(default_factory=list)
+
+    # --- start / stop -------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, settings: RouterSettings) -> RouterRuntime:
+        metrics = RouterMetrics()
+        directory = TenantDirectory(settings)
+        _announce(settings, directory)
+
+        engine = create_store_engine(settings.database_url)
+        if settings.migrate_on_start:
+            await asyncio.to_thread(migrate, engine)
+        recovery = await asyncio.to_thread(
+            load_recovery, engine, time.time() - settings.routing.session_forget_s,
+            MAX_SESSIONS_IN_MEMORY)
+        writer = StoreWriter(engine, settings.store_flush_interval_s, settings.store_queue_max,
+                             on_drop=metrics.drop)
+
+        workers = WorkerRegistry([(w.id, w.url) for w in settings.workers])
+        for row in recovery.workers:
+            # Workers learned from heartbeats come back; ones dropped from the config do not.
+            if not row.get("from_config") and row["worker_id"] not in workers and row.get("url"):
+                workers.ensure(row["worker_id"], row["url"])
+        subjects = Subjects(settings.subject_prefix)
+        link = None
+        if settings.nats_url:
+            limits = StreamLimits(settings.events_stream_max_bytes,
+                                  settings.events_stream_max_age_s,
+                                  settings.outcomes_stream_max_bytes,
+                                  settings.outcomes_stream_max_age_s)
+            link = NatsLink(settings.nats_url, subjects, limits=limits,
+                            on_error=lambda _m: metrics.drop("nats_error"))
+        hints = HintDispatcher(link, subjects, workers, writer, metrics, PlannerConfig(),
+                               seed=settings.routing.seed,
+                               budget_of=directory.budget)
+        hints.restore(recovery.learned, recovery.pending_actions)
+        sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
+        restored = sessions.restore(recovery.sessions)
+        lifecycle = SessionLifecycle(sessions, hints, metrics, settings.hints.enabled,
+                                     settings.routing.session_forget_s)
+
+        pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s)
+        await pool.start()
+        models = await _discover_models(settings, workers, pool)
+        hasher = await _warm_hasher(models, settings.block_size)
+        index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
+        ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
+                                   config=StreamConfig(heartbeat_misses=settings.heartbeat_misses))
+        routing = RoutingService(workers, metrics,
+                                 RoutingConfig(policy=RoutingPolicy(settings.routing.policy)),
+                                 hasher,
+                                 default_block_size=settings.block_size, index=index,
+                                 seed=settings.routing.seed,
+                                 default_model=next(iter(models), None),
+                                 balance_floor_tokens=settings.routing.balance_floor_tokens)
+        prober = HealthProber(workers, pool, settings.health_probe_s)
+        forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
+                              on_worker_down=prober.probe_later)
+        runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,
+                      lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
+                      link=link, models=models)
+        metrics.bind_state(runtime.state_sample)
+        for tenant in directory.tenants:
+            writer.upsert("tenants", (tenant.name,), {"name": tenant.name,
+                                                      "cache_salt": tenant.cache_salt,
+                                                      "created_at": time.time()})
+        for worker in workers.all():
+            writer.upsert("workers", (worker.worker_id,), {
+                "worker_id": worker.worker_id, "url": worker.url,
+                "from_config": worker.from_config})
+        writer.start()
+        if link is not None:
+            cursor = recovery.cursors.get(OUTCOMES_CURSOR)
+            runtime.feed = ClusterFeed(link, ingestor, workers, hints, metrics, writer,
+                                       outcomes_start_seq=cursor + 1 if cursor else None,
+                                       snapshot_timeout_s=5.0)
+            link.start(runtime.feed.on_connected)
+        runtime._loops = [
+            asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
+                                name="kvhint-lifecycle"),
+            asyncio.create_task(runtime._every(FEED_TICK_S, runtime._feed_tick),
+                                name="kvhint-feed"),
+            asyncio.create_task(runtime._every(TIMELINE_INTERVAL_S, runtime._sample),
+                                name="kvhint-timeline"),
+            asyncio.create_task(runtime._every(MODEL_DISCOVERY_S, runtime._discover),
+                                name="kvhint-models"),
+        ]
+        log.info("router ready: %d workers, %d sessions and %d pending hints recovered, "
+                 "models %s", len(workers.all()), restored, len(hints.pending),
+                 sorted(models) or "(none: routing without prompt hashes)")
+        return runtime
+
+    async def stop(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self.feed is not None:
+            await self.feed.close()
+        if self.link is not None:
+            await self.link.close()
+        await self.prober.close()
+        await self.pool.close()
+        self.hints.save_learned(time.time())
+        await self.writer.close()
+        self.engine.dispose()
+
+    # --- periodic work ------------------------------------------------------------------
+
+    async def _every(self, period_s: float, work: Callable[[], Awaitable[None] | None]) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                result = work()
+                if result is not None:
+                    await result
+            except Exception:  # noqa: BLE001 - a periodic job must survive one bad round
+                log.exception("periodic job %s failed", getattr(work, "__name__", work))
+                self.metrics.drop("periodic_job_error")
+
+    def _feed_tick(self) -> None:
+        if self.feed is not None:
+            self.feed.tick()
+
+    async def _discover(self) -> None:
+        """Workers that were down at start: learn their models (tokenizers) later."""
+        if self.routing.hasher is not None:
+            return
+        models = await _discover_models(self.settings, self.workers, self.pool)
+        if models:
+            self.models = models
+            self.routing.hasher = await _warm_hasher(models, self.settings.block_size)
+            self.routing.default_model = next(iter(models))
+            log.info("models discovered: %s", sorted(models))
+
+    def _sample(self) -> None:
+        self.timeline.sample(time.time(), self.metrics.totals, dict(self.hints.status_counts))
+
+    # --- views --------------------------------------------------------------------------
+
+    def state_sample(self) -> StateSample:
+        by_tier: dict[tuple[str, str], int] = {}
+        for worker_id in self.index.worker_ids():
+            for tier, count in self.index.worker_block_counts(worker_id).items():
+                by_tier[(worker_id, tier)] = count
+        stats = self.index.stats()
+        return StateSample(
+            index_blocks_by_worker_tier=by_tier,
+            index_distinct_blocks=stats.distinct_blocks,
+            sessions_by_state=self.sessions.counts_by_state(),
+            workers_up={w.worker_id: (w.http_up, w.plugin_alive) for w in self.workers.all()},
+            worker_inflight={w.worker_id: w.inflight for w in self.workers.all()},
+            pending_hints=len(self.hints.pending),
+            store_queue=self.writer.queued,
+            ingest=_ingest_counters(self.ingestor),
+        )
+
+
+def _ingest_counters(ingestor: KvEventIngestor) -> dict[str, int]:
+    stats = ingestor.stats()
+    counters: dict[str, int] = {f"stream_{k}": v for k, v in stats.stream.items()}
+    counters.update({f"adapter_{k}": v for k, v in stats.adapter.items()})
+    counters["malformed_messages"] = stats.malformed_messages
+    counters["subject_mismatches"] = stats.subject_mismatches
+    counters["unknown_worker_pages"] = stats.unknown_worker_pages
+    return counters
+
+
+def _announce(settings: RouterSettings, directory: TenantDirectory) -> None:
+    if directory.dev_mode:
+        banner = "!" * 78
+        log.warning(banner)
+        log.warning("DEV MODE: no API key configured. Every request is tenant 'default' and "
+                    "the admin and hint endpoints are OPEN to anyone who can reach this port.")
+        log.warning("Configure tenants[].api_keys and admin_keys for anything but a laptop.")
+        log.warning(banner)
+    if not settings.nats_url:
+        log.warning("no NATS URL: no cluster KV index and no hints; routing by load and "
+                    "session affinity only")
+    if not settings.workers:
+        log.warning("no workers configured: waiting for heartbeats that carry an http_url")
+
+
+async def _warm_hasher(models: dict[str, str], block_size: int) -> RequestHasher | None:
+    """A hasher with every model's tokenizer and chat template loaded (seconds, once),
+    so the first request does not pay for it. A model whose tokenizer does not load is
+    left out (routed without prompt hashes) rather than retried on every request."""
+    sources = {name: ModelTokenizerSource(path) for name, path in models.items()}
+    while sources:
+        hasher = RequestHasher(sources)
+        failed = None
+        for name in sources:
+            body = {"model": name, "messages": [{"role": "user", "content": "warm up"}]}
+            try:
+                await asyncio.to_thread(hasher.hash_chat, body, HashConfig(block_size=block_size))
+            except Exception as exc:  # noqa: BLE001 - tokenizer loading raises anything
+                log.warning("tokenizer for model %r not usable (%r); routing it without "
+                            "prompt hashes", name, exc)
+                failed = name
+                break
+        if failed is None:
+            return hasher
+        sources.pop(failed)
+    return None
+
+
+async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,
+                           pool: UpstreamPool) -> dict[str, str]:
+    """Served model name -> tokenizer path: from settings, else each worker's /v1/models
+    (vLLM reports the model's ``root``, a local path when it serves one)."""
+    if settings.tokenizer:
+        found: dict[str, str] = {}
+        for worker in workers.routable():
+            found.update(await _models_of(pool, worker.url or ""))
+        names = list(found) or ["default"]
+        return {name: settings.tokenizer for name in names}
+    models: dict[str, str] = {}
+    for worker in workers.routable():
+        models.update(await _models_of(pool, worker.url or ""))
+    return models
+
+
+async def _models_of(pool: UpstreamPool, url: str) -> dict[str, str]:
+    try:
+        listing: Any = await pool.get_json(url + "/v1/models", timeout_s=5.0)
+    except Exception as exc:  # noqa: BLE001 - any failure just means "not known yet"
+        log.warning("could not list models at %s: %r", url, exc)
+        return {}
+    found = {}
+    for item in listing.get("data", []) if isinstance(listing, dict) else []:
+        if isinstance(item, dict) and isinstance(item.get("id"), str):
+            found[item["id"]] = str(item.get("root") or item["id"])
+    return found

@@ -1,0 +1,162 @@
+"""Sessions the router tracks, keyed by ``(tenant, client session id)``.
+
+A :class:`SessionRecord` is the service's view (counters, the open tool gap, what to
+show an operator) plus the planner's own :class:`SessionPlanState`, which only the
+planner functions change. Every change is written through the store writer (batched,
+off the request path); :meth:`SessionRegistry.restore` rebuilds the registry from the
+store after a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhint.router.policy.session import SessionPlanState
+from kvhint.router.store.writer import StoreWriter
+
+ACTIVE = "active"
+TOOL_GAP = "tool_gap"
+ENDED = "ended"
+_MAX_GAPS_KEPT = 32
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    tenant: str
+    session_id: str
+    created_at: float
+    last_activity: float
+    plan: SessionPlanState
+    worker_id: str | None = None
+    turns: int = 0
+    state: str = ACTIVE
+    ended_at: float | None = None
+    # {"tools": [...], "started_at": t, "worker_id": w} while a tool gap is open.
+    open_gap: dict[str, Any] | None = None
+    # Closed gaps, newest last: [{"tools": [...], "seconds": s, "depth": d}].
+    gaps: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    inflight: int = 0
+    # Block hashes of the last routed prompt (memory only): what the admin API checks
+    # against the index for "resident blocks per tier".
+    last_block_hashes: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.session_id)
+
+    @property
+    def worker_session_id(self) -> str:
+        return f"{self.tenant}/{self.session_id}"
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "worker_id": self.worker_id,
+            "turns": self.turns,
+            "created_at": self.created_at,
+            "last_activity": self.last_activity,
+            "ended_at": self.ended_at,
+            "state": self.state,
+            "open_gap": self.open_gap,
+            "tool_gap_stats": {"gaps": self.gaps[-_MAX_GAPS_KEPT:]},
+            "plan": self.plan.to_dict(),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> SessionRecord:
+        plan_data = row.get("plan")
+        worker_sid = f"{row['tenant']}/{row['session_id']}"
+        try:
+            plan = (SessionPlanState.from_dict(plan_data) if plan_data
+                    else SessionPlanState(worker_sid, row["tenant"]))
+        except (TypeError, ValueError):
+            plan = SessionPlanState(worker_sid, row["tenant"])
+        stats = row.get("tool_gap_stats") or {}
+        return cls(
+            tenant=row["tenant"],
+            session_id=row["session_id"],
+            created_at=row["created_at"],
+            last_activity=row["last_activity"],
+            plan=plan,
+            worker_id=row.get("worker_id"),
+            turns=row.get("turns") or 0,
+            state=row.get("state") or ACTIVE,
+            ended_at=row.get("ended_at"),
+            open_gap=row.get("open_gap"),
+            gaps=list(stats.get("gaps", [])),
+            prompt_tokens=row.get("prompt_tokens") or 0,
+            cached_tokens=row.get("cached_tokens") or 0,
+            predicted_cached_tokens=row.get("predicted_cached_tokens") or 0,
+        )
+
+
+class SessionRegistry:
+    def __init__(self, writer: StoreWriter | None, max_sessions: int,
+                 on_drop: Callable[[str, int], None] | None = None) -> None:
+        self._sessions: dict[tuple[str, str], SessionRecord] = {}
+        self._writer = writer
+        self._max = max_sessions
+        self._on_drop = on_drop
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[SessionRecord]:
+        return iter(list(self._sessions.values()))
+
+    def get(self, tenant: str, session_id: str) -> SessionRecord | None:
+        return self._sessions.get((tenant, session_id))
+
+    def by_worker_session_id(self, worker_session_id: str) -> SessionRecord | None:
+        tenant, sep, session_id = worker_session_id.partition("/")
+        return self._sessions.get((tenant, session_id)) if sep else None
+
+    def open(self, tenant: str, session_id: str, now: float) -> SessionRecord:
+        """The session's record, created on its first turn (a returning ended session
+        becomes active again)."""
+        record = self._sessions.get((tenant, session_id))
+        if record is None:
+            if len(self._sessions) >= self._max:
+                self._evict_oldest()
+            record = SessionRecord(tenant, session_id, now, now,
+                                   SessionPlanState(f"{tenant}/{session_id}", tenant))
+            self._sessions[record.key] = record
+        return record
+
+    def save(self, record: SessionRecord) -> None:
+        if self._writer is not None:
+            self._writer.upsert("sessions", record.key, record.row())
+
+    def forget(self, record: SessionRecord) -> None:
+        self._sessions.pop(record.key, None)
+
+    def restore(self, rows: list[dict[str, Any]]) -> int:
+        for row in rows:
+            record = SessionRecord.from_row(row)
+            self._sessions[record.key] = record
+        return len(rows)
+
+    def counts_by_state(self) -> dict[str, int]:
+        counts: dict[str, int] = {ACTIVE: 0, TOOL_GAP: 0, ENDED: 0}
+        for record in self._sessions.values():
+            counts[record.state] = counts.get(record.state, 0) + 1
+        return counts
+
+    def _evict_oldest(self) -> None:
+        # Forget the least recently active ended session, else the least recently active.
+        # The store keeps it; only memory is bounded.
+        ended = [r for r in self._sessions.values() if r.state == ENDED]
+        pool = ended or list(self._sessions.values())
+        victim = min(pool, key=lambda r: r.last_activity)
+        self._sessions.pop(victim.key, None)
+        if self._on_drop is not None:
+            self._on_drop("session_evicted_from_memory", 1)

@@ -1,0 +1,202 @@
+"""Session endpoints for clients and agent runtimes.
+
+- ``DELETE /v1/sessions/{id}``: end a session (the tenant's own key, or an admin key);
+  the planner demotes or releases what the session held.
+- ``POST /v1/sessions/{id}/hints``: explicit hints from an agent runtime (admin key; a
+  tenant admin key acts for its own tenant, a global one names ``?tenant=``). The router
+  checks tenancy, bounds and budgets before anything is sent; a request with any invalid
+  action changes nothing (422), one over budget changes nothing (429). Otherwise the
+  actions go to the session's worker and the answer carries their outcomes (202 when
+  some are still pending after ``wait_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+
+from kvhint.router.policy import PlannedAction
+from kvhint.router.service.inbound import BadRequest, check_session_id, openai_error
+from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_from_headers
+from kvhint.schemas import (
+    ACTION_VERSION,
+    ActionType,
+    InvalidAction,
+    KvHintAction,
+    parse_action,
+)
+from kvhint.schemas.hints import PAYLOAD_TYPES
+
+MAX_ACTIONS_PER_CALL = 16
+
+
+class HintRequestAction(msgspec.Struct, forbid_unknown_fields=True):
+    action_type: str
+    payload: dict[str, Any] = {}
+    action_version: str = ACTION_VERSION
+    action_id: str | None = None
+
+
+class HintRequest(msgspec.Struct, forbid_unknown_fields=True):
+    actions: list[HintRequestAction]
+    # Override the session's current worker (e.g. prefetch on the worker it will move to).
+    worker_id: str | None = None
+    wait_s: float | None = None
+
+
+def _json_error(message: str, status: int, **extra: Any) -> JSONResponse:
+    body = msgspec.json.decode(openai_error(message, status))
+    body["error"].update(extra)
+    return JSONResponse(body, status_code=status)
+
+
+def _principal(runtime: RouterRuntime, request: Request) -> Principal:
+    key = api_key_from_headers(request.headers.get("authorization"),
+                               request.headers.get("x-api-key"))
+    return runtime.directory.principal(key)
+
+
+def _tenant_for(principal: Principal, tenant: str | None) -> str:
+    if principal.tenant is not None:
+        if tenant is not None and tenant != principal.tenant.name:
+            raise AuthError(403, f"this key acts for tenant {principal.tenant.name!r} only")
+        return principal.tenant.name
+    return tenant or DEFAULT_TENANT
+
+
+def build_sessions_router() -> APIRouter:
+    router = APIRouter(tags=["sessions"])
+
+    @router.delete("/v1/sessions/{session_id}")
+    async def end_session(session_id: str, request: Request,
+                          tenant: str | None = Query(None)) -> JSONResponse:
+        runtime: RouterRuntime = request.app.state.runtime
+        try:
+            check_session_id(session_id)
+            tenant_name = _tenant_for(_principal(runtime, request), tenant)
+        except AuthError as exc:
+            return _json_error(exc.message, exc.status)
+        except BadRequest as exc:
+            return _json_error(exc.message, exc.status)
+        record = runtime.sessions.get(tenant_name, session_id)
+        if record is None:
+            return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
+        sent = await runtime.lifecycle.end(record)
+        return JSONResponse({"tenant": tenant_name, "session_id": session_id,
+                             "state": record.state, "hints": [a.row() for a in sent]})
+
+    @router.post("/v1/sessions/{session_id}/hints")
+    async def send_hints(session_id: str, request: Request,
+                         tenant: str | None = Query(None)) -> JSONResponse:
+        runtime: RouterRuntime = request.app.state.runtime
+        try:
+            check_session_id(session_id)
+            principal = _principal(runtime, request)
+            if not principal.is_admin:
+                raise AuthError(403, "sending hints needs an admin key")
+            tenant_name = _tenant_for(principal, tenant)
+            hint_request = msgspec.json.decode(await request.body(), type=HintRequest)
+        except AuthError as exc:
+            return _json_error(exc.message, exc.status)
+        except BadRequest as exc:
+            return _json_error(exc.message, exc.status)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return _json_error(f"invalid hints request: {exc}", 400)
+        return await _send_hints(runtime, principal, tenant_name, session_id, hint_request)
+
+    return router
+
+
+async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name: str,
+                      session_id: str, hint_request: HintRequest) -> JSONResponse:
+    tenant = runtime.directory.get(tenant_name)
+    if tenant is None:
+        return _json_error(f"unknown tenant {tenant_name!r}", 404)
+    record = runtime.sessions.get(tenant_name, session_id)
+    if record is None:
+        return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
+    if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
+        return _json_error(f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
+    worker_id = hint_request.worker_id or record.worker_id
+    worker = runtime.workers.get(worker_id) if worker_id else None
+    if worker is None:
+        return _json_error("the session has no worker yet (send a turn first, or name "
+                           "worker_id)", 409)
+    if not worker.plugin_alive or worker.status is None:
+        return _json_error(f"worker {worker.worker_id} runs no kvhint plugin (no heartbeat)",
+                           503)
+    worker_sid = record.worker_session_id
+    now = time.time()
+    blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)
+    planned: list[PlannedAction] = []
+    problems: list[dict[str, str]] = []
+    for index, item in enumerate(hint_request.actions):
+        action_id = item.action_id or f"kva-{runtime.hints.new_id()}"
+        problem, action = _checked_action(item, action_id, worker_sid, principal, tenant.budget,
+                                          worker, runtime)
+        if problem is not None:
+            problems.append({"index": str(index), "action_id": action_id, "reason": problem})
+            continue
+        assert action is not None
+        ttl = float(action.payload.get("ttl_s") or action.payload.get("deadline_s") or 0.0)
+        planned.append(PlannedAction(worker.worker_id, action, worker_sid, tenant_name,
+                                     blocks, now + ttl, "api"))
+    if problems:
+        return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
+    over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
+                                            planned, now)
+    if over is not None:
+        return _json_error(f"over budget; nothing was sent: {over}", 429)
+    sent = await runtime.hints.send(planned, {worker_sid: session_id}, source="api")
+    wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \
+        else min(max(hint_request.wait_s, 0.0), 60.0)
+    await runtime.hints.wait_terminal(sent, wait_s)
+    body = {"tenant": tenant_name, "session_id": session_id, "worker_id": worker.worker_id,
+            "actions": [a.row() for a in sent]}
+    status = 200 if all(a.terminal for a in sent) else 202
+    return JSONResponse(body, status_code=status)
+
+
+def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
+                    principal: Principal, budget: Any, worker: Any,
+                    runtime: RouterRuntime) -> tuple[str | None, KvHintAction | None]:
+    """(problem, None) or (None, the action with its target bound to this session)."""
+    payload = dict(item.payload)
+    target = payload.get("target")
+    if target is None:
+        payload["target"] = {"session_id": worker_sid}
+    elif isinstance(target, dict):
+        target = dict(target)
+        if target.get("block_hashes") is not None:
+            if principal.tenant is not None:
+                return "block_hashes targets need a global admin key (tenancy)", None
+        else:
+            given = target.get("session_id")
+            client_sid = worker_sid.partition("/")[2]
+            if given not in (None, client_sid, worker_sid):
+                return "target.session_id must be this session", None
+            target["session_id"] = worker_sid
+        payload["target"] = target
+    action = KvHintAction(action_id=action_id, action_type=item.action_type,
+                          action_version=item.action_version, payload=payload)
+    parsed = parse_action(action)
+    if isinstance(parsed, InvalidAction):
+        return parsed.reason, None
+    for field_name in ("ttl_s", "deadline_s"):
+        value = getattr(parsed.payload, field_name, None)
+        if value is not None and value > budget.max_hint_ttl_s:
+            return (f"{field_name}={value} exceeds this tenant's limit of "
+                    f"{budget.max_hint_ttl_s}s"), None
+    if parsed.action_type.value not in worker.status.supported_actions:
+        return f"worker {worker.worker_id} does not support {parsed.action_type.value}", None
+    if parsed.action_type is ActionType.SHARE:
+        destination = parsed.payload.destination_worker  # type: ignore[union-attr]
+        if runtime.workers.get(destination) is None:
+            return f"unknown destination_worker {destination!r}", None
+    assert parsed.action_type in PAYLOAD_TYPES
+    return None, action

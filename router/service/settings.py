@@ -1,0 +1,240 @@
+"""Router settings: environment (``KVHINT_ROUTER_*``) over a YAML/JSON config file over
+defaults. ``kvhint router --config FILE`` names the file; ``kvhint up`` passes only
+environment variables (``KVHINT_ROUTER_PORT``, ``KVHINT_ROUTER_WORKERS``,
+``KVHINT_ROUTER_NATS_URL``, ``KVHINT_ROUTER_DATABASE_URL``).
+
+``KVHINT_ROUTER_WORKERS`` is ``"w0=http://127.0.0.1:8001,w1=http://127.0.0.1:8002"``; in a
+config file ``workers`` is a list of ``{id, url}`` (or the same string).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from kvhint.router.policy import RoutingPolicy
+from kvhint.schemas import is_valid_worker_id
+
+ENV_PREFIX = "KVHINT_ROUTER_"
+# vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
+_SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class WorkerConfig(BaseModel, frozen=True):
+    id: str
+    url: str
+
+    @field_validator("id")
+    @classmethod
+    def _worker_id(cls, value: str) -> str:
+        if not is_valid_worker_id(value):
+            raise ValueError(f"worker id {value!r}: use letters, digits, '_' or '-'")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"worker url {value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+
+class TenantBudget(BaseModel, frozen=True):
+    """What one tenant may hold through hints at any time, across all workers."""
+
+    max_pinned_blocks: int = Field(4096, ge=0)
+    max_retained_blocks: int = Field(16384, ge=0)
+    max_hint_ttl_s: float = Field(600.0, gt=0, le=86_400)
+    max_actions_per_minute: int = Field(600, ge=0)
+
+
+class TenantConfig(BaseModel, frozen=True):
+    name: str
+    # Keys a client sends as ``Authorization: Bearer <key>`` (or ``X-API-Key``).
+    api_keys: list[str] = Field(default_factory=list)
+    # Keys that may use the admin API and send hints, for this tenant only.
+    admin_keys: list[str] = Field(default_factory=list)
+    # Salt the router puts on every request (changes the hash of the first block), so
+    # tenants never share KV. None: derived from the tenant name and ``salt_secret``.
+    cache_salt: str | None = None
+    budget: TenantBudget = TenantBudget()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _TENANT_RE.match(value):
+            raise ValueError(f"tenant name {value!r}: 1-64 letters, digits, '_', '.' or '-'")
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, value: str | None) -> str | None:
+        if value is not None and (not value or len(value) > 128 or _SALT_FORBIDDEN.search(value)):
+            raise ValueError("cache_salt: 1-128 characters, none of @ / \\ or NUL (vLLM rule)")
+        return value
+
+
+class RoutingSettings(BaseModel, frozen=True):
+    # kvhint (cache + load + bounded session affinity), kv_aware, session_affinity or
+    # round_robin: the policy functions in kvhint.router.policy.routing.
+    policy: str = "kvhint"
+    # The kvhint policy keeps a worker whose recent uncached prefill exceeds the fleet mean
+    # by more than 8% from taking new work (hot-spot protection). At low load a single
+    # long prompt is already 8% "over", and sessions would bounce between workers and
+    # lose their cache; this many tokens are added to every worker's count, so the excess
+    # must also be material in absolute terms (~8% of this). 0 turns it off.
+    balance_floor_tokens: float = Field(16384.0, ge=0)
+    # How long (s) an ended or idle session stays in memory before it is forgotten.
+    session_forget_s: float = Field(3600.0, gt=0)
+    seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        try:
+            return RoutingPolicy(value).value
+        except ValueError:
+            known = ", ".join(p.value for p in RoutingPolicy)
+            raise ValueError(f"routing.policy {value!r}: one of {known}") from None
+
+
+class HintSettings(BaseModel, frozen=True):
+    enabled: bool = True
+    # How long the hints API waits for a worker's terminal outcome before answering 202.
+    api_outcome_timeout_s: float = Field(5.0, ge=0, le=60)
+    # Planner tick (idle decay, expiries), seconds.
+    tick_s: float = Field(1.0, gt=0)
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
+                                      extra="forbid")
+
+    config_file: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    workers: Annotated[list[WorkerConfig], NoDecode] = Field(default_factory=list)
+
+    # NATS with JetStream; None runs without the cluster feed (routing by load and
+    # session affinity only, no hints), said loudly at start.
+    nats_url: str | None = "nats://127.0.0.1:4222"
+    subject_prefix: str = "kvhint"
+    # Streams the router creates when missing (JetStream reserves max_bytes on disk).
+    events_stream_max_bytes: int = Field(1 << 30, gt=0)
+    events_stream_max_age_s: float = Field(3600.0, gt=0)
+    outcomes_stream_max_bytes: int = Field(256 << 20, gt=0)
+    outcomes_stream_max_age_s: float = Field(24 * 3600.0, gt=0)
+    # Missed heartbeats (times the advertised interval) before the plugin counts as gone.
+    heartbeat_misses: int = Field(3, ge=1)
+
+    database_url: str = "sqlite:///kvhint-router.db"
+    migrate_on_start: bool = True
+    store_flush_interval_s: float = Field(0.25, gt=0)
+    store_queue_max: int = Field(100_000, gt=0)
+
+    # Tokenizer (path or name) for vLLM-compatible block hashes; None: ask the workers'
+    # /v1/models for the model's root.
+    tokenizer: str | None = None
+    # Block size and hash seed when no heartbeat says them.
+    block_size: int = Field(16, gt=0)
+
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    admin_keys: list[str] = Field(default_factory=list)
+    salt_secret: str = "kvhint-dev-salt-secret"
+
+    routing: RoutingSettings = RoutingSettings()
+    hints: HintSettings = HintSettings()
+
+    connect_timeout_s: float = Field(3.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Worker HTTP health probe period (s) for workers marked down.
+    health_probe_s: float = Field(2.0, gt=0)
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    log_level: str = "info"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _parse_workers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_worker_list(value)
+        return value
+
+    @field_validator("admin_keys", mode="before")
+    @classmethod
+    def _parse_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str) -> str:
+        # The plain scheme would pick psycopg2, which we do not ship.
+        if value.startswith("postgresql://") or value.startswith("postgres://"):
+            return "postgresql+psycopg://" + value.split("://", 1)[1]
+        return value
+
+    @model_validator(mode="after")
+    def _unique(self) -> RouterSettings:
+        ids = [w.id for w in self.workers]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"worker ids must be unique: {ids}")
+        names = [t.name for t in self.tenants]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tenant names must be unique: {names}")
+        keys = [k for t in self.tenants for k in (*t.api_keys, *t.admin_keys)] + self.admin_keys
+        if len(keys) != len(set(keys)):
+            raise ValueError("an API key appears twice (keys identify one tenant or admin)")
+        return self
+
+    @property
+    def dev_mode(self) -> bool:
+        """No key configured anywhere: one tenant, open admin API."""
+        return not self.admin_keys and not any(t.api_keys or t.admin_keys for t in self.tenants)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Precedence: explicit arguments, then environment, then the config file.
+        config_file = getattr(init_settings, "init_kwargs", {}).get("config_file")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if config_file is None:
+            config_file = os.environ.get(ENV_PREFIX + "CONFIG_FILE")
+        if config_file is not None:
+            path = Path(config_file)
+            if not path.is_file():
+                raise FileNotFoundError(f"router config file not found: {path}")
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+def parse_worker_list(value: str) -> list[dict[str, str]]:
+    """``"w0=http://a:8001,w1=http://b:8001"`` -> ``[{id, url}, ...]``."""
+    workers = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        worker_id, sep, url = item.partition("=")
+        if not sep:
+            raise ValueError(f"worker entry {item!r}: expected ID=URL")
+        workers.append({"id": worker_id.strip(), "url": url.strip()})
+    return workers

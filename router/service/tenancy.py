@@ -1,0 +1,119 @@
+"""API keys -> tenants, and who may use the admin and hint endpoints.
+
+A key identifies exactly one principal: a tenant's client (``api_keys``), a tenant's
+admin (``admin_keys`` of that tenant: admin API and hints for that tenant's sessions
+only), or a global admin (``admin_keys`` at the top). With no key configured anywhere the
+router runs in single-tenant dev mode: every request belongs to tenant ``default`` and
+the admin API is open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from kvhint.router.service.settings import RouterSettings, TenantBudget
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    # None only in dev mode: requests then hash exactly as a direct call to vLLM would.
+    cache_salt: str | None
+    budget: TenantBudget
+
+    def worker_session_id(self, client_session_id: str) -> str:
+        """The id workers see; hints target it (BRIEF: ``<tenant>/<client session id>``)."""
+        return f"{self.name}/{client_session_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request comes from. ``tenant`` is None only for a global admin."""
+
+    tenant: Tenant | None
+    is_admin: bool
+
+    def may_act_for(self, tenant_name: str) -> bool:
+        return self.is_admin and (self.tenant is None or self.tenant.name == tenant_name)
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class TenantDirectory:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.dev_mode = settings.dev_mode
+        self._tenants: dict[str, Tenant] = {}
+        self._client_keys: dict[str, Tenant] = {}
+        self._admin_keys: dict[str, Tenant | None] = {key: None for key in settings.admin_keys}
+        for config in settings.tenants:
+            salt = config.cache_salt or derive_salt(settings.salt_secret, config.name)
+            tenant = Tenant(config.name, salt, config.budget)
+            self._tenants[tenant.name] = tenant
+            for key in config.api_keys:
+                self._client_keys[key] = tenant
+            for key in config.admin_keys:
+                self._admin_keys[key] = tenant
+        if DEFAULT_TENANT not in self._tenants:
+            salt = None if self.dev_mode else derive_salt(settings.salt_secret, DEFAULT_TENANT)
+            self._tenants[DEFAULT_TENANT] = Tenant(DEFAULT_TENANT, salt, TenantBudget())
+
+    @property
+    def tenants(self) -> list[Tenant]:
+        return list(self._tenants.values())
+
+    def get(self, name: str) -> Tenant | None:
+        return self._tenants.get(name)
+
+    def budget(self, name: str) -> TenantBudget | None:
+        tenant = self._tenants.get(name)
+        return tenant.budget if tenant is not None else None
+
+    def client(self, key: str | None) -> Tenant:
+        """The tenant an inference request belongs to; raises :class:`AuthError`."""
+        if self.dev_mode:
+            return self._tenants[DEFAULT_TENANT]
+        if not key:
+            raise AuthError(401, "missing API key (Authorization: Bearer <key>)")
+        tenant = self._client_keys.get(key)
+        if tenant is not None:
+            return tenant
+        if key in self._admin_keys:
+            # Admins may send inference too: their own tenant, or `default` when global.
+            return self._admin_keys[key] or self._tenants[DEFAULT_TENANT]
+        raise AuthError(401, "unknown API key")
+
+    def principal(self, key: str | None) -> Principal:
+        """Client or admin, for endpoints that accept both (end a session)."""
+        if self.dev_mode:
+            return Principal(None, is_admin=True)
+        if key in self._admin_keys:
+            return Principal(self._admin_keys[key], is_admin=True)
+        return Principal(self.client(key), is_admin=False)
+
+    def admin(self, key: str | None) -> Principal:
+        principal = self.principal(key)
+        if not principal.is_admin:
+            raise AuthError(403, "this endpoint needs an admin key")
+        return principal
+
+
+def derive_salt(secret: str, tenant: str) -> str:
+    """A stable per-tenant salt; hex, so it passes vLLM's salt rules."""
+    return hmac.new(secret.encode(), tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def api_key_from_headers(authorization: str | None, x_api_key: str | None) -> str | None:
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return x_api_key or None

@@ -1,0 +1,108 @@
+"""The fleet as the router sees it: workers from config and from heartbeats.
+
+Two independent kinds of liveness:
+
+- HTTP: a worker the proxy could not reach is marked down and probed (``/health``)
+  until it answers; only HTTP-up workers with a URL are routed to.
+- Plugin: a worker whose plugin heartbeats (``kvhint.v1.status.<w>``) is ``plugin_alive``
+  until the index's stream tracker declares it dead (missed heartbeats; its index entries
+  are purged then) and no hints go to it meanwhile. Plain vLLM workers (no plugin) never
+  heartbeat and still serve.
+
+All state lives on the event loop thread; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from kvhint.schemas import WorkerStatus
+
+
+class HeartbeatVerdict(str, Enum):
+    FIRST = "first"
+    SAME_EPOCH = "same_epoch"
+    NEW_EPOCH = "new_epoch"
+    REVIVED = "revived"
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    url: str | None
+    from_config: bool
+    http_up: bool = True
+    http_failures: int = 0
+    last_http_error: str = ""
+    # Requests the router has in flight on this worker.
+    inflight: int = 0
+    status: WorkerStatus | None = None
+    last_heartbeat: float | None = None  # monotonic
+    plugin_alive: bool = False
+    epoch: str | None = None
+    requests: int = 0
+
+    @property
+    def routable(self) -> bool:
+        return self.url is not None and self.http_up
+
+
+class WorkerRegistry:
+    def __init__(self, configured: list[tuple[str, str]]) -> None:
+        self._workers: dict[str, WorkerState] = {
+            worker_id: WorkerState(worker_id, url, from_config=True)
+            for worker_id, url in configured
+        }
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerState]:
+        return list(self._workers.values())
+
+    def routable(self) -> list[WorkerState]:
+        return [w for w in self._workers.values() if w.routable]
+
+    def ensure(self, worker_id: str, url: str | None = None) -> WorkerState:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            worker = WorkerState(worker_id, url, from_config=False)
+            self._workers[worker_id] = worker
+        elif url and worker.url is None:
+            worker.url = url
+        return worker
+
+    def on_heartbeat(self, status: WorkerStatus, now: float | None = None) -> HeartbeatVerdict:
+        """Record a heartbeat; the verdict says whether the engine restarted."""
+        now = time.monotonic() if now is None else now
+        worker = self.ensure(status.worker_id, getattr(status, "http_url", None))
+        if worker.epoch is None:
+            verdict = HeartbeatVerdict.FIRST
+        elif worker.epoch != status.epoch:
+            verdict = HeartbeatVerdict.NEW_EPOCH
+        elif not worker.plugin_alive:
+            verdict = HeartbeatVerdict.REVIVED
+        else:
+            verdict = HeartbeatVerdict.SAME_EPOCH
+        worker.status = status
+        worker.epoch = status.epoch
+        worker.last_heartbeat = now
+        worker.plugin_alive = True
+        return verdict
+
+    def mark_http_failure(self, worker_id: str, reason: str) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.http_up = False
+            worker.http_failures += 1
+            worker.last_http_error = reason
+
+    def mark_http_ok(self, worker_id: str) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.http_up = True

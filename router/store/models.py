@@ -1,0 +1,124 @@
+"""The router's tables (SQLAlchemy 2). The schema is owned by the Alembic migrations in
+``migrations/`` (package ``kvhint.migrations``); a test checks the two agree.
+
+Times are unix seconds (float) as the wire contract uses them. Session ids are the
+client's own id, keyed with the tenant (``(tenant, session_id)``); the worker-visible id is
+``<tenant>/<session_id>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    cache_salt: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class WorkerRow(Base):
+    __tablename__ = "workers"
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    url: Mapped[str | None] = mapped_column(String(512))
+    from_config: Mapped[bool] = mapped_column(Boolean, default=False)
+    epoch: Mapped[str | None] = mapped_column(String(128))
+    model: Mapped[str | None] = mapped_column(String(512))
+    cache_namespace: Mapped[str | None] = mapped_column(String(512))
+    block_size: Mapped[int | None] = mapped_column(Integer)
+    last_seen: Mapped[float | None] = mapped_column(Float)
+    # The last heartbeat as JSON (status, budgets, usage).
+    status: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    worker_id: Mapped[str | None] = mapped_column(String(128))
+    turns: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    last_activity: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    # active | tool_gap | ended
+    state: Mapped[str] = mapped_column(String(16), default="active")
+    # The open tool gap: {"tools": [...], "started_at": t, "worker_id": w} or null.
+    open_gap: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Per-session counters and the tool gaps it saw: {"gaps": [...], ...}.
+    tool_gap_stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The hint planner's own state for the session (policy.session.SessionPlanState).
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    predicted_cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (Index("ix_sessions_last_activity", "last_activity"),)
+
+
+class LearnedStatsRow(Base):
+    """The planner's learned statistics (tool gaps per tool and depth), as its own plain
+    data; one row per tenant and kind."""
+
+    __tablename__ = "learned_stats"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class HintActionRow(Base):
+    __tablename__ = "hint_actions"
+
+    action_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    message_id: Mapped[str] = mapped_column(String(128))
+    tenant: Mapped[str | None] = mapped_column(String(64))
+    session_id: Mapped[str | None] = mapped_column(String(256))
+    worker_id: Mapped[str] = mapped_column(String(128))
+    action_type: Mapped[str] = mapped_column(String(32))
+    # planner | api
+    source: Mapped[str] = mapped_column(String(16))
+    # Why it was sent (tool_gap_open, session_end, session_moved, api, ...).
+    trigger: Mapped[str] = mapped_column(String(64), default="")
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # pending (sent, nothing back yet) | deferred | accepted | clipped | rejected | missing
+    # | expired (no terminal outcome in time) | failed (could not be sent)
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    requested_blocks: Mapped[int] = mapped_column(Integer, default=0)
+    requested_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    applied_blocks: Mapped[int] = mapped_column(Integer, default=0)
+    applied_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (
+        Index("ix_hint_actions_status", "status"),
+        Index("ix_hint_actions_session", "tenant", "session_id"),
+        Index("ix_hint_actions_created", "created_at"),
+    )
+
+
+class CursorRow(Base):
+    """Where the router is in a JetStream stream (resume point after a restart)."""
+
+    __tablename__ = "cursors"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+TABLES = {cls.__tablename__: cls for cls in
+          (TenantRow, WorkerRow, SessionRow, LearnedStatsRow, HintActionRow, CursorRow)}

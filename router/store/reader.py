@@ -1,0 +1,91 @@
+"""Reads from the store: restart recovery and the admin API's history queries.
+
+Synchronous (SQLAlchemy Core); the service runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine, func, select
+
+from kvhint.router.store.models import (
+    CursorRow,
+    HintActionRow,
+    LearnedStatsRow,
+    SessionRow,
+    WorkerRow,
+)
+
+NON_TERMINAL = ("pending", "deferred")
+
+
+@dataclass(frozen=True)
+class RecoveryState:
+    sessions: list[dict[str, Any]] = field(default_factory=list)
+    pending_actions: list[dict[str, Any]] = field(default_factory=list)
+    learned: list[dict[str, Any]] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
+    cursors: dict[str, int] = field(default_factory=dict)
+
+
+def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
+    with engine.connect() as conn:
+        return [dict(row._mapping) for row in conn.execute(statement)]
+
+
+def load_recovery(engine: Engine, active_since: float, max_sessions: int) -> RecoveryState:
+    """Sessions active since ``active_since`` (newest first, at most ``max_sessions``),
+    actions still waiting for an outcome, learned statistics, workers and cursors."""
+    sessions = _rows(engine, select(*SessionRow.__table__.columns)
+                     .where(SessionRow.last_activity >= active_since)
+                     .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
+    pending = _rows(engine, select(*HintActionRow.__table__.columns)
+                    .where(HintActionRow.status.in_(NON_TERMINAL)))
+    learned = _rows(engine, select(*LearnedStatsRow.__table__.columns))
+    workers = _rows(engine, select(*WorkerRow.__table__.columns))
+    cursors = {row["name"]: row["value"]
+               for row in _rows(engine, select(*CursorRow.__table__.columns))}
+    return RecoveryState(sessions, pending, learned, workers, cursors)
+
+
+def query_hints(engine: Engine, status: str | None = None, tenant: str | None = None,
+                session_id: str | None = None, worker_id: str | None = None,
+                limit: int = 100) -> list[dict[str, Any]]:
+    statement = select(*HintActionRow.__table__.columns)
+    if status is not None:
+        statement = statement.where(HintActionRow.status == status)
+    if tenant is not None:
+        statement = statement.where(HintActionRow.tenant == tenant)
+    if session_id is not None:
+        statement = statement.where(HintActionRow.session_id == session_id)
+    if worker_id is not None:
+        statement = statement.where(HintActionRow.worker_id == worker_id)
+    statement = statement.order_by(HintActionRow.created_at.desc()).limit(limit)
+    return _rows(engine, statement)
+
+
+def count_hints_by_status(engine: Engine, tenant: str | None = None) -> dict[str, int]:
+    statement = select(HintActionRow.status, func.count()).group_by(HintActionRow.status)
+    if tenant is not None:
+        statement = statement.where(HintActionRow.tenant == tenant)
+    with engine.connect() as conn:
+        return {status: count for status, count in conn.execute(statement)}
+
+
+def query_sessions(engine: Engine, tenant: str | None = None, state: str | None = None,
+                   limit: int = 100) -> list[dict[str, Any]]:
+    statement = select(*SessionRow.__table__.columns)
+    if tenant is not None:
+        statement = statement.where(SessionRow.tenant == tenant)
+    if state is not None:
+        statement = statement.where(SessionRow.state == state)
+    statement = statement.order_by(SessionRow.last_activity.desc()).limit(limit)
+    return _rows(engine, statement)
+
+
+def get_session(engine: Engine, tenant: str, session_id: str) -> dict[str, Any] | None:
+    rows = _rows(engine, select(*SessionRow.__table__.columns).where(
+        SessionRow.tenant == tenant, SessionRow.session_id == session_id))
+    return rows[0] if rows else None

@@ -1,0 +1,153 @@
+"""Batched, off-request-path writes.
+
+The request path calls :meth:`StoreWriter.upsert` (a dict update, no I/O). A background
+task flushes whatever accumulated every ``flush_interval_s`` in one transaction, in a
+worker thread. Writes to the same row between flushes collapse into one (later values
+win, columns merge), so a busy session costs one row write per interval, not per turn.
+
+If a flush fails (database down), the batch is kept under newer writes and retried on the
+next tick; once more than ``queue_max`` distinct rows wait, new ones are dropped and
+counted (``on_drop``), never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Engine, bindparam, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import SQLAlchemyError
+
+from kvhint.router.store.models import TABLES
+
+log = logging.getLogger(__name__)
+
+RowKey = tuple[str, tuple[Any, ...]]
+UPSERT = "upsert"
+UPDATE = "update"
+
+
+class StoreWriter:
+    def __init__(self, engine: Engine, flush_interval_s: float, queue_max: int,
+                 on_drop: Callable[[str, int], None]) -> None:
+        self._engine = engine
+        self._interval = flush_interval_s
+        self._queue_max = queue_max
+        self._on_drop = on_drop
+        # row -> [kind, values]; kind is UPSERT (a whole row) or UPDATE (some columns of
+        # a row that already exists).
+        self._pending: dict[RowKey, list[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._flush_lock = asyncio.Lock()
+        self.flushes = 0
+        self.flush_errors = 0
+        self.rows_written = 0
+        self.last_error = ""
+        insert = pg_insert if engine.dialect.name == "postgresql" else sqlite_insert
+        self._insert = insert
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def upsert(self, table: str, key: tuple[Any, ...], values: dict[str, Any]) -> None:
+        """Queue a whole-row write (insert or replace the given columns). ``values`` holds
+        every non-null column and the primary key."""
+        self._queue(UPSERT, table, key, values)
+
+    def update(self, table: str, key: tuple[Any, ...], values: dict[str, Any]) -> None:
+        """Queue an update of some columns of a row that exists (or is queued)."""
+        self._queue(UPDATE, table, key, values)
+
+    def _queue(self, kind: str, table: str, key: tuple[Any, ...], values: dict[str, Any]) -> None:
+        row_key = (table, key)
+        current = self._pending.get(row_key)
+        if current is not None:
+            current[1].update(values)
+            if kind == UPSERT:
+                current[0] = UPSERT
+            return
+        if len(self._pending) >= self._queue_max:
+            self._on_drop("store_write", 1)
+            return
+        self._pending[row_key] = [kind, dict(values)]
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvhint-store-writer")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.flush()
+
+    async def flush(self) -> None:
+        async with self._flush_lock:
+            if not self._pending:
+                return
+            batch, self._pending = self._pending, {}
+            try:
+                await asyncio.to_thread(self._write, batch)
+            except SQLAlchemyError as exc:
+                self.flush_errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("store flush failed (%d rows kept for retry): %s",
+                            len(batch), self.last_error)
+                self._requeue(batch)
+                return
+            self.flushes += 1
+            self.rows_written += len(batch)
+
+    def _requeue(self, batch: dict[RowKey, list[Any]]) -> None:
+        for row_key, (kind, values) in batch.items():
+            newer = self._pending.get(row_key)
+            if newer is not None:
+                merged = dict(values)
+                merged.update(newer[1])
+                self._pending[row_key] = [UPSERT if UPSERT in (kind, newer[0]) else UPDATE,
+                                          merged]
+            elif len(self._pending) < self._queue_max:
+                self._pending[row_key] = [kind, values]
+            else:
+                self._on_drop("store_write", 1)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            await self.flush()
+
+    def _write(self, batch: dict[RowKey, list[Any]]) -> None:
+        # Group by kind, table and column set: one executemany per group. Upserts first,
+        # so an update queued after a flushed insert finds its row.
+        groups: dict[tuple[str, str, tuple[str, ...]], list[dict[str, Any]]] = {}
+        for (table, _key), (kind, values) in batch.items():
+            groups.setdefault((kind, table, tuple(sorted(values))), []).append(values)
+        with self._engine.begin() as conn:
+            for (kind, table, columns), rows in sorted(groups.items(), reverse=True):
+                model = TABLES[table]
+                table_obj = model.__table__
+                primary = [c.name for c in table_obj.primary_key.columns]
+                if kind == UPDATE:
+                    statement = (update(table_obj)
+                                 .where(*(table_obj.c[p] == bindparam(f"pk_{p}") for p in primary))
+                                 .values({c: bindparam(c) for c in columns if c not in primary}))
+                    conn.execute(statement, [{**{f"pk_{p}": r[p] for p in primary},
+                                              **{c: r[c] for c in columns if c not in primary}}
+                                             for r in rows])
+                    continue
+                statement = self._insert(table_obj)
+                updates = {c: statement.excluded[c] for c in columns if c not in primary}
+                if updates:
+                    statement = statement.on_conflict_do_update(index_elements=primary,
+                                                                set_=updates)
+                else:
+                    statement = statement.on_conflict_do_nothing(index_elements=primary)
+                conn.execute(statement, rows)

@@ -1,0 +1,184 @@
+"""The router end to end: two real vLLM CPU workers with the kvhint plugin, real NATS,
+the router as its own process (as `kvhint router` runs it).
+
+One module, two workers started once (about a minute each on this machine), tests in
+order: the OpenAI SDK, vLLM's own benchmark client, agent sessions with tool gaps under
+KV pressure with a router restart in the middle, then one worker stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvhint.router.bench.agents import (
+    TOOL_CALL_WORKER_ARGS,
+    AgentClient,
+    AgentWorkload,
+    TurnResult,
+)
+from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.up import plugin_transfer_config
+from kvhint.router.devstack.vllm_server import VllmServer
+from kvhint.router.service.launch import RouterProcess
+from kvhint.router.service.nats_link import remove_streams
+from kvhint.schemas import Subjects
+
+KV_TOKENS = 4096  # per worker: the agent workload below needs ~2x that in total
+
+
+class Stack:
+    def __init__(self, workers: dict[str, VllmServer], router: RouterProcess,
+                 prefix: str) -> None:
+        self.workers = workers
+        self.router = router
+        self.prefix = prefix
+
+    def admin(self, path: str, **params: object) -> dict:
+        response = httpx.get(f"{self.router.url}/admin{path}", params=params, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Stack]:
+    prefix = f"kvhinte2e.{uuid.uuid4().hex[:8]}"
+    workers = {}
+    for worker_id in ("w0", "w1"):
+        config = plugin_transfer_config(worker_id, nats_url)
+        config["kv_connector_extra_config"].update(subject_prefix=prefix,
+                                                   events_stream_max_bytes=32 << 20)
+        spec = replace(vllm_pool.base_spec, kv_cache_tokens=KV_TOKENS, kv_transfer_config=config,
+                       extra_args=TOOL_CALL_WORKER_ARGS, cpu_bind="0" if worker_id == "w0" else "1")
+        workers[worker_id] = vllm_pool.start(f"e2e-{worker_id}", spec)
+    state = tmp_path_factory.mktemp("router")
+    router = RouterProcess({
+        "KVHINT_ROUTER_WORKERS": ",".join(f"{w}={s.url}" for w, s in workers.items()),
+        "KVHINT_ROUTER_NATS_URL": nats_url,
+        "KVHINT_ROUTER_SUBJECT_PREFIX": prefix,
+        "KVHINT_ROUTER_DATABASE_URL": f"sqlite:///{state / 'router.db'}",
+        "KVHINT_ROUTER_STORE_FLUSH_INTERVAL_S": "0.1",
+        "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(32 << 20),
+        "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(8 << 20),
+    }, state / "router.log", port=free_port())
+    router.start()
+    try:
+        yield Stack(workers, router, prefix)
+    finally:
+        router.stop()
+        asyncio.run(remove_streams(nats_url, Subjects(prefix)))
+
+
+def test_openai_sdk_streaming_and_not(stack: Stack) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{stack.router.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "tell me about caches " * 30}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                           extra_body={"session_id": "sdk"})
+    assert first.usage.prompt_tokens > 64
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_body={"session_id": "sdk"}))
+    usage = chunks[-1].usage
+    # Same session, same prefix, same worker: the second turn hits the cache.
+    assert usage.prompt_tokens_details.cached_tokens >= 64
+    plain = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                stream=True, prompt_cache_key="sdk"))
+    assert plain[-1].usage is None  # the router's own usage chunk is not shown
+    completion = client.completions.create(model="tiny", prompt="abc " * 40, max_tokens=3)
+    assert completion.usage.completion_tokens == 3
+    session = stack.admin("/sessions/default/sdk")
+    assert session["turns"] == 3 and session["cached_tokens"] >= 64
+
+
+def test_vllm_benchmark_client(stack: Stack, tiny_model_dir: Path) -> None:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([
+        "--backend", "openai-chat", "--base-url", stack.router.url,
+        "--endpoint", "/v1/chat/completions", "--model", "tiny",
+        "--tokenizer", str(tiny_model_dir), "--dataset-name", "random",
+        "--random-input-len", "128", "--random-output-len", "8", "--num-prompts", "16",
+        "--max-concurrency", "4", "--disable-tqdm"])
+    result = main(args)
+    assert result["completed"] == 16 and result["failed"] == 0
+
+
+def test_agent_sessions_survive_a_router_restart(stack: Stack) -> None:
+    workload = AgentWorkload(sessions=8, turns=4, system_words=60, task_words=40,
+                             tool_result_words=30, max_tokens=8, stagger_s=0.2,
+                             max_in_flight=4, gap_scale=0.5, connect_retries=40, seed=11)
+    done: list[TurnResult] = []
+    restarted = asyncio.Event()
+
+    async def scenario() -> list[TurnResult]:
+        loop = asyncio.get_running_loop()
+
+        def on_turn(turn: TurnResult) -> None:
+            done.append(turn)
+            if len(done) == 12 and not restarted.is_set():
+                restarted.set()
+                # Graceful stop (flushes the store) and a fresh process on the same DB.
+                loop.run_in_executor(None, _restart, stack.router)
+
+        result = await AgentClient(stack.router.url, workload, on_turn=on_turn).run()
+        return result.turns
+
+    turns = asyncio.run(scenario())
+    assert restarted.is_set()
+    failures = [t for t in turns if not t.ok]
+    assert not failures, failures[:3]
+    assert len(turns) == 8 * 4
+    # Responses really ended in tool calls (the planner saw tool gaps).
+    assert sum(1 for t in turns if t.finish_reason == "tool_calls") >= 8 * 3 // 2
+    # Nothing lost across the restart: every session has all its turns, and ended.
+    sessions = {s["session_id"]: s for s in stack.admin("/sessions", source="store",
+                                                        limit=1000)["sessions"]}
+    for number in range(8):
+        record = sessions[f"agent-11-{number}"]
+        assert record["turns"] == 4 and record["state"] == "ended", record
+    # Hints were planned and the workers' outcomes are in the admin API.
+    hints = stack.admin("/hints", limit=1000)
+    counts = hints["counts_by_status"]
+    assert counts.get("accepted", 0) + counts.get("clipped", 0) > 0, counts
+    assert {h["trigger"].split(":")[0] for h in hints["hints"]} & {"gap", "end"}
+    for worker in stack.admin("/workers")["workers"]:
+        assert worker["plugin_alive"] and worker["stream"]["phase"] == "live"
+
+
+def _restart(router: RouterProcess) -> None:
+    router.stop()
+    router.start()
+
+
+def test_stopping_one_worker_keeps_requests_succeeding(stack: Stack) -> None:
+    # Sessions that last ran on w1: their next turn prefers w1 (affinity) and must fail
+    # over to w0 once w1 is gone.
+    on_w1 = [s["session_id"] for s in stack.admin("/sessions", limit=1000)["sessions"]
+             if s["worker_id"] == "w1"]
+    stack.workers["w1"].stop()
+    with httpx.Client(timeout=120) as client:
+        for number, session in enumerate([*on_w1, *(f"after-stop-{n}" for n in range(4))]):
+            response = client.post(f"{stack.router.url}/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 4, "session_id": session,
+                "messages": [{"role": "user", "content": f"still there? {number}"}]})
+            assert response.status_code == 200, response.text
+            assert response.headers["x-kvhint-worker"] == "w0"
+        metrics = client.get(f"{stack.router.url}/metrics").text
+    workers = {w["worker_id"]: w for w in stack.admin("/workers")["workers"]}
+    retried = 'kvhint_router_retries_total{worker="w1"}' in metrics
+    # A request that tried w1 was retried on w0, and w1 is marked down until it answers
+    # (routing may also have sent every request to w0 straight away).
+    assert retried == (workers["w1"]["http_up"] is False)

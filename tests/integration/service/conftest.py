@@ -1,0 +1,185 @@
+"""Helpers for the router's integration tests: the router app served in-process (uvicorn
+on the test's event loop) and stub workers.
+
+Stub workers stand in for vLLM only where a real one cannot produce the fault under test
+on demand (a connection that dies after the first streamed event, an exact chunk timing,
+a 503); tests/e2e/service runs the same paths against real vLLM servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from aiohttp import web
+
+from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.service.app import RouterApp, create_app
+from kvhint.router.service.nats_link import remove_streams
+from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.settings import RouterSettings
+from kvhint.schemas import Subjects
+
+
+@dataclass
+class RunningRouter:
+    url: str
+    server: uvicorn.Server
+    app: RouterApp
+
+    @property
+    def runtime(self) -> RouterRuntime:
+        return self.app.state.runtime
+
+
+@asynccontextmanager
+async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRouter]:
+    port = free_port()
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("router exited during start-up")
+        await asyncio.sleep(0.02)
+    try:
+        yield RunningRouter(f"http://127.0.0.1:{port}", server, app)
+    finally:
+        server.should_exit = True
+        await task
+
+
+def usage(prompt: int, cached: int, completion: int = 1) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass
+class StubWorker:
+    """An OpenAI-shaped HTTP server whose behaviour a test sets per request."""
+
+    port: int = field(default_factory=free_port)
+    # "ok" | "status:<code>" | "die_mid_stream" | "slow_stream"
+    mode: str = "ok"
+    finish_reason: str = "stop"
+    tool_names: list[str] = field(default_factory=list)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    chunk_gap_s: float = 0.0
+    # /v1/models "root": where the router finds the tokenizer (the tiny model's).
+    model_root: str = "stub"
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list",
+                                  "data": [{"id": "stub", "root": self.model_root}]})
+
+    def _message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "hello"}
+        if self.tool_names:
+            message["tool_calls"] = [{"id": f"c{i}", "type": "function",
+                                      "function": {"name": n, "arguments": "{}"}}
+                                     for i, n in enumerate(self.tool_names)]
+        return message
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        if self.mode.startswith("status:"):
+            code = int(self.mode.split(":")[1])
+            return web.json_response({"error": {"message": f"stub says {code}", "code": code}},
+                                     status=code)
+        if not body.get("stream"):
+            return web.json_response({
+                "id": "x", "object": "chat.completion", "model": "stub",
+                "choices": [{"index": 0, "message": self._message(),
+                             "finish_reason": self.finish_reason}],
+                "usage": usage(40, 32, 2)})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        delta = self._message()
+        chunks = [{"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                  {"choices": [{"index": 0, "delta": {"content": "!"},
+                                "finish_reason": self.finish_reason}]}]
+        for number, chunk in enumerate(chunks):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.mode == "die_mid_stream":
+                await asyncio.sleep(0.1)  # let the first event reach the router
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            if number == 0 and self.chunk_gap_s:
+                await asyncio.sleep(self.chunk_gap_s)
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            await response.write(b"data: " + json.dumps(
+                {"choices": [], "usage": usage(40, 32, 2)}).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+async def throwaway_streams(nats_url: str, subject_prefix: str) -> AsyncIterator[None]:
+    """Deletes the streams the test's router created under its prefix."""
+    yield
+    await remove_streams(nats_url, Subjects(subject_prefix))
+
+
+@pytest.fixture
+async def stub_workers(tiny_model_dir: Path) -> AsyncIterator[list[StubWorker]]:
+    workers = [StubWorker(model_root=str(tiny_model_dir)),
+               StubWorker(model_root=str(tiny_model_dir))]
+    for worker in workers:
+        await worker.start()
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            await worker.stop()
+
+
+def router_settings(tmp_path: Path, workers: list[tuple[str, str]], **extra: Any
+                    ) -> RouterSettings:
+    base: dict[str, Any] = {
+        "workers": [{"id": w, "url": u} for w, u in workers],
+        "database_url": f"sqlite:///{tmp_path / 'router.db'}",
+        "nats_url": None,
+        "store_flush_interval_s": 0.05,
+        "health_probe_s": 0.2,
+        # Small streams: JetStream reserves max_bytes on the shared server's disk.
+        "events_stream_max_bytes": 8 << 20,
+        "outcomes_stream_max_bytes": 8 << 20,
+    }
+    base.update(extra)
+    return RouterSettings(**base)

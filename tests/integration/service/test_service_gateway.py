@@ -1,0 +1,237 @@
+"""The gateway against stub workers: streaming passthrough, retries, clean mid-stream
+errors, error passthrough, tenancy, session lifecycle and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import StubWorker, router_settings, running_router
+
+CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 4}
+
+
+async def test_streaming_passes_each_event_as_it_comes(tmp_path: Path,
+                                                       stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    stub.chunk_gap_s = 0.5
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        started = time.monotonic()
+        arrivals: list[tuple[float, str]] = []
+        async with client.stream("POST", f"{router.url}/v1/chat/completions",
+                                 json={**CHAT, "stream": True, "session_id": "s1"}) as response:
+            assert response.status_code == 200
+            assert response.headers["x-kvhint-worker"] == "w0"
+            async for line in response.aiter_lines():
+                if line:
+                    arrivals.append((time.monotonic() - started, line))
+        # The first event reached the client long before the worker sent the second one.
+        assert arrivals[0][0] < 0.4 <= arrivals[1][0]
+        payloads = [line for _t, line in arrivals]
+        assert payloads[-1] == "data: [DONE]"
+        # The usage chunk the router asked for is not shown to the client.
+        assert not any('"usage"' in p for p in payloads)
+        assert stub.received[0]["stream_options"] == {"include_usage": True}
+        # ... but the router counted it.
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert ('kvhint_router_cached_tokens_actual_total{predicted="true",worker="w0"} 32.0'
+                in metrics)
+
+
+async def test_retry_once_on_the_next_worker_before_the_response_starts(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    alive = stub_workers[1]
+    dead_url = "http://127.0.0.1:9"  # nothing listens: connection refused
+    settings = router_settings(tmp_path, [("dead", dead_url), ("w1", alive.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for number in range(4):
+            response = await client.post(f"{router.url}/v1/chat/completions",
+                                         json={**CHAT, "session_id": f"s{number}"})
+            assert response.status_code == 200
+            assert response.headers["x-kvhint-worker"] == "w1"
+        workers = (await client.get(f"{router.url}/admin/workers")).json()["workers"]
+        dead = next(w for w in workers if w["worker_id"] == "dead")
+        assert dead["http_up"] is False and dead["http_failures"] >= 1
+        # A 503 from the only other choice is passed through after the one retry.
+        alive.mode = "status:503"
+        response = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503
+        assert "stub says 503" in response.text
+
+
+async def test_failure_after_bytes_is_a_clean_error_event(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    from openai import APIError, AsyncOpenAI
+
+    stub = stub_workers[0]
+    stub.mode = "die_mid_stream"
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router:
+        client = AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="stub", messages=CHAT["messages"], stream=True)
+        received = []
+        with pytest.raises(APIError) as exc:
+            async for chunk in stream:
+                received.append(chunk)
+        assert len(received) == 1  # the event sent before the worker died
+        assert "worker failed mid-stream" in str(exc.value)
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"{router.url}/metrics")).text
+        assert 'kvhint_router_broken_responses_total{worker="w0"} 1.0' in metrics
+
+
+async def test_worker_errors_pass_through_with_status_and_body(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for code in (400, 404, 422, 500):
+            stub.mode = f"status:{code}"
+            response = await client.post(f"{router.url}/v1/completions",
+                                         json={"model": "stub", "prompt": "x"})
+            assert response.status_code == code
+            assert response.json()["error"]["message"] == f"stub says {code}"
+        bad = await client.post(f"{router.url}/v1/chat/completions", content=b"{oops")
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        assert len(stub.received) == 4  # the bad body never reached a worker
+
+
+async def test_tenancy_keys_salts_and_admin(tmp_path: Path,
+                                            stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    settings = router_settings(
+        tmp_path, [("w0", stub.url)], admin_keys=["root"],
+        tenants=[{"name": "acme", "api_keys": ["k-acme"], "admin_keys": ["adm-acme"]},
+                 {"name": "beta", "api_keys": ["k-beta"]}])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/chat/completions"
+        assert (await client.post(url, json=CHAT)).status_code == 401
+        assert (await client.post(url, json=CHAT, headers={"authorization": "Bearer no"})
+                ).status_code == 401
+        for key in ("k-acme", "k-beta"):
+            body = {**CHAT, "session_id": "same", "cache_salt": "client-salt",
+                    "kv_transfer_params": {"x": 1}}
+            response = await client.post(url, json=body,
+                                         headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 200
+        acme, beta = stub.received
+        assert acme["session_id"] == "acme/same" and beta["session_id"] == "beta/same"
+        assert acme["cache_salt"] != beta["cache_salt"] != "client-salt"
+        assert "kv_transfer_params" not in acme
+        admin = f"{router.url}/admin/sessions"
+        assert (await client.get(admin, headers={"authorization": "Bearer k-acme"})
+                ).status_code == 403
+        mine = (await client.get(admin, headers={"authorization": "Bearer adm-acme"})).json()
+        assert [s["tenant"] for s in mine["sessions"]] == ["acme"]
+        assert (await client.get(admin, params={"tenant": "beta"},
+                                 headers={"authorization": "Bearer adm-acme"})).status_code == 403
+        everyone = (await client.get(admin, headers={"authorization": "Bearer root"})).json()
+        assert sorted(s["tenant"] for s in everyone["sessions"]) == ["acme", "beta"]
+        # A tenant ends its own session; it cannot reach another tenant's.
+        gone = await client.delete(f"{router.url}/v1/sessions/same",
+                                   headers={"authorization": "Bearer k-beta"})
+        assert gone.status_code == 200 and gone.json()["state"] == "ended"
+        assert router.runtime.sessions.get("acme", "same").state == "active"
+
+
+async def test_session_lifecycle_tool_gap_and_end_header(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/chat/completions"
+        await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
+        record = router.runtime.sessions.get("default", "agent-1")
+        assert record.state == "tool_gap" and record.open_gap["tools"] == ["search"]
+        assert record.plan.gap_kind == "search"
+        await asyncio.sleep(0.2)
+        stub.finish_reason, stub.tool_names = "stop", []
+        await client.post(url, json={**CHAT, "prompt_cache_key": "agent-1"})
+        assert record.state == "active" and record.turns == 2
+        assert record.gaps[0]["tools"] == ["search"] and record.gaps[0]["seconds"] >= 0.2
+        await client.post(url, json=CHAT, headers={"x-session-id": "agent-1",
+                                                   "x-session-end": "true"})
+        assert record.state == "ended" and record.turns == 3
+        detail = (await client.get(f"{router.url}/admin/sessions/default/agent-1")).json()
+        assert detail["state"] == "ended" and detail["prompt_tokens"] == 120
+        assert detail["cached_tokens"] == 96 and detail["gaps"][0]["tools"] == ["search"]
+
+
+async def test_sessions_survive_a_restart(tmp_path: Path,
+                                          stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for turn in range(3):
+            await client.post(f"{router.url}/v1/chat/completions",
+                              json={**CHAT, "session_id": "keep"})
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        record = router.runtime.sessions.get("default", "keep")
+        assert record is not None and record.turns == 3 and record.worker_id == "w0"
+        assert record.plan.turns == 3
+        await client.post(f"{router.url}/v1/chat/completions", json={**CHAT, "session_id": "keep"})
+        assert record.turns == 4
+
+
+async def test_hints_api_refuses_without_a_plugin_and_validates(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/sessions/s9/hints"
+        pin = {"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 10}}]}
+        assert (await client.post(url, json=pin)).status_code == 404  # unknown session
+        await client.post(f"{router.url}/v1/chat/completions", json={**CHAT, "session_id": "s9"})
+        response = await client.post(url, json=pin)
+        assert response.status_code == 503 and "no kvhint plugin" in response.text
+        assert (await client.post(url, content=b"[1,2]")).status_code == 400
+
+
+async def test_models_health_metrics_dashboard(tmp_path: Path,
+                                               stub_workers: list[StubWorker]) -> None:
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url),
+                                          ("w1", stub_workers[1].url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        models = (await client.get(f"{router.url}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["stub"]
+        health = (await client.get(f"{router.url}/health")).json()
+        assert health["routable_workers"] == 2 and health["dev_mode"] is True
+        page = await client.get(f"{router.url}/dashboard")
+        assert page.status_code == 200 and "/admin/overview" in page.text
+        overview = (await client.get(f"{router.url}/admin/overview")).json()
+        assert {w["worker_id"] for w in overview["workers"]} == {"w0", "w1"}
+        text = (await client.get(f"{router.url}/metrics")).text
+        for name in ("kvhint_router_routing_decision_seconds", "kvhint_router_index_blocks",
+                     "kvhint_router_hints_pending", "kvhint_router_index_ingest"):
+            assert name in text
+        json.loads(json.dumps(overview))
+
+
+async def test_client_leaving_mid_stream_is_counted_and_frees_the_worker(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    stub.chunk_gap_s = 0.5
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        async with client.stream("POST", f"{router.url}/v1/chat/completions",
+                                 json={**CHAT, "stream": True}) as response:
+            async for _line in response.aiter_lines():
+                break  # the first event, then the client hangs up
+        # The router notices at the worker's next event (0.5 s later) at the latest.
+        wanted = 'kvhint_router_requests_total{code="499",endpoint="chat",worker="w0"} 1.0'
+        for _ in range(100):
+            text = (await client.get(f"{router.url}/metrics")).text
+            if wanted in text:
+                break
+            await asyncio.sleep(0.1)
+        assert wanted in text
+        assert router.runtime.workers.get("w0").inflight == 0

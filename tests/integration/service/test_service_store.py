@@ -1,0 +1,110 @@
+"""The router store on SQLite and PostgreSQL: migrations, batched writes, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
+from kvhint.router.store.database import create_store_engine, migrate
+from kvhint.router.store.models import Base
+from kvhint.router.store.reader import count_hints_by_status, load_recovery, query_hints
+from kvhint.router.store.writer import StoreWriter
+
+
+def test_migrations_build_exactly_the_models(database_url: str) -> None:
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        migrate(engine)  # idempotent
+        assert set(inspect(engine).get_table_names()) >= {
+            "tenants", "workers", "sessions", "learned_stats", "hint_actions", "cursors",
+            "alembic_version"}
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        assert diff == [], f"models and migrations disagree: {diff}"
+    finally:
+        engine.dispose()
+
+
+def _action(action_id: str, status: str, at: float) -> dict:
+    return {"action_id": action_id, "message_id": "m1", "tenant": "acme", "session_id": "s1",
+            "worker_id": "w0", "action_type": "kv.pin", "source": "planner",
+            "trigger": "gap:search:pin", "payload": {"ttl_s": 30.0}, "status": status,
+            "reason": "", "requested_blocks": 4, "requested_tokens": 0, "applied_blocks": 0,
+            "applied_tokens": 0, "created_at": at, "updated_at": at}
+
+
+def _session(session_id: str, at: float, turns: int) -> dict:
+    return {"tenant": "acme", "session_id": session_id, "worker_id": "w0", "turns": turns,
+            "created_at": at, "last_activity": at, "ended_at": None, "state": "active",
+            "open_gap": {"tools": ["search"], "started_at": at, "worker_id": "w0"},
+            "tool_gap_stats": {"gaps": []}, "plan": None, "prompt_tokens": 10,
+            "cached_tokens": 5, "predicted_cached_tokens": 4}
+
+
+def test_batched_writes_collapse_and_recover(database_url: str) -> None:
+    engine = create_store_engine(database_url)
+    drops: list[str] = []
+    try:
+        migrate(engine)
+
+        async def scenario() -> None:
+            writer = StoreWriter(engine, flush_interval_s=0.05, queue_max=3,
+                                 on_drop=lambda what, n: drops.append(what))
+            writer.start()
+            now = time.time()
+            for turn in range(1, 6):  # five updates of one row: one row write
+                writer.upsert("sessions", ("acme", "s1"), _session("s1", now, turn))
+            writer.upsert("hint_actions", ("a1",), _action("a1", "pending", now))
+            writer.upsert("hint_actions", ("a2",), _action("a2", "pending", now))
+            assert writer.queued == 3
+            writer.upsert("hint_actions", ("a3",), _action("a3", "pending", now))  # dropped
+            await asyncio.sleep(0.3)
+            assert writer.queued == 0 and writer.rows_written == 3
+            # An outcome updates only some columns of an existing row.
+            writer.update("hint_actions", ("a2",), {"action_id": "a2", "status": "accepted",
+                                                    "applied_blocks": 4, "updated_at": now + 1})
+            await writer.close()
+
+        asyncio.run(scenario())
+        assert drops == ["store_write"]
+        state = load_recovery(engine, active_since=time.time() - 60, max_sessions=10)
+        assert [s["turns"] for s in state.sessions] == [5]
+        assert state.sessions[0]["open_gap"]["tools"] == ["search"]
+        assert [a["action_id"] for a in state.pending_actions] == ["a1"]
+        accepted = query_hints(engine, status="accepted")
+        assert accepted[0]["applied_blocks"] == 4 and accepted[0]["requested_blocks"] == 4
+        assert count_hints_by_status(engine) == {"pending": 1, "accepted": 1}
+    finally:
+        engine.dispose()
+
+
+def test_failed_flush_keeps_the_batch(tmp_path) -> None:
+    engine = create_store_engine(f"sqlite:///{tmp_path / 'not-migrated.db'}")
+
+    async def scenario() -> StoreWriter:
+        writer = StoreWriter(engine, flush_interval_s=10, queue_max=100, on_drop=lambda *_: None)
+        writer.upsert("hint_actions", ("a1",), _action("a1", "pending", 1.0))
+        await writer.flush()  # no tables yet: fails, keeps the row
+        assert writer.flush_errors == 1 and writer.queued == 1
+        migrate(engine)
+        await writer.flush()
+        assert writer.queued == 0 and writer.rows_written == 1
+        return writer
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1/x", "postgres://u@h/d"])
+def test_plain_postgres_urls_use_psycopg(url: str) -> None:
+    from kvhint.router.service.settings import RouterSettings
+
+    assert RouterSettings(database_url=url).database_url.startswith("postgresql+psycopg://")

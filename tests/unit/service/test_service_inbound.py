@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvhint.router.service.inbound import BadRequest, Endpoint, parse_inbound
+from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.tenancy import Tenant
+
+ACME = Tenant("acme", "salt-acme", TenantBudget())
+DEV = Tenant("default", None, TenantBudget())
+
+
+def chat(**extra: object) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       **extra}).encode()
+
+
+def test_session_id_sources_in_order() -> None:
+    body = chat(session_id="b", prompt_cache_key="k")
+    assert parse_inbound(Endpoint.CHAT, body, ACME, "h", None).client_session_id == "b"
+    body = chat(prompt_cache_key="k")
+    assert parse_inbound(Endpoint.CHAT, body, ACME, "h", None).client_session_id == "h"
+    assert parse_inbound(Endpoint.CHAT, body, ACME, None, None).client_session_id == "k"
+    assert parse_inbound(Endpoint.CHAT, chat(), ACME, None, None).client_session_id is None
+
+
+def test_router_owns_session_salt_and_transfer_params() -> None:
+    body = chat(session_id="s1", cache_salt="mine", kv_transfer_params={"do_remote": True},
+                prompt_cache_key="k", vllm_xargs={"session_id": "evil", "x": 1})
+    inbound = parse_inbound(Endpoint.CHAT, body, ACME, None, None)
+    forwarded = inbound.body
+    assert forwarded["session_id"] == "acme/s1"
+    assert forwarded["cache_salt"] == "salt-acme"
+    assert "kv_transfer_params" not in forwarded and "prompt_cache_key" not in forwarded
+    assert forwarded["vllm_xargs"] == {"x": 1}
+    assert inbound.worker_session_id == "acme/s1"
+
+
+def test_dev_tenant_sets_no_salt_and_no_session_without_id() -> None:
+    inbound = parse_inbound(Endpoint.CHAT, chat(cache_salt="x"), DEV, None, None)
+    assert "cache_salt" not in inbound.body and "session_id" not in inbound.body
+
+
+def test_stream_usage_is_requested_and_marked_for_stripping() -> None:
+    inbound = parse_inbound(Endpoint.CHAT, chat(stream=True), DEV, None, None)
+    assert inbound.stream and inbound.strip_usage_chunk
+    assert inbound.body["stream_options"] == {"include_usage": True}
+    inbound = parse_inbound(Endpoint.CHAT, chat(stream=True,
+                                                stream_options={"include_usage": True}),
+                            DEV, None, None)
+    assert not inbound.strip_usage_chunk
+
+
+def test_session_end_header() -> None:
+    assert parse_inbound(Endpoint.CHAT, chat(), DEV, "s", "true").session_end
+    assert not parse_inbound(Endpoint.CHAT, chat(), DEV, "s", "no").session_end
+
+
+@pytest.mark.parametrize("endpoint,body,needle", [
+    (Endpoint.CHAT, b"", "empty"),
+    (Endpoint.CHAT, b"{not json", "not valid JSON"),
+    (Endpoint.CHAT, b"[1]", "JSON object"),
+    (Endpoint.CHAT, b'{"model": "tiny"}', "messages"),
+    (Endpoint.CHAT, b'{"messages": ["x"]}', "messages"),
+    (Endpoint.CHAT, b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+    (Endpoint.CHAT, b'{"messages": [{"role": "user"}], "session_id": 5}', "session_id"),
+    (Endpoint.CHAT, b'{"messages": [{"role": "user"}], "model": 1}', "model"),
+    (Endpoint.COMPLETION, b'{"model": "tiny"}', "prompt"),
+    (Endpoint.COMPLETION, b'{"prompt": []}', "prompt"),
+])
+def test_bad_bodies_are_400_with_a_message(endpoint: Endpoint, body: bytes, needle: str) -> None:
+    with pytest.raises(BadRequest) as exc:
+        parse_inbound(endpoint, body, DEV, None, None)
+    assert exc.value.status == 400
+    assert needle in exc.value.message
+
+
+def test_session_id_limits() -> None:
+    with pytest.raises(BadRequest):
+        parse_inbound(Endpoint.CHAT, chat(session_id="x" * 300), DEV, None, None)
+    with pytest.raises(BadRequest):
+        parse_inbound(Endpoint.CHAT, chat(), DEV, "bad\nid", None)

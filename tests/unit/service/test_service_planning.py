@@ -1,0 +1,240 @@
+"""Routing glue, session lifecycle and hint dispatch with the real policy and index;
+NATS is replaced by a recording link (tests/integration/service uses a real server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
+from kvhint.router.policy import GapObserved, PlannerConfig, RoutingConfig
+from kvhint.router.service.hint_dispatch import HintDispatcher
+from kvhint.router.service.inbound import Endpoint, parse_inbound
+from kvhint.router.service.lifecycle import SessionLifecycle
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.response_scan import ResponseObservation
+from kvhint.router.service.routing_service import RoutingService
+from kvhint.router.service.sessions import SessionRegistry
+from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.tenancy import Tenant
+from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
+from kvhint.schemas import (
+    Amount,
+    Budgets,
+    HintOutcome,
+    OutcomeStatus,
+    Subjects,
+    Usage,
+    WorkerStatus,
+    decode_hints,
+)
+
+TENANT = Tenant("default", None, TenantBudget())
+ACTIONS = {t: ["1.0"] for t in ("kv.pin", "kv.retain", "kv.prefetch", "kv.share")}
+
+
+class RecordingLink:
+    """Stands in for NatsLink.publish (the one call the dispatcher makes)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject: str, payload: bytes) -> bool:
+        self.sent.append((subject, payload))
+        return True
+
+
+def status(worker: str, epoch: str = "e1") -> WorkerStatus:
+    return WorkerStatus(
+        worker_id=worker, epoch=epoch, model="tiny", cache_namespace="ns", block_size=4,
+        hash_algo="sha256", none_hash_seed="vllm-none-hash", supported_actions=ACTIONS,
+        budgets=Budgets(max_pinned_blocks=50, max_pin_ttl_s=600, max_retained_blocks=200,
+                        max_retain_ttl_s=3600),
+        usage=Usage(gpu_blocks_total=100, gpu_blocks_free=100, kv_usage=0.0),
+        interval_s=1.0, at=time.time())
+
+
+def build(workers: list[str]):
+    registry = WorkerRegistry([(w, f"http://{w}") for w in workers])
+    for worker in workers:
+        assert registry.on_heartbeat(status(worker)) is HeartbeatVerdict.FIRST
+    metrics = RouterMetrics()
+    link = RecordingLink()
+    hints = HintDispatcher(link, Subjects("t"), registry, None, metrics, PlannerConfig(),
+                           seed=1)
+    sessions = SessionRegistry(None, max_sessions=100)
+    lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
+                                 forget_after_s=3600)
+    index = InMemoryClusterKvIndex()
+    routing = RoutingService(registry, metrics, RoutingConfig(), hasher=None,
+                             default_block_size=4, index=index)
+    return registry, metrics, link, hints, sessions, lifecycle, index, routing
+
+
+def test_heartbeat_verdicts() -> None:
+    registry = WorkerRegistry([("w0", "http://a")])
+    assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.FIRST
+    assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.SAME_EPOCH
+    assert registry.on_heartbeat(status("w0", "e2")) is HeartbeatVerdict.NEW_EPOCH
+    registry.mark_http_failure("w0", "refused")
+    assert registry.routable() == []
+    registry.mark_http_ok("w0")
+    assert [w.worker_id for w in registry.routable()] == ["w0"]
+
+
+def test_single_worker_is_decided_without_hashing_then_completed() -> None:
+    _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0"])
+    inbound = parse_inbound(Endpoint.COMPLETION, b'{"prompt": [1,2,3,4,5,6,7,8,9]}',
+                            TENANT, None, None)
+    plan = routing.plan(inbound, None, 0)
+    assert plan.deferred and plan.decision.worker_id == "w0"
+    # Without a hasher the completion keeps the estimate (nothing to hash with).
+    assert not routing.complete(plan, inbound).deferred
+
+
+def test_overlap_from_the_index_steers_routing() -> None:
+    _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0", "w1"])
+    index.apply(BlocksStored("w1", [11, 12, 13], None))
+
+    class Hasher:  # the hashing layer's contract: body -> PromptHashes
+        def hash_completion(self, body, config):  # noqa: ANN001
+            from kvhint.router.hashing import PromptHashes
+
+            return [PromptHashes(tuple(range(14)), (11, 12, 13), 4)]
+
+    routing.hasher = Hasher()  # type: ignore[assignment]
+    inbound = parse_inbound(Endpoint.COMPLETION, b'{"model": "m", "prompt": "x"}', TENANT,
+                            None, None)
+    plan = routing.plan(inbound, None, 0)
+    assert plan.decision.worker_id == "w1"
+    assert plan.predicted_for("w1") == 12 and plan.decision.fallbacks == ("w0",)
+
+
+def test_tool_gap_pins_and_outcomes_feed_back() -> None:
+    registry, metrics, link, hints, sessions, lifecycle, _index, _routing = build(["w0"])
+
+    # The router has learned that "search" answers in about two seconds.
+    hints.observe([GapObserved("search", 1, 2.0)] * 20)
+    seen_kinds: list[str] = []
+
+    async def scenario() -> None:
+        record = lifecycle.begin_turn("default", "s1")
+        await lifecycle.routed(record, "w0", prompt_tokens=400, predicted_cached=0,
+                               block_hashes=())
+        observed = ResponseObservation(finish_reason="tool_calls", tool_names=["search"],
+                                       prompt_tokens=400, completion_tokens=8, cached_tokens=0)
+        await lifecycle.finished(record, "w0", observed, session_end=False)
+        assert record.state == "tool_gap" and record.open_gap["tools"] == ["search"]
+        subject, payload = link.sent[-1]
+        assert subject == "t.v1.hints.w0"
+        decoded = decode_hints(payload)
+        action = decoded.actions[0]
+        # The planner protects the session for the gap (which of Pin/Retain is its call).
+        kind = action.action_type.value
+        assert kind in ("kv.pin", "kv.retain")
+        assert action.payload.target.session_id == "default/s1"
+        seen_kinds.append(kind)
+        # The worker clips it: recorded, counted, fed back (a clipped pin lowers the ask).
+        record_action = hints.on_outcome(HintOutcome(
+            message_id=decoded.message_id, action_id=action.action_id, action_type=kind,
+            worker_id="w0", status=OutcomeStatus.CLIPPED, reason="budget",
+            requested=Amount(100, 400), applied=Amount(25, 100), at=time.time()))
+        assert record_action.status == "clipped" and not hints.pending
+        if kind == "kv.pin":
+            assert hints.feedback["w0"].pin_ask_scale < 1.0
+        assert hints.on_outcome(HintOutcome(
+            message_id="m", action_id="unknown", worker_id="w0",
+            status=OutcomeStatus.ACCEPTED, at=time.time())) is None
+        # The next turn closes the gap; the end releases.
+        await asyncio.sleep(0.01)
+        record = lifecycle.begin_turn("default", "s1")
+        assert record.gaps[-1]["tools"] == ["search"]
+        await lifecycle.routed(record, "w0", 420, 400, ())
+        await lifecycle.end(record)
+        assert record.state == "ended" and record.plan.ended
+
+    asyncio.run(scenario())
+    text = metrics.render().decode()
+    assert (f'kvhint_router_hints_total{{action="{seen_kinds[0]}",outcome="clipped",'
+            'source="planner"} 1.0') in text
+    assert 'kvhint_router_drops_total{what="outcome_unknown_action"} 1.0' in text
+
+
+def test_hints_without_nats_are_failed_and_counted() -> None:
+    registry, metrics, _link, _hints, sessions, _lc, _index, _routing = build(["w0"])
+    hints = HintDispatcher(None, Subjects("t"), registry, None, metrics, PlannerConfig(), seed=1)
+    lifecycle = SessionLifecycle(sessions, hints, metrics, True, 3600)
+
+    async def scenario() -> None:
+        record = lifecycle.begin_turn("default", "s2")
+        await lifecycle.routed(record, "w0", 400, 0, ())
+        await lifecycle.finished(record, "w0", ResponseObservation(
+            finish_reason="tool_calls", tool_names=["x"], prompt_tokens=400,
+            completion_tokens=1, cached_tokens=0), session_end=False)
+
+    asyncio.run(scenario())
+    assert hints.status_counts.get("failed") == 1 and not hints.pending
+    assert 'kvhint_router_drops_total{what="hint_unsent"} 1.0' in metrics.render().decode()
+
+
+def test_shared_prefixes_are_found_per_worker_and_tenant_and_retained() -> None:
+    from kvhint.router.service.shared_prefixes import shared_prefixes
+
+    registry, metrics, link, hints, sessions, lifecycle, _index, _routing = build(["w0"])
+    system = (101, 102, 103, 104)  # four blocks every session starts with
+    for number in range(4):
+        record = sessions.open("default", f"s{number}", time.time())
+        record.worker_id = "w0"
+        record.last_block_hashes = (*system, 1000 + number, 2000 + number)
+    other = sessions.open("other", "x", time.time())  # another tenant: never pooled
+    other.worker_id, other.last_block_hashes = "w0", system
+    found = shared_prefixes(sessions, min_sessions=3, protected_until={})
+    assert len(found) == 1
+    assert found[0].block_hashes == system and found[0].sessions == 4
+    assert found[0].tenant == "default"
+    asyncio.run(lifecycle.tick())
+    payloads = [decode_hints(p).actions[0] for _s, p in link.sent]
+    retains = [a for a in payloads if a.payload.target.block_hashes == list(system)]
+    assert len(retains) == 1 and retains[0].action_type.value == "kv.retain"
+    asyncio.run(lifecycle.tick())  # within the scan period and still protected: no repeat
+    assert len(link.sent) == len(payloads)
+
+
+def test_balance_floor_keeps_a_session_on_its_cache_at_low_load() -> None:
+    from kvhint.router.hashing import PromptHashes
+
+    class Hasher:
+        def hash_chat(self, body, config):  # noqa: ANN001
+            return PromptHashes(tuple(range(484)), tuple(range(1, 16)), 32)
+
+    _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0", "w1"])
+    routing.hasher = Hasher()  # type: ignore[assignment]
+    index.apply(BlocksStored("w0", list(range(1, 16)), None))
+    routing.dispatched("w0", uncached_tokens=484, prompt_tokens=484, block_size=32)
+    routing.finished("w0", 484, 32, 0)
+    inbound = parse_inbound(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}',
+                            TENANT, "s", None)
+    routing.balance_floor_tokens = 0.0
+    # The policy's hot-spot cap alone: 484 tokens are "8% over the mean" -> the idle worker.
+    assert routing.plan(inbound, "w0", 1).decision.worker_id == "w1"
+    routing.balance_floor_tokens = 16384.0
+    assert routing.plan(inbound, "w0", 1).decision.worker_id == "w0"
+
+
+def test_new_sessions_spread_over_workers_despite_a_shared_prefix() -> None:
+    from kvhint.router.hashing import PromptHashes
+
+    class Hasher:
+        def hash_chat(self, body, config):  # noqa: ANN001
+            return PromptHashes(tuple(range(700)), tuple(range(1, 22)), 32)
+
+    _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0", "w1"])
+    routing.hasher = Hasher()  # type: ignore[assignment]
+    index.apply(BlocksStored("w0", list(range(1, 13)), None))  # the system prompt, on w0
+
+    def first_turn(session: str) -> str:
+        inbound = parse_inbound(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}',
+                                TENANT, session, None)
+        return routing.plan(inbound, None, 0).decision.worker_id
+
+    assert [first_turn(f"s{i}") for i in range(4)] == ["w0", "w1", "w0", "w1"]

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from kvhint.router.service.settings import RouterSettings
+from kvhint.router.service.tenancy import (
+    DEFAULT_TENANT,
+    AuthError,
+    TenantDirectory,
+    api_key_from_headers,
+)
+
+
+def test_env_names_used_by_kvhint_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVHINT_ROUTER_PORT", "8181")
+    monkeypatch.setenv("KVHINT_ROUTER_WORKERS", "w0=http://127.0.0.1:8001, w1=http://h:9/")
+    monkeypatch.setenv("KVHINT_ROUTER_NATS_URL", "nats://127.0.0.1:4333")
+    monkeypatch.setenv("KVHINT_ROUTER_DATABASE_URL", "postgresql://u@h/db")
+    settings = RouterSettings()
+    assert settings.port == 8181
+    assert [(w.id, w.url) for w in settings.workers] == [("w0", "http://127.0.0.1:8001"),
+                                                          ("w1", "http://h:9")]
+    assert settings.nats_url == "nats://127.0.0.1:4333"
+    assert settings.database_url == "postgresql+psycopg://u@h/db"
+    assert settings.dev_mode
+
+
+def test_config_file_under_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "port: 9000\n"
+        "workers: [{id: a, url: 'http://a:1'}]\n"
+        "admin_keys: [root]\n"
+        "tenants:\n"
+        "  - {name: acme, api_keys: [k-acme], admin_keys: [adm-acme]}\n"
+        "routing: {seed: 7}\n")
+    monkeypatch.setenv("KVHINT_ROUTER_PORT", "9100")
+    settings = RouterSettings(config_file=config)
+    assert settings.port == 9100  # environment wins over the file
+    assert settings.workers[0].id == "a"
+    assert settings.routing.seed == 7
+    assert not settings.dev_mode
+
+
+@pytest.mark.parametrize("bad", [
+    {"workers": "w0"},                                    # no URL
+    {"workers": "w.0=http://a:1"},                        # not a NATS token
+    {"workers": "w0=ftp://a"},                            # not HTTP
+    {"workers": "w0=http://a:1,w0=http://b:1"},           # duplicate id
+    {"tenants": [{"name": "x", "cache_salt": "a/b"}]},    # vLLM rejects '/'
+    {"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]},
+    {"unknown_field": 1},
+])
+def test_bad_settings_are_refused_with_a_message(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        RouterSettings(**bad)
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        RouterSettings(config_file=tmp_path / "nope.yaml")
+
+
+def test_dev_mode_is_one_open_tenant() -> None:
+    directory = TenantDirectory(RouterSettings())
+    assert directory.dev_mode
+    tenant = directory.client(None)
+    assert tenant.name == DEFAULT_TENANT and tenant.cache_salt is None
+    assert directory.admin(None).is_admin
+
+
+def test_keys_map_to_tenants_and_admins() -> None:
+    directory = TenantDirectory(RouterSettings(
+        admin_keys=["root"],
+        tenants=[{"name": "acme", "api_keys": ["k1"], "admin_keys": ["a1"]},
+                 {"name": "beta", "api_keys": ["k2"], "cache_salt": "fixed-salt"}]))
+    acme, beta = directory.client("k1"), directory.client("k2")
+    assert acme.name == "acme" and beta.name == "beta"
+    assert beta.cache_salt == "fixed-salt"
+    assert acme.cache_salt and acme.cache_salt != beta.cache_salt
+    assert acme.worker_session_id("s1") == "acme/s1"
+    with pytest.raises(AuthError) as missing:
+        directory.client(None)
+    assert missing.value.status == 401
+    with pytest.raises(AuthError):
+        directory.client("nope")
+    with pytest.raises(AuthError) as not_admin:
+        directory.admin("k1")
+    assert not_admin.value.status == 403
+    tenant_admin = directory.admin("a1")
+    assert tenant_admin.may_act_for("acme") and not tenant_admin.may_act_for("beta")
+    assert directory.admin("root").may_act_for("beta")
+
+
+def test_api_key_header_forms() -> None:
+    assert api_key_from_headers("Bearer abc", None) == "abc"
+    assert api_key_from_headers("bearer  abc ", None) == "abc"
+    assert api_key_from_headers(None, "xyz") == "xyz"
+    assert api_key_from_headers("Basic abc", None) is None
