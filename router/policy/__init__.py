@@ -1,0 +1,129 @@
+"""kvhint's policies: routing, hint planning, donor choice.
+
+Pure functions of frozen contexts plus an injected clock (``now`` in the context) and a
+seeded ``random.Random``; no I/O, no module state. The live router builds the contexts
+from its index, sessions and worker status; the simulator builds them from simulated
+workers; both call the same functions.
+
+- :mod:`.routing` — :func:`route` (``round_robin``, ``session_affinity``, ``kv_aware``,
+  ``kvhint``) -> :class:`RouteDecision` with fallbacks for a retry.
+- :mod:`.planner` — lifecycle -> hints: :func:`plan_turn_routed`,
+  :func:`plan_response_finished`, :func:`plan_idle`, :func:`plan_session_end`,
+  :func:`plan_shared_prefixes`.
+- :mod:`.session` — :class:`SessionPlanState` (plain data per session) and the events.
+- :mod:`.stats` — :class:`LearnedStats` (tool-gap histograms per tool and depth, return
+  probability by depth), persisted by the caller as JSON.
+- :mod:`.feedback` — :func:`apply_outcome` -> :class:`WorkerFeedback` (pin ask scale,
+  disabled action types).
+- :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets).
+- :mod:`.donor` — :func:`choose_donor`.
+"""
+
+from kvhint.router.policy.donor import (
+    DonorCandidate,
+    DonorChoice,
+    DonorConfig,
+    DonorContext,
+    choose_donor,
+)
+from kvhint.router.policy.feedback import FeedbackConfig, WorkerFeedback, apply_outcome
+from kvhint.router.policy.holdings import Holdings, HoldingsLedger
+from kvhint.router.policy.plan_types import (
+    ALL_ACTIONS,
+    PlannedAction,
+    PlannerConfig,
+    PlannerContext,
+    PlanResult,
+    SharedPrefix,
+    WorkerPlanView,
+)
+from kvhint.router.policy.planner import (
+    next_idle_review,
+    plan_idle,
+    plan_response_finished,
+    plan_session_end,
+    plan_shared_prefixes,
+    plan_turn_routed,
+)
+from kvhint.router.policy.routing import (
+    NoWorkerAvailable,
+    Overlap,
+    RouteDecision,
+    RouteRequest,
+    RoutingConfig,
+    RoutingContext,
+    RoutingPolicy,
+    SessionPlacement,
+    WorkerLoad,
+    WorkerScore,
+    cached_tokens,
+    decay_recent,
+    route,
+)
+from kvhint.router.policy.session import (
+    FinishReason,
+    Protection,
+    ResponseFinished,
+    SessionEnded,
+    SessionPlanState,
+    TurnRouted,
+)
+from kvhint.router.policy.stats import (
+    ANY_TOOL,
+    USER_GAP,
+    GapObserved,
+    LearnedStats,
+    Observation,
+    ReturnObserved,
+)
+
+__all__ = [
+    "ALL_ACTIONS",
+    "ANY_TOOL",
+    "USER_GAP",
+    "DonorCandidate",
+    "DonorChoice",
+    "DonorConfig",
+    "DonorContext",
+    "FeedbackConfig",
+    "FinishReason",
+    "GapObserved",
+    "Holdings",
+    "HoldingsLedger",
+    "LearnedStats",
+    "NoWorkerAvailable",
+    "Observation",
+    "Overlap",
+    "PlanResult",
+    "PlannedAction",
+    "PlannerConfig",
+    "PlannerContext",
+    "Protection",
+    "ResponseFinished",
+    "ReturnObserved",
+    "RouteDecision",
+    "RouteRequest",
+    "RoutingConfig",
+    "RoutingContext",
+    "RoutingPolicy",
+    "SessionEnded",
+    "SessionPlacement",
+    "SessionPlanState",
+    "SharedPrefix",
+    "TurnRouted",
+    "WorkerFeedback",
+    "WorkerLoad",
+    "WorkerPlanView",
+    "WorkerScore",
+    "apply_outcome",
+    "cached_tokens",
+    "choose_donor",
+    "decay_recent",
+    "next_idle_review",
+    "plan_idle",
+    "plan_response_finished",
+    "plan_session_end",
+    "plan_shared_prefixes",
+    "plan_turn_routed",
+    "route",
+]

@@ -1,0 +1,94 @@
+"""Outcome feedback: what the workers' answers teach the planner, per worker.
+
+Plain, frozen data: :func:`apply_outcome` returns a new :class:`WorkerFeedback`. The
+caller keeps one per worker, persists it if it likes (:meth:`WorkerFeedback.to_dict`),
+and starts a fresh one when the worker's epoch changes (a restarted engine may support
+more). Rules:
+
+- a ``clipped`` Pin lowers ``pin_ask_scale`` to the applied fraction (floored at
+  ``min_pin_scale``): the planner then pins only that share of a session's prefix; each
+  ``accepted`` Pin raises it back by ``pin_recovery``;
+- ``reject_disable_after`` consecutive ``rejected`` outcomes of one action type disable
+  that type for this worker (a worker without a host tier answers Demote ``rejected``:
+  the planner stops sending it); any ``accepted``/``clipped`` of that type resets the count.
+  ``missing`` (the blocks were already gone) and ``deferred`` change nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvhint.schemas.hints import ActionType
+from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
+
+
+@dataclass(frozen=True, slots=True)
+class FeedbackConfig:
+    min_pin_scale: float = 0.125
+    pin_recovery: float = 1.25
+    reject_disable_after: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFeedback:
+    worker_id: str
+    pin_ask_scale: float = 1.0
+    disabled_actions: frozenset[str] = frozenset()
+    # action type -> the rejection reason that disabled it (for operators)
+    disabled_reasons: dict[str, str] = field(default_factory=dict)
+    # action type -> consecutive rejections so far
+    rejections_in_row: dict[str, int] = field(default_factory=dict)
+
+    def allows(self, action_type: ActionType | str) -> bool:
+        value = action_type.value if isinstance(action_type, ActionType) else action_type
+        return value not in self.disabled_actions
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "worker_id": self.worker_id,
+            "pin_ask_scale": self.pin_ask_scale,
+            "disabled_actions": sorted(self.disabled_actions),
+            "disabled_reasons": dict(self.disabled_reasons),
+            "rejections_in_row": dict(self.rejections_in_row),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> WorkerFeedback:
+        return cls(
+            worker_id=str(data["worker_id"]),
+            pin_ask_scale=float(data.get("pin_ask_scale", 1.0)),  # type: ignore[arg-type]
+            disabled_actions=frozenset(data.get("disabled_actions", ())),  # type: ignore[arg-type]
+            disabled_reasons=dict(data.get("disabled_reasons", {})),  # type: ignore[arg-type]
+            rejections_in_row=dict(data.get("rejections_in_row", {})),  # type: ignore[arg-type]
+        )
+
+
+def apply_outcome(
+    feedback: WorkerFeedback, outcome: HintOutcome, config: FeedbackConfig = FeedbackConfig()
+) -> WorkerFeedback:
+    """Fold one terminal outcome from ``feedback.worker_id`` into a new feedback value."""
+    kind = outcome.action_type
+    status = outcome.status
+    if not kind or status in (OutcomeStatus.DEFERRED, OutcomeStatus.MISSING):
+        return feedback
+    if status is OutcomeStatus.REJECTED:
+        count = feedback.rejections_in_row.get(kind, 0) + 1
+        rejections = {**feedback.rejections_in_row, kind: count}
+        if count >= config.reject_disable_after and kind not in feedback.disabled_actions:
+            return replace(
+                feedback,
+                rejections_in_row=rejections,
+                disabled_actions=feedback.disabled_actions | {kind},
+                disabled_reasons={**feedback.disabled_reasons, kind: outcome.reason},
+            )
+        return replace(feedback, rejections_in_row=rejections)
+    # accepted or clipped: the type works on this worker.
+    rejections = {k: v for k, v in feedback.rejections_in_row.items() if k != kind}
+    scale = feedback.pin_ask_scale
+    if kind == ActionType.PIN.value:
+        if status is OutcomeStatus.CLIPPED and outcome.requested.blocks > 0:
+            fraction = outcome.applied.blocks / outcome.requested.blocks
+            scale = max(config.min_pin_scale, min(scale, scale * fraction))
+        elif status is OutcomeStatus.ACCEPTED:
+            scale = min(1.0, scale * config.pin_recovery)
+    return replace(feedback, pin_ask_scale=scale, rejections_in_row=rejections)

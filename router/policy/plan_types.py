@@ -1,0 +1,136 @@
+"""The planner's inputs and outputs: its configuration, the frozen context of one
+planning call (time, learned statistics, the workers as the planner sees them), and the
+actions and session state a plan returns. Data only; the planning is in :mod:`.planner`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvhint.router.policy.feedback import WorkerFeedback
+from kvhint.router.policy.holdings import Holdings
+from kvhint.router.policy.session import SessionPlanState
+from kvhint.router.policy.stats import LearnedStats, Observation
+from kvhint.schemas.hints import ActionType, KvHintAction
+from kvhint.schemas.status import Budgets
+
+ALL_ACTIONS = frozenset(t.value for t in ActionType)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    # "Soon": a session's value is P(next turn within horizon_s).
+    horizon_s: float = 300.0
+    gap_quantile: float = 0.9
+    # Tool gaps predicted at most this long are pinned; longer ones are retained. Pins are
+    # hard (never relieved under pressure), so they are kept for fast tools: on the
+    # gen-agents workload (2 x 400 blocks) 120 s -> 7.24M, 15 s -> 6.94M recomputed tokens
+    # (soft, priority-ordered retains use the space better; BENCHMARKS.md).
+    pin_max_gap_s: float = 15.0
+    pin_ttl_margin: float = 1.5
+    min_ttl_s: float = 5.0
+    # Sessions valued below this priority are left to vLLM's own LRU (a protection they
+    # hold is released).
+    min_retain_priority: int = 5
+    # An ended (or abandoned) session without a host tier is kept at priority 1 this long
+    # (its blocks go first, a prefix shared with live sessions stays); 0 = release it.
+    ended_retain_ttl_s: float = 0.0
+    # Re-send a retain when its priority would move by at least this much.
+    refresh_priority_step: int = 10
+    # With a host tier, sessions valued below this priority are demoted.
+    demote_below_priority: int = 20
+    abandon_after_s: float = 3600.0
+    # A session's return is learnt as "returned within return_window_s": a gap longer
+    # than this counts as not returning (observed when plan_idle passes the window), so
+    # the estimate is not biased by waiting an hour for every non-return. A return is
+    # observed as soon as it happens, a non-return only when the window closes, so until
+    # one window has passed (a fresh router) the estimate leans high; 10 minutes (twice
+    # the horizon, beyond which no protection pays) keeps that lean short. Measured on
+    # the Mooncake trace: 1200 s -> 12.95%, 600 s -> 13.48% token hits (BENCHMARKS.md).
+    return_window_s: float = 600.0
+    # plan_idle schedule (see next_idle_review): first review, then x growth each time.
+    idle_review_first_s: float = 15.0
+    idle_review_growth: float = 1.5
+    release_ttl_s: float = 1.0
+    share_ttl_s: float = 60.0
+    prefetch_deadline_s: float = 5.0
+    shared_prefix_min_sessions: int = 3
+    shared_prefix_priority: int = 90
+    tenant_max_pinned_blocks: int | None = None
+    tenant_max_retained_blocks: int | None = None
+    # Action types the operator lets the planner send at all.
+    enabled_actions: frozenset[str] = ALL_ACTIONS
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlanView:
+    """One worker as the planner sees it: from its status heartbeat (block size, budgets,
+    supported actions, host tier), the caller's :class:`HoldingsLedger` and the worker's
+    outcome feedback."""
+
+    worker_id: str
+    block_size: int
+    budgets: Budgets
+    supported_actions: frozenset[str] = ALL_ACTIONS
+    host_tier: bool = False
+    held: Holdings = Holdings()
+    feedback: WorkerFeedback | None = None
+
+    def can_send(self, action_type: ActionType, config: PlannerConfig) -> bool:
+        value = action_type.value
+        if value not in config.enabled_actions or value not in self.supported_actions:
+            return False
+        return self.feedback is None or self.feedback.allows(value)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerContext:
+    """Frozen inputs of one planning call. ``rng`` only draws action ids."""
+
+    now: float
+    stats: LearnedStats
+    workers: Mapping[str, WorkerPlanView]
+    rng: random.Random
+    config: PlannerConfig = PlannerConfig()
+    tenant_held: Mapping[str, Holdings] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedAction:
+    """One action for one worker. ``scope`` is what it protects (the session id, or
+    ``prefix:<key>`` for a shared prefix); ``blocks`` the planner's estimate of what it
+    covers; ``expires_at`` when its TTL ends (``now`` for one-shot actions)."""
+
+    worker_id: str
+    action: KvHintAction
+    scope: str
+    tenant: str | None
+    blocks: int
+    expires_at: float
+    reason: str
+
+    @property
+    def action_type(self) -> str:
+        return self.action.action_type
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    session: SessionPlanState | None
+    actions: tuple[PlannedAction, ...] = ()
+    observations: tuple[Observation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """A prefix used by several sessions on one worker (from the cluster index).
+    ``protected_until``: when the planner's current retain of it ends (None: none)."""
+
+    worker_id: str
+    key: str
+    block_hashes: tuple[int, ...]
+    sessions: int
+    tenant: str | None = None
+    protected_until: float | None = None

@@ -1,0 +1,454 @@
+"""The hint planner: session lifecycle -> bounded, soft hints for the session's worker.
+
+Pure functions of a frozen :class:`~kvhint.router.policy.plan_types.PlannerContext`
+(time, learned statistics, the workers' budgets/capabilities/holdings/feedback, a seeded
+rng for action ids) and the session's
+:class:`~kvhint.router.policy.session.SessionPlanState`. They do no I/O and never mutate
+their inputs; each returns a :class:`PlanResult` with the session's new state, the actions
+to send and the observations to fold into the statistics. The live router and the
+simulator call exactly these functions.
+
+The plan, per lifecycle event:
+
+- **turn routed** (:func:`plan_turn_routed`): closes an open gap (observes its length and
+  that the session returned); a session that moved worker gets Share (old worker ->
+  new) when the old worker supports it, else Prefetch on the new worker when it has a host
+  tier; the old worker's protection is released (Demote when it has a host tier).
+- **response finished** (:func:`plan_response_finished`): opens a gap. Its value is the
+  probability the session comes back within ``horizon_s`` (return probability by depth and
+  gap kind, times the gap distribution learned per tool name and depth). A tool gap
+  predicted shorter than ``pin_max_gap_s`` is pinned for its predicted length (quantile
+  ``gap_quantile`` x ``pin_ttl_margin``), scaled by the worker's pin feedback and bounded by
+  budgets; otherwise the session is retained with priority = 100 x that probability, or
+  demoted to the host tier when the value is low and the worker has one.
+- **idle tick** (:func:`plan_idle`): the value decays as the session stays away; the
+  retain priority is re-sent when it moved by ``refresh_priority_step``, a low-value session
+  is demoted or released, and one idle past ``abandon_after_s`` counts as not returning.
+- **explicit end** (:func:`plan_session_end`): Demote when the worker has a host tier,
+  else release.
+- **shared prefixes** (:func:`plan_shared_prefixes`): prefixes (system prompts, tool
+  schemas) used by many sessions are retained by block hash.
+
+"Release" is a Retain with priority 0 and ``release_ttl_s``: the plugin lets a newer
+Pin/Retain/Demote on the same session target supersede the older one, so this ends the
+protection. Budgets: per worker (the ``Budgets`` its status advertises, against what the
+planner's live actions hold there) and per tenant (``tenant_max_*``). Outcome feedback
+(:mod:`.feedback`) lowers the pin ask and disables rejected action types per worker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvhint.router.policy.holdings import Holdings
+from kvhint.router.policy.plan_types import (
+    PlannedAction,
+    PlannerConfig,
+    PlannerContext,
+    PlanResult,
+    SharedPrefix,
+    WorkerPlanView,
+)
+from kvhint.router.policy.session import (
+    FinishReason,
+    Protection,
+    ResponseFinished,
+    SessionEnded,
+    SessionPlanState,
+    TurnRouted,
+)
+from kvhint.router.policy.stats import (
+    USER_GAP,
+    GapObserved,
+    LearnedStats,
+    Observation,
+    ReturnObserved,
+)
+from kvhint.schemas.hints import (
+    ActionType,
+    DemotePayload,
+    HintPayload,
+    PinPayload,
+    PrefetchPayload,
+    RetainPayload,
+    SharePayload,
+    Target,
+    make_action,
+)
+
+# -- lifecycle ----------------------------------------------------------------------------
+
+
+def plan_turn_routed(
+    ctx: PlannerContext, session: SessionPlanState | None, event: TurnRouted
+) -> PlanResult:
+    """A new turn of ``event.session_id`` was routed; ``session`` is None for a new one."""
+    if session is None:
+        session = SessionPlanState(session_id=event.session_id, tenant=event.tenant)
+    observations: list[Observation] = []
+    if session.awaiting_return and session.gap_opened_at is not None:
+        kind = session.gap_kind or USER_GAP
+        gap = max(event.at - session.gap_opened_at, 0.0)
+        if gap <= ctx.config.return_window_s:
+            observations.append(GapObserved(kind, session.turns, gap))
+            observations.append(ReturnObserved(session.turns, True, kind))
+        elif not session.return_counted:
+            observations.append(ReturnObserved(session.turns, False, kind))
+    actions: list[PlannedAction] = []
+    moved_from = session.worker_id
+    if moved_from is not None and moved_from != event.worker_id:
+        actions.extend(_plan_move(ctx, session, moved_from, event.worker_id))
+    new_state = replace(
+        session,
+        worker_id=event.worker_id,
+        turns=session.turns + 1,
+        context_tokens=max(session.context_tokens, event.prompt_tokens),
+        last_activity=event.at,
+        gap_kind=None,
+        gap_opened_at=None,
+        gap_predicted_s=0.0,
+        return_counted=False,
+        protection=None if moved_from != event.worker_id else session.protection,
+        demoted=False,
+        ended=False,
+    )
+    return PlanResult(new_state, tuple(actions), tuple(observations))
+
+
+def plan_response_finished(
+    ctx: PlannerContext, session: SessionPlanState, event: ResponseFinished
+) -> PlanResult:
+    """The session's response finished: open a gap and protect for what it predicts."""
+    kind = _gap_kind(ctx.stats, event, session.turns, ctx.config.gap_quantile)
+    predicted = ctx.stats.gap_quantile(kind, session.turns, ctx.config.gap_quantile)
+    state = replace(
+        session,
+        context_tokens=event.prompt_tokens + event.completion_tokens,
+        last_activity=event.at,
+        gap_kind=kind,
+        gap_opened_at=event.at,
+        gap_predicted_s=predicted,
+    )
+    return _protect(ctx, state, idle_s=0.0, reason=f"gap:{kind}", new_blocks=True)
+
+
+def plan_idle(ctx: PlannerContext, session: SessionPlanState) -> PlanResult:
+    """Re-plan an idle session (call it periodically for sessions awaiting a return)."""
+    if not session.awaiting_return or session.gap_opened_at is None:
+        return PlanResult(session)
+    idle = ctx.now - session.gap_opened_at
+    observed: tuple[Observation, ...] = ()
+    if idle >= ctx.config.return_window_s and not session.return_counted:
+        observed = (ReturnObserved(session.turns, False, session.gap_kind or USER_GAP),)
+        session = replace(session, return_counted=True)
+    if idle >= ctx.config.abandon_after_s:
+        result = _end(ctx, session, "abandoned")
+        return PlanResult(result.session, result.actions, observed)
+    result = _protect(ctx, session, idle_s=idle, reason="idle")
+    return PlanResult(result.session, result.actions, observed)
+
+
+def next_idle_review(config: PlannerConfig, session: SessionPlanState, now: float) -> float | None:
+    """When :func:`plan_idle` should next run for ``session`` (absolute time, > ``now``),
+    or None when it awaits no return. Reviews come at idle times ``first``, ``first x
+    growth``, ... and last at ``abandon_after_s``, so an hour of idleness costs ~15 calls."""
+    if not session.awaiting_return or session.gap_opened_at is None:
+        return None
+    opened = session.gap_opened_at
+    at = config.idle_review_first_s
+    while opened + at <= now and at < config.abandon_after_s:
+        at *= max(config.idle_review_growth, 1.01)
+    at = min(at, config.abandon_after_s)
+    if not session.return_counted and now < opened + config.return_window_s < opened + at:
+        at = config.return_window_s
+    return max(opened + at, now)
+
+
+def plan_session_end(
+    ctx: PlannerContext, session: SessionPlanState, event: SessionEnded
+) -> PlanResult:
+    """Explicit end: the session will not return; demote (host tier) or release."""
+    observations: tuple[Observation, ...] = ()
+    if session.awaiting_return and not session.return_counted:
+        observations = (ReturnObserved(session.turns, False, session.gap_kind or USER_GAP),)
+    result = _end(ctx, replace(session, last_activity=event.at), "end")
+    return PlanResult(result.session, result.actions, observations)
+
+
+def plan_shared_prefixes(
+    ctx: PlannerContext, prefixes: Sequence[SharedPrefix]
+) -> tuple[PlannedAction, ...]:
+    """Retain prefixes that at least ``shared_prefix_min_sessions`` sessions use, unless
+    already retained for more than half the horizon. Like a session's retain this is soft:
+    the worker fits it into its retain budget by displacing lower priorities, so only the
+    tenant's budget is checked here (checking the worker's budget against the planner's
+    ledger, which session retains routinely fill, kept every prefix out)."""
+    config = ctx.config
+    actions = []
+    tenant_blocks = {t: h.retained_blocks for t, h in ctx.tenant_held.items()}
+    for prefix in prefixes:
+        worker = ctx.workers.get(prefix.worker_id)
+        if worker is None or prefix.sessions < config.shared_prefix_min_sessions:
+            continue
+        if not prefix.block_hashes or not worker.can_send(ActionType.RETAIN, config):
+            continue
+        remaining = (prefix.protected_until or 0.0) - ctx.now
+        if remaining > config.horizon_s / 2:
+            continue
+        ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
+        blocks = len(prefix.block_hashes)
+        held = tenant_blocks.get(prefix.tenant or "", 0)
+        if prefix.tenant is not None and not _fits(held, blocks,
+                                                   config.tenant_max_retained_blocks):
+            continue
+        if prefix.tenant is not None:
+            tenant_blocks[prefix.tenant] = held + blocks
+        payload = RetainPayload(
+            target=Target(block_hashes=list(prefix.block_hashes)),
+            priority=config.shared_prefix_priority,
+            ttl_s=ttl,
+        )
+        actions.append(
+            _planned(ctx, worker.worker_id, payload, f"prefix:{prefix.key}", prefix.tenant,
+                     blocks, ctx.now + ttl, "shared_prefix")
+        )
+    return tuple(actions)
+
+
+# -- internals ----------------------------------------------------------------------------
+
+
+def _gap_kind(stats: LearnedStats, event: ResponseFinished, depth: int, q: float) -> str:
+    if event.finish_reason is not FinishReason.TOOL_CALLS:
+        return USER_GAP
+    if not event.tool_names:
+        return "@unnamed"
+    # Several tools in one response: the session waits for the slowest.
+    return max(sorted(set(event.tool_names)), key=lambda t: stats.gap_quantile(t, depth, q))
+
+
+def _blocks_of(session: SessionPlanState, block_size: int) -> int:
+    return max(session.context_tokens // max(block_size, 1), 0)
+
+
+def _chain_target(session: SessionPlanState, worker: WorkerPlanView,
+                  max_blocks: int | None = None) -> Target:
+    """The session's current chain (its last prompt + completion), not every branch it
+    ever had: earlier turns' completion blocks hang off the chain as dead branches that
+    the next turn never reads, and retaining them would leak space turn after turn.
+    ``max_blocks`` cuts it to that many blocks from the start (a clipped pin)."""
+    blocks = session.context_tokens // worker.block_size
+    if max_blocks is not None:
+        blocks = min(blocks, max_blocks)
+    return Target(session_id=session.session_id,
+                  prefix_tokens=max(blocks, 1) * worker.block_size)
+
+
+def _fits(held: int, extra: int, limit: int | None) -> bool:
+    return limit is None or held + extra <= limit
+
+
+def _priority(ctx: PlannerContext, session: SessionPlanState, idle_s: float) -> int:
+    """Retain priority from the session's hit density (hits per cache-second, see
+    :meth:`LearnedStats.hit_density`) on a log scale: 1 hit/s -> 100, 1/min -> 59,
+    1/5 min -> 36, 1/hour -> 1. Only the order matters to the worker."""
+    density = ctx.stats.hit_density(
+        session.gap_kind or USER_GAP, session.turns, idle_s, ctx.config.horizon_s
+    )
+    if density <= 0:
+        return 0
+    return max(0, min(100, round(10.0 * math.log2(density * 3600.0))))
+
+
+def _protect(
+    ctx: PlannerContext, session: SessionPlanState, idle_s: float, reason: str,
+    new_blocks: bool = False,
+) -> PlanResult:
+    """Decide Pin / Retain / Demote / release for a session awaiting its next turn.
+    ``new_blocks``: the session's chain grew since its last protection (a response just
+    finished), so the protection is always re-sent: the worker resolves a session
+    target to the blocks resident at that moment, and the old claim does not cover the
+    new ones."""
+    config = ctx.config
+    worker = ctx.workers.get(session.worker_id or "")
+    blocks = _blocks_of(session, worker.block_size) if worker is not None else 0
+    if worker is None or blocks == 0:
+        return PlanResult(session)
+    kind = session.gap_kind or USER_GAP
+    remaining = max(session.gap_predicted_s - idle_s, config.min_ttl_s)
+    current = session.protection
+    own_pinned = current.blocks if current and current.action_type == ActionType.PIN.value else 0
+    own_retained = current.blocks if current and current.action_type == ActionType.RETAIN.value else 0
+    tenant = ctx.tenant_held.get(session.tenant, Holdings())
+
+    if kind != USER_GAP and remaining <= config.pin_max_gap_s and worker.can_send(
+        ActionType.PIN, config
+    ):
+        if not new_blocks and current is not None and (
+            current.action_type == ActionType.PIN.value
+        ) and current.expires_at >= ctx.now + remaining:
+            return PlanResult(session)
+        # The ask is the session's chain scaled by the worker's pin feedback (a clipped
+        # pin says the worker pins only that share, see feedback.py) and clipped to the
+        # pin budget left (worker and tenant): the pin then covers that many blocks of the
+        # chain's prefix, the part every next turn reads first. No room at all: the
+        # session is retained at top priority instead.
+        scale = worker.feedback.pin_ask_scale if worker.feedback is not None else 1.0
+        room = _room(worker.held.pinned_blocks - own_pinned, worker.budgets.max_pinned_blocks)
+        room = min(room, _room(tenant.pinned_blocks - own_pinned, config.tenant_max_pinned_blocks))
+        ask = min(int(blocks * scale), room, blocks)
+        if ask >= 1:
+            ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
+            target = _chain_target(session, worker, max_blocks=ask)
+            return _send(ctx, session, worker, PinPayload(target=target, ttl_s=ttl), ask, 100,
+                         ttl, f"{reason}:pin")
+        top_priority = True
+    else:
+        top_priority = False
+
+    priority = 100 if top_priority else _priority(ctx, session, idle_s)
+    wants_host = worker.host_tier and priority < config.demote_below_priority
+    if wants_host and worker.can_send(ActionType.DEMOTE, config):
+        if session.demoted:
+            return PlanResult(session)
+        payload = DemotePayload(target=Target(session_id=session.session_id))
+        result = _send(ctx, session, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
+        return PlanResult(replace(result.session, demoted=True), result.actions)
+
+    if priority >= config.min_retain_priority and worker.can_send(ActionType.RETAIN, config):
+        if not new_blocks and current is not None and (
+            current.action_type == ActionType.RETAIN.value
+        ) and abs(current.priority - priority) < config.refresh_priority_step and (
+            current.expires_at > ctx.now
+        ):
+            return PlanResult(session)
+        # Retains are soft: the worker enforces its own retain budget by displacing lower
+        # priorities, so only the tenant's share is checked here.
+        room = _room(tenant.retained_blocks - own_retained, config.tenant_max_retained_blocks)
+        if room >= blocks:
+            # Cover at least until the next idle review, which re-plans the retain.
+            review = next_idle_review(config, session, ctx.now)
+            until_review = (review - ctx.now) * 1.25 if review is not None else 0.0
+            ttl = min(max(remaining * config.pin_ttl_margin, until_review),
+                      worker.budgets.max_retain_ttl_s)
+            payload = RetainPayload(target=_chain_target(session, worker), priority=priority,
+                                    ttl_s=ttl)
+            return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
+    return _release(ctx, session, worker, f"{reason}:low_value")
+
+
+def _room(held: int, limit: int | None) -> int:
+    if limit is None:
+        return 1 << 62
+    return max(limit - held, 0)
+
+
+def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanResult:
+    ended = replace(session, ended=True, gap_opened_at=None)
+    worker = ctx.workers.get(session.worker_id or "")
+    if worker is None:
+        return PlanResult(replace(ended, protection=None))
+    blocks = _blocks_of(session, worker.block_size)
+    if worker.host_tier and not session.demoted and worker.can_send(ActionType.DEMOTE, ctx.config):
+        payload = DemotePayload(target=Target(session_id=session.session_id))
+        result = _send(ctx, ended, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
+        return PlanResult(replace(result.session, demoted=True), result.actions)
+    if blocks and ctx.config.ended_retain_ttl_s > 0 and worker.can_send(ActionType.RETAIN,
+                                                                        ctx.config):
+        # Lowest class, not a release: its blocks go first, while a prefix it shares with
+        # live sessions keeps their priority (a release would queue the blocks behind
+        # every other free block, as the most recently used).
+        ttl = min(ctx.config.ended_retain_ttl_s, worker.budgets.max_retain_ttl_s)
+        payload = RetainPayload(target=Target(session_id=session.session_id), priority=1,
+                                ttl_s=ttl)
+        return _send(ctx, ended, worker, payload, blocks, 1, ttl, f"{reason}:lowest")
+    return _release(ctx, ended, worker, f"{reason}:release", always=True)
+
+
+def _release(
+    ctx: PlannerContext, session: SessionPlanState, worker: WorkerPlanView, reason: str,
+    always: bool = False,
+) -> PlanResult:
+    """Retain priority 0: the worker drops the session's claims and its blocks follow
+    vLLM's LRU. Sent only when the session holds a protection, or ``always`` (an ended
+    session: the worker may then let its exclusive blocks go first)."""
+    if (session.protection is None and not always) or not worker.can_send(
+        ActionType.RETAIN, ctx.config
+    ):
+        return PlanResult(replace(session, protection=None))
+    ttl = ctx.config.release_ttl_s
+    payload = RetainPayload(target=Target(session_id=session.session_id), priority=0, ttl_s=ttl)
+    result = _send(ctx, session, worker, payload, 0, 0, ttl, reason)
+    return PlanResult(replace(result.session, protection=None), result.actions)
+
+
+def _plan_move(
+    ctx: PlannerContext, session: SessionPlanState, old: str, new: str
+) -> list[PlannedAction]:
+    config = ctx.config
+    old_worker = ctx.workers.get(old)
+    new_worker = ctx.workers.get(new)
+    actions: list[PlannedAction] = []
+    target = Target(session_id=session.session_id)
+    if old_worker is not None and old_worker.can_send(ActionType.SHARE, config):
+        blocks = _blocks_of(session, old_worker.block_size)
+        payload = SharePayload(target=target, destination_worker=new, ttl_s=config.share_ttl_s)
+        actions.append(_planned(ctx, old, payload, session.session_id, session.tenant, blocks,
+                                ctx.now + config.share_ttl_s, "moved:share"))
+    elif (
+        new_worker is not None
+        and new_worker.host_tier
+        and new_worker.can_send(ActionType.PREFETCH, config)
+    ):
+        blocks = _blocks_of(session, new_worker.block_size)
+        payload = PrefetchPayload(target=target, deadline_s=config.prefetch_deadline_s)
+        actions.append(_planned(ctx, new, payload, session.session_id, session.tenant, blocks,
+                                ctx.now, "moved:prefetch"))
+    if old_worker is not None and session.protection is not None:
+        if old_worker.host_tier and old_worker.can_send(ActionType.DEMOTE, config):
+            payload = DemotePayload(target=target)
+            actions.append(_planned(ctx, old, payload, session.session_id, session.tenant,
+                                    session.protection.blocks, ctx.now, "moved:demote"))
+        else:
+            actions.extend(_release(ctx, session, old_worker, "moved:release").actions)
+    return actions
+
+
+def _send(
+    ctx: PlannerContext,
+    session: SessionPlanState,
+    worker: WorkerPlanView,
+    payload: HintPayload,
+    blocks: int,
+    priority: int,
+    ttl: float,
+    reason: str,
+) -> PlanResult:
+    planned = _planned(ctx, worker.worker_id, payload, session.session_id, session.tenant,
+                       blocks, ctx.now + ttl, reason)
+    protection = Protection(
+        action_id=planned.action.action_id,
+        action_type=planned.action_type,
+        worker_id=worker.worker_id,
+        priority=priority,
+        blocks=blocks,
+        expires_at=ctx.now + ttl,
+    )
+    holds = planned.action_type in (ActionType.PIN.value, ActionType.RETAIN.value) and blocks > 0
+    return PlanResult(replace(session, protection=protection if holds else None), (planned,))
+
+
+def _planned(
+    ctx: PlannerContext,
+    worker_id: str,
+    payload: HintPayload,
+    scope: str,
+    tenant: str | None,
+    blocks: int,
+    expires_at: float,
+    reason: str,
+) -> PlannedAction:
+    action = make_action(f"kvh-{ctx.rng.getrandbits(64):016x}", payload)
+    return PlannedAction(worker_id, action, scope, tenant, blocks, expires_at, reason)

@@ -1,0 +1,312 @@
+"""Routing: choose a worker for one request from a frozen view of the fleet.
+
+Pure: :func:`route` reads a :class:`RoutingContext` (built by the caller from the cluster
+KV index and its own load bookkeeping), a :class:`RouteRequest` and a seeded
+``random.Random`` used only to break exact ties; it does no I/O and keeps no state. The
+live router and the simulator call the same function.
+
+Cost model (lower is better), in prompt tokens a worker would have to compute::
+
+    new_tokens(w)   = prompt_tokens - cached tokens on w (G1 prefix, then G2 continuation)
+    host_tokens(w)  = tokens of that prefix that sit only in the host tier (G2)
+    cost(w)         = new_tokens(w) + host_load_cost * host_tokens(w)
+                      + queue_weight * pending_prefill_tokens(w)
+                      + balance_weight * (recent_prefill_tokens(w) - min over workers)
+
+``kv_aware`` is the public KV-router formula (overlap plus load, no hints, no session
+knowledge): ``prefill blocks to compute + active decode blocks``. ``kvhint`` uses the cost
+above plus *bounded* session affinity: a session stays on its worker while that worker's
+recent load is within ``affinity_slack`` of the fleet mean, and a worker whose recent load
+exceeds the mean by more than ``balance_cap`` (``affinity_cap`` for the session's own
+worker) is only chosen when every worker does. A new session's first turn also pays
+``new_session_spread x prompt_tokens`` per recently placed session above the least-loaded
+worker's count, so long-lived sessions spread instead of clustering on a shared prefix.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class RoutingPolicy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    SESSION_AFFINITY = "session_affinity"
+    KV_AWARE = "kv_aware"
+    KVHINT = "kvhint"
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """The request's longest cached prefix on one worker, in whole blocks.
+
+    ``gpu_blocks``: consecutive prompt blocks from the start resident in G1.
+    ``host_blocks``: further consecutive blocks, right after the G1 run, resident in the
+    host tier (G2) only. A block in both tiers counts as G1.
+    """
+
+    gpu_blocks: int = 0
+    host_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One candidate worker as routing sees it.
+
+    ``pending_prefill_tokens``: uncached prompt tokens routed here and not yet prefilled
+    (the router's own count, or the simulator's queue). ``recent_prefill_tokens``: a
+    time-decayed sum of computed (uncached) prompt tokens routed here, see
+    :func:`decay_recent`; it is what keeps the computed work balanced. ``active_blocks``:
+    KV blocks held by running requests (decode load, for ``kv_aware``).
+    """
+
+    worker_id: str
+    healthy: bool = True
+    active_requests: int = 0
+    active_blocks: int = 0
+    pending_prefill_tokens: int = 0
+    recent_prefill_tokens: float = 0.0
+    # A time-decayed count of new sessions placed here (kvhint spreads new sessions).
+    recent_sessions: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPlacement:
+    """Where a session's previous turn ran (``worker_id``) and how many turns it had."""
+
+    worker_id: str | None
+    turns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    policy: RoutingPolicy = RoutingPolicy.KVHINT
+    # A G2 block costs this fraction of recomputing it (the host->GPU copy).
+    host_load_cost: float = 0.2
+    # Weight of tokens already queued for prefill on a worker (queueing delay).
+    queue_weight: float = 1.0
+    # Weight of recent computed tokens above the least-loaded worker (long-run balance).
+    # Small: it places new sessions on the least-loaded worker, while a continuation
+    # stays with its cache unless its worker runs well ahead (then ``balance_cap``
+    # decides). At 0.5 a 20k-token load difference outweighed a 10k-token cache hit and
+    # sessions moved often (Mooncake, 4 x 1,250 blocks: 0.5 -> 10.7%, 0.05 -> 11.8% token
+    # hits at max/mean computed tokens 1.004; BENCHMARKS.md).
+    balance_weight: float = 0.05
+    # kvhint: a worker whose recent computed tokens exceed the mean by more than this
+    # fraction is not chosen while a worker below that line exists.
+    balance_cap: float = 0.08
+    # kvhint: for a session's own worker the line is this fraction instead. Moving a
+    # session recomputes its whole cached context on the new worker, which makes that
+    # worker "over" in turn (sessions ping-pong and lose their cache); the session's worker
+    # is still passed over once it is this far over (hot-spot protection stays bounded).
+    affinity_cap: float = 0.25
+    # kvhint: bounded affinity; the session's worker wins a near-tie (within this many
+    # tokens of cost) while its recent load is within ``affinity_slack`` of the mean.
+    affinity_tokens: int = 512
+    affinity_slack: float = 0.05
+    # kvhint: a new session's first turn pays this many times its prompt tokens for each
+    # recently placed session a worker has above the least. A session is long-lived load:
+    # new sessions clustering where their shared system prompt is cached leave one worker
+    # with most histories, and later turns must then move (and lose their cache) to balance.
+    new_session_spread: float = 1.0
+    # kv_aware: weight of prefill blocks against active decode blocks (Dynamo's default 1).
+    kv_overlap_weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request's routing features.
+
+    ``overlaps`` maps worker id to the request's cached prefix there (from the cluster KV
+    index); a worker absent from it has no overlap. ``request_seq`` is the caller's running
+    count of routed requests (round robin uses it). ``session_key`` is the worker-visible
+    session id (``<tenant>/<id>``) or None.
+    """
+
+    prompt_tokens: int
+    block_size: int
+    session_key: str | None = None
+    request_seq: int = 0
+    overlaps: Mapping[str, Overlap] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingContext:
+    """Frozen view of the fleet for one decision. ``workers`` in any order; unhealthy
+    workers are never chosen. ``session`` is None for a new session or no session."""
+
+    workers: tuple[WorkerLoad, ...]
+    config: RoutingConfig = RoutingConfig()
+    session: SessionPlacement | None = None
+    now: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    worker_id: str
+    cost: float
+    cached_tokens: int
+    host_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """``worker_id`` to use, then ``fallbacks`` best-first for a retry when it fails
+    before the response starts. ``predicted_cached_tokens`` counts G1 and G2 tokens;
+    ``predicted_host_tokens`` the G2 part. ``reason`` names what decided (for metrics)."""
+
+    worker_id: str
+    fallbacks: tuple[str, ...]
+    predicted_cached_tokens: int
+    predicted_host_tokens: int
+    reason: str
+    scores: tuple[WorkerScore, ...] = ()
+
+
+class NoWorkerAvailable(Exception):
+    """Every worker in the context is unhealthy (or there are none)."""
+
+
+def cached_tokens(overlap: Overlap | None, prompt_tokens: int, block_size: int) -> tuple[int, int]:
+    """(cached tokens including G2, of which G2) for a prompt, capped like vLLM: a hit
+    never covers the prompt's last token, so at most ``prompt_tokens - 1``."""
+    if overlap is None:
+        return 0, 0
+    cap = max(prompt_tokens - 1, 0)
+    gpu = min(overlap.gpu_blocks * block_size, cap)
+    total = min((overlap.gpu_blocks + overlap.host_blocks) * block_size, cap)
+    return total, total - gpu
+
+
+def decay_recent(value: float, elapsed_s: float, half_life_s: float) -> float:
+    """Decay a ``recent_prefill_tokens`` accumulator by ``elapsed_s`` (exponential)."""
+    if elapsed_s <= 0:
+        return value
+    return value * 0.5 ** (elapsed_s / half_life_s)
+
+
+def route(ctx: RoutingContext, request: RouteRequest, rng: random.Random) -> RouteDecision:
+    """Choose a worker for ``request``; raises :class:`NoWorkerAvailable` when none is
+    healthy. Deterministic for a given context, request and rng state."""
+    healthy = [w for w in ctx.workers if w.healthy]
+    if not healthy:
+        raise NoWorkerAvailable("no healthy worker to route to")
+    healthy.sort(key=lambda w: w.worker_id)
+    policy = ctx.config.policy
+    if policy is RoutingPolicy.ROUND_ROBIN:
+        return _round_robin(healthy, request)
+    if policy is RoutingPolicy.SESSION_AFFINITY:
+        return _session_affinity(ctx, healthy, request, rng)
+    if policy is RoutingPolicy.KV_AWARE:
+        return _ranked(healthy, request, rng, _kv_aware_costs(ctx.config, healthy, request), "kv")
+    return _kvhint(ctx, healthy, request, rng)
+
+
+def _score(worker: WorkerLoad, request: RouteRequest, cost: float) -> WorkerScore:
+    total, host = cached_tokens(
+        request.overlaps.get(worker.worker_id), request.prompt_tokens, request.block_size
+    )
+    return WorkerScore(worker.worker_id, cost, total, host)
+
+
+def _decision(ranked: list[WorkerScore], reason: str) -> RouteDecision:
+    best = ranked[0]
+    return RouteDecision(
+        worker_id=best.worker_id,
+        fallbacks=tuple(s.worker_id for s in ranked[1:]),
+        predicted_cached_tokens=best.cached_tokens,
+        predicted_host_tokens=best.host_tokens,
+        reason=reason,
+        scores=tuple(ranked),
+    )
+
+
+def _ranked(
+    workers: list[WorkerLoad],
+    request: RouteRequest,
+    rng: random.Random,
+    costs: list[float],
+    reason: str,
+) -> RouteDecision:
+    # One rng draw per worker, in worker-id order, so ties break reproducibly.
+    ties = [rng.random() for _ in workers]
+    order = sorted(range(len(workers)), key=lambda i: (costs[i], ties[i]))
+    return _decision([_score(workers[i], request, costs[i]) for i in order], reason)
+
+
+def _round_robin(workers: list[WorkerLoad], request: RouteRequest) -> RouteDecision:
+    start = request.request_seq % len(workers)
+    rotated = workers[start:] + workers[:start]
+    return _decision([_score(w, request, float(i)) for i, w in enumerate(rotated)], "round_robin")
+
+
+def _session_affinity(
+    ctx: RoutingContext, workers: list[WorkerLoad], request: RouteRequest, rng: random.Random
+) -> RouteDecision:
+    """Sticky: the session's previous worker when healthy, else the least busy."""
+    costs = [float(w.active_requests) + w.recent_prefill_tokens * 1e-9 for w in workers]
+    sticky = ctx.session.worker_id if ctx.session is not None else None
+    if sticky is not None:
+        costs = [-1.0 if w.worker_id == sticky else c for w, c in zip(workers, costs, strict=True)]
+        reason = "affinity" if any(w.worker_id == sticky for w in workers) else "least_busy"
+    else:
+        reason = "least_busy"
+    return _ranked(workers, request, rng, costs, reason)
+
+
+def _kv_aware_costs(
+    config: RoutingConfig, workers: list[WorkerLoad], request: RouteRequest
+) -> list[float]:
+    block = request.block_size
+    prompt_blocks = -(-request.prompt_tokens // block)
+    costs = []
+    for w in workers:
+        overlap = request.overlaps.get(w.worker_id)
+        hit_blocks = overlap.gpu_blocks if overlap is not None else 0
+        prefill_blocks = max(prompt_blocks - hit_blocks, 0) + w.pending_prefill_tokens / block
+        costs.append(config.kv_overlap_weight * prefill_blocks + w.active_blocks)
+    return costs
+
+
+def _kvhint(
+    ctx: RoutingContext, workers: list[WorkerLoad], request: RouteRequest, rng: random.Random
+) -> RouteDecision:
+    config = ctx.config
+    floor = min(w.recent_prefill_tokens for w in workers)
+    mean = sum(w.recent_prefill_tokens for w in workers) / len(workers)
+    costs = []
+    for w in workers:
+        total, host = cached_tokens(
+            request.overlaps.get(w.worker_id), request.prompt_tokens, request.block_size
+        )
+        new_tokens = request.prompt_tokens - total
+        costs.append(
+            new_tokens
+            + config.host_load_cost * host
+            + config.queue_weight * w.pending_prefill_tokens
+            + config.balance_weight * (w.recent_prefill_tokens - floor)
+        )
+    if request.session_key is not None and (ctx.session is None
+                                            or ctx.session.worker_id is None):
+        least = min(w.recent_sessions for w in workers)
+        costs = [c + config.new_session_spread * request.prompt_tokens
+                 * (w.recent_sessions - least) for c, w in zip(costs, workers, strict=True)]
+    # Bounded balance: overloaded workers drop behind every worker under the line; the
+    # session's own worker has a higher line (affinity_cap).
+    sticky = ctx.session.worker_id if ctx.session is not None else None
+    over = [mean > 0 and w.recent_prefill_tokens > mean * (
+        1.0 + (config.affinity_cap if w.worker_id == sticky else config.balance_cap))
+        for w in workers]
+    if not all(over):
+        penalty = 1.0 + max(costs) - min(costs)
+        costs = [c + penalty if o else c for c, o in zip(costs, over, strict=True)]
+    reason = "cost"
+    if sticky is not None:
+        for i, w in enumerate(workers):
+            within = mean <= 0 or w.recent_prefill_tokens <= mean * (1.0 + config.affinity_slack)
+            if w.worker_id == sticky and within and not over[i]:
+                costs[i] -= config.affinity_tokens
+                reason = "cost+affinity"
+    return _ranked(workers, request, rng, costs, reason)

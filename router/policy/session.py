@@ -1,0 +1,117 @@
+"""The planner's per-session state and the lifecycle events it reacts to.
+
+:class:`SessionPlanState` is plain, frozen data: the caller stores one per session
+(the service persists it with the session; the simulator keeps it in a dict), passes it
+into the planner functions and stores the new value they return.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, replace
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    TOOL_CALLS = "tool_calls"
+    LENGTH = "length"
+    OTHER = "other"
+
+    @classmethod
+    def parse(cls, value: str | None) -> FinishReason:
+        """OpenAI's finish_reason string (``None``/unknown -> OTHER; ``function_call``
+        counts as tool calls)."""
+        if value == "function_call":
+            return cls.TOOL_CALLS
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.OTHER
+
+
+@dataclass(frozen=True, slots=True)
+class Protection:
+    """The last protecting action the planner sent for a session (Pin or Retain)."""
+
+    action_id: str
+    action_type: str
+    worker_id: str
+    priority: int
+    blocks: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPlanState:
+    """What the planner remembers of one session.
+
+    ``turns``: turns routed so far (the depth of the current/last turn).
+    ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
+    on its worker). ``gap_kind``/``gap_opened_at``: set between a response and the next
+    turn (``gap_kind`` is a tool name or ``@user``); ``gap_predicted_s`` what was
+    predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
+    """
+
+    session_id: str
+    tenant: str
+    worker_id: str | None = None
+    turns: int = 0
+    context_tokens: int = 0
+    last_activity: float = 0.0
+    gap_kind: str | None = None
+    gap_opened_at: float | None = None
+    gap_predicted_s: float = 0.0
+    protection: Protection | None = None
+    demoted: bool = False
+    ended: bool = False
+    # Whether this gap's return/no-return was already observed (see return_window_s).
+    return_counted: bool = False
+
+    @property
+    def awaiting_return(self) -> bool:
+        return self.gap_opened_at is not None and not self.ended
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SessionPlanState:
+        raw = dict(data)
+        protection = raw.pop("protection", None)
+        state = cls(**raw)  # type: ignore[arg-type]
+        if protection is not None:
+            state = replace(state, protection=Protection(**protection))  # type: ignore[arg-type]
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRouted:
+    """A request of the session was routed to ``worker_id`` (after routing, before the
+    response)."""
+
+    session_id: str
+    tenant: str
+    worker_id: str
+    prompt_tokens: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFinished:
+    """The session's response finished. ``tool_names``: names of the tool calls when
+    ``finish_reason`` is ``tool_calls`` (may be empty if the client did not say)."""
+
+    session_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    at: float
+    tool_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    """Explicit end: ``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``."""
+
+    session_id: str
+    at: float

@@ -1,0 +1,161 @@
+"""``kvhint sim``: replay traces through simulated vLLM workers; write agent workloads.
+
+    kvhint sim run --trace FILE --workers N --gpu-blocks B [--host-blocks H]
+                   --router POLICY[,POLICY...|all] [--json] [--plot FILE.png] ...
+    kvhint sim gen-agents --out FILE [--sessions N] [--seed S] ...
+
+Bad input (an unknown policy, a malformed trace line, a non-monotonic timestamp) stops
+before anything runs, naming the line and the problem; outputs are written whole at the
+end or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+POLICY_NAMES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    sim = subparsers.add_parser("sim", help="simulate routing and KV hints on a trace",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    _add_run(sim_sub)
+    _add_gen_agents(sim_sub)
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="replay a trace under one or more policies")
+    run.add_argument("--trace", required=True, type=Path,
+                     help="Mooncake JSONL or kvhint session JSONL (see docs in README)")
+    run.add_argument("--workers", type=int, default=1)
+    run.add_argument("--gpu-blocks", type=int, required=True, help="G1 blocks per worker")
+    run.add_argument("--host-blocks", type=int, default=0,
+                     help="G2 (host) blocks per worker, vLLM's CPU offloading bookkeeping")
+    run.add_argument("--router", default="all",
+                     help=f"one of {', '.join(POLICY_NAMES)}, a comma-separated list, or all")
+    run.add_argument("--block-size", type=int, default=512, help="tokens per block (trace's)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    run.add_argument("--json", action="store_true",
+                     help="one JSON object per line per policy (and reference line)")
+    run.add_argument("--plot", type=Path, default=None, help="hit rate over time (PNG)")
+    run.add_argument("--jobs", type=int, default=2, help="policies simulated in parallel")
+    run.add_argument("--no-reference", action="store_true",
+                     help="skip the oracle and unbounded reference lines")
+    run.add_argument("--no-progress", action="store_true")
+    timing = run.add_argument_group("time model")
+    timing.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0)
+    timing.add_argument("--prefill-overhead-s", type=float, default=0.010)
+    timing.add_argument("--decode-s-per-token", type=float, default=0.020)
+    timing.add_argument("--host-load-tokens-per-s", type=float, default=1_000_000.0)
+    plugin = run.add_argument_group("worker plugin (its kv_connector_extra_config)")
+    plugin.add_argument("--retain-budget-fraction", type=float, default=None)
+    plugin.add_argument("--pin-budget-fraction", type=float, default=None)
+    run.set_defaults(func=_run)
+
+
+def _add_gen_agents(sub: argparse._SubParsersAction) -> None:
+    from kvhint.router.sim.agents import AgentWorkloadSpec
+
+    defaults = AgentWorkloadSpec()
+    gen = sub.add_parser("gen-agents", help="write a synthetic agent workload (session JSONL)")
+    gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument("--seed", type=int, default=0)
+    for name, value in vars(defaults).items():
+        if name == "seed":
+            continue
+        gen.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    gen.set_defaults(func=_gen_agents)
+
+
+def parse_policies(text: str) -> list[str]:
+    """``all`` or a comma-separated list; raises ValueError naming an unknown policy."""
+    if text.strip() == "all":
+        return list(POLICY_NAMES)
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise ValueError("--router: give a policy, a comma-separated list, or all")
+    for name in names:
+        if name not in POLICY_NAMES:
+            raise ValueError(f"--router: unknown policy {name!r} (known: "
+                             f"{', '.join(POLICY_NAMES)}, or all)")
+    return list(dict.fromkeys(names))
+
+
+def _fail(message: str) -> int:
+    print(f"kvhint sim: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        policies = parse_policies(args.router)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.plot is not None and not (args.plot.parent or Path(".")).is_dir():
+        return _fail(f"--plot: folder {args.plot.parent} does not exist")
+    from kvhint.router.sim.trace import TraceError, load_trace
+
+    try:
+        trace = load_trace(args.trace, args.block_size, args.limit)
+    except TraceError as exc:
+        return _fail(str(exc))
+    # Heavy imports (vLLM) only once the input is known good.
+    from kvhint.router.sim.engine import SimConfig
+    from kvhint.router.sim.reference import oracle, unbounded
+    from kvhint.router.sim.report import json_lines, plot, table
+    from kvhint.router.sim.runner import run_policies
+    from kvhint.router.sim.timing import TimeModel
+
+    plugin = {k: v for k, v in (("retain_budget_fraction", args.retain_budget_fraction),
+                                ("pin_budget_fraction", args.pin_budget_fraction))
+              if v is not None}
+    try:
+        timing = TimeModel(args.prefill_tokens_per_s, args.prefill_overhead_s,
+                           args.decode_s_per_token, args.host_load_tokens_per_s)
+        config = SimConfig(workers=args.workers, gpu_blocks=args.gpu_blocks,
+                           host_blocks=args.host_blocks, block_size=args.block_size,
+                           timing=timing, seed=args.seed, plugin=plugin)
+    except ValueError as exc:
+        return _fail(str(exc))
+    progress = None if args.no_progress else sys.stderr
+    if progress is not None:
+        print(f"[sim] {trace.path}: {len(trace.requests)} requests, {trace.sessions} sessions "
+              f"({trace.format}); {args.workers} worker(s) x {args.gpu_blocks} G1 blocks"
+              + (f" + {args.host_blocks} G2" if args.host_blocks else "")
+              + f"; policies: {', '.join(policies)}", file=progress)
+    references = []
+    if not args.no_reference:
+        capacity = args.workers * (args.gpu_blocks + args.host_blocks)
+        references = [oracle(trace, capacity), unbounded(trace)]
+    results = run_policies(trace, config, policies, jobs=max(1, args.jobs), progress=progress)
+    if args.plot is not None:
+        title = (f"{Path(trace.path).name}: {args.workers} x {args.gpu_blocks} G1"
+                 + (f" + {args.host_blocks} G2" if args.host_blocks else "") + " blocks")
+        plot(args.plot, results, references, title)
+    if args.json:
+        sys.stdout.write(json_lines(results, references))
+    else:
+        print(table(results, references))
+    return 0
+
+
+def _gen_agents(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from kvhint.router.sim.agents import AgentWorkloadSpec, write_agent_trace
+
+    values = {f.name: getattr(args, f.name) for f in fields(AgentWorkloadSpec)}
+    try:
+        spec = AgentWorkloadSpec(**values)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if not (args.out.parent or Path(".")).is_dir():
+        return _fail(f"--out: folder {args.out.parent} does not exist")
+    summary = write_agent_trace(args.out, spec)
+    print(f"wrote {args.out}: {summary}")
+    return 0

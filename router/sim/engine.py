@@ -1,0 +1,439 @@
+"""The simulation loop: a trace replayed in virtual time through simulated workers.
+
+Per policy run: N :class:`~kvhint.router.sim.worker.SimWorker` (vLLM's KVCacheManager +
+the plugin's PluginCore each), the router's real cluster KV index
+(:class:`kvhint.router.kv_index.InMemoryClusterKvIndex`, fed with the workers' own KV
+events through the index's adapter), the router's real :func:`~kvhint.router.policy.route`
+and, for ``kvhint``, the real hint planner, ledger and outcome feedback. The clock is the
+simulation's; the only randomness is a seeded ``random.Random``.
+
+Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
+plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
+admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), and a
+periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.engine_plugin.core import EngineIdentity, PluginCore
+from kvhint.engine_plugin.headless import build_kv_cache_manager, tokens_for_block_ids
+from kvhint.router.kv_index import (
+    TIER_CPU,
+    BlocksRemoved,
+    BlocksStored,
+    EventBatchAdapter,
+    InMemoryClusterKvIndex,
+)
+from kvhint.router.policy import (
+    FinishReason,
+    HoldingsLedger,
+    LearnedStats,
+    Overlap,
+    PlannedAction,
+    PlannerConfig,
+    PlannerContext,
+    PlanResult,
+    ResponseFinished,
+    RouteRequest,
+    RoutingConfig,
+    RoutingContext,
+    RoutingPolicy,
+    SessionEnded,
+    SessionPlacement,
+    SessionPlanState,
+    TurnRouted,
+    WorkerFeedback,
+    WorkerLoad,
+    WorkerPlanView,
+    apply_outcome,
+    decay_recent,
+    next_idle_review,
+    plan_idle,
+    plan_response_finished,
+    plan_session_end,
+    plan_turn_routed,
+    route,
+)
+from kvhint.router.sim.host_tier import SimHostTier
+from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
+from kvhint.router.sim.timing import TimeModel
+from kvhint.router.sim.trace import Trace, TraceRequest
+from kvhint.router.sim.worker import Job, SimWorker
+from kvhint.schemas import DecodedHints, HintOutcome, parse_action
+
+POLICIES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
+U64_MASK = (1 << 64) - 1
+
+# Event kinds, ordered for equal times: work that frees capacity first.
+_DECODE_DONE, _PREFILL_DONE, _REVIEW, _TICK, _ARRIVAL = range(5)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int = 1
+    gpu_blocks: int = 5_000
+    host_blocks: int = 0
+    block_size: int = 512
+    timing: TimeModel = TimeModel()
+    seed: int = 0
+    tick_s: float = 5.0
+    # Half-life of the router's recent-computed-tokens load signal.
+    recent_half_life_s: float = 120.0
+    host_cache_policy: str = "lru"
+    # Overrides of the plugin's config (its kv_connector_extra_config keys).
+    plugin: Mapping[str, Any] = field(default_factory=dict)
+    routing: RoutingConfig = RoutingConfig()
+    planner: PlannerConfig = PlannerConfig()
+    timeline_bucket_s: float = 60.0
+    keep_records: bool = False
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.gpu_blocks < 2:
+            raise ValueError("gpu_blocks must be >= 2")
+        if self.host_blocks < 0:
+            raise ValueError("host_blocks must be >= 0")
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError("block_size must be a positive multiple of 32 (vLLM on the CPU)")
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+class Simulation:
+    """One policy over one trace. Build, then :meth:`run` once."""
+
+    def __init__(self, trace: Trace, config: SimConfig, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        if trace.block_size != config.block_size:
+            raise ValueError(
+                f"trace block size {trace.block_size} != simulated block size {config.block_size}"
+            )
+        self.trace = trace
+        self.config = config
+        self.policy = policy
+        self.hints_on = policy == "kvhint"
+        self.now = 0.0
+        self.index = InMemoryClusterKvIndex()
+        self._adapter = EventBatchAdapter()
+        self._routing = replace(config.routing, policy=RoutingPolicy(policy))
+        self._route_rng = random.Random(f"{config.seed}:route")
+        self._plan_rng = random.Random(f"{config.seed}:plan")
+        self.stats = LearnedStats()
+        self.ledger = HoldingsLedger()
+        self.sessions: dict[str, SessionPlanState] = {}
+        self.placements: dict[str, tuple[str, int]] = {}  # session -> (worker, turns)
+        self.feedback: dict[str, WorkerFeedback] = {}
+        self._planned: dict[str, PlannedAction] = {}
+        self._recent: dict[str, float] = {}
+        self._recent_at = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._message_ids = itertools.count(1)
+        self.result = PolicyResult(policy, records=[] if config.keep_records else None)
+        self.workers: dict[str, SimWorker] = {}
+        self._static_views: dict[str, WorkerPlanView] = {}
+        self._build_workers()
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _build_workers(self) -> None:
+        config = self.config
+        for i in range(config.workers):
+            worker_id = f"w{i}"
+            cache = build_kv_cache_manager(config.block_size, config.gpu_blocks)
+            host = (SimHostTier(config.host_blocks, config.host_cache_policy)
+                    if config.host_blocks > 0 else None)
+            plugin_config = PluginConfig(worker_id=worker_id, **dict(config.plugin))
+            core = PluginCore.attach(
+                cache.manager, plugin_config, clock=self._clock,
+                identity=EngineIdentity(worker_id, model="sim"), host_tier=host,
+            )
+            self.workers[worker_id] = SimWorker(
+                worker_id, cache, core, config.timing, host, store_on_compute=True,
+                on_events=self._on_worker_events,
+            )
+            self.feedback[worker_id] = WorkerFeedback(worker_id)
+            # What the worker's status heartbeat would say (fixed for a run).
+            self._static_views[worker_id] = WorkerPlanView(
+                worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),
+                supported_actions=frozenset(core.supported_actions()),
+                host_tier=host is not None)
+            self._recent[worker_id] = 0.0
+            self.result.computed_by_worker[worker_id] = 0
+
+    def _clock(self) -> float:
+        return self.now
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _push(self, at: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (at, kind, next(self._seq), payload))
+
+    def run(self, progress: ProgressFn | None = None) -> PolicyResult:
+        started = time.perf_counter()
+        requests = self.trace.requests
+        total = len(requests)
+        for request in requests:
+            self._push(request.arrival_s, _ARRIVAL, request)
+        self._push(self.config.tick_s, _TICK, None)
+        arrivals = 0
+        handlers = {
+            _DECODE_DONE: self._on_decode_done,
+            _PREFILL_DONE: self._on_prefill_done,
+            _REVIEW: self._on_review,
+        }
+        heap = self._heap
+        while heap:
+            at, kind, _, payload = heapq.heappop(heap)
+            self.now = at
+            if kind == _ARRIVAL:
+                self._on_arrival(payload)
+                arrivals += 1
+                if progress is not None and (arrivals % 200 == 0 or arrivals == total):
+                    progress(arrivals, total)
+            elif kind == _TICK:
+                self._on_tick()
+                if arrivals < total or any(w.active_requests for w in self.workers.values()):
+                    self._push(at + self.config.tick_s, _TICK, None)
+            else:
+                handlers[kind](payload)
+            if arrivals == total and not any(w.active_requests for w in self.workers.values()):
+                break  # the trace is served; later idle reviews would change nothing measured
+        self._finalize()
+        self.result.wall_s = time.perf_counter() - started
+        return self.result
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def _on_arrival(self, request: TraceRequest) -> None:
+        session_key = f"{request.tenant}/{request.session_id}"
+        tokens = tokens_for_block_ids(request.block_ids, self.config.block_size)
+        del tokens[request.input_length:]
+        worker0 = next(iter(self.workers.values()))
+        vllm_request = worker0.cache.make_request(tokens, session_id=session_key)
+        hashes = tuple(int.from_bytes(h, "big") & U64_MASK for h in vllm_request.block_hashes)
+        decision = self._route(request, session_key, hashes)
+        worker = self.workers[decision.worker_id]
+        predicted_computed = request.input_length - decision.predicted_cached_tokens
+        self._add_recent(decision.worker_id, predicted_computed)
+        placement = self.placements.get(session_key)
+        self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
+        if self.hints_on:
+            event = TurnRouted(session_key, request.tenant, decision.worker_id,
+                               request.input_length, self.now)
+            self._apply_plan(plan_turn_routed(self._planner_ctx(), self.sessions.get(session_key),
+                                              event))
+        job = Job(request, session_key, vllm_request, hashes, decision.worker_id,
+                  decision.predicted_cached_tokens, predicted_computed, self.now)
+        worker.enqueue(job)
+        self._try_start(worker)
+
+    def _route(self, request: TraceRequest, session_key: str, hashes: tuple[int, ...]):
+        overlaps: dict[str, Overlap] = {}
+        if self._routing.policy in (RoutingPolicy.KV_AWARE, RoutingPolicy.KVHINT):
+            match = self.index.match_prefix(hashes)
+            overlaps = {w: Overlap(o.gpu_blocks, o.external_blocks)
+                        for w, o in match.workers.items()}
+        self._decay_recent()
+        loads = tuple(
+            WorkerLoad(w.worker_id, active_requests=w.active_requests,
+                       active_blocks=w.active_blocks,
+                       pending_prefill_tokens=w.pending_prefill_tokens,
+                       recent_prefill_tokens=self._recent[w.worker_id])
+            for w in self.workers.values()
+        )
+        placement = self.placements.get(session_key)
+        ctx = RoutingContext(
+            workers=loads, config=self._routing,
+            session=SessionPlacement(placement[0], placement[1]) if placement else None,
+            now=self.now,
+        )
+        features = RouteRequest(request.input_length, self.config.block_size, session_key,
+                                self.result.requests, overlaps)
+        self.result.requests += 1
+        return route(ctx, features, self._route_rng)
+
+    def _try_start(self, worker: SimWorker) -> None:
+        started = worker.start_prefill(self.now)
+        if started is None:
+            return
+        job, done_at = started
+        self._record_admission(job)
+        self._push(done_at, _PREFILL_DONE, worker.worker_id)
+
+    def _on_prefill_done(self, worker_id: str) -> None:
+        worker = self.workers[worker_id]
+        job, done_at = worker.finish_prefill(self.now)
+        self.result.ttfts_s.append(self.now - job.arrival_s)
+        if not job.decode_allocated:
+            self.result.decode_alloc_failures += 1
+        self._push(done_at, _DECODE_DONE, job)
+        self._try_start(worker)
+
+    def _on_decode_done(self, job: Job) -> None:
+        worker = self.workers[job.worker_id]
+        worker.finish(job)
+        request = job.request
+        if self.hints_on:
+            state = self.sessions.get(job.session_key)
+            if state is not None:
+                event = ResponseFinished(job.session_key, FinishReason.parse(request.finish_reason),
+                                         request.input_length, request.output_length, self.now,
+                                         request.tool_names)
+                self._apply_plan(plan_response_finished(self._planner_ctx(), state, event))
+                if request.end:
+                    self._apply_plan(plan_session_end(
+                        self._planner_ctx(), self.sessions[job.session_key],
+                        SessionEnded(job.session_key, self.now)))
+        self._try_start(worker)
+
+    def _record_admission(self, job: Job) -> None:
+        result = self.result
+        prompt = job.request.input_length
+        result.prompt_tokens += prompt
+        result.g1_hit_tokens += job.g1_hit_tokens
+        result.g2_hit_tokens += job.g2_hit_tokens
+        result.computed_by_worker[job.worker_id] += job.computed_tokens
+        bucket = int(self.now // self.config.timeline_bucket_s)
+        timeline = result.timeline
+        while len(timeline) <= bucket:
+            timeline.append(TimelinePoint(len(timeline) * self.config.timeline_bucket_s))
+        point = timeline[bucket]
+        point.prompt_tokens += prompt
+        point.hit_tokens += job.g1_hit_tokens + job.g2_hit_tokens
+        if result.records is not None:
+            result.records.append(RequestRecord(
+                job.request.line, job.request.session_id, job.worker_id, job.arrival_s,
+                job.start_s, job.g1_hit_tokens, job.g2_hit_tokens, job.computed_tokens))
+
+    # -- load signal --------------------------------------------------------------------------------
+
+    def _decay_recent(self) -> None:
+        elapsed = self.now - self._recent_at
+        if elapsed > 0:
+            half_life = self.config.recent_half_life_s
+            for worker_id, value in self._recent.items():
+                self._recent[worker_id] = decay_recent(value, elapsed, half_life)
+            self._recent_at = self.now
+
+    def _add_recent(self, worker_id: str, tokens: int) -> None:
+        self._recent[worker_id] += tokens
+
+    # -- index ----------------------------------------------------------------------------------------
+
+    def _on_worker_events(self, worker_id: str, events: list[Any],
+                          host_events: Sequence[tuple[bool, list[int]]]) -> None:
+        index = self.index
+        if events:
+            index.apply_all(self._adapter.convert_events(worker_id, events))
+        for removed, hashes in host_events:
+            if removed:
+                index.apply(BlocksRemoved(worker_id, hashes, TIER_CPU))
+            else:
+                index.apply(BlocksStored(worker_id, hashes, None, TIER_CPU))
+
+    # -- planner ------------------------------------------------------------------------------------
+
+    def _planner_ctx(self) -> PlannerContext:
+        views = {}
+        for worker_id, static in self._static_views.items():
+            views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
+                                       feedback=self.feedback[worker_id])
+        return PlannerContext(now=self.now, stats=self.stats, workers=views, rng=self._plan_rng,
+                              config=self.config.planner)
+
+    def _apply_plan(self, result: PlanResult) -> None:
+        if result.session is not None:
+            previous = self.sessions.get(result.session.session_id)
+            self.sessions[result.session.session_id] = result.session
+            self._schedule_review(previous, result.session)
+        for observation in result.observations:
+            self.stats.apply(observation)
+        self._send(result.actions)
+
+    def _schedule_review(self, previous: SessionPlanState | None,
+                         session: SessionPlanState) -> None:
+        review_at = next_idle_review(self.config.planner, session, self.now)
+        if review_at is None:
+            return
+        if previous is not None and previous.gap_opened_at == session.gap_opened_at and (
+            previous.awaiting_return
+        ):
+            return  # a review for this gap is already queued
+        self._push(max(review_at, self.now), _REVIEW, (session.session_id, session.gap_opened_at))
+
+    def _on_review(self, payload: tuple[str, float]) -> None:
+        session_key, opened_at = payload
+        session = self.sessions.get(session_key)
+        if session is None or not session.awaiting_return or session.gap_opened_at != opened_at:
+            return
+        result = plan_idle(self._planner_ctx(), session)
+        self._apply_plan(result)
+        if result.session is not None and result.session.awaiting_return:
+            review_at = next_idle_review(self.config.planner, result.session, self.now)
+            if review_at is not None and review_at > self.now:
+                self._push(review_at, _REVIEW, (session_key, opened_at))
+
+    def _send(self, actions: Sequence[PlannedAction]) -> None:
+        if not actions:
+            return
+        by_worker: dict[str, list[PlannedAction]] = {}
+        for planned in actions:
+            by_worker.setdefault(planned.worker_id, []).append(planned)
+            self.ledger.record(action_id=planned.action.action_id, worker_id=planned.worker_id,
+                               tenant=planned.tenant, scope=planned.scope,
+                               action_type=planned.action_type, blocks=planned.blocks,
+                               expires_at=planned.expires_at)
+            self._planned[planned.action.action_id] = planned
+            self.result.hints[(planned.action_type, "sent")] += 1
+        for worker_id, planned_list in by_worker.items():
+            worker = self.workers[worker_id]
+            message = DecodedHints(f"sim-{next(self._message_ids)}",
+                                   [parse_action(p.action) for p in planned_list])
+            self._on_outcomes(worker.core.apply_hints(message))
+            worker.sync()
+            # Hints may have released blocks a waiting prompt needs.
+            self._try_start(worker)
+
+    def _on_outcomes(self, outcomes: Sequence[HintOutcome]) -> None:
+        for outcome in outcomes:
+            self.result.hints[(outcome.action_type, outcome.status.value)] += 1
+            if not outcome.status.is_terminal:
+                continue
+            self.ledger.settle(outcome)
+            self._planned.pop(outcome.action_id, None)
+            worker_id = outcome.worker_id
+            if worker_id in self.feedback:
+                self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
+
+    def _on_tick(self) -> None:
+        self.ledger.expire(self.now)
+        for worker in self.workers.values():
+            outcomes = worker.core.advance()
+            worker.sync()
+            if outcomes:
+                self._on_outcomes(outcomes)
+            self._try_start(worker)
+
+    def _finalize(self) -> None:
+        result = self.result
+        for worker in self.workers.values():
+            result.dropped_requests += worker.counters.dropped_too_large
+            result.admission_waits += worker.counters.admission_waits
+
+
+def run_policy(trace: Trace, config: SimConfig, policy: str,
+               progress: ProgressFn | None = None) -> PolicyResult:
+    return Simulation(trace, config, policy).run(progress)

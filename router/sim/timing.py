@@ -1,0 +1,38 @@
+"""How long a simulated worker spends on a request, from token counts.
+
+A worker prefills one request at a time (FIFO): ``prefill_s = overhead + computed /
+prefill_rate + host_loaded / host_load_rate``. Decode runs batched beside it, each request
+taking ``output_tokens * decode_s_per_token`` after its first token. Time to first token
+is queueing for the prefill slot (and for KV space) plus the prefill itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TimeModel:
+    prefill_tokens_per_s: float = 100_000.0
+    prefill_overhead_s: float = 0.010
+    decode_s_per_token: float = 0.020
+    # Host (G2) -> GPU copy rate, in tokens/s (PCIe-class for a mid-size model).
+    host_load_tokens_per_s: float = 1_000_000.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "host_load_tokens_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("prefill_overhead_s", "decode_s_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    def prefill_s(self, computed_tokens: int, host_tokens: int = 0) -> float:
+        return (
+            self.prefill_overhead_s
+            + computed_tokens / self.prefill_tokens_per_s
+            + host_tokens / self.host_load_tokens_per_s
+        )
+
+    def decode_s(self, output_tokens: int) -> float:
+        return output_tokens * self.decode_s_per_token

@@ -1,0 +1,247 @@
+"""Trace input: Mooncake JSONL and kvhint's session-annotated JSONL.
+
+Both are one JSON object per line; blocks are named by ``hash_ids``, ids chained by prefix
+(equal ids at the same position = identical prefix), ``block_size`` tokens each.
+
+**Mooncake** (the FAST'25 release): ``{"timestamp": ms, "input_length", "output_length",
+"hash_ids": [...]}``. It has no sessions; they are inferred: a request continues the
+session of the most recent earlier request whose last *full* prompt block appears in this
+request's prefix at depth >= 2 (its whole cached prompt is a prefix of this one); otherwise
+it starts a session. Every response ends with ``stop``; no explicit ends.
+
+**kvhint session JSONL** (ours) adds, per line::
+
+    "session_id": str          required; the session this request belongs to
+    "turn": int                optional; 1, 2, ... per session (checked when given)
+    "finish_reason": "stop" | "tool_calls" | "length"   optional, default "stop"
+    "tool_names": [str, ...]   optional; the tools called when finish_reason is tool_calls
+    "end": bool                optional; the session ends explicitly after this response
+    "tenant": str              optional, default "default"
+
+A file is one format or the other (decided by the first line). Anything malformed stops
+the load with :class:`TraceError` naming the file, line and reason; nothing is simulated
+from a partial trace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FINISH_REASONS = ("stop", "tool_calls", "length")
+_MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
+_SESSION_KEYS = _MOONCAKE_KEYS | {"session_id", "turn", "finish_reason", "tool_names", "end",
+                                  "tenant"}
+
+
+class TraceError(ValueError):
+    """A trace that cannot be simulated; ``line`` is 1-based (0: the file as a whole)."""
+
+    def __init__(self, path: str, line: int, reason: str) -> None:
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace. ``arrival_s`` is seconds from the trace start."""
+
+    line: int
+    arrival_s: float
+    session_id: str
+    turn: int
+    input_length: int
+    output_length: int
+    block_ids: tuple[int, ...]
+    finish_reason: str = "stop"
+    tool_names: tuple[str, ...] = ()
+    end: bool = False
+    tenant: str = "default"
+
+    def full_blocks(self, block_size: int) -> int:
+        return self.input_length // block_size
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    path: str
+    format: str  # "mooncake" | "session"
+    block_size: int
+    requests: tuple[TraceRequest, ...]
+
+    @property
+    def sessions(self) -> int:
+        return len({r.session_id for r in self.requests})
+
+
+def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None) -> Trace:
+    """Parse and validate a whole trace (first ``limit`` requests when given)."""
+    name = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(name, 0, f"cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise TraceError(name, 0, f"not UTF-8 text: {exc.reason}") from exc
+    rows = list(_json_lines(name, text, limit))
+    if not rows:
+        raise TraceError(name, 0, "no requests (empty file)")
+    fmt = "session" if "session_id" in rows[0][1] else "mooncake"
+    requests: list[TraceRequest] = []
+    previous_ms = -math.inf
+    turns: dict[str, int] = {}
+    ended: set[str] = set()
+    inference = _SessionInference(block_size)
+    for line, obj in rows:
+        common = _common_fields(name, line, obj, block_size, fmt)
+        timestamp, input_length, output_length, block_ids = common
+        if timestamp < previous_ms:
+            raise TraceError(
+                name, line, f"timestamp {timestamp:g} is before the previous line's "
+                f"{previous_ms:g} (timestamps must not decrease)"
+            )
+        previous_ms = timestamp
+        if fmt == "mooncake":
+            session_id, turn = inference.assign(block_ids, input_length)
+            requests.append(TraceRequest(line, timestamp / 1000.0, session_id, turn,
+                                         input_length, output_length, block_ids))
+            continue
+        requests.append(_session_request(name, line, obj, common, turns, ended))
+    return Trace(name, fmt, block_size, tuple(requests))
+
+
+def _json_lines(name: str, text: str, limit: int | None) -> Iterator[tuple[int, dict]]:
+    count = 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        if limit is not None and count >= limit:
+            return
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise TraceError(name, number, f"not JSON: {exc.msg} (column {exc.colno})") from exc
+        if not isinstance(obj, dict):
+            raise TraceError(name, number, f"expected a JSON object, got {type(obj).__name__}")
+        count += 1
+        yield number, obj
+
+
+def _int_field(name: str, line: int, obj: dict, key: str, minimum: int) -> int:
+    if key not in obj:
+        raise TraceError(name, line, f"missing {key!r}")
+    value = obj[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(name, line, f"{key!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceError(name, line, f"{key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _common_fields(
+    name: str, line: int, obj: dict, block_size: int, fmt: str
+) -> tuple[float, int, int, tuple[int, ...]]:
+    allowed = _SESSION_KEYS if fmt == "session" else _MOONCAKE_KEYS
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        hint = " (a session_id on a later line? the format is decided by line 1)" if (
+            "session_id" in unknown) else ""
+        raise TraceError(name, line, f"unknown field(s) {', '.join(unknown)}{hint}")
+    if fmt == "session" and "session_id" not in obj:
+        raise TraceError(name, line, "missing 'session_id' (line 1 made this a session trace)")
+    if "timestamp" not in obj:
+        raise TraceError(name, line, "missing 'timestamp'")
+    timestamp = obj["timestamp"]
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not (
+        math.isfinite(timestamp) and timestamp >= 0
+    ):
+        raise TraceError(name, line, f"'timestamp' must be a number >= 0 (ms), got {timestamp!r}")
+    input_length = _int_field(name, line, obj, "input_length", 1)
+    output_length = _int_field(name, line, obj, "output_length", 0)
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+    ):
+        raise TraceError(name, line, "'hash_ids' must be a list of non-negative integers")
+    expected = -(-input_length // block_size)
+    if len(ids) != expected:
+        raise TraceError(
+            name, line, f"'hash_ids' has {len(ids)} ids but input_length {input_length} "
+            f"needs {expected} blocks of {block_size} tokens"
+        )
+    return float(timestamp), input_length, output_length, tuple(ids)
+
+
+def _session_request(
+    name: str,
+    line: int,
+    obj: dict,
+    common: tuple[float, int, int, tuple[int, ...]],
+    turns: dict[str, int],
+    ended: set[str],
+) -> TraceRequest:
+    timestamp, input_length, output_length, block_ids = common
+    session_id = obj["session_id"]
+    if not isinstance(session_id, str) or not session_id:
+        raise TraceError(name, line, "'session_id' must be a non-empty string")
+    if session_id in ended:
+        raise TraceError(name, line, f"session {session_id!r} continues after its 'end'")
+    expected_turn = turns.get(session_id, 0) + 1
+    turn = obj.get("turn", expected_turn)
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn != expected_turn:
+        raise TraceError(
+            name, line, f"'turn' of session {session_id!r} must be {expected_turn}, got {turn!r}"
+        )
+    turns[session_id] = turn
+    finish = obj.get("finish_reason", "stop")
+    if finish not in FINISH_REASONS:
+        raise TraceError(
+            name, line, f"'finish_reason' must be one of {', '.join(FINISH_REASONS)}, got {finish!r}"
+        )
+    tools = obj.get("tool_names", [])
+    if not isinstance(tools, list) or not all(isinstance(t, str) and t for t in tools):
+        raise TraceError(name, line, "'tool_names' must be a list of non-empty strings")
+    if tools and finish != "tool_calls":
+        raise TraceError(name, line, "'tool_names' given but finish_reason is not 'tool_calls'")
+    end = obj.get("end", False)
+    if not isinstance(end, bool):
+        raise TraceError(name, line, f"'end' must be true or false, got {end!r}")
+    if end:
+        ended.add(session_id)
+    tenant = obj.get("tenant", "default")
+    if not isinstance(tenant, str) or not tenant or "/" in tenant:
+        raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
+    return TraceRequest(line, timestamp / 1000.0, session_id, turn, input_length, output_length,
+                        block_ids, finish, tuple(tools), end, tenant)
+
+
+class _SessionInference:
+    """Mooncake sessions from shared prefixes (see the module docstring)."""
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        # last full prompt block id of a request -> (session, turn) of that request
+        self._terminal: dict[int, tuple[str, int]] = {}
+        self._count = 0
+
+    def assign(self, block_ids: tuple[int, ...], input_length: int) -> tuple[str, int]:
+        found: tuple[str, int] | None = None
+        for depth in range(len(block_ids) - 1, 0, -1):
+            found = self._terminal.get(block_ids[depth])
+            if found is not None:
+                break
+        if found is None:
+            session_id, turn = f"m{self._count:06d}", 1
+            self._count += 1
+        else:
+            session_id, turn = found[0], found[1] + 1
+        full = input_length // self._block_size
+        if full >= 1:
+            self._terminal[block_ids[full - 1]] = (session_id, turn)
+        return session_id, turn

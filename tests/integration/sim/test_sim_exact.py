@@ -1,0 +1,138 @@
+"""The simulator on hand-computed traces: vLLM's real KVCacheManager, exact hits/evictions.
+
+Block size 32, a pool of 6 usable blocks, prompts of 2 full blocks + 1 token (3 blocks) and
+no decode tokens. vLLM 0.32's free queue: allocation pops from the head; ``free`` puts a
+request's uncached (partial) block at the head and appends its cached blocks leaf first.
+
+    r1 s1 [10,11,12]  pops 1,2,3           free -> [3,4,5,6,2,1]
+    r2 s2 [20,21,22]  pops 3,4,5           free -> [5,6,2,1,4,3]
+    r3 s3 [30,31,32]  pops 5,6,2 (evicts 11)    -> [2,1,4,3,6,5]
+    r4 s1 [10,11,13,14] (97 tokens): 10 is cached, 11 is not -> 32 tokens hit;
+                      pops 2,4,3 (evicts 21, 20): 3 removals in all.
+
+With ``kvhint`` the planner retains s1 (a tool gap, priority ~82) and s2, s3 (first user
+turns, ~26): r3 finds 2 free blocks, the plugin releases s2's leaf (21) under pressure; r4
+hits both of s1's blocks (64 tokens) and costs s2's root (20): 2 removals.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhint.router.sim.engine import SimConfig, Simulation
+from kvhint.router.sim.trace import load_trace
+
+ROWS = [
+    {"timestamp": 0, "session_id": "s1", "input_length": 65, "output_length": 0,
+     "hash_ids": [10, 11, 12], "finish_reason": "tool_calls", "tool_names": ["search"]},
+    {"timestamp": 10_000, "session_id": "s2", "input_length": 65, "output_length": 0,
+     "hash_ids": [20, 21, 22]},
+    {"timestamp": 20_000, "session_id": "s3", "input_length": 65, "output_length": 0,
+     "hash_ids": [30, 31, 32]},
+    {"timestamp": 30_000, "session_id": "s1", "input_length": 97, "output_length": 0,
+     "hash_ids": [10, 11, 13, 14]},
+]
+
+
+@pytest.fixture()
+def tiny_trace(tmp_path: Path):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return load_trace(path, block_size=32)
+
+
+def _run(trace, policy: str):
+    sim = Simulation(trace, SimConfig(workers=1, gpu_blocks=6, block_size=32,
+                                      keep_records=True), policy)
+    result = sim.run()
+    return result, sim.index.stats()
+
+
+def test_plain_vllm_lru_hits_and_evictions_are_exact(tiny_trace) -> None:
+    result, index = _run(tiny_trace, "round_robin")
+    assert [(r.line, r.g1_hit_tokens) for r in result.records] == [(1, 0), (2, 0), (3, 0),
+                                                                   (4, 32)]
+    assert index.removed_blocks == 3
+    assert result.prompt_tokens == 65 * 3 + 97
+    assert result.recomputed_tokens == result.prompt_tokens - 32
+    assert result.hints == {}
+
+
+def test_kvhint_retains_the_tool_gap_session_through_the_pressure(tiny_trace) -> None:
+    result, index = _run(tiny_trace, "kvhint")
+    assert [(r.line, r.g1_hit_tokens) for r in result.records] == [(1, 0), (2, 0), (3, 0),
+                                                                   (4, 64)]
+    assert index.removed_blocks == 2
+    hints = result.hints_by_action()
+    assert hints["kv.retain"]["sent"] >= 3  # one per finished response at least
+    assert sum(n for s, n in hints["kv.retain"].items() if s != "sent") == \
+        hints["kv.retain"]["sent"]  # every action answered
+
+
+def test_host_tier_serves_the_continuation_of_a_g1_hit(tiny_trace) -> None:
+    """With 6 host blocks (vLLM's CPU offloading manager, LRU) every computed block is also
+    stored in G2; r4 finds block 10 in G1 and its child 11 (evicted from G1 by r3) in G2."""
+    sim = Simulation(tiny_trace, SimConfig(workers=1, gpu_blocks=6, host_blocks=6,
+                                           block_size=32, keep_records=True), "round_robin")
+    result = sim.run()
+    assert [(r.line, r.g1_hit_tokens, r.g2_hit_tokens) for r in result.records] == [
+        (1, 0, 0), (2, 0, 0), (3, 0, 0), (4, 32, 32)]
+    host = sim.workers["w0"].host
+    assert host is not None and host.counters.loaded_blocks == 1
+    # The router's index saw the host copies as tier CPU.
+    assert sim.index.stats().entries_by_tier["CPU"] == 6
+    assert result.to_json()["g2_token_hit_rate"] == pytest.approx(32 / result.prompt_tokens)
+
+
+def test_same_seed_same_result_on_two_workers(tmp_path: Path) -> None:
+    from kvhint.router.sim.agents import AgentWorkloadSpec, write_agent_trace
+
+    path = tmp_path / "agents.jsonl"
+    write_agent_trace(path, AgentWorkloadSpec(sessions=30, duration_s=120.0, seed=3,
+                                              block_size=32, system_prompt_tokens=96,
+                                              tool_schema_tokens=64, first_user_tokens=64,
+                                              turn_tokens=48, output_tokens=16, max_turns=6))
+    trace = load_trace(path, block_size=32)
+
+    def run(policy: str, seed: int) -> dict:
+        config = SimConfig(workers=2, gpu_blocks=40, block_size=32, seed=seed)
+        out = Simulation(trace, config, policy).run().to_json()
+        out.pop("wall_s")
+        return out
+
+    for policy in ("kv_aware", "kvhint"):
+        first = run(policy, 1)
+        assert first == run(policy, 1)
+        assert first["requests"] == len(trace.requests) and first["dropped_requests"] == 0
+    hints = run("kvhint", 1)["hints"]
+    assert hints and all(counts.get("sent", 0) > 0 for counts in hints.values())
+
+
+def test_forked_parallel_runs_equal_serial_runs_with_a_host_tier(tmp_path: Path) -> None:
+    """``kvhint sim run --jobs 2`` (forked processes) gives exactly the serial results,
+    hints and host tier included: each policy's run depends only on its seed."""
+    from kvhint.router.sim.agents import AgentWorkloadSpec, write_agent_trace
+    from kvhint.router.sim.runner import run_policies
+
+    path = tmp_path / "agents.jsonl"
+    write_agent_trace(path, AgentWorkloadSpec(sessions=20, duration_s=90.0, seed=5,
+                                              block_size=32, system_prompt_tokens=96,
+                                              tool_schema_tokens=64, first_user_tokens=64,
+                                              turn_tokens=48, output_tokens=16, max_turns=5))
+    trace = load_trace(path, block_size=32)
+    config = SimConfig(workers=2, gpu_blocks=30, host_blocks=40, block_size=32, seed=7)
+    policies = ["kv_aware", "kvhint"]
+
+    def strip(results):
+        rows = [r.to_json() for r in results]
+        for row in rows:
+            row.pop("wall_s")
+        return rows
+
+    serial = strip(run_policies(trace, config, policies, jobs=1, progress=None))
+    forked = strip(run_policies(trace, config, policies, jobs=2, progress=None))
+    assert serial == forked
+    assert serial[1]["g2_token_hit_rate"] > 0 and serial[1]["hints"]

@@ -1,0 +1,118 @@
+"""Learned statistics, outcome feedback and the holdings ledger: plain data, exact rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvhint.router.policy import (
+    ANY_TOOL,
+    USER_GAP,
+    FeedbackConfig,
+    GapObserved,
+    Holdings,
+    HoldingsLedger,
+    LearnedStats,
+    ReturnObserved,
+    WorkerFeedback,
+    apply_outcome,
+)
+from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
+
+
+def test_gap_statistics_are_learnt_per_tool_and_depth_and_pooled_for_unseen_tools() -> None:
+    stats = LearnedStats(decay=1.0)
+    for _ in range(30):
+        stats.apply(GapObserved("search", 1, 2.0))
+        stats.apply(GapObserved("build", 3, 300.0))
+    assert stats.gap_quantile("search", 1, 0.9) == pytest.approx(2.0, rel=0.5)
+    assert 200.0 <= stats.gap_quantile("build", 3, 0.9) <= 450.0
+    # "build" at an unseen depth falls back to its all-depth histogram.
+    assert stats.gap_quantile("build", 7, 0.9) == stats.gap_quantile("build", 3, 0.9)
+    # An unseen tool uses the pool of every tool at that depth.
+    assert stats.gap_quantile("new_tool", 1, 0.5) == pytest.approx(2.0, rel=0.5)
+    assert f"{ANY_TOOL}|1" in stats.gaps
+    assert stats.gap_survival("build", 3, 1.0) == pytest.approx(1.0, abs=1e-3)
+    # Past the longest gap seen the survival is small but never exactly 0: a session
+    # away longer than ever before is unlikely, not impossible, to come back.
+    assert 0.0 < stats.gap_survival("build", 3, 1000.0) < 0.05
+    assert stats.gap_survival("build", 3, 1000.0) < stats.gap_survival("build", 3, 400.0)
+
+
+def test_return_probability_moves_from_the_prior_to_what_is_observed() -> None:
+    stats = LearnedStats(decay=1.0, prior_strength=10.0)
+    assert stats.return_probability(1) == pytest.approx(0.30)
+    assert stats.return_probability(6) == pytest.approx(0.72)
+    for i in range(90):
+        stats.apply(ReturnObserved(1, i % 10 == 0))  # 10% come back
+    assert stats.return_probability(1) == pytest.approx((9 + 3) / 100)
+    # Tool gaps are counted apart from user gaps.
+    assert stats.return_probability(1, "search") == pytest.approx(0.95)
+
+
+def test_return_within_horizon_decays_with_idle_time() -> None:
+    stats = LearnedStats(decay=1.0)
+    for seconds in (10.0, 20.0, 40.0, 80.0, 160.0) * 4:
+        stats.apply(GapObserved(USER_GAP, 2, seconds))
+    values = [stats.return_within(USER_GAP, 2, idle, 60.0) for idle in (0, 30, 90, 200)]
+    assert values == sorted(values, reverse=True)
+    assert values[-1] < 0.01  # long past every gap seen: close to, never exactly, 0
+
+
+def test_stats_round_trip_through_json_and_reject_unknown_versions() -> None:
+    stats = LearnedStats()
+    stats.apply(GapObserved("search", 2, 3.0))
+    stats.apply(ReturnObserved(2, True))
+    data = json.loads(json.dumps(stats.to_dict()))
+    again = LearnedStats.from_dict(data)
+    assert again.to_dict() == stats.to_dict()
+    assert again.gap_quantile("search", 2, 0.5) == stats.gap_quantile("search", 2, 0.5)
+    with pytest.raises(ValueError, match="version"):
+        LearnedStats.from_dict({**data, "version": 99})
+
+
+def _outcome(kind: str, status: OutcomeStatus, requested: int = 0, applied: int = 0,
+             action_id: str = "a1") -> HintOutcome:
+    return HintOutcome(message_id="m", action_id=action_id, action_type=kind, worker_id="w0",
+                       status=status, reason="r", requested=Amount(requested),
+                       applied=Amount(applied), at=0.0)
+
+
+def test_feedback_rules() -> None:
+    config = FeedbackConfig(min_pin_scale=0.25, pin_recovery=2.0, reject_disable_after=2)
+    fb = WorkerFeedback("w0")
+    fb = apply_outcome(fb, _outcome("kv.pin", OutcomeStatus.CLIPPED, 10, 1), config)
+    assert fb.pin_ask_scale == 0.25  # floored
+    fb = apply_outcome(fb, _outcome("kv.pin", OutcomeStatus.ACCEPTED, 3, 3), config)
+    assert fb.pin_ask_scale == 0.5
+    fb = apply_outcome(fb, _outcome("kv.demote", OutcomeStatus.REJECTED), config)
+    fb = apply_outcome(fb, _outcome("kv.demote", OutcomeStatus.MISSING), config)
+    assert fb.allows("kv.demote")  # one rejection, and missing says nothing
+    fb = apply_outcome(fb, _outcome("kv.demote", OutcomeStatus.REJECTED), config)
+    assert not fb.allows("kv.demote") and fb.disabled_reasons == {"kv.demote": "r"}
+    assert WorkerFeedback.from_dict(json.loads(json.dumps(fb.to_dict()))) == fb
+
+
+def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
+    ledger = HoldingsLedger()
+    ledger.record(action_id="p1", worker_id="w0", tenant="t", scope="t/s", action_type="kv.pin",
+                  blocks=8, expires_at=10.0)
+    ledger.record(action_id="r1", worker_id="w0", tenant="t", scope="t/x",
+                  action_type="kv.retain", blocks=5, expires_at=100.0)
+    assert ledger.worker("w0") == Holdings(8, 5) and ledger.tenant("t") == Holdings(8, 5)
+    # A newer protection of the same session replaces the pin.
+    ledger.record(action_id="r2", worker_id="w0", tenant="t", scope="t/s",
+                  action_type="kv.retain", blocks=8, expires_at=50.0)
+    assert ledger.worker("w0") == Holdings(0, 13)
+    ledger.settle(_outcome("kv.retain", OutcomeStatus.CLIPPED, 8, 3, action_id="r2"))
+    assert ledger.worker("w0") == Holdings(0, 8)
+    assert ledger.expire(60.0) == 1 and ledger.worker("w0") == Holdings(0, 5)
+    ledger.settle(_outcome("kv.retain", OutcomeStatus.REJECTED, action_id="r1"))
+    assert ledger.worker("w0") == Holdings() and len(ledger) == 0
+    # A Demote releases the scope's holding.
+    ledger.record(action_id="r3", worker_id="w1", tenant=None, scope="t/y",
+                  action_type="kv.retain", blocks=4, expires_at=100.0)
+    ledger.record(action_id="d1", worker_id="w1", tenant=None, scope="t/y",
+                  action_type="kv.demote", blocks=4, expires_at=0.0)
+    assert ledger.worker("w1") == Holdings()

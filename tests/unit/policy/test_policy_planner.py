@@ -1,0 +1,280 @@
+"""The hint planner: lifecycle events -> bounded hints, observations, new session state."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from kvhint.router.policy import (
+    FinishReason,
+    GapObserved,
+    Holdings,
+    LearnedStats,
+    PlannerConfig,
+    PlannerContext,
+    ResponseFinished,
+    ReturnObserved,
+    SessionEnded,
+    SessionPlanState,
+    SharedPrefix,
+    TurnRouted,
+    WorkerFeedback,
+    WorkerPlanView,
+    next_idle_review,
+    plan_idle,
+    plan_response_finished,
+    plan_session_end,
+    plan_shared_prefixes,
+    plan_turn_routed,
+)
+from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
+from kvhint.schemas.hints import ParsedAction
+from kvhint.router.policy.feedback import apply_outcome
+
+BS = 512
+BUDGETS = Budgets(max_pinned_blocks=100, max_pin_ttl_s=300.0, max_retained_blocks=1000,
+                  max_retain_ttl_s=3600.0)
+NO_HOST = frozenset({"kv.retain", "kv.pin", "kv.prefetch"})
+
+
+def _ctx(now: float = 0.0, stats: LearnedStats | None = None, seed: int = 1,
+         config: PlannerConfig = PlannerConfig(), **workers: WorkerPlanView) -> PlannerContext:
+    views = workers or {"w0": WorkerPlanView("w0", BS, BUDGETS, NO_HOST)}
+    return PlannerContext(now=now, stats=stats or LearnedStats(), workers=views,
+                          rng=random.Random(seed), config=config)
+
+
+def _typed(planned) -> ParsedAction:
+    parsed = parse_action(planned.action)
+    assert isinstance(parsed, ParsedAction), parsed
+    return parsed
+
+
+def _session_after_turn(ctx: PlannerContext, prompt: int = 8 * BS, worker: str = "w0",
+                        at: float = 0.0) -> SessionPlanState:
+    result = plan_turn_routed(ctx, None, TurnRouted("t/s", "t", worker, prompt, at))
+    assert result.actions == () and result.observations == ()
+    return result.session
+
+
+def _finish(ctx: PlannerContext, session: SessionPlanState, reason: FinishReason,
+            tools: tuple[str, ...] = (), at: float = 1.0, prompt: int = 8 * BS,
+            completion: int = 100):
+    return plan_response_finished(
+        ctx, session, ResponseFinished("t/s", reason, prompt, completion, at, tools))
+
+
+def _fast_search() -> LearnedStats:
+    stats = LearnedStats()
+    for _ in range(20):
+        stats.apply(GapObserved("search", 1, 4.0))
+    return stats
+
+
+def test_short_tool_gap_is_pinned_for_its_predicted_length_within_budget() -> None:
+    ctx = _ctx(stats=_fast_search())
+    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    (planned,) = result.actions
+    action = _typed(planned)
+    assert action.action_type.value == "kv.pin"
+    assert action.payload.target.session_id == "t/s"
+    # p90 of gaps all ~4 s is the 4-5.7 s bucket edge, x1.5 margin.
+    assert 4.0 <= action.payload.ttl_s <= 9.0
+    assert planned.blocks == (8 * BS + 100) // BS
+    assert result.session.gap_kind == "search" and result.session.awaiting_return
+    assert result.session.protection.action_type == "kv.pin"
+
+
+def test_pin_is_clipped_to_the_budget_left_and_to_the_feedback_scale() -> None:
+    view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=97))
+    ctx = _ctx(stats=_fast_search(), w0=view)
+    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    action = _typed(result.actions[0])
+    assert action.payload.target.prefix_tokens == 3 * BS  # 3 blocks left of 100
+    # A clipped pin halves the ask on that worker.
+    outcome = HintOutcome(message_id="m", action_id="a", action_type="kv.pin", worker_id="w0",
+                          status=OutcomeStatus.CLIPPED, at=0.0,
+                          requested=Amount(blocks=8), applied=Amount(blocks=4))
+    feedback = apply_outcome(WorkerFeedback("w0"), outcome)
+    assert feedback.pin_ask_scale == 0.5
+    ctx = _ctx(stats=_fast_search(), w0=replace(view, held=Holdings(), feedback=feedback))
+    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    assert _typed(result.actions[0]).payload.target.prefix_tokens == 4 * BS
+
+
+def test_stop_is_retained_with_priority_rising_with_depth() -> None:
+    ctx = _ctx()
+    shallow = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP)
+    deep_state = replace(_session_after_turn(ctx), turns=6)
+    deep = _finish(ctx, deep_state, FinishReason.STOP)
+    p_shallow = _typed(shallow.actions[0]).payload.priority
+    p_deep = _typed(deep.actions[0]).payload.priority
+    assert _typed(shallow.actions[0]).action_type.value == "kv.retain"
+    assert 0 < p_shallow < p_deep <= 100
+
+
+def test_next_turn_closes_the_gap_and_observes_it() -> None:
+    ctx = _ctx()
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",)).session
+    later = _ctx(now=31.0)
+    result = plan_turn_routed(later, session, TurnRouted("t/s", "t", "w0", 9 * BS, 31.0))
+    assert result.observations == (GapObserved("build", 1, 30.0),
+                                   ReturnObserved(1, True, "build"))
+    assert result.session.turns == 2 and not result.session.awaiting_return
+    # Folding the observations in is the caller's job; the planner never mutates stats.
+    assert ctx.stats.gaps == {}
+
+
+def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
+    config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
+    ctx = _ctx(config=config)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    first = _typed_priority(session)
+    # Walk the review schedule; priorities never rise while the session stays away.
+    observations = []
+    priorities = [first]
+    now = next_idle_review(config, session, 0.0)
+    while session.awaiting_return:
+        result = plan_idle(_ctx(now=now, config=config), session)
+        observations += result.observations
+        for planned in result.actions:
+            priorities.append(_typed(planned).payload.priority)
+        session = result.session
+        now = next_idle_review(config, session, now) or now
+    assert priorities == sorted(priorities, reverse=True) and priorities[-1] == 0
+    assert observations == [ReturnObserved(1, False, "@user")]
+    assert session.ended and session.protection is None
+
+
+def _typed_priority(session: SessionPlanState) -> int:
+    assert session.protection is not None
+    return session.protection.priority
+
+
+def test_end_demotes_with_a_host_tier_and_releases_without() -> None:
+    host = WorkerPlanView("w0", BS, BUDGETS, frozenset({"kv.retain", "kv.pin", "kv.demote"}),
+                          host_tier=True)
+    ctx = _ctx(w0=host)
+    session = _finish(ctx, replace(_session_after_turn(ctx), turns=6), FinishReason.STOP).session
+    result = plan_session_end(ctx, session, SessionEnded("t/s", 5.0))
+    assert [_typed(a).action_type.value for a in result.actions] == ["kv.demote"]
+    assert result.observations == (ReturnObserved(6, False, "@user"),)
+    assert result.session.ended
+    plain = _ctx()
+    session = _finish(plain, _session_after_turn(plain), FinishReason.STOP).session
+    result = plan_session_end(plain, session, SessionEnded("t/s", 5.0))
+    (release,) = [_typed(a) for a in result.actions]
+    assert (release.action_type.value, release.payload.priority) == ("kv.retain", 0)
+
+
+def test_a_rejected_action_type_stops_being_sent_to_that_worker() -> None:
+    rejected = HintOutcome(message_id="m", action_id="a", action_type="kv.demote",
+                           worker_id="w0", status=OutcomeStatus.REJECTED,
+                           reason="no host tier", at=0.0)
+    feedback = apply_outcome(apply_outcome(WorkerFeedback("w0"), rejected), rejected)
+    assert not feedback.allows("kv.demote")
+    host = WorkerPlanView("w0", BS, BUDGETS, frozenset({"kv.retain", "kv.demote"}),
+                          host_tier=True, feedback=feedback)
+    ctx = _ctx(w0=host)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    result = plan_session_end(ctx, session, SessionEnded("t/s", 5.0))
+    assert [_typed(a).action_type.value for a in result.actions] == ["kv.retain"]
+
+
+def test_moved_session_gets_prefetch_on_a_host_tier_worker_and_old_protection_released() -> None:
+    views = {"w0": WorkerPlanView("w0", BS, BUDGETS, NO_HOST),
+             "w1": WorkerPlanView("w1", BS, BUDGETS, NO_HOST | {"kv.demote"}, host_tier=True)}
+    ctx = _ctx(**views)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    result = plan_turn_routed(ctx, session, TurnRouted("t/s", "t", "w1", 9 * BS, 10.0))
+    kinds = [(a.worker_id, _typed(a).action_type.value) for a in result.actions]
+    assert kinds == [("w1", "kv.prefetch"), ("w0", "kv.retain")]
+    assert _typed(result.actions[1]).payload.priority == 0
+    assert result.session.worker_id == "w1" and result.session.protection is None
+
+
+def test_shared_prefixes_used_by_many_sessions_are_retained_by_hash() -> None:
+    ctx = _ctx()
+    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5),
+                SharedPrefix("w0", "rare", (4,), sessions=1),
+                SharedPrefix("w0", "fresh", (5, 6), sessions=9, protected_until=10_000.0)]
+    (planned,) = plan_shared_prefixes(ctx, prefixes)
+    action = _typed(planned)
+    assert action.payload.target.block_hashes == [1, 2, 3]
+    assert planned.scope == "prefix:sys-a"
+
+
+def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budget() -> None:
+    """Retains are soft (the worker displaces lower priorities), so a worker whose budget
+    the planner's session retains already fill still gets its shared system prompt
+    retained; only the tenant's budget stops it."""
+    full = _ctx()
+    worker = full.workers["w0"]
+    limit = worker.budgets.max_retained_blocks
+    assert limit is not None
+    busy = replace(worker, held=Holdings(retained_blocks=limit))
+    ctx = replace(full, workers={**full.workers, "w0": busy})
+    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, tenant="t")]
+    (planned,) = plan_shared_prefixes(ctx, prefixes)
+    assert _typed(planned).payload.priority == ctx.config.shared_prefix_priority
+
+    capped = replace(ctx, config=replace(ctx.config, tenant_max_retained_blocks=4),
+                     tenant_held={"t": Holdings(retained_blocks=2)})
+    assert plan_shared_prefixes(capped, prefixes) == ()
+    # Two prefixes of one tenant count together against its budget.
+    roomy = replace(capped, tenant_held={})
+    two = prefixes + [SharedPrefix("w0", "sys-b", (7, 8), sessions=4, tenant="t")]
+    assert [p.scope for p in plan_shared_prefixes(roomy, two)] == ["prefix:sys-a"]
+
+
+def test_same_seed_same_plan_and_inputs_untouched() -> None:
+    def plan(seed: int):
+        ctx = _ctx(seed=seed)
+        session = _session_after_turn(ctx)
+        return session, _finish(ctx, session, FinishReason.STOP)
+
+    session_a, a = plan(3)
+    session_b, b = plan(3)
+    assert a == b and session_a == session_b
+    assert session_a.gap_opened_at is None  # the input state was not mutated
+    assert plan(4)[1].actions[0].action.action_id != a.actions[0].action.action_id
+
+
+def test_session_state_round_trips_through_plain_data() -> None:
+    ctx = _ctx()
+    state = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("x",)).session
+    assert SessionPlanState.from_dict(state.to_dict()) == state
+
+
+def test_pin_clipped_to_no_room_falls_back_to_a_top_priority_retain() -> None:
+    view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=100))
+    ctx = _ctx(stats=_fast_search(), w0=view)
+    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    action = _typed(result.actions[0])
+    assert (action.action_type.value, action.payload.priority) == ("kv.retain", 100)
+    assert action.payload.target.prefix_tokens == 8 * BS
+
+
+def test_a_gap_past_ten_minutes_counts_as_not_returning_by_default() -> None:
+    """The default return window is 600 s: a later turn is observed as a non-return (the
+    next turn still closes the gap), one within it as a return with its gap."""
+    ctx = _ctx()
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    late = plan_turn_routed(_ctx(now=700.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 700.0))
+    assert late.observations == (ReturnObserved(1, False, "@user"),)
+    soon = plan_turn_routed(_ctx(now=500.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 500.0))
+    assert soon.observations == (GapObserved("@user", 1, 500.0), ReturnObserved(1, True, "@user"))
+
+
+def test_only_fast_tool_gaps_are_pinned_by_default() -> None:
+    """Pins are hard, so by default only gaps predicted within 15 s get one; a tool that
+    takes ~30 s is retained (soft, relieved under pressure) at a high priority."""
+    stats = _fast_search()
+    for _ in range(20):
+        stats.apply(GapObserved("build", 1, 30.0))
+    ctx = _ctx(stats=stats)
+    fast = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    slow = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",))
+    assert _typed(fast.actions[0]).action_type.value == "kv.pin"
+    (retain,) = [_typed(a) for a in slow.actions]
+    assert retain.action_type.value == "kv.retain" and retain.payload.priority >= 50

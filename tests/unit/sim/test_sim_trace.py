@@ -1,0 +1,91 @@
+"""Trace input: both formats, session inference, and errors that name the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhint.router.sim.trace import TraceError, load_trace
+
+
+def _write(tmp_path: Path, rows: list[object], name: str = "t.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _mc(ts: int, ids: list[int], length: int | None = None, out: int = 10) -> dict:
+    return {"timestamp": ts, "input_length": length or 512 * len(ids), "output_length": out,
+            "hash_ids": ids}
+
+
+def test_mooncake_sessions_are_inferred_from_the_previous_turns_last_full_block(tmp_path):
+    path = _write(tmp_path, [
+        _mc(0, [0, 1, 2], 1100),          # session A, turn 1 (full blocks 0, 1)
+        _mc(5, [0, 3, 4]),                # shares only the system block: new session B
+        _mc(9, [0, 1, 5, 6], 1900),       # contains A's last full block (1) at depth 1: A, turn 2
+        _mc(12, [0, 1, 5, 7, 8]),         # contains A's turn-2 last full block (5): A, turn 3
+        _mc(20, [9]),                     # new session C
+    ])
+    trace = load_trace(path)
+    assert trace.format == "mooncake" and trace.sessions == 3
+    assert [(r.session_id, r.turn) for r in trace.requests] == [
+        ("m000000", 1), ("m000001", 1), ("m000000", 2), ("m000000", 3), ("m000002", 1)]
+    assert trace.requests[2].arrival_s == pytest.approx(0.009)
+    assert all(r.finish_reason == "stop" and not r.end for r in trace.requests)
+
+
+def test_session_format_fields(tmp_path):
+    path = _write(tmp_path, [
+        {"timestamp": 0, "session_id": "a", "input_length": 600, "output_length": 5,
+         "hash_ids": [1, 2], "finish_reason": "tool_calls", "tool_names": ["search"],
+         "tenant": "acme"},
+        {"timestamp": 1000, "session_id": "a", "turn": 2, "input_length": 700,
+         "output_length": 5, "hash_ids": [1, 3], "end": True},
+    ])
+    first, second = load_trace(path).requests
+    assert (first.tenant, first.finish_reason, first.tool_names, first.turn) == (
+        "acme", "tool_calls", ("search",), 1)
+    assert (second.turn, second.end, second.finish_reason) == (2, True, "stop")
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "fragment"),
+    [
+        ([_mc(0, [1]), "{not json"], 2, "not JSON"),
+        ([_mc(10, [1]), _mc(5, [2])], 2, "timestamps must not decrease"),
+        ([_mc(0, [1, 2], 600), _mc(1, [3], 2000)], 2, "needs 4 blocks"),
+        ([_mc(0, [1]), {**_mc(1, [2]), "extra": 1}], 2, "unknown field(s) extra"),
+        ([_mc(0, [1]), {**_mc(1, [2]), "input_length": "9"}], 2, "must be an integer"),
+        ([_mc(0, [1]), [1, 2]], 2, "expected a JSON object"),
+        ([_mc(0, [1]), {**_mc(1, [2]), "session_id": "x"}], 2, "decided by line 1"),
+        ([{**_mc(0, [1]), "session_id": "a"}, {**_mc(1, [2]), "session_id": "a", "turn": 3}],
+         2, "must be 2"),
+        ([{**_mc(0, [1]), "session_id": "a", "end": True}, {**_mc(1, [2]), "session_id": "a"}],
+         2, "continues after its 'end'"),
+        ([{**_mc(0, [1]), "session_id": "a", "finish_reason": "eos"}], 1, "finish_reason"),
+        ([{**_mc(0, [1]), "session_id": "a", "tool_names": ["x"]}], 1, "not 'tool_calls'"),
+        ([_mc(0, [1]), {**_mc(1, [2]), "timestamp": -1}], 2, "timestamp"),
+    ],
+)
+def test_bad_lines_stop_the_load_naming_line_and_reason(tmp_path, rows, line, fragment):
+    path = _write(tmp_path, rows)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == line
+    assert fragment in info.value.reason
+    assert f"{path}:{line}:" in str(info.value)
+
+
+def test_empty_and_missing_files(tmp_path):
+    with pytest.raises(TraceError, match="empty"):
+        load_trace(_write(tmp_path, []))
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "absent.jsonl")
+
+
+def test_limit_and_blank_lines(tmp_path):
+    path = _write(tmp_path, [_mc(0, [1]), "", _mc(1, [2]), _mc(2, [3])])
+    assert [r.line for r in load_trace(path, limit=2).requests] == [1, 3]
