@@ -229,11 +229,17 @@ def _ranked(
     rng: random.Random,
     costs: list[float],
     reason: str,
+    cached: list[tuple[int, int]] | None = None,
 ) -> RouteDecision:
+    """``cached``: each worker's :func:`cached_tokens`, when the caller has them already
+    (the routing decision's hot path; computed here otherwise)."""
     # One rng draw per worker, in worker-id order, so ties break reproducibly.
     ties = [rng.random() for _ in workers]
     order = sorted(range(len(workers)), key=lambda i: (costs[i], ties[i]))
-    return _decision([_score(workers[i], request, costs[i]) for i in order], reason)
+    if cached is None:
+        return _decision([_score(workers[i], request, costs[i]) for i in order], reason)
+    return _decision([WorkerScore(workers[i].worker_id, costs[i], *cached[i]) for i in order],
+                     reason)
 
 
 def _round_robin(workers: list[WorkerLoad], request: RouteRequest) -> RouteDecision:
@@ -277,10 +283,9 @@ def _kvhint(
     floor = min(w.recent_prefill_tokens for w in workers)
     mean = sum(w.recent_prefill_tokens for w in workers) / len(workers)
     costs = []
-    for w in workers:
-        total, host = cached_tokens(
-            request.overlaps.get(w.worker_id), request.prompt_tokens, request.block_size
-        )
+    cached = [cached_tokens(request.overlaps.get(w.worker_id), request.prompt_tokens,
+                            request.block_size) for w in workers]
+    for w, (total, host) in zip(workers, cached, strict=True):
         new_tokens = request.prompt_tokens - total
         costs.append(
             new_tokens
@@ -309,4 +314,4 @@ def _kvhint(
             if w.worker_id == sticky and within and not over[i]:
                 costs[i] -= config.affinity_tokens
                 reason = "cost+affinity"
-    return _ranked(workers, request, rng, costs, reason)
+    return _ranked(workers, request, rng, costs, reason, cached)
