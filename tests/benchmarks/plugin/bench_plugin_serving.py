@@ -259,8 +259,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for server in servers.values():
                 server.stop()
+            await delete_events_stream(endpoint.url, prefix)
     return {"rates": rates, "latency": latency, "statuses": statuses, "lost": unanswered,
             "in_engine": in_engine}
+
+
+async def delete_events_stream(nats_url: str, prefix: str) -> None:
+    """The plugin creates a JetStream stream for its events under the bench's own prefix;
+    remove it so no run leaves state on a shared NATS."""
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().delete_stream(Subjects(prefix).events_stream)
+    except nats.js.errors.NotFoundError:
+        pass
+    finally:
+        await nc.drain()
 
 
 def apply_quantiles(metrics: str) -> dict[str, float]:
