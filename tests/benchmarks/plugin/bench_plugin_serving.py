@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import fcntl
 import json
+import os
 import random
 import signal
 import statistics
@@ -76,13 +77,20 @@ async def drive_hints(nats_url: str, prefix: str, rate: float, sessions: int, se
     subjects = Subjects(prefix)
     nc = await nats.connect(nats_url)
     sent: dict[str, float] = {}
+    sent_wall: dict[str, float] = {}
     first: dict[str, float] = {}  # action id -> latency of its first outcome
+    # The first outcome's path split at the outcome's own ``at`` (the plugin's wall clock,
+    # same machine): publish -> answered inside the plugin, answered -> seen here.
+    to_answer: list[float] = []
+    to_publisher: list[float] = []
+    windows: list[tuple[float, float]] = []  # (published, first outcome seen), wall clock
     latencies: list[float] = []  # to the terminal outcome
     first_latencies: list[float] = []  # to the first outcome (deferred or terminal)
     statuses: dict[str, int] = {}
 
     async def on_outcome(msg: Any) -> None:
         now = time.perf_counter()
+        now_wall = time.time()
         outcome = decode_outcome(msg.data)
         started = sent.get(outcome.action_id)
         if started is None:
@@ -90,11 +98,27 @@ async def drive_hints(nats_url: str, prefix: str, rate: float, sessions: int, se
         if outcome.action_id not in first:
             first[outcome.action_id] = now - started
             first_latencies.append(now - started)
+            to_answer.append(outcome.at - sent_wall[outcome.action_id])
+            to_publisher.append(now_wall - outcome.at)
+            windows.append((sent_wall[outcome.action_id], now_wall))
         statuses[outcome.status.value] = statuses.get(outcome.status.value, 0) + 1
         if outcome.status.value != "deferred":
             del sent[outcome.action_id]
             latencies.append(now - started)
 
+    # This process's own event-loop lag (a 5 ms sleep's overshoot): when it is large, the
+    # publisher itself was not running, and both legs above grow with it.
+    stalls: list[tuple[float, float]] = []  # (wall time the stall ended, seconds)
+
+    async def watch_loop_lag() -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lag = time.perf_counter() - before - 0.005
+            if lag > 0.01:
+                stalls.append((time.time(), lag))
+
+    watcher = asyncio.ensure_future(watch_loop_lag())
     await nc.subscribe(subjects.outcomes("w0"), cb=on_outcome)
     await nc.flush()
     while not stop.is_set():
@@ -107,6 +131,7 @@ async def drive_hints(nats_url: str, prefix: str, rate: float, sessions: int, se
         envelope = KvHintsEnvelope(protocol_version="1", message_id=f"m-{action_id}",
                                    actions=[make_action(action_id, payload)])
         sent[action_id] = time.perf_counter()
+        sent_wall[action_id] = time.time()
         await nc.publish(subjects.hints("w0"), encode_hints(envelope))
         await nc.flush()
         try:
@@ -114,14 +139,23 @@ async def drive_hints(nats_url: str, prefix: str, rate: float, sessions: int, se
         except asyncio.TimeoutError:
             pass
     await asyncio.sleep(1.0)  # late outcomes
+    watcher.cancel()
     await nc.drain()
+    slow = [(a, b) for a, b in windows if b - a > 0.05]
+    overlapping = sum(1 for a, b in slow
+                      if any(end - lag < b and end > a for end, lag in stalls if lag > 0.03))
     return {"latencies": latencies, "first": first_latencies, "statuses": statuses,
-            "unanswered": len(sent)}
+            "unanswered": len(sent), "to_answer": to_answer, "to_publisher": to_publisher,
+            "publisher_stalls": [lag for _, lag in stalls],
+            "slow": len(slow), "slow_during_publisher_stall": overlapping}
 
 
 def driver_main(args: argparse.Namespace) -> None:
     """Subprocess entry: drive hints until SIGTERM, then print the result as JSON."""
     import signal
+
+    if args.publisher_nice:
+        os.nice(args.publisher_nice)  # raises PermissionError unless allowed: said, not hidden
 
     async def run_driver() -> dict[str, Any]:
         stop = asyncio.Event()
@@ -139,7 +173,8 @@ class HintDriver:
                  seed: int) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--driver", "--nats-url", nats_url, "--prefix", prefix,
-             "--hint-rate", str(rate), "--sessions", str(args.sessions), "--seed", str(seed)],
+             "--hint-rate", str(rate), "--sessions", str(args.sessions), "--seed", str(seed),
+             "--publisher-nice", str(args.publisher_nice)],
             stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> dict[str, Any]:
@@ -217,6 +252,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await workload(server.url, 2, 1, 8, 2, 999)
             latency: dict[str, list[float]] = {"idle": [], "busy": [], "idle first": [],
                                                "busy first": []}
+            split: dict[str, list[float]] = {"busy to_answer": [], "busy to_publisher": [],
+                                             "busy publisher_stall": []}
+            slow = {"slow": 0, "during_publisher_stall": 0}
             statuses: dict[str, int] = {}
             unanswered = 0
             # Variants: plain vLLM; the plugin with no hints (index, events, heartbeat);
@@ -243,6 +281,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         done = driver.stop()
                         latency["busy"] += done["latencies"]
                         latency["busy first"] += done["first"]
+                        split["busy to_answer"] += done["to_answer"]
+                        split["busy to_publisher"] += done["to_publisher"]
+                        split["busy publisher_stall"] += done["publisher_stalls"]
+                        slow["slow"] += done["slow"]
+                        slow["during_publisher_stall"] += done["slow_during_publisher_stall"]
                         unanswered += done["unanswered"]
                         for status, n in done["statuses"].items():
                             statuses[status] = statuses.get(status, 0) + n
@@ -253,6 +296,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             done = driver.stop()
             latency["idle"] = done["latencies"]
             latency["idle first"] = done["first"]
+            split["idle to_answer"] = done["to_answer"]
+            split["idle to_publisher"] = done["to_publisher"]
             unanswered += done["unanswered"]
             async with httpx.AsyncClient(base_url=servers["plugin"].url, timeout=30) as client:
                 in_engine = apply_quantiles((await client.get("/metrics")).text)
@@ -261,7 +306,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 server.stop()
             await delete_events_stream(endpoint.url, prefix)
     return {"rates": rates, "latency": latency, "statuses": statuses, "lost": unanswered,
-            "in_engine": in_engine}
+            "in_engine": in_engine, "split": split, "slow": slow}
 
 
 async def delete_events_stream(nats_url: str, prefix: str) -> None:
@@ -302,6 +347,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=8192)
     parser.add_argument("--idle-probes", type=int, default=100)
     parser.add_argument("--hint-rate", type=float, default=40.0, help="hints/s while busy")
+    parser.add_argument("--publisher-nice", type=int, default=0,
+                        help="niceness increment for the hint publisher process (negative "
+                             "needs CAP_SYS_NICE): stands in for a router on its own cores")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -334,6 +382,19 @@ def main() -> None:
                   f"p50 {1000 * percentile(values, 0.5):.1f} ms, "
                   f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
                   f"max {1000 * max(values):.1f} ms")
+    for phase, values in result["split"].items():
+        if values:
+            engine_phase, leg = phase.split()
+            what = {"to_answer": "publish -> outcome made in the plugin",
+                    "to_publisher": "outcome made -> seen by the publisher",
+                    "publisher_stall": "publisher's own event-loop stalls > 10 ms"}[leg]
+            print(f"first outcome, {engine_phase:4s} {what}: n={len(values)} "
+                  f"p50 {1000 * percentile(values, 0.5):.1f} ms, "
+                  f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
+                  f"max {1000 * max(values):.1f} ms")
+    print(f"busy hints answered after > 50 ms: {result['slow']['slow']}, of which "
+          f"{result['slow']['during_publisher_stall']} overlap a > 30 ms stall of the "
+          f"publisher's own process")
     engine = result["in_engine"]
     print(f"inside the engine (kvhint:hint_apply_seconds, all phases): n={engine['n']:.0f} "
           f"p50 <= {1000 * engine['p50']:.1f} ms, p99 <= {1000 * engine['p99']:.1f} ms")
