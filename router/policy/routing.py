@@ -107,10 +107,12 @@ class RoutingConfig:
     affinity_tokens: int = 512
     affinity_slack: float = 0.05
     # kvhint: a new session's first turn pays this many times its prompt tokens for each
-    # recently placed session a worker has above the least. A session is long-lived load:
-    # new sessions clustering where their shared system prompt is cached leave one worker
-    # with most histories, and later turns must then move (and lose their cache) to balance.
-    new_session_spread: float = 1.0
+    # recently placed session a worker has above the least (against new sessions
+    # clustering where their shared system prompt is cached). Off by default: at 1.0 it
+    # cost hits everywhere it was measured once the simulator fed it too (Mooncake 4 x
+    # 1,250: 11.82% -> 9.93%; gen-agents 2 x 400: +2.3% recomputed; the live agent bench:
+    # 73.3% -> 72.6% cached, more moved turns); BENCHMARKS.md, "router" and "simulator".
+    new_session_spread: float = 0.0
     # kv_aware: weight of prefill blocks against active decode blocks (Dynamo's default 1).
     kv_overlap_weight: float = 1.0
 

@@ -118,9 +118,9 @@ class RouterRuntime:
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
                                    config=StreamConfig(heartbeat_misses=settings.heartbeat_misses))
-        routing = RoutingService(workers, metrics,
-                                 RoutingConfig(policy=RoutingPolicy(settings.routing.policy)),
-                                 hasher,
+        routing_config = RoutingConfig(policy=RoutingPolicy(settings.routing.policy),
+                                       new_session_spread=settings.routing.new_session_spread)
+        routing = RoutingService(workers, metrics, routing_config, hasher,
                                  default_block_size=settings.block_size, index=index,
                                  seed=settings.routing.seed,
                                  default_model=next(iter(models), None),

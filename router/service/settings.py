@@ -96,6 +96,11 @@ class RoutingSettings(BaseModel, frozen=True):
     # lose their cache; this many tokens are added to every worker's count, so the excess
     # must also be material in absolute terms (~8% of this). 0 turns it off.
     balance_floor_tokens: float = Field(16384.0, ge=0)
+    # A new session's first turn pays this many times its prompt tokens per recently
+    # placed session a worker has above the least (kvhint policy): spreads bursts of new
+    # sessions that share a cached system prompt. Off by default; measured to cost cache
+    # hits on the agent bench and in the simulator (BENCHMARKS.md).
+    new_session_spread: float = Field(0.0, ge=0)
     # How long (s) an ended or idle session stays in memory before it is forgotten.
     session_forget_s: float = Field(3600.0, gt=0)
     seed: int = 0

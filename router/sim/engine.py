@@ -137,6 +137,9 @@ class Simulation:
         self.feedback: dict[str, WorkerFeedback] = {}
         self._planned: dict[str, PlannedAction] = {}
         self._recent: dict[str, float] = {}
+        # New sessions placed per worker, decayed with ``_recent`` (the live router's
+        # ``new_session_spread`` input, counted the same way as RoutingService counts it).
+        self._recent_sessions: dict[str, float] = {}
         self._recent_at = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -171,6 +174,7 @@ class Simulation:
                 supported_actions=frozenset(core.supported_actions()),
                 host_tier=host is not None)
             self._recent[worker_id] = 0.0
+            self._recent_sessions[worker_id] = 0.0
             self.result.computed_by_worker[worker_id] = 0
 
     def _clock(self) -> float:
@@ -229,6 +233,8 @@ class Simulation:
         predicted_computed = request.input_length - decision.predicted_cached_tokens
         self._add_recent(decision.worker_id, predicted_computed)
         placement = self.placements.get(session_key)
+        if placement is None:
+            self._recent_sessions[decision.worker_id] += 1.0
         self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
         if self.hints_on:
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
@@ -251,7 +257,8 @@ class Simulation:
             WorkerLoad(w.worker_id, active_requests=w.active_requests,
                        active_blocks=w.active_blocks,
                        pending_prefill_tokens=w.pending_prefill_tokens,
-                       recent_prefill_tokens=self._recent[w.worker_id])
+                       recent_prefill_tokens=self._recent[w.worker_id],
+                       recent_sessions=self._recent_sessions[w.worker_id])
             for w in self.workers.values()
         )
         placement = self.placements.get(session_key)
@@ -326,6 +333,8 @@ class Simulation:
             half_life = self.config.recent_half_life_s
             for worker_id, value in self._recent.items():
                 self._recent[worker_id] = decay_recent(value, elapsed, half_life)
+            for worker_id, value in self._recent_sessions.items():
+                self._recent_sessions[worker_id] = decay_recent(value, elapsed, half_life)
             self._recent_at = self.now
 
     def _add_recent(self, worker_id: str, tokens: int) -> None:

@@ -136,3 +136,36 @@ def test_forked_parallel_runs_equal_serial_runs_with_a_host_tier(tmp_path: Path)
     forked = strip(run_policies(trace, config, policies, jobs=2, progress=None))
     assert serial == forked
     assert serial[1]["g2_token_hit_rate"] > 0 and serial[1]["hints"]
+
+
+def test_new_sessions_placed_per_worker_reach_the_routing_policy(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    """The live router feeds ``WorkerLoad.recent_sessions`` (new sessions placed per worker,
+    decayed) to ``route()`` for ``new_session_spread``; the simulator must feed the same,
+    or its kvhint routing differs from the router it stands for. A spy around the real
+    ``route`` records what each decision saw."""
+    import kvhint.router.sim.engine as engine
+
+    rows = [{"timestamp": 1000 * i, "session_id": f"s{i}", "input_length": 65,
+             "output_length": 0, "hash_ids": [1, 100 + i, 200 + i]} for i in range(3)]
+    rows.append({"timestamp": 3000, "session_id": "s0", "input_length": 97,
+                 "output_length": 0, "hash_ids": [1, 100, 300, 301]})
+    path = tmp_path / "spread.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: list[tuple[dict[str, float], str]] = []
+    real_route = engine.route
+
+    def spy(ctx, request, rng):
+        decision = real_route(ctx, request, rng)
+        seen.append(({w.worker_id: w.recent_sessions for w in ctx.workers}, decision.worker_id))
+        return decision
+
+    monkeypatch.setattr(engine, "route", spy)
+    config = SimConfig(workers=2, gpu_blocks=40, block_size=32, recent_half_life_s=1e9)
+    Simulation(load_trace(path, block_size=32), config, "kvhint").run()
+    assert len(seen) == 4
+    for k, (sessions, _) in enumerate(seen):
+        expected = {"w0": 0.0, "w1": 0.0}
+        for _, worker in seen[:k]:  # decisions 0-2 placed new sessions; 3 is s0 returning
+            expected[worker] += 1.0
+        assert sessions == pytest.approx(expected)

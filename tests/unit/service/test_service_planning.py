@@ -4,6 +4,7 @@ NATS is replaced by a recording link (tests/integration/service uses a real serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
@@ -221,7 +222,7 @@ def test_balance_floor_keeps_a_session_on_its_cache_at_low_load() -> None:
     assert routing.plan(inbound, "w0", 1).decision.worker_id == "w0"
 
 
-def test_new_sessions_spread_over_workers_despite_a_shared_prefix() -> None:
+def test_new_sessions_spread_over_workers_despite_a_shared_prefix_when_configured() -> None:
     from kvhint.router.hashing import PromptHashes
 
     class Hasher:
@@ -230,6 +231,8 @@ def test_new_sessions_spread_over_workers_despite_a_shared_prefix() -> None:
 
     _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0", "w1"])
     routing.hasher = Hasher()  # type: ignore[assignment]
+    # Off by default (routing.new_session_spread in the router's settings); switched on.
+    routing.config = dataclasses.replace(routing.config, new_session_spread=1.0)
     index.apply(BlocksStored("w0", list(range(1, 13)), None))  # the system prompt, on w0
 
     def first_turn(session: str) -> str:

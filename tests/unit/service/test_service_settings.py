@@ -36,12 +36,14 @@ def test_config_file_under_environment(tmp_path: Path, monkeypatch: pytest.Monke
         "admin_keys: [root]\n"
         "tenants:\n"
         "  - {name: acme, api_keys: [k-acme], admin_keys: [adm-acme]}\n"
-        "routing: {seed: 7}\n")
+        "routing: {seed: 7, new_session_spread: 0.5}\n")
     monkeypatch.setenv("KVHINT_ROUTER_PORT", "9100")
     settings = RouterSettings(config_file=config)
     assert settings.port == 9100  # environment wins over the file
     assert settings.workers[0].id == "a"
     assert settings.routing.seed == 7
+    assert settings.routing.new_session_spread == 0.5
+    assert RouterSettings().routing.new_session_spread == 0.0  # off unless asked for
     assert not settings.dev_mode
 
 
@@ -53,6 +55,7 @@ def test_config_file_under_environment(tmp_path: Path, monkeypatch: pytest.Monke
     {"tenants": [{"name": "x", "cache_salt": "a/b"}]},    # vLLM rejects '/'
     {"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]},
     {"unknown_field": 1},
+    {"routing": {"new_session_spread": -1}},
 ])
 def test_bad_settings_are_refused_with_a_message(bad: dict) -> None:
     with pytest.raises(ValidationError):
