@@ -18,6 +18,7 @@ from typing import Any
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
+from kvhint.engine_plugin.index_events import Cleared, Hit, IndexEvent, Removed
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
     Inbound,
@@ -25,13 +26,7 @@ from kvhint.engine_plugin.mailbox import (
     SnapshotOut,
     peek_advice_id,
 )
-from kvhint.engine_plugin.session_index import (
-    Cleared,
-    Hit,
-    IndexEvent,
-    Removed,
-    SessionPrefixIndex,
-)
+from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.engine_plugin.vllm_adapter import VllmCacheAdapter
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,

@@ -1,8 +1,9 @@
 """SessionPrefixIndex: which sessions own which resident KV blocks on one engine.
 
 Pure data structure over 64-bit block hashes (the ints vLLM publishes in KV events); no
-vLLM, NATS or msgpack here. It is fed domain events (:class:`Stored`, :class:`Removed`,
-:class:`Cleared`, :class:`Hit`) and can be rebuilt by replaying them (:meth:`apply`).
+vLLM, NATS or msgpack here. It is fed the domain events of ``index_events`` (:class:`Stored`,
+:class:`Removed`, :class:`Cleared`, :class:`Hit`) and can be rebuilt by replaying them
+(:meth:`apply`).
 
 Model:
 - a node per block hash, with its parent (the previous block of the prefix chain) and a
@@ -31,7 +32,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-GPU = "GPU"
+from kvhint.engine_plugin.index_events import GPU, Cleared, Hit, IndexEvent, Removed, Stored
+from kvhint.engine_plugin.snapshot_order import RawNode, ordered_blocks
 
 
 class _Node:
@@ -106,73 +108,6 @@ def _depths(nodes: Iterable[_Node]) -> dict[int, int]:
         for offset, n in enumerate(reversed(path)):
             depth[n.key] = base + offset
     return depth
-
-
-# (hash, parent hash, GPU copies, {other medium: copies} | None)
-RawNode = tuple[int, int | None, int, dict[str, int] | None]
-
-
-def ordered_blocks(raw: Iterable[RawNode]) -> list[tuple[int, int | None, str]]:
-    """``(hash, parent, medium)`` for each tier a node is resident in, parents before
-    children (by depth); parent-only nodes are left out but still order their children."""
-    nodes = {key: (parent, gpu, other) for key, parent, gpu, other in raw}
-    depth: dict[int, int] = {}
-    for start in nodes:
-        path = []
-        key: int | None = start
-        while key is not None and key not in depth and key in nodes:
-            path.append(key)
-            key = nodes[key][0]
-        base = depth[key] + 1 if key is not None and key in depth else 0
-        for offset, k in enumerate(reversed(path)):
-            depth[k] = base + offset
-    out: list[tuple[int, int | None, str]] = []
-    for key in sorted(depth, key=depth.__getitem__):
-        parent, gpu, other = nodes[key]
-        if gpu:
-            out.append((key, parent, GPU))
-        for medium, copies in sorted((other or {}).items()):
-            if copies:
-                out.append((key, parent, medium))
-    return out
-
-
-# --- domain events (what adapters produce and replay feeds) ---------------------------
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    """Blocks ``hashes`` (a chain, root-most first) became resident after ``parent``."""
-
-    hashes: tuple[int, ...]
-    parent: int | None
-    session_id: str | None = None
-    medium: str = GPU
-
-
-@dataclass(frozen=True, slots=True)
-class Removed:
-    hashes: tuple[int, ...]
-    medium: str = GPU
-
-
-@dataclass(frozen=True, slots=True)
-class Cleared:
-    """Every block of ``medium`` is gone (vLLM's AllBlocksCleared: the GPU prefix cache)."""
-
-    medium: str = GPU
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A request of ``session_id`` reused the resident chain ``hashes`` (root first) from
-    the prefix cache. vLLM emits no BlockStored for this, yet it makes the session own the
-    chain."""
-
-    session_id: str
-    hashes: tuple[int, ...]
-
-
-IndexEvent = Stored | Removed | Cleared | Hit
 
 
 @dataclass(slots=True)

@@ -29,7 +29,6 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
-from kvhint.engine_plugin.session_index import ordered_blocks
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
     Inbound,
@@ -38,6 +37,7 @@ from kvhint.engine_plugin.mailbox import (
     peek_advice_id,
     pop_oldest,
 )
+from kvhint.engine_plugin.snapshot_order import ordered_blocks
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
     EventBatchMeta,

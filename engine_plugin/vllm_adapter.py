@@ -37,7 +37,7 @@ import msgspec
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.holds import BlockHandle
-from kvhint.engine_plugin.session_index import GPU, Cleared, IndexEvent, Removed, Stored
+from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
 from kvhint.schemas import external_hash_to_int
 
 logger = logging.getLogger(LOGGER_NAME)

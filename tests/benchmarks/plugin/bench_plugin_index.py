@@ -20,7 +20,8 @@ import sys
 import time
 import tracemalloc
 
-from kvhint.engine_plugin.session_index import SessionPrefixIndex, ordered_blocks
+from kvhint.engine_plugin.session_index import SessionPrefixIndex
+from kvhint.engine_plugin.snapshot_order import ordered_blocks
 
 
 def make_chains(num_blocks: int, chain: int, seed: int, system: list[int],

@@ -6,13 +6,8 @@ import random
 
 import pytest
 
-from kvhint.engine_plugin.session_index import (
-    Cleared,
-    Hit,
-    Removed,
-    SessionPrefixIndex,
-    Stored,
-)
+from kvhint.engine_plugin.index_events import Cleared, Hit, Removed, Stored
+from kvhint.engine_plugin.session_index import SessionPrefixIndex
 
 
 def chain(index: SessionPrefixIndex, keys: list[int], parent: int | None = None,
