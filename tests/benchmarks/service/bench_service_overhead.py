@@ -1,8 +1,11 @@
 """Added latency and throughput of the kvhint router vs calling the worker directly vs
 the Rust vllm-router, all in front of the same vLLM CPU worker, side by side in one run.
 
-    flock /tmp/kvhint-vllm-servers.lock .venv/bin/python \
-        tests/benchmarks/service/bench_service_overhead.py [--rounds 6] [--json out.json]
+    .venv/bin/python tests/benchmarks/service/bench_service_overhead.py \
+        [--rounds 6] [--json out.json]
+
+(It takes the machine-wide vLLM lock itself; wrapping it in ``flock`` on the same file
+deadlocks.)
 
 Rounds interleave the three targets (direct, kvhint, vllm-router) in a shuffled order, so
 machine noise hits all of them alike. The proxies' own CPU time per request (from
