@@ -48,6 +48,7 @@ from kvhint.router.policy.planner import (
 from kvhint.router.policy.routing import (
     NoWorkerAvailable,
     Overlap,
+    RecentLoad,
     RouteDecision,
     RouteRequest,
     RoutingConfig,
@@ -100,6 +101,7 @@ __all__ = [
     "PlannerContext",
     "Protection",
     "ResponseFinished",
+    "RecentLoad",
     "ReturnObserved",
     "RouteDecision",
     "RouteRequest",

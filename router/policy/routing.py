@@ -57,8 +57,8 @@ class WorkerLoad:
 
     ``pending_prefill_tokens``: uncached prompt tokens routed here and not yet prefilled
     (the router's own count, or the simulator's queue). ``recent_prefill_tokens``: a
-    time-decayed sum of computed (uncached) prompt tokens routed here, see
-    :func:`decay_recent`; it is what keeps the computed work balanced. ``active_blocks``:
+    time-decayed sum of computed (uncached) prompt tokens routed here, kept by a
+    :class:`RecentLoad`; it is what keeps the computed work balanced. ``active_blocks``:
     KV blocks held by running requests (decode load, for ``kv_aware``).
     """
 
@@ -189,6 +189,39 @@ def decay_recent(value: float, elapsed_s: float, half_life_s: float) -> float:
     return value * 0.5 ** (elapsed_s / half_life_s)
 
 
+@dataclass(slots=True)
+class RecentLoad:
+    """One worker's time-decayed load, as :class:`WorkerLoad` carries it to the policy:
+    uncached prompt tokens routed there (``recent_prefill_tokens``) and new sessions placed
+    there (``recent_sessions``), both halving every ``half_life_s``. The live router and
+    the simulator keep one per worker, so ``route()`` sees the same figures from both.
+    Bookkeeping, not policy: the caller owns the clock (``now`` never goes back)."""
+
+    half_life_s: float
+    prefill_tokens: float = 0.0
+    sessions: float = 0.0
+    at: float = 0.0
+
+    def decay_to(self, now: float) -> None:
+        factor = decay_recent(1.0, now - self.at, self.half_life_s)
+        self.prefill_tokens *= factor
+        self.sessions *= factor
+        self.at = now
+
+    def add_prefill(self, now: float, tokens: float) -> None:
+        self.decay_to(now)
+        self.prefill_tokens += tokens
+
+    def add_session(self, now: float) -> None:
+        self.decay_to(now)
+        self.sessions += 1.0
+
+    def seen_at(self, now: float) -> tuple[float, float]:
+        """``(prefill_tokens, sessions)`` decayed to ``now``, leaving the state as it is."""
+        factor = decay_recent(1.0, now - self.at, self.half_life_s)
+        return self.prefill_tokens * factor, self.sessions * factor
+
+
 def route(ctx: RoutingContext, request: RouteRequest, rng: random.Random) -> RouteDecision:
     """Choose a worker for ``request``; raises :class:`NoWorkerAvailable` when none is
     healthy. Deterministic for a given context, request and rng state."""
@@ -202,15 +235,15 @@ def route(ctx: RoutingContext, request: RouteRequest, rng: random.Random) -> Rou
     if policy is RoutingPolicy.SESSION_AFFINITY:
         return _session_affinity(ctx, healthy, request, rng)
     if policy is RoutingPolicy.KV_AWARE:
-        return _ranked(healthy, request, rng, _kv_aware_costs(ctx.config, healthy, request), "kv")
+        return _ranked(healthy, request, rng, _kv_aware_costs(ctx.config, healthy, request), "kv",
+                       _cached(healthy, request))
     return _kvhint(ctx, healthy, request, rng)
 
 
-def _score(worker: WorkerLoad, request: RouteRequest, cost: float) -> WorkerScore:
-    total, host = cached_tokens(
-        request.overlaps.get(worker.worker_id), request.prompt_tokens, request.block_size
-    )
-    return WorkerScore(worker.worker_id, cost, total, host)
+def _cached(workers: list[WorkerLoad], request: RouteRequest) -> list[tuple[int, int]]:
+    """Each worker's :func:`cached_tokens` for ``request``, in ``workers`` order."""
+    return [cached_tokens(request.overlaps.get(w.worker_id), request.prompt_tokens,
+                          request.block_size) for w in workers]
 
 
 def _decision(ranked: list[WorkerScore], reason: str) -> RouteDecision:
@@ -231,15 +264,12 @@ def _ranked(
     rng: random.Random,
     costs: list[float],
     reason: str,
-    cached: list[tuple[int, int]] | None = None,
+    cached: list[tuple[int, int]],
 ) -> RouteDecision:
-    """``cached``: each worker's :func:`cached_tokens`, when the caller has them already
-    (the routing decision's hot path; computed here otherwise)."""
+    """Workers by ``costs`` (lowest first); ``cached`` is :func:`_cached` of ``workers``."""
     # One rng draw per worker, in worker-id order, so ties break reproducibly.
     ties = [rng.random() for _ in workers]
     order = sorted(range(len(workers)), key=lambda i: (costs[i], ties[i]))
-    if cached is None:
-        return _decision([_score(workers[i], request, costs[i]) for i in order], reason)
     return _decision([WorkerScore(workers[i].worker_id, costs[i], *cached[i]) for i in order],
                      reason)
 
@@ -247,7 +277,9 @@ def _ranked(
 def _round_robin(workers: list[WorkerLoad], request: RouteRequest) -> RouteDecision:
     start = request.request_seq % len(workers)
     rotated = workers[start:] + workers[:start]
-    return _decision([_score(w, request, float(i)) for i, w in enumerate(rotated)], "round_robin")
+    cached = _cached(rotated, request)
+    return _decision([WorkerScore(w.worker_id, float(i), *cached[i])
+                      for i, w in enumerate(rotated)], "round_robin")
 
 
 def _session_affinity(
@@ -261,7 +293,7 @@ def _session_affinity(
         reason = "affinity" if any(w.worker_id == sticky for w in workers) else "least_busy"
     else:
         reason = "least_busy"
-    return _ranked(workers, request, rng, costs, reason)
+    return _ranked(workers, request, rng, costs, reason, _cached(workers, request))
 
 
 def _kv_aware_costs(
@@ -285,8 +317,7 @@ def _kvhint(
     floor = min(w.recent_prefill_tokens for w in workers)
     mean = sum(w.recent_prefill_tokens for w in workers) / len(workers)
     costs = []
-    cached = [cached_tokens(request.overlaps.get(w.worker_id), request.prompt_tokens,
-                            request.block_size) for w in workers]
+    cached = _cached(workers, request)
     for w, (total, host) in zip(workers, cached, strict=True):
         new_tokens = request.prompt_tokens - total
         costs.append(

@@ -19,6 +19,7 @@ from kvhint.router.hashing import HashConfig, HashingError, PromptHashes, Reques
 from kvhint.router.kv_index.protocol import ClusterKvIndex
 from kvhint.router.policy import (
     Overlap,
+    RecentLoad,
     RouteDecision,
     RouteRequest,
     WorkerScore,
@@ -27,7 +28,6 @@ from kvhint.router.policy import (
     RoutingContext,
     SessionPlacement,
     WorkerLoad,
-    decay_recent,
     route,
 )
 from kvhint.router.service.inbound import Endpoint, InboundRequest
@@ -61,18 +61,9 @@ class RoutePlan:
 
 @dataclass(slots=True)
 class _Load:
-    recent: float = 0.0
-    recent_at: float = 0.0
+    recent: RecentLoad
     pending_prefill: int = 0
     active_blocks: int = 0
-    # New sessions placed here, decayed like ``recent`` (same half-life and clock).
-    sessions: float = 0.0
-
-    def decay_to(self, now: float) -> None:
-        factor = decay_recent(1.0, now - self.recent_at, RECENT_HALF_LIFE_S)
-        self.recent *= factor
-        self.sessions *= factor
-        self.recent_at = now
 
 
 @dataclass(slots=True)
@@ -134,9 +125,7 @@ class RoutingService:
         self.metrics.decision.observe(time.perf_counter() - started)
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
-            load = self._loads.setdefault(decision.worker_id, _Load(recent_at=now))
-            load.decay_to(now)
-            load.sessions += 1.0
+            self._load(decision.worker_id, now).recent.add_session(now)
         return RoutePlan(decision, prompt_tokens,
                          hashes.block_hashes if hashes is not None else (),
                          block_size, hashes is not None)
@@ -192,8 +181,7 @@ class RoutingService:
         recent = sessions = 0.0
         pending = active_blocks = 0
         if load is not None:
-            recent = decay_recent(load.recent, now - load.recent_at, RECENT_HALF_LIFE_S)
-            sessions = decay_recent(load.sessions, now - load.recent_at, RECENT_HALF_LIFE_S)
+            recent, sessions = load.recent.seen_at(now)
             pending, active_blocks = load.pending_prefill, load.active_blocks
         return WorkerLoad(
             worker_id=worker.worker_id,
@@ -211,11 +199,16 @@ class RoutingService:
                    block_size: int) -> None:
         """A request with ``uncached_tokens`` to prefill went to ``worker_id``."""
         now = self.clock()
-        load = self._loads.setdefault(worker_id, _Load(recent_at=now))
-        load.decay_to(now)
-        load.recent += uncached_tokens
+        load = self._load(worker_id, now)
+        load.recent.add_prefill(now, uncached_tokens)
         load.pending_prefill += uncached_tokens
         load.active_blocks += -(-prompt_tokens // max(block_size, 1))
+
+    def _load(self, worker_id: str, now: float) -> _Load:
+        load = self._loads.get(worker_id)
+        if load is None:
+            load = self._loads[worker_id] = _Load(RecentLoad(RECENT_HALF_LIFE_S, at=now))
+        return load
 
     def first_byte(self, worker_id: str, uncached_tokens: int) -> None:
         load = self._loads.get(worker_id)

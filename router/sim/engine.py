@@ -42,6 +42,7 @@ from kvhint.router.policy import (
     PlannerConfig,
     PlannerContext,
     PlanResult,
+    RecentLoad,
     ResponseFinished,
     RouteRequest,
     RoutingConfig,
@@ -55,7 +56,6 @@ from kvhint.router.policy import (
     WorkerLoad,
     WorkerPlanView,
     apply_outcome,
-    decay_recent,
     next_idle_review,
     plan_idle,
     plan_response_finished,
@@ -136,11 +136,9 @@ class Simulation:
         self.placements: dict[str, tuple[str, int]] = {}  # session -> (worker, turns)
         self.feedback: dict[str, WorkerFeedback] = {}
         self._planned: dict[str, PlannedAction] = {}
-        self._recent: dict[str, float] = {}
-        # New sessions placed per worker, decayed with ``_recent`` (the live router's
-        # ``new_session_spread`` input, counted the same way as RoutingService counts it).
-        self._recent_sessions: dict[str, float] = {}
-        self._recent_at = 0.0
+        # Per worker: computed prompt tokens routed there and new sessions placed there,
+        # decayed, kept exactly as the live router's RoutingService keeps them.
+        self._recent: dict[str, RecentLoad] = {}
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._message_ids = itertools.count(1)
@@ -173,8 +171,7 @@ class Simulation:
                 worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),
                 supported_actions=frozenset(core.supported_actions()),
                 host_tier=host is not None)
-            self._recent[worker_id] = 0.0
-            self._recent_sessions[worker_id] = 0.0
+            self._recent[worker_id] = RecentLoad(config.recent_half_life_s)
             self.result.computed_by_worker[worker_id] = 0
 
     def _clock(self) -> float:
@@ -231,10 +228,11 @@ class Simulation:
         decision = self._route(request, session_key, hashes)
         worker = self.workers[decision.worker_id]
         predicted_computed = request.input_length - decision.predicted_cached_tokens
-        self._add_recent(decision.worker_id, predicted_computed)
+        recent = self._recent[decision.worker_id]
+        recent.add_prefill(self.now, predicted_computed)
         placement = self.placements.get(session_key)
         if placement is None:
-            self._recent_sessions[decision.worker_id] += 1.0
+            recent.add_session(self.now)
         self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
         if self.hints_on:
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
@@ -252,18 +250,18 @@ class Simulation:
             match = self.index.match_prefix(hashes)
             overlaps = {w: Overlap(o.gpu_blocks, o.external_blocks)
                         for w, o in match.workers.items()}
-        self._decay_recent()
-        loads = tuple(
-            WorkerLoad(w.worker_id, active_requests=w.active_requests,
-                       active_blocks=w.active_blocks,
-                       pending_prefill_tokens=w.pending_prefill_tokens,
-                       recent_prefill_tokens=self._recent[w.worker_id],
-                       recent_sessions=self._recent_sessions[w.worker_id])
-            for w in self.workers.values()
-        )
+        loads = []
+        for w in self.workers.values():
+            recent = self._recent[w.worker_id]
+            recent.decay_to(self.now)
+            loads.append(WorkerLoad(w.worker_id, active_requests=w.active_requests,
+                                    active_blocks=w.active_blocks,
+                                    pending_prefill_tokens=w.pending_prefill_tokens,
+                                    recent_prefill_tokens=recent.prefill_tokens,
+                                    recent_sessions=recent.sessions))
         placement = self.placements.get(session_key)
         ctx = RoutingContext(
-            workers=loads, config=self._routing,
+            workers=tuple(loads), config=self._routing,
             session=SessionPlacement(placement[0], placement[1]) if placement else None,
             now=self.now,
         )
@@ -324,21 +322,6 @@ class Simulation:
             result.records.append(RequestRecord(
                 job.request.line, job.request.session_id, job.worker_id, job.arrival_s,
                 job.start_s, job.g1_hit_tokens, job.g2_hit_tokens, job.computed_tokens))
-
-    # -- load signal --------------------------------------------------------------------------------
-
-    def _decay_recent(self) -> None:
-        elapsed = self.now - self._recent_at
-        if elapsed > 0:
-            half_life = self.config.recent_half_life_s
-            for worker_id, value in self._recent.items():
-                self._recent[worker_id] = decay_recent(value, elapsed, half_life)
-            for worker_id, value in self._recent_sessions.items():
-                self._recent_sessions[worker_id] = decay_recent(value, elapsed, half_life)
-            self._recent_at = self.now
-
-    def _add_recent(self, worker_id: str, tokens: int) -> None:
-        self._recent[worker_id] += tokens
 
     # -- index ----------------------------------------------------------------------------------------
 
