@@ -9,7 +9,20 @@ Load it with::
 Only the SCHEDULER-role instance (in EngineCore, one per data-parallel rank) does
 anything: it binds :class:`~kvhint.engine_plugin.core.PluginCore` to the KVCacheManager,
 forwards vLLM's hooks to it, and runs the NATS transport in its own thread. The WORKER-role
-instance moves no data (no host tier on this backend) and is a no-op.
+instance moves no data and is a no-op.
+
+Host tier (Demote): configure vLLM's OffloadingConnector beside the plugin (CUDA only)::
+
+    --kv-transfer-config '{"kv_connector": "MultiConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "KvHintConnector", "kv_role": "kv_both",
+         "kv_connector_module_path": "kvhint.engine_plugin.connector",
+         "kv_connector_extra_config": {"worker_id": "w0", "nats_url": "..."}},
+        {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+         "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}]}}'
+
+The plugin finds it at bind time (:class:`~kvhint.engine_plugin.vllm_adapter.OffloadingHostTier`)
+and says in its log which host tier it uses, or why none.
 
 A hook never lets a plugin error escape into the scheduler (``PluginCore.guard``): it is
 logged with its traceback once per hook, counted (``kvhint:internal_errors``), and the
@@ -42,8 +55,11 @@ from kvhint.engine_plugin.metrics import (
     StatsTracker,
 )
 from kvhint.engine_plugin.transport import NatsTransport
+from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
+    OffloadingHostTier,
+    VllmCacheAdapter,
     find_engine_waker,
     none_hash_seed,
 )
@@ -67,6 +83,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         self.transport: NatsTransport | None = None
         self._stats = StatsTracker(self._read_stats)
         self._waker = None
+        self._host_tier: OffloadingHostTier | None = None
         if role == KVConnectorRole.SCHEDULER:
             # Only while EngineCore is being built is it on the call stack.
             self._waker = find_engine_waker() if self.plugin_config.wake_idle_engine else None
@@ -94,7 +111,10 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             if self._waker is not None:
                 mailbox.wake_engine = self._waker
         self.core = PluginCore.attach(kv_cache_manager, config, identity=identity,
-                                      mailbox=mailbox)
+                                      mailbox=mailbox, find_host_tier=self._find_host_tier)
+        if self._host_tier is not None:
+            self._host_tier.tee_events(self.core.guarded("take_events",
+                                                         self.core.on_engine_events))
         self.core.refresh_status()
         if mailbox is None:
             logger.info("kvhint: no nats_url in kv_connector_extra_config: the session index "
@@ -111,6 +131,17 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         self.transport.start()
         logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
                     identity.worker_id, identity.epoch, config.nats_url, config.subject_prefix)
+
+    def _find_host_tier(self, adapter: VllmCacheAdapter) -> HostTier | None:
+        tier, source = OffloadingHostTier.find(self, adapter)
+        self._host_tier = tier
+        if tier is None:
+            logger.info("kvhint: no host tier (%s): Demote and Share are answered rejected",
+                        source)
+        else:
+            logger.info("kvhint: host tier: vLLM's %s beside the plugin (KV-cache groups %s); "
+                        "Demote is on", source, list(tier.group_ids))
+        return tier
 
     def _status_of(self, usage: Usage | None, seq: int) -> WorkerStatus:
         assert self.core is not None
@@ -164,6 +195,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         if self.transport is not None:
             self.transport.stop()
             self.transport = None
+        if self._host_tier is not None:
+            self._host_tier.untee_events()
         if self.core is not None:
             self.core.detach()
 

@@ -18,7 +18,7 @@ from typing import Any
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
-from kvhint.engine_plugin.index_events import Cleared, Hit, IndexEvent, Removed
+from kvhint.engine_plugin.index_events import GPU, Cleared, Hit, IndexEvent, Removed
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
     Inbound,
@@ -106,13 +106,17 @@ class PluginCore:
     @classmethod
     def attach(cls, kv_cache_manager: Any, config: PluginConfig | None = None, *,
                clock: Callable[[], float] = time.time, identity: EngineIdentity | None = None,
-               mailbox: Mailbox | None = None, host_tier: HostTier | None = None
+               mailbox: Mailbox | None = None, host_tier: HostTier | None = None,
+               find_host_tier: Callable[[VllmCacheAdapter], HostTier | None] | None = None
                ) -> PluginCore:
-        """Bind to vLLM's KVCacheManager (installs the adapter's tees and wrappers)."""
+        """Bind to vLLM's KVCacheManager (installs the adapter's tees and wrappers).
+        ``find_host_tier`` builds the host tier from the adapter when none is given."""
         config = config or PluginConfig()
         identity = identity or EngineIdentity(worker_id=config.resolved_worker_id(0))
-        core = cls(VllmCacheAdapter(kv_cache_manager), config, identity, clock, mailbox,
-                   host_tier)
+        adapter = VllmCacheAdapter(kv_cache_manager)
+        if host_tier is None and find_host_tier is not None:
+            host_tier = find_host_tier(adapter)
+        core = cls(adapter, config, identity, clock, mailbox, host_tier)
         core.adapter.install(
             core.guarded("take_events", core.on_engine_events),
             core.guarded("reset_prefix_cache", core.before_reset),
@@ -196,7 +200,11 @@ class PluginCore:
             if isinstance(event, Removed):
                 adapter.forget([k for k in event.hashes if not index.is_resident(k, None)])
             elif isinstance(event, Cleared):
-                adapter.forget_all()
+                if event.medium == GPU:
+                    adapter.forget_all()  # a host-only block is then unknown until seen again
+                else:
+                    adapter.forget([k for k in adapter.known_keys()
+                                    if not index.is_resident(k, None)])
         self._apply_pending_hits()
         self.counters.event_batches += 1
         self.counters.events += len(events)

@@ -22,7 +22,8 @@ Semantics (DESIGN §2, issue 3):
   higher-priority retain displaces lower-priority retained blocks.
 - Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
   backend) Demote and Share are rejected with that reason, and Prefetch succeeds only for
-  blocks already in G1 (waiting, ``deferred``, until the deadline for the others).
+  blocks already in G1 (waiting, ``deferred``, until the deadline for the others). With
+  one, Demote lets go first only the GPU copies of blocks whose host copy has finished.
 """
 
 from __future__ import annotations
@@ -283,14 +284,23 @@ class HintExecutor:
         assert self.host_tier is not None
         if scope is not None:
             self.holds.supersede(scope)
-        stored = self.host_tier.store([h.key for h in handles])
-        # The GPU copies go first: drop our retains on them, then move them to the head.
-        self.holds.unretain(handles)
-        self.cache.evict_first(handles)
-        if stored < len(handles):
-            notes.append(f"host tier kept {stored} of {len(handles)} resident blocks")
-        status = ACCEPTED if not notes else (CLIPPED if stored else REJECTED)
-        return answer(status, "; ".join(notes), requested, self._amount(stored))
+        kept = self.host_tier.keep([h.key for h in handles])
+        # vLLM serves a prefix from G1 first and continues from the host tier, never back:
+        # a G1 block past a block that must be recomputed is wasted. So only blocks deeper
+        # than every block without a finished host copy let their GPU copy go first (our
+        # retains on them dropped, then moved to the head of the eviction order, deepest
+        # first); the others stay in G1 as they were, and a Demote never costs a hit.
+        uncopied_depth = max((h.depth for h in handles if h.key not in kept), default=-1)
+        demoted = [h for h in handles if h.key in kept and h.depth > uncopied_depth]
+        self.holds.unretain(demoted)
+        self.cache.evict_first(demoted)
+        if len(demoted) < len(handles):
+            uncopied = len(handles) - len(kept)
+            notes.append(f"{len(demoted)} of {len(handles)} resident blocks demoted; the rest "
+                         f"stay in G1 ({uncopied} without a finished host copy, and the "
+                         "blocks before them)")
+        status = ACCEPTED if not notes else (CLIPPED if demoted else REJECTED)
+        return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
 
     # --- prefetch / donor -------------------------------------------------------------------
 

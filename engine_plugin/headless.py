@@ -200,6 +200,9 @@ class HeadlessSchedulerSpec:
     connector_module: str | None = None  # e.g. "kvhint.engine_plugin.connector"
     connector_class: str = "KvHintConnector"
     connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    # > 0: run vLLM's OffloadingConnector (CPU host tier of this many blocks) beside the
+    # named connector in a MultiConnector, the way a CUDA server is configured for Demote.
+    host_blocks: int = 0
     log_stats: bool = True
     model_dir: Path | None = None
 
@@ -210,6 +213,10 @@ class HeadlessScheduler:
     vllm_config: Any
     make_request: Callable[..., Any]
     steps: int = 0
+    # With a host tier: whether this step's offload jobs are reported done at once
+    # (False leaves them in flight until it is set again).
+    complete_offloads: bool = True
+    _offloads_in_flight: list[Any] = field(default_factory=list)
 
     @property
     def connector(self) -> Any:
@@ -231,7 +238,7 @@ class HeadlessScheduler:
         """One schedule() + update_from_output() with a fabricated model output;
         ``after_schedule(scheduler_output)`` runs in between (e.g. to read a request's
         ``prefill_stats``, which vLLM clears when the request finishes)."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         scheduler = self.scheduler
         out = scheduler.schedule()
@@ -250,10 +257,20 @@ class HeadlessScheduler:
             sampled_token_ids=sampled,
             # A real runner with a connector always attaches one; without it the
             # scheduler never calls connector.update_connector_output().
-            kv_connector_output=KVConnectorOutput())
+            kv_connector_output=self._offload_report(out.kv_connector_metadata))
         engine_outputs = scheduler.update_from_output(out, output)
         self.steps += 1
         return out, engine_outputs
+
+    def _offload_report(self, metadata: Any) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        self._offloads_in_flight.append(metadata)
+        if not self.complete_offloads:
+            return KVConnectorOutput()
+        done = _offload_jobs_done(self._offloads_in_flight)
+        self._offloads_in_flight.clear()
+        return done
 
     def run_until_done(self, max_steps: int = 10_000) -> int:
         steps = 0
@@ -267,6 +284,42 @@ class HeadlessScheduler:
         self.add(request)
         self.run_until_done()
         return request
+
+
+def _offload_jobs_done(metadatas: Sequence[Any]) -> Any:
+    """The worker's report for these steps' OffloadingConnector jobs: every store and load
+    done (the host link keeps up, as the simulator models it).
+
+    A stand-in, because vLLM's offloading worker copies with CUDA streams and does not run
+    on the CPU backend (``CPUOffloadingSpec.get_worker`` raises); the scheduler-side
+    bookkeeping it reports to is vLLM's own."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiKVConnectorMetadata,
+        MultiKVConnectorWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+    )
+    from vllm.v1.outputs import KVConnectorOutput
+
+    multi = [m for m in metadatas if isinstance(m, MultiKVConnectorMetadata)]
+    if not multi:
+        return KVConnectorOutput()
+    reports: list[Any] = [None] * len(multi[0].metadata)
+    loaded: set[str] = set()
+    for metadata in multi:
+        for i, part in enumerate(metadata.metadata):
+            if not isinstance(part, OffloadingConnectorMetadata):
+                continue
+            done = reports[i] = reports[i] or OffloadingWorkerMetadata()
+            for job_id in (*part.store_jobs, *part.load_jobs):
+                done.mark_completed(job_id)
+            loaded.update(job.req_id for job in part.load_jobs.values())
+    # A request waiting for a load is released by the worker's finished_recving.
+    return KVConnectorOutput(
+        finished_recving=loaded or None,
+        kv_connector_worker_meta=MultiKVConnectorWorkerMetadata(metadata=tuple(reports)))
 
 
 def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> HeadlessScheduler:
@@ -297,6 +350,20 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
                                     kv_connector_module_path=spec.connector_module,
                                     kv_role="kv_both",
                                     kv_connector_extra_config=dict(spec.connector_extra_config))
+    if spec.host_blocks > 0:
+        if transfer is None:
+            raise ValueError("host_blocks needs a connector_module to run beside")
+        offloading = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {}}  # cpu_bytes_to_use: set below
+        transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                    kv_connector_extra_config={"connectors": [
+                                        {"kv_connector": transfer.kv_connector,
+                                         "kv_connector_module_path":
+                                             transfer.kv_connector_module_path,
+                                         "kv_role": "kv_both",
+                                         "kv_connector_extra_config":
+                                             dict(spec.connector_extra_config)},
+                                        offloading]})
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
                                  dtype="float32", max_model_len=max_model_len, seed=0),
@@ -322,6 +389,15 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     kv_cache_config = generate_scheduler_kv_cache_config(
         get_kv_cache_configs(vllm_config, [layer_specs], [memory]))
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    if spec.host_blocks > 0:
+        # What CPUOffloadingSpec divides cpu_bytes_to_use by: one block of every layer,
+        # rounded up to its alignment.
+        from vllm.utils.math_utils import round_up
+        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+        per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
+        offloading["kv_connector_extra_config"]["cpu_bytes_to_use"] = spec.host_blocks * round_up(
+            per_block, CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config,
                                                                          vllm_config)
     kv_cache_config.hash_block_size = hash_block_size

@@ -1,10 +1,13 @@
 """The host tier (G2) port: what Demote and Prefetch need from a second KV tier.
 
-vLLM's offloading connectors (the real G2) copy with CUDA streams and do not run on the
-CPU backend, so the live plugin on the CPU runs with no host tier and answers Demote,
-Share and the load half of Prefetch honestly (rejected / deferred with that reason). The
-simulator passes its own implementation, built on vLLM's offloading bookkeeping with the
-transfers modelled.
+Two implementations:
+- :class:`kvhint.engine_plugin.vllm_adapter.OffloadingHostTier`: vLLM's OffloadingConnector
+  running beside the plugin in a ``MultiConnector`` (CUDA servers; its worker copies with
+  CUDA streams, so the CPU backend cannot run it). The plugin finds it at bind time.
+- the simulator's, built on the same vLLM offloading bookkeeping with the copies modelled.
+
+Without either (the CPU backend) the plugin runs with no host tier and answers Demote,
+Share and the load half of Prefetch honestly (rejected / deferred with that reason).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Protocol
 
 
 class HostTier(Protocol):
-    def store(self, block_hashes: Sequence[int]) -> int:
-        """Keep a host copy of these (G1-resident) blocks; returns how many now have one."""
+    def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:
+        """Make sure these G1-resident blocks have a host copy that outlives their GPU
+        copy, as far as the tier can; returns the ones that have a finished copy now.
+        Only those GPU copies may be let go first."""
 
     def contains(self, block_hash: int) -> bool:
-        """Whether the block has a host copy."""
+        """Whether the block has a finished host copy."""

@@ -8,7 +8,7 @@ at once, i.e. the host link is assumed to keep up).
 
 It serves two callers:
 - the plugin's hint executor, through the :class:`kvhint.engine_plugin.host_tier.HostTier`
-  port (``store`` for Demote, ``contains``);
+  port (``keep`` for Demote, ``contains``);
 - the simulated worker, which stores each request's newly computed blocks (what the
   OffloadingConnector does by default) when ``store_on_compute`` is set, and loads the
   continuation of a G1 prefix hit from G2 at admission (``load_prefix``).
@@ -66,11 +66,17 @@ class SimHostTier:
 
     # -- the plugin's HostTier port ----------------------------------------------------------
 
-    def store(self, block_hashes: Sequence[int]) -> int:
-        """Keep a host copy of these blocks (refreshing the ones already there); returns
-        how many have one afterwards."""
+    def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:
+        """Keep a host copy of these blocks (storing the missing ones, refreshing the
+        ones already there); returns the ones that have one afterwards."""
+        present = self.store(block_hashes)
+        return frozenset(h for h, kept in zip(block_hashes, present, strict=True) if kept)
+
+    def store(self, block_hashes: Sequence[int]) -> list[bool]:
+        """Store these blocks (refreshing the ones already there); for each, whether it
+        has a host copy afterwards."""
         if not block_hashes:
-            return 0
+            return []
         ctx = self._context()
         keys = [_key(h) for h in block_hashes]
         out = self.manager.prepare_store(keys, ctx)
@@ -79,10 +85,10 @@ class SimHostTier:
         else:
             self.manager.complete_store(out.keys_to_store, ctx)
             self.counters.stored_blocks += len(out.keys_to_store)
-        present = [k for k in keys if self.manager.lookup(k, ctx) is LookupResult.HIT]
-        self.manager.touch(present, ctx)
+        present = [self.manager.lookup(k, ctx) is LookupResult.HIT for k in keys]
+        self.manager.touch([k for k, kept in zip(keys, present, strict=True) if kept], ctx)
         self.manager.on_request_finished(ctx)
-        return len(present)
+        return present
 
     def contains(self, block_hash: int) -> bool:
         return self.manager.lookup(_key(block_hash), self._probe) is LookupResult.HIT

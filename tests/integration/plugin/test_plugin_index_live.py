@@ -199,9 +199,9 @@ class RecordingHostTier:
     def __init__(self) -> None:
         self.stored: set[int] = set()
 
-    def store(self, block_hashes: Sequence[int]) -> int:
+    def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:
         self.stored.update(block_hashes)
-        return len(block_hashes)
+        return frozenset(block_hashes)
 
     def contains(self, block_hash: int) -> bool:
         return block_hash in self.stored
