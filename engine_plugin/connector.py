@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig, load_plugin_config
 from kvhint.engine_plugin.core import EngineIdentity, PluginCore
+from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.mailbox import Mailbox
 from kvhint.engine_plugin.metrics import (
     HINTS_KEY,
@@ -55,7 +56,6 @@ from kvhint.engine_plugin.metrics import (
     StatsTracker,
 )
 from kvhint.engine_plugin.transport import NatsTransport
-from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
     OffloadingHostTier,

@@ -18,7 +18,10 @@ What it does to the engine (all reversible, nothing patched at class level):
 - wraps ``kv_cache_manager.free()`` to map a finished request's last hashes and forget the
   ones that were never cached;
 - turns on the block pool's KV events when the operator did not (``--kv-events-config``
-  absent): vLLM then drains them every step into its null publisher.
+  absent): vLLM then drains them every step into its null publisher;
+- with vLLM's OffloadingConnector beside the plugin (:class:`OffloadingHostTier`): reads
+  and refreshes its manager's host copies for Demote and Prefetch, and tees the
+  connector's ``take_events()`` the same way as the cache manager's.
 
 The pool is keyed by sha256 digests (bytes) while events and hints use the low 64 bits as
 an int; the int -> digest map is learnt from ``request.block_hashes`` (incrementally, at

@@ -76,6 +76,8 @@ from kvhint.router.policy.stats import (
     LearnedStats,
     Observation,
     ReturnObserved,
+    is_user_kind,
+    user_gap_kind,
 )
 
 __all__ = [
@@ -128,4 +130,6 @@ __all__ = [
     "plan_shared_prefixes",
     "plan_turn_routed",
     "route",
+    "is_user_kind",
+    "user_gap_kind",
 ]

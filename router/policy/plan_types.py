@@ -24,6 +24,9 @@ class PlannerConfig:
     # "Soon": a session's value is P(next turn within horizon_s).
     horizon_s: float = 300.0
     gap_quantile: float = 0.9
+    # Learn user gaps and returns per session tempo (the previous user gap; see
+    # stats.user_gap_kind) instead of per depth only.
+    session_tempo: bool = True
     # Tool gaps predicted at most this long are pinned; longer ones are retained. Pins are
     # hard (never relieved under pressure), so they are kept for fast tools: on the
     # gen-agents workload (2 x 400 blocks) 120 s -> 7.24M, 15 s -> 6.94M recomputed tokens

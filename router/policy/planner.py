@@ -65,6 +65,8 @@ from kvhint.router.policy.stats import (
     LearnedStats,
     Observation,
     ReturnObserved,
+    is_user_kind,
+    user_gap_kind,
 )
 from kvhint.schemas.hints import (
     ActionType,
@@ -88,9 +90,12 @@ def plan_turn_routed(
     if session is None:
         session = SessionPlanState(session_id=event.session_id, tenant=event.tenant)
     observations: list[Observation] = []
+    last_user_gap = session.last_user_gap_s
     if session.awaiting_return and session.gap_opened_at is not None:
         kind = session.gap_kind or USER_GAP
         gap = max(event.at - session.gap_opened_at, 0.0)
+        if is_user_kind(kind):
+            last_user_gap = gap
         if gap <= ctx.config.return_window_s:
             observations.append(GapObserved(kind, session.turns, gap))
             observations.append(ReturnObserved(session.turns, True, kind))
@@ -110,6 +115,7 @@ def plan_turn_routed(
         gap_opened_at=None,
         gap_predicted_s=0.0,
         return_counted=False,
+        last_user_gap_s=last_user_gap,
         protection=None if moved_from != event.worker_id else session.protection,
         demoted=False,
         ended=False,
@@ -121,7 +127,7 @@ def plan_response_finished(
     ctx: PlannerContext, session: SessionPlanState, event: ResponseFinished
 ) -> PlanResult:
     """The session's response finished: open a gap and protect for what it predicts."""
-    kind = _gap_kind(ctx.stats, event, session.turns, ctx.config.gap_quantile)
+    kind = _gap_kind(ctx.stats, event, session, ctx.config)
     predicted = ctx.stats.gap_quantile(kind, session.turns, ctx.config.gap_quantile)
     state = replace(
         session,
@@ -220,9 +226,11 @@ def plan_shared_prefixes(
 # -- internals ----------------------------------------------------------------------------
 
 
-def _gap_kind(stats: LearnedStats, event: ResponseFinished, depth: int, q: float) -> str:
+def _gap_kind(stats: LearnedStats, event: ResponseFinished, session: SessionPlanState,
+              config: PlannerConfig) -> str:
+    depth, q = session.turns, config.gap_quantile
     if event.finish_reason is not FinishReason.TOOL_CALLS:
-        return USER_GAP
+        return user_gap_kind(session.last_user_gap_s) if config.session_tempo else USER_GAP
     if not event.tool_names:
         return "@unnamed"
     # Several tools in one response: the session waits for the slowest.
@@ -283,7 +291,7 @@ def _protect(
     own_retained = current.blocks if current and current.action_type == ActionType.RETAIN.value else 0
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
 
-    if kind != USER_GAP and remaining <= config.pin_max_gap_s and worker.can_send(
+    if not is_user_kind(kind) and remaining <= config.pin_max_gap_s and worker.can_send(
         ActionType.PIN, config
     ):
         if not new_blocks and current is not None and (

@@ -48,7 +48,7 @@ class SessionPlanState:
     ``turns``: turns routed so far (the depth of the current/last turn).
     ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
     on its worker). ``gap_kind``/``gap_opened_at``: set between a response and the next
-    turn (``gap_kind`` is a tool name or ``@user``); ``gap_predicted_s`` what was
+    turn (``gap_kind`` is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
     predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
     """
 
@@ -66,6 +66,9 @@ class SessionPlanState:
     ended: bool = False
     # Whether this gap's return/no-return was already observed (see return_window_s).
     return_counted: bool = False
+    # The last user gap (response ended with ``stop`` -> next turn), seconds: the
+    # session's tempo, which refines the next user gap's kind (stats.user_gap_kind).
+    last_user_gap_s: float | None = None
 
     @property
     def awaiting_return(self) -> bool:

@@ -28,6 +28,27 @@ USER_GAP = "@user"
 ANY_TOOL = "@tool"
 """Pooled gap kind over every tool name (fallback for a tool not seen yet)."""
 
+# A user gap is refined by the session's tempo, its previous user gap: in the Mooncake
+# conversation trace a session whose last gap was under a minute comes back within five
+# minutes about twice as often as one whose last gap was over five minutes. Each tempo
+# kind learns its own gaps and returns and falls back to the pooled USER_GAP.
+_TEMPO_LIMITS_S = ((60.0, "fast"), (300.0, "mid"))
+
+
+def user_gap_kind(previous_gap_s: float | None) -> str:
+    """The gap kind of a ``stop`` response, given the session's previous user gap (None:
+    no earlier gap, the pooled :data:`USER_GAP`)."""
+    if previous_gap_s is None:
+        return USER_GAP
+    for limit, name in _TEMPO_LIMITS_S:
+        if previous_gap_s < limit:
+            return f"{USER_GAP}:{name}"
+    return f"{USER_GAP}:slow"
+
+
+def is_user_kind(kind: str) -> bool:
+    return kind == USER_GAP or kind.startswith(USER_GAP + ":")
+
 STATS_VERSION = 1
 _BASE_S = 0.25
 _STEP = math.sqrt(2.0)
@@ -139,7 +160,7 @@ class LearnedStats:
 
     def _gap_histogram(self, kind: str, depth: int) -> GapHistogram | None:
         bucket = depth_bucket(depth)
-        pooled = ANY_TOOL if kind != USER_GAP else USER_GAP
+        pooled = USER_GAP if is_user_kind(kind) else ANY_TOOL
         for key in (f"{kind}|{bucket}", f"{kind}|*", f"{pooled}|{bucket}", f"{pooled}|*"):
             hist = self.gaps.get(key)
             if hist is not None and hist.total >= self.min_samples:
@@ -179,7 +200,9 @@ class LearnedStats:
         """P(another turn follows a response at ``depth`` of gap ``kind``), smoothed
         toward the prior."""
         bucket = depth_bucket(depth)
-        if kind == USER_GAP:
+        if kind != USER_GAP and is_user_kind(kind):
+            prior = self.return_probability(depth, USER_GAP)  # the pooled user figure
+        elif kind == USER_GAP:
             prior = self.prior_return[min(bucket, len(self.prior_return)) - 1]
         else:
             prior = self.prior_tool_return
@@ -234,15 +257,20 @@ class LearnedStats:
             bucket = depth_bucket(observation.depth)
             kinds = [observation.kind]
             if observation.kind != USER_GAP:
-                kinds.append(ANY_TOOL)
+                kinds.append(USER_GAP if is_user_kind(observation.kind) else ANY_TOOL)
             for kind in kinds:
                 for key in (f"{kind}|{bucket}", f"{kind}|*"):
                     self.gaps.setdefault(key, GapHistogram()).add(observation.seconds, self.decay)
             return
-        key = f"{_return_class(observation.kind)}|{depth_bucket(observation.depth)}"
-        count = self.returns.setdefault(key, ReturnCount())
-        count.finished = count.finished * self.decay + 1.0
-        count.returned = count.returned * self.decay + (1.0 if observation.returned else 0.0)
+        classes = {_return_class(observation.kind)}
+        if is_user_kind(observation.kind):
+            classes.add(USER_GAP)  # a tempo kind also feeds the pooled user counts
+        for return_class in sorted(classes):
+            key = f"{return_class}|{depth_bucket(observation.depth)}"
+            count = self.returns.setdefault(key, ReturnCount())
+            count.finished = count.finished * self.decay + 1.0
+            count.returned = count.returned * self.decay + (
+                1.0 if observation.returned else 0.0)
 
     # -- persistence ---------------------------------------------------------------------
 
@@ -282,7 +310,7 @@ def _lognormal_survival(seconds: float, median_s: float, sigma: float) -> float:
 
 
 def _return_class(kind: str) -> str:
-    return USER_GAP if kind == USER_GAP else ANY_TOOL
+    return kind if is_user_kind(kind) else ANY_TOOL
 
 
 def _normal_ppf(q: float) -> float:

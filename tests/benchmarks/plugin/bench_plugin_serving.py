@@ -13,7 +13,9 @@ the machine is small and noisy):
    Retain or Pin for the workload's sessions at ``--hint-rate`` per second;
 2. hint latency publish -> outcome (NATS round trip included), measured by that process,
    while the plugin server is busy (during the hint rounds) and idle (no request running:
-   the plugin wakes the engine), p50/p99.
+   the plugin wakes the engine), p50/p99; split at the outcome's own timestamp; and on the
+   NATS server's clock (a JetStream stream records the hints and outcomes as the server
+   accepts them), which leaves out the publishing client's own stalls.
 
 Holds the machine-wide vLLM lock while servers run.
 """
@@ -144,7 +146,8 @@ async def drive_hints(nats_url: str, prefix: str, rate: float, sessions: int, se
     slow = [(a, b) for a, b in windows if b - a > 0.05]
     overlapping = sum(1 for a, b in slow
                       if any(end - lag < b and end > a for end, lag in stalls if lag > 0.03))
-    return {"latencies": latencies, "first": first_latencies, "statuses": statuses,
+    return {"action_ids": list(sent_wall), "latencies": latencies, "first": first_latencies,
+            "statuses": statuses,
             "unanswered": len(sent), "to_answer": to_answer, "to_publisher": to_publisher,
             "publisher_stalls": [lag for _, lag in stalls],
             "slow": len(slow), "slow_during_publisher_stall": overlapping}
@@ -242,6 +245,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 base, port=free_port(), kv_transfer_config=noop,
                 env={**plugin_env, "PYTHONPATH": str(Path(__file__).resolve().parent)}),
                 state / "noop.log")
+        bus_stream = await open_bus_record(endpoint.url, prefix)
+        busy_actions: list[str] = []
+        idle_actions: list[str] = []
         try:
             for server in servers.values():
                 server.start()
@@ -279,6 +285,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           f"{tokens / seconds:7.1f} tok/s", flush=True)
                     if driver is not None:
                         done = driver.stop()
+                        busy_actions += done["action_ids"]
                         latency["busy"] += done["latencies"]
                         latency["busy first"] += done["first"]
                         split["busy to_answer"] += done["to_answer"]
@@ -294,6 +301,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             driver = HintDriver(args, endpoint.url, prefix, 10.0, 999)
             await asyncio.sleep(args.idle_probes / 10.0 + 1.0)
             done = driver.stop()
+            idle_actions = done["action_ids"]
             latency["idle"] = done["latencies"]
             latency["idle first"] = done["first"]
             split["idle to_answer"] = done["to_answer"]
@@ -305,8 +313,54 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for server in servers.values():
                 server.stop()
             await delete_events_stream(endpoint.url, prefix)
+            record = await read_bus_record(endpoint.url, prefix, bus_stream)
+    bus = {phase: [record[a][1] - record[a][0] for a in actions if a in record]
+           for phase, actions in (("busy", busy_actions), ("idle", idle_actions))}
     return {"rates": rates, "latency": latency, "statuses": statuses, "lost": unanswered,
-            "in_engine": in_engine, "split": split, "slow": slow}
+            "in_engine": in_engine, "split": split, "slow": slow, "bus": bus}
+
+
+async def open_bus_record(nats_url: str, prefix: str) -> str:
+    """A memory JetStream stream over the worker's hint and outcome subjects. The NATS
+    server stamps each message when it accepts it, so publish -> outcome can be read on
+    the bus's own clock: the hint as published, the outcome as the plugin put it back on
+    the bus, free of the publishing client's own stalls on either side."""
+    from nats.js.api import StorageType
+
+    subjects = Subjects(prefix)
+    name = f"KVHINTBENCH_BUS_{uuid.uuid4().hex[:8]}"
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().add_stream(name=name, storage=StorageType.MEMORY, subjects=[
+            subjects.hints("w0"), subjects.outcomes("w0")])
+    finally:
+        await nc.drain()
+    return name
+
+
+async def read_bus_record(nats_url: str, prefix: str, name: str
+                          ) -> dict[str, tuple[float, float]]:
+    """action id -> (hint accepted, first outcome accepted) on the server's clock, for
+    every answered action; the stream is deleted afterwards."""
+    hint_subject = Subjects(prefix).hints("w0")
+    hinted: dict[str, float] = {}
+    answered: dict[str, float] = {}
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        last = (await js.stream_info(name)).state.last_seq
+        for seq in range(1, last + 1):
+            msg = await js.get_msg(name, seq)
+            at = msg.time.timestamp()
+            if msg.subject == hint_subject:
+                for action in json.loads(msg.data)["actions"]:
+                    hinted[action["action_id"]] = at
+            else:
+                answered.setdefault(decode_outcome(msg.data).action_id, at)
+        await js.delete_stream(name)
+    finally:
+        await nc.drain()
+    return {a: (hinted[a], t) for a, t in answered.items() if a in hinted}
 
 
 async def delete_events_stream(nats_url: str, prefix: str) -> None:
@@ -390,6 +444,12 @@ def main() -> None:
                     "publisher_stall": "publisher's own event-loop stalls > 10 ms"}[leg]
             print(f"first outcome, {engine_phase:4s} {what}: n={len(values)} "
                   f"p50 {1000 * percentile(values, 0.5):.1f} ms, "
+                  f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
+                  f"max {1000 * max(values):.1f} ms")
+    for phase, values in result["bus"].items():
+        if values:
+            print(f"hint publish->first outcome on the NATS server's clock, {phase:4s}: "
+                  f"n={len(values)} p50 {1000 * percentile(values, 0.5):.1f} ms, "
                   f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
                   f"max {1000 * max(values):.1f} ms")
     print(f"busy hints answered after > 50 ms: {result['slow']['slow']}, of which "

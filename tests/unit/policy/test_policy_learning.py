@@ -17,6 +17,7 @@ from kvhint.router.policy import (
     ReturnObserved,
     WorkerFeedback,
     apply_outcome,
+    user_gap_kind,
 )
 from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
 
@@ -116,3 +117,23 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
     ledger.record(action_id="d1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.demote", blocks=4, expires_at=0.0)
     assert ledger.worker("w1") == Holdings()
+
+
+def test_tempo_kinds_learn_their_own_returns_and_fall_back_to_the_pooled_user_figures() -> None:
+    stats = LearnedStats(decay=1.0)
+    fast, slow = user_gap_kind(10.0), user_gap_kind(1000.0)
+    # Before anything is seen a tempo kind predicts what the pooled user kind does.
+    assert stats.return_probability(2, fast) == stats.return_probability(2, USER_GAP)
+    assert stats.gap_quantile(fast, 2, 0.5) == stats.gap_quantile(USER_GAP, 2, 0.5)
+    for _ in range(40):
+        stats.apply(ReturnObserved(2, True, fast))
+        stats.apply(GapObserved(fast, 2, 5.0))
+        stats.apply(ReturnObserved(2, False, slow))
+    # The pooled user figures saw both (half returned, smoothed toward the depth prior)
+    # and are each tempo's prior, with the usual strength.
+    pooled = stats.return_probability(2, USER_GAP)
+    assert pooled == pytest.approx((40 + 0.45 * 10) / (80 + 10))
+    assert stats.return_probability(2, fast) == pytest.approx((40 + pooled * 10) / (40 + 10))
+    assert stats.return_probability(2, slow) == pytest.approx((0 + pooled * 10) / (40 + 10))
+    assert stats.gap_quantile(user_gap_kind(100.0), 2, 0.5) == stats.gap_quantile(fast, 2, 0.5)
+    assert stats.returns[f"{USER_GAP}|2"].finished == 80

@@ -6,6 +6,7 @@ import random
 from dataclasses import replace
 
 from kvhint.router.policy import (
+    USER_GAP,
     FinishReason,
     GapObserved,
     Holdings,
@@ -26,6 +27,7 @@ from kvhint.router.policy import (
     plan_session_end,
     plan_shared_prefixes,
     plan_turn_routed,
+    user_gap_kind,
 )
 from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
 from kvhint.schemas.hints import ParsedAction
@@ -278,3 +280,22 @@ def test_only_fast_tool_gaps_are_pinned_by_default() -> None:
     assert _typed(fast.actions[0]).action_type.value == "kv.pin"
     (retain,) = [_typed(a) for a in slow.actions]
     assert retain.action_type.value == "kv.retain" and retain.payload.priority >= 50
+
+
+def test_user_gaps_are_learnt_per_session_tempo_and_never_pinned() -> None:
+    ctx = _ctx()
+    first = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    assert first.gap_kind == USER_GAP and first.last_user_gap_s is None
+    # The next turn 20 s later: the session's tempo is "fast" from now on.
+    result = plan_turn_routed(_ctx(now=21.0), first, TurnRouted("t/s", "t", "w0", 9 * BS, 21.0))
+    assert result.observations == (GapObserved(USER_GAP, 1, 20.0),
+                                   ReturnObserved(1, True, USER_GAP))
+    assert result.session.last_user_gap_s == 20.0
+    second = _finish(_ctx(now=22.0), result.session, FinishReason.STOP, at=22.0)
+    assert second.session.gap_kind == user_gap_kind(20.0) == f"{USER_GAP}:fast"
+    # A user gap is retained, never pinned, whatever its tempo.
+    assert {_typed(a).action_type.value for a in second.actions} == {"kv.retain"}
+    # Tool gaps leave the tempo alone; tempo off keeps the pooled kind.
+    assert user_gap_kind(100.0) == f"{USER_GAP}:mid" and user_gap_kind(900.0) == f"{USER_GAP}:slow"
+    off = _ctx(now=22.0, config=PlannerConfig(session_tempo=False))
+    assert _finish(off, result.session, FinishReason.STOP, at=22.0).session.gap_kind == USER_GAP
