@@ -62,6 +62,7 @@ from kvhint.engine_plugin.vllm_adapter import (
     VllmCacheAdapter,
     find_engine_waker,
     none_hash_seed,
+    register_connector_name,
 )
 from kvhint.schemas import Usage, WorkerStatus
 
@@ -254,3 +255,9 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         return None
+
+
+# The entry point (vllm_plugin.register) does this in every vLLM process when kvhint is
+# installed; importing the module by path (vLLM does, wherever it builds the connector
+# or its metrics) covers a plugin that is only on PYTHONPATH.
+register_connector_name(KvHintConnector.__name__, __name__)

@@ -465,6 +465,19 @@ class OffloadingHostTier:
         return frozenset(kept)
 
 
+def register_connector_name(class_name: str, module_path: str) -> None:
+    """Register a connector with vLLM's ``KVConnectorFactory`` by name (idempotent).
+    A connector loaded by ``kv_connector_module_path`` alone is missing from that
+    registry, yet ``MultiConnector.build_kv_connector_stats`` looks its children up there
+    by class name in the API-server process."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and class_name in registry:
+        return
+    KVConnectorFactory.register_connector(class_name, module_path, class_name)
+
+
 def none_hash_seed(hash_algo: str) -> str | None:
     """The seed of vLLM's NONE_HASH as the router must use it, or None when it is a
     per-process secret (non-cryptographic hash without PYTHONHASHSEED)."""
