@@ -126,3 +126,20 @@ def running_nats(url: str | None = "nats://127.0.0.1:4222",
         yield NatsEndpoint(url=server.url, started_here=True)
     finally:
         server.close()
+
+
+async def delete_stream_if_any(url: str, name: str) -> bool:
+    """Remove a JetStream stream a run created (e.g. a plugin's events stream under a
+    bench or test prefix), so nothing is left behind on a shared NATS; False when there
+    was none."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().delete_stream(name)
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await nc.drain()

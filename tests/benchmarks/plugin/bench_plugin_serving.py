@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import nats
 
-from kvhint.router.devstack.nats_server import free_port, running_nats
+from kvhint.router.devstack.nats_server import delete_stream_if_any, free_port, running_nats
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.devstack.up import plugin_transfer_config
 from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
@@ -312,7 +312,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for server in servers.values():
                 server.stop()
-            await delete_events_stream(endpoint.url, prefix)
+            await delete_stream_if_any(endpoint.url, Subjects(prefix).events_stream)
             record = await read_bus_record(endpoint.url, prefix, bus_stream)
     bus = {phase: [record[a][1] - record[a][0] for a in actions if a in record]
            for phase, actions in (("busy", busy_actions), ("idle", idle_actions))}
@@ -361,18 +361,6 @@ async def read_bus_record(nats_url: str, prefix: str, name: str
     finally:
         await nc.drain()
     return {a: (hinted[a], t) for a, t in answered.items() if a in hinted}
-
-
-async def delete_events_stream(nats_url: str, prefix: str) -> None:
-    """The plugin creates a JetStream stream for its events under the bench's own prefix;
-    remove it so no run leaves state on a shared NATS."""
-    nc = await nats.connect(nats_url)
-    try:
-        await nc.jetstream().delete_stream(Subjects(prefix).events_stream)
-    except nats.js.errors.NotFoundError:
-        pass
-    finally:
-        await nc.drain()
 
 
 def apply_quantiles(metrics: str) -> dict[str, float]:

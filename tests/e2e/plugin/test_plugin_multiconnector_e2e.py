@@ -22,6 +22,7 @@ import httpx
 import nats
 import pytest
 
+from kvhint.router.devstack.nats_server import delete_stream_if_any
 from kvhint.router.devstack.up import plugin_transfer_config
 from kvhint.router.devstack.vllm_server import VllmServer
 from kvhint.schemas import (
@@ -54,17 +55,7 @@ def multi_server(vllm_pool: Any, nats_url: str, prefix: str) -> Iterator[VllmSer
         yield server
     finally:
         server.stop()
-        asyncio.run(_delete_events_stream(nats_url, prefix))
-
-
-async def _delete_events_stream(nats_url: str, prefix: str) -> None:
-    nc = await nats.connect(nats_url)
-    try:
-        await nc.jetstream().delete_stream(Subjects(prefix).events_stream)
-    except nats.js.errors.NotFoundError:
-        pass
-    finally:
-        await nc.drain()
+        asyncio.run(delete_stream_if_any(nats_url, Subjects(prefix).events_stream))
 
 
 async def test_requests_metrics_and_hints_work_inside_a_multiconnector(
