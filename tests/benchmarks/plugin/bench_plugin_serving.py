@@ -9,8 +9,10 @@ the machine is small and noisy):
 1. throughput: the same multi-turn chat workload (sessions, prefix reuse, fixed
    ``max_tokens`` with ``ignore_eos``) on plain vLLM, on the plugin with no hints, and on
    the plugin with hints flowing; output tokens/s per round, medians, ratios to plain
-   (target >= 0.98 with hints). Hints come from a separate process (as from a router):
-   Retain or Pin for the workload's sessions at ``--hint-rate`` per second;
+   (target >= 0.98 with hints); and the CPU the server's processes spent per 1k output
+   tokens (from /proc), the plugin's cost without the VM's wall-time swings. Hints come
+   from a separate process (as from a router): Retain or Pin for the workload's sessions
+   at ``--hint-rate`` per second;
 2. hint latency publish -> outcome (NATS round trip included), measured by that process,
    while the plugin server is busy (during the hint rounds) and idle (no request running:
    the plugin wakes the engine), p50/p99; split at the outcome's own timestamp; and on the
@@ -253,6 +255,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 server.start()
             for server in servers.values():
                 server.wait_ready(600)
+            if args.server_core >= 0:
+                # Each server on one core (only one is loaded at a time), this client, the
+                # hint publisher (a child: it inherits this) and NATS on the others: a
+                # server left to float swings 3x in throughput between rounds here.
+                for server in servers.values():
+                    server.pin_to_cpus({args.server_core})
+                others = os.sched_getaffinity(0) - {args.server_core}
+                if others:
+                    os.sched_setaffinity(0, others)
             # Warm both (first requests compile / allocate).
             for server in servers.values():
                 await workload(server.url, 2, 1, 8, 2, 999)
@@ -270,6 +281,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.noop_baseline:
                 variants.append(("noop-connector", "noop", False))
             rates: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+            # CPU the server's processes spent per 1k output tokens: what the plugin costs,
+            # steadier than tokens/s on a VM whose rounds swing 3x in wall time.
+            cpu_per_1k: dict[str, list[float]] = {name: [] for name, _, _ in variants}
             for round_no in range(args.rounds):
                 shift = round_no % len(variants)
                 for name, server_name, hints in variants[shift:] + variants[:shift]:
@@ -277,12 +291,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                               if hints else None)
                     if driver is not None:
                         await asyncio.sleep(1.0)  # connected and publishing
+                    cpu_before = servers[server_name].cpu_seconds()
                     tokens, seconds = await workload(
                         servers[server_name].url, args.sessions, args.turns, args.max_tokens,
                         args.concurrency, round_no)
+                    cpu = servers[server_name].cpu_seconds() - cpu_before
                     rates[name].append(tokens / seconds)
+                    cpu_per_1k[name].append(1000.0 * cpu / tokens)
                     print(f"round {round_no} {name:14s}: {tokens} tokens in {seconds:6.1f} s = "
-                          f"{tokens / seconds:7.1f} tok/s", flush=True)
+                          f"{tokens / seconds:7.1f} tok/s; server CPU {cpu:5.2f} s "
+                          f"({1000.0 * cpu / tokens:.2f} s per 1k tokens)", flush=True)
                     if driver is not None:
                         done = driver.stop()
                         busy_actions += done["action_ids"]
@@ -316,7 +334,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             record = await read_bus_record(endpoint.url, prefix, bus_stream)
     bus = {phase: [record[a][1] - record[a][0] for a in actions if a in record]
            for phase, actions in (("busy", busy_actions), ("idle", idle_actions))}
-    return {"rates": rates, "latency": latency, "statuses": statuses, "lost": unanswered,
+    return {"rates": rates, "cpu_per_1k": cpu_per_1k, "latency": latency, "statuses": statuses, "lost": unanswered,
             "in_engine": in_engine, "split": split, "slow": slow, "bus": bus}
 
 
@@ -392,6 +410,9 @@ def main() -> None:
     parser.add_argument("--publisher-nice", type=int, default=0,
                         help="niceness increment for the hint publisher process (negative "
                              "needs CAP_SYS_NICE): stands in for a router on its own cores")
+    parser.add_argument("--server-core", type=int, default=0,
+                        help="bind each vLLM server (all its processes) to this core and the "
+                             "bench to the others; -1 leaves everything floating")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default="", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -417,6 +438,12 @@ def main() -> None:
               f"ratio to plain {rate / plain:.3f}  (rounds: "
               f"{', '.join(f'{v:.0f}' for v in values)})")
     print("target: plugin+hints / plain >= 0.98")
+    plain_cpu = statistics.median(result["cpu_per_1k"]["plain"])
+    for name, values in result["cpu_per_1k"].items():
+        cost = statistics.median(values)
+        print(f"server CPU {name:14s} median of {len(values)}: {cost:5.2f} s per 1k output "
+              f"tokens, ratio to plain {cost / plain_cpu:.3f} (rounds: "
+              f"{', '.join(f'{v:.2f}' for v in values)})")
     for phase, values in result["latency"].items():
         if values:
             what = "first outcome" if phase.endswith("first") else "final outcome"
