@@ -102,14 +102,25 @@ class OffloadingHostTier:
             return None
         return [self._make_key(digest, group) for group in self.group_ids]
 
-    def contains(self, block_hash: int) -> bool:
+    def _ready_keys(self, block_hash: int) -> list[Any] | None:
+        """The block's offload keys when every one has a finished copy, else None."""
         keys = self._keys(block_hash)
-        return keys is not None and all(
-            self.manager.lookup(key, self._context) is self._ready for key in keys)
+        if keys is None or any(self.manager.lookup(key, self._context) is not self._ready
+                               for key in keys):
+            return None
+        return keys
+
+    def contains(self, block_hash: int) -> bool:
+        return self._ready_keys(block_hash) is not None
 
     def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:
-        kept = [h for h in block_hashes if self.contains(h)]
-        keys = [key for h in kept for key in self._keys(h) or ()]
+        kept: list[int] = []
+        keys: list[Any] = []
+        for block_hash in block_hashes:
+            ready = self._ready_keys(block_hash)
+            if ready is not None:
+                kept.append(block_hash)
+                keys.extend(ready)
         if keys:
             self.manager.touch(keys, self._context)
         return frozenset(kept)

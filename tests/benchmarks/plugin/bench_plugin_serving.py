@@ -334,8 +334,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             record = await read_bus_record(endpoint.url, prefix, bus_stream)
     bus = {phase: [record[a][1] - record[a][0] for a in actions if a in record]
            for phase, actions in (("busy", busy_actions), ("idle", idle_actions))}
-    return {"rates": rates, "cpu_per_1k": cpu_per_1k, "latency": latency, "statuses": statuses, "lost": unanswered,
-            "in_engine": in_engine, "split": split, "slow": slow, "bus": bus}
+    return {"rates": rates, "cpu_per_1k": cpu_per_1k, "latency": latency,
+            "statuses": statuses, "lost": unanswered, "in_engine": in_engine, "split": split,
+            "slow": slow, "bus": bus}
 
 
 async def open_bus_record(nats_url: str, prefix: str) -> str:
@@ -397,6 +398,24 @@ def apply_quantiles(metrics: str) -> dict[str, float]:
     return out
 
 
+def quantiles_ms(values: list[float]) -> str:
+    """``n=.. p50 .. ms, p99 .. ms, max .. ms`` of latencies given in seconds."""
+    return (f"n={len(values)} p50 {1000 * percentile(values, 0.5):.1f} ms, "
+            f"p99 {1000 * percentile(values, 0.99):.1f} ms, max {1000 * max(values):.1f} ms")
+
+
+def print_medians(title: str, by_variant: dict[str, list[float]], unit: str,
+                  median_format: str, round_format: str) -> None:
+    """One line per variant: its median over the rounds, the ratio to plain's median, and
+    every round's value."""
+    plain = statistics.median(by_variant["plain"])
+    for name, values in by_variant.items():
+        median = statistics.median(values)
+        rounds = ", ".join(format(v, round_format) for v in values)
+        print(f"{title} {name:14s} median of {len(values)}: {format(median, median_format)} "
+              f"{unit}, ratio to plain {median / plain:.3f} (rounds: {rounds})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -431,42 +450,24 @@ def main() -> None:
     with open(LOCK, "ab") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         result = asyncio.run(run(args))
-    plain = statistics.median(result["rates"]["plain"])
-    for name, values in result["rates"].items():
-        rate = statistics.median(values)
-        print(f"throughput {name:14s} median of {len(values)}: {rate:7.1f} tok/s, "
-              f"ratio to plain {rate / plain:.3f}  (rounds: "
-              f"{', '.join(f'{v:.0f}' for v in values)})")
+    print_medians("throughput", result["rates"], "tok/s", "7.1f", ".0f")
     print("target: plugin+hints / plain >= 0.98")
-    plain_cpu = statistics.median(result["cpu_per_1k"]["plain"])
-    for name, values in result["cpu_per_1k"].items():
-        cost = statistics.median(values)
-        print(f"server CPU {name:14s} median of {len(values)}: {cost:5.2f} s per 1k output "
-              f"tokens, ratio to plain {cost / plain_cpu:.3f} (rounds: "
-              f"{', '.join(f'{v:.2f}' for v in values)})")
+    print_medians("server CPU", result["cpu_per_1k"], "s per 1k output tokens", "5.2f", ".2f")
     for phase, values in result["latency"].items():
         if values:
             what = "first outcome" if phase.endswith("first") else "final outcome"
-            print(f"hint publish->{what} {phase.split()[0]:4s}: n={len(values)} "
-                  f"p50 {1000 * percentile(values, 0.5):.1f} ms, "
-                  f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
-                  f"max {1000 * max(values):.1f} ms")
+            print(f"hint publish->{what} {phase.split()[0]:4s}: {quantiles_ms(values)}")
     for phase, values in result["split"].items():
         if values:
             engine_phase, leg = phase.split()
             what = {"to_answer": "publish -> outcome made in the plugin",
                     "to_publisher": "outcome made -> seen by the publisher",
                     "publisher_stall": "publisher's own event-loop stalls > 10 ms"}[leg]
-            print(f"first outcome, {engine_phase:4s} {what}: n={len(values)} "
-                  f"p50 {1000 * percentile(values, 0.5):.1f} ms, "
-                  f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
-                  f"max {1000 * max(values):.1f} ms")
+            print(f"first outcome, {engine_phase:4s} {what}: {quantiles_ms(values)}")
     for phase, values in result["bus"].items():
         if values:
             print(f"hint publish->first outcome on the NATS server's clock, {phase:4s}: "
-                  f"n={len(values)} p50 {1000 * percentile(values, 0.5):.1f} ms, "
-                  f"p99 {1000 * percentile(values, 0.99):.1f} ms, "
-                  f"max {1000 * max(values):.1f} ms")
+                  f"{quantiles_ms(values)}")
     print(f"busy hints answered after > 50 ms: {result['slow']['slow']}, of which "
           f"{result['slow']['during_publisher_stall']} overlap a > 30 ms stall of the "
           f"publisher's own process")
