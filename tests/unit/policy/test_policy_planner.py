@@ -148,6 +148,35 @@ def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
     assert session.ended and session.protection is None
 
 
+def _sent_priorities(config: PlannerConfig) -> list[int]:
+    """The retain priorities sent for a session that never comes back: at its response,
+    then at each idle review, down to the release (0)."""
+    ctx = _ctx(config=config)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    sent = [_typed_priority(session)]
+    now = next_idle_review(config, session, 0.0)
+    while session.awaiting_return:
+        result = plan_idle(_ctx(now=now, config=config), session)
+        sent += [_typed(p).payload.priority for p in result.actions]
+        session = result.session
+        now = next_idle_review(config, session, now) or now
+    return sent
+
+
+def test_an_idle_retain_is_re_sent_whenever_its_priority_moves() -> None:
+    # The worker orders retained blocks by priority: a stale priority keeps an idle
+    # session above fresher ones, so by default every move is re-sent (step 1).
+    config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
+    fine = _sent_priorities(config)  # e.g. 19, 16, 15, 13, 10, 6, then releases (0)
+    assert fine[-1] == 0
+    retains = [p for p in fine if p > 0]
+    assert all(0 < a - b < 10 for a, b in zip(retains, retains[1:])) and len(retains) > 2
+    coarse = _sent_priorities(replace(config, refresh_priority_step=10))  # 19, 6, 0, 0
+    retains = [p for p in coarse if p > 0]
+    assert all(a - b >= 10 for a, b in zip(retains, retains[1:]))
+    assert len(coarse) < len(fine)
+
+
 def _typed_priority(session: SessionPlanState) -> int:
     assert session.protection is not None
     return session.protection.priority
