@@ -14,8 +14,8 @@ its deepest block first. Policies, all in one run:
   eviction. A perfect mechanism for the planner's value: what kvhint could reach if the
   worker ordered its whole pool by that value.
 - ``value_reviewed``: the same value, but re-evaluated only at the planner's idle-review
-  schedule (15 s, then x1.5) and changed only when it moved by the refresh step (10 on
-  the planner's log2 priority scale), ties by the time of the last change: what the
+  schedule (15 s, then x1.5), as the planner's integer priority, changed only when it
+  moved by the planner's refresh step; ties by the time of the last change: what the
   planner's Retain messages can express.
 - ``value_knows_returns``: ``value`` told, with hindsight, whether each session comes back
   within the return window (never returning: value 0), nothing about when: how much of
