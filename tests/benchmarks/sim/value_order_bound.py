@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 from kvhint.router.policy.plan_types import PlannerConfig
 from kvhint.router.policy.stats import (
-    USER_GAP,
     GapObserved,
     LearnedStats,
     ReturnObserved,
@@ -57,7 +56,7 @@ ENDED = "@ended"
 class Turn:
     at: float
     session: str
-    depth: int  # turns completed after this one (the planner's ``session.turns``)
+    depth: int  # turns so far, this one included (the planner's ``session.turns``)
     prompt_tokens: int
     blocks: tuple[int, ...]  # full prompt blocks
     kind: str  # the gap kind this turn's response opens (ENDED: explicit end)
