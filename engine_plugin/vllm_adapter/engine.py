@@ -61,8 +61,6 @@ def find_engine_waker() -> Callable[[], None] | None:
     the waker (``queue.Queue.put_nowait`` is thread-safe). Once awake, the loop steps
     because the connector's ``has_pending_push_work()`` reports the waiting hint.
     """
-    import inspect
-
     try:
         from vllm.v1.engine import EngineCoreRequestType
     except ImportError:
@@ -70,15 +68,26 @@ def find_engine_waker() -> Callable[[], None] | None:
     wakeup = getattr(EngineCoreRequestType, "WAKEUP", None)
     if wakeup is None:
         return None
+    engine = find_on_stack(lambda owner: type(owner).__name__.startswith("EngineCore")
+                           and hasattr(getattr(owner, "input_queue", None), "put_nowait"))
+    if engine is None:
+        return None
+    queue, message = engine.input_queue, (wakeup, None)
+    return lambda: queue.put_nowait(message)
+
+
+def find_on_stack(predicate: Callable[[Any], bool]) -> Any | None:
+    """The nearest ``self`` up the caller's stack for which ``predicate`` holds, or None.
+    For objects vLLM builds the plugin from inside but gives it no link to (the
+    EngineCore, a MultiConnector)."""
+    import inspect
+
     frame = inspect.currentframe()
     try:
         while frame is not None:
             owner = frame.f_locals.get("self")
-            queue = getattr(owner, "input_queue", None)
-            if queue is not None and hasattr(queue, "put_nowait") and \
-                    type(owner).__name__.startswith("EngineCore"):
-                message = (wakeup, None)
-                return lambda: queue.put_nowait(message)
+            if owner is not None and predicate(owner):
+                return owner
             frame = frame.f_back
     finally:
         del frame

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvhint.engine_plugin.vllm_adapter.cache import VllmCacheAdapter
+from kvhint.engine_plugin.vllm_adapter.engine import find_on_stack
 
 
 class OffloadingHostTier:
@@ -44,19 +45,9 @@ class OffloadingHostTier:
         """The OffloadingConnector configured beside ``connector``, as a host tier, or
         None and why not. Must run inside ``bind_kv_cache_manager``: the MultiConnector
         that holds both is found on the call stack (a sub-connector has no link to it)."""
-        import inspect
-
-        siblings: list[Any] = []
-        frame = inspect.currentframe()
-        try:
-            while frame is not None and not siblings:
-                owner = frame.f_locals.get("self")
-                subs = getattr(owner, "sub_connectors", None)
-                if owner is not connector and isinstance(subs, list) and connector in subs:
-                    siblings = [c for c in subs if c is not connector]
-                frame = frame.f_back
-        finally:
-            del frame
+        multi = find_on_stack(lambda owner: owner is not connector and isinstance(
+            getattr(owner, "sub_connectors", None), list) and connector in owner.sub_connectors)
+        siblings = [c for c in multi.sub_connectors if c is not connector] if multi else []
         for sibling in siblings:
             scheduler = getattr(sibling, "connector_scheduler", None)
             manager = getattr(scheduler, "manager", None)
