@@ -65,7 +65,7 @@ class _Hold:
     handle: BlockHandle
     pins: dict[str, float] = field(default_factory=dict)  # action id -> expiry
     retains: dict[str, int] = field(default_factory=dict)  # action id -> priority
-    version: int = 0
+    version: int = 0  # of its live entry in the pressure heap (older entries are stale)
     touched: int = 0  # sequence number of the latest retain claim (LRU among equals)
 
 
@@ -257,7 +257,11 @@ class HoldLedger:
         heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))
 
     def _push_pressure(self, hold: _Hold) -> None:
-        hold.version += 1
+        # Versions come from the ledger-wide sequence, not a per-hold count: a superseded
+        # claim's hold is deleted and a new one made for the same block, and a per-hold
+        # count would restart there and match the old hold's stale entries (its old,
+        # lower priority would then decide when the block goes).
+        hold.version = next(self._seq)
         heapq.heappush(self._pressure_heap, (max(hold.retains.values()), hold.touched,
                                              -hold.handle.depth, hold.handle.block_id,
                                              hold.version))

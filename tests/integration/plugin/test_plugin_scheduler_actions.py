@@ -202,6 +202,36 @@ def test_retain_budget_displaces_lower_priority() -> None:
     assert low.status.value == "missing"
 
 
+def _held_blocks(h: HeadlessScheduler, session: str) -> int:
+    core = h.connector.core
+    retained = set(core.executor.holds.keys()["retained"])
+    return len(retained.intersection(core.index.session_blocks(session)))
+
+
+def test_a_raised_retain_priority_is_what_displacement_and_pressure_see() -> None:
+    # "back" is retained at 10, then (its next turn done) re-retained at 90: the new claim
+    # supersedes the old one, and the old claim's place in the displacement order must go
+    # with it. "mid" (50) is then the lowest priority held, so it goes first, both when a
+    # higher retain needs budget and when the engine needs memory.
+    h = sched(retain_budget_fraction=0.15)  # 9 blocks
+    turn(h, "back", [1, 2, 3, 4])
+    turn(h, "mid", [5, 6, 7, 8])
+    turn(h, "top", [21, 22, 23])
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=10))
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=90))
+    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
+    executor = h.connector.core.executor
+    assert executor.retained_blocks == 8
+    outcome = hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
+    assert outcome.status.value == "accepted" and executor.holds.counters.displaced == 2
+    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [4, 2, 3]
+    # Memory pressure: a prompt needing every free block and 3 more relieves the 2 blocks
+    # "mid" still holds before any block of "back" (whose leaf then goes first).
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
+    assert executor.holds.counters.released_under_pressure == 3
+    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [3, 0, 3]
+
+
 def test_ttl_expiry_releases_blocks_at_the_next_step() -> None:
     h = sched(pin_budget_fraction=0.2)
     core = h.connector.core
