@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 PIN, RETAIN = "pin", "retain"
+# Entries a lazily-cleaned heap may hold beyond twice its live ones before it is rebuilt.
+_COMPACT_SLACK = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,12 @@ class HoldLedger:
         pinned = [h.handle.key for h in self._holds.values() if h.pins]
         retained = [h.handle.key for h in self._holds.values() if not h.pins and h.retains]
         return {"pinned": pinned, "retained": retained}
+
+    @property
+    def heap_entries(self) -> int:
+        """Entries in the pressure and expiry heaps, stale ones included: bounded by twice
+        the live holds and claims plus a constant, however often hints re-prioritise."""
+        return len(self._pressure_heap) + len(self._expiry_heap)
 
     def next_expiry(self) -> float | None:
         return self._expiry_heap[0][0] if self._expiry_heap else None
@@ -255,6 +263,10 @@ class HoldLedger:
         if scope is not None:
             self._by_scope.setdefault(scope, set()).add(action_id)
         heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))
+        if len(self._expiry_heap) > 2 * len(self._claims) + _COMPACT_SLACK:
+            # A superseded claim's entry stays until its expiry: rebuild from live claims.
+            self._expiry_heap = [(c.expiry, next(self._seq), a) for a, c in self._claims.items()]
+            heapq.heapify(self._expiry_heap)
 
     def _push_pressure(self, hold: _Hold) -> None:
         # Versions come from the ledger-wide sequence, not a per-hold count: a superseded
@@ -262,9 +274,19 @@ class HoldLedger:
         # count would restart there and match the old hold's stale entries (its old,
         # lower priority would then decide when the block goes).
         hold.version = next(self._seq)
-        heapq.heappush(self._pressure_heap, (max(hold.retains.values()), hold.touched,
-                                             -hold.handle.depth, hold.handle.block_id,
-                                             hold.version))
+        heapq.heappush(self._pressure_heap, self._pressure_entry(hold))
+        if len(self._pressure_heap) > 2 * len(self._holds) + _COMPACT_SLACK:
+            # Stale entries leave the heap only when they reach its top, and a high
+            # priority's may never do: re-prioritising every idle review would grow the
+            # heap without bound. Rebuild it from the live entries (amortised O(1)).
+            self._pressure_heap = [self._pressure_entry(h) for h in self._holds.values()
+                                   if h.retains and not h.pins]
+            heapq.heapify(self._pressure_heap)
+
+    @staticmethod
+    def _pressure_entry(hold: _Hold) -> tuple[int, int, int, int, int]:
+        return (max(hold.retains.values()), hold.touched, -hold.handle.depth,
+                hold.handle.block_id, hold.version)
 
     def _drop_retained(self, num_blocks: int, below_priority: int) -> int:
         """Release up to ``num_blocks`` retain-only holds with priority below

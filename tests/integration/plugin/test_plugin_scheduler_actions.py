@@ -232,6 +232,25 @@ def test_a_raised_retain_priority_is_what_displacement_and_pressure_see() -> Non
     assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [3, 0, 3]
 
 
+def test_re_prioritising_forever_keeps_the_holds_bounded_and_ordered() -> None:
+    # A router re-sends a session's retain at every idle review; each re-send leaves stale
+    # heap entries behind. They must not pile up (a worker runs for weeks), and the order
+    # must survive the rebuilds that clear them.
+    h = sched(retain_budget_fraction=0.15)  # 9 blocks
+    turn(h, "idle", [1, 2, 3, 4])
+    turn(h, "other", [5, 6, 7, 8])
+    executor = h.connector.core.executor
+    for i in range(1500):
+        hint(h, RetainPayload(target=Target(session_id="idle"), priority=20 + i % 70))
+        hint(h, RetainPayload(target=Target(session_id="other"), priority=90 - i % 70))
+    assert executor.holds.heap_entries <= 2 * (8 + 2) + 2 * 1024 + 2  # not ~15,000
+    hint(h, RetainPayload(target=Target(session_id="idle"), priority=60))
+    hint(h, RetainPayload(target=Target(session_id="other"), priority=30))
+    turn(h, "top", [21, 22, 23])
+    hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
+    assert [_held_blocks(h, s) for s in ("idle", "other", "top")] == [4, 2, 3]
+
+
 def test_ttl_expiry_releases_blocks_at_the_next_step() -> None:
     h = sched(pin_budget_fraction=0.2)
     core = h.connector.core
