@@ -21,8 +21,14 @@ ALL_ACTIONS = frozenset(t.value for t in ActionType)
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    # "Soon": a session's value is P(next turn within horizon_s).
-    horizon_s: float = 300.0
+    # "Soon": a session's value is its hit density up to horizon_s (P(next turn within the
+    # horizon) over its expected occupancy until then), so a session not expected back
+    # within it is worth little. Measured on the simulator after the hold-ledger fix
+    # (BENCHMARKS.md): 300 s -> 100 s gains on Mooncake 1 x 5,000 (14.34% -> 14.62%),
+    # 4 x 1,250 (12.86% -> 13.38%) and both gen-agents seeds (1.1% and 1.9% fewer
+    # recomputed tokens), loses 0.3 points with the host tier; 50 s and 150-200 s are
+    # worse on at least one gen-agents seed.
+    horizon_s: float = 100.0
     gap_quantile: float = 0.9
     # Learn user gaps and returns per session tempo (the previous user gap; see
     # stats.user_gap_kind) instead of per depth only.
@@ -53,9 +59,9 @@ class PlannerConfig:
     # than this counts as not returning (observed when plan_idle passes the window), so
     # the estimate is not biased by waiting an hour for every non-return. A return is
     # observed as soon as it happens, a non-return only when the window closes, so until
-    # one window has passed (a fresh router) the estimate leans high; 10 minutes (twice
-    # the horizon, beyond which no protection pays) keeps that lean short. Measured on
-    # the Mooncake trace: 1200 s -> 12.95%, 600 s -> 13.48% token hits (BENCHMARKS.md).
+    # one window has passed (a fresh router) the estimate leans high; 10 minutes keeps
+    # that lean short. Measured on the Mooncake trace (with the 300 s horizon of the
+    # time): 1200 s -> 12.95%, 600 s -> 13.48% token hits (BENCHMARKS.md).
     return_window_s: float = 600.0
     # plan_idle schedule (see next_idle_review): first review, then x growth each time.
     idle_review_first_s: float = 15.0

@@ -328,3 +328,24 @@ def test_user_gaps_are_learnt_per_session_tempo_and_never_pinned() -> None:
     assert user_gap_kind(100.0) == f"{USER_GAP}:mid" and user_gap_kind(900.0) == f"{USER_GAP}:slow"
     off = _ctx(now=22.0, config=PlannerConfig(session_tempo=False))
     assert _finish(off, result.session, FinishReason.STOP, at=22.0).session.gap_kind == USER_GAP
+
+
+def test_a_session_not_due_back_within_the_horizon_is_left_to_lru() -> None:
+    """The value horizon is 100 s by default: a tool that always takes ~4 minutes leaves
+    its session worth too little to retain now (plain LRU keeps it if it can), while one
+    that takes ~30 s is retained; with the old 300 s horizon both were retained."""
+    stats = LearnedStats()
+    for _ in range(20):
+        stats.apply(GapObserved("crawl", 1, 240.0))
+        stats.apply(GapObserved("build", 1, 30.0))
+
+    def sent(config: PlannerConfig, tool: str) -> list[int]:
+        ctx = _ctx(stats=stats, config=config)
+        result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, (tool,))
+        return [_typed(a).payload.priority for a in result.actions]
+
+    (build,) = sent(PlannerConfig(), "build")
+    assert build >= 50
+    assert sent(PlannerConfig(), "crawl") == []  # nothing held: nothing to release either
+    (crawl,) = sent(PlannerConfig(horizon_s=300.0), "crawl")
+    assert crawl >= PlannerConfig().min_retain_priority
