@@ -259,12 +259,16 @@ def _fits(held: int, extra: int, limit: int | None) -> bool:
 
 
 def _priority(ctx: PlannerContext, session: SessionPlanState, idle_s: float) -> int:
-    """Retain priority from the session's hit density (hits per cache-second, see
-    :meth:`LearnedStats.hit_density`) on a log scale: 1 hit/s -> 100, 1/min -> 59,
-    1/5 min -> 36, 1/hour -> 1. Only the order matters to the worker."""
     density = ctx.stats.hit_density(
         session.gap_kind or USER_GAP, session.turns, idle_s, ctx.config.horizon_s
     )
+    return retain_priority(density)
+
+
+def retain_priority(density: float) -> int:
+    """Retain priority from a hit density (hits per cache-second, see
+    :meth:`LearnedStats.hit_density`) on a log scale: 1 hit/s -> 100, 1/min -> 59,
+    1/5 min -> 36, 1/hour -> 1, none -> 0. Only the order matters to the worker."""
     if density <= 0:
         return 0
     return max(0, min(100, round(10.0 * math.log2(density * 3600.0))))

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.plan_types import PlannerConfig
+from kvhint.router.policy.planner import retain_priority
 from kvhint.router.policy.stats import (
     GapObserved,
     LearnedStats,
@@ -225,8 +226,7 @@ class _ValueModel:
             while done < len(ages) and idle >= ages[done]:
                 done += 1
             value = density(session.kind, session.depth, ages[max(done - 1, 0)])
-            priority = (max(0, min(100, round(10.0 * math.log2(value * 3600.0))))
-                        if value > 0 else 0)
+            priority = retain_priority(value)
             if session.priority is None or abs(priority - session.priority) >= (
                     self.config.refresh_priority_step):
                 session.priority, session.changed_at = priority, now
