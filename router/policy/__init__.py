@@ -10,6 +10,8 @@ workers; both call the same functions.
 - :mod:`.planner` — lifecycle -> hints: :func:`plan_turn_routed`,
   :func:`plan_response_finished`, :func:`plan_idle`, :func:`plan_session_end`,
   :func:`plan_shared_prefixes`.
+- :mod:`.shared_prefixes` — :func:`find_shared_prefixes` (what those retain) and
+  :class:`SharedPrefixRetains` (when to scan, what was sent).
 - :mod:`.session` — :class:`SessionPlanState` (plain data per session) and the events.
 - :mod:`.stats` — :class:`LearnedStats` (tool-gap histograms per tool and depth, return
   probability by depth), persisted by the caller as JSON.
@@ -44,6 +46,7 @@ from kvhint.router.policy.planner import (
     plan_session_end,
     plan_shared_prefixes,
     plan_turn_routed,
+    session_hit_density,
 )
 from kvhint.router.policy.routing import (
     NoWorkerAvailable,
@@ -68,6 +71,11 @@ from kvhint.router.policy.session import (
     SessionEnded,
     SessionPlanState,
     TurnRouted,
+)
+from kvhint.router.policy.shared_prefixes import (
+    SessionChain,
+    SharedPrefixRetains,
+    find_shared_prefixes,
 )
 from kvhint.router.policy.stats import (
     ANY_TOOL,
@@ -112,8 +120,10 @@ __all__ = [
     "RoutingPolicy",
     "SessionEnded",
     "SessionPlacement",
+    "SessionChain",
     "SessionPlanState",
     "SharedPrefix",
+    "SharedPrefixRetains",
     "TurnRouted",
     "WorkerFeedback",
     "WorkerLoad",
@@ -123,6 +133,7 @@ __all__ = [
     "cached_tokens",
     "choose_donor",
     "decay_recent",
+    "find_shared_prefixes",
     "next_idle_review",
     "plan_idle",
     "plan_response_finished",
@@ -130,6 +141,7 @@ __all__ = [
     "plan_shared_prefixes",
     "plan_turn_routed",
     "route",
+    "session_hit_density",
     "is_user_kind",
     "user_gap_kind",
 ]

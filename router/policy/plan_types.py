@@ -69,8 +69,11 @@ class PlannerConfig:
     release_ttl_s: float = 1.0
     share_ttl_s: float = 60.0
     prefetch_deadline_s: float = 5.0
+    # A prefix is retained when this many live sessions on one worker share it, at the
+    # priority of the sharing sessions' summed hit density (each one's next turn reads it).
     shared_prefix_min_sessions: int = 3
-    shared_prefix_priority: int = 90
+    # How often the caller looks for shared prefixes (live router and simulator alike).
+    shared_prefix_scan_s: float = 10.0
     tenant_max_pinned_blocks: int | None = None
     tenant_max_retained_blocks: int | None = None
     # Action types the operator lets the planner send at all.
@@ -139,6 +142,8 @@ class PlanResult:
 @dataclass(frozen=True, slots=True)
 class SharedPrefix:
     """A prefix used by several sessions on one worker (from the cluster index).
+    ``hit_density``: the sharing sessions' hit densities summed (see
+    :func:`~kvhint.router.policy.planner.session_hit_density`).
     ``protected_until``: when the planner's current retain of it ends (None: none)."""
 
     worker_id: str
@@ -147,3 +152,4 @@ class SharedPrefix:
     sessions: int
     tenant: str | None = None
     protected_until: float | None = None
+    hit_density: float = 0.0

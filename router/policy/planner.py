@@ -51,6 +51,7 @@ from kvhint.router.policy.plan_types import (
     SharedPrefix,
     WorkerPlanView,
 )
+from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE
 from kvhint.router.policy.session import (
     FinishReason,
     Protection,
@@ -156,6 +157,19 @@ def plan_idle(ctx: PlannerContext, session: SessionPlanState) -> PlanResult:
     return PlanResult(result.session, result.actions, observed)
 
 
+def session_hit_density(ctx: PlannerContext, session: SessionPlanState) -> float:
+    """Expected next-turn hits per cache-second of ``session`` now (the value its retain
+    priority is made from): at its current idle time when it awaits a return, at the
+    start of a user gap while a turn is in flight, 0 once ended."""
+    if session.ended:
+        return 0.0
+    if session.awaiting_return and session.gap_opened_at is not None:
+        idle = max(ctx.now - session.gap_opened_at, 0.0)
+        return ctx.stats.hit_density(session.gap_kind or USER_GAP, session.turns, idle,
+                                     ctx.config.horizon_s)
+    return ctx.stats.hit_density(USER_GAP, session.turns, 0.0, ctx.config.horizon_s)
+
+
 def next_idle_review(config: PlannerConfig, session: SessionPlanState, now: float) -> float | None:
     """When :func:`plan_idle` should next run for ``session`` (absolute time, > ``now``),
     or None when it awaits no return. Reviews come at idle times ``first``, ``first x
@@ -187,7 +201,10 @@ def plan_shared_prefixes(
     ctx: PlannerContext, prefixes: Sequence[SharedPrefix]
 ) -> tuple[PlannedAction, ...]:
     """Retain prefixes that at least ``shared_prefix_min_sessions`` sessions use, unless
-    already retained for more than half the horizon. Like a session's retain this is soft:
+    already retained for more than half the horizon. The priority comes from the sharing
+    sessions' summed hit density: a prefix block is read by every one of their next turns,
+    so it is worth their sum, and a prefix whose sessions are long gone (still "live" to
+    the caller for an hour) is worth little. Like a session's retain this is soft:
     the worker fits it into its retain budget by displacing lower priorities, so only the
     tenant's budget is checked here (checking the worker's budget against the planner's
     ledger, which session retains routinely fill, kept every prefix out)."""
@@ -203,6 +220,9 @@ def plan_shared_prefixes(
         remaining = (prefix.protected_until or 0.0) - ctx.now
         if remaining > config.horizon_s / 2:
             continue
+        priority = retain_priority(prefix.hit_density)
+        if priority < config.min_retain_priority:
+            continue
         ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
         blocks = len(prefix.block_hashes)
         held = tenant_blocks.get(prefix.tenant or "", 0)
@@ -213,12 +233,12 @@ def plan_shared_prefixes(
             tenant_blocks[prefix.tenant] = held + blocks
         payload = RetainPayload(
             target=Target(block_hashes=list(prefix.block_hashes)),
-            priority=config.shared_prefix_priority,
+            priority=priority,
             ttl_s=ttl,
         )
         actions.append(
-            _planned(ctx, worker.worker_id, payload, f"prefix:{prefix.key}", prefix.tenant,
-                     blocks, ctx.now + ttl, "shared_prefix")
+            _planned(ctx, worker.worker_id, payload, f"{PREFIX_SCOPE}{prefix.key}",
+                     prefix.tenant, blocks, ctx.now + ttl, "shared_prefix")
         )
     return tuple(actions)
 

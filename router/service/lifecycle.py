@@ -9,8 +9,9 @@ which planner function it asks for hints.
 - end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): :func:`plan_session_end`;
 - tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon), hint
   deadlines, learned statistics saved, long-gone sessions forgotten from memory; every
-  ``PREFIX_SCAN_S`` prefixes shared by many sessions are retained
-  (:func:`plan_shared_prefixes`).
+  ``PlannerConfig.shared_prefix_scan_s`` prefixes shared by many sessions are retained
+  (:func:`find_shared_prefixes`, :func:`plan_shared_prefixes`; the simulator runs the
+  same scan).
 """
 
 from __future__ import annotations
@@ -23,22 +24,22 @@ from kvhint.router.policy import (
     PlannerContext,
     PlanResult,
     ResponseFinished,
+    SessionChain,
     SessionEnded,
+    SharedPrefixRetains,
     TurnRouted,
+    find_shared_prefixes,
     plan_idle,
     plan_response_finished,
     plan_shared_prefixes,
     plan_session_end,
     plan_turn_routed,
+    session_hit_density,
 )
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
-from kvhint.router.service.shared_prefixes import shared_prefixes
-
-# How often shared prefixes are looked for (seconds).
-PREFIX_SCAN_S = 10.0
 
 
 class SessionLifecycle:
@@ -51,9 +52,7 @@ class SessionLifecycle:
         self._hints_enabled = hints_enabled
         self._forget_after_s = forget_after_s
         self._clock = clock
-        # "<worker>:<prefix key>" -> when the retain sent for that shared prefix ends.
-        self._prefix_protected: dict[str, float] = {}
-        self._next_prefix_scan = 0.0
+        self._prefix_retains = SharedPrefixRetains()
 
     def begin_turn(self, tenant: str, session_id: str) -> SessionRecord:
         now = self._clock()
@@ -153,18 +152,21 @@ class SessionLifecycle:
         self.hints.save_learned(now)
 
     async def _retain_shared_prefixes(self, now: float) -> None:
-        if now < self._next_prefix_scan:
+        config = self.hints.planner_config
+        if not self._prefix_retains.scan_due(now, config.shared_prefix_scan_s):
             return
-        self._next_prefix_scan = now + PREFIX_SCAN_S
+        self._prefix_retains.expire(now)
         context = self.hints.context(now)
-        prefixes = shared_prefixes(self.sessions, context.config.shared_prefix_min_sessions,
-                                   self._prefix_protected)
+        chains = (SessionChain(r.worker_id, r.tenant, r.last_block_hashes,
+                               session_hit_density(context, r.plan))
+                  for r in self.sessions
+                  if r.state != ENDED and r.worker_id is not None and r.last_block_hashes)
+        prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
+                                        self._prefix_retains.until)
         actions = plan_shared_prefixes(context, prefixes)
         if self._hints_enabled and actions:
             await self.hints.send(actions, {})
-            for action in actions:
-                self._prefix_protected[f"{action.worker_id}:{action.scope[len('prefix:'):]}"] = (
-                    action.expires_at)
+            self._prefix_retains.sent(actions)
 
     async def _apply(self, record: SessionRecord, result: PlanResult) -> list[SentAction]:
         if result.session is not None:

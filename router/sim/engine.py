@@ -10,7 +10,8 @@ simulation's; the only randomness is a seeded ``random.Random``.
 Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
 plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
 admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), and a
-periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions).
+periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions and, as the
+live router's tick does, the shared-prefix scan).
 """
 
 from __future__ import annotations
@@ -48,20 +49,25 @@ from kvhint.router.policy import (
     RoutingConfig,
     RoutingContext,
     RoutingPolicy,
+    SessionChain,
     SessionEnded,
     SessionPlacement,
     SessionPlanState,
+    SharedPrefixRetains,
     TurnRouted,
     WorkerFeedback,
     WorkerLoad,
     WorkerPlanView,
     apply_outcome,
+    find_shared_prefixes,
     next_idle_review,
     plan_idle,
     plan_response_finished,
     plan_session_end,
+    plan_shared_prefixes,
     plan_turn_routed,
     route,
+    session_hit_density,
 )
 from kvhint.router.sim.host_tier import SimHostTier
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
@@ -88,6 +94,9 @@ class SimConfig:
     tick_s: float = 5.0
     # Half-life of the router's recent-computed-tokens load signal.
     recent_half_life_s: float = 120.0
+    # Sessions idle this long are no longer counted for shared prefixes (the live
+    # router forgets them; its ``session_forget_s``).
+    session_forget_s: float = 3600.0
     host_cache_policy: str = "lru"
     # Overrides of the plugin's config (its kv_connector_extra_config keys).
     plugin: Mapping[str, Any] = field(default_factory=dict)
@@ -136,6 +145,9 @@ class Simulation:
         self.placements: dict[str, tuple[str, int]] = {}  # session -> (worker, turns)
         self.feedback: dict[str, WorkerFeedback] = {}
         self._planned: dict[str, PlannedAction] = {}
+        # Per session: the block hashes of its last routed prompt (shared-prefix scans).
+        self._last_hashes: dict[str, tuple[int, ...]] = {}
+        self._prefix_retains = SharedPrefixRetains()
         # Per worker: computed prompt tokens routed there and new sessions placed there,
         # decayed, kept exactly as the live router's RoutingService keeps them.
         self._recent: dict[str, RecentLoad] = {}
@@ -235,6 +247,7 @@ class Simulation:
             recent.add_session(self.now)
         self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
         if self.hints_on:
+            self._last_hashes[session_key] = hashes
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
                                request.input_length, self.now)
             self._apply_plan(plan_turn_routed(self._planner_ctx(), self.sessions.get(session_key),
@@ -412,12 +425,34 @@ class Simulation:
 
     def _on_tick(self) -> None:
         self.ledger.expire(self.now)
+        if self.hints_on:
+            self._retain_shared_prefixes()
         for worker in self.workers.values():
             outcomes = worker.core.advance()
             worker.sync()
             if outcomes:
                 self._on_outcomes(outcomes)
             self._try_start(worker)
+
+    def _retain_shared_prefixes(self) -> None:
+        """The live lifecycle's scan (router/service/lifecycle.py), on the tick."""
+        config = self.config.planner
+        retains = self._prefix_retains
+        if not retains.scan_due(self.now, config.shared_prefix_scan_s):
+            return
+        retains.expire(self.now)
+        live_since = self.now - self.config.session_forget_s
+        ctx = self._planner_ctx()
+        chains = (SessionChain(s.worker_id, s.tenant, self._last_hashes[key],
+                               session_hit_density(ctx, s))
+                  for key, s in self.sessions.items()
+                  if not s.ended and s.worker_id is not None and s.last_activity >= live_since
+                  and self._last_hashes.get(key))
+        prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
+                                        retains.until)
+        actions = plan_shared_prefixes(ctx, prefixes)
+        self._send(actions)
+        retains.sent(actions)
 
     def _finalize(self) -> None:
         result = self.result

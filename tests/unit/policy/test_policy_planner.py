@@ -27,8 +27,10 @@ from kvhint.router.policy import (
     plan_session_end,
     plan_shared_prefixes,
     plan_turn_routed,
+    session_hit_density,
     user_gap_kind,
 )
+from kvhint.router.policy.planner import retain_priority
 from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
 from kvhint.schemas.hints import ParsedAction
 from kvhint.router.policy.feedback import apply_outcome
@@ -226,13 +228,36 @@ def test_moved_session_gets_prefetch_on_a_host_tier_worker_and_old_protection_re
 
 def test_shared_prefixes_used_by_many_sessions_are_retained_by_hash() -> None:
     ctx = _ctx()
-    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5),
-                SharedPrefix("w0", "rare", (4,), sessions=1),
-                SharedPrefix("w0", "fresh", (5, 6), sessions=9, protected_until=10_000.0)]
+    busy = 5 / 60.0  # five sessions each expected back about once a minute
+    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, hit_density=busy),
+                SharedPrefix("w0", "rare", (4,), sessions=1, hit_density=busy),
+                SharedPrefix("w0", "fresh", (5, 6), sessions=9, protected_until=10_000.0,
+                             hit_density=busy),
+                # Shared, but by sessions not expected back: left to LRU.
+                SharedPrefix("w0", "gone", (7, 8), sessions=6, hit_density=1 / 86_400)]
     (planned,) = plan_shared_prefixes(ctx, prefixes)
     action = _typed(planned)
     assert action.payload.target.block_hashes == [1, 2, 3]
     assert planned.scope == "prefix:sys-a"
+    # Worth what its sessions' next turns are worth together: their summed density.
+    assert action.payload.priority == retain_priority(busy) == 82
+
+
+def test_a_prefix_is_worth_the_hit_density_of_the_sessions_sharing_it() -> None:
+    stats = LearnedStats()
+    for depth in (1, 2):
+        for _ in range(10):
+            stats.apply(ReturnObserved(depth, True))
+            stats.apply(GapObserved(USER_GAP, depth, 30.0))
+    ctx = _ctx(now=100.0, stats=stats)
+    fresh = _finish(ctx, _session_after_turn(ctx, at=90.0), FinishReason.STOP, at=95.0).session
+    stale = replace(fresh, gap_opened_at=-3000.0)
+    ended = replace(fresh, ended=True)
+    assert session_hit_density(ctx, fresh) > session_hit_density(ctx, stale) > 0.0
+    assert session_hit_density(ctx, ended) == 0.0
+    in_flight = _session_after_turn(ctx, at=99.0)
+    assert session_hit_density(ctx, in_flight) == stats.hit_density(USER_GAP, 1, 0.0,
+                                                                    ctx.config.horizon_s)
 
 
 def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budget() -> None:
@@ -245,16 +270,18 @@ def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budge
     assert limit is not None
     busy = replace(worker, held=Holdings(retained_blocks=limit))
     ctx = replace(full, workers={**full.workers, "w0": busy})
-    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, tenant="t")]
+    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, tenant="t",
+                             hit_density=5 / 60.0)]
     (planned,) = plan_shared_prefixes(ctx, prefixes)
-    assert _typed(planned).payload.priority == ctx.config.shared_prefix_priority
+    assert _typed(planned).payload.priority == 82
 
     capped = replace(ctx, config=replace(ctx.config, tenant_max_retained_blocks=4),
                      tenant_held={"t": Holdings(retained_blocks=2)})
     assert plan_shared_prefixes(capped, prefixes) == ()
     # Two prefixes of one tenant count together against its budget.
     roomy = replace(capped, tenant_held={})
-    two = prefixes + [SharedPrefix("w0", "sys-b", (7, 8), sessions=4, tenant="t")]
+    two = prefixes + [SharedPrefix("w0", "sys-b", (7, 8), sessions=4, tenant="t",
+                                   hit_density=5 / 60.0)]
     assert [p.scope for p in plan_shared_prefixes(roomy, two)] == ["prefix:sys-a"]
 
 

@@ -178,9 +178,7 @@ def test_hints_without_nats_are_failed_and_counted() -> None:
     assert 'kvhint_router_drops_total{what="hint_unsent"} 1.0' in metrics.render().decode()
 
 
-def test_shared_prefixes_are_found_per_worker_and_tenant_and_retained() -> None:
-    from kvhint.router.service.shared_prefixes import shared_prefixes
-
+def test_the_lifecycle_retains_a_prefix_shared_by_live_sessions_once_per_retain() -> None:
     registry, metrics, link, hints, sessions, lifecycle, _index, _routing = build(["w0"])
     system = (101, 102, 103, 104)  # four blocks every session starts with
     for number in range(4):
@@ -189,10 +187,6 @@ def test_shared_prefixes_are_found_per_worker_and_tenant_and_retained() -> None:
         record.last_block_hashes = (*system, 1000 + number, 2000 + number)
     other = sessions.open("other", "x", time.time())  # another tenant: never pooled
     other.worker_id, other.last_block_hashes = "w0", system
-    found = shared_prefixes(sessions, min_sessions=3, protected_until={})
-    assert len(found) == 1
-    assert found[0].block_hashes == system and found[0].sessions == 4
-    assert found[0].tenant == "default"
     asyncio.run(lifecycle.tick())
     payloads = [decode_hints(p).actions[0] for _s, p in link.sent]
     retains = [a for a in payloads if a.payload.target.block_hashes == list(system)]
