@@ -158,16 +158,18 @@ def plan_idle(ctx: PlannerContext, session: SessionPlanState) -> PlanResult:
 
 
 def session_hit_density(ctx: PlannerContext, session: SessionPlanState) -> float:
-    """Expected next-turn hits per cache-second of ``session`` now (the value its retain
-    priority is made from): at its current idle time when it awaits a return, at the
-    start of a user gap while a turn is in flight, 0 once ended."""
+    """Expected next-turn hits per cache-second of ``session``, as the planner last valued
+    it: while a turn is in flight (no gap open), the value at the start of a user gap;
+    while it awaits a return, its protection's priority read back as a density (a pin is
+    top priority), 0 with no protection (the planner left it to LRU) or once ended. O(1)
+    for sessions awaiting a return, so a scan over every session stays cheap."""
     if session.ended:
         return 0.0
-    if session.awaiting_return and session.gap_opened_at is not None:
-        idle = max(ctx.now - session.gap_opened_at, 0.0)
-        return ctx.stats.hit_density(session.gap_kind or USER_GAP, session.turns, idle,
-                                     ctx.config.horizon_s)
-    return ctx.stats.hit_density(USER_GAP, session.turns, 0.0, ctx.config.horizon_s)
+    if not session.awaiting_return:
+        return ctx.stats.hit_density(USER_GAP, session.turns, 0.0, ctx.config.horizon_s)
+    if session.protection is None:
+        return 0.0
+    return priority_density(session.protection.priority)
 
 
 def next_idle_review(config: PlannerConfig, session: SessionPlanState, now: float) -> float | None:
@@ -292,6 +294,14 @@ def retain_priority(density: float) -> int:
     if density <= 0:
         return 0
     return max(0, min(100, round(10.0 * math.log2(density * 3600.0))))
+
+
+def priority_density(priority: int) -> float:
+    """The hit density a retain priority stands for: :func:`retain_priority`'s inverse
+    (to its rounding); 0 for priority 0."""
+    if priority <= 0:
+        return 0.0
+    return 2.0 ** (priority / 10.0) / 3600.0
 
 
 def _protect(

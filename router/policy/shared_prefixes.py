@@ -7,9 +7,11 @@ block hashes of each live session's last routed prompt, every
 sent, so the two run the same scan.
 
 A prefix is identified by the hash of its last block (the chain hash covers everything
-before it). For every session, prefixes at power-of-two lengths are counted; for each
-worker the longest prefix used by at least ``min_sessions`` sessions of one tenant wins
-(shorter ones are inside it).
+before it). For every session, prefixes at power-of-two lengths are counted; per worker and
+tenant the longest prefix used by at least ``min_sessions`` sessions wins. Only one: with
+several agent types' system prompts on a worker, retaining each of them measured worse on
+the simulator's gen-agents workload (five seeds, 0.3-1.5% more recomputed tokens;
+BENCHMARKS.md), the prompts in use staying resident anyway.
 """
 
 from __future__ import annotations
@@ -24,46 +26,52 @@ PREFIX_SCOPE = "prefix:"
 
 @dataclass(frozen=True, slots=True)
 class SessionChain:
-    """A live (not ended) session's last routed prompt on its worker, as block hashes, and
-    the session's hit density (:func:`~kvhint.router.policy.planner.session_hit_density`)."""
+    """A live session's last routed prompt on its worker, as block hashes, and the
+    session's hit density (:func:`~kvhint.router.policy.planner.session_hit_density`)."""
 
     worker_id: str
     tenant: str
     block_hashes: tuple[int, ...]
-    hit_density: float = 0.0
+    hit_density: float
 
 
 def find_shared_prefixes(chains: Iterable[SessionChain], min_sessions: int,
                          protected_until: Mapping[str, float]) -> list[SharedPrefix]:
     """The longest prefix per (worker, tenant) that ``min_sessions`` sessions share, in
-    (worker, tenant) order. ``protected_until`` is :attr:`SharedPrefixRetains.until`."""
-    counts: dict[tuple[str, str, int], int] = {}
-    densities: dict[tuple[str, str, int], float] = {}
-    prefixes_by_key: dict[tuple[str, str, int], tuple[int, ...]] = {}
+    (worker, tenant) order. Only sessions worth something count (``hit_density`` > 0: in
+    flight, or protected by the planner), so a prefix of sessions long gone is not kept.
+    ``protected_until`` is :attr:`SharedPrefixRetains.until`."""
+    # Per (worker, tenant): prefix's last block hash -> [sessions, summed density, the
+    # first chain seen with it, the prefix's length] (sliced only for the winners).
+    groups: dict[tuple[str, str], dict[int, list]] = {}
     for chain in chains:
+        if chain.hit_density <= 0:
+            continue
+        group = groups.setdefault((chain.worker_id, chain.tenant), {})
         hashes = chain.block_hashes
         length = 1
         while length <= len(hashes):
-            key = (chain.worker_id, chain.tenant, hashes[length - 1])
-            counts[key] = counts.get(key, 0) + 1
-            densities[key] = densities.get(key, 0.0) + chain.hit_density
-            prefixes_by_key.setdefault(key, hashes[:length])
+            entry = group.get(hashes[length - 1])
+            if entry is None:
+                group[hashes[length - 1]] = [1, chain.hit_density, hashes, length]
+            else:
+                entry[0] += 1
+                entry[1] += chain.hit_density
             length *= 2
-    best: dict[tuple[str, str], tuple[int, int]] = {}  # (worker, tenant) -> (blocks, hash)
-    for (worker, tenant, last), sessions in counts.items():
-        if sessions < min_sessions:
-            continue
-        blocks = len(prefixes_by_key[(worker, tenant, last)])
-        if blocks > best.get((worker, tenant), (0, 0))[0]:
-            best[(worker, tenant)] = (blocks, last)
     prefixes = []
-    for (worker, tenant), (_blocks, last) in sorted(best.items()):
+    for (worker, tenant), group in sorted(groups.items()):
+        # The longest; among equally long ones, the one worth most.
+        shared = [(entry[3], entry[1], last) for last, entry in group.items()
+                  if entry[0] >= min_sessions]
+        if not shared:
+            continue
+        length, _density, last = max(shared)
+        sessions, density, hashes, _length = group[last]
         key = f"{tenant}:{last:016x}"
         prefixes.append(SharedPrefix(
-            worker_id=worker, key=key, block_hashes=prefixes_by_key[(worker, tenant, last)],
-            sessions=counts[(worker, tenant, last)], tenant=tenant,
-            protected_until=protected_until.get(_protection_key(worker, key)),
-            hit_density=densities[(worker, tenant, last)]))
+            worker_id=worker, key=key, block_hashes=hashes[:length], sessions=sessions,
+            tenant=tenant, protected_until=protected_until.get(_protection_key(worker, key)),
+            hit_density=density))
     return prefixes
 
 

@@ -157,10 +157,14 @@ class SessionLifecycle:
             return
         self._prefix_retains.expire(now)
         context = self.hints.context(now)
-        chains = (SessionChain(r.worker_id, r.tenant, r.last_block_hashes,
-                               session_hit_density(context, r.plan))
-                  for r in self.sessions
-                  if r.state != ENDED and r.worker_id is not None and r.last_block_hashes)
+        chains = []
+        for record in self.sessions:
+            if record.state == ENDED or record.worker_id is None or not record.last_block_hashes:
+                continue
+            density = session_hit_density(context, record.plan)
+            if density > 0:
+                chains.append(SessionChain(record.worker_id, record.tenant,
+                                           record.last_block_hashes, density))
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         self._prefix_retains.until)
         actions = plan_shared_prefixes(context, prefixes)

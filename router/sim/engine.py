@@ -94,9 +94,6 @@ class SimConfig:
     tick_s: float = 5.0
     # Half-life of the router's recent-computed-tokens load signal.
     recent_half_life_s: float = 120.0
-    # Sessions idle this long are no longer counted for shared prefixes (the live
-    # router forgets them; its ``session_forget_s``).
-    session_forget_s: float = 3600.0
     host_cache_policy: str = "lru"
     # Overrides of the plugin's config (its kv_connector_extra_config keys).
     plugin: Mapping[str, Any] = field(default_factory=dict)
@@ -441,13 +438,13 @@ class Simulation:
         if not retains.scan_due(self.now, config.shared_prefix_scan_s):
             return
         retains.expire(self.now)
-        live_since = self.now - self.config.session_forget_s
         ctx = self._planner_ctx()
-        chains = (SessionChain(s.worker_id, s.tenant, self._last_hashes[key],
-                               session_hit_density(ctx, s))
-                  for key, s in self.sessions.items()
-                  if not s.ended and s.worker_id is not None and s.last_activity >= live_since
-                  and self._last_hashes.get(key))
+        chains = []
+        for key, session in self.sessions.items():
+            density = session_hit_density(ctx, session)
+            hashes = self._last_hashes.get(key)
+            if density > 0 and session.worker_id is not None and hashes:
+                chains.append(SessionChain(session.worker_id, session.tenant, hashes, density))
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         retains.until)
         actions = plan_shared_prefixes(ctx, prefixes)

@@ -1,6 +1,6 @@
 """The simulator runs the live router's shared-prefix scan: a system prompt that several
 live sessions share is retained by block hash, so it survives a flood that plain LRU
-(and the sessions' own retains, each below the threshold here) would evict.
+(and the sessions' own retains, each worth less than the prefix) would evict.
 
 Block size 32, a pool of 12 blocks, prompts of 3 full blocks + 1 token, no decode tokens.
 s1..s3 share blocks [1, 2]; the first tick (5 s) finds that prefix and retains it. Six
@@ -40,12 +40,12 @@ def _late_hit(tmp_path: Path, planner: PlannerConfig) -> int:
 
 def test_a_system_prompt_live_sessions_share_is_retained_through_a_flood(
         tmp_path: Path) -> None:
-    # Each session alone is worth priority 30 (a first user turn on fresh statistics), so
-    # with a threshold of 40 none is retained; the prefix is worth the three sessions'
-    # summed hit density (priority 45): only the shared-prefix retain keeps blocks 1, 2.
-    sessions_below = replace(PlannerConfig(), min_retain_priority=40)
-    assert _late_hit(tmp_path, sessions_below) == 64
-    # Controls: with four sessions required, or a threshold above the prefix's worth, it
-    # is not retained and LRU evicts it.
-    assert _late_hit(tmp_path, replace(sessions_below, shared_prefix_min_sessions=4)) == 0
-    assert _late_hit(tmp_path, replace(sessions_below, min_retain_priority=50)) == 0
+    # Each session is retained at priority 30 (a first user turn on fresh statistics),
+    # decaying while it waits; the flood's fresher retains displace those. The prefix is
+    # worth the three sessions' summed hit density (priority 45), so its retain keeps
+    # blocks 1 and 2.
+    assert _late_hit(tmp_path, PlannerConfig()) == 64
+    # Controls: with four sessions required the prefix is not retained and LRU evicts
+    # it; sessions the planner leaves to LRU (below the retain threshold) do not count.
+    assert _late_hit(tmp_path, replace(PlannerConfig(), shared_prefix_min_sessions=4)) == 0
+    assert _late_hit(tmp_path, replace(PlannerConfig(), min_retain_priority=40)) == 0

@@ -30,7 +30,7 @@ from kvhint.router.policy import (
     session_hit_density,
     user_gap_kind,
 )
-from kvhint.router.policy.planner import retain_priority
+from kvhint.router.policy.planner import priority_density, retain_priority
 from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
 from kvhint.schemas.hints import ParsedAction
 from kvhint.router.policy.feedback import apply_outcome
@@ -243,21 +243,26 @@ def test_shared_prefixes_used_by_many_sessions_are_retained_by_hash() -> None:
     assert action.payload.priority == retain_priority(busy) == 82
 
 
-def test_a_prefix_is_worth_the_hit_density_of_the_sessions_sharing_it() -> None:
+def test_a_session_is_worth_what_the_planner_last_valued_it_at() -> None:
+    """What a session adds to a shared prefix's worth: its retain priority read back as a
+    hit density (O(1) per session), its start-of-gap value while a turn is in flight,
+    nothing once left to LRU or ended."""
     stats = LearnedStats()
     for depth in (1, 2):
         for _ in range(10):
             stats.apply(ReturnObserved(depth, True))
             stats.apply(GapObserved(USER_GAP, depth, 30.0))
     ctx = _ctx(now=100.0, stats=stats)
-    fresh = _finish(ctx, _session_after_turn(ctx, at=90.0), FinishReason.STOP, at=95.0).session
-    stale = replace(fresh, gap_opened_at=-3000.0)
-    ended = replace(fresh, ended=True)
-    assert session_hit_density(ctx, fresh) > session_hit_density(ctx, stale) > 0.0
-    assert session_hit_density(ctx, ended) == 0.0
-    in_flight = _session_after_turn(ctx, at=99.0)
+    in_flight = _session_after_turn(ctx, at=90.0)
     assert session_hit_density(ctx, in_flight) == stats.hit_density(USER_GAP, 1, 0.0,
                                                                     ctx.config.horizon_s)
+    waiting = _finish(ctx, in_flight, FinishReason.STOP, at=95.0).session
+    priority = waiting.protection.priority
+    assert 0 < priority <= 100
+    assert session_hit_density(ctx, waiting) == priority_density(priority)
+    assert retain_priority(priority_density(priority)) == priority
+    assert session_hit_density(ctx, replace(waiting, protection=None)) == 0.0
+    assert session_hit_density(ctx, replace(waiting, ended=True)) == 0.0
 
 
 def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budget() -> None:

@@ -156,3 +156,17 @@ def test_kvhint_keeps_a_continuation_with_its_cache_despite_a_modest_load_lead()
     assert decision.worker_id == "w1"
     fresh = _ctx(RoutingPolicy.KVHINT, *loads)
     assert route(fresh, _req(prompt=24 * BS), random.Random(0)).worker_id == "w0"
+
+
+def test_kvhint_keeps_a_continuation_with_its_cache_behind_a_short_queue() -> None:
+    """Moving a session off its cache for a shorter wait recomputes that cache elsewhere:
+    new work for the fleet, where a queue is only waiting. A queue of 6k tokens does not
+    outweigh a 3k-token cached prefix (it did at queue_weight 1); one of 20k still does."""
+    cached = Overlap(6)  # 3,072 tokens
+    for pending, expected in ((6_000, "w0"), (20_000, "w1")):
+        loads = (WorkerLoad("w0", pending_prefill_tokens=pending), WorkerLoad("w1"))
+        ctx = _ctx(RoutingPolicy.KVHINT, *loads, session=SessionPlacement("w0", 2))
+        assert route(ctx, _req(prompt=8 * BS, w0=cached), random.Random(0)).worker_id == expected
+    old = _ctx(RoutingPolicy.KVHINT, WorkerLoad("w0", pending_prefill_tokens=6_000),
+               WorkerLoad("w1"), session=SessionPlacement("w0", 2), queue_weight=1.0)
+    assert route(old, _req(prompt=8 * BS, w0=cached), random.Random(0)).worker_id == "w1"

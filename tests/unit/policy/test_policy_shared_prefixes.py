@@ -11,12 +11,17 @@ from kvhint.router.policy import (
 from kvhint.schemas.hints import RetainPayload, Target, make_action
 
 SYSTEM = (101, 102, 103, 104)  # four blocks every session of tenant "t" starts with
+ONCE_A_MINUTE = 1 / 60.0
 
 
 def _chains() -> list[SessionChain]:
-    chains = [SessionChain("w0", "t", (*SYSTEM, 1000 + n, 2000 + n)) for n in range(4)]
-    chains.append(SessionChain("w0", "other", SYSTEM))  # another tenant: never pooled
-    chains.append(SessionChain("w1", "t", (*SYSTEM, 7)))  # another worker: counted there
+    chains = [SessionChain("w0", "t", (*SYSTEM, 1000 + n, 2000 + n), ONCE_A_MINUTE)
+              for n in range(4)]
+    # Another tenant: never pooled. Another worker: counted there.
+    chains.append(SessionChain("w0", "other", SYSTEM, ONCE_A_MINUTE))
+    chains.append(SessionChain("w1", "t", (*SYSTEM, 7), ONCE_A_MINUTE))
+    # Sessions the planner values at nothing (left to LRU) do not count.
+    chains += [SessionChain("w1", "t", (*SYSTEM, 8 + n), 0.0) for n in range(5)]
     return chains
 
 
@@ -26,11 +31,12 @@ def test_the_longest_prefix_enough_sessions_share_is_found_per_worker_and_tenant
     (prefix,) = found
     assert prefix.worker_id == "w0" and prefix.tenant == "t"
     assert prefix.block_hashes == SYSTEM and prefix.sessions == 4
+    assert prefix.hit_density == 4 * ONCE_A_MINUTE
     assert prefix.protected_until is None
     assert prefix.key == f"t:{SYSTEM[-1]:016x}"
     # Power-of-two lengths: with five sessions on blocks (1, 2, 3) only the first two
     # blocks form a counted prefix, and one more session is needed at min_sessions=6.
-    short = [SessionChain("w0", "t", (1, 2, 3, 1000 + n)) for n in range(5)]
+    short = [SessionChain("w0", "t", (1, 2, 3, 1000 + n), ONCE_A_MINUTE) for n in range(5)]
     assert [p.block_hashes for p in find_shared_prefixes(short, 5, {})] == [(1, 2)]
     assert find_shared_prefixes(short, 6, {}) == []
 
