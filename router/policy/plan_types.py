@@ -69,8 +69,9 @@ class PlannerConfig:
     release_ttl_s: float = 1.0
     share_ttl_s: float = 60.0
     prefetch_deadline_s: float = 5.0
-    # A prefix is retained when this many live sessions on one worker share it, at the
-    # priority of the sharing sessions' summed hit density (each one's next turn reads it).
+    # A prefix is retained when this many sessions the planner values (in flight or
+    # protected) share it on one worker, at the priority of their summed hit density
+    # (each one's next turn reads it).
     shared_prefix_min_sessions: int = 3
     # How often the caller looks for shared prefixes (live router and simulator alike).
     shared_prefix_scan_s: float = 10.0
