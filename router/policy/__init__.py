@@ -46,6 +46,7 @@ from kvhint.router.policy.planner import (
     plan_session_end,
     plan_shared_prefixes,
     plan_turn_routed,
+    session_chain,
     session_hit_density,
 )
 from kvhint.router.policy.routing import (
@@ -141,6 +142,7 @@ __all__ = [
     "plan_shared_prefixes",
     "plan_turn_routed",
     "route",
+    "session_chain",
     "session_hit_density",
     "is_user_kind",
     "user_gap_kind",

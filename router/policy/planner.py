@@ -51,7 +51,7 @@ from kvhint.router.policy.plan_types import (
     SharedPrefix,
     WorkerPlanView,
 )
-from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE
+from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE, SessionChain
 from kvhint.router.policy.session import (
     FinishReason,
     Protection,
@@ -172,6 +172,20 @@ def session_hit_density(ctx: PlannerContext, session: SessionPlanState) -> float
     return priority_density(session.protection.priority)
 
 
+def session_chain(ctx: PlannerContext, session: SessionPlanState, worker_id: str | None,
+                  block_hashes: tuple[int, ...]) -> SessionChain | None:
+    """What ``session`` brings to a shared-prefix scan: the block hashes of its last prompt
+    on ``worker_id`` with its :func:`session_hit_density`; None when it counts for nothing
+    (no worker or prompt yet, or worth nothing). The live lifecycle and the simulator
+    build their scans' input with it."""
+    if worker_id is None or not block_hashes:
+        return None
+    density = session_hit_density(ctx, session)
+    if density <= 0:
+        return None
+    return SessionChain(worker_id, session.tenant, block_hashes, density)
+
+
 def next_idle_review(config: PlannerConfig, session: SessionPlanState, now: float) -> float | None:
     """When :func:`plan_idle` should next run for ``session`` (absolute time, > ``now``),
     or None when it awaits no return. Reviews come at idle times ``first``, ``first x
@@ -205,8 +219,8 @@ def plan_shared_prefixes(
     """Retain prefixes that at least ``shared_prefix_min_sessions`` sessions use, unless
     already retained for more than half the horizon. The priority comes from the sharing
     sessions' summed hit density: a prefix block is read by every one of their next turns,
-    so it is worth their sum, and a prefix whose sessions are long gone (still "live" to
-    the caller for an hour) is worth little. Like a session's retain this is soft:
+    so it is worth their sum (sessions the planner left to LRU count for nothing, see
+    :func:`session_chain`). Like a session's retain this is soft:
     the worker fits it into its retain budget by displacing lower priorities, so only the
     tenant's budget is checked here (checking the worker's budget against the planner's
     ledger, which session retains routinely fill, kept every prefix out)."""

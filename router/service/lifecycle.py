@@ -24,7 +24,6 @@ from kvhint.router.policy import (
     PlannerContext,
     PlanResult,
     ResponseFinished,
-    SessionChain,
     SessionEnded,
     SharedPrefixRetains,
     TurnRouted,
@@ -34,7 +33,7 @@ from kvhint.router.policy import (
     plan_shared_prefixes,
     plan_session_end,
     plan_turn_routed,
-    session_hit_density,
+    session_chain,
 )
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
@@ -157,14 +156,9 @@ class SessionLifecycle:
             return
         self._prefix_retains.expire(now)
         context = self.hints.context(now)
-        chains = []
-        for record in self.sessions:
-            if record.state == ENDED or record.worker_id is None or not record.last_block_hashes:
-                continue
-            density = session_hit_density(context, record.plan)
-            if density > 0:
-                chains.append(SessionChain(record.worker_id, record.tenant,
-                                           record.last_block_hashes, density))
+        chains = [chain for record in self.sessions if record.state != ENDED and (
+            chain := session_chain(context, record.plan, record.worker_id,
+                                   record.last_block_hashes))]
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         self._prefix_retains.until)
         actions = plan_shared_prefixes(context, prefixes)

@@ -49,7 +49,6 @@ from kvhint.router.policy import (
     RoutingConfig,
     RoutingContext,
     RoutingPolicy,
-    SessionChain,
     SessionEnded,
     SessionPlacement,
     SessionPlanState,
@@ -67,7 +66,7 @@ from kvhint.router.policy import (
     plan_shared_prefixes,
     plan_turn_routed,
     route,
-    session_hit_density,
+    session_chain,
 )
 from kvhint.router.sim.host_tier import SimHostTier
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
@@ -439,12 +438,9 @@ class Simulation:
             return
         retains.expire(self.now)
         ctx = self._planner_ctx()
-        chains = []
-        for key, session in self.sessions.items():
-            density = session_hit_density(ctx, session)
-            hashes = self._last_hashes.get(key)
-            if density > 0 and session.worker_id is not None and hashes:
-                chains.append(SessionChain(session.worker_id, session.tenant, hashes, density))
+        chains = [chain for key, session in self.sessions.items() if (
+            chain := session_chain(ctx, session, session.worker_id,
+                                   self._last_hashes.get(key, ())))]
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         retains.until)
         actions = plan_shared_prefixes(ctx, prefixes)

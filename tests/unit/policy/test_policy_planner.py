@@ -27,6 +27,7 @@ from kvhint.router.policy import (
     plan_session_end,
     plan_shared_prefixes,
     plan_turn_routed,
+    session_chain,
     session_hit_density,
     user_gap_kind,
 )
@@ -263,6 +264,14 @@ def test_a_session_is_worth_what_the_planner_last_valued_it_at() -> None:
     assert retain_priority(priority_density(priority)) == priority
     assert session_hit_density(ctx, replace(waiting, protection=None)) == 0.0
     assert session_hit_density(ctx, replace(waiting, ended=True)) == 0.0
+    # What a scan gets: the chain with that worth, nothing for a session worth nothing or
+    # not yet placed.
+    chain = session_chain(ctx, waiting, "w0", (1, 2))
+    assert chain is not None and chain.hit_density == priority_density(priority)
+    assert (chain.worker_id, chain.tenant, chain.block_hashes) == ("w0", "t", (1, 2))
+    assert session_chain(ctx, replace(waiting, protection=None), "w0", (1, 2)) is None
+    assert session_chain(ctx, waiting, None, (1, 2)) is None
+    assert session_chain(ctx, waiting, "w0", ()) is None
 
 
 def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budget() -> None:
