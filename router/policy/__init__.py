@@ -81,6 +81,7 @@ from kvhint.router.policy.shared_prefixes import (
 from kvhint.router.policy.stats import (
     ANY_TOOL,
     USER_GAP,
+    CompletionReadObserved,
     GapObserved,
     LearnedStats,
     Observation,
@@ -93,6 +94,7 @@ __all__ = [
     "ALL_ACTIONS",
     "ANY_TOOL",
     "USER_GAP",
+    "CompletionReadObserved",
     "DonorCandidate",
     "DonorChoice",
     "DonorConfig",

@@ -29,6 +29,10 @@ The plan, per lifecycle event:
 - **shared prefixes** (:func:`plan_shared_prefixes`): prefixes (system prompts, tool
   schemas) used by many sessions are retained by block hash.
 
+What a protection covers is the part of the session's chain its next turn is expected to
+read (:mod:`.coverage`): the last prompt, plus the last response's blocks while next turns
+are seen reading them.
+
 "Release" is a Retain with priority 0 and ``release_ttl_s``: the plugin lets a newer
 Pin/Retain/Demote on the same session target supersede the older one, so this ends the
 protection. Budgets: per worker (the ``Budgets`` its status advertises, against what the
@@ -42,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvhint.router.policy.coverage import completion_read, protected_tokens
 from kvhint.router.policy.holdings import Holdings
 from kvhint.router.policy.plan_types import (
     PlannedAction,
@@ -62,6 +67,7 @@ from kvhint.router.policy.session import (
 )
 from kvhint.router.policy.stats import (
     USER_GAP,
+    CompletionReadObserved,
     GapObserved,
     LearnedStats,
     Observation,
@@ -102,6 +108,9 @@ def plan_turn_routed(
             observations.append(ReturnObserved(session.turns, True, kind))
         elif not session.return_counted:
             observations.append(ReturnObserved(session.turns, False, kind))
+    read = completion_read(ctx, session, event)
+    if read is not None:
+        observations.append(CompletionReadObserved(read))
     actions: list[PlannedAction] = []
     moved_from = session.worker_id
     if moved_from is not None and moved_from != event.worker_id:
@@ -111,6 +120,7 @@ def plan_turn_routed(
         worker_id=event.worker_id,
         turns=session.turns + 1,
         context_tokens=max(session.context_tokens, event.prompt_tokens),
+        prompt_tokens=event.prompt_tokens,
         last_activity=event.at,
         gap_kind=None,
         gap_opened_at=None,
@@ -133,6 +143,7 @@ def plan_response_finished(
     state = replace(
         session,
         context_tokens=event.prompt_tokens + event.completion_tokens,
+        prompt_tokens=event.prompt_tokens,
         last_activity=event.at,
         gap_kind=kind,
         gap_opened_at=event.at,
@@ -273,17 +284,17 @@ def _gap_kind(stats: LearnedStats, event: ResponseFinished, session: SessionPlan
     return max(sorted(set(event.tool_names)), key=lambda t: stats.gap_quantile(t, depth, q))
 
 
-def _blocks_of(session: SessionPlanState, block_size: int) -> int:
-    return max(session.context_tokens // max(block_size, 1), 0)
+def _blocks_of(ctx: PlannerContext, session: SessionPlanState, block_size: int) -> int:
+    return max(protected_tokens(ctx, session) // max(block_size, 1), 0)
 
 
-def _chain_target(session: SessionPlanState, worker: WorkerPlanView,
+def _chain_target(ctx: PlannerContext, session: SessionPlanState, worker: WorkerPlanView,
                   max_blocks: int | None = None) -> Target:
-    """The session's current chain (its last prompt + completion), not every branch it
+    """The session's current chain (see :func:`protected_tokens`), not every branch it
     ever had: earlier turns' completion blocks hang off the chain as dead branches that
     the next turn never reads, and retaining them would leak space turn after turn.
     ``max_blocks`` cuts it to that many blocks from the start (a clipped pin)."""
-    blocks = session.context_tokens // worker.block_size
+    blocks = protected_tokens(ctx, session) // worker.block_size
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)
     return Target(session_id=session.session_id,
@@ -329,7 +340,7 @@ def _protect(
     new ones."""
     config = ctx.config
     worker = ctx.workers.get(session.worker_id or "")
-    blocks = _blocks_of(session, worker.block_size) if worker is not None else 0
+    blocks = _blocks_of(ctx, session, worker.block_size) if worker is not None else 0
     if worker is None or blocks == 0:
         return PlanResult(session)
     kind = session.gap_kind or USER_GAP
@@ -357,7 +368,7 @@ def _protect(
         ask = min(int(blocks * scale), room, blocks)
         if ask >= 1:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
-            target = _chain_target(session, worker, max_blocks=ask)
+            target = _chain_target(ctx, session, worker, max_blocks=ask)
             return _send(ctx, session, worker, PinPayload(target=target, ttl_s=ttl), ask, 100,
                          ttl, f"{reason}:pin")
         top_priority = True
@@ -389,7 +400,7 @@ def _protect(
             until_review = (review - ctx.now) * 1.25 if review is not None else 0.0
             ttl = min(max(remaining * config.pin_ttl_margin, until_review),
                       worker.budgets.max_retain_ttl_s)
-            payload = RetainPayload(target=_chain_target(session, worker), priority=priority,
+            payload = RetainPayload(target=_chain_target(ctx, session, worker), priority=priority,
                                     ttl_s=ttl)
             return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
     return _release(ctx, session, worker, f"{reason}:low_value")
@@ -406,7 +417,7 @@ def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanRes
     worker = ctx.workers.get(session.worker_id or "")
     if worker is None:
         return PlanResult(replace(ended, protection=None))
-    blocks = _blocks_of(session, worker.block_size)
+    blocks = _blocks_of(ctx, session, worker.block_size)
     if worker.host_tier and not session.demoted and worker.can_send(ActionType.DEMOTE, ctx.config):
         payload = DemotePayload(target=Target(session_id=session.session_id))
         result = _send(ctx, ended, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
@@ -449,7 +460,7 @@ def _plan_move(
     actions: list[PlannedAction] = []
     target = Target(session_id=session.session_id)
     if old_worker is not None and old_worker.can_send(ActionType.SHARE, config):
-        blocks = _blocks_of(session, old_worker.block_size)
+        blocks = _blocks_of(ctx, session, old_worker.block_size)
         payload = SharePayload(target=target, destination_worker=new, ttl_s=config.share_ttl_s)
         actions.append(_planned(ctx, old, payload, session.session_id, session.tenant, blocks,
                                 ctx.now + config.share_ttl_s, "moved:share"))
@@ -458,7 +469,7 @@ def _plan_move(
         and new_worker.host_tier
         and new_worker.can_send(ActionType.PREFETCH, config)
     ):
-        blocks = _blocks_of(session, new_worker.block_size)
+        blocks = _blocks_of(ctx, session, new_worker.block_size)
         payload = PrefetchPayload(target=target, deadline_s=config.prefetch_deadline_s)
         actions.append(_planned(ctx, new, payload, session.session_id, session.tenant, blocks,
                                 ctx.now, "moved:prefetch"))

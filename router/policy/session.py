@@ -47,7 +47,7 @@ class SessionPlanState:
 
     ``turns``: turns routed so far (the depth of the current/last turn).
     ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
-    on its worker). ``gap_kind``/``gap_opened_at``: set between a response and the next
+    on its worker); ``prompt_tokens``: of the last turn's prompt alone. ``gap_kind``/``gap_opened_at``: set between a response and the next
     turn (``gap_kind`` is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
     predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
     """
@@ -57,6 +57,7 @@ class SessionPlanState:
     worker_id: str | None = None
     turns: int = 0
     context_tokens: int = 0
+    prompt_tokens: int = 0
     last_activity: float = 0.0
     gap_kind: str | None = None
     gap_opened_at: float | None = None
@@ -90,13 +91,15 @@ class SessionPlanState:
 @dataclass(frozen=True, slots=True)
 class TurnRouted:
     """A request of the session was routed to ``worker_id`` (after routing, before the
-    response)."""
+    response). ``cached_tokens``: the prompt tokens the router's index found cached on
+    that worker (None: not known)."""
 
     session_id: str
     tenant: str
     worker_id: str
     prompt_tokens: int
     at: float
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,19 @@ class ReturnObserved:
     kind: str = USER_GAP
 
 
-Observation = GapObserved | ReturnObserved
+@dataclass(frozen=True, slots=True)
+class CompletionReadObserved:
+    """A session's next turn, routed to the worker that still held its whole previous
+    prompt, did (``read``) or did not read KV beyond that prompt, i.e. the blocks of the
+    previous response. Whether it does is the workload's: a chat template that renders
+    an assistant message back into the same tokens the model produced lets the next turn
+    read them; one that re-renders tool calls or strips reasoning, or a trace whose
+    block ids say the output is not reused (the Mooncake format), does not."""
+
+    read: bool
+
+
+Observation = GapObserved | ReturnObserved | CompletionReadObserved
 
 
 @dataclass(slots=True)
@@ -155,6 +167,10 @@ class LearnedStats:
     prior_strength: float = 10.0
     prior_gap_s: float = 60.0
     tail_prior_weight: float = 1.0
+    # Next turns seen reading (``returned``) the previous response's KV, out of those
+    # observed (``finished``); the prior assumes they do (vLLM caches output blocks).
+    completion_reads: ReturnCount = field(default_factory=ReturnCount)
+    prior_completion_read: float = 1.0
 
     # -- reading -------------------------------------------------------------------------
 
@@ -249,10 +265,22 @@ class LearnedStats:
             previous_t, previous_v = t, value
         return hit / max(occupancy, 1e-9)
 
+    def completion_read_probability(self) -> float:
+        """P(a session's next turn reads the KV of its previous response), smoothed toward
+        ``prior_completion_read`` with ``prior_strength`` observations' weight."""
+        count = self.completion_reads
+        return (count.returned + self.prior_completion_read * self.prior_strength) / (
+            count.finished + self.prior_strength)
+
     # -- learning ------------------------------------------------------------------------
 
     def apply(self, observation: Observation) -> None:
         """Fold one observation in (the caller's job; the planner never mutates stats)."""
+        if isinstance(observation, CompletionReadObserved):
+            count = self.completion_reads
+            count.finished = count.finished * self.decay + 1.0
+            count.returned = count.returned * self.decay + (1.0 if observation.read else 0.0)
+            return
         if isinstance(observation, GapObserved):
             bucket = depth_bucket(observation.depth)
             kinds = [observation.kind]
@@ -280,6 +308,8 @@ class LearnedStats:
             "decay": self.decay,
             "gaps": {k: {"counts": h.counts, "total": h.total} for k, h in self.gaps.items()},
             "returns": {k: [c.finished, c.returned] for k, c in self.returns.items()},
+            "completion_reads": [self.completion_reads.finished,
+                                 self.completion_reads.returned],
         }
 
     @classmethod
@@ -299,6 +329,10 @@ class LearnedStats:
             stats.gaps[str(key)] = GapHistogram(counts, float(raw["total"]))
         for key, pair in returns.items():
             stats.returns[str(key)] = ReturnCount(float(pair[0]), float(pair[1]))
+        reads = data.get("completion_reads", [0.0, 0.0])  # absent before it was learnt
+        if not isinstance(reads, list) or len(reads) != 2:
+            raise ValueError("learned stats: completion_reads must be [observed, read]")
+        stats.completion_reads = ReturnCount(float(reads[0]), float(reads[1]))
         return stats
 
 

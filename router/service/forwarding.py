@@ -172,7 +172,7 @@ class Forwarder:
         flight.predicted_cached = predicted if plan.exact else None
         if flight.record is not None:
             await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
-                                         predicted, plan.block_hashes)
+                                         predicted, plan.block_hashes, plan.exact)
         return upstream
 
     async def _respond(self, flight: _Flight, upstream: UpstreamResponse) -> Response:

@@ -69,7 +69,11 @@ class SessionLifecycle:
         return record
 
     async def routed(self, record: SessionRecord, worker_id: str, prompt_tokens: int,
-                     predicted_cached: int, block_hashes: tuple[int, ...]) -> None:
+                     predicted_cached: int, block_hashes: tuple[int, ...],
+                     prediction_exact: bool = True) -> None:
+        """``prediction_exact``: the prompt's block hashes are vLLM's own, so
+        ``predicted_cached`` is what the worker's cache holds of it (the planner learns
+        from it only then)."""
         now = self._clock()
         if record.worker_id is not None and record.worker_id != worker_id:
             self._metrics.session_moves.inc()
@@ -77,7 +81,8 @@ class SessionLifecycle:
         record.turns += 1
         record.predicted_cached_tokens += predicted_cached
         record.last_block_hashes = block_hashes
-        event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now)
+        event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now,
+                           predicted_cached if prediction_exact else None)
         context = self.hints.context(now, record.tenant)
         await self._apply(record, plan_turn_routed(context, record.plan, event))
         self.sessions.save(record)

@@ -34,6 +34,9 @@ class StateSample:
     store_queue: int = 0
     # The index ingestor's counters (batches applied, gaps, duplicates, drops...).
     ingest: dict[str, int] = field(default_factory=dict)
+    # The planner's learnt share of next turns that read the previous response's KV
+    # (below one half, protections cover prompts only; policy.planner.protected_tokens).
+    completion_read_probability: float = 1.0
 
 
 class _StateCollector(Collector):
@@ -69,6 +72,10 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvhint_router_hints_pending",
                                 "Hint actions sent and awaiting a terminal outcome",
                                 value=s.pending_hints)
+        yield GaugeMetricFamily("kvhint_router_completion_read_probability",
+                                "Learnt share of next turns that read the previous "
+                                "response's KV (below 0.5 the planner protects prompts "
+                                "only)", value=s.completion_read_probability)
         yield GaugeMetricFamily("kvhint_router_store_queue",
                                 "Store writes waiting for the next batch", value=s.store_queue)
         ingest = CounterMetricFamily("kvhint_router_index_ingest",

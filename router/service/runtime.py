@@ -224,6 +224,7 @@ class RouterRuntime:
             pending_hints=len(self.hints.pending),
             store_queue=self.writer.queued,
             ingest=_ingest_counters(self.ingestor),
+            completion_read_probability=self.hints.stats.completion_read_probability(),
         )
 
 

@@ -245,7 +245,8 @@ class Simulation:
         if self.hints_on:
             self._last_hashes[session_key] = hashes
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
-                               request.input_length, self.now)
+                               request.input_length, self.now,
+                               decision.predicted_cached_tokens)
             self._apply_plan(plan_turn_routed(self._planner_ctx(), self.sessions.get(session_key),
                                               event))
         job = Job(request, session_key, vllm_request, hashes, decision.worker_id,

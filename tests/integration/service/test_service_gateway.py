@@ -211,7 +211,8 @@ async def test_models_health_metrics_dashboard(tmp_path: Path,
         assert {w["worker_id"] for w in overview["workers"]} == {"w0", "w1"}
         text = (await client.get(f"{router.url}/metrics")).text
         for name in ("kvhint_router_routing_decision_seconds", "kvhint_router_index_blocks",
-                     "kvhint_router_hints_pending", "kvhint_router_index_ingest"):
+                     "kvhint_router_hints_pending", "kvhint_router_index_ingest",
+                     "kvhint_router_completion_read_probability"):
             assert name in text
         json.loads(json.dumps(overview))
 

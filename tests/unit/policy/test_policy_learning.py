@@ -9,6 +9,7 @@ import pytest
 from kvhint.router.policy import (
     ANY_TOOL,
     USER_GAP,
+    CompletionReadObserved,
     FeedbackConfig,
     GapObserved,
     Holdings,
@@ -65,12 +66,32 @@ def test_stats_round_trip_through_json_and_reject_unknown_versions() -> None:
     stats = LearnedStats()
     stats.apply(GapObserved("search", 2, 3.0))
     stats.apply(ReturnObserved(2, True))
+    stats.apply(CompletionReadObserved(False))
     data = json.loads(json.dumps(stats.to_dict()))
     again = LearnedStats.from_dict(data)
     assert again.to_dict() == stats.to_dict()
     assert again.gap_quantile("search", 2, 0.5) == stats.gap_quantile("search", 2, 0.5)
+    assert again.completion_read_probability() == stats.completion_read_probability() < 1.0
     with pytest.raises(ValueError, match="version"):
         LearnedStats.from_dict({**data, "version": 99})
+    # Statistics saved before completion reads were learnt still load, at the prior.
+    older = {k: v for k, v in data.items() if k != "completion_reads"}
+    assert LearnedStats.from_dict(older).completion_read_probability() == 1.0
+    with pytest.raises(ValueError, match="completion_reads"):
+        LearnedStats.from_dict({**data, "completion_reads": {"read": 3}})
+
+
+def test_completion_reads_start_at_the_prior_and_follow_what_is_seen() -> None:
+    stats = LearnedStats(decay=1.0)
+    assert stats.completion_read_probability() == 1.0  # vLLM caches output blocks
+    for _ in range(10):
+        stats.apply(CompletionReadObserved(False))
+    assert stats.completion_read_probability() == 0.5  # the prior weighs 10 observations
+    stats.apply(CompletionReadObserved(False))
+    assert stats.completion_read_probability() < 0.5
+    for _ in range(30):
+        stats.apply(CompletionReadObserved(True))
+    assert stats.completion_read_probability() > 0.7
 
 
 def _outcome(kind: str, status: OutcomeStatus, requested: int = 0, applied: int = 0,

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from kvhint.router.policy import (
     USER_GAP,
+    CompletionReadObserved,
     FinishReason,
     GapObserved,
     Holdings,
@@ -390,3 +391,49 @@ def test_a_session_not_due_back_within_the_horizon_is_left_to_lru() -> None:
     assert sent(PlannerConfig(), "crawl") == []  # nothing held: nothing to release either
     (crawl,) = sent(PlannerConfig(horizon_s=300.0), "crawl")
     assert crawl >= PlannerConfig().min_retain_priority
+
+
+def test_a_next_turn_on_the_same_worker_shows_whether_it_read_the_response() -> None:
+    """The previous turn: an 8-block prompt and a 600-token response, so its chain has a
+    9th full block holding response tokens. The next turn's cached count on the same
+    worker says whether that block was read."""
+    ctx = _ctx()
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=600).session
+
+    def observed(cached: int | None, worker: str = "w0", prompt: int = 10 * BS) -> list:
+        event = TurnRouted("t/s", "t", worker, prompt, 30.0, cached)
+        result = plan_turn_routed(_ctx(now=30.0), session, event)
+        return [o for o in result.observations if isinstance(o, CompletionReadObserved)]
+
+    assert observed(9 * BS) == [CompletionReadObserved(True)]
+    assert observed(8 * BS) == [CompletionReadObserved(False)]
+    # Silent where the turn does not tell: the prompt itself partly evicted (the response
+    # block may have gone the same way), no count, another worker, a prompt too short.
+    assert observed(7 * BS) == []
+    assert observed(None) == []
+    two = _ctx(w0=WorkerPlanView("w0", BS, BUDGETS, NO_HOST),
+               w1=WorkerPlanView("w1", BS, BUDGETS, NO_HOST))
+    moved = plan_turn_routed(two, session, TurnRouted("t/s", "t", "w1", 10 * BS, 30.0, 0))
+    assert not any(isinstance(o, CompletionReadObserved) for o in moved.observations)
+    assert observed(8 * BS, prompt=9 * BS) == []
+    # A response that filled no block of its own tells nothing either.
+    short = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=100).session
+    result = plan_turn_routed(_ctx(now=30.0), short, TurnRouted("t/s", "t", "w0", 10 * BS,
+                                                                30.0, 8 * BS))
+    assert not any(isinstance(o, CompletionReadObserved) for o in result.observations)
+
+
+def test_protection_covers_the_response_only_while_next_turns_read_it() -> None:
+    def retained_tokens(stats: LearnedStats) -> int:
+        ctx = _ctx(stats=stats)
+        result = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=600)
+        (action,) = result.actions
+        assert result.session.protection is not None
+        assert result.session.protection.blocks * BS == _typed(action).payload.target.prefix_tokens
+        return _typed(action).payload.target.prefix_tokens
+
+    assert retained_tokens(LearnedStats()) == 9 * BS  # the prior: responses are read
+    not_read = LearnedStats()
+    for _ in range(20):
+        not_read.apply(CompletionReadObserved(False))
+    assert retained_tokens(not_read) == 8 * BS  # the prompt's blocks only

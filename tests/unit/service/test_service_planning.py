@@ -12,7 +12,7 @@ from kvhint.router.policy import GapObserved, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.inbound import Endpoint, parse_inbound
 from kvhint.router.service.lifecycle import SessionLifecycle
-from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.sessions import SessionRegistry
@@ -235,3 +235,35 @@ def test_new_sessions_spread_over_workers_despite_a_shared_prefix_when_configure
         return routing.plan(inbound, None, 0).decision.worker_id
 
     assert [first_turn(f"s{i}") for i in range(4)] == ["w0", "w1", "w0", "w1"]
+
+
+def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> None:
+    """Block size 4 (the worker's status): a 400-token prompt and a 10-token response
+    leave two full blocks of response tokens. The next turn's predicted cached count on
+    the same worker teaches the planner, but only when the prediction is exact (the
+    router hashed the prompt as vLLM does); the gauge shows what it learnt."""
+    _registry, metrics, _link, hints, _sessions, lifecycle, _index, _routing = build(["w0"])
+    metrics.bind_state(lambda: StateSample(
+        completion_read_probability=hints.stats.completion_read_probability()))
+
+    async def two_turns(session: str, predicted: int, exact: bool) -> None:
+        record = lifecycle.begin_turn("default", session)
+        await lifecycle.routed(record, "w0", 400, 0, ())
+        await lifecycle.finished(record, "w0", ResponseObservation(
+            finish_reason="stop", tool_names=[], prompt_tokens=400, completion_tokens=10,
+            cached_tokens=0), session_end=False)
+        record = lifecycle.begin_turn("default", session)
+        await lifecycle.routed(record, "w0", 440, predicted, (), prediction_exact=exact)
+
+    async def scenario() -> None:
+        await two_turns("estimated", 400, exact=False)
+        assert hints.stats.completion_reads.finished == 0
+        await two_turns("read", 408, exact=True)
+        assert hints.stats.completion_reads.returned == 1
+        for n in range(12):
+            await two_turns(f"skipped{n}", 400, exact=True)
+
+    asyncio.run(scenario())
+    assert hints.stats.completion_reads.finished > 12
+    assert hints.stats.completion_read_probability() < 0.5
+    assert "kvhint_router_completion_read_probability 0.4" in metrics.render().decode()

@@ -1,0 +1,60 @@
+"""The simulator learns, as the live router does, whether a session's next turn reads the
+KV of its previous response, and protects only what the next turn reads.
+
+A Mooncake-format trace never reuses output blocks: a turn's ``hash_ids`` extend the
+previous *prompt's* full blocks with new ids. Here 16 sessions of two turns each, block
+size 32, a pool large enough that nothing is evicted: turn 1 has a 4-block prompt and a
+40-token response (one full block of response tokens), turn 2 a 198-token prompt (6 full
+blocks, the first 4 shared with turn 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvhint.router.sim.engine import SimConfig, Simulation
+from kvhint.router.sim.trace import load_trace
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for n in range(16):
+        first = [1000 * n + k for k in range(4)]
+        rows.append({"timestamp": 10_000 * n, "session_id": f"s{n}", "input_length": 128,
+                     "output_length": 40, "hash_ids": first})
+        rows.append({"timestamp": 10_000 * n + 5000, "session_id": f"s{n}",
+                     "input_length": 198, "output_length": 40,
+                     "hash_ids": first + [1000 * n + 10 + k for k in range(3)]})
+    return rows
+
+
+def _run(path: Path, limit: int | None) -> Simulation:
+    sim = Simulation(load_trace(path, block_size=32, limit=limit),
+                     SimConfig(workers=1, gpu_blocks=400, block_size=32), "kvhint")
+    sim.run()
+    return sim
+
+
+def test_next_turns_that_skip_the_response_make_protections_cover_prompts_only(
+        tmp_path: Path) -> None:
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    sim = _run(path, None)
+    # 16 next turns found their previous prompt cached and nothing of the response
+    # (counts decay by 0.999 per observation).
+    assert sim.stats.completion_reads.finished == pytest.approx(16, abs=0.2)
+    assert sim.stats.completion_reads.returned == 0
+    assert sim.stats.completion_read_probability() < 0.5
+    # After turn 2 a session's chain is 198 + 40 = 238 tokens, 7 full blocks: the last
+    # session's retain covers the 6 prompt blocks only.
+    last = sim.sessions["default/s15"].protection
+    assert last is not None and last.blocks == 6
+    # Control: after the first two sessions (two observations against the prior's ten)
+    # the retain still covers the response's block too.
+    early = _run(path, 4)
+    assert early.stats.completion_read_probability() > 0.5
+    second = early.sessions["default/s1"].protection
+    assert second is not None and second.blocks == 7
