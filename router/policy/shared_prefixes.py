@@ -8,7 +8,9 @@ sent, so the two run the same scan.
 
 A prefix is identified by the hash of its last block (the chain hash covers everything
 before it). For every session, prefixes at power-of-two lengths are counted; per worker and
-tenant the longest prefix used by at least ``min_sessions`` sessions wins. Only one: with
+tenant the longest prefix used by at least ``min_sessions`` sessions wins, extended to
+where its sessions' prompts part (a 7-block system prompt is counted at 4 blocks and
+retained whole, not as 4). Only one: with
 several agent types' system prompts on a worker, retaining each of them measured worse on
 the simulator's gen-agents workload (five seeds, 0.3-1.5% more recomputed tokens;
 BENCHMARKS.md), the prompts in use staying resident anyway.
@@ -44,10 +46,12 @@ def find_shared_prefixes(chains: Iterable[SessionChain], min_sessions: int,
     # Per (worker, tenant): prefix's last block hash -> [sessions, summed density, the
     # first chain seen with it, the prefix's length] (sliced only for the winners).
     groups: dict[tuple[str, str], dict[int, list]] = {}
+    counted: dict[tuple[str, str], list[tuple[int, ...]]] = {}
     for chain in chains:
         if chain.hit_density <= 0:
             continue
         group = groups.setdefault((chain.worker_id, chain.tenant), {})
+        counted.setdefault((chain.worker_id, chain.tenant), []).append(chain.block_hashes)
         hashes = chain.block_hashes
         length = 1
         while length <= len(hashes):
@@ -67,12 +71,27 @@ def find_shared_prefixes(chains: Iterable[SessionChain], min_sessions: int,
             continue
         length, _density, last = max(shared)
         sessions, density, hashes, _length = group[last]
+        length = _common_length(hashes, length, counted[(worker, tenant)])
         key = f"{tenant}:{last:016x}"
         prefixes.append(SharedPrefix(
             worker_id=worker, key=key, block_hashes=hashes[:length], sessions=sessions,
             tenant=tenant, protected_until=protected_until.get(_protection_key(worker, key)),
             hit_density=density))
     return prefixes
+
+
+def _common_length(hashes: tuple[int, ...], length: int,
+                   chains: Sequence[tuple[int, ...]]) -> int:
+    """How far past ``length`` blocks every chain that shares ``hashes[:length]`` still
+    shares ``hashes`` (the prefix's sessions part there): the counted length is a power
+    of two, the prompt's is not. Chain hashes make one block's hash stand for all of the
+    prefix before it."""
+    last = hashes[length - 1]
+    members = [c for c in chains if len(c) >= length and c[length - 1] == last]
+    while length < len(hashes) and all(
+            len(c) > length and c[length] == hashes[length] for c in members):
+        length += 1
+    return length
 
 
 class SharedPrefixRetains:

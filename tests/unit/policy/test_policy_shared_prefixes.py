@@ -34,11 +34,18 @@ def test_the_longest_prefix_enough_sessions_share_is_found_per_worker_and_tenant
     assert prefix.hit_density == 4 * ONCE_A_MINUTE
     assert prefix.protected_until is None
     assert prefix.key == f"t:{SYSTEM[-1]:016x}"
-    # Power-of-two lengths: with five sessions on blocks (1, 2, 3) only the first two
-    # blocks form a counted prefix, and one more session is needed at min_sessions=6.
+    # Prefixes are counted at power-of-two lengths, then extended to where the sessions
+    # part: five sessions on blocks (1, 2, 3) share a 3-block prefix, found at 2.
     short = [SessionChain("w0", "t", (1, 2, 3, 1000 + n), ONCE_A_MINUTE) for n in range(5)]
-    assert [p.block_hashes for p in find_shared_prefixes(short, 5, {})] == [(1, 2)]
+    assert [p.block_hashes for p in find_shared_prefixes(short, 5, {})] == [(1, 2, 3)]
     assert find_shared_prefixes(short, 6, {}) == []
+    # The extension stops at the first block one of the prefix's sessions does not have
+    # (a session whose prompt is the bare system prompt, or one that parted at block 3).
+    bare = [*short, SessionChain("w0", "t", (1, 2), ONCE_A_MINUTE)]
+    assert [p.block_hashes for p in find_shared_prefixes(bare, 5, {})] == [(1, 2)]
+    parted = [*short, SessionChain("w0", "t", (1, 2, 9, 9), ONCE_A_MINUTE)]
+    (prefix,) = find_shared_prefixes(parted, 5, {})
+    assert prefix.block_hashes == (1, 2) and prefix.sessions == 6
 
 
 def _retain(worker: str, scope: str, expires_at: float) -> PlannedAction:
