@@ -6,7 +6,8 @@ workload: vLLM caches output blocks, and a chat template that renders the assist
 message back into the tokens the model produced lets the next turn read them; one that
 re-renders tool calls, strips reasoning, or a trace that never reuses outputs (the
 Mooncake format) does not. The planner learns which from each next turn
-(:func:`completion_read` -> :class:`~kvhint.router.policy.stats.CompletionReadObserved`) and protects accordingly
+(:func:`completion_read`, folded into the statistics as a
+:class:`~kvhint.router.policy.stats.CompletionReadObserved`) and protects accordingly
 (:func:`protected_tokens`). Pure functions, like the rest of the planner.
 """
 

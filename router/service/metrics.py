@@ -35,7 +35,7 @@ class StateSample:
     # The index ingestor's counters (batches applied, gaps, duplicates, drops...).
     ingest: dict[str, int] = field(default_factory=dict)
     # The planner's learnt share of next turns that read the previous response's KV
-    # (below one half, protections cover prompts only; policy.planner.protected_tokens).
+    # (below one half, protections cover prompts only; policy.coverage.protected_tokens).
     completion_read_probability: float = 1.0
 
 

@@ -158,3 +158,22 @@ def test_tempo_kinds_learn_their_own_returns_and_fall_back_to_the_pooled_user_fi
     assert stats.return_probability(2, slow) == pytest.approx((0 + pooled * 10) / (40 + 10))
     assert stats.gap_quantile(user_gap_kind(100.0), 2, 0.5) == stats.gap_quantile(fast, 2, 0.5)
     assert stats.returns[f"{USER_GAP}|2"].finished == 80
+
+
+def test_hit_density_is_remembered_only_until_the_next_observation() -> None:
+    """hit_density is memoised (the shared-prefix scan asks it for every in-flight
+    session); every observation must still show in the next answer."""
+    stats = LearnedStats(decay=1.0)
+    before = stats.hit_density(USER_GAP, 2, 0.0, 100.0)
+    assert stats.hit_density(USER_GAP, 2, 0.0, 100.0) == before
+    fresh = LearnedStats(decay=1.0)
+    for _ in range(20):
+        stats.apply(GapObserved(USER_GAP, 2, 5.0))
+        fresh.apply(GapObserved(USER_GAP, 2, 5.0))
+    after = stats.hit_density(USER_GAP, 2, 0.0, 100.0)
+    assert after > before  # sessions seen back within seconds are worth more
+    assert after == fresh.hit_density(USER_GAP, 2, 0.0, 100.0)
+    # Depths in one bucket share a value; other idle times are their own.
+    assert stats.hit_density(USER_GAP, 9, 0.0, 100.0) == stats.hit_density(USER_GAP, 8, 0.0,
+                                                                            100.0)
+    assert stats.hit_density(USER_GAP, 2, 30.0, 100.0) != after
