@@ -223,8 +223,11 @@ class HintExecutor:
                                    scope)
         else:  # pragma: no cover - every payload type is handled above
             raise TypeError(type(payload))
-        return answer(ACCEPTED if not notes else CLIPPED, "; ".join(notes), requested,
-                      self._amount(applied))
+        status = ACCEPTED if not notes else CLIPPED  # notes so far say what was clipped
+        if payload.evict_rest_first:
+            moved = self._evict_first_exclusive(scope, keep=set(keys))
+            notes.append(f"{moved} free blocks of the session past the target go first")
+        return answer(status, "; ".join(notes), requested, self._amount(applied))
 
     def _resolve(self, target: Target) -> tuple[list[int], int] | list:
         """Target -> (hashes root first, number of blocks asked for), or
@@ -269,13 +272,17 @@ class HintExecutor:
             notes.append(note)
         return applied
 
-    def _evict_first_exclusive(self, session_id: str | None) -> int:
-        """Move the free blocks no other session or claim uses to the head of the eviction
-        order: a released (ended, abandoned) session is the cheapest thing to lose."""
+    def _evict_first_exclusive(self, session_id: str | None,
+                               keep: set[int] | None = None) -> int:
+        """Move the session's free blocks no other session or claim uses, except ``keep``,
+        to the head of the eviction order: a released (ended, abandoned) session is the
+        cheapest thing to lose, and so is the rest of one whose next turn reads only the
+        prefix a Pin or Retain with ``evict_rest_first`` protects."""
         if session_id is None:
             return 0
         handles = [h for h in map(self.cache.lookup, self.index.exclusive_blocks(session_id))
-                   if h is not None and not self.holds.is_held(h.block_id)]
+                   if h is not None and not self.holds.is_held(h.block_id)
+                   and (keep is None or h.key not in keep)]
         return self.cache.evict_first(handles)
 
     def _demote(self, answer: Callable[..., HintOutcome], scope: str | None,

@@ -19,6 +19,7 @@ from kvhint.schemas.events import (
 )
 from kvhint.schemas.hints import (
     ACTION_VERSION,
+    EVICT_REST_VERSION,
     PROTOCOL_VERSION,
     ActionType,
     DecodedHints,
@@ -35,6 +36,7 @@ from kvhint.schemas.hints import (
     Target,
     decode_hints,
     encode_hints,
+    evict_rest_supported,
     make_action,
     parse_action,
 )
@@ -60,6 +62,7 @@ from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 
 __all__ = [
     "ACTION_VERSION",
+    "EVICT_REST_VERSION",
     "DONOR_ACTION_TYPE",
     "PROTOCOL_VERSION",
     "WIRE_VERSION",
@@ -111,6 +114,7 @@ __all__ = [
     "encode_status",
     "external_hash_to_int",
     "is_valid_worker_id",
+    "evict_rest_supported",
     "make_action",
     "parse_action",
 ]

@@ -17,6 +17,7 @@ Encoding: JSON. Block hashes are the unsigned 64-bit ints vLLM publishes in KV e
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -34,6 +35,9 @@ from kvhint.schemas._codec import (
 
 PROTOCOL_VERSION = "1"
 ACTION_VERSION = "1.0"
+# kv.retain and kv.pin 1.1 add ``evict_rest_first``; an action without it is sent as 1.0,
+# byte for byte what a 1.0 worker accepts.
+EVICT_REST_VERSION = "1.1"
 
 # Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
 MAX_TTL_S = 86_400.0
@@ -111,16 +115,24 @@ class _Payload(
 
 
 class RetainPayload(_Payload, frozen=True):
-    """Bias eviction order; no guarantee. Released under pressure before any preemption."""
+    """Bias eviction order; no guarantee. Released under pressure before any preemption.
+
+    ``evict_rest_first`` (action_version 1.1, session targets only): the session's other
+    resident blocks that are free and that no other session or claim uses (its blocks
+    past the target's prefix: a response its next turn will not read, branches it left)
+    move to the head of the eviction order."""
 
     priority: Priority = 50
     ttl_s: Seconds | None = None
+    evict_rest_first: bool = False
 
 
 class PinPayload(_Payload, frozen=True):
-    """Protect from eviction until ``ttl_s``; clipped to the worker's budget and max TTL."""
+    """Protect from eviction until ``ttl_s``; clipped to the worker's budget and max TTL.
+    ``evict_rest_first``: as for :class:`RetainPayload`."""
 
     ttl_s: Seconds = 60.0
+    evict_rest_first: bool = False
 
 
 class DemotePayload(_Payload, frozen=True):
@@ -151,7 +163,9 @@ PAYLOAD_TYPES: dict[ActionType, type[_Payload]] = {
 }
 
 # action type -> versions this contract defines. A worker advertises the subset it runs.
-SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {t.value: (ACTION_VERSION,) for t in ActionType}
+SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
+    t.value: (ACTION_VERSION, EVICT_REST_VERSION) if t in (ActionType.RETAIN, ActionType.PIN)
+    else (ACTION_VERSION,) for t in ActionType}
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +208,20 @@ def parse_action(action: KvHintAction) -> ParsedAction | InvalidAction:
         payload = convert(action.payload, PAYLOAD_TYPES[action_type], "payload")
     except WireDecodeError as exc:
         return InvalidAction(action.action_id, action.action_type, str(exc))
-    problem = payload.target.problem()
+    problem = payload.target.problem() or _version_problem(action.action_version, payload)
     if problem is not None:
         return InvalidAction(action.action_id, action.action_type, f"invalid payload: {problem}")
     return ParsedAction(action.action_id, action_type, payload)
+
+
+def _version_problem(version: str, payload: _Payload) -> str | None:
+    if not getattr(payload, "evict_rest_first", False):
+        return None
+    if version == ACTION_VERSION:
+        return f"evict_rest_first needs action_version {EVICT_REST_VERSION}"
+    if payload.target.session_id is None:
+        return "evict_rest_first needs a session target (the rest of which session?)"
+    return None
 
 
 class _LooseEnvelope(msgspec.Struct, frozen=True):
@@ -258,13 +282,22 @@ def _type_name(action: ParsedAction | InvalidAction) -> str:
     return action.action_type
 
 
+def evict_rest_supported(supported_actions: Mapping[str, Sequence[str]]) -> bool:
+    """Whether a worker advertising ``supported_actions`` (its status) takes
+    ``evict_rest_first`` on both kv.retain and kv.pin (their version 1.1)."""
+    return all(EVICT_REST_VERSION in supported_actions.get(t.value, ())
+               for t in (ActionType.RETAIN, ActionType.PIN))
+
+
 def make_action(action_id: str, payload: HintPayload) -> KvHintAction:
     """Build a wire action from a typed payload (the planner's and tests' way in)."""
     action_type = next(t for t, cls in PAYLOAD_TYPES.items() if type(payload) is cls)
+    version = EVICT_REST_VERSION if getattr(payload, "evict_rest_first", False) else (
+        ACTION_VERSION)
     return KvHintAction(
         action_id=action_id,
         action_type=action_type.value,
-        action_version=ACTION_VERSION,
+        action_version=version,
         payload=msgspec.to_builtins(payload),
     )
 

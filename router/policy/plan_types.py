@@ -85,13 +85,15 @@ class PlannerConfig:
 class WorkerPlanView:
     """One worker as the planner sees it: from its status heartbeat (block size, budgets,
     supported actions, host tier), the caller's :class:`HoldingsLedger` and the worker's
-    outcome feedback."""
+    outcome feedback. ``evict_rest_first``: the worker takes Pins and Retains that send
+    the rest of the session's blocks first (their action version 1.1)."""
 
     worker_id: str
     block_size: int
     budgets: Budgets
     supported_actions: frozenset[str] = ALL_ACTIONS
     host_tier: bool = False
+    evict_rest_first: bool = False
     held: Holdings = Holdings()
     feedback: WorkerFeedback | None = None
 

@@ -31,7 +31,9 @@ The plan, per lifecycle event:
 
 What a protection covers is the part of the session's chain its next turn is expected to
 read (:mod:`.coverage`): the last prompt, plus the last response's blocks while next turns
-are seen reading them.
+are seen reading them. On workers that take it (Pin/Retain 1.1) the protection also sends
+the rest of the session's blocks (a response not read, branches left behind) to the head
+of the eviction order: nothing reads them again.
 
 "Release" is a Retain with priority 0 and ``release_ttl_s``: the plugin lets a newer
 Pin/Retain/Demote on the same session target supersede the older one, so this ends the
@@ -369,8 +371,11 @@ def _protect(
         if ask >= 1:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
             target = _chain_target(ctx, session, worker, max_blocks=ask)
-            return _send(ctx, session, worker, PinPayload(target=target, ttl_s=ttl), ask, 100,
-                         ttl, f"{reason}:pin")
+            # The rest of the session goes first only when the pin covers all the next
+            # turn reads (a clipped pin leaves part of it to LRU).
+            payload = PinPayload(target=target, ttl_s=ttl,
+                                 evict_rest_first=worker.evict_rest_first and ask == blocks)
+            return _send(ctx, session, worker, payload, ask, 100, ttl, f"{reason}:pin")
         top_priority = True
     else:
         top_priority = False
@@ -401,7 +406,7 @@ def _protect(
             ttl = min(max(remaining * config.pin_ttl_margin, until_review),
                       worker.budgets.max_retain_ttl_s)
             payload = RetainPayload(target=_chain_target(ctx, session, worker), priority=priority,
-                                    ttl_s=ttl)
+                                    ttl_s=ttl, evict_rest_first=worker.evict_rest_first)
             return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
     return _release(ctx, session, worker, f"{reason}:low_value")
 

@@ -44,6 +44,7 @@ from kvhint.schemas import (
     OutcomeStatus,
     Subjects,
     encode_hints,
+    evict_rest_supported,
 )
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ class HintDispatcher:
                 budgets=status.budgets,
                 supported_actions=frozenset(status.supported_actions),
                 host_tier=status.host_tier,
+                evict_rest_first=evict_rest_supported(status.supported_actions),
                 held=self.holdings.worker(worker.worker_id),
                 feedback=self.feedback.get(worker.worker_id),
             )

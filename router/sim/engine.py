@@ -73,7 +73,7 @@ from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
 from kvhint.router.sim.timing import TimeModel
 from kvhint.router.sim.trace import Trace, TraceRequest
 from kvhint.router.sim.worker import Job, SimWorker
-from kvhint.schemas import DecodedHints, HintOutcome, parse_action
+from kvhint.schemas import DecodedHints, HintOutcome, evict_rest_supported, parse_action
 
 POLICIES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
 U64_MASK = (1 << 64) - 1
@@ -178,7 +178,8 @@ class Simulation:
             self._static_views[worker_id] = WorkerPlanView(
                 worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),
                 supported_actions=frozenset(core.supported_actions()),
-                host_tier=host is not None)
+                host_tier=host is not None,
+                evict_rest_first=evict_rest_supported(core.supported_actions()))
             self._recent[worker_id] = RecentLoad(config.recent_half_life_s)
             self.result.computed_by_worker[worker_id] = 0
 

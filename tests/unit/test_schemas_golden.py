@@ -42,6 +42,15 @@ def _envelope() -> s.KvHintsEnvelope:
 
 SAMPLES: dict[str, tuple[object, type]] = {
     "hints_envelope": (_envelope(), s.KvHintsEnvelope),
+    # kv.retain / kv.pin 1.1: evict_rest_first (the 1.0 envelope above is unchanged).
+    "hints_envelope_v1_1": (s.KvHintsEnvelope(protocol_version="1", message_id="msg-2", actions=[
+        s.make_action("a-retain", s.RetainPayload(
+            target=s.Target(session_id="tenant-a/sess-1", prefix_tokens=8192), priority=61,
+            ttl_s=45.0, evict_rest_first=True)),
+        s.make_action("a-pin", s.PinPayload(
+            target=s.Target(session_id="tenant-a/sess-2", prefix_tokens=4096), ttl_s=12.0,
+            evict_rest_first=True)),
+    ]), s.KvHintsEnvelope),
     "hint_outcome": (s.HintOutcome(
         message_id="msg-1", action_id="a-pin", action_type="kv.pin", worker_id="w0",
         status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",

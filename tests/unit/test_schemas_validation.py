@@ -33,6 +33,25 @@ def test_valid_actions_parse_to_typed_payloads() -> None:
     assert isinstance(retain.payload, s.RetainPayload) and retain.payload.priority == 3
 
 
+def test_evict_rest_first_rides_on_version_1_1_and_only_there() -> None:
+    rest = s.make_action("a1", s.RetainPayload(
+        target=s.Target(session_id="x", prefix_tokens=64), priority=40, evict_rest_first=True))
+    plain = s.make_action("a2", s.PinPayload(target=s.Target(session_id="x"), ttl_s=5.0))
+    assert rest.action_version == s.EVICT_REST_VERSION == "1.1"
+    assert plain.action_version == s.ACTION_VERSION == "1.0"
+    assert "evict_rest_first" not in plain.payload  # a 1.0 worker reads it as before
+    parsed = s.parse_action(rest)
+    assert isinstance(parsed, s.ParsedAction) and parsed.payload.evict_rest_first
+    # Workers say they take it by advertising 1.1 for both kv.retain and kv.pin.
+    assert s.evict_rest_supported({"kv.retain": ["1.0", "1.1"], "kv.pin": ["1.0", "1.1"]})
+    assert not s.evict_rest_supported({"kv.retain": ["1.0", "1.1"], "kv.pin": ["1.0"]})
+    assert not s.evict_rest_supported({"kv.retain": ["1.0"]})
+    # A 1.1 action without the field is still a plain retain.
+    bare = s.parse_action(s.KvHintAction("a3", "kv.retain", "1.1",
+                                         {"target": {"session_id": "x"}}))
+    assert isinstance(bare, s.ParsedAction) and not bare.payload.evict_rest_first
+
+
 @pytest.mark.parametrize(
     ("action", "fragment"),
     [
@@ -54,6 +73,15 @@ def test_valid_actions_parse_to_typed_payloads() -> None:
         (_action("kv.share", {"target": {"session_id": "x"}, "destination_worker": "a.b"}),
          "destination_worker"),
         (_action("kv.pin", {"target": {"session_id": "x"}}, action_id=""), "action_id is empty"),
+        # evict_rest_first is 1.1, for session targets, and only on kv.retain and kv.pin.
+        (_action("kv.retain", {"target": {"session_id": "x"}, "evict_rest_first": True}),
+         "evict_rest_first needs action_version 1.1"),
+        (_action("kv.pin", {"target": {"block_hashes": [1]}, "evict_rest_first": True},
+                 version="1.1"), "evict_rest_first needs a session target"),
+        (_action("kv.demote", {"target": {"session_id": "x"}}, version="1.1"),
+         "unsupported action_version '1.1' for kv.demote"),
+        (_action("kv.demote", {"target": {"session_id": "x"}, "evict_rest_first": True}),
+         "unknown field `evict_rest_first`"),
     ],
 )
 def test_bad_actions_become_invalid_with_reason(action: dict, fragment: str) -> None:

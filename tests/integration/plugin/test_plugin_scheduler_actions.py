@@ -431,3 +431,32 @@ def test_a_plugin_bug_is_counted_and_never_stops_the_engine(
     turn(h, "s", [1, 2, 3])
     assert turn_hit(h, "s", [1, 2, 3, 4]) == 3 * BS
     assert core.counters.internal_errors >= 3
+
+
+def test_evict_rest_first_gives_up_what_the_next_turn_will_not_read() -> None:
+    """Session "s" went [1, 2, 10, 11] then [1, 2, 20, 21, 22]: blocks 10 and 11 are a
+    branch its next turn will not read. A Retain of the current prompt with
+    ``evict_rest_first`` (action version 1.1) puts that branch at the head of the eviction
+    order, so pressure takes it instead of the older session LRU would give up."""
+
+    def run(evict_rest_first: bool) -> tuple[HintOutcome, int, int, int]:
+        h = sched()
+        turn(h, "older", [40, 41, 42, 43])
+        turn(h, "s", [1, 2, 10, 11])
+        turn(h, "s", [1, 2, 20, 21, 22])
+        outcome = hint(h, RetainPayload(target=Target(session_id="s", prefix_tokens=5 * BS),
+                                        priority=60, evict_rest_first=evict_rest_first))
+        # The free blocks never used go first; five fewer than all free ones reach two
+        # cached blocks at the head of the LRU order.
+        turn(h, "new", list(range(600, 600 + h.block_pool.get_num_free_blocks() - 5)))
+        return (outcome, cached_tokens(h, [40, 41, 42, 43]), cached_tokens(h, [1, 2, 10, 11]),
+                cached_tokens(h, [1, 2, 20, 21, 22]))
+
+    outcome, older, branch, current = run(evict_rest_first=True)
+    assert outcome.status.value == "accepted", outcome.reason
+    assert "2 free blocks of the session past the target go first" in outcome.reason
+    assert (older, branch, current) == (4 * BS, 2 * BS, 5 * BS)
+    # Control: the same Retain without it (version 1.0) leaves LRU to take "older"'s leaves.
+    outcome, older, branch, current = run(evict_rest_first=False)
+    assert outcome.status.value == "accepted" and outcome.reason == ""
+    assert (older, branch, current) == (2 * BS, 4 * BS, 5 * BS)

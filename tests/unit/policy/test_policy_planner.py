@@ -437,3 +437,27 @@ def test_protection_covers_the_response_only_while_next_turns_read_it() -> None:
     for _ in range(20):
         not_read.apply(CompletionReadObserved(False))
     assert retained_tokens(not_read) == 8 * BS  # the prompt's blocks only
+
+
+def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
+    """On a worker that runs Pin/Retain 1.1 a protection that covers all the next turn
+    reads also sends the rest of the session first; a clipped pin does not (the rest is
+    part of what the next turn reads), and a 1.0 worker gets 1.0 actions."""
+    new = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, evict_rest_first=True)
+    old = WorkerPlanView("w0", BS, BUDGETS, NO_HOST)
+
+    def sent(view: WorkerPlanView, reason: FinishReason, tools: tuple[str, ...] = ()):
+        ctx = _ctx(stats=_fast_search(), w0=view)
+        (planned,) = _finish(ctx, _session_after_turn(ctx), reason, tools).actions
+        return planned.action.action_version, _typed(planned).payload
+
+    assert sent(new, FinishReason.STOP)[0] == "1.1"
+    assert sent(new, FinishReason.STOP)[1].evict_rest_first
+    version, pin = sent(new, FinishReason.TOOL_CALLS, ("search",))
+    assert version == "1.1" and pin.evict_rest_first
+    clipped = replace(new, held=Holdings(pinned_blocks=97))  # 3 of 8 blocks pinnable
+    version, pin = sent(clipped, FinishReason.TOOL_CALLS, ("search",))
+    assert pin.target.prefix_tokens == 3 * BS and not pin.evict_rest_first and version == "1.0"
+    for reason, tools in ((FinishReason.STOP, ()), (FinishReason.TOOL_CALLS, ("search",))):
+        version, payload = sent(old, reason, tools)
+        assert version == "1.0" and not payload.evict_rest_first
