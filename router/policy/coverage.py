@@ -30,7 +30,7 @@ def protected_tokens(ctx: PlannerContext, session: SessionPlanState) -> int:
 
 
 def completion_read(ctx: PlannerContext, session: SessionPlanState | None,
-                     event: TurnRouted) -> bool | None:
+                    event: TurnRouted) -> bool | None:
     """Whether this turn read its session's previous response's KV; None when the turn
     does not tell: a new session, one with no response finished since its last turn
     (overlapping requests), another worker, no cached count, a previous response

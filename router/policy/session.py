@@ -47,8 +47,9 @@ class SessionPlanState:
 
     ``turns``: turns routed so far (the depth of the current/last turn).
     ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
-    on its worker); ``prompt_tokens``: of the last turn's prompt alone. ``gap_kind``/``gap_opened_at``: set between a response and the next
-    turn (``gap_kind`` is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
+    on its worker); ``prompt_tokens``: of the last turn's prompt alone.
+    ``gap_kind``/``gap_opened_at``: set between a response and the next turn (``gap_kind``
+    is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
     predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
     """
 
