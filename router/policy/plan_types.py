@@ -33,6 +33,10 @@ class PlannerConfig:
     # Learn user gaps and returns per session tempo (the previous user gap; see
     # stats.user_gap_kind) instead of per depth only.
     session_tempo: bool = True
+    # With session_tempo, a user gap opened by a turn whose prompt added at least this many
+    # tokens beyond the previous turn's prompt and completion (a long user message) is
+    # learnt apart (stats.user_gap_kind). 0: off. Measured in BENCHMARKS.md.
+    long_message_tokens: int = 2048
     # Tool gaps predicted at most this long are pinned; longer ones are retained. Pins are
     # hard (never relieved under pressure), so they are kept for fast tools: on the
     # gen-agents workload (2 x 400 blocks) 120 s -> 7.24M, 15 s -> 6.94M recomputed tokens

@@ -123,6 +123,7 @@ def plan_turn_routed(
         turns=session.turns + 1,
         context_tokens=max(session.context_tokens, event.prompt_tokens),
         prompt_tokens=event.prompt_tokens,
+        added_tokens=max(event.prompt_tokens - session.context_tokens, 0) if session.turns else 0,
         last_activity=event.at,
         gap_kind=None,
         gap_opened_at=None,
@@ -279,7 +280,10 @@ def _gap_kind(stats: LearnedStats, event: ResponseFinished, session: SessionPlan
               config: PlannerConfig) -> str:
     depth, q = session.turns, config.gap_quantile
     if event.finish_reason is not FinishReason.TOOL_CALLS:
-        return user_gap_kind(session.last_user_gap_s) if config.session_tempo else USER_GAP
+        if not config.session_tempo:
+            return USER_GAP
+        long_message = 0 < config.long_message_tokens <= session.added_tokens
+        return user_gap_kind(session.last_user_gap_s, long_message)
     if not event.tool_names:
         return "@unnamed"
     # Several tools in one response: the session waits for the slowest.

@@ -47,7 +47,9 @@ class SessionPlanState:
 
     ``turns``: turns routed so far (the depth of the current/last turn).
     ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
-    on its worker); ``prompt_tokens``: of the last turn's prompt alone.
+    on its worker); ``prompt_tokens``: of the last turn's prompt alone; ``added_tokens``:
+    how many tokens that prompt added beyond the turn before it (prompt + completion; 0
+    on the first turn).
     ``gap_kind``/``gap_opened_at``: set between a response and the next turn (``gap_kind``
     is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
     predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
@@ -59,6 +61,7 @@ class SessionPlanState:
     turns: int = 0
     context_tokens: int = 0
     prompt_tokens: int = 0
+    added_tokens: int = 0
     last_activity: float = 0.0
     gap_kind: str | None = None
     gap_opened_at: float | None = None

@@ -33,17 +33,23 @@ ANY_TOOL = "@tool"
 # minutes about twice as often as one whose last gap was over five minutes. Each tempo
 # kind learns its own gaps and returns and falls back to the pooled USER_GAP.
 _TEMPO_LIMITS_S = ((60.0, "fast"), (300.0, "mid"))
+# ... and by whether the turn brought a long user message (a pasted document): there a
+# second turn that added 3,000+ tokens comes back within ten minutes about half as often
+# as one that added a short message (0.2 vs 0.48).
+LONG_MESSAGE = "long"
 
 
-def user_gap_kind(previous_gap_s: float | None) -> str:
+def user_gap_kind(previous_gap_s: float | None, long_message: bool = False) -> str:
     """The gap kind of a ``stop`` response, given the session's previous user gap (None:
-    no earlier gap, the pooled :data:`USER_GAP`)."""
-    if previous_gap_s is None:
-        return USER_GAP
-    for limit, name in _TEMPO_LIMITS_S:
-        if previous_gap_s < limit:
-            return f"{USER_GAP}:{name}"
-    return f"{USER_GAP}:slow"
+    no earlier gap) and whether the turn added a long user message. Neither: the pooled
+    :data:`USER_GAP`."""
+    parts = [USER_GAP]
+    if previous_gap_s is not None:
+        parts.append(next((name for limit, name in _TEMPO_LIMITS_S if previous_gap_s < limit),
+                          "slow"))
+    if long_message:
+        parts.append(LONG_MESSAGE)
+    return ":".join(parts)
 
 
 def is_user_kind(kind: str) -> bool:

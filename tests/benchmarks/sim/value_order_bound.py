@@ -10,7 +10,7 @@ its deepest block first. Policies, all in one run:
 - ``belady``: furthest next use, with hindsight (the simulator's oracle line).
 - ``value``: the planner's own LHD value, :meth:`LearnedStats.hit_density` at the
   session's *current* idle time, learnt online exactly as the router learns it (gap kinds
-  with session tempo, depth buckets, the 600 s return window), re-evaluated at every
+  with session tempo and long user messages, depth buckets, the 600 s return window), re-evaluated at every
   eviction. A perfect mechanism for the planner's value: what kvhint could reach if the
   worker ordered its whole pool by that value.
 - ``value_reviewed``: the same value, but re-evaluated only at the planner's idle-review
@@ -64,8 +64,9 @@ class Turn:
     returns: bool  # hindsight: the next turn comes within the return window
 
 
-def turns_of(trace: Trace, window_s: float) -> list[Turn]:
-    """The trace as turns, with the planner's gap kinds (tool name, or the user's tempo)."""
+def turns_of(trace: Trace, window_s: float, long_message_tokens: int) -> list[Turn]:
+    """The trace as turns, with the planner's gap kinds (tool name, or the user's tempo
+    and whether the turn added a long message, as ``planner._gap_kind``)."""
     last: dict[str, TraceRequest] = {}
     next_at: dict[int, float] = {}
     for request in trace.requests:
@@ -86,7 +87,10 @@ def turns_of(trace: Trace, window_s: float) -> list[Turn]:
         elif request.finish_reason == "tool_calls":
             kind = sorted(request.tool_names)[-1] if request.tool_names else "@unnamed"
         else:
-            kind = user_gap_kind(last_user_gap.get(request.session_id))
+            added = (request.input_length - previous.input_length - previous.output_length
+                     if previous is not None else 0)
+            kind = user_gap_kind(last_user_gap.get(request.session_id),
+                                 0 < long_message_tokens <= added)
         gap = next_at.get(request.line, math.inf) - request.arrival_s
         turns.append(Turn(request.arrival_s, request.session_id, request.turn,
                           request.input_length,
@@ -290,7 +294,8 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     args = parser.parse_args()
     trace = load_trace(args.trace)
-    turns = turns_of(trace, PlannerConfig().return_window_s)
+    config = PlannerConfig()
+    turns = turns_of(trace, config.return_window_s, config.long_message_tokens)
     prompt = sum(t.prompt_tokens for t in turns)
     results: dict[str, float] = {}
     for policy in args.policies.split(","):

@@ -372,6 +372,35 @@ def test_user_gaps_are_learnt_per_session_tempo_and_never_pinned() -> None:
     assert _finish(off, result.session, FinishReason.STOP, at=22.0).session.gap_kind == USER_GAP
 
 
+def test_a_turn_that_adds_a_long_user_message_opens_a_user_gap_learnt_apart() -> None:
+    """A pasted document (3,000+ new tokens) makes a return less likely (Mooncake: 0.2 vs
+    0.48 at depth 2), so its user gap is its own kind; the first turn never is one."""
+    ctx = _ctx()
+    first = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, prompt=4000,
+                    completion=500)
+    assert first.session.added_tokens == 0 and first.session.gap_kind == USER_GAP
+    context = 4000 + 500
+
+    def next_turn(added: int, config: PlannerConfig = PlannerConfig()) -> SessionPlanState:
+        routed = plan_turn_routed(_ctx(now=21.0), first.session,
+                                  TurnRouted("t/s", "t", "w0", context + added, 21.0))
+        assert routed.session.added_tokens == added
+        return _finish(_ctx(now=22.0, config=config), routed.session, FinishReason.STOP,
+                       at=22.0, prompt=context + added).session
+
+    assert next_turn(2048).gap_kind == user_gap_kind(20.0, True) == f"{USER_GAP}:fast:long"
+    assert next_turn(2047).gap_kind == f"{USER_GAP}:fast"
+    assert next_turn(5000, PlannerConfig(long_message_tokens=0)).gap_kind == f"{USER_GAP}:fast"
+    assert user_gap_kind(None, True) == f"{USER_GAP}:long"
+    # Its returns are counted apart and in the pooled user figure.
+    stats = LearnedStats(decay=1.0)
+    for _ in range(30):
+        stats.apply(ReturnObserved(2, False, f"{USER_GAP}:fast:long"))
+        stats.apply(ReturnObserved(2, True, f"{USER_GAP}:fast"))
+    assert stats.return_probability(2, f"{USER_GAP}:fast:long") < 0.5 < stats.return_probability(
+        2, f"{USER_GAP}:fast")
+
+
 def test_a_session_not_due_back_within_the_horizon_is_left_to_lru() -> None:
     """The value horizon is 100 s by default: a tool that always takes ~4 minutes leaves
     its session worth too little to retain now (plain LRU keeps it if it can), while one

@@ -38,7 +38,7 @@ def turns(bound, tmp_path):
     ]
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return bound.turns_of(load_trace(path), window_s=600.0)
+    return bound.turns_of(load_trace(path), window_s=600.0, long_message_tokens=2048)
 
 
 def test_turns_carry_sessions_depth_and_hindsight(turns):
