@@ -409,8 +409,13 @@ def _protect(
             until_review = (review - ctx.now) * 1.25 if review is not None else 0.0
             ttl = min(max(remaining * config.pin_ttl_margin, until_review),
                       worker.budgets.max_retain_ttl_s)
+            # A retain re-sent for this gap (its priority moved) already sent the rest
+            # first; the worker would walk the session's blocks again for nothing.
+            re_sent = not new_blocks and current is not None and (
+                current.action_type == ActionType.RETAIN.value)
             payload = RetainPayload(target=_chain_target(ctx, session, worker), priority=priority,
-                                    ttl_s=ttl, evict_rest_first=worker.evict_rest_first)
+                                    ttl_s=ttl,
+                                    evict_rest_first=worker.evict_rest_first and not re_sent)
             return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
     return _release(ctx, session, worker, f"{reason}:low_value")
 

@@ -181,6 +181,37 @@ def test_an_idle_retain_is_re_sent_whenever_its_priority_moves() -> None:
     assert len(coarse) < len(fine)
 
 
+def test_only_the_first_retain_of_a_gap_sends_the_rest_first() -> None:
+    """The rest of the session is sent to the head of the eviction order once per gap:
+    a retain re-sent at an idle review (its priority moved) leaves it out, so the worker
+    does not walk the session's blocks again; one that follows a pin carries it."""
+    config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
+    view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, evict_rest_first=True)
+    ctx = _ctx(config=config, w0=view)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    first = session.protection
+    assert first is not None and first.action_type == "kv.retain"
+    flags = []
+    now = next_idle_review(config, session, 0.0)
+    while session.awaiting_return and now is not None:
+        result = plan_idle(_ctx(now=now, config=config, w0=view), session)
+        flags += [_typed(p).payload.evict_rest_first for p in result.actions
+                  if _typed(p).action_type.value == "kv.retain" and _typed(p).payload.priority]
+        session = result.session
+        now = next_idle_review(config, session, now)
+    assert len(flags) > 2 and not any(flags)
+    # After a pin (a fast tool gap), a review that finds no pin room left retains: the
+    # first retain of the gap.
+    stats = _fast_search()
+    pinned = _finish(_ctx(stats=stats, w0=view), _session_after_turn(ctx), FinishReason.TOOL_CALLS,
+                     ("search",), at=0.0).session
+    assert pinned.protection is not None and pinned.protection.action_type == "kv.pin"
+    full = replace(view, held=Holdings(pinned_blocks=100 + pinned.protection.blocks))
+    later = plan_idle(_ctx(now=20.0, stats=stats, w0=full), pinned)
+    (retain,) = [_typed(p) for p in later.actions]
+    assert retain.action_type.value == "kv.retain" and retain.payload.evict_rest_first
+
+
 def _typed_priority(session: SessionPlanState) -> int:
     assert session.protection is not None
     return session.protection.priority
