@@ -34,8 +34,9 @@ ANY_TOOL = "@tool"
 # kind learns its own gaps and returns and falls back to the pooled USER_GAP.
 _TEMPO_LIMITS_S = ((60.0, "fast"), (300.0, "mid"))
 # ... and by whether the turn brought a long user message (a pasted document): there a
-# second turn that added 3,000+ tokens comes back within ten minutes about half as often
-# as one that added a short message (0.2 vs 0.48).
+# second turn whose prompt grew by 3,000+ tokens comes back within ten minutes less than
+# half as often as one that added a short message (0.20 vs 0.48; the threshold is
+# PlannerConfig.long_message_tokens).
 LONG_MESSAGE = "long"
 
 

@@ -11,8 +11,8 @@ its deepest block first. Policies, all in one run:
 - ``value``: the planner's own LHD value, :meth:`LearnedStats.hit_density` at the
   session's *current* idle time, learnt online exactly as the router learns it (gap kinds
   with session tempo and long user messages, depth buckets, the 600 s return window),
-  re-evaluated at every eviction. A perfect mechanism for the planner's value: what kvhint could reach if the
-  worker ordered its whole pool by that value.
+  re-evaluated at every eviction. A perfect mechanism for the planner's value: what
+  kvhint could reach if the worker ordered its whole pool by that value.
 - ``value_reviewed``: the same value, but re-evaluated only at the planner's idle-review
   schedule (15 s, then x1.5), as the planner's integer priority, changed only when it
   moved by the planner's refresh step; ties by the time of the last change: what the

@@ -404,8 +404,9 @@ def test_user_gaps_are_learnt_per_session_tempo_and_never_pinned() -> None:
 
 
 def test_a_turn_that_adds_a_long_user_message_opens_a_user_gap_learnt_apart() -> None:
-    """A pasted document (3,000+ new tokens) makes a return less likely (Mooncake: 0.2 vs
-    0.48 at depth 2), so its user gap is its own kind; the first turn never is one."""
+    """A pasted document makes a return less likely (Mooncake, depth 2: 0.20 after 3,000+
+    new tokens vs 0.48), so a turn that added long_message_tokens (2,048) or more opens a
+    user gap of its own kind; the first turn never does."""
     ctx = _ctx()
     first = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, prompt=4000,
                     completion=500)
