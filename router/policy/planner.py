@@ -300,7 +300,7 @@ def _chain_target(ctx: PlannerContext, session: SessionPlanState, worker: Worker
     ever had: earlier turns' completion blocks hang off the chain as dead branches that
     the next turn never reads, and retaining them would leak space turn after turn.
     ``max_blocks`` cuts it to that many blocks from the start (a clipped pin)."""
-    blocks = protected_tokens(ctx, session) // worker.block_size
+    blocks = _blocks_of(ctx, session, worker.block_size)
     if max_blocks is not None:
         blocks = min(blocks, max_blocks)
     return Target(session_id=session.session_id,
