@@ -6,8 +6,10 @@ and starts a fresh one when the worker's epoch changes (a restarted engine may s
 more). Rules:
 
 - a ``clipped`` Pin lowers ``pin_ask_scale`` to the applied fraction (floored at
-  ``min_pin_scale``): the planner then pins only that share of a session's prefix; each
-  ``accepted`` Pin raises it back by ``pin_recovery``;
+  ``min_pin_scale``): the planner then counts only that share of the pin room its ledger
+  shows left on the worker (a session whose chain does not fit is retained at top
+  priority, not pinned in part); each ``accepted`` Pin raises it back by
+  ``pin_recovery``;
 - ``reject_disable_after`` consecutive ``rejected`` outcomes of one action type disable
   that type for this worker (a worker without a host tier answers Demote ``rejected``:
   the planner stops sending it); any ``accepted``/``clipped`` of that type resets the count.

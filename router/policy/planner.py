@@ -18,9 +18,10 @@ The plan, per lifecycle event:
   probability the session comes back within ``horizon_s`` (return probability by depth and
   gap kind, times the gap distribution learned per tool name and depth). A tool gap
   predicted shorter than ``pin_max_gap_s`` is pinned for its predicted length (quantile
-  ``gap_quantile`` x ``pin_ttl_margin``), scaled by the worker's pin feedback and bounded by
-  budgets; otherwise the session is retained with priority = 100 x that probability, or
-  demoted to the host tier when the value is low and the worker has one.
+  ``gap_quantile`` x ``pin_ttl_margin``) when its whole chain fits the pin budget left
+  (scaled by the worker's pin feedback), else retained at top priority; otherwise the
+  session is retained with priority = 100 x that probability, or demoted to the host
+  tier when the value is low and the worker has one.
 - **idle tick** (:func:`plan_idle`): the value decays as the session stays away; the
   retain priority is re-sent when it moved by ``refresh_priority_step``, a low-value session
   is demoted or released, and one idle past ``abandon_after_s`` counts as not returning.
@@ -39,7 +40,7 @@ of the eviction order: nothing reads them again.
 Pin/Retain/Demote on the same session target supersede the older one, so this ends the
 protection. Budgets: per worker (the ``Budgets`` its status advertises, against what the
 planner's live actions hold there) and per tenant (``tenant_max_*``). Outcome feedback
-(:mod:`.feedback`) lowers the pin ask and disables rejected action types per worker.
+(:mod:`.feedback`) shrinks the pin room and disables rejected action types per worker.
 """
 
 from __future__ import annotations
@@ -294,15 +295,12 @@ def _blocks_of(ctx: PlannerContext, session: SessionPlanState, block_size: int) 
     return max(protected_tokens(ctx, session) // max(block_size, 1), 0)
 
 
-def _chain_target(ctx: PlannerContext, session: SessionPlanState, worker: WorkerPlanView,
-                  max_blocks: int | None = None) -> Target:
+def _chain_target(ctx: PlannerContext, session: SessionPlanState,
+                  worker: WorkerPlanView) -> Target:
     """The session's current chain (see :func:`protected_tokens`), not every branch it
     ever had: earlier turns' completion blocks hang off the chain as dead branches that
-    the next turn never reads, and retaining them would leak space turn after turn.
-    ``max_blocks`` cuts it to that many blocks from the start (a clipped pin)."""
+    the next turn never reads, and retaining them would leak space turn after turn."""
     blocks = _blocks_of(ctx, session, worker.block_size)
-    if max_blocks is not None:
-        blocks = min(blocks, max_blocks)
     return Target(session_id=session.session_id,
                   prefix_tokens=max(blocks, 1) * worker.block_size)
 
@@ -363,23 +361,21 @@ def _protect(
             current.action_type == ActionType.PIN.value
         ) and current.expires_at >= ctx.now + remaining:
             return PlanResult(session)
-        # The ask is the session's chain scaled by the worker's pin feedback (a clipped
-        # pin says the worker pins only that share, see feedback.py) and clipped to the
-        # pin budget left (worker and tenant): the pin then covers that many blocks of the
-        # chain's prefix, the part every next turn reads first. No room at all: the
-        # session is retained at top priority instead.
+        # A pin covers the whole chain the next turn reads, or the session is retained at
+        # top priority instead: a pin cut to the room left would leave the rest of that
+        # chain to LRU, which a large retain budget all but empties (gen-agents, retain
+        # budget 0.9: 4% more recomputed tokens with cut pins; BENCHMARKS.md). The room is
+        # the pin budget left (worker and tenant) times the worker's pin feedback: a
+        # clipped pin says the worker had only that share of the room the planner counted
+        # (see feedback.py), and pins that fit again are accepted and raise it back.
         scale = worker.feedback.pin_ask_scale if worker.feedback is not None else 1.0
         room = _room(worker.held.pinned_blocks - own_pinned, worker.budgets.max_pinned_blocks)
         room = min(room, _room(tenant.pinned_blocks - own_pinned, config.tenant_max_pinned_blocks))
-        ask = min(int(blocks * scale), room, blocks)
-        if ask >= 1:
+        if blocks <= room * scale:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
-            target = _chain_target(ctx, session, worker, max_blocks=ask)
-            # The rest of the session goes first only when the pin covers all the next
-            # turn reads (a clipped pin leaves part of it to LRU).
-            payload = PinPayload(target=target, ttl_s=ttl,
-                                 evict_rest_first=worker.evict_rest_first and ask == blocks)
-            return _send(ctx, session, worker, payload, ask, 100, ttl, f"{reason}:pin")
+            payload = PinPayload(target=_chain_target(ctx, session, worker), ttl_s=ttl,
+                                 evict_rest_first=worker.evict_rest_first)
+            return _send(ctx, session, worker, payload, blocks, 100, ttl, f"{reason}:pin")
         top_priority = True
     else:
         top_priority = False

@@ -91,21 +91,33 @@ def test_short_tool_gap_is_pinned_for_its_predicted_length_within_budget() -> No
     assert result.session.protection.action_type == "kv.pin"
 
 
-def test_pin_is_clipped_to_the_budget_left_and_to_the_feedback_scale() -> None:
-    view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=97))
-    ctx = _ctx(stats=_fast_search(), w0=view)
-    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
-    action = _typed(result.actions[0])
-    assert action.payload.target.prefix_tokens == 3 * BS  # 3 blocks left of 100
-    # A clipped pin halves the ask on that worker.
+def test_a_pin_covers_the_whole_chain_or_the_session_is_retained_at_top_priority() -> None:
+    """A chain that does not fit the pin room left is not pinned in part (the rest would
+    be left to LRU): it is retained whole at top priority. A clipped pin's feedback
+    scales the room the planner counts."""
+    def planned(view: WorkerPlanView):
+        ctx = _ctx(stats=_fast_search(), w0=view)
+        (action,) = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS,
+                            ("search",)).actions
+        return _typed(action)
+
+    roomy = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=92))
+    pin = planned(roomy)  # 8 blocks, 8 left
+    assert pin.action_type.value == "kv.pin" and pin.payload.target.prefix_tokens == 8 * BS
+    tight = planned(replace(roomy, held=Holdings(pinned_blocks=97)))  # 3 of 8 fit
+    assert (tight.action_type.value, tight.payload.priority) == ("kv.retain", 100)
+    assert tight.payload.target.prefix_tokens == 8 * BS
+    # A clipped pin halves the room the planner counts on that worker: 8 of 10 left no
+    # longer fit, 8 of 16 do.
     outcome = HintOutcome(message_id="m", action_id="a", action_type="kv.pin", worker_id="w0",
                           status=OutcomeStatus.CLIPPED, at=0.0,
                           requested=Amount(blocks=8), applied=Amount(blocks=4))
     feedback = apply_outcome(WorkerFeedback("w0"), outcome)
     assert feedback.pin_ask_scale == 0.5
-    ctx = _ctx(stats=_fast_search(), w0=replace(view, held=Holdings(), feedback=feedback))
-    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
-    assert _typed(result.actions[0]).payload.target.prefix_tokens == 4 * BS
+    halved = replace(roomy, held=Holdings(pinned_blocks=90), feedback=feedback)
+    assert planned(halved).action_type.value == "kv.retain"
+    pin = planned(replace(halved, held=Holdings(pinned_blocks=84)))
+    assert pin.action_type.value == "kv.pin" and pin.payload.target.prefix_tokens == 8 * BS
 
 
 def test_stop_is_retained_with_priority_rising_with_depth() -> None:
@@ -501,9 +513,9 @@ def test_protection_covers_the_response_only_while_next_turns_read_it() -> None:
 
 
 def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
-    """On a worker that runs Pin/Retain 1.1 a protection that covers all the next turn
-    reads also sends the rest of the session first; a clipped pin does not (the rest is
-    part of what the next turn reads), and a 1.0 worker gets 1.0 actions."""
+    """On a worker that runs Pin/Retain 1.1 a protection (which covers all the next turn
+    reads) also sends the rest of the session first, a top-priority retain in place of a
+    pin that does not fit too; a 1.0 worker gets 1.0 actions."""
     new = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, evict_rest_first=True)
     old = WorkerPlanView("w0", BS, BUDGETS, NO_HOST)
 
@@ -516,9 +528,10 @@ def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
     assert sent(new, FinishReason.STOP)[1].evict_rest_first
     version, pin = sent(new, FinishReason.TOOL_CALLS, ("search",))
     assert version == "1.1" and pin.evict_rest_first
-    clipped = replace(new, held=Holdings(pinned_blocks=97))  # 3 of 8 blocks pinnable
-    version, pin = sent(clipped, FinishReason.TOOL_CALLS, ("search",))
-    assert pin.target.prefix_tokens == 3 * BS and not pin.evict_rest_first and version == "1.0"
+    full = replace(new, held=Holdings(pinned_blocks=97))  # 3 of 8 blocks pinnable
+    version, retain = sent(full, FinishReason.TOOL_CALLS, ("search",))
+    assert (retain.priority, retain.target.prefix_tokens) == (100, 8 * BS)
+    assert retain.evict_rest_first and version == "1.1"
     for reason, tools in ((FinishReason.STOP, ()), (FinishReason.TOOL_CALLS, ("search",))):
         version, payload = sent(old, reason, tools)
         assert version == "1.0" and not payload.evict_rest_first

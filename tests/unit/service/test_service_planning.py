@@ -135,7 +135,7 @@ def test_tool_gap_pins_and_outcomes_feed_back() -> None:
         assert kind in ("kv.pin", "kv.retain")
         assert action.payload.target.session_id == "default/s1"
         seen_kinds.append(kind)
-        # The worker clips it: recorded, counted, fed back (a clipped pin lowers the ask).
+        # The worker clips it: recorded, counted, fed back (a clipped pin shrinks the pin room).
         record_action = hints.on_outcome(HintOutcome(
             message_id=decoded.message_id, action_id=action.action_id, action_type=kind,
             worker_id="w0", status=OutcomeStatus.CLIPPED, reason="budget",
