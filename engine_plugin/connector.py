@@ -215,6 +215,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "events_published": tc.events_published if tc else 0,
             "outcomes_published": tc.outcomes_published if tc else 0,
             "retained_released_under_pressure": holds.released_under_pressure,
+            "retained_kept_in_use_under_pressure": holds.kept_in_use_under_pressure,
             "retained_displaced": holds.displaced,
             "claims_expired": holds.expired_claims,
             "index_events": core.index.counters.events,

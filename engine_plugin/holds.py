@@ -5,7 +5,8 @@ and cannot be evicted) while at least one *claim* covers it. A claim is one acti
 on its blocks, ending at its expiry:
 - pin claims are hard until their expiry, within ``max_pinned_blocks``;
 - retain claims are soft: :meth:`HoldLedger.relieve` drops them whenever the engine needs
-  the memory, lowest priority first, then least recently claimed, then leaf first. A
+  the memory, lowest priority first, then least recently claimed, then leaf first,
+  passing over blocks a running request also uses (dropping those frees nothing). A
   block under several retains has the highest of their priorities. Re-prioritising is a
   heap push (stale entries are skipped lazily), never a re-sort.
 - claims made for a session (``scope``) can be dropped together (:meth:`supersede`).
@@ -61,6 +62,10 @@ class BlockCache(Protocol):
         """Move these blocks, where free, to the head of the eviction order, deepest
         first (whatever order they come in); returns how many moved."""
 
+    def in_use(self, handle: BlockHandle) -> bool:
+        """Whether something besides the plugin's hold references the block now (a running
+        request): giving the hold back would not free it."""
+
 
 @dataclass(slots=True)
 class _Hold:
@@ -82,6 +87,8 @@ class _Claim:
 @dataclass(slots=True)
 class HoldCounters:
     released_under_pressure: int = 0
+    # Retained blocks relief passed over because a running request also used them.
+    kept_in_use_under_pressure: int = 0
     displaced: int = 0
     released_on_reset: int = 0
     expired_claims: int = 0
@@ -238,8 +245,10 @@ class HoldLedger:
         return ended
 
     def relieve(self, num_blocks: int) -> int:
-        """The engine needs memory: drop up to ``num_blocks`` retained blocks."""
-        released = self._drop_retained(num_blocks, 101)
+        """The engine needs memory: drop up to ``num_blocks`` retained blocks, only ones
+        whose release frees memory (a block a running request also uses stays held: its
+        protection would be lost for nothing)."""
+        released = self._drop_retained(num_blocks, 101, only_freeing=True)
         self.counters.released_under_pressure += released
         return released
 
@@ -288,11 +297,14 @@ class HoldLedger:
         return (max(hold.retains.values()), hold.touched, -hold.handle.depth,
                 hold.handle.block_id, hold.version)
 
-    def _drop_retained(self, num_blocks: int, below_priority: int) -> int:
+    def _drop_retained(self, num_blocks: int, below_priority: int,
+                       only_freeing: bool = False) -> int:
         """Release up to ``num_blocks`` retain-only holds with priority below
-        ``below_priority``, in pressure order; returns how many."""
+        ``below_priority``, in pressure order; returns how many. ``only_freeing``: pass
+        over (and keep) holds on blocks in use elsewhere."""
         heap = self._pressure_heap
         released: list[BlockHandle] = []
+        passed_over: list[tuple[int, int, int, int, int]] = []
         while heap and len(released) < num_blocks:
             priority, _, _, block_id, version = heap[0]
             hold = self._holds.get(block_id)
@@ -301,8 +313,14 @@ class HoldLedger:
                 continue
             if priority >= below_priority:
                 break
-            heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            if only_freeing and self.cache.in_use(hold.handle):
+                passed_over.append(entry)
+                continue
             self._drop_hold(hold, released)
+        for entry in passed_over:
+            heapq.heappush(heap, entry)
+        self.counters.kept_in_use_under_pressure += len(passed_over)
         self._release(released)
         return len(released)
 

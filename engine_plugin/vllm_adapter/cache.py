@@ -225,6 +225,10 @@ class VllmCacheAdapter:
         queue.prepend_n(free)
         return len(free)
 
+    def in_use(self, handle: BlockHandle) -> bool:
+        # The plugin's hold is one reference (BlockPool.touch); a running request adds one.
+        return any(b.ref_cnt > 1 for b in handle.blocks)
+
     def only_held_blocks_in_use(self, handles: Iterable[BlockHandle]) -> bool:
         """True when nothing but these holds keeps blocks in use (so releasing them lets
         ``reset_prefix_cache`` succeed)."""

@@ -232,6 +232,26 @@ def test_a_raised_retain_priority_is_what_displacement_and_pressure_see() -> Non
     assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [3, 0, 3]
 
 
+def test_pressure_passes_over_retained_blocks_a_running_request_uses() -> None:
+    # "lo" holds the lowest retain priority, but its next turn is running and reads its
+    # blocks: dropping those holds would free nothing and leave the session unprotected
+    # once the turn ends. Relief drops "mid" instead (leaf first) and keeps "lo".
+    h = sched(retain_budget_fraction=0.5)
+    turn(h, "lo", [1, 2, 3, 4])
+    turn(h, "mid", [5, 6, 7, 8])
+    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
+    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
+    executor = h.connector.core.executor
+    runner = h.add(h.make_request(prompt([1, 2, 3, 4, 9]), session_id="lo", max_tokens=40))
+    h.step()
+    assert not runner.is_finished()
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
+    assert executor.holds.counters.released_under_pressure == 3
+    assert executor.holds.counters.kept_in_use_under_pressure == 4
+    assert [_held_blocks(h, s) for s in ("lo", "mid")] == [4, 1]
+    assert runner.num_preemptions == 0
+
+
 def test_re_prioritising_forever_keeps_the_holds_bounded_and_ordered() -> None:
     # A router re-sends a session's retain at every idle review; each re-send leaves stale
     # heap entries behind. They must not pile up (a worker runs for weeks), and the order
