@@ -17,7 +17,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,17 @@ class AgentRunResult:
                 moved += 1
             last[t.session] = t.worker
         return moved
+
+
+def pooled_summary(rounds: Sequence[Sequence[TurnResult]], wall_s: float) -> dict[str, Any]:
+    """One system over several rounds: shares and TTFT quantiles of all rounds' turns
+    pooled; moved turns counted per round and summed (every round reuses the session
+    names on newly started workers, so pooled turns would count each round's first turn
+    as a move)."""
+    summary = AgentRunResult([t for turns in rounds for t in turns], wall_s).summary()
+    moves = [AgentRunResult(list(turns)).moved_turns() for turns in rounds]
+    summary["moved_turns"] = None if None in moves else sum(m or 0 for m in moves)
+    return summary
 
 
 def _words(rng: random.Random, count: int) -> str:

@@ -46,9 +46,9 @@ import httpx
 from kvhint.router.bench.agents import (
     TOOL_CALL_WORKER_ARGS,
     AgentClient,
-    AgentRunResult,
     AgentWorkload,
     TurnResult,
+    pooled_summary,
 )
 from kvhint.router.bench.vllm_router import VllmRouterProcess, zmq_events_config
 from kvhint.router.devstack.nats_server import free_port, running_nats
@@ -196,11 +196,10 @@ def ratios(results: dict[str, dict]) -> dict:
             "ttft_p99_ratio": round(kvhint["ttft_p99_s"] / max(other["ttft_p99_s"], 1e-9), 3)}
 
 
-def pooled(summaries: list[dict], turns: list[TurnResult]) -> dict:
+def pooled(summaries: list[dict], round_turns: list[list[TurnResult]]) -> dict:
     """One system over all its rounds: shares and TTFT quantiles of the pooled turns, plus
     each round's own summary."""
-    wall = sum(summary["wall_s"] for summary in summaries)
-    result = AgentRunResult(turns=list(turns), wall_s=wall).summary()
+    result = pooled_summary(round_turns, sum(summary["wall_s"] for summary in summaries))
     result["rounds"] = summaries
     return result
 
@@ -293,7 +292,7 @@ def main() -> int:
     systems = args.systems.split(",")
     routed = [name for name in systems if name != UNBOUNDED]
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
-    turns: dict[str, list[TurnResult]] = {name: [] for name in systems}
+    turns: dict[str, list[list[TurnResult]]] = {name: [] for name in systems}
     try:
         with running_nats("nats://127.0.0.1:4222") as nats:
             for number in range(args.rounds):
@@ -306,7 +305,7 @@ def main() -> int:
                         system, model, work, workload, args.kv_cache_tokens, nats.url,
                         args.max_model_len, f"{system}-r{number}")
                     rounds[system].append(summary)
-                    turns[system].extend(system_turns)
+                    turns[system].append(system_turns)
     finally:
         fcntl.flock(lock, fcntl.LOCK_UN)
     results = {name: pooled(rounds[name], turns[name]) for name in systems}
