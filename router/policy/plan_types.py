@@ -56,8 +56,13 @@ class PlannerConfig:
     # config, e.g. Mooncake 1 x 5,000 13.72% -> 13.97%); an idle review sends at most one
     # message per session, on the review schedule.
     refresh_priority_step: int = 1
-    # With a host tier, sessions valued below this priority are demoted.
-    demote_below_priority: int = 20
+    # With a host tier, sessions valued below this priority are demoted (G1 is left to
+    # the rest). Retuned after the 100 s horizon moved the priority scale (2026-12-01,
+    # BENCHMARKS.md): 20 -> 30 gained on every host-tier config measured (Mooncake 1 x
+    # 5,000 + 20,000 host 30.14% -> 31.02%, + 10,000 and 4 x (1,250 + 5,000) -0.6% to
+    # -1.2% recomputed tokens; gen-agents 2 x (400 + 800) -4.4% / +0.6%); 25-40 all
+    # beat 20, 50 does not.
+    demote_below_priority: int = 30
     abandon_after_s: float = 3600.0
     # A session's return is learnt as "returned within return_window_s": a gap longer
     # than this counts as not returning (observed when plan_idle passes the window), so
