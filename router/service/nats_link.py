@@ -67,6 +67,8 @@ class NatsLink:
         self._js: JetStreamContext | None = None
         self._connect_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
+        # True while the link closes its own client: that disconnect is not a fault.
+        self._closing = False
         self.last_error = ""
 
     @property
@@ -128,7 +130,10 @@ class NatsLink:
         self._note_error(f"NATS error: {exc!r}")
 
     async def _disconnected_cb(self) -> None:
-        log.warning("NATS disconnected; reconnecting")
+        if self._closing:
+            log.info("NATS connection closed")
+        else:
+            log.warning("NATS disconnected; reconnecting")
 
     async def _reconnected_cb(self) -> None:
         log.info("NATS reconnected")
@@ -209,9 +214,12 @@ class NatsLink:
         self._subscriptions.clear()
         if nc is None:
             return
+        self._closing = True
         try:
             # drain(): finish handling what was delivered, flush publishes, then close.
             await asyncio.wait_for(nc.drain(), timeout=5.0)
         except (NatsError, asyncio.TimeoutError) as exc:
             log.warning("NATS drain: %r", exc)
             await nc.close()
+        finally:
+            self._closing = False
