@@ -1,5 +1,6 @@
-"""The operator files in deploy/ parse, and every metric they query is one the router
-exports (a renamed metric must not silently blank a panel or an alert)."""
+"""The operator files in deploy/ parse, and every metric they query is one the router or
+the engine plugin exports (a renamed metric must not silently blank a panel or an
+alert)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from pathlib import Path
 
 import yaml
 
+from kvhint.engine_plugin.metrics import COUNTERS, GAUGES
 from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.settings import RouterSettings
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")
+# The plugin's metrics appear on vLLM's /metrics under vLLM-style names (kvhint:...).
+_PLUGIN_METRIC = re.compile(r"\bkvhint:[a-z_]+")
 
 
 def exported_names() -> set[str]:
@@ -33,6 +37,13 @@ def exported_names() -> set[str]:
     return names
 
 
+def plugin_names() -> set[str]:
+    names = {f"kvhint:{key}_total" for key in COUNTERS} | {f"kvhint:{key}" for key in GAUGES}
+    names.add("kvhint:hints_total")
+    names.update(f"kvhint:hint_apply_seconds{s}" for s in ("_bucket", "_sum", "_count"))
+    return names
+
+
 def queried(text: str) -> set[str]:
     return set(_METRIC.findall(text))
 
@@ -47,6 +58,9 @@ def test_alert_rules_and_dashboard_query_real_metrics() -> None:
     used = set().union(*(queried(e) for e in exprs))
     assert used, "no kvhint metric queried"
     assert used <= names, f"unknown metrics: {sorted(used - names)}"
+    plugin_used = set().union(*(set(_PLUGIN_METRIC.findall(e)) for e in exprs))
+    assert "kvhint:retained_kept_in_use_under_pressure_total" in plugin_used
+    assert plugin_used <= plugin_names(), f"unknown metrics: {sorted(plugin_used - plugin_names())}"
 
 
 def test_compose_and_kubernetes_manifests_parse() -> None:
