@@ -295,12 +295,11 @@ def _blocks_of(ctx: PlannerContext, session: SessionPlanState, block_size: int) 
     return max(protected_tokens(ctx, session) // max(block_size, 1), 0)
 
 
-def _chain_target(ctx: PlannerContext, session: SessionPlanState,
-                  worker: WorkerPlanView) -> Target:
-    """The session's current chain (see :func:`protected_tokens`), not every branch it
-    ever had: earlier turns' completion blocks hang off the chain as dead branches that
-    the next turn never reads, and retaining them would leak space turn after turn."""
-    blocks = _blocks_of(ctx, session, worker.block_size)
+def _chain_target(session: SessionPlanState, worker: WorkerPlanView, blocks: int) -> Target:
+    """The session's current chain, ``blocks`` long (:func:`_blocks_of`, see
+    :func:`protected_tokens`), not every branch it ever had: earlier turns' completion
+    blocks hang off the chain as dead branches that the next turn never reads, and
+    retaining them would leak space turn after turn."""
     return Target(session_id=session.session_id,
                   prefix_tokens=max(blocks, 1) * worker.block_size)
 
@@ -373,7 +372,7 @@ def _protect(
         room = min(room, _room(tenant.pinned_blocks - own_pinned, config.tenant_max_pinned_blocks))
         if blocks <= room * scale:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
-            payload = PinPayload(target=_chain_target(ctx, session, worker), ttl_s=ttl,
+            payload = PinPayload(target=_chain_target(session, worker, blocks), ttl_s=ttl,
                                  evict_rest_first=worker.evict_rest_first)
             return _send(ctx, session, worker, payload, blocks, 100, ttl, f"{reason}:pin")
         top_priority = True
@@ -409,8 +408,8 @@ def _protect(
             # first; the worker would walk the session's blocks again for nothing.
             re_sent = not new_blocks and current is not None and (
                 current.action_type == ActionType.RETAIN.value)
-            payload = RetainPayload(target=_chain_target(ctx, session, worker), priority=priority,
-                                    ttl_s=ttl,
+            payload = RetainPayload(target=_chain_target(session, worker, blocks),
+                                    priority=priority, ttl_s=ttl,
                                     evict_rest_first=worker.evict_rest_first and not re_sent)
             return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
     return _release(ctx, session, worker, f"{reason}:low_value")
