@@ -87,7 +87,8 @@ class _Claim:
 @dataclass(slots=True)
 class HoldCounters:
     released_under_pressure: int = 0
-    # Retained blocks relief passed over because a running request also used them.
+    # Retained blocks relief passed over because a running request also used them, once
+    # per relief call (an allocation that retries relief counts a block again).
     kept_in_use_under_pressure: int = 0
     displaced: int = 0
     released_on_reset: int = 0

@@ -33,8 +33,9 @@ COUNTERS = {
     "outcomes_dropped": "Hint outcomes dropped because the outbound buffer was full.",
     "inbound_dropped": "Hint/advice messages rejected because the engine inbox was full.",
     "retained_released_under_pressure": "Retained blocks released so vLLM could allocate.",
-    "retained_kept_in_use_under_pressure": ("Retained blocks kept while vLLM needed memory: "
-                                            "a running request also used them."),
+    "retained_kept_in_use_under_pressure": ("Retained blocks kept while vLLM needed memory "
+                                            "(a running request also used them), per "
+                                            "relief call."),
     "retained_displaced": "Retained blocks displaced by a higher-priority retain.",
     "claims_expired": "Pin/retain claims that reached their TTL.",
     "index_events": "KV events applied to the session index.",
