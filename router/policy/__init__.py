@@ -8,10 +8,12 @@ workers; both call the same functions.
 - :mod:`.routing` — :func:`route` (``round_robin``, ``session_affinity``, ``kv_aware``,
   ``kvhint``) -> :class:`RouteDecision` with fallbacks for a retry.
 - :mod:`.planner` — lifecycle -> hints: :func:`plan_turn_routed`,
-  :func:`plan_response_finished`, :func:`plan_idle`, :func:`plan_session_end`,
-  :func:`plan_shared_prefixes`.
-- :mod:`.shared_prefixes` — :func:`find_shared_prefixes` (what those retain) and
-  :class:`SharedPrefixRetains` (when to scan, what was sent).
+  :func:`plan_response_finished`, :func:`plan_idle`, :func:`plan_session_end`.
+- :mod:`.shared_prefixes` — :func:`find_shared_prefixes` (prefixes many sessions use),
+  :func:`plan_shared_prefixes` (their retains) and :class:`SharedPrefixRetains` (when to
+  scan, what was sent).
+- :mod:`.priority` — :func:`retain_priority` / :func:`priority_density` (the retain
+  priority scale).
 - :mod:`.session` — :class:`SessionPlanState` (plain data per session) and the events.
 - :mod:`.stats` — :class:`LearnedStats` (tool-gap histograms per tool and depth, return
   probability by depth), persisted by the caller as JSON.
@@ -44,11 +46,9 @@ from kvhint.router.policy.planner import (
     plan_idle,
     plan_response_finished,
     plan_session_end,
-    plan_shared_prefixes,
     plan_turn_routed,
-    session_chain,
-    session_hit_density,
 )
+from kvhint.router.policy.priority import priority_density, retain_priority
 from kvhint.router.policy.routing import (
     NoWorkerAvailable,
     Overlap,
@@ -77,6 +77,9 @@ from kvhint.router.policy.shared_prefixes import (
     SessionChain,
     SharedPrefixRetains,
     find_shared_prefixes,
+    plan_shared_prefixes,
+    session_chain,
+    session_hit_density,
 )
 from kvhint.router.policy.stats import (
     ANY_TOOL,
@@ -113,8 +116,8 @@ __all__ = [
     "PlannerConfig",
     "PlannerContext",
     "Protection",
-    "ResponseFinished",
     "RecentLoad",
+    "ResponseFinished",
     "ReturnObserved",
     "RouteDecision",
     "RouteRequest",
@@ -137,15 +140,17 @@ __all__ = [
     "choose_donor",
     "decay_recent",
     "find_shared_prefixes",
+    "is_user_kind",
     "next_idle_review",
     "plan_idle",
     "plan_response_finished",
     "plan_session_end",
     "plan_shared_prefixes",
     "plan_turn_routed",
+    "priority_density",
+    "retain_priority",
     "route",
     "session_chain",
     "session_hit_density",
-    "is_user_kind",
     "user_gap_kind",
 ]

@@ -1,6 +1,7 @@
 """The planner's inputs and outputs: its configuration, the frozen context of one
 planning call (time, learned statistics, the workers as the planner sees them), and the
-actions and session state a plan returns. Data only; the planning is in :mod:`.planner`.
+actions and session state a plan returns. Data only; the planning is in :mod:`.planner` and
+:mod:`.shared_prefixes`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from kvhint.router.policy.feedback import WorkerFeedback
 from kvhint.router.policy.holdings import Holdings
 from kvhint.router.policy.session import SessionPlanState
 from kvhint.router.policy.stats import LearnedStats, Observation
-from kvhint.schemas.hints import ActionType, KvHintAction
+from kvhint.schemas.hints import ActionType, HintPayload, KvHintAction, make_action
 from kvhint.schemas.status import Budgets
 
 ALL_ACTIONS = frozenset(t.value for t in ActionType)
@@ -143,6 +144,14 @@ class PlannedAction:
     def action_type(self) -> str:
         return self.action.action_type
 
+    @classmethod
+    def make(cls, ctx: PlannerContext, worker_id: str, payload: HintPayload, scope: str,
+             tenant: str | None, blocks: int, expires_at: float, reason: str
+             ) -> PlannedAction:
+        """A new action for ``payload``, its id drawn from ``ctx.rng``."""
+        action = make_action(f"kvh-{ctx.rng.getrandbits(64):016x}", payload)
+        return cls(worker_id, action, scope, tenant, blocks, expires_at, reason)
+
 
 @dataclass(frozen=True, slots=True)
 class PlanResult:
@@ -155,7 +164,7 @@ class PlanResult:
 class SharedPrefix:
     """A prefix used by several sessions on one worker (from the cluster index).
     ``hit_density``: the sharing sessions' hit densities summed (see
-    :func:`~kvhint.router.policy.planner.session_hit_density`).
+    :func:`~kvhint.router.policy.shared_prefixes.session_hit_density`).
     ``protected_until``: when the planner's current retain of it ends (None: none)."""
 
     worker_id: str

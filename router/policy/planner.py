@@ -27,8 +27,8 @@ The plan, per lifecycle event:
   is demoted or released, and one idle past ``abandon_after_s`` counts as not returning.
 - **explicit end** (:func:`plan_session_end`): Demote when the worker has a host tier,
   else release.
-- **shared prefixes** (:func:`plan_shared_prefixes`): prefixes (system prompts, tool
-  schemas) used by many sessions are retained by block hash.
+- **shared prefixes** (:func:`~kvhint.router.policy.shared_prefixes.plan_shared_prefixes`):
+  prefixes (system prompts, tool schemas) used by many sessions are retained by block hash.
 
 What a protection covers is the part of the session's chain its next turn is expected to
 read (:mod:`.coverage`): the last prompt, plus the last response's blocks while next turns
@@ -45,8 +45,6 @@ planner's live actions hold there) and per tenant (``tenant_max_*``). Outcome fe
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import replace
 
 from kvhint.router.policy.coverage import completion_read, protected_tokens
@@ -56,10 +54,9 @@ from kvhint.router.policy.plan_types import (
     PlannerConfig,
     PlannerContext,
     PlanResult,
-    SharedPrefix,
     WorkerPlanView,
 )
-from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE, SessionChain
+from kvhint.router.policy.priority import retain_priority
 from kvhint.router.policy.session import (
     FinishReason,
     Protection,
@@ -87,7 +84,6 @@ from kvhint.schemas.hints import (
     RetainPayload,
     SharePayload,
     Target,
-    make_action,
 )
 
 # -- lifecycle ----------------------------------------------------------------------------
@@ -172,35 +168,6 @@ def plan_idle(ctx: PlannerContext, session: SessionPlanState) -> PlanResult:
     return PlanResult(result.session, result.actions, observed)
 
 
-def session_hit_density(ctx: PlannerContext, session: SessionPlanState) -> float:
-    """Expected next-turn hits per cache-second of ``session``, as the planner last valued
-    it: while a turn is in flight (no gap open), the value at the start of a user gap;
-    while it awaits a return, its protection's priority read back as a density (a pin is
-    top priority), 0 with no protection (the planner left it to LRU) or once ended. O(1)
-    for sessions awaiting a return, so a scan over every session stays cheap."""
-    if session.ended:
-        return 0.0
-    if not session.awaiting_return:
-        return ctx.stats.hit_density(USER_GAP, session.turns, 0.0, ctx.config.horizon_s)
-    if session.protection is None:
-        return 0.0
-    return priority_density(session.protection.priority)
-
-
-def session_chain(ctx: PlannerContext, session: SessionPlanState, worker_id: str | None,
-                  block_hashes: tuple[int, ...]) -> SessionChain | None:
-    """What ``session`` brings to a shared-prefix scan: the block hashes of its last prompt
-    on ``worker_id`` with its :func:`session_hit_density`; None when it counts for nothing
-    (no worker or prompt yet, or worth nothing). The live lifecycle and the simulator
-    build their scans' input with it."""
-    if worker_id is None or not block_hashes:
-        return None
-    density = session_hit_density(ctx, session)
-    if density <= 0:
-        return None
-    return SessionChain(worker_id, session.tenant, block_hashes, density)
-
-
 def next_idle_review(config: PlannerConfig, session: SessionPlanState, now: float) -> float | None:
     """When :func:`plan_idle` should next run for ``session`` (absolute time, > ``now``),
     or None when it awaits no return. Reviews come at idle times ``first``, ``first x
@@ -226,52 +193,6 @@ def plan_session_end(
         observations = (ReturnObserved(session.turns, False, session.gap_kind or USER_GAP),)
     result = _end(ctx, replace(session, last_activity=event.at), "end")
     return PlanResult(result.session, result.actions, observations)
-
-
-def plan_shared_prefixes(
-    ctx: PlannerContext, prefixes: Sequence[SharedPrefix]
-) -> tuple[PlannedAction, ...]:
-    """Retain prefixes that at least ``shared_prefix_min_sessions`` sessions use, unless
-    already retained for more than half the horizon. The priority comes from the sharing
-    sessions' summed hit density: a prefix block is read by every one of their next turns,
-    so it is worth their sum (sessions the planner left to LRU count for nothing, see
-    :func:`session_chain`). Like a session's retain this is soft:
-    the worker fits it into its retain budget by displacing lower priorities, so only the
-    tenant's budget is checked here (checking the worker's budget against the planner's
-    ledger, which session retains routinely fill, kept every prefix out)."""
-    config = ctx.config
-    actions = []
-    tenant_blocks = {t: h.retained_blocks for t, h in ctx.tenant_held.items()}
-    for prefix in prefixes:
-        worker = ctx.workers.get(prefix.worker_id)
-        if worker is None or prefix.sessions < config.shared_prefix_min_sessions:
-            continue
-        if not prefix.block_hashes or not worker.can_send(ActionType.RETAIN, config):
-            continue
-        remaining = (prefix.protected_until or 0.0) - ctx.now
-        if remaining > config.horizon_s / 2:
-            continue
-        priority = retain_priority(prefix.hit_density)
-        if priority < config.min_retain_priority:
-            continue
-        ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
-        blocks = len(prefix.block_hashes)
-        held = tenant_blocks.get(prefix.tenant or "", 0)
-        if prefix.tenant is not None and not _fits(held, blocks,
-                                                   config.tenant_max_retained_blocks):
-            continue
-        if prefix.tenant is not None:
-            tenant_blocks[prefix.tenant] = held + blocks
-        payload = RetainPayload(
-            target=Target(block_hashes=list(prefix.block_hashes)),
-            priority=priority,
-            ttl_s=ttl,
-        )
-        actions.append(
-            _planned(ctx, worker.worker_id, payload, f"{PREFIX_SCOPE}{prefix.key}",
-                     prefix.tenant, blocks, ctx.now + ttl, "shared_prefix")
-        )
-    return tuple(actions)
 
 
 # -- internals ----------------------------------------------------------------------------
@@ -304,32 +225,11 @@ def _chain_target(session: SessionPlanState, worker: WorkerPlanView, blocks: int
                   prefix_tokens=max(blocks, 1) * worker.block_size)
 
 
-def _fits(held: int, extra: int, limit: int | None) -> bool:
-    return limit is None or held + extra <= limit
-
-
 def _priority(ctx: PlannerContext, session: SessionPlanState, idle_s: float) -> int:
     density = ctx.stats.hit_density(
         session.gap_kind or USER_GAP, session.turns, idle_s, ctx.config.horizon_s
     )
     return retain_priority(density)
-
-
-def retain_priority(density: float) -> int:
-    """Retain priority from a hit density (hits per cache-second, see
-    :meth:`LearnedStats.hit_density`) on a log scale: 1 hit/s -> 100, 1/min -> 59,
-    1/5 min -> 36, 1/hour -> 1, none -> 0. Only the order matters to the worker."""
-    if density <= 0:
-        return 0
-    return max(0, min(100, round(10.0 * math.log2(density * 3600.0))))
-
-
-def priority_density(priority: int) -> float:
-    """The hit density a retain priority stands for: :func:`retain_priority`'s inverse
-    (to its rounding); 0 for priority 0."""
-    if priority <= 0:
-        return 0.0
-    return 2.0 ** (priority / 10.0) / 3600.0
 
 
 def _protect(
@@ -471,8 +371,9 @@ def _plan_move(
     if old_worker is not None and old_worker.can_send(ActionType.SHARE, config):
         blocks = _blocks_of(ctx, session, old_worker.block_size)
         payload = SharePayload(target=target, destination_worker=new, ttl_s=config.share_ttl_s)
-        actions.append(_planned(ctx, old, payload, session.session_id, session.tenant, blocks,
-                                ctx.now + config.share_ttl_s, "moved:share"))
+        actions.append(PlannedAction.make(ctx, old, payload, session.session_id,
+                                          session.tenant, blocks,
+                                          ctx.now + config.share_ttl_s, "moved:share"))
     elif (
         new_worker is not None
         and new_worker.host_tier
@@ -480,13 +381,14 @@ def _plan_move(
     ):
         blocks = _blocks_of(ctx, session, new_worker.block_size)
         payload = PrefetchPayload(target=target, deadline_s=config.prefetch_deadline_s)
-        actions.append(_planned(ctx, new, payload, session.session_id, session.tenant, blocks,
-                                ctx.now, "moved:prefetch"))
+        actions.append(PlannedAction.make(ctx, new, payload, session.session_id,
+                                          session.tenant, blocks, ctx.now, "moved:prefetch"))
     if old_worker is not None and session.protection is not None:
         if old_worker.host_tier and old_worker.can_send(ActionType.DEMOTE, config):
             payload = DemotePayload(target=target)
-            actions.append(_planned(ctx, old, payload, session.session_id, session.tenant,
-                                    session.protection.blocks, ctx.now, "moved:demote"))
+            actions.append(PlannedAction.make(ctx, old, payload, session.session_id,
+                                              session.tenant, session.protection.blocks,
+                                              ctx.now, "moved:demote"))
         else:
             actions.extend(_release(ctx, session, old_worker, "moved:release").actions)
     return actions
@@ -502,8 +404,8 @@ def _send(
     ttl: float,
     reason: str,
 ) -> PlanResult:
-    planned = _planned(ctx, worker.worker_id, payload, session.session_id, session.tenant,
-                       blocks, ctx.now + ttl, reason)
+    planned = PlannedAction.make(ctx, worker.worker_id, payload, session.session_id,
+                                 session.tenant, blocks, ctx.now + ttl, reason)
     protection = Protection(
         action_id=planned.action.action_id,
         action_type=planned.action_type,
@@ -514,17 +416,3 @@ def _send(
     )
     holds = planned.action_type in (ActionType.PIN.value, ActionType.RETAIN.value) and blocks > 0
     return PlanResult(replace(session, protection=protection if holds else None), (planned,))
-
-
-def _planned(
-    ctx: PlannerContext,
-    worker_id: str,
-    payload: HintPayload,
-    scope: str,
-    tenant: str | None,
-    blocks: int,
-    expires_at: float,
-    reason: str,
-) -> PlannedAction:
-    action = make_action(f"kvh-{ctx.rng.getrandbits(64):016x}", payload)
-    return PlannedAction(worker_id, action, scope, tenant, blocks, expires_at, reason)

@@ -1,5 +1,5 @@
 """Which prefixes many sessions share (system prompts, tool schemas), per worker and tenant;
-:func:`~kvhint.router.policy.planner.plan_shared_prefixes` retains them.
+:func:`plan_shared_prefixes` retains them.
 
 The live router's lifecycle and the simulator both feed :func:`find_shared_prefixes` the
 block hashes of each live session's last routed prompt, every
@@ -21,7 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvhint.router.policy.plan_types import PlannedAction, SharedPrefix
+from kvhint.router.policy.plan_types import PlannedAction, PlannerContext, SharedPrefix
+from kvhint.router.policy.priority import priority_density, retain_priority
+from kvhint.router.policy.session import SessionPlanState
+from kvhint.router.policy.stats import USER_GAP
+from kvhint.schemas.hints import ActionType, RetainPayload, Target
 
 PREFIX_SCOPE = "prefix:"
 
@@ -29,7 +33,7 @@ PREFIX_SCOPE = "prefix:"
 @dataclass(frozen=True, slots=True)
 class SessionChain:
     """A live session's last routed prompt on its worker, as block hashes, and the
-    session's hit density (:func:`~kvhint.router.policy.planner.session_hit_density`)."""
+    session's hit density (:func:`session_hit_density`)."""
 
     worker_id: str
     tenant: str
@@ -128,3 +132,82 @@ class SharedPrefixRetains:
 
 def _protection_key(worker_id: str, prefix_key: str) -> str:
     return f"{worker_id}:{prefix_key}"
+
+
+def session_hit_density(ctx: PlannerContext, session: SessionPlanState) -> float:
+    """Expected next-turn hits per cache-second of ``session``, as the planner last valued
+    it: while a turn is in flight (no gap open), the value at the start of a user gap;
+    while it awaits a return, its protection's priority read back as a density (a pin is
+    top priority), 0 with no protection (the planner left it to LRU) or once ended. O(1)
+    for sessions awaiting a return, so a scan over every session stays cheap."""
+    if session.ended:
+        return 0.0
+    if not session.awaiting_return:
+        return ctx.stats.hit_density(USER_GAP, session.turns, 0.0, ctx.config.horizon_s)
+    if session.protection is None:
+        return 0.0
+    return priority_density(session.protection.priority)
+
+
+def session_chain(ctx: PlannerContext, session: SessionPlanState, worker_id: str | None,
+                  block_hashes: tuple[int, ...]) -> SessionChain | None:
+    """What ``session`` brings to a shared-prefix scan: the block hashes of its last prompt
+    on ``worker_id`` with its :func:`session_hit_density`; None when it counts for nothing
+    (no worker or prompt yet, or worth nothing). The live lifecycle and the simulator
+    build their scans' input with it."""
+    if worker_id is None or not block_hashes:
+        return None
+    density = session_hit_density(ctx, session)
+    if density <= 0:
+        return None
+    return SessionChain(worker_id, session.tenant, block_hashes, density)
+
+
+def plan_shared_prefixes(
+    ctx: PlannerContext, prefixes: Sequence[SharedPrefix]
+) -> tuple[PlannedAction, ...]:
+    """Retain prefixes that at least ``shared_prefix_min_sessions`` sessions use, unless
+    already retained for more than half the horizon. The priority comes from the sharing
+    sessions' summed hit density: a prefix block is read by every one of their next turns,
+    so it is worth their sum (sessions the planner left to LRU count for nothing, see
+    :func:`session_chain`). Like a session's retain this is soft:
+    the worker fits it into its retain budget by displacing lower priorities, so only the
+    tenant's budget is checked here (checking the worker's budget against the planner's
+    ledger, which session retains routinely fill, kept every prefix out)."""
+    config = ctx.config
+    actions = []
+    tenant_blocks = {t: h.retained_blocks for t, h in ctx.tenant_held.items()}
+    for prefix in prefixes:
+        worker = ctx.workers.get(prefix.worker_id)
+        if worker is None or prefix.sessions < config.shared_prefix_min_sessions:
+            continue
+        if not prefix.block_hashes or not worker.can_send(ActionType.RETAIN, config):
+            continue
+        remaining = (prefix.protected_until or 0.0) - ctx.now
+        if remaining > config.horizon_s / 2:
+            continue
+        priority = retain_priority(prefix.hit_density)
+        if priority < config.min_retain_priority:
+            continue
+        ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
+        blocks = len(prefix.block_hashes)
+        held = tenant_blocks.get(prefix.tenant or "", 0)
+        if prefix.tenant is not None and not _fits(held, blocks,
+                                                   config.tenant_max_retained_blocks):
+            continue
+        if prefix.tenant is not None:
+            tenant_blocks[prefix.tenant] = held + blocks
+        payload = RetainPayload(
+            target=Target(block_hashes=list(prefix.block_hashes)),
+            priority=priority,
+            ttl_s=ttl,
+        )
+        actions.append(
+            PlannedAction.make(ctx, worker.worker_id, payload, f"{PREFIX_SCOPE}{prefix.key}",
+                               prefix.tenant, blocks, ctx.now + ttl, "shared_prefix")
+        )
+    return tuple(actions)
+
+
+def _fits(held: int, extra: int, limit: int | None) -> bool:
+    return limit is None or held + extra <= limit

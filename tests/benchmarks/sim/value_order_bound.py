@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.plan_types import PlannerConfig
-from kvhint.router.policy.planner import retain_priority
+from kvhint.router.policy.priority import retain_priority
 from kvhint.router.policy.stats import (
     GapObserved,
     LearnedStats,

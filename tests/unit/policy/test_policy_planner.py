@@ -32,7 +32,7 @@ from kvhint.router.policy import (
     session_hit_density,
     user_gap_kind,
 )
-from kvhint.router.policy.planner import priority_density, retain_priority
+from kvhint.router.policy.priority import priority_density, retain_priority
 from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
 from kvhint.schemas.hints import ParsedAction
 from kvhint.router.policy.feedback import apply_outcome
