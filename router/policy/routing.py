@@ -18,7 +18,8 @@ knowledge): ``prefill blocks to compute + active decode blocks``. ``kvhint`` use
 above plus *bounded* session affinity: a session stays on its worker while that worker's
 recent load is within ``affinity_slack`` of the fleet mean, and a worker whose recent load
 exceeds the mean by more than ``balance_cap`` (``affinity_cap`` for the session's own
-worker) is only chosen when every worker does. A new session's first turn also pays
+worker, and by more than the tokens the request has cached there: a move recomputes them)
+is only chosen when every worker does. A new session's first turn also pays
 ``new_session_spread x prompt_tokens`` per recently placed session above the least-loaded
 worker's count, so long-lived sessions spread instead of clustering on a shared prefix.
 """
@@ -107,6 +108,14 @@ class RoutingConfig:
     # worker "over" in turn (sessions ping-pong and lose their cache); the session's worker
     # is still passed over once it is this far over (hot-spot protection stays bounded).
     affinity_cap: float = 0.25
+    # kvhint: ... and only once it is over that line by more than this many times the
+    # tokens the request has cached there: a move recomputes them on the new worker, so an
+    # excess smaller than that is not worth relieving. Without it, small recent loads (a
+    # quiet spell, the end of a run) let one request put a worker "over" and sessions left
+    # up to 24k cached tokens behind during a 10 s tool call. gen-agents 2 x 400 seeds
+    # 1-10: 9 of 10 fewer recomputed tokens (-3.7% to +2.5%, mean -1.5%; 0.5 and 2 gave
+    # the same as 1); Mooncake 4 x 1,250 unchanged (BENCHMARKS.md, "simulator").
+    affinity_cache_margin: float = 1.0
     # kvhint: bounded affinity; the session's worker wins a near-tie (within this many
     # tokens of cost) while its recent load is within ``affinity_slack`` of the mean.
     affinity_tokens: int = 512
@@ -337,11 +346,13 @@ def _kvhint(
         costs = [c + config.new_session_spread * request.prompt_tokens
                  * (w.recent_sessions - least) for c, w in zip(costs, workers, strict=True)]
     # Bounded balance: overloaded workers drop behind every worker under the line; the
-    # session's own worker has a higher line (affinity_cap).
+    # session's own worker has a higher line (affinity_cap, plus a margin for what a move
+    # would recompute: affinity_cache_margin x its cached tokens).
     sticky = ctx.session.worker_id if ctx.session is not None else None
-    over = [mean > 0 and w.recent_prefill_tokens > mean * (
-        1.0 + (config.affinity_cap if w.worker_id == sticky else config.balance_cap))
-        for w in workers]
+    over = [mean > 0 and w.recent_prefill_tokens > (
+        mean * (1.0 + config.affinity_cap) + config.affinity_cache_margin * total
+        if w.worker_id == sticky else mean * (1.0 + config.balance_cap))
+        for w, (total, _) in zip(workers, cached, strict=True)]
     if not all(over):
         penalty = 1.0 + max(costs) - min(costs)
         costs = [c + penalty if o else c for c, o in zip(costs, over, strict=True)]

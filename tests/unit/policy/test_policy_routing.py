@@ -96,6 +96,24 @@ def test_kvhint_keeps_a_session_on_its_worker_slightly_over_the_balance_line() -
     assert route(new, _req(w1=Overlap(6)), random.Random(0)).worker_id == "w0"
 
 
+def test_kvhint_moves_a_session_off_its_cache_only_for_an_excess_larger_than_that_cache() -> None:
+    """Past affinity_cap by 1,250 tokens, the session's worker keeps a request with 3,072
+    tokens cached there (moving would recompute more than it relieves); past it by 8,750
+    it does not. Without the margin the first one moved too."""
+    cached = Overlap(6)  # 3,072 tokens
+    session = SessionPlacement("w1", 3)
+    slightly = (WorkerLoad("w0", recent_prefill_tokens=10_000),
+                WorkerLoad("w1", recent_prefill_tokens=20_000))  # line: 18,750
+    ctx = _ctx(RoutingPolicy.KVHINT, *slightly, session=session)
+    assert route(ctx, _req(w1=cached), random.Random(0)).worker_id == "w1"
+    no_margin = _ctx(RoutingPolicy.KVHINT, *slightly, session=session, affinity_cache_margin=0.0)
+    assert route(no_margin, _req(w1=cached), random.Random(0)).worker_id == "w0"
+    far = (WorkerLoad("w0", recent_prefill_tokens=10_000),
+           WorkerLoad("w1", recent_prefill_tokens=40_000))  # line: 31,250
+    ctx = _ctx(RoutingPolicy.KVHINT, *far, session=session)
+    assert route(ctx, _req(w1=cached), random.Random(0)).worker_id == "w0"
+
+
 def test_kvhint_spreads_new_sessions_over_their_shared_prefix_when_asked() -> None:
     """With ``new_session_spread`` set, a new session goes where fewer sessions were
     recently placed, even though its system prompt is cached on the other worker; a
