@@ -116,6 +116,13 @@ class RoutingConfig:
     # 1-10: 9 of 10 fewer recomputed tokens (-3.7% to +2.5%, mean -1.5%; 0.5 and 2 gave
     # the same as 1); Mooncake 4 x 1,250 unchanged (BENCHMARKS.md, "simulator").
     affinity_cache_margin: float = 1.0
+    # kvhint: added to every worker's recent computed tokens before the caps are applied,
+    # so an excess must also be material in absolute terms (~balance_cap x this). At low
+    # load one long prompt is already 8% over the mean, and new sessions would leave the
+    # worker that holds their shared prefix. The live router's default
+    # (``routing.balance_floor_tokens``); on the simulated traces, where loads are large,
+    # it is neutral (BENCHMARKS.md, "simulator").
+    balance_floor_tokens: float = 16_384.0
     # kvhint: bounded affinity; the session's worker wins a near-tie (within this many
     # tokens of cost) while its recent load is within ``affinity_slack`` of the mean.
     affinity_tokens: int = 512
@@ -329,7 +336,9 @@ def _kvhint(
 ) -> RouteDecision:
     config = ctx.config
     floor = min(w.recent_prefill_tokens for w in workers)
-    mean = sum(w.recent_prefill_tokens for w in workers) / len(workers)
+    # What the caps compare: recent computed tokens lifted by balance_floor_tokens.
+    recent = [w.recent_prefill_tokens + config.balance_floor_tokens for w in workers]
+    mean = sum(recent) / len(recent)
     costs = []
     cached = _cached(workers, request)
     for w, (total, host) in zip(workers, cached, strict=True):
@@ -349,17 +358,17 @@ def _kvhint(
     # session's own worker has a higher line (affinity_cap, plus a margin for what a move
     # would recompute: affinity_cache_margin x its cached tokens).
     sticky = ctx.session.worker_id if ctx.session is not None else None
-    over = [mean > 0 and w.recent_prefill_tokens > (
+    over = [mean > 0 and load > (
         mean * (1.0 + config.affinity_cap) + config.affinity_cache_margin * total
         if w.worker_id == sticky else mean * (1.0 + config.balance_cap))
-        for w, (total, _) in zip(workers, cached, strict=True)]
+        for w, load, (total, _) in zip(workers, recent, cached, strict=True)]
     if not all(over):
         penalty = 1.0 + max(costs) - min(costs)
         costs = [c + penalty if o else c for c, o in zip(costs, over, strict=True)]
     reason = "cost"
     if sticky is not None:
         for i, w in enumerate(workers):
-            within = mean <= 0 or w.recent_prefill_tokens <= mean * (1.0 + config.affinity_slack)
+            within = mean <= 0 or recent[i] <= mean * (1.0 + config.affinity_slack)
             if w.worker_id == sticky and within and not over[i]:
                 costs[i] -= config.affinity_tokens
                 reason = "cost+affinity"

@@ -77,10 +77,6 @@ class RoutingService:
     seed: int = 0
     clock: Callable[[], float] = time.monotonic
     default_model: str | None = None
-    # Added to every worker's recent prefill tokens (see RoutingSettings.balance_floor_tokens):
-    # the policy's relative hot-spot cap then needs an absolute excess before it moves a
-    # session away from its cache at low load.
-    balance_floor_tokens: float = 0.0
     _rng: random.Random = field(init=False)
     _loads: dict[str, _Load] = field(default_factory=dict)
     _seq: int = 0
@@ -189,7 +185,7 @@ class RoutingService:
             active_requests=worker.inflight,
             active_blocks=active_blocks,
             pending_prefill_tokens=pending,
-            recent_prefill_tokens=recent + self.balance_floor_tokens,
+            recent_prefill_tokens=recent,
             recent_sessions=sessions,
         )
 

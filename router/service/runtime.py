@@ -118,13 +118,14 @@ class RouterRuntime:
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
                                    config=StreamConfig(heartbeat_misses=settings.heartbeat_misses))
-        routing_config = RoutingConfig(policy=RoutingPolicy(settings.routing.policy),
-                                       new_session_spread=settings.routing.new_session_spread)
+        routing_config = RoutingConfig(
+            policy=RoutingPolicy(settings.routing.policy),
+            new_session_spread=settings.routing.new_session_spread,
+            balance_floor_tokens=settings.routing.balance_floor_tokens)
         routing = RoutingService(workers, metrics, routing_config, hasher,
                                  default_block_size=settings.block_size, index=index,
                                  seed=settings.routing.seed,
-                                 default_model=next(iter(models), None),
-                                 balance_floor_tokens=settings.routing.balance_floor_tokens)
+                                 default_model=next(iter(models), None))
         prober = HealthProber(workers, pool, settings.health_probe_s)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later)

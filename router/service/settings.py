@@ -92,9 +92,10 @@ class RoutingSettings(BaseModel, frozen=True):
     policy: str = "kvhint"
     # The kvhint policy keeps a worker whose recent uncached prefill exceeds the fleet mean
     # by more than 8% from taking new work (hot-spot protection). At low load a single
-    # long prompt is already 8% "over", and sessions would bounce between workers and
-    # lose their cache; this many tokens are added to every worker's count, so the excess
-    # must also be material in absolute terms (~8% of this). 0 turns it off.
+    # long prompt is already 8% "over", and new sessions would leave the worker that holds
+    # their shared prefix (a session's own worker keeps it anyway unless the excess beats
+    # its cached tokens); this many tokens are added to every worker's count, so the
+    # excess must also be material in absolute terms (~8% of this). 0 turns it off.
     balance_floor_tokens: float = Field(16384.0, ge=0)
     # A new session's first turn pays this many times its prompt tokens per recently
     # placed session a worker has above the least (kvhint policy): spreads bursts of new

@@ -26,6 +26,9 @@ BS = 512
 
 def _ctx(policy: RoutingPolicy, *loads: WorkerLoad, session: SessionPlacement | None = None,
          **config: object) -> RoutingContext:
+    """The caps at these tests' small loads, without the absolute floor unless a test asks
+    for it (the floor: tests/unit/service/test_service_planning.py)."""
+    config.setdefault("balance_floor_tokens", 0.0)
     return RoutingContext(workers=tuple(loads), config=RoutingConfig(policy=policy, **config),
                           session=session)
 
