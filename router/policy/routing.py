@@ -335,7 +335,7 @@ def _kvhint(
     ctx: RoutingContext, workers: list[WorkerLoad], request: RouteRequest, rng: random.Random
 ) -> RouteDecision:
     config = ctx.config
-    floor = min(w.recent_prefill_tokens for w in workers)
+    least_recent = min(w.recent_prefill_tokens for w in workers)
     # What the caps compare: recent computed tokens lifted by balance_floor_tokens.
     recent = [w.recent_prefill_tokens + config.balance_floor_tokens for w in workers]
     mean = sum(recent) / len(recent)
@@ -347,7 +347,7 @@ def _kvhint(
             new_tokens
             + config.host_load_cost * host
             + config.queue_weight * w.pending_prefill_tokens
-            + config.balance_weight * (w.recent_prefill_tokens - floor)
+            + config.balance_weight * (w.recent_prefill_tokens - least_recent)
         )
     if request.session_key is not None and (ctx.session is None
                                             or ctx.session.worker_id is None):
