@@ -23,7 +23,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from kvhint.router.policy import RoutingPolicy
+from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.schemas import is_valid_worker_id
 
 ENV_PREFIX = "KVHINT_ROUTER_"
@@ -96,7 +96,7 @@ class RoutingSettings(BaseModel, frozen=True):
     # their shared prefix (a session's own worker keeps it anyway unless the excess beats
     # its cached tokens); this many tokens are added to every worker's count, so the
     # excess must also be material in absolute terms (~8% of this). 0 turns it off.
-    balance_floor_tokens: float = Field(16384.0, ge=0)
+    balance_floor_tokens: float = Field(RoutingConfig().balance_floor_tokens, ge=0)
     # A new session's first turn pays this many times its prompt tokens per recently
     # placed session a worker has above the least (kvhint policy): spreads bursts of new
     # sessions that share a cached system prompt. Off by default; measured to cost cache
