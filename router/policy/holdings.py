@@ -22,6 +22,13 @@ class Holdings:
     retained_blocks: int = 0
 
 
+def room_left(held: int, limit: int | None) -> int:
+    """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
+    if limit is None:
+        return 1 << 62
+    return max(limit - held, 0)
+
+
 @dataclass(slots=True)
 class _Held:
     action_id: str

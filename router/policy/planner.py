@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvhint.router.policy.coverage import completion_read, protected_tokens
-from kvhint.router.policy.holdings import Holdings
+from kvhint.router.policy.holdings import Holdings, room_left
 from kvhint.router.policy.plan_types import (
     PlannedAction,
     PlannerConfig,
@@ -268,8 +268,9 @@ def _protect(
         # clipped pin says the worker had only that share of the room the planner counted
         # (see feedback.py), and pins that fit again are accepted and raise it back.
         scale = worker.feedback.pin_ask_scale if worker.feedback is not None else 1.0
-        room = _room(worker.held.pinned_blocks - own_pinned, worker.budgets.max_pinned_blocks)
-        room = min(room, _room(tenant.pinned_blocks - own_pinned, config.tenant_max_pinned_blocks))
+        room = room_left(worker.held.pinned_blocks - own_pinned, worker.budgets.max_pinned_blocks)
+        room = min(room, room_left(tenant.pinned_blocks - own_pinned,
+                                   config.tenant_max_pinned_blocks))
         if blocks <= room * scale:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
             payload = PinPayload(target=_chain_target(session, worker, blocks), ttl_s=ttl,
@@ -297,7 +298,7 @@ def _protect(
             return PlanResult(session)
         # Retains are soft: the worker enforces its own retain budget by displacing lower
         # priorities, so only the tenant's share is checked here.
-        room = _room(tenant.retained_blocks - own_retained, config.tenant_max_retained_blocks)
+        room = room_left(tenant.retained_blocks - own_retained, config.tenant_max_retained_blocks)
         if room >= blocks:
             # Cover at least until the next idle review, which re-plans the retain.
             review = next_idle_review(config, session, ctx.now)
@@ -313,12 +314,6 @@ def _protect(
                                     evict_rest_first=worker.evict_rest_first and not re_sent)
             return _send(ctx, session, worker, payload, blocks, priority, ttl, f"{reason}:retain")
     return _release(ctx, session, worker, f"{reason}:low_value")
-
-
-def _room(held: int, limit: int | None) -> int:
-    if limit is None:
-        return 1 << 62
-    return max(limit - held, 0)
 
 
 def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanResult:

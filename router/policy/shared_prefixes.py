@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvhint.router.policy.holdings import room_left
 from kvhint.router.policy.plan_types import PlannedAction, PlannerContext, SharedPrefix
 from kvhint.router.policy.priority import priority_density, retain_priority
 from kvhint.router.policy.session import SessionPlanState
@@ -192,8 +193,8 @@ def plan_shared_prefixes(
         ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
         blocks = len(prefix.block_hashes)
         held = tenant_blocks.get(prefix.tenant or "", 0)
-        if prefix.tenant is not None and not _fits(held, blocks,
-                                                   config.tenant_max_retained_blocks):
+        if prefix.tenant is not None and blocks > room_left(
+                held, config.tenant_max_retained_blocks):
             continue
         if prefix.tenant is not None:
             tenant_blocks[prefix.tenant] = held + blocks
@@ -207,7 +208,3 @@ def plan_shared_prefixes(
                                prefix.tenant, blocks, ctx.now + ttl, "shared_prefix")
         )
     return tuple(actions)
-
-
-def _fits(held: int, extra: int, limit: int | None) -> bool:
-    return limit is None or held + extra <= limit
