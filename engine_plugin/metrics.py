@@ -52,6 +52,18 @@ HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
 LATENCY_KEY = "apply_latency_s"  # [seconds, ...]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
+PREFIX = "kvhint:"
+HINTS_METRIC = f"{PREFIX}hints"
+LATENCY_METRIC = f"{PREFIX}hint_apply_seconds"
+
+
+def exposed_names() -> set[str]:
+    """Every series name the plugin's metrics show on vLLM's ``/metrics`` (what a
+    dashboard or alert may query)."""
+    names = {f"{PREFIX}{key}_total" for key in COUNTERS} | {f"{PREFIX}{key}" for key in GAUGES}
+    names.add(f"{HINTS_METRIC}_total")
+    names.update(f"{LATENCY_METRIC}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
+    return names
 
 
 class KvHintConnectorStats(KVConnectorStats):
@@ -99,18 +111,18 @@ class KvHintPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._labels = per_engine_labelvalues
         self._counters = {
-            key: self._counter_cls(name=f"kvhint:{key}", documentation=doc,
+            key: self._counter_cls(name=f"{PREFIX}{key}", documentation=doc,
                                    labelnames=labelnames)
             for key, doc in COUNTERS.items()}
         self._gauges = {
-            key: self._gauge_cls(name=f"kvhint:{key}", documentation=doc,
+            key: self._gauge_cls(name=f"{PREFIX}{key}", documentation=doc,
                                  labelnames=labelnames, multiprocess_mode="mostrecent")
             for key, doc in GAUGES.items()}
         self._hints = self._counter_cls(
-            name="kvhint:hints", documentation="Hint outcomes by action type and status.",
+            name=HINTS_METRIC, documentation="Hint outcomes by action type and status.",
             labelnames=[*labelnames, "action", "status"])
         self._latency = self._histogram_cls(
-            name="kvhint:hint_apply_seconds",
+            name=LATENCY_METRIC,
             documentation="From a hint's arrival at the plugin to its outcome.",
             labelnames=labelnames, buckets=list(LATENCY_BUCKETS))
 

@@ -11,6 +11,7 @@ import pytest
 
 from kvhint.engine_plugin.config import PluginConfigError
 from kvhint.engine_plugin.core import PluginCore
+from kvhint.engine_plugin.metrics import exposed_names
 from kvhint.engine_plugin.headless import (
     HeadlessSchedulerSpec,
     build_kv_cache_manager,
@@ -270,6 +271,12 @@ def test_connector_stats_reach_prometheus_metrics() -> None:
     assert 'kvhint:hints_total{action="kv.pin",engine="0",model_name="tiny",status="accepted"} 1.0' \
         in text
     assert 'kvhint:pinned_blocks{engine="0",model_name="tiny"} 3.0' in text
+    # exposed_names() (what the deploy files are checked against) is what is registered.
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    series = {f"{family.name}{suffix}" for family in registry.collect()
+              if family.name.startswith("kvhint:")
+              for suffix in suffixes.get(family.type, ("",))}
+    assert series == exposed_names()
     assert h.connector.get_kv_connector_stats() is None  # nothing changed since
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from kvhint.engine_plugin.metrics import COUNTERS, GAUGES
+from kvhint.engine_plugin.metrics import exposed_names as plugin_names
 from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.settings import RouterSettings
 
@@ -34,13 +34,6 @@ def exported_names() -> set[str]:
             names.add(family.name + "_total")
         if family.type == "histogram":
             names.update(family.name + s for s in ("_bucket", "_sum", "_count"))
-    return names
-
-
-def plugin_names() -> set[str]:
-    names = {f"kvhint:{key}_total" for key in COUNTERS} | {f"kvhint:{key}" for key in GAUGES}
-    names.add("kvhint:hints_total")
-    names.update(f"kvhint:hint_apply_seconds{s}" for s in ("_bucket", "_sum", "_count"))
     return names
 
 
