@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, replace
 
+from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"
@@ -78,6 +80,23 @@ class SessionPlanState:
     @property
     def awaiting_return(self) -> bool:
         return self.gap_opened_at is not None and not self.ended
+
+    def settled(self, outcome: HintOutcome) -> SessionPlanState:
+        """This state with the worker's terminal answer to its protection folded in: the
+        protection covers the blocks the worker applied, and one that applied none
+        (clipped to nothing by the worker's budget, blocks already gone, rejected) is no
+        protection, so the planner's next review asks again instead of believing the
+        session held. An answer to any other action (an older one, a shared prefix's)
+        changes nothing; nor does a non-terminal one. Returns ``self`` when unchanged."""
+        current = self.protection
+        if current is None or current.action_id != outcome.action_id or (
+                not outcome.status.is_terminal):
+            return self
+        applied = (outcome.applied.blocks
+                   if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED) else 0)
+        if applied == current.blocks:
+            return self
+        return replace(self, protection=replace(current, blocks=applied) if applied > 0 else None)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

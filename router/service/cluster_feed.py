@@ -6,7 +6,8 @@
 - ``<prefix>.v1.status.*``: heartbeats (worker registry + stream liveness);
 - ``<prefix>.v1.outcomes.*``: a JetStream ordered consumer from the last stream sequence
   the store recorded (a fresh store: from now on), so outcomes published while the router
-  was down still land;
+  was down still land; each goes to the hint dispatcher, then (with the action it
+  answers) to ``on_hint_outcome`` (the session lifecycle: what the session holds);
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
   ingestor asks (gap, epoch change, joined mid-stream, missed tail).
 
@@ -33,7 +34,7 @@ from kvhint.router.kv_index import (
     WorkerDead,
     WorkerPurgedNotice,
 )
-from kvhint.router.service.hint_dispatch import HintDispatcher
+from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink, outcomes_stream_name
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
@@ -41,6 +42,7 @@ from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
     SnapshotRequest,
     WireDecodeError,
+    HintOutcome,
     WorkerStatus,
     decode_outcome,
     decode_snapshot,
@@ -57,12 +59,14 @@ class ClusterFeed:
     def __init__(self, link: NatsLink, ingestor: KvEventIngestor, workers: WorkerRegistry,
                  hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
                  outcomes_start_seq: int | None, snapshot_timeout_s: float,
+                 on_hint_outcome: Callable[[SentAction, HintOutcome], None],
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._link = link
         self._subjects = link.subjects
         self.ingestor = ingestor
         self._workers = workers
         self._hints = hints
+        self._on_hint_outcome = on_hint_outcome
         self._metrics = metrics
         self._writer = writer
         self._outcomes_next = outcomes_start_seq
@@ -139,7 +143,9 @@ class ClusterFeed:
             log.warning("malformed outcome on %s: %s", msg.subject, exc)
             self._metrics.drop("outcome_malformed")
             return
-        self._hints.on_outcome(outcome)
+        sent = self._hints.on_outcome(outcome)
+        if sent is not None:
+            self._on_hint_outcome(sent, outcome)
 
     def tick(self) -> None:
         self._perform(self.ingestor.tick())

@@ -7,6 +7,8 @@ which planner function it asks for hints.
 - response finished: counters from the worker's usage; :func:`plan_response_finished`
   (a response ending in tool calls opens a tool gap: Pin/Retain for the predicted gap);
 - end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): :func:`plan_session_end`;
+- a worker answers the session's Pin/Retain: the protection the planner remembers becomes
+  what the worker applied (:meth:`SessionPlanState.settled`);
 - tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon), hint
   deadlines, learned statistics saved, long-gone sessions forgotten from memory; every
   ``PlannerConfig.shared_prefix_scan_s`` prefixes shared by many sessions are retained
@@ -39,6 +41,7 @@ from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
+from kvhint.schemas import HintOutcome
 
 
 class SessionLifecycle:
@@ -126,6 +129,18 @@ class SessionLifecycle:
             self.hints.context(now, record.tenant), record.plan, event))
         self.sessions.save(record)
         return sent
+
+    def on_hint_outcome(self, sent: SentAction, outcome: HintOutcome) -> None:
+        """A worker answered ``sent``: fold it into its session's protection."""
+        if sent.tenant is None or sent.session_id is None:
+            return  # not a session's action (a shared prefix's)
+        record = self.sessions.get(sent.tenant, sent.session_id)
+        if record is None:
+            return
+        plan = record.plan.settled(outcome)
+        if plan is not record.plan:
+            record.plan = plan
+            self.sessions.save(record)
 
     async def tick(self) -> None:
         now = self._clock()

@@ -416,7 +416,9 @@ class Simulation:
             if not outcome.status.is_terminal:
                 continue
             self.ledger.settle(outcome)
-            self._planned.pop(outcome.action_id, None)
+            planned = self._planned.pop(outcome.action_id, None)
+            if planned is not None and (session := self.sessions.get(planned.scope)):
+                self.sessions[planned.scope] = session.settled(outcome)
             worker_id = outcome.worker_id
             if worker_id in self.feedback:
                 self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)

@@ -147,15 +147,17 @@ async def test_hints_api_forwards_and_returns_the_outcome(
     nc = await nats.connect(nats_url)
     seen: list[str] = []
 
-    async def plugin(msg) -> None:  # noqa: ANN001 - answers every action: pin clipped
+    async def plugin(msg) -> None:  # noqa: ANN001 - answers every action: clipped
         decoded = decode_hints(msg.data)
         for action in decoded.actions:
             seen.append(action.action_id)
+            # The API's pin gets 2 blocks, the planner's own (kvh-) retain none.
+            applied = Amount(2, 64) if action.action_id.startswith("kva-") else Amount(0, 0)
             await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
                 message_id=decoded.message_id, action_id=action.action_id,
                 action_type=action.action_type.value, worker_id="w0",
-                status=OutcomeStatus.CLIPPED, reason="pin budget",
-                requested=Amount(4, 128), applied=Amount(2, 64), at=time.time())))
+                status=OutcomeStatus.CLIPPED, reason="budget",
+                requested=Amount(4, 128), applied=applied, at=time.time())))
 
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
     settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
@@ -197,6 +199,11 @@ async def test_hints_api_forwards_and_returns_the_outcome(
             assert {h["source"] for h in history["hints"]} == {"api", "planner"}
             detail = (await client.get(f"{router.url}/admin/sessions/default/agent")).json()
             assert {h["status"] for h in detail["hints"]} == {"clipped"}
+            # The worker applied none of the planner's retain: the session is not
+            # remembered as protected (its next review asks again).
+            (planned,) = [h for h in detail["hints"] if h["source"] == "planner"]
+            assert planned["action_type"] == "kv.retain" and planned["applied_blocks"] == 0
+            assert detail["planner"]["protection"] is None
     finally:
         await nc.drain()
 

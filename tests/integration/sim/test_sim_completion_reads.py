@@ -58,3 +58,20 @@ def test_next_turns_that_skip_the_response_make_protections_cover_prompts_only(
     assert early.stats.completion_read_probability() > 0.5
     second = early.sessions["default/s1"].protection
     assert second is not None and second.blocks == 7
+
+
+def test_the_planner_remembers_the_blocks_the_worker_retained(tmp_path: Path) -> None:
+    """A retain budget of 4 blocks (1% of 400): the 7-block retain after a session's turn
+    is clipped to 4 by the plugin, and the simulator's session state says 4, as the live
+    router's does (SessionPlanState.settled)."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "session_id": "s0", "input_length": 198,
+                                "output_length": 40,
+                                "hash_ids": [1, 2, 3, 4, 5, 6, 7]}) + "\n")
+    sim = Simulation(load_trace(path, block_size=32),
+                     SimConfig(workers=1, gpu_blocks=400, block_size=32,
+                               plugin={"retain_budget_fraction": 0.01}), "kvhint")
+    result = sim.run()
+    assert result.hints_by_action()["kv.retain"]["clipped"] >= 1
+    protection = sim.sessions["default/s0"].protection
+    assert protection is not None and protection.blocks == 4

@@ -535,3 +535,45 @@ def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
     for reason, tools in ((FinishReason.STOP, ()), (FinishReason.TOOL_CALLS, ("search",))):
         version, payload = sent(old, reason, tools)
         assert version == "1.0" and not payload.evict_rest_first
+
+
+def _answer(session: SessionPlanState, status: OutcomeStatus, applied: int,
+            action_id: str | None = None) -> HintOutcome:
+    assert session.protection is not None
+    requested = session.protection.blocks
+    return HintOutcome(message_id="m", action_id=action_id or session.protection.action_id,
+                       action_type=session.protection.action_type, worker_id="w0",
+                       status=status, reason="", requested=Amount(requested, requested * BS),
+                       applied=Amount(applied, applied * BS), at=1.0)
+
+
+def test_the_protection_remembered_is_what_the_worker_applied() -> None:
+    ctx = _ctx()
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    assert session.protection is not None and session.protection.blocks == 8
+    part = session.settled(_answer(session, OutcomeStatus.CLIPPED, 3))
+    assert part.protection == replace(session.protection, blocks=3)
+    assert session.settled(_answer(session, OutcomeStatus.ACCEPTED, 8)) is session
+    for nothing in (_answer(session, OutcomeStatus.CLIPPED, 0),
+                    _answer(session, OutcomeStatus.MISSING, 0),
+                    _answer(session, OutcomeStatus.REJECTED, 0)):
+        assert session.settled(nothing).protection is None
+    # Not this protection's answer (an older action), or not a final one: unchanged.
+    assert session.settled(_answer(session, OutcomeStatus.CLIPPED, 0, "older")) is session
+    assert session.settled(_answer(session, OutcomeStatus.DEFERRED, 0)) is session
+
+
+def test_a_retain_the_worker_clipped_to_nothing_is_asked_for_again_at_the_next_review() -> None:
+    # A coarse refresh step: the priority's own drift never re-sends here, so only the
+    # worker's answer can.
+    config = PlannerConfig(refresh_priority_step=1000)
+    ctx = _ctx(config=config)
+    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    review = next_idle_review(config, session, 0.0)
+    assert review is not None
+    later = _ctx(now=review, config=config)
+    assert plan_idle(later, session).actions == ()  # believed held: nothing to send
+    clipped = session.settled(_answer(session, OutcomeStatus.CLIPPED, 0))
+    (again,) = [_typed(p) for p in plan_idle(later, clipped).actions]
+    assert again.action_type.value == "kv.retain" and again.payload.priority > 0
+    assert again.payload.target.prefix_tokens == 8 * BS
