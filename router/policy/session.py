@@ -82,21 +82,25 @@ class SessionPlanState:
         return self.gap_opened_at is not None and not self.ended
 
     def settled(self, outcome: HintOutcome) -> SessionPlanState:
-        """This state with the worker's terminal answer to its protection folded in: the
-        protection covers the blocks the worker applied, and one that applied none
-        (clipped to nothing by the worker's budget, blocks already gone, rejected) is no
-        protection, so the planner's next review asks again instead of believing the
-        session held. An answer to any other action (an older one, a shared prefix's)
-        changes nothing; nor does a non-terminal one. Returns ``self`` when unchanged."""
-        current = self.protection
-        if current is None or current.action_id != outcome.action_id or (
-                not outcome.status.is_terminal):
+        """This state with the worker's terminal answer to its protection folded in
+        (:meth:`holding`): the blocks the worker applied; one that applied none (clipped
+        to nothing by the worker's budget, blocks already gone, rejected) leaves no
+        protection. A non-terminal answer changes nothing."""
+        if not outcome.status.is_terminal:
             return self
         applied = (outcome.applied.blocks
                    if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED) else 0)
-        if applied == current.blocks:
+        return self.holding(outcome.action_id, applied)
+
+    def holding(self, action_id: str, blocks: int) -> SessionPlanState:
+        """This state with its protection, if it is the action ``action_id``, covering
+        ``blocks`` (0: the session holds nothing, so the planner's next review asks again
+        instead of believing it held; also for an action that was never sent). Any other
+        action (an older one, a shared prefix's) changes nothing. ``self`` when unchanged."""
+        current = self.protection
+        if current is None or current.action_id != action_id or current.blocks == blocks:
             return self
-        return replace(self, protection=replace(current, blocks=applied) if applied > 0 else None)
+        return replace(self, protection=replace(current, blocks=blocks) if blocks > 0 else None)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

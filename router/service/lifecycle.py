@@ -8,7 +8,8 @@ which planner function it asks for hints.
   (a response ending in tool calls opens a tool gap: Pin/Retain for the predicted gap);
 - end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): :func:`plan_session_end`;
 - a worker answers the session's Pin/Retain: the protection the planner remembers becomes
-  what the worker applied (:meth:`SessionPlanState.settled`);
+  what the worker applied (:meth:`SessionPlanState.settled`); one that could not be sent
+  (NATS down) protects nothing;
 - tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon), hint
   deadlines, learned statistics saved, long-gone sessions forgotten from memory; every
   ``PlannerConfig.shared_prefix_scan_s`` prefixes shared by many sessions are retained
@@ -37,7 +38,7 @@ from kvhint.router.policy import (
     plan_turn_routed,
     session_chain,
 )
-from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
+from kvhint.router.service.hint_dispatch import FAILED, HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
@@ -191,6 +192,10 @@ class SessionLifecycle:
             record.plan = result.session
         self.hints.observe(result.observations)
         if self._hints_enabled and result.actions:
-            return await self.hints.send(result.actions,
+            sent = await self.hints.send(result.actions,
                                          {record.worker_session_id: record.session_id})
+            for action in sent:
+                if action.status == FAILED:  # never reached the worker: holds nothing
+                    record.plan = record.plan.holding(action.action_id, 0)
+            return sent
         return []

@@ -175,6 +175,10 @@ def test_hints_without_nats_are_failed_and_counted() -> None:
 
     asyncio.run(scenario())
     assert hints.status_counts.get("failed") == 1 and not hints.pending
+    # The planner does not count the unsent protection as held: its next review asks again.
+    record = sessions.get("default", "s2")
+    assert record is not None and record.plan.awaiting_return
+    assert record.plan.protection is None
     assert 'kvhint_router_drops_total{what="hint_unsent"} 1.0' in metrics.render().decode()
 
 
