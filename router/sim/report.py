@@ -33,6 +33,12 @@ def table(results: Sequence[PolicyResult], references: Sequence[ReferenceResult]
         lines.append(f"{'(' + ref.name + ')':<17}{rate:>8.2%}{'':>16}{ref.recomputed_tokens:>15,}"
                      f"   reference{cap}")
     lines.append("hints: sent, then outcomes a=accepted c=clipped d=deferred m=missing r=rejected")
+    for r in results:
+        if r.dropped_requests:
+            # Not in the rates above (the references do count them): say so, not hide it.
+            lines.append(f"{r.policy}: {r.dropped_requests:,} of {r.requests:,} requests dropped "
+                         "(longer than max_model_len, or larger than a worker's pool with "
+                         "its holds); the rows above count only the rest")
     return "\n".join(lines)
 
 

@@ -169,3 +169,18 @@ def test_new_sessions_placed_per_worker_reach_the_routing_policy(tmp_path: Path,
         for _, worker in seen[:k]:  # decisions 0-2 placed new sessions; 3 is s0 returning
             expected[worker] += 1.0
         assert sessions == pytest.approx(expected)
+
+
+def test_a_prompt_larger_than_the_pool_is_dropped_counted_and_said(tmp_path: Path) -> None:
+    from kvhint.router.sim.report import table
+
+    path = tmp_path / "big.jsonl"
+    rows = ROWS[:1] + [{"timestamp": 5_000, "session_id": "big", "input_length": 320,
+                        "output_length": 0, "hash_ids": list(range(500, 510))}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = Simulation(load_trace(path, block_size=32),
+                        SimConfig(workers=1, gpu_blocks=6, block_size=32), "kvhint").run()
+    assert (result.requests, result.dropped_requests) == (2, 1)
+    assert result.prompt_tokens == 65  # the rates count the admitted request only
+    assert "kvhint: 1 of 2 requests dropped" in table([result], [])
+    assert result.to_json()["dropped_requests"] == 1
