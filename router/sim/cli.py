@@ -96,6 +96,10 @@ def _run(args: argparse.Namespace) -> int:
         policies = parse_policies(args.router)
     except ValueError as exc:
         return _fail(str(exc))
+    if args.limit is not None and args.limit < 1:
+        return _fail(f"--limit must be >= 1, got {args.limit}")
+    if args.jobs < 1:
+        return _fail(f"--jobs must be >= 1, got {args.jobs}")
     if args.plot is not None and not (args.plot.parent or Path(".")).is_dir():
         return _fail(f"--plot: folder {args.plot.parent} does not exist")
     from kvhint.router.sim.trace import TraceError, load_trace
@@ -105,6 +109,8 @@ def _run(args: argparse.Namespace) -> int:
     except TraceError as exc:
         return _fail(str(exc))
     # Heavy imports (vLLM) only once the input is known good.
+    from pydantic import ValidationError
+
     from kvhint.router.sim.engine import SimConfig
     from kvhint.router.sim.reference import oracle, unbounded
     from kvhint.router.sim.report import json_lines, plot, table
@@ -120,6 +126,10 @@ def _run(args: argparse.Namespace) -> int:
         config = SimConfig(workers=args.workers, gpu_blocks=args.gpu_blocks,
                            host_blocks=args.host_blocks, block_size=args.block_size,
                            timing=timing, seed=args.seed, plugin=plugin)
+    except ValidationError as exc:  # the plugin's config model (a ValueError too)
+        return _fail("; ".join(
+            f"--{'-'.join(map(str, error['loc'])).replace('_', '-')}: {error['msg']} "
+            f"(got {error['input']!r})" for error in exc.errors()))
     except ValueError as exc:
         return _fail(str(exc))
     progress = None if args.no_progress else sys.stderr
@@ -132,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_reference:
         capacity = args.workers * (args.gpu_blocks + args.host_blocks)
         references = [oracle(trace, capacity), unbounded(trace)]
-    results = run_policies(trace, config, policies, jobs=max(1, args.jobs), progress=progress)
+    results = run_policies(trace, config, policies, jobs=args.jobs, progress=progress)
     if args.plot is not None:
         title = (f"{Path(trace.path).name}: {args.workers} x {args.gpu_blocks} G1"
                  + (f" + {args.host_blocks} G2" if args.host_blocks else "") + " blocks")

@@ -110,6 +110,12 @@ class SimConfig:
             raise ValueError("host_blocks must be >= 0")
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError("block_size must be a positive multiple of 32 (vLLM on the CPU)")
+        self.plugin_config("w0")  # bad plugin overrides fail here, before any worker runs
+
+    def plugin_config(self, worker_id: str) -> PluginConfig:
+        """The plugin's validated config for one simulated worker (its defaults, then
+        ``plugin``); pydantic's ValidationError is a ValueError."""
+        return PluginConfig(worker_id=worker_id, **dict(self.plugin))
 
 
 ProgressFn = Callable[[int, int], None]
@@ -164,7 +170,7 @@ class Simulation:
             cache = build_kv_cache_manager(config.block_size, config.gpu_blocks)
             host = (SimHostTier(config.host_blocks, config.host_cache_policy)
                     if config.host_blocks > 0 else None)
-            plugin_config = PluginConfig(worker_id=worker_id, **dict(config.plugin))
+            plugin_config = config.plugin_config(worker_id)
             core = PluginCore.attach(
                 cache.manager, plugin_config, clock=self._clock,
                 identity=EngineIdentity(worker_id, model="sim"), host_tier=host,

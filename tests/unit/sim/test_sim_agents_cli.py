@@ -99,6 +99,15 @@ def test_cli_stops_on_bad_input_with_line_and_reason_and_writes_nothing(tmp_path
     code = main(["sim", "run", "--trace", str(trace), "--gpu-blocks", "10", "--plot",
                  str(tmp_path / "no" / "such" / "dir.png")])
     assert code == 2 and "does not exist" in capsys.readouterr().err
+    one = str(_trace_file(tmp_path, [good]))
+    for flags, message in (
+            (["--retain-budget-fraction", "1.5"],
+             "--retain-budget-fraction: Input should be less than or equal to 1 (got 1.5)"),
+            (["--limit", "0"], "--limit must be >= 1"),
+            (["--jobs", "0"], "--jobs must be >= 1")):
+        code = main(["sim", "run", "--trace", one, "--gpu-blocks", "10", *flags])
+        err = capsys.readouterr()
+        assert code == 2 and message in err.err and err.out == "", (flags, err)
 
 
 def test_outputs_written_atomically_get_the_umask_mode_not_0600(tmp_path):
