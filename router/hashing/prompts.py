@@ -129,7 +129,10 @@ class PromptRenderer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         backend = self._fast_backend
         if backend is not None:
-            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # encode_batch, not encode: the same ids, but it releases the GIL while the
+            # Rust tokenizer works (encode holds it: 63k tokens stalled every other thread
+            # for ~40 ms), so the router's loop keeps serving while a hashing thread waits.
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @cached_property

@@ -115,7 +115,7 @@ class Forwarder:
         for attempt in range(MAX_ATTEMPTS):
             record = flight.record
             try:
-                flight.plan = self._routing.plan(
+                flight.plan = await self._routing.plan(
                     inbound, record.worker_id if record else None,
                     record.turns if record else 0, exclude=excluded)
             except NoWorkerAvailable as exc:
@@ -152,7 +152,7 @@ class Forwarder:
             # them (its blocks, the prediction), computed while the request is on its way;
             # a request without a session skips hashing (and makes no prediction).
             await asyncio.sleep(0)
-            flight.plan = self._routing.complete(flight.plan, flight.inbound)
+            flight.plan = await self._routing.complete(flight.plan, flight.inbound)
         plan = flight.plan
         predicted = plan.predicted_for(worker_id)
         uncached = max(plan.prompt_tokens - predicted, 0)

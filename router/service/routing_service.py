@@ -2,6 +2,14 @@
 :func:`kvhint.router.policy.route`. No I/O here: hashing is CPU work on the request's own
 body, the index and the load bookkeeping are in memory.
 
+Hashing a long prompt is tens of milliseconds of tokenizer work (63k tokens: ~45 ms); on
+the event loop it would stall every other request's stream for that long. A prompt
+estimated at ``offload_hash_min_tokens`` or more is hashed on ``hash_executor`` (the
+runtime's one hashing thread: the tokenizer and the renderer caches are used from one
+thread at a time; the Rust tokenizer releases the GIL while it encodes, see
+``PromptRenderer._encode``); shorter ones inline, where a thread hop would cost more than
+it saves. The index, the loads and ``route()`` stay on the loop.
+
 Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
 routed there whose first byte has not come back (``pending_prefill_tokens``), and a
 time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens``).
@@ -9,9 +17,11 @@ time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,6 +87,9 @@ class RoutingService:
     seed: int = 0
     clock: Callable[[], float] = time.monotonic
     default_model: str | None = None
+    # Long prompts are hashed here, off the event loop (None: always inline).
+    hash_executor: Executor | None = None
+    offload_hash_min_tokens: int = 2048
     _rng: random.Random = field(init=False)
     _loads: dict[str, _Load] = field(default_factory=dict)
     _seq: int = 0
@@ -86,8 +99,8 @@ class RoutingService:
 
     # --- the decision -------------------------------------------------------------------
 
-    def plan(self, inbound: InboundRequest, session_worker: str | None, session_turns: int,
-             exclude: frozenset[str] = frozenset()) -> RoutePlan:
+    async def plan(self, inbound: InboundRequest, session_worker: str | None,
+                   session_turns: int, exclude: frozenset[str] = frozenset()) -> RoutePlan:
         """Rank the routable workers for ``inbound``; raises ``NoWorkerAvailable``."""
         candidates = [w for w in self.workers.routable() if w.worker_id not in exclude]
         if len(candidates) == 1 and not exclude:
@@ -96,7 +109,7 @@ class RoutingService:
                                      predicted_host_tokens=0, reason="only_worker")
             return RoutePlan(decision, _estimate_tokens(inbound), (), self._block_size(),
                              exact=False, deferred=True)
-        hashes = self._hash(inbound)
+        hashes = await self._hash(inbound)
         block_size = hashes.block_size if hashes is not None else self._block_size()
         prompt_tokens = hashes.num_tokens if hashes is not None else _estimate_tokens(inbound)
         started = time.perf_counter()
@@ -126,9 +139,9 @@ class RoutingService:
                          hashes.block_hashes if hashes is not None else (),
                          block_size, hashes is not None)
 
-    def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
+    async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
         """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""
-        hashes = self._hash(inbound)
+        hashes = await self._hash(inbound)
         if hashes is None:
             return replace(plan, deferred=False)
         worker_id = plan.decision.worker_id
@@ -143,20 +156,22 @@ class RoutingService:
         return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes, hashes.block_size,
                          exact=True)
 
-    def _hash(self, inbound: InboundRequest) -> PromptHashes | None:
-        if self.hasher is None:
+    async def _hash(self, inbound: InboundRequest) -> PromptHashes | None:
+        hasher = self.hasher
+        if hasher is None:
             return None
         body: dict[str, Any] = inbound.body
         if "model" not in body and self.default_model is not None:
             body = {**body, "model": self.default_model}
+        config = self._hash_config()  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
-            if inbound.endpoint is Endpoint.CHAT:
-                hashes = self.hasher.hash_chat(body, self._hash_config())
+            if (self.hash_executor is not None
+                    and _estimate_tokens(inbound) >= self.offload_hash_min_tokens):
+                hashes = await asyncio.get_running_loop().run_in_executor(
+                    self.hash_executor, _hash_body, hasher, inbound.endpoint, body, config)
             else:
-                prompts = self.hasher.hash_completion(body, self._hash_config())
-                # A batch of prompts is routed as one request by its first prompt.
-                hashes = prompts[0] if prompts else None
+                hashes = _hash_body(hasher, inbound.endpoint, body, config)
         except HashingError as exc:
             self.metrics.drop(f"prompt_hashing:{type(exc).__name__}")
             return None
@@ -218,6 +233,16 @@ class RoutingService:
             load.pending_prefill = max(load.pending_prefill - prefill_pending, 0)
             blocks = -(-prompt_tokens // max(block_size, 1))
             load.active_blocks = max(load.active_blocks - blocks, 0)
+
+
+def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any],
+               config: HashConfig) -> PromptHashes | None:
+    """The prompt's hashes (runs on the hashing thread for long prompts: no service state
+    here); a completions batch is routed as one request by its first prompt."""
+    if endpoint is Endpoint.CHAT:
+        return hasher.hash_chat(body, config)
+    prompts = hasher.hash_completion(body, config)
+    return prompts[0] if prompts else None
 
 
 def _estimate_tokens(inbound: InboundRequest) -> int:

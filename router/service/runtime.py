@@ -2,8 +2,9 @@
 down in reverse order. Nothing here exists at import time.
 
 Start order: metrics -> store (migrate, recover) -> workers, sessions, hints -> upstream
-HTTP pool -> tokenizer discovery -> index + ingestor -> NATS (background connect) ->
-periodic loops. Stop: loops -> NATS drain -> HTTP pool -> last store flush -> engine.
+HTTP pool -> tokenizer discovery -> index + ingestor + the prompt-hashing thread -> NATS
+(background connect) -> periodic loops. Stop: loops -> NATS drain -> HTTP pool -> hashing
+thread -> last store flush -> engine.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,10 +124,13 @@ class RouterRuntime:
             policy=RoutingPolicy(settings.routing.policy),
             new_session_spread=settings.routing.new_session_spread,
             balance_floor_tokens=settings.routing.balance_floor_tokens)
+        # One thread hashes long prompts off the event loop (routing_service.py).
+        hash_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
         routing = RoutingService(workers, metrics, routing_config, hasher,
                                  default_block_size=settings.block_size, index=index,
                                  seed=settings.routing.seed,
-                                 default_model=next(iter(models), None))
+                                 default_model=next(iter(models), None),
+                                 hash_executor=hash_executor)
         prober = HealthProber(workers, pool, settings.health_probe_s)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later)
@@ -174,6 +179,8 @@ class RouterRuntime:
             await self.link.close()
         await self.prober.close()
         await self.pool.close()
+        if self.routing.hash_executor is not None:
+            self.routing.hash_executor.shutdown(wait=False, cancel_futures=True)
         self.hints.save_learned(time.time())
         await self.writer.close()
         self.engine.dispose()

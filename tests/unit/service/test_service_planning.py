@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 
 from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
 from kvhint.router.policy import GapObserved, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
-from kvhint.router.service.inbound import Endpoint, parse_inbound
+from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.response_scan import ResponseObservation
-from kvhint.router.service.routing_service import RoutingService
+from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.tenancy import Tenant
@@ -72,6 +73,11 @@ def build(workers: list[str]):
     return registry, metrics, link, hints, sessions, lifecycle, index, routing
 
 
+def _plan(routing: RoutingService, inbound: InboundRequest, session_worker: str | None,
+          session_turns: int) -> RoutePlan:
+    return asyncio.run(routing.plan(inbound, session_worker, session_turns))
+
+
 def test_heartbeat_verdicts() -> None:
     registry = WorkerRegistry([("w0", "http://a")])
     assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.FIRST
@@ -87,10 +93,10 @@ def test_single_worker_is_decided_without_hashing_then_completed() -> None:
     _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0"])
     inbound = parse_inbound(Endpoint.COMPLETION, b'{"prompt": [1,2,3,4,5,6,7,8,9]}',
                             TENANT, None, None)
-    plan = routing.plan(inbound, None, 0)
+    plan = _plan(routing, inbound, None, 0)
     assert plan.deferred and plan.decision.worker_id == "w0"
     # Without a hasher the completion keeps the estimate (nothing to hash with).
-    assert not routing.complete(plan, inbound).deferred
+    assert not asyncio.run(routing.complete(plan, inbound)).deferred
 
 
 def test_overlap_from_the_index_steers_routing() -> None:
@@ -106,7 +112,7 @@ def test_overlap_from_the_index_steers_routing() -> None:
     routing.hasher = Hasher()  # type: ignore[assignment]
     inbound = parse_inbound(Endpoint.COMPLETION, b'{"model": "m", "prompt": "x"}', TENANT,
                             None, None)
-    plan = routing.plan(inbound, None, 0)
+    plan = _plan(routing, inbound, None, 0)
     assert plan.decision.worker_id == "w1"
     assert plan.predicted_for("w1") == 12 and plan.decision.fallbacks == ("w0",)
 
@@ -217,12 +223,12 @@ def test_balance_floor_keeps_new_work_on_its_cached_prefix_at_low_load() -> None
     inbound = parse_inbound(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}',
                             TENANT, "s", None)
     routing.config = dataclasses.replace(routing.config, balance_floor_tokens=0.0)
-    assert routing.plan(inbound, "w0", 1).decision.worker_id == "w0"
+    assert _plan(routing, inbound, "w0", 1).decision.worker_id == "w0"
     # The policy's hot-spot cap alone: 484 tokens are "8% over the mean" -> the idle worker.
-    assert routing.plan(inbound, None, 0).decision.worker_id == "w1"
+    assert _plan(routing, inbound, None, 0).decision.worker_id == "w1"
     routing.config = dataclasses.replace(routing.config, balance_floor_tokens=16384.0)
-    assert routing.plan(inbound, None, 0).decision.worker_id == "w0"
-    assert routing.plan(inbound, "w0", 1).decision.worker_id == "w0"
+    assert _plan(routing, inbound, None, 0).decision.worker_id == "w0"
+    assert _plan(routing, inbound, "w0", 1).decision.worker_id == "w0"
 
 
 def test_new_sessions_spread_over_workers_despite_a_shared_prefix_when_configured() -> None:
@@ -241,7 +247,7 @@ def test_new_sessions_spread_over_workers_despite_a_shared_prefix_when_configure
     def first_turn(session: str) -> str:
         inbound = parse_inbound(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}',
                                 TENANT, session, None)
-        return routing.plan(inbound, None, 0).decision.worker_id
+        return _plan(routing, inbound, None, 0).decision.worker_id
 
     assert [first_turn(f"s{i}") for i in range(4)] == ["w0", "w1", "w0", "w1"]
 
@@ -276,3 +282,43 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
     assert hints.stats.completion_reads.finished > 12
     assert hints.stats.completion_read_probability() < 0.5
     assert "kvhint_router_completion_read_probability 0.4" in metrics.render().decode()
+
+
+def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> None:
+    """The event loop must not stall on a long prompt's tokenizer work: at
+    ``offload_hash_min_tokens`` (estimated) and above, hashing runs on the executor; a
+    hashing error there is still counted and the request routed without hashes."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvhint.router.hashing import PromptHashes, PromptRenderError
+
+    threads: list[str] = []
+
+    class Hasher:
+        def hash_chat(self, body, config):  # noqa: ANN001
+            threads.append(threading.current_thread().name)
+            if body["messages"][0]["content"].startswith("bad"):
+                raise PromptRenderError("bad template input")
+            return PromptHashes(tuple(range(40)), tuple(range(1, 11)), 4)
+
+    _registry, metrics, _l, _h, _s, _lc, _index, routing = build(["w0", "w1"])
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+    routing = dataclasses.replace(routing, hasher=Hasher(), hash_executor=executor,
+                                  offload_hash_min_tokens=1000)
+
+    def chat(content: str) -> InboundRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        return parse_inbound(Endpoint.CHAT, json.dumps(body).encode(), TENANT, "s", None)
+
+    try:
+        assert _plan(routing, chat("x" * 400), None, 0).exact  # ~100 tokens: inline
+        assert _plan(routing, chat("x" * 8000), None, 0).exact  # ~2,000 tokens: the thread
+        failed = _plan(routing, chat("bad" + "x" * 8000), None, 0)
+    finally:
+        executor.shutdown()
+    assert threads[0] == threading.current_thread().name
+    assert [t.startswith("kvhint-hash") for t in threads[1:]] == [True, True]
+    assert not failed.exact and failed.block_hashes == ()
+    assert ('kvhint_router_drops_total{what="prompt_hashing:PromptRenderError"} 1.0'
+            in metrics.render().decode())
