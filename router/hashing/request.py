@@ -3,10 +3,15 @@
 ``RequestHasher`` owns a bounded cache of per-model :class:`PromptRenderer` (tokenizers are
 slow to load, ~100 ms, and large) and of per-config :class:`BlockHasher`. Pass the body
 exactly as it is forwarded to the worker: the ``cache_salt`` the router set is read from it.
+
+Thread-safe: the router hashes long prompts on a thread while short ones are hashed on the
+event loop. The caches are behind a lock; a loaded tokenizer is only read (the Rust
+tokenizer's ``encode_batch`` takes a shared borrow, so two threads may encode at once).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -62,31 +67,34 @@ class RequestHasher:
         self._max_loaded = max_loaded_models
         self._renderers: OrderedDict[str, PromptRenderer] = OrderedDict()
         self._hashers: dict[HashConfig, BlockHasher] = {}
+        self._lock = threading.Lock()  # guards both caches (and loads a model once)
 
     def models(self) -> tuple[str, ...]:
         return tuple(self._sources)
 
     def renderer(self, model: str) -> PromptRenderer:
         """The model's renderer, loading it on first use (raises :class:`UnknownModel`)."""
-        renderer = self._renderers.get(model)
-        if renderer is not None:
-            self._renderers.move_to_end(model)
+        with self._lock:
+            renderer = self._renderers.get(model)
+            if renderer is not None:
+                self._renderers.move_to_end(model)
+                return renderer
+            source = self._sources.get(model)
+            if source is None:
+                raise UnknownModel(f"no tokenizer configured for model {model!r}")
+            renderer = self._loader(source)
+            self._renderers[model] = renderer
+            while len(self._renderers) > self._max_loaded:
+                self._renderers.popitem(last=False)
             return renderer
-        source = self._sources.get(model)
-        if source is None:
-            raise UnknownModel(f"no tokenizer configured for model {model!r}")
-        renderer = self._loader(source)
-        self._renderers[model] = renderer
-        while len(self._renderers) > self._max_loaded:
-            self._renderers.popitem(last=False)
-        return renderer
 
     def block_hasher(self, config: HashConfig) -> BlockHasher:
         """Cached per config; raises :class:`UnsupportedHashConfig`."""
-        hasher = self._hashers.get(config)
-        if hasher is None:
-            hasher = self._hashers[config] = BlockHasher(config)
-        return hasher
+        with self._lock:
+            hasher = self._hashers.get(config)
+            if hasher is None:
+                hasher = self._hashers[config] = BlockHasher(config)
+            return hasher
 
     def hash_chat(self, body: Mapping[str, Any], config: HashConfig) -> PromptHashes:
         """Hashes of a ``/v1/chat/completions`` body for workers hashing with ``config``."""

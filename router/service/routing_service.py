@@ -5,10 +5,10 @@ body, the index and the load bookkeeping are in memory.
 Hashing a long prompt is tens of milliseconds of tokenizer work (63k tokens: ~45 ms); on
 the event loop it would stall every other request's stream for that long. A prompt
 estimated at ``offload_hash_min_tokens`` or more is hashed on ``hash_executor`` (the
-runtime's one hashing thread: the tokenizer and the renderer caches are used from one
-thread at a time; the Rust tokenizer releases the GIL while it encodes, see
-``PromptRenderer._encode``); shorter ones inline, where a thread hop would cost more than
-it saves. The index, the loads and ``route()`` stay on the loop.
+runtime's one hashing thread; the Rust tokenizer releases the GIL while it encodes, see
+``PromptRenderer._encode``, and ``RequestHasher`` is thread-safe); shorter ones inline,
+where a thread hop would cost more than it saves. The index, the loads and ``route()``
+stay on the loop.
 
 Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
 routed there whose first byte has not come back (``pending_prefill_tokens``), and a

@@ -109,3 +109,27 @@ def test_request_hasher_salt_models_and_configs(tiny_model_dir: Path) -> None:
         hasher.hash_chat(chat(), HashConfig(4, "md5"))
     [completion] = hasher.hash_completion({"model": "tiny", "prompt": text}, config)
     assert completion.block_size == 4 and completion.block_hashes
+
+
+def test_request_hasher_from_several_threads_gives_the_one_thread_hashes(
+        tiny_model_dir: Path) -> None:
+    """The router hashes long prompts on a thread while the loop hashes short ones: the
+    same hasher, first use (model loading) included, from 4 threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [chat(messages=[{"role": "user", "content": f"prompt {n} " + "word " * (50 * n)}])
+              for n in range(1, 13)]
+    config = HashConfig(block_size=16)
+    expected = [RequestHasher({"tiny": ModelTokenizerSource(tiny_model_dir)})
+                .hash_chat(b, config) for b in bodies]
+    loads = []
+
+    def loader(source: ModelTokenizerSource) -> PromptRenderer:
+        loads.append(source)
+        return PromptRenderer.from_pretrained(source.path)
+
+    shared = RequestHasher({"tiny": ModelTokenizerSource(tiny_model_dir)}, loader=loader)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda b: shared.hash_chat(b, config), bodies * 4))
+    assert got == expected * 4
+    assert len(loads) == 1  # the model was loaded once, not once per thread
