@@ -1,9 +1,20 @@
-"""The hint planner: lifecycle events -> bounded hints, observations, new session state."""
+"""The hint planner: lifecycle events -> bounded hints, observations, new session state.
+(Shared prefixes: test_policy_shared_prefixes.py; outcomes: test_policy_outcomes.py.)"""
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
+
+from planner_fixtures import (
+    BS,
+    BUDGETS,
+    NO_HOST,
+    fast_search,
+    finish,
+    make_ctx,
+    session_after_turn,
+    typed,
+)
 
 from kvhint.router.policy import (
     USER_GAP,
@@ -13,75 +24,27 @@ from kvhint.router.policy import (
     Holdings,
     LearnedStats,
     PlannerConfig,
-    PlannerContext,
-    ResponseFinished,
     ReturnObserved,
     SessionEnded,
     SessionPlanState,
-    SharedPrefix,
     TurnRouted,
     WorkerFeedback,
     WorkerPlanView,
     next_idle_review,
     plan_idle,
-    plan_response_finished,
     plan_session_end,
-    plan_shared_prefixes,
     plan_turn_routed,
-    session_chain,
-    session_hit_density,
     user_gap_kind,
 )
-from kvhint.router.policy.priority import priority_density, retain_priority
-from kvhint.schemas import Amount, Budgets, HintOutcome, OutcomeStatus, parse_action
-from kvhint.schemas.hints import ParsedAction
 from kvhint.router.policy.feedback import apply_outcome
-
-BS = 512
-BUDGETS = Budgets(max_pinned_blocks=100, max_pin_ttl_s=300.0, max_retained_blocks=1000,
-                  max_retain_ttl_s=3600.0)
-NO_HOST = frozenset({"kv.retain", "kv.pin", "kv.prefetch"})
-
-
-def _ctx(now: float = 0.0, stats: LearnedStats | None = None, seed: int = 1,
-         config: PlannerConfig = PlannerConfig(), **workers: WorkerPlanView) -> PlannerContext:
-    views = workers or {"w0": WorkerPlanView("w0", BS, BUDGETS, NO_HOST)}
-    return PlannerContext(now=now, stats=stats or LearnedStats(), workers=views,
-                          rng=random.Random(seed), config=config)
-
-
-def _typed(planned) -> ParsedAction:
-    parsed = parse_action(planned.action)
-    assert isinstance(parsed, ParsedAction), parsed
-    return parsed
-
-
-def _session_after_turn(ctx: PlannerContext, prompt: int = 8 * BS, worker: str = "w0",
-                        at: float = 0.0) -> SessionPlanState:
-    result = plan_turn_routed(ctx, None, TurnRouted("t/s", "t", worker, prompt, at))
-    assert result.actions == () and result.observations == ()
-    return result.session
-
-
-def _finish(ctx: PlannerContext, session: SessionPlanState, reason: FinishReason,
-            tools: tuple[str, ...] = (), at: float = 1.0, prompt: int = 8 * BS,
-            completion: int = 100):
-    return plan_response_finished(
-        ctx, session, ResponseFinished("t/s", reason, prompt, completion, at, tools))
-
-
-def _fast_search() -> LearnedStats:
-    stats = LearnedStats()
-    for _ in range(20):
-        stats.apply(GapObserved("search", 1, 4.0))
-    return stats
+from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
 
 
 def test_short_tool_gap_is_pinned_for_its_predicted_length_within_budget() -> None:
-    ctx = _ctx(stats=_fast_search())
-    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    ctx = make_ctx(stats=fast_search())
+    result = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
     (planned,) = result.actions
-    action = _typed(planned)
+    action = typed(planned)
     assert action.action_type.value == "kv.pin"
     assert action.payload.target.session_id == "t/s"
     # p90 of gaps all ~4 s is the 4-5.7 s bucket edge, x1.5 margin.
@@ -96,10 +59,10 @@ def test_a_pin_covers_the_whole_chain_or_the_session_is_retained_at_top_priority
     be left to LRU): it is retained whole at top priority. A clipped pin's feedback
     scales the room the planner counts."""
     def planned(view: WorkerPlanView):
-        ctx = _ctx(stats=_fast_search(), w0=view)
-        (action,) = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS,
+        ctx = make_ctx(stats=fast_search(), w0=view)
+        (action,) = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS,
                             ("search",)).actions
-        return _typed(action)
+        return typed(action)
 
     roomy = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=92))
     pin = planned(roomy)  # 8 blocks, 8 left
@@ -121,20 +84,20 @@ def test_a_pin_covers_the_whole_chain_or_the_session_is_retained_at_top_priority
 
 
 def test_stop_is_retained_with_priority_rising_with_depth() -> None:
-    ctx = _ctx()
-    shallow = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP)
-    deep_state = replace(_session_after_turn(ctx), turns=6)
-    deep = _finish(ctx, deep_state, FinishReason.STOP)
-    p_shallow = _typed(shallow.actions[0]).payload.priority
-    p_deep = _typed(deep.actions[0]).payload.priority
-    assert _typed(shallow.actions[0]).action_type.value == "kv.retain"
+    ctx = make_ctx()
+    shallow = finish(ctx, session_after_turn(ctx), FinishReason.STOP)
+    deep_state = replace(session_after_turn(ctx), turns=6)
+    deep = finish(ctx, deep_state, FinishReason.STOP)
+    p_shallow = typed(shallow.actions[0]).payload.priority
+    p_deep = typed(deep.actions[0]).payload.priority
+    assert typed(shallow.actions[0]).action_type.value == "kv.retain"
     assert 0 < p_shallow < p_deep <= 100
 
 
 def test_next_turn_closes_the_gap_and_observes_it() -> None:
-    ctx = _ctx()
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",)).session
-    later = _ctx(now=31.0)
+    ctx = make_ctx()
+    session = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",)).session
+    later = make_ctx(now=31.0)
     result = plan_turn_routed(later, session, TurnRouted("t/s", "t", "w0", 9 * BS, 31.0))
     assert result.observations == (GapObserved("build", 1, 30.0),
                                    ReturnObserved(1, True, "build"))
@@ -145,18 +108,18 @@ def test_next_turn_closes_the_gap_and_observes_it() -> None:
 
 def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
     config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
-    ctx = _ctx(config=config)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    ctx = make_ctx(config=config)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
     first = _typed_priority(session)
     # Walk the review schedule; priorities never rise while the session stays away.
     observations = []
     priorities = [first]
     now = next_idle_review(config, session, 0.0)
     while session.awaiting_return:
-        result = plan_idle(_ctx(now=now, config=config), session)
+        result = plan_idle(make_ctx(now=now, config=config), session)
         observations += result.observations
         for planned in result.actions:
-            priorities.append(_typed(planned).payload.priority)
+            priorities.append(typed(planned).payload.priority)
         session = result.session
         now = next_idle_review(config, session, now) or now
     assert priorities == sorted(priorities, reverse=True) and priorities[-1] == 0
@@ -167,13 +130,13 @@ def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
 def _sent_priorities(config: PlannerConfig) -> list[int]:
     """The retain priorities sent for a session that never comes back: at its response,
     then at each idle review, down to the release (0)."""
-    ctx = _ctx(config=config)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    ctx = make_ctx(config=config)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
     sent = [_typed_priority(session)]
     now = next_idle_review(config, session, 0.0)
     while session.awaiting_return:
-        result = plan_idle(_ctx(now=now, config=config), session)
-        sent += [_typed(p).payload.priority for p in result.actions]
+        result = plan_idle(make_ctx(now=now, config=config), session)
+        sent += [typed(p).payload.priority for p in result.actions]
         session = result.session
         now = next_idle_review(config, session, now) or now
     return sent
@@ -199,28 +162,28 @@ def test_only_the_first_retain_of_a_gap_sends_the_rest_first() -> None:
     does not walk the session's blocks again; one that follows a pin carries it."""
     config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
     view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, evict_rest_first=True)
-    ctx = _ctx(config=config, w0=view)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    ctx = make_ctx(config=config, w0=view)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
     first = session.protection
     assert first is not None and first.action_type == "kv.retain"
     flags = []
     now = next_idle_review(config, session, 0.0)
     while session.awaiting_return and now is not None:
-        result = plan_idle(_ctx(now=now, config=config, w0=view), session)
-        flags += [_typed(p).payload.evict_rest_first for p in result.actions
-                  if _typed(p).action_type.value == "kv.retain" and _typed(p).payload.priority]
+        result = plan_idle(make_ctx(now=now, config=config, w0=view), session)
+        flags += [typed(p).payload.evict_rest_first for p in result.actions
+                  if typed(p).action_type.value == "kv.retain" and typed(p).payload.priority]
         session = result.session
         now = next_idle_review(config, session, now)
     assert len(flags) > 2 and not any(flags)
     # After a pin (a fast tool gap), a review that finds no pin room left retains: the
     # first retain of the gap.
-    stats = _fast_search()
-    pinned = _finish(_ctx(stats=stats, w0=view), _session_after_turn(ctx), FinishReason.TOOL_CALLS,
+    stats = fast_search()
+    pinned = finish(make_ctx(stats=stats, w0=view), session_after_turn(ctx), FinishReason.TOOL_CALLS,
                      ("search",), at=0.0).session
     assert pinned.protection is not None and pinned.protection.action_type == "kv.pin"
     full = replace(view, held=Holdings(pinned_blocks=100 + pinned.protection.blocks))
-    later = plan_idle(_ctx(now=20.0, stats=stats, w0=full), pinned)
-    (retain,) = [_typed(p) for p in later.actions]
+    later = plan_idle(make_ctx(now=20.0, stats=stats, w0=full), pinned)
+    (retain,) = [typed(p) for p in later.actions]
     assert retain.action_type.value == "kv.retain" and retain.payload.evict_rest_first
 
 
@@ -232,122 +195,36 @@ def _typed_priority(session: SessionPlanState) -> int:
 def test_end_demotes_with_a_host_tier_and_releases_without() -> None:
     host = WorkerPlanView("w0", BS, BUDGETS, frozenset({"kv.retain", "kv.pin", "kv.demote"}),
                           host_tier=True)
-    ctx = _ctx(w0=host)
-    session = _finish(ctx, replace(_session_after_turn(ctx), turns=6), FinishReason.STOP).session
+    ctx = make_ctx(w0=host)
+    session = finish(ctx, replace(session_after_turn(ctx), turns=6), FinishReason.STOP).session
     result = plan_session_end(ctx, session, SessionEnded("t/s", 5.0))
-    assert [_typed(a).action_type.value for a in result.actions] == ["kv.demote"]
+    assert [typed(a).action_type.value for a in result.actions] == ["kv.demote"]
     assert result.observations == (ReturnObserved(6, False, "@user"),)
     assert result.session.ended
-    plain = _ctx()
-    session = _finish(plain, _session_after_turn(plain), FinishReason.STOP).session
+    plain = make_ctx()
+    session = finish(plain, session_after_turn(plain), FinishReason.STOP).session
     result = plan_session_end(plain, session, SessionEnded("t/s", 5.0))
-    (release,) = [_typed(a) for a in result.actions]
+    (release,) = [typed(a) for a in result.actions]
     assert (release.action_type.value, release.payload.priority) == ("kv.retain", 0)
-
-
-def test_a_rejected_action_type_stops_being_sent_to_that_worker() -> None:
-    rejected = HintOutcome(message_id="m", action_id="a", action_type="kv.demote",
-                           worker_id="w0", status=OutcomeStatus.REJECTED,
-                           reason="no host tier", at=0.0)
-    feedback = apply_outcome(apply_outcome(WorkerFeedback("w0"), rejected), rejected)
-    assert not feedback.allows("kv.demote")
-    host = WorkerPlanView("w0", BS, BUDGETS, frozenset({"kv.retain", "kv.demote"}),
-                          host_tier=True, feedback=feedback)
-    ctx = _ctx(w0=host)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
-    result = plan_session_end(ctx, session, SessionEnded("t/s", 5.0))
-    assert [_typed(a).action_type.value for a in result.actions] == ["kv.retain"]
 
 
 def test_moved_session_gets_prefetch_on_a_host_tier_worker_and_old_protection_released() -> None:
     views = {"w0": WorkerPlanView("w0", BS, BUDGETS, NO_HOST),
              "w1": WorkerPlanView("w1", BS, BUDGETS, NO_HOST | {"kv.demote"}, host_tier=True)}
-    ctx = _ctx(**views)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    ctx = make_ctx(**views)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP).session
     result = plan_turn_routed(ctx, session, TurnRouted("t/s", "t", "w1", 9 * BS, 10.0))
-    kinds = [(a.worker_id, _typed(a).action_type.value) for a in result.actions]
+    kinds = [(a.worker_id, typed(a).action_type.value) for a in result.actions]
     assert kinds == [("w1", "kv.prefetch"), ("w0", "kv.retain")]
-    assert _typed(result.actions[1]).payload.priority == 0
+    assert typed(result.actions[1]).payload.priority == 0
     assert result.session.worker_id == "w1" and result.session.protection is None
-
-
-def test_shared_prefixes_used_by_many_sessions_are_retained_by_hash() -> None:
-    ctx = _ctx()
-    busy = 5 / 60.0  # five sessions each expected back about once a minute
-    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, hit_density=busy),
-                SharedPrefix("w0", "rare", (4,), sessions=1, hit_density=busy),
-                SharedPrefix("w0", "fresh", (5, 6), sessions=9, protected_until=10_000.0,
-                             hit_density=busy),
-                # Shared, but by sessions not expected back: left to LRU.
-                SharedPrefix("w0", "gone", (7, 8), sessions=6, hit_density=1 / 86_400)]
-    (planned,) = plan_shared_prefixes(ctx, prefixes)
-    action = _typed(planned)
-    assert action.payload.target.block_hashes == [1, 2, 3]
-    assert planned.scope == "prefix:sys-a"
-    # Worth what its sessions' next turns are worth together: their summed density.
-    assert action.payload.priority == retain_priority(busy) == 82
-
-
-def test_a_session_is_worth_what_the_planner_last_valued_it_at() -> None:
-    """What a session adds to a shared prefix's worth: its retain priority read back as a
-    hit density (O(1) per session), its start-of-gap value while a turn is in flight,
-    nothing once left to LRU or ended."""
-    stats = LearnedStats()
-    for depth in (1, 2):
-        for _ in range(10):
-            stats.apply(ReturnObserved(depth, True))
-            stats.apply(GapObserved(USER_GAP, depth, 30.0))
-    ctx = _ctx(now=100.0, stats=stats)
-    in_flight = _session_after_turn(ctx, at=90.0)
-    assert session_hit_density(ctx, in_flight) == stats.hit_density(USER_GAP, 1, 0.0,
-                                                                    ctx.config.horizon_s)
-    waiting = _finish(ctx, in_flight, FinishReason.STOP, at=95.0).session
-    priority = waiting.protection.priority
-    assert 0 < priority <= 100
-    assert session_hit_density(ctx, waiting) == priority_density(priority)
-    assert retain_priority(priority_density(priority)) == priority
-    assert session_hit_density(ctx, replace(waiting, protection=None)) == 0.0
-    assert session_hit_density(ctx, replace(waiting, ended=True)) == 0.0
-    # What a scan gets: the chain with that worth, nothing for a session worth nothing or
-    # not yet placed.
-    chain = session_chain(ctx, waiting, "w0", (1, 2))
-    assert chain is not None and chain.hit_density == priority_density(priority)
-    assert (chain.worker_id, chain.tenant, chain.block_hashes) == ("w0", "t", (1, 2))
-    assert session_chain(ctx, replace(waiting, protection=None), "w0", (1, 2)) is None
-    assert session_chain(ctx, waiting, None, (1, 2)) is None
-    assert session_chain(ctx, waiting, "w0", ()) is None
-
-
-def test_shared_prefixes_are_retained_when_session_retains_fill_the_worker_budget() -> None:
-    """Retains are soft (the worker displaces lower priorities), so a worker whose budget
-    the planner's session retains already fill still gets its shared system prompt
-    retained; only the tenant's budget stops it."""
-    full = _ctx()
-    worker = full.workers["w0"]
-    limit = worker.budgets.max_retained_blocks
-    assert limit is not None
-    busy = replace(worker, held=Holdings(retained_blocks=limit))
-    ctx = replace(full, workers={**full.workers, "w0": busy})
-    prefixes = [SharedPrefix("w0", "sys-a", (1, 2, 3), sessions=5, tenant="t",
-                             hit_density=5 / 60.0)]
-    (planned,) = plan_shared_prefixes(ctx, prefixes)
-    assert _typed(planned).payload.priority == 82
-
-    capped = replace(ctx, config=replace(ctx.config, tenant_max_retained_blocks=4),
-                     tenant_held={"t": Holdings(retained_blocks=2)})
-    assert plan_shared_prefixes(capped, prefixes) == ()
-    # Two prefixes of one tenant count together against its budget.
-    roomy = replace(capped, tenant_held={})
-    two = prefixes + [SharedPrefix("w0", "sys-b", (7, 8), sessions=4, tenant="t",
-                                   hit_density=5 / 60.0)]
-    assert [p.scope for p in plan_shared_prefixes(roomy, two)] == ["prefix:sys-a"]
 
 
 def test_same_seed_same_plan_and_inputs_untouched() -> None:
     def plan(seed: int):
-        ctx = _ctx(seed=seed)
-        session = _session_after_turn(ctx)
-        return session, _finish(ctx, session, FinishReason.STOP)
+        ctx = make_ctx(seed=seed)
+        session = session_after_turn(ctx)
+        return session, finish(ctx, session, FinishReason.STOP)
 
     session_a, a = plan(3)
     session_b, b = plan(3)
@@ -357,79 +234,70 @@ def test_same_seed_same_plan_and_inputs_untouched() -> None:
 
 
 def test_session_state_round_trips_through_plain_data() -> None:
-    ctx = _ctx()
-    state = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("x",)).session
+    ctx = make_ctx()
+    state = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("x",)).session
     assert SessionPlanState.from_dict(state.to_dict()) == state
-
-
-def test_pin_clipped_to_no_room_falls_back_to_a_top_priority_retain() -> None:
-    view = WorkerPlanView("w0", BS, BUDGETS, NO_HOST, held=Holdings(pinned_blocks=100))
-    ctx = _ctx(stats=_fast_search(), w0=view)
-    result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
-    action = _typed(result.actions[0])
-    assert (action.action_type.value, action.payload.priority) == ("kv.retain", 100)
-    assert action.payload.target.prefix_tokens == 8 * BS
 
 
 def test_a_gap_past_ten_minutes_counts_as_not_returning_by_default() -> None:
     """The default return window is 600 s: a later turn is observed as a non-return (the
     next turn still closes the gap), one within it as a return with its gap."""
-    ctx = _ctx()
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
-    late = plan_turn_routed(_ctx(now=700.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 700.0))
+    ctx = make_ctx()
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    late = plan_turn_routed(make_ctx(now=700.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 700.0))
     assert late.observations == (ReturnObserved(1, False, "@user"),)
-    soon = plan_turn_routed(_ctx(now=500.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 500.0))
+    soon = plan_turn_routed(make_ctx(now=500.0), session, TurnRouted("t/s", "t", "w0", 9 * BS, 500.0))
     assert soon.observations == (GapObserved("@user", 1, 500.0), ReturnObserved(1, True, "@user"))
 
 
 def test_only_fast_tool_gaps_are_pinned_by_default() -> None:
     """Pins are hard, so by default only gaps predicted within 15 s get one; a tool that
     takes ~30 s is retained (soft, relieved under pressure) at a high priority."""
-    stats = _fast_search()
+    stats = fast_search()
     for _ in range(20):
         stats.apply(GapObserved("build", 1, 30.0))
-    ctx = _ctx(stats=stats)
-    fast = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
-    slow = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",))
-    assert _typed(fast.actions[0]).action_type.value == "kv.pin"
-    (retain,) = [_typed(a) for a in slow.actions]
+    ctx = make_ctx(stats=stats)
+    fast = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",))
+    slow = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("build",))
+    assert typed(fast.actions[0]).action_type.value == "kv.pin"
+    (retain,) = [typed(a) for a in slow.actions]
     assert retain.action_type.value == "kv.retain" and retain.payload.priority >= 50
 
 
 def test_user_gaps_are_learnt_per_session_tempo_and_never_pinned() -> None:
-    ctx = _ctx()
-    first = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
+    ctx = make_ctx()
+    first = finish(ctx, session_after_turn(ctx), FinishReason.STOP).session
     assert first.gap_kind == USER_GAP and first.last_user_gap_s is None
     # The next turn 20 s later: the session's tempo is "fast" from now on.
-    result = plan_turn_routed(_ctx(now=21.0), first, TurnRouted("t/s", "t", "w0", 9 * BS, 21.0))
+    result = plan_turn_routed(make_ctx(now=21.0), first, TurnRouted("t/s", "t", "w0", 9 * BS, 21.0))
     assert result.observations == (GapObserved(USER_GAP, 1, 20.0),
                                    ReturnObserved(1, True, USER_GAP))
     assert result.session.last_user_gap_s == 20.0
-    second = _finish(_ctx(now=22.0), result.session, FinishReason.STOP, at=22.0)
+    second = finish(make_ctx(now=22.0), result.session, FinishReason.STOP, at=22.0)
     assert second.session.gap_kind == user_gap_kind(20.0) == f"{USER_GAP}:fast"
     # A user gap is retained, never pinned, whatever its tempo.
-    assert {_typed(a).action_type.value for a in second.actions} == {"kv.retain"}
+    assert {typed(a).action_type.value for a in second.actions} == {"kv.retain"}
     # Tool gaps leave the tempo alone; tempo off keeps the pooled kind.
     assert user_gap_kind(100.0) == f"{USER_GAP}:mid" and user_gap_kind(900.0) == f"{USER_GAP}:slow"
-    off = _ctx(now=22.0, config=PlannerConfig(session_tempo=False))
-    assert _finish(off, result.session, FinishReason.STOP, at=22.0).session.gap_kind == USER_GAP
+    off = make_ctx(now=22.0, config=PlannerConfig(session_tempo=False))
+    assert finish(off, result.session, FinishReason.STOP, at=22.0).session.gap_kind == USER_GAP
 
 
 def test_a_turn_that_adds_a_long_user_message_opens_a_user_gap_learnt_apart() -> None:
     """A pasted document makes a return less likely (Mooncake, depth 2: 0.20 after 3,000+
     new tokens vs 0.48), so a turn that added long_message_tokens (2,048) or more opens a
     user gap of its own kind; the first turn never does."""
-    ctx = _ctx()
-    first = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, prompt=4000,
+    ctx = make_ctx()
+    first = finish(ctx, session_after_turn(ctx), FinishReason.STOP, prompt=4000,
                     completion=500)
     assert first.session.added_tokens == 0 and first.session.gap_kind == USER_GAP
     context = 4000 + 500
 
     def next_turn(added: int, config: PlannerConfig = PlannerConfig()) -> SessionPlanState:
-        routed = plan_turn_routed(_ctx(now=21.0), first.session,
+        routed = plan_turn_routed(make_ctx(now=21.0), first.session,
                                   TurnRouted("t/s", "t", "w0", context + added, 21.0))
         assert routed.session.added_tokens == added
-        return _finish(_ctx(now=22.0, config=config), routed.session, FinishReason.STOP,
+        return finish(make_ctx(now=22.0, config=config), routed.session, FinishReason.STOP,
                        at=22.0, prompt=context + added).session
 
     assert next_turn(2048).gap_kind == user_gap_kind(20.0, True) == f"{USER_GAP}:fast:long"
@@ -455,9 +323,9 @@ def test_a_session_not_due_back_within_the_horizon_is_left_to_lru() -> None:
         stats.apply(GapObserved("build", 1, 30.0))
 
     def sent(config: PlannerConfig, tool: str) -> list[int]:
-        ctx = _ctx(stats=stats, config=config)
-        result = _finish(ctx, _session_after_turn(ctx), FinishReason.TOOL_CALLS, (tool,))
-        return [_typed(a).payload.priority for a in result.actions]
+        ctx = make_ctx(stats=stats, config=config)
+        result = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, (tool,))
+        return [typed(a).payload.priority for a in result.actions]
 
     (build,) = sent(PlannerConfig(), "build")
     assert build >= 50
@@ -470,12 +338,12 @@ def test_a_next_turn_on_the_same_worker_shows_whether_it_read_the_response() -> 
     """The previous turn: an 8-block prompt and a 600-token response, so its chain has a
     9th full block holding response tokens. The next turn's cached count on the same
     worker says whether that block was read."""
-    ctx = _ctx()
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=600).session
+    ctx = make_ctx()
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, completion=600).session
 
     def observed(cached: int | None, worker: str = "w0", prompt: int = 10 * BS) -> list:
         event = TurnRouted("t/s", "t", worker, prompt, 30.0, cached)
-        result = plan_turn_routed(_ctx(now=30.0), session, event)
+        result = plan_turn_routed(make_ctx(now=30.0), session, event)
         return [o for o in result.observations if isinstance(o, CompletionReadObserved)]
 
     assert observed(9 * BS) == [CompletionReadObserved(True)]
@@ -484,26 +352,26 @@ def test_a_next_turn_on_the_same_worker_shows_whether_it_read_the_response() -> 
     # block may have gone the same way), no count, another worker, a prompt too short.
     assert observed(7 * BS) == []
     assert observed(None) == []
-    two = _ctx(w0=WorkerPlanView("w0", BS, BUDGETS, NO_HOST),
+    two = make_ctx(w0=WorkerPlanView("w0", BS, BUDGETS, NO_HOST),
                w1=WorkerPlanView("w1", BS, BUDGETS, NO_HOST))
     moved = plan_turn_routed(two, session, TurnRouted("t/s", "t", "w1", 10 * BS, 30.0, 0))
     assert not any(isinstance(o, CompletionReadObserved) for o in moved.observations)
     assert observed(8 * BS, prompt=9 * BS) == []
     # A response that filled no block of its own tells nothing either.
-    short = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=100).session
-    result = plan_turn_routed(_ctx(now=30.0), short, TurnRouted("t/s", "t", "w0", 10 * BS,
+    short = finish(ctx, session_after_turn(ctx), FinishReason.STOP, completion=100).session
+    result = plan_turn_routed(make_ctx(now=30.0), short, TurnRouted("t/s", "t", "w0", 10 * BS,
                                                                 30.0, 8 * BS))
     assert not any(isinstance(o, CompletionReadObserved) for o in result.observations)
 
 
 def test_protection_covers_the_response_only_while_next_turns_read_it() -> None:
     def retained_tokens(stats: LearnedStats) -> int:
-        ctx = _ctx(stats=stats)
-        result = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, completion=600)
+        ctx = make_ctx(stats=stats)
+        result = finish(ctx, session_after_turn(ctx), FinishReason.STOP, completion=600)
         (action,) = result.actions
         assert result.session.protection is not None
-        assert result.session.protection.blocks * BS == _typed(action).payload.target.prefix_tokens
-        return _typed(action).payload.target.prefix_tokens
+        assert result.session.protection.blocks * BS == typed(action).payload.target.prefix_tokens
+        return typed(action).payload.target.prefix_tokens
 
     assert retained_tokens(LearnedStats()) == 9 * BS  # the prior: responses are read
     not_read = LearnedStats()
@@ -520,9 +388,9 @@ def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
     old = WorkerPlanView("w0", BS, BUDGETS, NO_HOST)
 
     def sent(view: WorkerPlanView, reason: FinishReason, tools: tuple[str, ...] = ()):
-        ctx = _ctx(stats=_fast_search(), w0=view)
-        (planned,) = _finish(ctx, _session_after_turn(ctx), reason, tools).actions
-        return planned.action.action_version, _typed(planned).payload
+        ctx = make_ctx(stats=fast_search(), w0=view)
+        (planned,) = finish(ctx, session_after_turn(ctx), reason, tools).actions
+        return planned.action.action_version, typed(planned).payload
 
     assert sent(new, FinishReason.STOP)[0] == "1.1"
     assert sent(new, FinishReason.STOP)[1].evict_rest_first
@@ -535,45 +403,3 @@ def test_the_rest_of_a_session_goes_first_where_the_worker_takes_it() -> None:
     for reason, tools in ((FinishReason.STOP, ()), (FinishReason.TOOL_CALLS, ("search",))):
         version, payload = sent(old, reason, tools)
         assert version == "1.0" and not payload.evict_rest_first
-
-
-def _answer(session: SessionPlanState, status: OutcomeStatus, applied: int,
-            action_id: str | None = None) -> HintOutcome:
-    assert session.protection is not None
-    requested = session.protection.blocks
-    return HintOutcome(message_id="m", action_id=action_id or session.protection.action_id,
-                       action_type=session.protection.action_type, worker_id="w0",
-                       status=status, reason="", requested=Amount(requested, requested * BS),
-                       applied=Amount(applied, applied * BS), at=1.0)
-
-
-def test_the_protection_remembered_is_what_the_worker_applied() -> None:
-    ctx = _ctx()
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP).session
-    assert session.protection is not None and session.protection.blocks == 8
-    part = session.settled(_answer(session, OutcomeStatus.CLIPPED, 3))
-    assert part.protection == replace(session.protection, blocks=3)
-    assert session.settled(_answer(session, OutcomeStatus.ACCEPTED, 8)) is session
-    for nothing in (_answer(session, OutcomeStatus.CLIPPED, 0),
-                    _answer(session, OutcomeStatus.MISSING, 0),
-                    _answer(session, OutcomeStatus.REJECTED, 0)):
-        assert session.settled(nothing).protection is None
-    # Not this protection's answer (an older action), or not a final one: unchanged.
-    assert session.settled(_answer(session, OutcomeStatus.CLIPPED, 0, "older")) is session
-    assert session.settled(_answer(session, OutcomeStatus.DEFERRED, 0)) is session
-
-
-def test_a_retain_the_worker_clipped_to_nothing_is_asked_for_again_at_the_next_review() -> None:
-    # A coarse refresh step: the priority's own drift never re-sends here, so only the
-    # worker's answer can.
-    config = PlannerConfig(refresh_priority_step=1000)
-    ctx = _ctx(config=config)
-    session = _finish(ctx, _session_after_turn(ctx), FinishReason.STOP, at=0.0).session
-    review = next_idle_review(config, session, 0.0)
-    assert review is not None
-    later = _ctx(now=review, config=config)
-    assert plan_idle(later, session).actions == ()  # believed held: nothing to send
-    clipped = session.settled(_answer(session, OutcomeStatus.CLIPPED, 0))
-    (again,) = [_typed(p) for p in plan_idle(later, clipped).actions]
-    assert again.action_type.value == "kv.retain" and again.payload.priority > 0
-    assert again.payload.target.prefix_tokens == 8 * BS
