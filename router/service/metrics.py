@@ -124,7 +124,8 @@ class RouterMetrics:
                                   "Routing decision (hashing excluded)",
                                   buckets=_DECISION_BUCKETS, registry=r)
         self.hashing = Histogram("kvhint_router_prompt_hashing_seconds",
-                                 "Tokenizing and hashing a prompt for routing",
+                                 "Tokenizing and hashing a prompt for routing (a long "
+                                 "prompt's wait for the hashing thread included)",
                                  buckets=_DECISION_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvhint_router_prompt_tokens",
                                      "Prompt tokens the workers reported", ["worker"],
