@@ -102,6 +102,11 @@ class RoutingSettings(BaseModel, frozen=True):
     # sessions that share a cached system prompt. Off by default; measured to cost cache
     # hits on the agent bench and in the simulator (BENCHMARKS.md).
     new_session_spread: float = Field(0.0, ge=0)
+    # Prompts estimated at this many tokens or more are tokenized and hashed on the
+    # router's hashing thread, not on the event loop (a long agent context would stall
+    # every other request's stream for tens of ms); shorter ones inline, where the thread
+    # hop costs more than it saves. 0: every prompt on the thread.
+    hash_thread_min_tokens: int = Field(2048, ge=0)
     # How long (s) an ended or idle session stays in memory before it is forgotten.
     session_forget_s: float = Field(3600.0, gt=0)
     seed: int = 0

@@ -68,6 +68,9 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         "KVHINT_ROUTER_STORE_FLUSH_INTERVAL_S": "0.1",
         "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(32 << 20),
         "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(8 << 20),
+        # Every prompt is hashed on the router's hashing thread (by default only long
+        # ones): the predictions below then prove that path against real workers.
+        "KVHINT_ROUTER_ROUTING__HASH_THREAD_MIN_TOKENS": "0",
     }, state / "router.log", port=free_port())
     router.start()
     try:
@@ -149,6 +152,8 @@ def test_agent_sessions_survive_a_router_restart(stack: Stack) -> None:
     for number in range(8):
         record = sessions[f"agent-11-{number}"]
         assert record["turns"] == 4 and record["state"] == "ended", record
+    # The prompt hashes (made on the hashing thread) found the workers' cached blocks.
+    assert sum(s["predicted_cached_tokens"] for s in sessions.values()) > 0
     # Hints were planned and the workers' outcomes are in the admin API.
     hints = stack.admin("/hints", limit=1000)
     counts = hints["counts_by_status"]
