@@ -117,7 +117,7 @@ class Forwarder:
             try:
                 flight.plan = await self._routing.plan(
                     inbound, record.worker_id if record else None,
-                    record.turns if record else 0, exclude=excluded)
+                    record.turns if record else 0, exclude=excluded, earlier=flight.plan)
             except NoWorkerAvailable as exc:
                 if last_error is not None:
                     break  # the retry found no other worker: report the first failure

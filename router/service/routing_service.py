@@ -100,8 +100,11 @@ class RoutingService:
     # --- the decision -------------------------------------------------------------------
 
     async def plan(self, inbound: InboundRequest, session_worker: str | None,
-                   session_turns: int, exclude: frozenset[str] = frozenset()) -> RoutePlan:
-        """Rank the routable workers for ``inbound``; raises ``NoWorkerAvailable``."""
+                   session_turns: int, exclude: frozenset[str] = frozenset(),
+                   earlier: RoutePlan | None = None) -> RoutePlan:
+        """Rank the routable workers for ``inbound``; raises ``NoWorkerAvailable``.
+        ``earlier``: this request's plan from a failed attempt; its prompt hashes, when
+        exact, are reused rather than computed again."""
         candidates = [w for w in self.workers.routable() if w.worker_id not in exclude]
         if len(candidates) == 1 and not exclude:
             only = candidates[0].worker_id
@@ -109,14 +112,21 @@ class RoutingService:
                                      predicted_host_tokens=0, reason="only_worker")
             return RoutePlan(decision, _estimate_tokens(inbound), (), self._block_size(),
                              exact=False, deferred=True)
-        hashes = await self._hash(inbound)
-        block_size = hashes.block_size if hashes is not None else self._block_size()
-        prompt_tokens = hashes.num_tokens if hashes is not None else _estimate_tokens(inbound)
+        if earlier is not None and earlier.exact:
+            block_hashes, prompt_tokens = earlier.block_hashes, earlier.prompt_tokens
+            block_size, exact = earlier.block_size, True
+        else:
+            hashes = await self._hash(inbound)
+            exact = hashes is not None
+            block_hashes = hashes.block_hashes if hashes is not None else ()
+            block_size = hashes.block_size if hashes is not None else self._block_size()
+            prompt_tokens = (hashes.num_tokens if hashes is not None
+                             else _estimate_tokens(inbound))
         started = time.perf_counter()
         now = self.clock()
         overlaps: dict[str, Overlap] = {}
-        if hashes is not None and self.index is not None and hashes.block_hashes:
-            match = self.index.match_prefix(hashes.block_hashes)
+        if block_hashes and self.index is not None:
+            match = self.index.match_prefix(block_hashes)
             overlaps = {w: Overlap(o.gpu_blocks, o.external_blocks)
                         for w, o in match.workers.items()}
         loads = tuple(self._worker_load(w, now, exclude) for w in self.workers.all()
@@ -135,9 +145,7 @@ class RoutingService:
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
             self._load(decision.worker_id, now).recent.add_session(now)
-        return RoutePlan(decision, prompt_tokens,
-                         hashes.block_hashes if hashes is not None else (),
-                         block_size, hashes is not None)
+        return RoutePlan(decision, prompt_tokens, block_hashes, block_size, exact)
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
         """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""

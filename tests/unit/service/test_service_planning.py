@@ -322,3 +322,33 @@ def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> No
     assert not failed.exact and failed.block_hashes == ()
     assert ('kvhint_router_drops_total{what="prompt_hashing:PromptRenderError"} 1.0'
             in metrics.render().decode())
+
+
+def test_a_retry_reuses_the_prompt_hashes_of_the_failed_attempt() -> None:
+    """The forwarder re-plans after a failed connect with the worker excluded; the prompt
+    was hashed once (tens of ms for a long one), not once per attempt."""
+    from kvhint.router.hashing import PromptHashes
+
+    calls: list[str] = []
+
+    class Hasher:
+        def hash_chat(self, body, config):  # noqa: ANN001
+            calls.append(body["model"])
+            return PromptHashes(tuple(range(40)), tuple(range(1, 11)), 4)
+
+    _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0", "w1"])
+    routing.hasher = Hasher()  # type: ignore[assignment]
+    index.apply(BlocksStored("w0", list(range(1, 11)), None))
+    inbound = parse_inbound(Endpoint.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}',
+                            TENANT, None, None)
+
+    async def attempts() -> tuple[RoutePlan, RoutePlan]:
+        first = await routing.plan(inbound, None, 0)
+        retry = await routing.plan(inbound, None, 0, exclude=frozenset({"w0"}), earlier=first)
+        return first, retry
+
+    first, retry = asyncio.run(attempts())
+    assert first.decision.worker_id == "w0" and retry.decision.worker_id == "w1"
+    assert calls == ["m"]
+    assert (retry.block_hashes, retry.prompt_tokens, retry.exact) == (tuple(range(1, 11)), 40,
+                                                                     True)
