@@ -4,7 +4,7 @@ body, the index and the load bookkeeping are in memory.
 
 Hashing a long prompt is tens of milliseconds of tokenizer work (63k tokens: ~45 ms); on
 the event loop it would stall every other request's stream for that long. A prompt
-estimated at ``offload_hash_min_tokens`` or more is hashed on ``hash_executor`` (the
+estimated at ``hash_thread_min_tokens`` or more is hashed on ``hash_executor`` (the
 runtime's one hashing thread; the Rust tokenizer releases the GIL while it encodes, see
 ``PromptRenderer._encode``, and ``RequestHasher`` is thread-safe); shorter ones inline,
 where a thread hop would cost more than it saves. The index, the loads and ``route()``
@@ -42,6 +42,7 @@ from kvhint.router.policy import (
 )
 from kvhint.router.service.inbound import Endpoint, InboundRequest
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.settings import RoutingSettings
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 RECENT_HALF_LIFE_S = 120.0
@@ -89,7 +90,7 @@ class RoutingService:
     default_model: str | None = None
     # Long prompts are hashed here, off the event loop (None: always inline).
     hash_executor: Executor | None = None
-    offload_hash_min_tokens: int = 2048
+    hash_thread_min_tokens: int = RoutingSettings.model_fields["hash_thread_min_tokens"].default
     _rng: random.Random = field(init=False)
     _loads: dict[str, _Load] = field(default_factory=dict)
     _seq: int = 0
@@ -115,13 +116,12 @@ class RoutingService:
         if earlier is not None and earlier.exact:
             block_hashes, prompt_tokens = earlier.block_hashes, earlier.prompt_tokens
             block_size, exact = earlier.block_size, True
-        else:
-            hashes = await self._hash(inbound)
-            exact = hashes is not None
-            block_hashes = hashes.block_hashes if hashes is not None else ()
-            block_size = hashes.block_size if hashes is not None else self._block_size()
-            prompt_tokens = (hashes.num_tokens if hashes is not None
-                             else _estimate_tokens(inbound))
+        elif (hashes := await self._hash(inbound)) is not None:
+            block_hashes, prompt_tokens = hashes.block_hashes, hashes.num_tokens
+            block_size, exact = hashes.block_size, True
+        else:  # not tokenizable here: routed on an estimate, without cache overlap
+            block_hashes, prompt_tokens = (), _estimate_tokens(inbound)
+            block_size, exact = self._block_size(), False
         started = time.perf_counter()
         now = self.clock()
         overlaps: dict[str, Overlap] = {}
@@ -175,7 +175,7 @@ class RoutingService:
         started = time.perf_counter()
         try:
             if (self.hash_executor is not None
-                    and _estimate_tokens(inbound) >= self.offload_hash_min_tokens):
+                    and _estimate_tokens(inbound) >= self.hash_thread_min_tokens):
                 hashes = await asyncio.get_running_loop().run_in_executor(
                     self.hash_executor, _hash_body, hasher, inbound.endpoint, body, config)
             else:

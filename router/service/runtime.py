@@ -132,7 +132,7 @@ class RouterRuntime:
                                  seed=settings.routing.seed,
                                  default_model=next(iter(models), None),
                                  hash_executor=hash_executor,
-                                 offload_hash_min_tokens=settings.routing.hash_thread_min_tokens)
+                                 hash_thread_min_tokens=settings.routing.hash_thread_min_tokens)
         prober = HealthProber(workers, pool, settings.health_probe_s)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later)

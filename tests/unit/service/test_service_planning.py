@@ -286,7 +286,7 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
 
 def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> None:
     """The event loop must not stall on a long prompt's tokenizer work: at
-    ``offload_hash_min_tokens`` (estimated) and above, hashing runs on the executor; a
+    ``hash_thread_min_tokens`` (estimated) and above, hashing runs on the executor; a
     hashing error there is still counted and the request routed without hashes."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -305,7 +305,7 @@ def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> No
     _registry, metrics, _l, _h, _s, _lc, _index, routing = build(["w0", "w1"])
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
     routing = dataclasses.replace(routing, hasher=Hasher(), hash_executor=executor,
-                                  offload_hash_min_tokens=1000)
+                                  hash_thread_min_tokens=1000)
 
     def chat(content: str) -> InboundRequest:
         body = {"model": "m", "messages": [{"role": "user", "content": content}]}
