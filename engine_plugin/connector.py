@@ -214,6 +214,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "inbound_dropped": mailbox.counters.inbound_dropped if mailbox else 0,
             "events_published": tc.events_published if tc else 0,
             "outcomes_published": tc.outcomes_published if tc else 0,
+            "releases_published": tc.releases_published if tc else 0,
+            "releases_dropped": mailbox.counters.releases_dropped if mailbox else 0,
             "retained_released_under_pressure": holds.released_under_pressure,
             "retained_kept_in_use_under_pressure": holds.kept_in_use_under_pressure,
             "retained_displaced": holds.displaced,

@@ -34,6 +34,7 @@ from kvhint.schemas import (
     DecodedHints,
     DonorAdvice,
     HintOutcome,
+    HoldsReleased,
     OutcomeStatus,
     Usage,
     WireDecodeError,
@@ -219,6 +220,7 @@ class PluginCore:
         if handles and self.adapter.only_held_blocks_in_use(handles):
             released = self.executor.release_all()
             logger.info("kvhint: released %d held blocks for a prefix-cache reset", released)
+            self._post_releases()  # the engine may be idle: no step would post them soon
 
     def _apply_pending_hits(self) -> None:
         if self._pending_hits:
@@ -251,6 +253,19 @@ class PluginCore:
         """TTL expiry and deferred Prefetch completion at ``clock()``."""
         return self.executor.advance()
 
+    def take_releases(self) -> HoldsReleased | None:
+        """What accepted Pins and Retains lost unasked since the last call (displaced,
+        relieved under pressure, reset), as the message the router gets; None: nothing."""
+        releases = self.executor.take_releases()
+        if not releases:
+            return None
+        return HoldsReleased(worker_id=self.identity.worker_id, releases=releases,
+                             at=self.clock())
+
+    def _post_releases(self) -> None:
+        if self.mailbox is not None and (message := self.take_releases()) is not None:
+            self.mailbox.put_releases(message)
+
     def _rejected_advice(self, data: bytes | str, reason: str) -> HintOutcome:
         advice_id = peek_advice_id(data)
         outcome = HintOutcome(message_id=advice_id, action_id=advice_id,
@@ -275,6 +290,9 @@ class PluginCore:
         outcomes = self.executor.advance()
         if mailbox is not None:
             mailbox.put_outcomes(outcomes)
+            # After the outcomes they may follow; a step's relief (allocations come before
+            # this hook) goes out in the same step.
+            self._post_releases()
             now = time.monotonic()
             mailbox.next_deadline = self.executor.next_deadline()
             if now - self._status_at >= STATUS_REFRESH_S:

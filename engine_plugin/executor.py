@@ -24,6 +24,9 @@ Semantics (DESIGN §2, issue 3):
   backend) Demote and Share are rejected with that reason, and Prefetch succeeds only for
   blocks already in G1 (waiting, ``deferred``, until the deadline for the others). With
   one, Demote lets go first only the GPU copies of blocks whose host copy has finished.
+- blocks an accepted Pin/Retain loses later without the router asking (displaced,
+  relieved under pressure, given back for a prefix-cache reset) are reported by
+  :meth:`take_releases`; TTL expiry and the router's own supersessions are not.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhint.engine_plugin.config import PluginConfig
-from kvhint.engine_plugin.holds import BlockCache, BlockHandle, HoldLedger
+from kvhint.engine_plugin.holds import PIN, BlockCache, BlockHandle, HoldLedger
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.schemas import (
@@ -44,11 +47,13 @@ from kvhint.schemas import (
     DemotePayload,
     DonorAdvice,
     HintOutcome,
+    HoldRelease,
     InvalidAction,
     OutcomeStatus,
     ParsedAction,
     PinPayload,
     PrefetchPayload,
+    ReleaseReason,
     RetainPayload,
     SharePayload,
     Target,
@@ -171,6 +176,15 @@ class HintExecutor:
     def release_all(self) -> int:
         """Give every held block back (before vLLM resets its prefix cache)."""
         return self.holds.release_all()
+
+    def take_releases(self) -> list[HoldRelease]:
+        """What accepted Pins and Retains lost unasked since the last call."""
+        return [HoldRelease(
+            action_id=loss.action_id,
+            action_type=(ActionType.PIN if loss.kind == PIN else ActionType.RETAIN).value,
+            session_id=loss.scope, reason=ReleaseReason(loss.reason),
+            released=self._amount(loss.released), held=self._amount(loss.held))
+            for loss in self.holds.take_losses()]
 
     # --- dispatch ---------------------------------------------------------------------------
 

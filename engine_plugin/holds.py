@@ -11,6 +11,11 @@ on its blocks, ending at its expiry:
   heap push (stale entries are skipped lazily), never a re-sort.
 - claims made for a session (``scope``) can be dropped together (:meth:`supersede`).
 
+Blocks a claim loses without its sender asking (displaced by a higher-priority retain,
+relieved under memory pressure, given back for a prefix-cache reset) are remembered as
+:class:`ClaimLoss` until :meth:`HoldLedger.take_losses`, so the sender can be told; TTL
+expiry and supersession are not (the sender knows of them).
+
 Counts: ``pinned`` = holds with a pin claim; ``retained`` = holds with retain claims and
 no pin claim. Single-threaded (the scheduler thread).
 """
@@ -20,10 +25,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 PIN, RETAIN = "pin", "retain"
+DISPLACED, PRESSURE, RESET = "displaced", "pressure", "reset"
 # Entries a lazily-cleaned heap may hold beyond twice its live ones before it is rebuilt.
 _COMPACT_SLACK = 1024
 
@@ -84,6 +90,19 @@ class _Claim:
     scope: str | None  # the session a session-targeted action was about
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimLoss:
+    """Blocks one claim lost for ``reason`` since the last :meth:`HoldLedger.take_losses`;
+    ``held``: the blocks it still holds (0 once it holds none or has ended)."""
+
+    action_id: str
+    kind: str
+    scope: str | None
+    reason: str
+    released: int
+    held: int
+
+
 @dataclass(slots=True)
 class HoldCounters:
     released_under_pressure: int = 0
@@ -111,6 +130,9 @@ class HoldLedger:
         # (priority, touched, -depth, block_id, version): what relieve() drops first.
         self._pressure_heap: list[tuple[int, int, int, int, int]] = []
         self._seq = itertools.count(1)
+        # Losses not yet taken, by (action id, reason); their ``held`` is filled in when
+        # they are taken.
+        self._losses: dict[tuple[str, str], ClaimLoss] = {}
 
     @property
     def pinned(self) -> int:
@@ -182,7 +204,8 @@ class HoldLedger:
         fresh = [h for h in handles if h.block_id not in self._holds]
         room = self.max_retained - self._retained
         if len(fresh) > room:
-            self.counters.displaced += self._drop_retained(len(fresh) - room, priority)
+            self.counters.displaced += self._drop_retained(len(fresh) - room, priority,
+                                                           DISPLACED)
             room = self.max_retained - self._retained
             fresh = [h for h in handles if h.block_id not in self._holds]
         if len(fresh) > room:
@@ -226,7 +249,7 @@ class HoldLedger:
         for handle in handles:
             hold = self._holds.get(handle.block_id)
             if hold is not None and not hold.pins:
-                self._drop_hold(hold, released)
+                self._drop_hold(hold, released, lost_to=None)
         self._release(released)
 
     def expire(self, now: float) -> int:
@@ -249,12 +272,15 @@ class HoldLedger:
         """The engine needs memory: drop up to ``num_blocks`` retained blocks, only ones
         whose release frees memory (a block a running request also uses stays held: its
         protection would be lost for nothing)."""
-        released = self._drop_retained(num_blocks, 101, only_freeing=True)
+        released = self._drop_retained(num_blocks, 101, PRESSURE, only_freeing=True)
         self.counters.released_under_pressure += released
         return released
 
     def release_all(self) -> int:
         handles = self.handles()
+        for action_id, claim in self._claims.items():
+            if claim.block_ids:
+                self._note_loss(action_id, claim, RESET, len(claim.block_ids))
         self._holds.clear()
         self._claims.clear()
         self._by_scope.clear()
@@ -298,11 +324,31 @@ class HoldLedger:
         return (max(hold.retains.values()), hold.touched, -hold.handle.depth,
                 hold.handle.block_id, hold.version)
 
-    def _drop_retained(self, num_blocks: int, below_priority: int,
+    def take_losses(self) -> list[ClaimLoss]:
+        """The losses since the last call, one per (claim, reason), with what each claim
+        holds now."""
+        if not self._losses:
+            return []
+        losses = []
+        for loss in self._losses.values():
+            claim = self._claims.get(loss.action_id)
+            losses.append(replace(loss, held=len(claim.block_ids) if claim is not None else 0))
+        self._losses.clear()
+        return losses
+
+    def _note_loss(self, action_id: str, claim: _Claim, reason: str, blocks: int) -> None:
+        key = (action_id, reason)
+        earlier = self._losses.get(key)
+        self._losses[key] = (
+            ClaimLoss(action_id, claim.kind, claim.scope, reason, blocks, 0) if earlier is None
+            else replace(earlier, released=earlier.released + blocks))
+
+    def _drop_retained(self, num_blocks: int, below_priority: int, reason: str,
                        only_freeing: bool = False) -> int:
         """Release up to ``num_blocks`` retain-only holds with priority below
-        ``below_priority``, in pressure order; returns how many. ``only_freeing``: pass
-        over (and keep) holds on blocks in use elsewhere."""
+        ``below_priority``, in pressure order, noting the claims' losses as ``reason``;
+        returns how many. ``only_freeing``: pass over (and keep) holds on blocks in use
+        elsewhere."""
         heap = self._pressure_heap
         released: list[BlockHandle] = []
         passed_over: list[tuple[int, int, int, int, int]] = []
@@ -318,20 +364,23 @@ class HoldLedger:
             if only_freeing and self.cache.in_use(hold.handle):
                 passed_over.append(entry)
                 continue
-            self._drop_hold(hold, released)
+            self._drop_hold(hold, released, lost_to=reason)
         for entry in passed_over:
             heapq.heappush(heap, entry)
         self.counters.kept_in_use_under_pressure += len(passed_over)
         self._release(released)
         return len(released)
 
-    def _drop_hold(self, hold: _Hold, released: list[BlockHandle]) -> None:
-        """Forget a retain-only hold; its block goes to ``released``."""
+    def _drop_hold(self, hold: _Hold, released: list[BlockHandle], lost_to: str | None) -> None:
+        """Forget a retain-only hold; its block goes to ``released``. ``lost_to``: the
+        reason its claims lost it unasked (None: their sender asked)."""
         block_id = hold.handle.block_id
         for action_id in hold.retains:
             claim = self._claims.get(action_id)
-            if claim is not None:
+            if claim is not None and block_id in claim.block_ids:
                 claim.block_ids.discard(block_id)
+                if lost_to is not None:
+                    self._note_loss(action_id, claim, lost_to, 1)
         hold.retains.clear()
         self._retained -= 1
         del self._holds[block_id]

@@ -5,8 +5,8 @@ atomic in CPython, so each deque has one producer thread and one consumer thread
 needs no lock. Everything dropped for lack of room is counted.
 
 - inbound (transport -> scheduler): hints, donor advice, snapshot requests;
-- outbound (scheduler -> transport): outcomes, KV event batches (with their sequence
-  number), the latest status figures and the latest snapshot.
+- outbound (scheduler -> transport): outcomes, hold releases, KV event batches (with
+  their sequence number), the latest status figures and the latest snapshot.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from kvhint.schemas import HintOutcome
+from kvhint.schemas import HintOutcome, HoldsReleased
 
 
 @dataclass(slots=True)
@@ -59,6 +59,7 @@ class SnapshotOut:
 class MailboxCounters:
     inbound_dropped: int = 0
     outcomes_dropped: int = 0
+    releases_dropped: int = 0
     event_batches_dropped: int = 0
     events_dropped: int = 0
 
@@ -91,6 +92,7 @@ class Mailbox:
     event_batch_limit: int
     inbound: deque[Inbound] = field(default_factory=deque)
     outcomes: deque[HintOutcome] = field(default_factory=deque)
+    releases: deque[HoldsReleased] = field(default_factory=deque)
     event_batches: deque[EventBatchOut] = field(default_factory=deque)
     snapshots: deque[SnapshotOut] = field(default_factory=deque)
     counters: MailboxCounters = field(default_factory=MailboxCounters)
@@ -143,6 +145,14 @@ class Mailbox:
                 with self.lock:
                     self.counters.outcomes_dropped += 1
             self.outcomes.append(outcome)
+        self.notify_transport()
+
+    def put_releases(self, message: HoldsReleased) -> None:
+        """Queue a release report (bounded like outcomes: the oldest go, counted)."""
+        if len(self.releases) >= self.outcome_limit and pop_oldest(self.releases) is not None:
+            with self.lock:
+                self.counters.releases_dropped += 1
+        self.releases.append(message)
         self.notify_transport()
 
     def put_events(self, batch: EventBatchOut) -> None:

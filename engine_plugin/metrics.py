@@ -32,6 +32,9 @@ COUNTERS = {
     "outcomes_published": "Hint outcomes published to NATS.",
     "outcomes_dropped": "Hint outcomes dropped because the outbound buffer was full.",
     "inbound_dropped": "Hint/advice messages rejected because the engine inbox was full.",
+    "releases_published": ("Hold-release reports published to NATS (accepted Pins/Retains "
+                           "that later lost blocks unasked)."),
+    "releases_dropped": "Hold-release reports dropped because the outbound buffer was full.",
     "retained_released_under_pressure": "Retained blocks released so vLLM could allocate.",
     "retained_kept_in_use_under_pressure": ("Retained blocks kept while vLLM needed memory "
                                             "(a running request also used them), per "

@@ -3,7 +3,7 @@ the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
 
 Lifetimes live in :meth:`NatsTransport._main`: connect (retrying forever with backoff),
 subscribe to hints, advice and snapshot requests, ensure the JetStream events stream,
-then publish outcomes, event batches (vLLM's msgpack ``KVEventBatch`` with
+then publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBatch`` with
 ``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
 
 NATS being down or slow never blocks the engine: the scheduler thread only appends to
@@ -19,6 +19,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ from kvhint.schemas import (
     decode_hints,
     decode_snapshot_request,
     encode_outcome,
+    encode_releases,
     encode_snapshot,
     encode_status,
 )
@@ -70,6 +72,7 @@ class TransportCounters:
     event_batches_published: int = 0
     events_published: int = 0
     outcomes_published: int = 0
+    releases_published: int = 0
     heartbeats_published: int = 0
     snapshot_pages: int = 0
     publish_errors: int = 0
@@ -320,7 +323,7 @@ class NatsTransport:
             if nc.is_connected:
                 await self._flush_outbound(nc)
             self._wake.clear()
-            if self.mailbox.outcomes or self.mailbox.snapshots or (
+            if self.mailbox.outcomes or self.mailbox.releases or self.mailbox.snapshots or (
                     self.mailbox.event_batches and nc.is_connected):
                 continue
             try:
@@ -346,14 +349,16 @@ class NatsTransport:
         head on failure, so a drop by the scheduler thread (full buffer) never makes us
         skip an item unpublished and uncounted."""
         mailbox = self.mailbox
-        subject = self.subjects.outcomes(self.worker_id)
-        while nc.is_connected and (outcome := pop_oldest(mailbox.outcomes)) is not None:
-            try:
-                await nc.publish(subject, encode_outcome(outcome))
-            except (NatsError, OSError) as exc:
-                mailbox.outcomes.appendleft(outcome)
-                return await self._publish_failed(exc)
-            self.counters.outcomes_published += 1
+        published, ok = await self._publish_queue(
+            nc, mailbox.outcomes, self.subjects.outcomes(self.worker_id), encode_outcome)
+        self.counters.outcomes_published += published
+        if not ok:
+            return None
+        published, ok = await self._publish_queue(
+            nc, mailbox.releases, self.subjects.releases(self.worker_id), encode_releases)
+        self.counters.releases_published += published
+        if not ok:
+            return None
         while nc.is_connected and (batch := pop_oldest(mailbox.event_batches)) is not None:
             try:
                 await self._publish_batch(nc, batch)
@@ -366,6 +371,21 @@ class NatsTransport:
             await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
                                    snapshot.limit)
         return None
+
+    async def _publish_queue(self, nc: Any, queue: deque[Any], subject: str,
+                             encode: Callable[[Any], bytes]) -> tuple[int, bool]:
+        """Publish ``queue`` oldest first on ``subject``; returns (published, whether the
+        queue was left without a failure: a failed item goes back to its head)."""
+        published = 0
+        while nc.is_connected and (item := pop_oldest(queue)) is not None:
+            try:
+                await nc.publish(subject, encode(item))
+            except (NatsError, OSError) as exc:
+                queue.appendleft(item)
+                await self._publish_failed(exc)
+                return published, False
+            published += 1
+        return published, True
 
     async def _publish_failed(self, exc: Exception) -> None:
         self.counters.publish_errors += 1

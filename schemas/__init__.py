@@ -1,7 +1,7 @@
 """kvhint's wire contract: pure message types shared by the router and the engine plugin.
 
 No I/O here. One module per concern: :mod:`.hints`, :mod:`.outcomes`, :mod:`.events`,
-:mod:`.advice`, :mod:`.status`, :mod:`.snapshot`, :mod:`.subjects`.
+:mod:`.releases`, :mod:`.advice`, :mod:`.status`, :mod:`.snapshot`, :mod:`.subjects`.
 """
 
 from kvhint.schemas._codec import WireDecodeError, is_valid_worker_id
@@ -47,6 +47,13 @@ from kvhint.schemas.outcomes import (
     decode_outcome,
     encode_outcome,
 )
+from kvhint.schemas.releases import (
+    HoldRelease,
+    HoldsReleased,
+    ReleaseReason,
+    decode_releases,
+    encode_releases,
+)
 from kvhint.schemas.snapshot import (
     SnapshotBlock,
     SnapshotRequest,
@@ -80,6 +87,8 @@ __all__ = [
     "EventBatchMeta",
     "HintOutcome",
     "HintPayload",
+    "HoldRelease",
+    "HoldsReleased",
     "InvalidAction",
     "KVEventBatch",
     "KvHintAction",
@@ -88,6 +97,7 @@ __all__ = [
     "ParsedAction",
     "PinPayload",
     "PrefetchPayload",
+    "ReleaseReason",
     "RetainPayload",
     "SharePayload",
     "SnapshotBlock",
@@ -102,6 +112,7 @@ __all__ = [
     "decode_advice",
     "decode_hints",
     "decode_outcome",
+    "decode_releases",
     "decode_snapshot",
     "decode_snapshot_request",
     "decode_status",
@@ -109,6 +120,7 @@ __all__ = [
     "encode_event_batch",
     "encode_hints",
     "encode_outcome",
+    "encode_releases",
     "encode_snapshot",
     "encode_snapshot_request",
     "encode_status",

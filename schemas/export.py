@@ -18,6 +18,7 @@ from kvhint.schemas.hints import (
     SharePayload,
 )
 from kvhint.schemas.outcomes import HintOutcome
+from kvhint.schemas.releases import HoldsReleased
 from kvhint.schemas.snapshot import SnapshotRequest, WorkerSnapshot
 from kvhint.schemas.status import WorkerStatus
 
@@ -29,6 +30,7 @@ MESSAGES: dict[str, type] = {
     "PrefetchPayload": PrefetchPayload,
     "SharePayload": SharePayload,
     "HintOutcome": HintOutcome,
+    "HoldsReleased": HoldsReleased,
     "KVEventBatch": KVEventBatch,
     "DonorAdvice": DonorAdvice,
     "WorkerStatus": WorkerStatus,

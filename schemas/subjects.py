@@ -15,7 +15,7 @@ WIRE_VERSION = "v1"
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
-KINDS = ("hints", "outcomes", "events", "advice", "status", "snapshot")
+KINDS = ("hints", "outcomes", "releases", "events", "advice", "status", "snapshot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,9 @@ class Subjects:
 
     def outcomes(self, worker_id: str) -> str:
         return self._subject("outcomes", worker_id)
+
+    def releases(self, worker_id: str) -> str:
+        return self._subject("releases", worker_id)
 
     def events(self, worker_id: str) -> str:
         return self._subject("events", worker_id)

@@ -3,8 +3,8 @@
 :class:`Holdings` is the frozen view the planner reads. :class:`HoldingsLedger` is a small
 mutable helper (no I/O) the caller keeps to produce that view: it records each planned
 action, lets a newer protection of the same session on the same worker supersede the
-older one (the plugin applies the same rule), settles the amount from the outcome, and
-expires by TTL.
+older one (the plugin applies the same rule), settles the amount from the outcome,
+shrinks it when the worker reports blocks it let go unasked, and expires by TTL.
 """
 
 from __future__ import annotations
@@ -91,11 +91,20 @@ class HoldingsLedger:
         if held is None or not outcome.status.is_terminal:
             return
         if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
-            self._count(held, -1)
-            held.blocks = outcome.applied.blocks
-            self._count(held, +1)
+            self._set_blocks(held, outcome.applied.blocks)
             return
         self._drop(held)
+
+    def released(self, action_id: str, still_held: int) -> None:
+        """The worker let blocks of ``action_id`` go unasked (displaced, relieved, reset);
+        it still holds ``still_held`` of them (0: the holding is over)."""
+        held = self._by_id.get(action_id)
+        if held is None:
+            return
+        if still_held <= 0:
+            self._drop(held)
+        elif still_held < held.blocks:
+            self._set_blocks(held, still_held)
 
     def expire(self, now: float) -> int:
         """Forget holdings past their TTL; returns how many."""
@@ -119,6 +128,11 @@ class HoldingsLedger:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def _set_blocks(self, held: _Held, blocks: int) -> None:
+        self._count(held, -1)
+        held.blocks = blocks
+        self._count(held, +1)
 
     def _count(self, held: _Held, sign: int) -> None:
         slot = 0 if held.action_type == ActionType.PIN.value else 1

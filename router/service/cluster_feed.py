@@ -8,6 +8,10 @@
   the store recorded (a fresh store: from now on), so outcomes published while the router
   was down still land; each goes to the hint dispatcher, then (with the action it
   answers) to ``on_hint_outcome`` (the session lifecycle: what the session holds);
+- ``<prefix>.v1.releases.*``: blocks workers let go of accepted Pins/Retains unasked, to
+  the hint dispatcher (holdings) and ``on_hold_released`` (the session's protection).
+  A plain subscription: releases published while the router is down are not replayed
+  (the holdings they would have shrunk end at their TTL);
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
   ingestor asks (gap, epoch change, joined mid-stream, missed tail).
 
@@ -43,8 +47,10 @@ from kvhint.schemas import (
     SnapshotRequest,
     WireDecodeError,
     HintOutcome,
+    HoldRelease,
     WorkerStatus,
     decode_outcome,
+    decode_releases,
     decode_snapshot,
     decode_status,
     encode_snapshot_request,
@@ -60,6 +66,7 @@ class ClusterFeed:
                  hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
                  outcomes_start_seq: int | None, snapshot_timeout_s: float,
                  on_hint_outcome: Callable[[SentAction, HintOutcome], None],
+                 on_hold_released: Callable[[HoldRelease], None],
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._link = link
         self._subjects = link.subjects
@@ -67,6 +74,7 @@ class ClusterFeed:
         self._workers = workers
         self._hints = hints
         self._on_hint_outcome = on_hint_outcome
+        self._on_hold_released = on_hold_released
         self._metrics = metrics
         self._writer = writer
         self._outcomes_next = outcomes_start_seq
@@ -83,6 +91,7 @@ class ClusterFeed:
         if self.outcomes_seq > 0:  # set up again after a failure: resume, do not replay
             self._outcomes_next = self.outcomes_seq + 1
         await self._link.subscribe(subjects.all_of("status"), self._on_status)
+        await self._link.subscribe(subjects.all_of("releases"), self._on_releases)
         try:
             await self._link.ensure_streams()
             await self._link.subscribe_stream(subjects.all_of("events"), subjects.events_stream,
@@ -143,9 +152,21 @@ class ClusterFeed:
             log.warning("malformed outcome on %s: %s", msg.subject, exc)
             self._metrics.drop("outcome_malformed")
             return
+        outcome = self._hints.effective(outcome)
         sent = self._hints.on_outcome(outcome)
         if sent is not None:
             self._on_hint_outcome(sent, outcome)
+
+    async def _on_releases(self, msg: Msg) -> None:
+        try:
+            message = decode_releases(msg.data)
+        except WireDecodeError as exc:
+            log.warning("malformed hold releases on %s: %s", msg.subject, exc)
+            self._metrics.drop("releases_malformed")
+            return
+        for release in message.releases:
+            self._hints.on_release(release)
+            self._on_hold_released(release)
 
     def tick(self) -> None:
         self._perform(self.ingestor.tick())

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
 from kvhint.router.policy import (
     FeedbackConfig,
     HoldingsLedger,
@@ -39,7 +41,9 @@ from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
     PROTOCOL_VERSION,
     ActionType,
+    Amount,
     HintOutcome,
+    HoldRelease,
     KvHintsEnvelope,
     OutcomeStatus,
     Subjects,
@@ -124,6 +128,9 @@ class HintDispatcher:
         self.feedback: dict[str, WorkerFeedback] = {}
         self.pending: dict[str, SentAction] = {}
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
+        # Pending actions a worker reported releasing blocks of before their outcome came
+        # (releases travel on their own subject): action id -> blocks still held.
+        self._released_early: dict[str, int] = {}
         self._feedback_config = FeedbackConfig()
         # Actions per status they ended in (the dashboard's timeline differences it).
         self.status_counts: dict[str, int] = {}
@@ -251,6 +258,29 @@ class HintDispatcher:
 
     # --- outcomes -----------------------------------------------------------------------
 
+    def effective(self, outcome: HintOutcome) -> HintOutcome:
+        """``outcome`` as it stands now: where the worker has since reported releasing
+        blocks of the action (that report came first), ``applied`` is capped at what it
+        still holds. Pass what this returns to :meth:`on_outcome` and on."""
+        cap = self._released_early.get(outcome.action_id)
+        applied = outcome.applied
+        if cap is None or not outcome.status.is_terminal or applied.blocks <= cap:
+            return outcome
+        tokens = applied.tokens * cap // applied.blocks
+        return msgspec.structs.replace(outcome, applied=Amount(blocks=cap, tokens=tokens))
+
+    def on_release(self, release: HoldRelease) -> None:
+        """A worker let blocks of an accepted Pin/Retain go unasked: its holding shrinks
+        (for a still pending action, its coming outcome is capped; :meth:`effective`)."""
+        self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
+            release.released.blocks)
+        if release.action_id in self.pending:
+            held = release.held.blocks
+            self._released_early[release.action_id] = min(
+                held, self._released_early.get(release.action_id, held))
+            return
+        self.holdings.released(release.action_id, release.held.blocks)
+
     def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
         record = self.pending.get(outcome.action_id)
         if record is None:
@@ -294,6 +324,7 @@ class HintDispatcher:
     def _finish(self, record: SentAction) -> None:
         self.status_counts[record.status] = self.status_counts.get(record.status, 0) + 1
         self.pending.pop(record.action_id, None)
+        self._released_early.pop(record.action_id, None)
         self.recent.append(record)
         if record.waiter is not None and not record.waiter.done():
             record.waiter.set_result(record)

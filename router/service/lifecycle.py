@@ -42,7 +42,7 @@ from kvhint.router.service.hint_dispatch import FAILED, HintDispatcher, SentActi
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
-from kvhint.schemas import HintOutcome
+from kvhint.schemas import HintOutcome, HoldRelease
 
 
 class SessionLifecycle:
@@ -139,6 +139,19 @@ class SessionLifecycle:
         if record is None:
             return
         plan = record.plan.settled(outcome)
+        if plan is not record.plan:
+            record.plan = plan
+            self.sessions.save(record)
+
+    def on_hold_released(self, release: HoldRelease) -> None:
+        """A worker let blocks of a session's Pin/Retain go unasked: the session's
+        protection covers what is left (none: the next idle review asks again)."""
+        if release.session_id is None:
+            return  # not a session's action (a shared prefix's)
+        record = self.sessions.by_worker_session_id(release.session_id)
+        if record is None:
+            return
+        plan = record.plan.holding(release.action_id, release.held.blocks)
         if plan is not record.plan:
             record.plan = plan
             self.sessions.save(record)

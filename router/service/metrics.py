@@ -142,6 +142,11 @@ class RouterMetrics:
                              ["action", "outcome", "source"], registry=r)
         self.hints_sent = Counter("kvhint_router_hints_sent", "Hint actions sent",
                                   ["action", "source"], registry=r)
+        self.hold_releases = Counter(
+            "kvhint_router_hold_released_blocks",
+            "Blocks workers let go of accepted Pins/Retains unasked, by reason (displaced by "
+            "a higher-priority retain, relieved under memory pressure, prefix-cache reset)",
+            ["action", "reason"], registry=r)
         self.events = Counter("kvhint_router_event_batches", "KV event batches by verdict",
                               ["worker", "verdict"], registry=r)
         self.event_lag = Histogram("kvhint_router_event_lag_seconds",

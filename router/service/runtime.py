@@ -154,7 +154,8 @@ class RouterRuntime:
             runtime.feed = ClusterFeed(link, ingestor, workers, hints, metrics, writer,
                                        outcomes_start_seq=cursor + 1 if cursor else None,
                                        snapshot_timeout_s=5.0,
-                                       on_hint_outcome=lifecycle.on_hint_outcome)
+                                       on_hint_outcome=lifecycle.on_hint_outcome,
+                                       on_hold_released=lifecycle.on_hold_released)
             link.start(runtime.feed.on_connected)
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),

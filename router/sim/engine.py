@@ -289,6 +289,7 @@ class Simulation:
 
     def _try_start(self, worker: SimWorker) -> None:
         started = worker.start_prefill(self.now)
+        self._take_releases(worker)  # the allocation may have relieved retained blocks
         if started is None:
             return
         job, done_at = started
@@ -412,6 +413,7 @@ class Simulation:
             message = DecodedHints(f"sim-{next(self._message_ids)}",
                                    [parse_action(p.action) for p in planned_list])
             self._on_outcomes(worker.core.apply_hints(message))
+            self._take_releases(worker)
             worker.sync()
             # Hints may have released blocks a waiting prompt needs.
             self._try_start(worker)
@@ -428,6 +430,21 @@ class Simulation:
             worker_id = outcome.worker_id
             if worker_id in self.feedback:
                 self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
+
+    def _take_releases(self, worker: SimWorker) -> None:
+        """What the worker's holds lost unasked (displaced, relieved), as the live router
+        takes it: holdings shrink and the session's protection covers what is left."""
+        message = worker.core.take_releases()
+        if message is None:
+            return
+        for release in message.releases:
+            self.result.released_blocks[(release.action_type, release.reason.value)] += (
+                release.released.blocks)
+            self.ledger.released(release.action_id, release.held.blocks)
+            session = self.sessions.get(release.session_id) if release.session_id else None
+            if session is not None:
+                self.sessions[release.session_id] = session.holding(release.action_id,
+                                                                    release.held.blocks)
 
     def _on_tick(self) -> None:
         self.ledger.expire(self.now)

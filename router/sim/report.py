@@ -34,6 +34,11 @@ def table(results: Sequence[PolicyResult], references: Sequence[ReferenceResult]
                      f"   reference{cap}")
     lines.append("hints: sent, then outcomes a=accepted c=clipped d=deferred m=missing r=rejected")
     for r in results:
+        if r.released_blocks:
+            released = ", ".join(f"{action.removeprefix('kv.')} {reason} {n:,}"
+                                 for (action, reason), n in sorted(r.released_blocks.items()))
+            lines.append(f"{r.policy}: blocks workers let go of accepted holds unasked: "
+                         f"{released}")
         if r.dropped_requests:
             # Not in the rates above (the references do count them): say so, not hide it.
             lines.append(f"{r.policy}: {r.dropped_requests:,} of {r.requests:,} requests dropped "

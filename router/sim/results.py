@@ -49,6 +49,8 @@ class PolicyResult:
     ttfts_s: list[float] = field(default_factory=list)
     # (action type, status) -> count; "sent" counts actions the planner sent.
     hints: Counter = field(default_factory=Counter)
+    # (action type, reason) -> blocks workers let go of accepted Pins/Retains unasked.
+    released_blocks: Counter = field(default_factory=Counter)
     timeline: list[TimelinePoint] = field(default_factory=list)
     # Per admitted request, in admission order (kept only when asked for: tests, debugging).
     records: list[RequestRecord] | None = None
@@ -91,6 +93,8 @@ class PolicyResult:
             "ttft_p50_s": round(percentile(self.ttfts_s, 50), 6),
             "ttft_p99_s": round(percentile(self.ttfts_s, 99), 6),
             "hints": self.hints_by_action(),
+            "released_blocks": {f"{action}|{reason}": n for (action, reason), n
+                                in sorted(self.released_blocks.items())},
             "dropped_requests": self.dropped_requests,
             "admission_waits": self.admission_waits,
             "decode_alloc_failures": self.decode_alloc_failures,

@@ -56,6 +56,14 @@ SAMPLES: dict[str, tuple[object, type]] = {
         status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",
         requested=s.Amount(blocks=128, tokens=4096), applied=s.Amount(blocks=64, tokens=2048),
         at=AT), s.HintOutcome),
+    "holds_released": (s.HoldsReleased(worker_id="w0", releases=[
+        s.HoldRelease(action_id="a-retain", action_type="kv.retain", session_id="tenant-a/sess-1",
+                      reason=s.ReleaseReason.DISPLACED, released=s.Amount(blocks=3, tokens=96),
+                      held=s.Amount(blocks=5, tokens=160)),
+        s.HoldRelease(action_id="a-shared", action_type="kv.retain", session_id=None,
+                      reason=s.ReleaseReason.PRESSURE, released=s.Amount(blocks=2, tokens=64),
+                      held=s.Amount()),
+    ], at=AT), s.HoldsReleased),
     "donor_advice": (s.DonorAdvice(
         advice_id="adv-1", session_id="tenant-a/sess-9", namespace="tiny|sha256|32|salt:a",
         donor_session_id="tenant-a/sess-3", donor_block_hashes=[1, 2, BIG_HASH],

@@ -137,6 +137,12 @@ def test_typed_decoders_raise_wire_decode_error() -> None:
     with pytest.raises(s.WireDecodeError, match="limit"):
         s.decode_snapshot_request(b'{"limit": 0}')
     assert s.decode_snapshot_request(b"") == s.SnapshotRequest()
+    with pytest.raises(s.WireDecodeError, match=r"invalid hold releases.*releases\[0\]\.reason"):
+        s.decode_releases(b'{"worker_id":"w","at":1,"releases":[{"action_id":"a",'
+                          b'"action_type":"kv.retain","reason":"bored","released":{},'
+                          b'"held":{}}]}')
+    with pytest.raises(s.WireDecodeError, match="hold releases is not valid JSON"):
+        s.decode_releases(b"{")
 
 
 def test_donor_advice_problems() -> None:

@@ -9,6 +9,7 @@ def test_subject_names() -> None:
     subjects = Subjects()
     assert subjects.hints("w0") == "kvhint.v1.hints.w0"
     assert subjects.outcomes("w0") == "kvhint.v1.outcomes.w0"
+    assert subjects.releases("w0") == "kvhint.v1.releases.w0"
     assert subjects.events("dp-3") == "kvhint.v1.events.dp-3"
     assert subjects.advice("w0") == "kvhint.v1.advice.w0"
     assert subjects.status("w0") == "kvhint.v1.status.w0"

@@ -28,10 +28,12 @@ from kvhint.schemas import (
     EventBatchMeta,
     KvHintsEnvelope,
     PinPayload,
+    RetainPayload,
     SnapshotRequest,
     Subjects,
     Target,
     decode_outcome,
+    decode_releases,
     decode_snapshot,
     decode_status,
     encode_hints,
@@ -145,6 +147,39 @@ async def test_hints_outcomes_events_and_heartbeat_over_nats(nats_url: str,
             await js.delete_stream(subjects.events_stream)
         finally:
             await nc.drain()
+
+
+async def test_a_hold_that_loses_blocks_later_is_reported_on_the_releases_subject(
+        nats_url: str, subject_prefix: str) -> None:
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+
+    def retain(action_id: str, session: str, priority: int) -> bytes:
+        return encode_hints(KvHintsEnvelope(
+            protocol_version="1", message_id=f"m-{action_id}", actions=[make_action(
+                action_id, RetainPayload(target=Target(session_id=session), priority=priority))]))
+
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        releases = await collect(nc, subjects.releases("w0"))
+        with plugin(nats_url, subject_prefix, create_events_stream=False,
+                    retain_budget_fraction=0.1) as h:  # 6 blocks
+            transport = h.connector.transport
+            await until(lambda: transport.connected)
+            turn(h, "lo", [1, 2, 3, 4])
+            turn(h, "hi", [5, 6, 7, 8])
+            await nc.publish(subjects.hints("w0"), retain("r-lo", "lo", 10))
+            await step_until(h, lambda: outcomes.qsize() == 1)
+            await nc.publish(subjects.hints("w0"), retain("r-hi", "hi", 90))
+            await step_until(h, lambda: releases.qsize() == 1)
+            message = decode_releases((await releases.get()).data)
+            assert message.worker_id == "w0"
+            assert [(r.action_id, r.session_id, r.reason.value, r.released.blocks,
+                     r.held.blocks) for r in message.releases] == [("r-lo", "lo", "displaced",
+                                                                     2, 2)]
+            assert transport.counters.releases_published == 1
+    finally:
+        await nc.drain()
 
 
 async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -> None:

@@ -1,82 +1,40 @@
 """Each hint action against vLLM's real Scheduler and block pool (no model).
 
 The connector is loaded by module path, exactly as a server loads it; hints are applied
-through the connector's PluginCore (the NATS path has its own tests).
+through the connector's PluginCore (the NATS path has its own tests; retains under budget
+and memory pressure, and the releases reported of them, are in test_plugin_scheduler_holds).
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
+from scheduler_fixtures import (
+    BS,
+    cached_tokens,
+    flood,
+    hint,
+    prompt,
+    sched,
+    turn,
+    turn_hit,
+)
 
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
     build_scheduler,
-    tokens_for_block_ids,
 )
 from kvhint.schemas import (
     DemotePayload,
     HintOutcome,
-    KvHintsEnvelope,
     PinPayload,
     PrefetchPayload,
     RetainPayload,
     SharePayload,
     Target,
-    encode_hints,
-    make_action,
 )
-
-BS = 32
-_ids = itertools.count(1)
-
-
-def sched(num_blocks: int = 64, **extra: Any) -> HeadlessScheduler:
-    config = {"worker_id": "w0", **extra}
-    return build_scheduler(HeadlessSchedulerSpec(
-        block_size=BS, num_blocks=num_blocks, connector_module="kvhint.engine_plugin.connector",
-        connector_extra_config=config))
-
-
-def prompt(block_ids: list[int], tail: int = 5) -> list[int]:
-    return tokens_for_block_ids(block_ids, BS) + [3] * tail
-
-
-def turn(h: HeadlessScheduler, session: str | None, block_ids: list[int],
-         max_tokens: int = 1) -> Any:
-    return h.run(h.make_request(prompt(block_ids), session_id=session, max_tokens=max_tokens))
-
-
-def turn_hit(h: HeadlessScheduler, session: str | None, block_ids: list[int]) -> int:
-    """Run a turn; return the prefix-cache tokens vLLM reused for it at admission."""
-    request = h.add(h.make_request(prompt(block_ids), session_id=session))
-    hits: list[int] = []
-    h.step(lambda _: hits.append(request.prefill_stats.num_local_cached_tokens))
-    h.run_until_done()
-    return hits[0]
-
-
-def hint(h: HeadlessScheduler, payload: Any, action_id: str | None = None) -> HintOutcome:
-    action_id = action_id or f"a{next(_ids)}"
-    envelope = KvHintsEnvelope(protocol_version="1", message_id=f"m-{action_id}",
-                               actions=[make_action(action_id, payload)])
-    (outcome,) = h.connector.core.apply_hints(encode_hints(envelope))
-    return outcome
-
-
-def cached_tokens(h: HeadlessScheduler, block_ids: list[int]) -> int:
-    """What a new request with this prefix would hit (side-effect free lookup)."""
-    _, hit, _ = h.kv_cache_manager.get_computed_blocks(h.make_request(prompt(block_ids)))
-    return hit
-
-
-def flood(h: HeadlessScheduler, requests: int, first_id: int = 10_000) -> None:
-    for i in range(requests):
-        base = first_id + 10 * i
-        turn(h, f"filler-{i}", [base, base + 1, base + 2, base + 3])
 
 
 def test_pinned_session_survives_pressure_that_evicts_the_control() -> None:
@@ -187,88 +145,6 @@ def test_pin_budget_and_ttl_clip() -> None:
     turn(h, "t", [21, 22])
     full = hint(h, PinPayload(target=Target(session_id="t"), ttl_s=10))
     assert full.status.value == "clipped" and full.applied.blocks == 0
-
-
-def test_retain_budget_displaces_lower_priority() -> None:
-    h = sched(retain_budget_fraction=0.1)  # 6 blocks
-    turn(h, "lo", [1, 2, 3, 4])
-    turn(h, "hi", [5, 6, 7, 8])
-    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
-    outcome = hint(h, RetainPayload(target=Target(session_id="hi"), priority=90))
-    assert outcome.status.value == "accepted" and outcome.applied.blocks == 4
-    executor = h.connector.core.executor
-    assert executor.retained_blocks == 6 and executor.holds.counters.displaced == 2
-    low = hint(h, RetainPayload(target=Target(block_hashes=[1 << 40]), priority=5))
-    assert low.status.value == "missing"
-
-
-def _held_blocks(h: HeadlessScheduler, session: str) -> int:
-    core = h.connector.core
-    retained = set(core.executor.holds.keys()["retained"])
-    return len(retained.intersection(core.index.session_blocks(session)))
-
-
-def test_a_raised_retain_priority_is_what_displacement_and_pressure_see() -> None:
-    # "back" is retained at 10, then (its next turn done) re-retained at 90: the new claim
-    # supersedes the old one, and the old claim's place in the displacement order must go
-    # with it. "mid" (50) is then the lowest priority held, so it goes first, both when a
-    # higher retain needs budget and when the engine needs memory.
-    h = sched(retain_budget_fraction=0.15)  # 9 blocks
-    turn(h, "back", [1, 2, 3, 4])
-    turn(h, "mid", [5, 6, 7, 8])
-    turn(h, "top", [21, 22, 23])
-    hint(h, RetainPayload(target=Target(session_id="back"), priority=10))
-    hint(h, RetainPayload(target=Target(session_id="back"), priority=90))
-    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
-    executor = h.connector.core.executor
-    assert executor.retained_blocks == 8
-    outcome = hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
-    assert outcome.status.value == "accepted" and executor.holds.counters.displaced == 2
-    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [4, 2, 3]
-    # Memory pressure: a prompt needing every free block and 3 more relieves the 2 blocks
-    # "mid" still holds before any block of "back" (whose leaf then goes first).
-    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
-    assert executor.holds.counters.released_under_pressure == 3
-    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [3, 0, 3]
-
-
-def test_pressure_passes_over_retained_blocks_a_running_request_uses() -> None:
-    # "lo" holds the lowest retain priority, but its next turn is running and reads its
-    # blocks: dropping those holds would free nothing and leave the session unprotected
-    # once the turn ends. Relief drops "mid" instead (leaf first) and keeps "lo".
-    h = sched(retain_budget_fraction=0.5)
-    turn(h, "lo", [1, 2, 3, 4])
-    turn(h, "mid", [5, 6, 7, 8])
-    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
-    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
-    executor = h.connector.core.executor
-    runner = h.add(h.make_request(prompt([1, 2, 3, 4, 9]), session_id="lo", max_tokens=40))
-    h.step()
-    assert not runner.is_finished()
-    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
-    assert executor.holds.counters.released_under_pressure == 3
-    assert executor.holds.counters.kept_in_use_under_pressure == 4
-    assert [_held_blocks(h, s) for s in ("lo", "mid")] == [4, 1]
-    assert runner.num_preemptions == 0
-
-
-def test_re_prioritising_forever_keeps_the_holds_bounded_and_ordered() -> None:
-    # A router re-sends a session's retain at every idle review; each re-send leaves stale
-    # heap entries behind. They must not pile up (a worker runs for weeks), and the order
-    # must survive the rebuilds that clear them.
-    h = sched(retain_budget_fraction=0.15)  # 9 blocks
-    turn(h, "idle", [1, 2, 3, 4])
-    turn(h, "other", [5, 6, 7, 8])
-    executor = h.connector.core.executor
-    for i in range(1500):
-        hint(h, RetainPayload(target=Target(session_id="idle"), priority=20 + i % 70))
-        hint(h, RetainPayload(target=Target(session_id="other"), priority=90 - i % 70))
-    assert executor.holds.heap_entries <= 2 * (8 + 2) + 2 * 1024 + 2  # not ~15,000
-    hint(h, RetainPayload(target=Target(session_id="idle"), priority=60))
-    hint(h, RetainPayload(target=Target(session_id="other"), priority=30))
-    turn(h, "top", [21, 22, 23])
-    hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
-    assert [_held_blocks(h, s) for s in ("idle", "other", "top")] == [4, 2, 3]
 
 
 def test_ttl_expiry_releases_blocks_at_the_next_step() -> None:

@@ -24,8 +24,11 @@ from kvhint.schemas import (
     Budgets,
     EventBatchMeta,
     HintOutcome,
+    HoldRelease,
+    HoldsReleased,
     KVEventBatch,
     OutcomeStatus,
+    ReleaseReason,
     SnapshotBlock,
     SnapshotSession,
     Subjects,
@@ -36,6 +39,7 @@ from kvhint.schemas import (
     decode_snapshot_request,
     encode_event_batch,
     encode_outcome,
+    encode_releases,
     encode_snapshot,
     encode_status,
 )
@@ -69,6 +73,14 @@ async def until(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.05)
+
+
+async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001
+    """The router is connected to NATS and has heard w0's plugin (one heartbeat)."""
+    assert await runtime.link.wait_connected(10)
+    await asyncio.sleep(0.3)
+    await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
+    await until(lambda: runtime.workers.get("w0").plugin_alive)
 
 
 async def test_events_gap_snapshot_and_restart(tmp_path: Path, nats_url: str,
@@ -165,10 +177,7 @@ async def test_hints_api_forwards_and_returns_the_outcome(
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)
-            await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
-            await until(lambda: runtime.workers.get("w0").plugin_alive)
+            await plugin_registered(runtime, nc, subjects)
             await client.post(f"{router.url}/v1/chat/completions", json={
                 "model": "stub", "messages": [{"role": "user", "content": "x" * 400}],
                 "session_id": "agent"})
@@ -208,6 +217,102 @@ async def test_hints_api_forwards_and_returns_the_outcome(
         await nc.drain()
 
 
+async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A worker accepted the planner's Retain, then lost blocks of it (displaced by a
+    higher-priority retain, relieved under memory pressure): the router must stop
+    believing the session protected by them and stop counting them against the worker's
+    and the tenant's budgets. A release that overtakes its action's outcome (two subjects)
+    caps that outcome."""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    nc = await nats.connect(nats_url)
+    held: list[tuple[str, str, str, str | None]] = []
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - remembers, answers when told
+        decoded = decode_hints(msg.data)
+        held.extend((decoded.message_id, a.action_id, a.action_type.value,
+                     a.payload.target.session_id) for a in decoded.actions)
+
+    async def answer(message_id: str, action_id: str, action_type: str, blocks: int) -> None:
+        await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+            message_id=message_id, action_id=action_id, action_type=action_type,
+            worker_id="w0", status=OutcomeStatus.ACCEPTED, requested=Amount(blocks, 32 * blocks),
+            applied=Amount(blocks, 32 * blocks), at=time.time())))
+
+    async def release(action_id: str, action_type: str, session: str | None,
+                      released: int, left: int, reason: ReleaseReason) -> None:
+        await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
+            worker_id="w0", at=time.time(), releases=[HoldRelease(
+                action_id=action_id, action_type=action_type, session_id=session,
+                reason=reason, released=Amount(released, 32 * released),
+                held=Amount(left, 32 * left))])))
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix,
+                               hints={"api_outcome_timeout_s": 5.0})
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            await client.post(f"{router.url}/v1/chat/completions", json={
+                "model": "stub", "messages": [{"role": "user", "content": "x" * 400}],
+                "session_id": "agent"})
+            await until(lambda: len(held) >= 1)
+            message_id, action_id, action_type, session = held.pop()
+            assert action_type == "kv.retain" and session is not None
+            await answer(message_id, action_id, action_type, 4)
+            await until(lambda: action_id not in runtime.hints.pending)
+
+            async def views() -> tuple[object, dict[str, int]]:
+                detail = (await client.get(f"{router.url}/admin/sessions/default/agent")).json()
+                worker = (await client.get(f"{router.url}/admin/workers/w0")).json()
+                return detail["planner"]["protection"], worker["held_by_hints"]
+
+            protection, on_worker = await views()
+            assert protection["action_id"] == action_id and protection["blocks"] == 4
+            assert on_worker["retained_blocks"] == 4
+            assert runtime.hints.holdings.tenant("default").retained_blocks == 4
+            # Displaced: 3 of its 4 blocks went to a higher-priority retain.
+            await release(action_id, action_type, session, 3, 1, ReleaseReason.DISPLACED)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 1)
+            protection, on_worker = await views()
+            assert protection["blocks"] == 1 and on_worker["retained_blocks"] == 1
+            assert runtime.hints.holdings.tenant("default").retained_blocks == 1
+            # Relieved: the last one went too. Nothing protects the session any more.
+            await release(action_id, action_type, session, 1, 0, ReleaseReason.PRESSURE)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 0)
+            protection, on_worker = await views()
+            assert protection is None and on_worker == {"pinned_blocks": 0,
+                                                        "retained_blocks": 0}
+            # An API pin whose release comes before its outcome: the outcome is capped.
+            response = asyncio.ensure_future(client.post(
+                f"{router.url}/v1/sessions/agent/hints",
+                json={"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 30}}]}))
+            await until(lambda: any(a.startswith("kva-") for _m, a, _t, _s in held))
+            (message_id, pin_id, pin_type, pin_session), = [
+                h for h in held if h[1].startswith("kva-")]
+            await release(pin_id, pin_type, pin_session, 2, 1, ReleaseReason.RESET)
+            await until(lambda: runtime.metrics.hold_releases.labels(
+                "kv.pin", "reset")._value.get() == 2)
+            await answer(message_id, pin_id, pin_type, 3)
+            action = (await response).json()["actions"][0]
+            assert action["status"] == "accepted" and action["applied_blocks"] == 1
+            assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
+            # A malformed report is counted and changes nothing.
+            await nc.publish(subjects.releases("w0"), b'{"worker_id": "w0", "releases": [{}]}')
+            await until(lambda: runtime.metrics.drops.labels("releases_malformed")
+                        ._value.get() == 1)
+            assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
+            metrics = (await client.get(f"{router.url}/metrics")).text
+            assert 'kvhint_router_hold_released_blocks_total{action="kv.retain",' \
+                   'reason="displaced"} 3.0' in metrics
+    finally:
+        await nc.drain()
+
+
 async def test_pending_hint_outcome_published_during_a_restart_lands(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
@@ -231,10 +336,7 @@ async def test_pending_hint_outcome_published_during_a_restart_lands(
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)
-            await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
-            await until(lambda: runtime.workers.get("w0").plugin_alive)
+            await plugin_registered(runtime, nc, subjects)
             # A first outcome, so the store holds a stream cursor to resume from.
             await client.post(f"{router.url}/v1/chat/completions", json={
                 "model": "stub", "messages": [{"role": "user", "content": "y" * 300}],

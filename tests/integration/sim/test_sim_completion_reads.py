@@ -75,3 +75,26 @@ def test_the_planner_remembers_the_blocks_the_worker_retained(tmp_path: Path) ->
     assert result.hints_by_action()["kv.retain"]["clipped"] >= 1
     protection = sim.sessions["default/s0"].protection
     assert protection is not None and protection.blocks == 4
+
+
+def test_blocks_relieved_under_pressure_leave_the_planners_view(tmp_path: Path) -> None:
+    """A 20-block pool with the retain budget at 0.9: s0's 7-block retain, then s1's
+    16-block prompt, which vLLM can allocate only after the plugin relieves 3 of s0's
+    retained blocks. The worker reports it, and the simulator's planner state follows as
+    the live router's does: s0 is protected by 4 blocks, and the planner's ledger counts
+    what the plugin holds."""
+    path = tmp_path / "pressure.jsonl"
+    rows = [{"timestamp": 0, "session_id": "s0", "input_length": 198, "output_length": 40,
+             "hash_ids": [1, 2, 3, 4, 5, 6, 7]},
+            {"timestamp": 5000, "session_id": "s1", "input_length": 32 * 15 + 5,
+             "output_length": 2, "hash_ids": list(range(100, 116))}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sim = Simulation(load_trace(path, block_size=32),
+                     SimConfig(workers=1, gpu_blocks=20, block_size=32,
+                               plugin={"retain_budget_fraction": 0.9}), "kvhint")
+    result = sim.run()
+    assert result.to_json()["released_blocks"] == {"kv.retain|pressure": 3}
+    protection = sim.sessions["default/s0"].protection
+    assert protection is not None and protection.blocks == 4
+    plugin = sim.workers["w0"].core.executor
+    assert sim.ledger.worker("w0").retained_blocks == plugin.retained_blocks == 18

@@ -140,6 +140,24 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
     assert ledger.worker("w1") == Holdings()
 
 
+def test_ledger_shrinks_a_holding_by_what_the_worker_let_go_unasked() -> None:
+    ledger = HoldingsLedger()
+    ledger.record(action_id="r1", worker_id="w0", tenant="t", scope="t/s",
+                  action_type="kv.retain", blocks=6, expires_at=100.0)
+    ledger.record(action_id="p1", worker_id="w0", tenant="t", scope="t/x", action_type="kv.pin",
+                  blocks=4, expires_at=100.0)
+    ledger.released("r1", 2)  # displaced: 2 of 6 left
+    assert ledger.worker("w0") == Holdings(4, 2) and ledger.tenant("t") == Holdings(4, 2)
+    ledger.released("r1", 5)  # never grows back
+    assert ledger.worker("w0") == Holdings(4, 2)
+    ledger.released("p1", 0)  # reset: the pin is over
+    assert ledger.worker("w0") == Holdings(0, 2) and len(ledger) == 1
+    ledger.released("unknown", 0)  # an action this router never recorded: nothing
+    ledger.released("r1", 0)
+    assert ledger.worker("w0") == Holdings() and ledger.tenant("t") == Holdings()
+    assert len(ledger) == 0
+
+
 def test_tempo_kinds_learn_their_own_returns_and_fall_back_to_the_pooled_user_figures() -> None:
     stats = LearnedStats(decay=1.0)
     fast, slow = user_gap_kind(10.0), user_gap_kind(1000.0)

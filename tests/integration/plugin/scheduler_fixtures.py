@@ -1,0 +1,64 @@
+"""Helpers for the plugin tests on vLLM's real Scheduler and block pool (no model): a
+headless scheduler with the connector loaded by module path, exactly as a server loads it,
+and turns and hints applied through the connector's PluginCore."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from kvhint.engine_plugin.headless import (
+    HeadlessScheduler,
+    HeadlessSchedulerSpec,
+    build_scheduler,
+    tokens_for_block_ids,
+)
+from kvhint.schemas import HintOutcome, KvHintsEnvelope, encode_hints, make_action
+
+BS = 32
+_ids = itertools.count(1)
+
+
+def sched(num_blocks: int = 64, **extra: Any) -> HeadlessScheduler:
+    config = {"worker_id": "w0", **extra}
+    return build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=num_blocks, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config=config))
+
+
+def prompt(block_ids: list[int], tail: int = 5) -> list[int]:
+    return tokens_for_block_ids(block_ids, BS) + [3] * tail
+
+
+def turn(h: HeadlessScheduler, session: str | None, block_ids: list[int],
+         max_tokens: int = 1) -> Any:
+    return h.run(h.make_request(prompt(block_ids), session_id=session, max_tokens=max_tokens))
+
+
+def turn_hit(h: HeadlessScheduler, session: str | None, block_ids: list[int]) -> int:
+    """Run a turn; return the prefix-cache tokens vLLM reused for it at admission."""
+    request = h.add(h.make_request(prompt(block_ids), session_id=session))
+    hits: list[int] = []
+    h.step(lambda _: hits.append(request.prefill_stats.num_local_cached_tokens))
+    h.run_until_done()
+    return hits[0]
+
+
+def hint(h: HeadlessScheduler, payload: Any, action_id: str | None = None) -> HintOutcome:
+    action_id = action_id or f"a{next(_ids)}"
+    envelope = KvHintsEnvelope(protocol_version="1", message_id=f"m-{action_id}",
+                               actions=[make_action(action_id, payload)])
+    (outcome,) = h.connector.core.apply_hints(encode_hints(envelope))
+    return outcome
+
+
+def cached_tokens(h: HeadlessScheduler, block_ids: list[int]) -> int:
+    """What a new request with this prefix would hit (side-effect free lookup)."""
+    _, hit, _ = h.kv_cache_manager.get_computed_blocks(h.make_request(prompt(block_ids)))
+    return hit
+
+
+def flood(h: HeadlessScheduler, requests: int, first_id: int = 10_000) -> None:
+    for i in range(requests):
+        base = first_id + 10 * i
+        turn(h, f"filler-{i}", [base, base + 1, base + 2, base + 3])

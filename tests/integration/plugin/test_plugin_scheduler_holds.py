@@ -1,0 +1,141 @@
+"""Retained holds against vLLM's real Scheduler and block pool (no model): the retain
+budget displaces lower priorities, memory pressure relieves them (passing over blocks a
+running request uses), re-prioritising stays bounded, and every block a hold loses
+without the router asking is reported to it with what the hold still has.
+"""
+
+from __future__ import annotations
+
+from scheduler_fixtures import BS, hint, prompt, sched, turn
+
+from kvhint.engine_plugin.headless import HeadlessScheduler
+from kvhint.schemas import PinPayload, RetainPayload, Target
+
+
+def test_retain_budget_displaces_lower_priority() -> None:
+    h = sched(retain_budget_fraction=0.1)  # 6 blocks
+    turn(h, "lo", [1, 2, 3, 4])
+    turn(h, "hi", [5, 6, 7, 8])
+    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
+    outcome = hint(h, RetainPayload(target=Target(session_id="hi"), priority=90))
+    assert outcome.status.value == "accepted" and outcome.applied.blocks == 4
+    executor = h.connector.core.executor
+    assert executor.retained_blocks == 6 and executor.holds.counters.displaced == 2
+    low = hint(h, RetainPayload(target=Target(block_hashes=[1 << 40]), priority=5))
+    assert low.status.value == "missing"
+
+
+def _held_blocks(h: HeadlessScheduler, session: str) -> int:
+    core = h.connector.core
+    retained = set(core.executor.holds.keys()["retained"])
+    return len(retained.intersection(core.index.session_blocks(session)))
+
+
+def test_a_raised_retain_priority_is_what_displacement_and_pressure_see() -> None:
+    # "back" is retained at 10, then (its next turn done) re-retained at 90: the new claim
+    # supersedes the old one, and the old claim's place in the displacement order must go
+    # with it. "mid" (50) is then the lowest priority held, so it goes first, both when a
+    # higher retain needs budget and when the engine needs memory.
+    h = sched(retain_budget_fraction=0.15)  # 9 blocks
+    turn(h, "back", [1, 2, 3, 4])
+    turn(h, "mid", [5, 6, 7, 8])
+    turn(h, "top", [21, 22, 23])
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=10))
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=90))
+    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
+    executor = h.connector.core.executor
+    assert executor.retained_blocks == 8
+    outcome = hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
+    assert outcome.status.value == "accepted" and executor.holds.counters.displaced == 2
+    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [4, 2, 3]
+    # Memory pressure: a prompt needing every free block and 3 more relieves the 2 blocks
+    # "mid" still holds before any block of "back" (whose leaf then goes first).
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
+    assert executor.holds.counters.released_under_pressure == 3
+    assert [_held_blocks(h, s) for s in ("back", "mid", "top")] == [3, 0, 3]
+
+
+def test_pressure_passes_over_retained_blocks_a_running_request_uses() -> None:
+    # "lo" holds the lowest retain priority, but its next turn is running and reads its
+    # blocks: dropping those holds would free nothing and leave the session unprotected
+    # once the turn ends. Relief drops "mid" instead (leaf first) and keeps "lo".
+    h = sched(retain_budget_fraction=0.5)
+    turn(h, "lo", [1, 2, 3, 4])
+    turn(h, "mid", [5, 6, 7, 8])
+    hint(h, RetainPayload(target=Target(session_id="lo"), priority=10))
+    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50))
+    executor = h.connector.core.executor
+    runner = h.add(h.make_request(prompt([1, 2, 3, 4, 9]), session_id="lo", max_tokens=40))
+    h.step()
+    assert not runner.is_finished()
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
+    assert executor.holds.counters.released_under_pressure == 3
+    assert executor.holds.counters.kept_in_use_under_pressure == 4
+    assert [_held_blocks(h, s) for s in ("lo", "mid")] == [4, 1]
+    assert runner.num_preemptions == 0
+
+
+def test_re_prioritising_forever_keeps_the_holds_bounded_and_ordered() -> None:
+    # A router re-sends a session's retain at every idle review; each re-send leaves stale
+    # heap entries behind. They must not pile up (a worker runs for weeks), and the order
+    # must survive the rebuilds that clear them.
+    h = sched(retain_budget_fraction=0.15)  # 9 blocks
+    turn(h, "idle", [1, 2, 3, 4])
+    turn(h, "other", [5, 6, 7, 8])
+    executor = h.connector.core.executor
+    for i in range(1500):
+        hint(h, RetainPayload(target=Target(session_id="idle"), priority=20 + i % 70))
+        hint(h, RetainPayload(target=Target(session_id="other"), priority=90 - i % 70))
+    assert executor.holds.heap_entries <= 2 * (8 + 2) + 2 * 1024 + 2  # not ~15,000
+    hint(h, RetainPayload(target=Target(session_id="idle"), priority=60))
+    hint(h, RetainPayload(target=Target(session_id="other"), priority=30))
+    turn(h, "top", [21, 22, 23])
+    hint(h, RetainPayload(target=Target(session_id="top"), priority=95))
+    assert [_held_blocks(h, s) for s in ("idle", "other", "top")] == [4, 2, 3]
+
+
+def _releases(h: HeadlessScheduler) -> dict[tuple[str, str], tuple[str | None, int, int]]:
+    """(action id, reason) -> (session, blocks released, blocks still held) reported since
+    the last call (a plugin connected to NATS queues them at each step, else they wait)."""
+    core = h.connector.core
+    messages = list(core.mailbox.releases) if core.mailbox is not None else []
+    if core.mailbox is not None:
+        core.mailbox.releases.clear()
+    if (taken := core.take_releases()) is not None:
+        messages.append(taken)
+    out = {}
+    for message in messages:
+        assert message.worker_id == "w0"
+        for r in message.releases:
+            assert r.released.tokens == r.released.blocks * BS
+            assert r.action_type == ("kv.pin" if r.action_id.startswith("pin") else "kv.retain")
+            out[(r.action_id, r.reason.value)] = (r.session_id, r.released.blocks,
+                                                  r.held.blocks)
+    return out
+
+
+def test_blocks_a_hold_loses_unasked_are_reported_once_with_what_is_left() -> None:
+    # The router keeps what each session's Pin/Retain holds, and each worker's and
+    # tenant's budget, from outcomes; a hold that later loses blocks without the router
+    # asking must be reported, or the router believes them protected and counted.
+    h = sched(retain_budget_fraction=0.15, pin_budget_fraction=0.1)  # 9 retained, 6 pinned
+    turn(h, "back", [1, 2, 3, 4])
+    turn(h, "mid", [5, 6, 7, 8])
+    turn(h, "top", [21, 22, 23])
+    turn(h, "pinned", [31, 32])
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=10), "back-1")
+    hint(h, RetainPayload(target=Target(session_id="back"), priority=90), "back-2")
+    hint(h, RetainPayload(target=Target(session_id="mid"), priority=50), "mid-1")
+    hint(h, PinPayload(target=Target(session_id="pinned"), ttl_s=60), "pin-1")
+    assert _releases(h) == {}  # a superseded claim is the router's own doing
+    hint(h, RetainPayload(target=Target(session_id="top"), priority=95), "top-1")
+    assert _releases(h) == {("mid-1", "displaced"): ("mid", 2, 2)}
+    assert _releases(h) == {}
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
+    assert _releases(h) == {("mid-1", "pressure"): ("mid", 2, 0),
+                            ("back-2", "pressure"): ("back", 1, 3)}
+    # Idle, the plugin gives every hold back for a prefix-cache reset; pins included.
+    assert h.scheduler.reset_prefix_cache() is True
+    assert _releases(h) == {("back-2", "reset"): ("back", 3, 0),
+                            ("top-1", "reset"): ("top", 3, 0),
+                            ("pin-1", "reset"): ("pinned", 2, 0)}
