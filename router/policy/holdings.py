@@ -22,6 +22,17 @@ class Holdings:
     retained_blocks: int = 0
 
 
+def held_blocks(outcome: HintOutcome) -> int | None:
+    """The blocks a Pin/Retain holds on its worker after this answer: ``applied`` when
+    accepted or clipped, none when rejected or missing; None for a ``deferred`` (not an
+    answer yet)."""
+    if not outcome.status.is_terminal:
+        return None
+    if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
+        return outcome.applied.blocks
+    return 0
+
+
 def room_left(held: int, limit: int | None) -> int:
     """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
     if limit is None:
@@ -86,14 +97,15 @@ class HoldingsLedger:
             self._drop(self._by_id[old])
 
     def settle(self, outcome: HintOutcome) -> None:
-        """Correct a holding by the worker's answer: ``applied`` blocks, or nothing."""
+        """Correct a holding by the worker's answer (:func:`held_blocks`)."""
         held = self._by_id.get(outcome.action_id)
-        if held is None or not outcome.status.is_terminal:
+        blocks = held_blocks(outcome)
+        if held is None or blocks is None:
             return
-        if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
-            self._set_blocks(held, outcome.applied.blocks)
-            return
-        self._drop(held)
+        if blocks > 0:
+            self._set_blocks(held, blocks)
+        else:
+            self._drop(held)
 
     def released(self, action_id: str, still_held: int) -> None:
         """The worker let blocks of ``action_id`` go unasked (displaced, relieved, reset);

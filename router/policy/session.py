@@ -10,7 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, replace
 
-from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
+from kvhint.router.policy.holdings import held_blocks
+from kvhint.schemas.outcomes import HintOutcome
 
 
 class FinishReason(str, enum.Enum):
@@ -86,11 +87,8 @@ class SessionPlanState:
         (:meth:`holding`): the blocks the worker applied; one that applied none (clipped
         to nothing by the worker's budget, blocks already gone, rejected) leaves no
         protection. A non-terminal answer changes nothing."""
-        if not outcome.status.is_terminal:
-            return self
-        applied = (outcome.applied.blocks
-                   if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED) else 0)
-        return self.holding(outcome.action_id, applied)
+        blocks = held_blocks(outcome)
+        return self if blocks is None else self.holding(outcome.action_id, blocks)
 
     def holding(self, action_id: str, blocks: int) -> SessionPlanState:
         """This state with its protection, if it is the action ``action_id``, covering
