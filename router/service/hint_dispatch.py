@@ -271,9 +271,14 @@ class HintDispatcher:
 
     def on_release(self, release: HoldRelease) -> None:
         """A worker let blocks of an accepted Pin/Retain go unasked: its holding shrinks
-        (for a still pending action, its coming outcome is capped; :meth:`effective`)."""
+        (for a still pending action, its coming outcome is capped; :meth:`effective`), and
+        its stored row says why and what is left."""
         self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
             release.released.blocks)
+        if self._writer is not None:  # the action's row (a no-op for one never stored)
+            self._writer.update("hint_actions", (release.action_id,), {
+                "action_id": release.action_id, "release_reason": release.reason.value,
+                "released_at": self._clock(), "held_after_release_blocks": release.held.blocks})
         if release.action_id in self.pending:
             held = release.held.blocks
             self._released_early[release.action_id] = min(

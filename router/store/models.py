@@ -102,6 +102,12 @@ class HintActionRow(Base):
     applied_tokens: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    # Set when the worker later reports letting blocks of this accepted Pin/Retain go
+    # unasked (schemas.releases): the latest report's reason (displaced | pressure |
+    # reset), when it came, and the blocks the action still held then (0: none).
+    release_reason: Mapped[str | None] = mapped_column(String(16))
+    released_at: Mapped[float | None] = mapped_column(Float)
+    held_after_release_blocks: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         Index("ix_hint_actions_status", "status"),

@@ -287,6 +287,10 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             protection, on_worker = await views()
             assert protection is None and on_worker == {"pinned_blocks": 0,
                                                         "retained_blocks": 0}
+            (row,) = [h for h in (await client.get(f"{router.url}/admin/hints", params={
+                "session_id": "agent"})).json()["hints"] if h["action_id"] == action_id]
+            assert (row["status"], row["applied_blocks"], row["release_reason"],
+                    row["held_after_release_blocks"]) == ("accepted", 4, "pressure", 0)
             # An API pin whose release comes before its outcome: the outcome is capped.
             response = asyncio.ensure_future(client.post(
                 f"{router.url}/v1/sessions/agent/hints",

@@ -11,7 +11,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
 from kvhint.router.store.database import create_store_engine, migrate
-from kvhint.router.store.models import Base
+from kvhint.router.store.models import Base, HintActionRow
 from kvhint.router.store.reader import count_hints_by_status, load_recovery, query_hints
 from kvhint.router.store.writer import StoreWriter
 
@@ -27,6 +27,24 @@ def test_migrations_build_exactly_the_models(database_url: str) -> None:
         with engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
+    finally:
+        engine.dispose()
+
+
+def test_a_store_made_before_hold_releases_keeps_its_rows(database_url: str) -> None:
+    """A router upgraded in place: its store at revision 0001 gains the release columns
+    (0002), every row kept, the new columns empty until a worker reports a release."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine, "0001")
+        with engine.begin() as conn:
+            conn.execute(HintActionRow.__table__.insert().values(
+                _action("old", "accepted", 1.0)))
+        migrate(engine)
+        (row,) = query_hints(engine)
+        assert row["action_id"] == "old" and row["status"] == "accepted"
+        assert (row["release_reason"], row["released_at"], row["held_after_release_blocks"]) \
+            == (None, None, None)
     finally:
         engine.dispose()
 

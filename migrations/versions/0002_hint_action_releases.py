@@ -1,0 +1,34 @@
+"""hint actions: what a worker later let go of an accepted Pin/Retain unasked
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-12-02 07:30:00
+
+"""
+from typing import Sequence, Union
+
+from alembic import op
+import sqlalchemy as sa
+
+
+# revision identifiers, used by Alembic.
+revision: str = '0002'
+down_revision: Union[str, Sequence[str], None] = '0001'
+branch_labels: Union[str, Sequence[str], None] = None
+depends_on: Union[str, Sequence[str], None] = None
+
+
+def upgrade() -> None:
+    """Upgrade schema."""
+    with op.batch_alter_table('hint_actions', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('release_reason', sa.String(length=16), nullable=True))
+        batch_op.add_column(sa.Column('released_at', sa.Float(), nullable=True))
+        batch_op.add_column(sa.Column('held_after_release_blocks', sa.Integer(), nullable=True))
+
+
+def downgrade() -> None:
+    """Downgrade schema."""
+    with op.batch_alter_table('hint_actions', schema=None) as batch_op:
+        batch_op.drop_column('held_after_release_blocks')
+        batch_op.drop_column('released_at')
+        batch_op.drop_column('release_reason')
