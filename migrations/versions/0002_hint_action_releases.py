@@ -1,4 +1,5 @@
-"""hint actions: what a worker later let go of an accepted Pin/Retain unasked
+"""hint actions: what a Pin/Retain protects and until when, and what a worker later let go
+of it unasked
 
 Revision ID: 0002
 Revises: 0001
@@ -21,6 +22,8 @@ depends_on: Union[str, Sequence[str], None] = None
 def upgrade() -> None:
     """Upgrade schema."""
     with op.batch_alter_table('hint_actions', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('scope', sa.String(length=400), nullable=True))
+        batch_op.add_column(sa.Column('expires_at', sa.Float(), nullable=True))
         batch_op.add_column(sa.Column('release_reason', sa.String(length=16), nullable=True))
         batch_op.add_column(sa.Column('released_at', sa.Float(), nullable=True))
         batch_op.add_column(sa.Column('held_after_release_blocks', sa.Integer(), nullable=True))
@@ -32,3 +35,5 @@ def downgrade() -> None:
         batch_op.drop_column('held_after_release_blocks')
         batch_op.drop_column('released_at')
         batch_op.drop_column('release_reason')
+        batch_op.drop_column('expires_at')
+        batch_op.drop_column('scope')

@@ -80,6 +80,9 @@ class SentAction:
     requested_tokens: int = 0
     applied_blocks: int = 0
     applied_tokens: int = 0
+    # What a Pin/Retain protects and when its TTL ends (None: older rows, other types).
+    scope: str | None = None
+    expires_at: float | None = None
     waiter: asyncio.Future[SentAction] | None = None
 
     @property
@@ -97,6 +100,7 @@ class SentAction:
             "requested_tokens": self.requested_tokens,
             "applied_blocks": self.applied_blocks, "applied_tokens": self.applied_tokens,
             "created_at": self.created_at, "updated_at": self.updated_at,
+            "scope": self.scope, "expires_at": self.expires_at,
         }
 
     @classmethod
@@ -105,7 +109,7 @@ class SentAction:
             "action_id", "message_id", "worker_id", "tenant", "session_id", "action_type",
             "source", "trigger", "payload", "status", "created_at", "updated_at", "reason",
             "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
-        return cls(**fields)
+        return cls(**fields, scope=row.get("scope"), expires_at=row.get("expires_at"))
 
 
 class HintDispatcher:
@@ -206,7 +210,8 @@ class HintDispatcher:
                     source=source, trigger=action.reason, payload=action.action.payload,
                     status=PENDING if ok else FAILED, created_at=now, updated_at=now,
                     reason="" if ok else "NATS not connected",
-                    requested_blocks=action.blocks,
+                    requested_blocks=action.blocks, scope=action.scope,
+                    expires_at=action.expires_at,
                 )
                 if ok:
                     self.holdings.record(action_id=record.action_id, worker_id=worker_id,
@@ -364,7 +369,12 @@ class HintDispatcher:
                 "tenant": "*", "kind": f"feedback:{worker_id}", "data": feedback.to_dict(),
                 "updated_at": now})
 
-    def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]]) -> None:
+    def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]],
+                held: Sequence[dict[str, Any]] = ()) -> None:
+        """State from the store after a restart: learned statistics and feedback, actions
+        still waiting for an outcome, and the Pins/Retains workers still hold (``held``:
+        answered, TTL not over, oldest first), so budgets count them again. A pending
+        Pin/Retain is held at what it asked for until its outcome settles it."""
         for row in learned:
             try:
                 if row["kind"] == "tool_gaps":
@@ -375,6 +385,18 @@ class HintDispatcher:
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring stored %s: %s", row.get("kind"), exc)
                 self._metrics.drop("learned_stats_unreadable")
+        for row in held:
+            record = SentAction.from_row(row)
+            blocks = row.get("held_after_release_blocks")
+            self._hold(record, record.applied_blocks if blocks is None else blocks)
         for row in pending:
             record = SentAction.from_row(row)
             self.pending[record.action_id] = record
+            self._hold(record, record.requested_blocks)
+
+    def _hold(self, record: SentAction, blocks: int) -> None:
+        if blocks > 0 and record.scope is not None and record.expires_at is not None:
+            self.holdings.record(action_id=record.action_id, worker_id=record.worker_id,
+                                 tenant=record.tenant, scope=record.scope,
+                                 action_type=record.action_type, blocks=blocks,
+                                 expires_at=record.expires_at)

@@ -85,9 +85,10 @@ class RouterRuntime:
         engine = create_store_engine(settings.database_url)
         if settings.migrate_on_start:
             await asyncio.to_thread(migrate, engine)
+        now = time.time()
         recovery = await asyncio.to_thread(
-            load_recovery, engine, time.time() - settings.routing.session_forget_s,
-            MAX_SESSIONS_IN_MEMORY)
+            load_recovery, engine, now - settings.routing.session_forget_s,
+            MAX_SESSIONS_IN_MEMORY, now)
         writer = StoreWriter(engine, settings.store_flush_interval_s, settings.store_queue_max,
                              on_drop=metrics.drop)
 
@@ -108,7 +109,7 @@ class RouterRuntime:
         hints = HintDispatcher(link, subjects, workers, writer, metrics, PlannerConfig(),
                                seed=settings.routing.seed,
                                budget_of=directory.budget)
-        hints.restore(recovery.learned, recovery.pending_actions)
+        hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
         sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
         restored = sessions.restore(recovery.sessions)
         lifecycle = SessionLifecycle(sessions, hints, metrics, settings.hints.enabled,

@@ -102,6 +102,10 @@ class HintActionRow(Base):
     applied_tokens: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+    # What the action protects (a session's worker-side id, or a shared prefix's key) and
+    # when its TTL ends: a restarted router rebuilds its holdings from the live ones.
+    scope: Mapped[str | None] = mapped_column(String(400))
+    expires_at: Mapped[float | None] = mapped_column(Float)
     # Set when the worker later reports letting blocks of this accepted Pin/Retain go
     # unasked (schemas.releases): the latest report's reason (displaced | pressure |
     # reset), when it came, and the blocks the action still held then (0: none).

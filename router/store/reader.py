@@ -19,12 +19,16 @@ from kvhint.router.store.models import (
 )
 
 NON_TERMINAL = ("pending", "deferred")
+HOLDING_STATUSES = ("accepted", "clipped")
+HOLDING_TYPES = ("kv.pin", "kv.retain")
 
 
 @dataclass(frozen=True)
 class RecoveryState:
     sessions: list[dict[str, Any]] = field(default_factory=list)
     pending_actions: list[dict[str, Any]] = field(default_factory=list)
+    # Answered Pins/Retains whose TTL is not over, oldest first.
+    held_actions: list[dict[str, Any]] = field(default_factory=list)
     learned: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
@@ -35,19 +39,26 @@ def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
         return [dict(row._mapping) for row in conn.execute(statement)]
 
 
-def load_recovery(engine: Engine, active_since: float, max_sessions: int) -> RecoveryState:
+def load_recovery(engine: Engine, active_since: float, max_sessions: int,
+                  now: float | None = None) -> RecoveryState:
     """Sessions active since ``active_since`` (newest first, at most ``max_sessions``),
-    actions still waiting for an outcome, learned statistics, workers and cursors."""
+    actions still waiting for an outcome, the Pins/Retains still held at ``now`` (None:
+    not loaded), learned statistics, workers and cursors."""
     sessions = _rows(engine, select(*SessionRow.__table__.columns)
                      .where(SessionRow.last_activity >= active_since)
                      .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
     pending = _rows(engine, select(*HintActionRow.__table__.columns)
                     .where(HintActionRow.status.in_(NON_TERMINAL)))
+    held = [] if now is None else _rows(
+        engine, select(*HintActionRow.__table__.columns)
+        .where(HintActionRow.status.in_(HOLDING_STATUSES),
+               HintActionRow.action_type.in_(HOLDING_TYPES), HintActionRow.expires_at > now)
+        .order_by(HintActionRow.created_at))
     learned = _rows(engine, select(*LearnedStatsRow.__table__.columns))
     workers = _rows(engine, select(*WorkerRow.__table__.columns))
     cursors = {row["name"]: row["value"]
                for row in _rows(engine, select(*CursorRow.__table__.columns))}
-    return RecoveryState(sessions, pending, learned, workers, cursors)
+    return RecoveryState(sessions, pending, held, learned, workers, cursors)
 
 
 def query_hints(engine: Engine, status: str | None = None, tenant: str | None = None,

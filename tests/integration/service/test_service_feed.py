@@ -18,6 +18,7 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
+from kvhint.router.policy import Holdings
 from kvhint.schemas import (
     Amount,
     BlockStored,
@@ -73,6 +74,12 @@ async def until(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.05)
+
+
+async def chat(client: httpx.AsyncClient, url: str, session: str, content: str) -> None:
+    await client.post(f"{url}/v1/chat/completions", json={
+        "model": "stub", "messages": [{"role": "user", "content": content}],
+        "session_id": session})
 
 
 async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001
@@ -178,9 +185,7 @@ async def test_hints_api_forwards_and_returns_the_outcome(
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
             await plugin_registered(runtime, nc, subjects)
-            await client.post(f"{router.url}/v1/chat/completions", json={
-                "model": "stub", "messages": [{"role": "user", "content": "x" * 400}],
-                "session_id": "agent"})
+            await chat(client, router.url, "agent", "x" * 400)
             url = f"{router.url}/v1/sessions/agent/hints"
             bad = await client.post(url, json={"actions": [
                 {"action_type": "kv.pin", "payload": {"ttl_s": 10}},
@@ -257,9 +262,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
             await plugin_registered(runtime, nc, subjects)
-            await client.post(f"{router.url}/v1/chat/completions", json={
-                "model": "stub", "messages": [{"role": "user", "content": "x" * 400}],
-                "session_id": "agent"})
+            await chat(client, router.url, "agent", "x" * 400)
             await until(lambda: len(held) >= 1)
             message_id, action_id, action_type, session = held.pop()
             assert action_type == "kv.retain" and session is not None
@@ -317,6 +320,53 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
         await nc.drain()
 
 
+async def test_a_restarted_router_counts_what_the_workers_still_hold(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """The workers keep their Pins and Retains while the router restarts: the new router
+    rebuilds its holdings from the store (answered, TTL not over, less what workers
+    released), so the worker's and the tenant's budgets are not believed empty."""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    nc = await nats.connect(nats_url)
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - accepts every action: 4 blocks
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+                message_id=decoded.message_id, action_id=action.action_id,
+                action_type=action.action_type.value, worker_id="w0",
+                status=OutcomeStatus.ACCEPTED, requested=Amount(4, 128),
+                applied=Amount(4, 128), at=time.time())))
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            await chat(client, router.url, "agent", "x" * 400)
+            await chat(client, router.url, "pinned", "y" * 400)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 8)
+            # The API's pin of "pinned" supersedes that session's retain (as the plugin does).
+            pin = (await client.post(f"{router.url}/v1/sessions/pinned/hints", json={
+                "actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]})).json()
+            pin_id = pin["actions"][0]["action_id"]
+            assert runtime.hints.holdings.worker("w0") == Holdings(4, 4)
+            await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
+                worker_id="w0", at=time.time(), releases=[HoldRelease(
+                    action_id=pin_id, action_type="kv.pin", session_id=None,
+                    reason=ReleaseReason.RESET, released=Amount(3, 96), held=Amount(1, 32))])))
+            await until(lambda: runtime.hints.holdings.worker("w0").pinned_blocks == 1)
+        async with running_router(settings) as router:
+            holdings = router.runtime.hints.holdings
+            assert holdings.worker("w0") == Holdings(1, 4)
+            assert holdings.tenant("default") == Holdings(1, 4)
+    finally:
+        await nc.drain()
+
+
 async def test_pending_hint_outcome_published_during_a_restart_lands(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
@@ -342,18 +392,14 @@ async def test_pending_hint_outcome_published_during_a_restart_lands(
             runtime = router.runtime
             await plugin_registered(runtime, nc, subjects)
             # A first outcome, so the store holds a stream cursor to resume from.
-            await client.post(f"{router.url}/v1/chat/completions", json={
-                "model": "stub", "messages": [{"role": "user", "content": "y" * 300}],
-                "session_id": "warm"})
+            await chat(client, router.url, "warm", "y" * 300)
             await until(lambda: len(held) >= 1)
             message_id, action_id, action_type = held.pop()
             await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
                 message_id=message_id, action_id=action_id, action_type=action_type,
                 worker_id="w0", status=OutcomeStatus.ACCEPTED, at=time.time())))
             await until(lambda: action_id not in runtime.hints.pending)
-            await client.post(f"{router.url}/v1/chat/completions", json={
-                "model": "stub", "messages": [{"role": "user", "content": "x" * 300}],
-                "session_id": "agent"})
+            await chat(client, router.url, "agent", "x" * 300)
             response = await client.post(f"{router.url}/v1/sessions/agent/hints", json={
                 "actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 30}}]})
             assert response.status_code == 202  # no outcome within 0.2 s

@@ -102,6 +102,32 @@ def test_batched_writes_collapse_and_recover(database_url: str) -> None:
         engine.dispose()
 
 
+def test_recovery_loads_the_holds_still_live_oldest_first(database_url: str) -> None:
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        rows = [  # (id, status, type, expires_at, created_at)
+            ("live-retain", "accepted", "kv.retain", 200.0, 2.0),
+            ("live-pin", "clipped", "kv.pin", 150.0, 1.0),
+            ("over", "accepted", "kv.retain", 90.0, 3.0),  # TTL over at 100
+            ("refused", "rejected", "kv.pin", 200.0, 4.0),
+            ("demote", "accepted", "kv.demote", 200.0, 5.0),
+            ("waiting", "pending", "kv.retain", 200.0, 6.0),
+            ("old-row", "accepted", "kv.retain", None, 7.0),  # from before expires_at
+        ]
+        with engine.begin() as conn:
+            for action_id, status, type_, expires_at, at in rows:
+                conn.execute(HintActionRow.__table__.insert().values(
+                    _action(action_id, status, at) | {"action_type": type_,
+                                                      "expires_at": expires_at}))
+        state = load_recovery(engine, active_since=0.0, max_sessions=10, now=100.0)
+        assert [a["action_id"] for a in state.held_actions] == ["live-pin", "live-retain"]
+        assert [a["action_id"] for a in state.pending_actions] == ["waiting"]
+        assert load_recovery(engine, active_since=0.0, max_sessions=10).held_actions == []
+    finally:
+        engine.dispose()
+
+
 def test_failed_flush_keeps_the_batch(tmp_path) -> None:
     engine = create_store_engine(f"sqlite:///{tmp_path / 'not-migrated.db'}")
 
