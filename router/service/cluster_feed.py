@@ -9,9 +9,9 @@
   was down still land; each goes to the hint dispatcher, then (with the action it
   answers) to ``on_hint_outcome`` (the session lifecycle: what the session holds);
 - ``<prefix>.v1.releases.*``: blocks workers let go of accepted Pins/Retains unasked, to
-  the hint dispatcher (holdings) and ``on_hold_released`` (the session's protection).
-  A plain subscription: releases published while the router is down are not replayed
-  (the holdings they would have shrunk end at their TTL);
+  the hint dispatcher (holdings) and ``on_hold_released`` (the session's protection);
+  like outcomes, a JetStream ordered consumer from the store's cursor, so the holdings a
+  restarted router rebuilds from the store shrink by what was released while it was down;
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
   ingestor asks (gap, epoch change, joined mid-stream, missed tail).
 
@@ -40,7 +40,11 @@ from kvhint.router.kv_index import (
 )
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.nats_link import NatsLink, outcomes_stream_name
+from kvhint.router.service.nats_link import (
+    NatsLink,
+    outcomes_stream_name,
+    releases_stream_name,
+)
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
@@ -59,12 +63,39 @@ from kvhint.schemas import (
 log = logging.getLogger(__name__)
 
 OUTCOMES_CURSOR = "outcomes_stream_seq"
+RELEASES_CURSOR = "releases_stream_seq"
+
+
+class _StreamCursor:
+    """Where a replayed stream's consumer stands, kept in the store's ``cursors`` table:
+    a fresh store starts at new messages; a restart resumes after the last one handled;
+    a link set up again after a failure resumes, it does not replay."""
+
+    def __init__(self, name: str, start_seq: int | None, writer: StoreWriter | None,
+                 wall: Callable[[], float]) -> None:
+        self.name = name
+        self._next = start_seq
+        self.seq = (start_seq or 1) - 1
+        self._writer = writer
+        self._wall = wall
+
+    def start_seq(self) -> int | None:
+        return self.seq + 1 if self.seq > 0 else self._next
+
+    def handled(self, msg: Msg) -> None:
+        if msg.metadata is None:
+            return
+        self.seq = msg.metadata.sequence.stream
+        if self._writer is not None:
+            self._writer.upsert("cursors", (self.name,), {
+                "name": self.name, "value": self.seq, "updated_at": self._wall()})
 
 
 class ClusterFeed:
     def __init__(self, link: NatsLink, ingestor: KvEventIngestor, workers: WorkerRegistry,
                  hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
-                 outcomes_start_seq: int | None, snapshot_timeout_s: float,
+                 outcomes_start_seq: int | None, releases_start_seq: int | None,
+                 snapshot_timeout_s: float,
                  on_hint_outcome: Callable[[SentAction, HintOutcome], None],
                  on_hold_released: Callable[[HoldRelease], None],
                  wall_clock: Callable[[], float] = time.time) -> None:
@@ -77,28 +108,28 @@ class ClusterFeed:
         self._on_hold_released = on_hold_released
         self._metrics = metrics
         self._writer = writer
-        self._outcomes_next = outcomes_start_seq
         self._snapshot_timeout_s = snapshot_timeout_s
         self._wall = wall_clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self.outcomes_seq = (outcomes_start_seq or 1) - 1
+        self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_start_seq, writer, wall_clock)
+        self.releases = _StreamCursor(RELEASES_CURSOR, releases_start_seq, writer, wall_clock)
         # False when JetStream failed and the feed runs on plain subscriptions.
         self.replay = True
 
     async def on_connected(self) -> None:
         """Streams and subscriptions; NatsLink calls this once per (re)established link."""
         subjects = self._subjects
-        if self.outcomes_seq > 0:  # set up again after a failure: resume, do not replay
-            self._outcomes_next = self.outcomes_seq + 1
         await self._link.subscribe(subjects.all_of("status"), self._on_status)
-        await self._link.subscribe(subjects.all_of("releases"), self._on_releases)
         try:
             await self._link.ensure_streams()
             await self._link.subscribe_stream(subjects.all_of("events"), subjects.events_stream,
                                               self._on_events, start_seq=1)
             await self._link.subscribe_stream(subjects.all_of("outcomes"),
                                               outcomes_stream_name(subjects), self._on_outcome,
-                                              start_seq=self._outcomes_next)
+                                              start_seq=self.outcomes.start_seq())
+            await self._link.subscribe_stream(subjects.all_of("releases"),
+                                              releases_stream_name(subjects), self._on_releases,
+                                              start_seq=self.releases.start_seq())
         except (NatsError, asyncio.TimeoutError) as exc:
             # No JetStream (disabled, out of storage): live messages still flow on plain
             # subscriptions; what a restart misses is resynced from snapshots instead of
@@ -108,6 +139,7 @@ class ClusterFeed:
             self.replay = False
             await self._link.subscribe(subjects.all_of("events"), self._on_events)
             await self._link.subscribe(subjects.all_of("outcomes"), self._on_outcome)
+            await self._link.subscribe(subjects.all_of("releases"), self._on_releases)
 
     # --- messages -----------------------------------------------------------------------
 
@@ -140,12 +172,8 @@ class ClusterFeed:
         self._perform(actions)
 
     async def _on_outcome(self, msg: Msg) -> None:
-        if self.replay and msg.metadata is not None:
-            self.outcomes_seq = msg.metadata.sequence.stream
-            if self._writer is not None:
-                self._writer.upsert("cursors", (OUTCOMES_CURSOR,), {
-                    "name": OUTCOMES_CURSOR, "value": self.outcomes_seq,
-                    "updated_at": self._wall()})
+        if self.replay:
+            self.outcomes.handled(msg)
         try:
             outcome = decode_outcome(msg.data)
         except WireDecodeError as exc:
@@ -158,6 +186,8 @@ class ClusterFeed:
             self._on_hint_outcome(sent, outcome)
 
     async def _on_releases(self, msg: Msg) -> None:
+        if self.replay:
+            self.releases.handled(msg)
         try:
             message = decode_releases(msg.data)
         except WireDecodeError as exc:

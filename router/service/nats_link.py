@@ -29,6 +29,10 @@ def outcomes_stream_name(subjects: Subjects) -> str:
     return subjects.events_stream.removesuffix("_EVENTS") + "_OUTCOMES"
 
 
+def releases_stream_name(subjects: Subjects) -> str:
+    return subjects.events_stream.removesuffix("_EVENTS") + "_RELEASES"
+
+
 @dataclass(frozen=True, slots=True)
 class StreamLimits:
     """Bounds of the streams the router creates (JetStream reserves max_bytes on disk)."""
@@ -37,6 +41,8 @@ class StreamLimits:
     events_max_age_s: float = 3600.0
     outcomes_max_bytes: int = 256 << 20
     outcomes_max_age_s: float = 24 * 3600.0
+    releases_max_bytes: int = 64 << 20
+    releases_max_age_s: float = 24 * 3600.0
 
 
 async def remove_streams(url: str, subjects: Subjects) -> None:
@@ -45,7 +51,8 @@ async def remove_streams(url: str, subjects: Subjects) -> None:
     nc = await nats.connect(servers=[url], connect_timeout=2)
     try:
         js = nc.jetstream()
-        for name in (subjects.events_stream, outcomes_stream_name(subjects)):
+        for name in (subjects.events_stream, outcomes_stream_name(subjects),
+                     releases_stream_name(subjects)):
             try:
                 await js.delete_stream(name)
             except NotFoundError:
@@ -139,14 +146,16 @@ class NatsLink:
         log.info("NATS reconnected")
 
     async def ensure_streams(self) -> None:
-        """Create the events and outcomes streams when missing (never reconfigure one
-        an operator made)."""
+        """Create the events, outcomes and releases streams when missing (never
+        reconfigure one an operator made)."""
         limits = self._limits
         for name, subject, max_age, max_bytes in (
             (self.subjects.events_stream, self.subjects.all_of("events"),
              limits.events_max_age_s, limits.events_max_bytes),
             (outcomes_stream_name(self.subjects), self.subjects.all_of("outcomes"),
              limits.outcomes_max_age_s, limits.outcomes_max_bytes),
+            (releases_stream_name(self.subjects), self.subjects.all_of("releases"),
+             limits.releases_max_age_s, limits.releases_max_bytes),
         ):
             try:
                 await self.js.stream_info(name)

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
 from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, StreamConfig
 from kvhint.router.policy import PlannerConfig, RoutingConfig, RoutingPolicy
-from kvhint.router.service.cluster_feed import OUTCOMES_CURSOR, ClusterFeed
+from kvhint.router.service.cluster_feed import OUTCOMES_CURSOR, RELEASES_CURSOR, ClusterFeed
 from kvhint.router.service.forwarding import Forwarder
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.hint_dispatch import HintDispatcher
@@ -103,7 +103,9 @@ class RouterRuntime:
             limits = StreamLimits(settings.events_stream_max_bytes,
                                   settings.events_stream_max_age_s,
                                   settings.outcomes_stream_max_bytes,
-                                  settings.outcomes_stream_max_age_s)
+                                  settings.outcomes_stream_max_age_s,
+                                  settings.releases_stream_max_bytes,
+                                  settings.releases_stream_max_age_s)
             link = NatsLink(settings.nats_url, subjects, limits=limits,
                             on_error=lambda _m: metrics.drop("nats_error"))
         hints = HintDispatcher(link, subjects, workers, writer, metrics, PlannerConfig(),
@@ -151,9 +153,11 @@ class RouterRuntime:
                 "from_config": worker.from_config})
         writer.start()
         if link is not None:
-            cursor = recovery.cursors.get(OUTCOMES_CURSOR)
+            after = {name: recovery.cursors[name] + 1 if recovery.cursors.get(name) else None
+                     for name in (OUTCOMES_CURSOR, RELEASES_CURSOR)}
             runtime.feed = ClusterFeed(link, ingestor, workers, hints, metrics, writer,
-                                       outcomes_start_seq=cursor + 1 if cursor else None,
+                                       outcomes_start_seq=after[OUTCOMES_CURSOR],
+                                       releases_start_seq=after[RELEASES_CURSOR],
                                        snapshot_timeout_s=5.0,
                                        on_hint_outcome=lifecycle.on_hint_outcome,
                                        on_hold_released=lifecycle.on_hold_released)

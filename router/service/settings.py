@@ -147,6 +147,8 @@ class RouterSettings(BaseSettings):
     events_stream_max_age_s: float = Field(3600.0, gt=0)
     outcomes_stream_max_bytes: int = Field(256 << 20, gt=0)
     outcomes_stream_max_age_s: float = Field(24 * 3600.0, gt=0)
+    releases_stream_max_bytes: int = Field(64 << 20, gt=0)
+    releases_stream_max_age_s: float = Field(24 * 3600.0, gt=0)
     # Missed heartbeats (times the advertised interval) before the plugin counts as gone.
     heartbeat_misses: int = Field(3, ge=1)
 

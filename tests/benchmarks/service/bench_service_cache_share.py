@@ -132,6 +132,7 @@ def run_system(system: str, model: Path, work: Path, workload: AgentWorkload,
             "KVHINT_ROUTER_LOG_LEVEL": "warning",
             "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(64 << 20),
             "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(16 << 20),
+            "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(16 << 20),
         }, work / f"{tag}-router.log", port=free_port())
     else:
         router = VllmRouterProcess(free_port(), [s.url for s in servers], system,

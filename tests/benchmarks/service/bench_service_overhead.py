@@ -184,6 +184,7 @@ def main() -> int:
                 "KVHINT_ROUTER_SUBJECT_PREFIX": prefix,
                 "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(16 << 20),
                 "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(16 << 20),
+                "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(16 << 20),
                 "KVHINT_ROUTER_DATABASE_URL": f"sqlite:///{work / 'router.db'}",
                 "KVHINT_ROUTER_LOG_LEVEL": "warning",
             }, work / "kvhint-router.log", port=free_port())

@@ -68,6 +68,7 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         "KVHINT_ROUTER_STORE_FLUSH_INTERVAL_S": "0.1",
         "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(32 << 20),
         "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(8 << 20),
+        "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(8 << 20),
         # Every prompt is hashed on the router's hashing thread (by default only long
         # ones): the predictions below then prove that path against real workers.
         "KVHINT_ROUTER_ROUTING__HASH_THREAD_MIN_TOKENS": "0",

@@ -180,6 +180,7 @@ def router_settings(tmp_path: Path, workers: list[tuple[str, str]], **extra: Any
         # Small streams: JetStream reserves max_bytes on the shared server's disk.
         "events_stream_max_bytes": 8 << 20,
         "outcomes_stream_max_bytes": 8 << 20,
+        "releases_stream_max_bytes": 8 << 20,
     }
     base.update(extra)
     return RouterSettings(**base)

@@ -325,14 +325,18 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
         stub_workers: list[StubWorker]) -> None:
     """The workers keep their Pins and Retains while the router restarts: the new router
     rebuilds its holdings from the store (answered, TTL not over, less what workers
-    released), so the worker's and the tenant's budgets are not believed empty."""
+    released, also while no router ran), so the worker's and the tenant's budgets are not
+    believed empty."""
     subjects = Subjects(subject_prefix)
     stub = stub_workers[0]
     nc = await nats.connect(nats_url)
+    retains: dict[str, str] = {}  # session (worker-side id) -> its latest retain
 
     async def plugin(msg) -> None:  # noqa: ANN001 - accepts every action: 4 blocks
         decoded = decode_hints(msg.data)
         for action in decoded.actions:
+            if action.action_type.value == "kv.retain":
+                retains[action.payload.target.session_id] = action.action_id
             await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
                 message_id=decoded.message_id, action_id=action.action_id,
                 action_type=action.action_type.value, worker_id="w0",
@@ -359,10 +363,17 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
                     action_id=pin_id, action_type="kv.pin", session_id=None,
                     reason=ReleaseReason.RESET, released=Amount(3, 96), held=Amount(1, 32))])))
             await until(lambda: runtime.hints.holdings.worker("w0").pinned_blocks == 1)
+        # No router now: the worker relieves 3 of "agent"'s 4 retained blocks.
+        (agent,) = [s for s in retains if s.endswith("/agent")]
+        await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
+            worker_id="w0", at=time.time(), releases=[HoldRelease(
+                action_id=retains[agent], action_type="kv.retain", session_id=agent,
+                reason=ReleaseReason.PRESSURE, released=Amount(3, 96), held=Amount(1, 32))])))
         async with running_router(settings) as router:
             holdings = router.runtime.hints.holdings
-            assert holdings.worker("w0") == Holdings(1, 4)
-            assert holdings.tenant("default") == Holdings(1, 4)
+            await until(lambda: holdings.worker("w0").retained_blocks == 1)
+            assert holdings.worker("w0") == Holdings(1, 1)
+            assert holdings.tenant("default") == Holdings(1, 1)
     finally:
         await nc.drain()
 
