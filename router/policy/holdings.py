@@ -81,7 +81,11 @@ class HoldingsLedger:
         expires_at: float,
     ) -> None:
         """Note a sent action. Non-holding types (Demote, Prefetch, Share) release the
-        scope's holding, since the plugin supersedes it the same way."""
+        scope's holding, since the plugin supersedes it the same way. An action id seen
+        before replaces that holding (ids are meant to be unique; this keeps the scope
+        index whole if one is not)."""
+        if (again := self._by_id.get(action_id)) is not None:
+            self._drop(again)
         self.release_scope(worker_id, scope)
         if action_type not in _HOLDING_TYPES:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
@@ -108,9 +109,11 @@ class RouterRuntime:
                                   settings.releases_stream_max_age_s)
             link = NatsLink(settings.nats_url, subjects, limits=limits,
                             on_error=lambda _m: metrics.drop("nats_error"))
+        # Hint action ids come from this seed and must never repeat: not after a restart
+        # (the store and the workers' idempotency memory still hold the old ones: a worker
+        # would answer a new action with an old outcome), not between replicas.
         hints = HintDispatcher(link, subjects, workers, writer, metrics, PlannerConfig(),
-                               seed=settings.routing.seed,
-                               budget_of=directory.budget)
+                               seed=secrets.randbits(64), budget_of=directory.budget)
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
         sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
         restored = sessions.restore(recovery.sessions)

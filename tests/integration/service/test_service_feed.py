@@ -331,10 +331,12 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
     stub = stub_workers[0]
     nc = await nats.connect(nats_url)
     retains: dict[str, str] = {}  # session (worker-side id) -> its latest retain
+    seen: list[str] = []  # every action id, in order
 
     async def plugin(msg) -> None:  # noqa: ANN001 - accepts every action: 4 blocks
         decoded = decode_hints(msg.data)
         for action in decoded.actions:
+            seen.append(action.action_id)
             if action.action_type.value == "kv.retain":
                 retains[action.payload.target.session_id] = action.action_id
             await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
@@ -369,11 +371,19 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
             worker_id="w0", at=time.time(), releases=[HoldRelease(
                 action_id=retains[agent], action_type="kv.retain", session_id=agent,
                 reason=ReleaseReason.PRESSURE, released=Amount(3, 96), held=Amount(1, 32))])))
-        async with running_router(settings) as router:
+        before = len(seen)
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
             holdings = router.runtime.hints.holdings
             await until(lambda: holdings.worker("w0").retained_blocks == 1)
             assert holdings.worker("w0") == Holdings(1, 1)
             assert holdings.tenant("default") == Holdings(1, 1)
+            # New actions get new ids: a repeated one would get the old one's outcome from
+            # the worker's idempotency memory, and its store row.
+            await plugin_registered(router.runtime, nc, subjects)
+            await chat(client, router.url, "later", "z" * 400)
+            await until(lambda: len(seen) > before)
+            assert not set(seen[before:]) & set(seen[:before])
+            await until(lambda: holdings.worker("w0").retained_blocks == 5)
     finally:
         await nc.drain()
 

@@ -158,6 +158,20 @@ def test_ledger_shrinks_a_holding_by_what_the_worker_let_go_unasked() -> None:
     assert len(ledger) == 0
 
 
+def test_ledger_stays_whole_when_an_action_id_comes_again() -> None:
+    # Ids are unique by construction; if one ever repeats (a restored holding and a new
+    # action), the ledger must not keep a scope pointing at a holding it dropped.
+    ledger = HoldingsLedger()
+    ledger.record(action_id="x", worker_id="w0", tenant="t", scope="t/a",
+                  action_type="kv.retain", blocks=4, expires_at=100.0)
+    ledger.record(action_id="x", worker_id="w0", tenant="t", scope="t/b",
+                  action_type="kv.retain", blocks=2, expires_at=100.0)
+    assert ledger.worker("w0") == Holdings(0, 2) and len(ledger) == 1
+    ledger.record(action_id="y", worker_id="w0", tenant="t", scope="t/a",
+                  action_type="kv.pin", blocks=3, expires_at=100.0)
+    assert ledger.worker("w0") == Holdings(3, 2)
+
+
 def test_tempo_kinds_learn_their_own_returns_and_fall_back_to_the_pooled_user_figures() -> None:
     stats = LearnedStats(decay=1.0)
     fast, slow = user_gap_kind(10.0), user_gap_kind(1000.0)
