@@ -27,11 +27,13 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('release_reason', sa.String(length=16), nullable=True))
         batch_op.add_column(sa.Column('released_at', sa.Float(), nullable=True))
         batch_op.add_column(sa.Column('held_after_release_blocks', sa.Integer(), nullable=True))
+        batch_op.create_index('ix_hint_actions_expires', ['expires_at'], unique=False)
 
 
 def downgrade() -> None:
     """Downgrade schema."""
     with op.batch_alter_table('hint_actions', schema=None) as batch_op:
+        batch_op.drop_index('ix_hint_actions_expires')
         batch_op.drop_column('held_after_release_blocks')
         batch_op.drop_column('released_at')
         batch_op.drop_column('release_reason')

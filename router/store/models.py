@@ -117,6 +117,8 @@ class HintActionRow(Base):
         Index("ix_hint_actions_status", "status"),
         Index("ix_hint_actions_session", "tenant", "session_id"),
         Index("ix_hint_actions_created", "created_at"),
+        # Restart recovery reads the holdings whose TTL is not over (reader.load_recovery).
+        Index("ix_hint_actions_expires", "expires_at"),
     )
 
 
