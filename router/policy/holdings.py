@@ -122,6 +122,14 @@ class HoldingsLedger:
         elif still_held < held.blocks:
             self._set_blocks(held, still_held)
 
+    def forget_worker(self, worker_id: str) -> int:
+        """The worker's engine restarted and holds nothing: forget its holdings; returns
+        how many."""
+        gone = [h for h in self._by_id.values() if h.worker_id == worker_id]
+        for held in gone:
+            self._drop(held)
+        return len(gone)
+
     def expire(self, now: float) -> int:
         """Forget holdings past their TTL; returns how many."""
         gone = 0

@@ -178,8 +178,10 @@ class HintDispatcher:
             self._stats_dirty = True
 
     def reset_worker(self, worker_id: str) -> None:
-        """A new engine epoch: forget what the old engine taught us about this worker."""
+        """A new engine epoch: forget what the old engine taught us about this worker, and
+        what it held (a restarted engine holds nothing)."""
         self.feedback[worker_id] = WorkerFeedback(worker_id)
+        self.holdings.forget_worker(worker_id)
 
     # --- sending ------------------------------------------------------------------------
 

@@ -98,6 +98,10 @@ class RouterRuntime:
             # Workers learned from heartbeats come back; ones dropped from the config do not.
             if not row.get("from_config") and row["worker_id"] not in workers and row.get("url"):
                 workers.ensure(row["worker_id"], row["url"])
+            # The engine epoch last seen: a first heartbeat from another one says the engine
+            # restarted while the router was down (what it held, restored below, is gone).
+            if (worker := workers.get(row["worker_id"])) is not None and worker.epoch is None:
+                worker.epoch = row.get("epoch")
         subjects = Subjects(settings.subject_prefix)
         link = None
         if settings.nats_url:

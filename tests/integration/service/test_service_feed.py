@@ -374,6 +374,9 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
         before = len(seen)
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             holdings = router.runtime.hints.holdings
+            # The engine epoch comes back from the store: a heartbeat from another epoch
+            # will say the engine restarted meanwhile.
+            assert router.runtime.workers.get("w0").epoch == "e1"
             await until(lambda: holdings.worker("w0").retained_blocks == 1)
             assert holdings.worker("w0") == Holdings(1, 1)
             assert holdings.tenant("default") == Holdings(1, 1)
@@ -384,6 +387,10 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
             await until(lambda: len(seen) > before)
             assert not set(seen[before:]) & set(seen[:before])
             await until(lambda: holdings.worker("w0").retained_blocks == 5)
+            # The engine restarts: it holds nothing, and neither do the budgets.
+            await nc.publish(subjects.status("w0"), status("w0", "e2", 0))
+            await until(lambda: holdings.worker("w0") == Holdings())
+            assert holdings.tenant("default") == Holdings()
     finally:
         await nc.drain()
 

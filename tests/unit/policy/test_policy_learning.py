@@ -172,6 +172,16 @@ def test_ledger_stays_whole_when_an_action_id_comes_again() -> None:
     assert ledger.worker("w0") == Holdings(3, 2)
 
 
+def test_a_restarted_engine_holds_nothing() -> None:
+    ledger = HoldingsLedger()
+    for action_id, worker in (("a", "w0"), ("b", "w0"), ("c", "w1")):
+        ledger.record(action_id=action_id, worker_id=worker, tenant="t", scope=f"t/{action_id}",
+                      action_type="kv.retain", blocks=2, expires_at=100.0)
+    assert ledger.forget_worker("w0") == 2
+    assert ledger.worker("w0") == Holdings() and ledger.worker("w1") == Holdings(0, 2)
+    assert ledger.tenant("t") == Holdings(0, 2) and len(ledger) == 1
+
+
 def test_tempo_kinds_learn_their_own_returns_and_fall_back_to_the_pooled_user_figures() -> None:
     stats = LearnedStats(decay=1.0)
     fast, slow = user_gap_kind(10.0), user_gap_kind(1000.0)
