@@ -26,6 +26,7 @@ from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, 
 from kvhint.schemas import (
     ACTION_VERSION,
     ActionType,
+    Budgets,
     InvalidAction,
     KvHintAction,
     parse_action,
@@ -143,9 +144,9 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             problems.append({"index": str(index), "action_id": action_id, "reason": problem})
             continue
         assert action is not None
-        ttl = float(action.payload.get("ttl_s") or action.payload.get("deadline_s") or 0.0)
         planned.append(PlannedAction(worker.worker_id, action, worker_sid, tenant_name,
-                                     blocks, now + ttl, "api"))
+                                     blocks, now + _held_for_s(action, worker.status.budgets),
+                                     "api"))
     if problems:
         return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
@@ -160,6 +161,18 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             "actions": [a.row() for a in sent]}
     status = 200 if all(a.terminal for a in sent) else 202
     return JSONResponse(body, status_code=status)
+
+
+def _held_for_s(action: KvHintAction, budgets: Budgets) -> float:
+    """How long the worker holds what ``action`` asks for, as it clips it: a Pin's TTL to
+    ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one without
+    a TTL gets; other actions their ``ttl_s`` or ``deadline_s`` (0 for one-shots)."""
+    asked = action.payload.get("ttl_s")
+    if action.action_type == ActionType.PIN.value:
+        return min(float(asked or 0.0), budgets.max_pin_ttl_s)
+    if action.action_type == ActionType.RETAIN.value:
+        return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
+    return float(asked or action.payload.get("deadline_s") or 0.0)
 
 
 def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,

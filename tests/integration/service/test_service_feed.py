@@ -218,6 +218,13 @@ async def test_hints_api_forwards_and_returns_the_outcome(
             (planned,) = [h for h in detail["hints"] if h["source"] == "planner"]
             assert planned["action_type"] == "kv.retain" and planned["applied_blocks"] == 0
             assert detail["planner"]["protection"] is None
+            # A Retain without ttl_s is held by the worker for its max_retain_ttl_s (3,600 s
+            # here): the tenant's budget counts it that long, not until the next tick.
+            retain = await client.post(url, json={"actions": [
+                {"action_type": "kv.retain", "payload": {"priority": 40}}]})
+            assert retain.json()["actions"][0]["applied_blocks"] == 2
+            runtime.hints.expire(time.time() + 60)
+            assert runtime.hints.holdings.tenant("default").retained_blocks == 2
     finally:
         await nc.drain()
 
