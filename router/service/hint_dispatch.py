@@ -252,11 +252,13 @@ class HintDispatcher:
                    budget.max_retained_blocks)]
         worker = self._workers.get(worker_id)
         if worker is not None and worker.status is not None:
-            limits, on_worker = worker.status.budgets, self.holdings.worker(worker_id)
-            checks += [(f"worker {worker_id}", "pinned", on_worker.pinned_blocks, pins,
-                        limits.max_pinned_blocks),
-                       (f"worker {worker_id}", "retained", on_worker.retained_blocks, retains,
-                        limits.max_retained_blocks)]
+            # Pins only: a worker's retain budget is soft (a higher priority displaces a
+            # lower one, an overflow is clipped), which the planner relies on too; and the
+            # ledger sums blocks per action, so a block under several retains (a shared
+            # system prompt) counts several times there, once on the worker.
+            checks.append((f"worker {worker_id}", "pinned",
+                           self.holdings.worker(worker_id).pinned_blocks, pins,
+                           worker.status.budgets.max_pinned_blocks))
         for who, kind, current, asked, limit in checks:
             if asked and current + asked > limit:
                 return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"

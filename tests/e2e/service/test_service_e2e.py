@@ -3,13 +3,16 @@ the router as its own process (as `kvhint router` runs it).
 
 One module, two workers started once (about a minute each on this machine), tests in
 order: the OpenAI SDK, vLLM's own benchmark client, agent sessions with tool gaps under
-KV pressure with a router restart in the middle, then one worker stopped.
+KV pressure with a router restart in the middle, a prefix-cache reset on a worker (vLLM's
+dev-mode endpoint: the workers run with ``VLLM_SERVER_DEV_MODE=1``), then one worker
+stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -57,7 +60,8 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         config["kv_connector_extra_config"].update(subject_prefix=prefix,
                                                    events_stream_max_bytes=32 << 20)
         spec = replace(vllm_pool.base_spec, kv_cache_tokens=KV_TOKENS, kv_transfer_config=config,
-                       extra_args=TOOL_CALL_WORKER_ARGS, cpu_bind="0" if worker_id == "w0" else "1")
+                       extra_args=TOOL_CALL_WORKER_ARGS, cpu_bind="0" if worker_id == "w0" else "1",
+                       env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache
         workers[worker_id] = vllm_pool.start(f"e2e-{worker_id}", spec)
     state = tmp_path_factory.mktemp("router")
     router = RouterProcess({
@@ -162,6 +166,41 @@ def test_agent_sessions_survive_a_router_restart(stack: Stack) -> None:
     assert {h["trigger"].split(":")[0] for h in hints["hints"]} & {"gap", "end"}
     for worker in stack.admin("/workers")["workers"]:
         assert worker["plugin_alive"] and worker["stream"]["phase"] == "live"
+
+
+def test_a_prefix_cache_reset_on_a_worker_reaches_the_router(stack: Stack) -> None:
+    # A retain the worker accepted; then an operator resets the worker's prefix cache
+    # (idle: the plugin gives its holds back so the reset can go through). The plugin
+    # reports the release; the router takes it off the worker's and the tenant's budgets
+    # and records it on the action's row (budgets: tests/integration/service).
+    with httpx.Client(timeout=120) as client:
+        response = client.post(f"{stack.router.url}/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 4, "session_id": "reset-probe",
+            "messages": [{"role": "user", "content": "keep this context please " * 20}]})
+        assert response.status_code == 200, response.text
+        worker_id = response.headers["x-kvhint-worker"]
+        hinted = client.post(f"{stack.router.url}/v1/sessions/reset-probe/hints", json={
+            "actions": [{"action_type": "kv.retain", "payload": {"priority": 90,
+                                                                 "ttl_s": 600}}]})
+        assert hinted.status_code == 200, hinted.text
+        (action,) = hinted.json()["actions"]
+        assert action["status"] in ("accepted", "clipped") and action["applied_blocks"] > 0
+        reset = client.post(f"{stack.workers[worker_id].url}/reset_prefix_cache")
+        assert reset.status_code == 200 and reset.json()["success"] is True, reset.text
+
+        def released() -> dict | None:
+            rows = stack.admin("/hints", session_id="reset-probe", limit=100)["hints"]
+            row = next(r for r in rows if r["action_id"] == action["action_id"])
+            return row if row["release_reason"] is not None else None
+
+        deadline = time.monotonic() + 20
+        while (row := released()) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert row is not None, "the router never heard of the release"
+        assert row["release_reason"] == "reset" and row["held_after_release_blocks"] == 0
+        metrics = client.get(f"{stack.router.url}/metrics").text
+        assert 'kvhint_router_hold_released_blocks_total{action="kv.retain",reason="reset"}' \
+            in metrics
 
 
 def _restart(router: RouterProcess) -> None:

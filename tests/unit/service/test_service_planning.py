@@ -9,7 +9,7 @@ import json
 import time
 
 from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
-from kvhint.router.policy import GapObserved, PlannerConfig, RoutingConfig
+from kvhint.router.policy import GapObserved, PlannedAction, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
 from kvhint.router.service.lifecycle import SessionLifecycle
@@ -25,10 +25,14 @@ from kvhint.schemas import (
     Budgets,
     HintOutcome,
     OutcomeStatus,
+    PinPayload,
+    RetainPayload,
     Subjects,
+    Target,
     Usage,
     WorkerStatus,
     decode_hints,
+    make_action,
 )
 
 TENANT = Tenant("default", None, TenantBudget())
@@ -352,3 +356,31 @@ def test_a_retry_reuses_the_prompt_hashes_of_the_failed_attempt() -> None:
     assert calls == ["m"]
     assert (retry.block_hashes, retry.prompt_tokens, retry.exact) == (tuple(range(1, 11)), 40,
                                                                      True)
+
+
+def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() -> None:
+    """A worker's retain budget is soft (it displaces or clips), and the ledger counts a
+    block once per action covering it (a shared system prompt under many sessions'
+    retains): an API Retain is not refused by that count, as the planner's are not.
+    Pins are: their budget is hard."""
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
+    for n in range(30):  # 30 retains over one 8-block prompt: 240 counted, budget 200
+        hints.holdings.record(action_id=f"r{n}", worker_id="w0", tenant="t", scope=f"t/s{n}",
+                              action_type="kv.retain", blocks=8, expires_at=1e12)
+    hints.holdings.record(action_id="p", worker_id="w0", tenant="t", scope="t/p",
+                          action_type="kv.pin", blocks=48, expires_at=1e12)
+
+    def planned(payload: object, blocks: int) -> PlannedAction:
+        return PlannedAction("w0", make_action(f"kva-{blocks}", payload), "t/x", "t", blocks,
+                             1e12, "api")
+
+    budget = TenantBudget(max_pinned_blocks=1000, max_retained_blocks=1000)
+    target = Target(session_id="t/x")
+    assert hints.api_budget_problem("t", budget, "w0", [planned(
+        RetainPayload(target=target, priority=50), 8)], time.time()) is None
+    assert hints.api_budget_problem("t", budget, "w0", [planned(
+        PinPayload(target=target, ttl_s=30), 8)], time.time()) == (
+        "worker w0 would hold 56 pinned blocks (limit 50)")
+    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
+        "t", TenantBudget(max_retained_blocks=240), "w0",
+        [planned(RetainPayload(target=target, priority=50), 8)], time.time())
