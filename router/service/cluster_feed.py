@@ -74,13 +74,13 @@ class _StreamCursor:
     def __init__(self, name: str, start_seq: int | None, writer: StoreWriter | None,
                  wall: Callable[[], float]) -> None:
         self.name = name
-        self._next = start_seq
-        self.seq = (start_seq or 1) - 1
+        # The last stream sequence handled; None: start at new messages.
+        self.seq = None if start_seq is None else start_seq - 1
         self._writer = writer
         self._wall = wall
 
     def start_seq(self) -> int | None:
-        return self.seq + 1 if self.seq > 0 else self._next
+        return None if self.seq is None else self.seq + 1
 
     def handled(self, msg: Msg) -> None:
         if msg.metadata is None:

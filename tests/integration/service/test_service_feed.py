@@ -82,6 +82,17 @@ async def chat(client: httpx.AsyncClient, url: str, session: str, content: str) 
         "session_id": session})
 
 
+async def publish_release(nc, subjects: Subjects, action_id: str,  # noqa: ANN001
+                          action_type: str, session: str | None, released: int, left: int,
+                          reason: ReleaseReason) -> None:
+    """What w0's plugin sends when an accepted action loses ``released`` blocks unasked
+    and keeps ``left`` (32-token blocks)."""
+    await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
+        worker_id="w0", at=time.time(), releases=[HoldRelease(
+            action_id=action_id, action_type=action_type, session_id=session, reason=reason,
+            released=Amount(released, 32 * released), held=Amount(left, 32 * left))])))
+
+
 async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001
     """The router is connected to NATS and has heard w0's plugin (one heartbeat)."""
     assert await runtime.link.wait_connected(10)
@@ -253,14 +264,6 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             worker_id="w0", status=OutcomeStatus.ACCEPTED, requested=Amount(blocks, 32 * blocks),
             applied=Amount(blocks, 32 * blocks), at=time.time())))
 
-    async def release(action_id: str, action_type: str, session: str | None,
-                      released: int, left: int, reason: ReleaseReason) -> None:
-        await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
-            worker_id="w0", at=time.time(), releases=[HoldRelease(
-                action_id=action_id, action_type=action_type, session_id=session,
-                reason=reason, released=Amount(released, 32 * released),
-                held=Amount(left, 32 * left))])))
-
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
     settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
                                subject_prefix=subject_prefix,
@@ -286,13 +289,15 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             assert on_worker["retained_blocks"] == 4
             assert runtime.hints.holdings.tenant("default").retained_blocks == 4
             # Displaced: 3 of its 4 blocks went to a higher-priority retain.
-            await release(action_id, action_type, session, 3, 1, ReleaseReason.DISPLACED)
+            await publish_release(nc, subjects, action_id, action_type, session, 3, 1,
+                                  ReleaseReason.DISPLACED)
             await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 1)
             protection, on_worker = await views()
             assert protection["blocks"] == 1 and on_worker["retained_blocks"] == 1
             assert runtime.hints.holdings.tenant("default").retained_blocks == 1
             # Relieved: the last one went too. Nothing protects the session any more.
-            await release(action_id, action_type, session, 1, 0, ReleaseReason.PRESSURE)
+            await publish_release(nc, subjects, action_id, action_type, session, 1, 0,
+                                  ReleaseReason.PRESSURE)
             await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 0)
             protection, on_worker = await views()
             assert protection is None and on_worker == {"pinned_blocks": 0,
@@ -308,7 +313,8 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             await until(lambda: any(a.startswith("kva-") for _m, a, _t, _s in held))
             (message_id, pin_id, pin_type, pin_session), = [
                 h for h in held if h[1].startswith("kva-")]
-            await release(pin_id, pin_type, pin_session, 2, 1, ReleaseReason.RESET)
+            await publish_release(nc, subjects, pin_id, pin_type, pin_session, 2, 1,
+                                  ReleaseReason.RESET)
             await until(lambda: runtime.metrics.hold_releases.labels(
                 "kv.pin", "reset")._value.get() == 2)
             await answer(message_id, pin_id, pin_type, 3)
@@ -367,17 +373,13 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
                 "actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]})).json()
             pin_id = pin["actions"][0]["action_id"]
             assert runtime.hints.holdings.worker("w0") == Holdings(4, 4)
-            await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
-                worker_id="w0", at=time.time(), releases=[HoldRelease(
-                    action_id=pin_id, action_type="kv.pin", session_id=None,
-                    reason=ReleaseReason.RESET, released=Amount(3, 96), held=Amount(1, 32))])))
+            await publish_release(nc, subjects, pin_id, "kv.pin", None, 3, 1,
+                                  ReleaseReason.RESET)
             await until(lambda: runtime.hints.holdings.worker("w0").pinned_blocks == 1)
         # No router now: the worker relieves 3 of "agent"'s 4 retained blocks.
         (agent,) = [s for s in retains if s.endswith("/agent")]
-        await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
-            worker_id="w0", at=time.time(), releases=[HoldRelease(
-                action_id=retains[agent], action_type="kv.retain", session_id=agent,
-                reason=ReleaseReason.PRESSURE, released=Amount(3, 96), held=Amount(1, 32))])))
+        await publish_release(nc, subjects, retains[agent], "kv.retain", agent, 3, 1,
+                              ReleaseReason.PRESSURE)
         before = len(seen)
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             holdings = router.runtime.hints.holdings
