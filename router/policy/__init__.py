@@ -31,7 +31,7 @@ from kvhint.router.policy.donor import (
     choose_donor,
 )
 from kvhint.router.policy.feedback import FeedbackConfig, WorkerFeedback, apply_outcome
-from kvhint.router.policy.holdings import Holdings, HoldingsLedger
+from kvhint.router.policy.holdings import Holdings, HoldingsLedger, target_keys
 from kvhint.router.policy.plan_types import (
     ALL_ACTIONS,
     PlannedAction,
@@ -152,5 +152,6 @@ __all__ = [
     "route",
     "session_chain",
     "session_hit_density",
+    "target_keys",
     "user_gap_kind",
 ]

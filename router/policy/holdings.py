@@ -5,12 +5,20 @@ mutable helper (no I/O) the caller keeps to produce that view: it records each p
 action, lets a newer protection of the same session on the same worker supersede the
 older one (the plugin applies the same rule), settles the amount from the outcome,
 shrinks it when the worker reports blocks it let go unasked, and expires by TTL.
+
+Blocks are counted once, as the worker counts them: a block under several holdings (a
+system prompt every session's Retain covers) is one block, pinned if any of them is a
+Pin, else retained. The ledger knows a holding's blocks by their hashes where the caller
+names them (:func:`target_keys`); blocks it cannot name (a session's completion blocks,
+holdings restored after a restart) count as that holding's own.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvhint.schemas.hints import ActionType
 from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
@@ -33,6 +41,25 @@ def held_blocks(outcome: HintOutcome) -> int | None:
     return 0
 
 
+def target_keys(action_type: str, payload: Mapping[str, Any], block_size: int,
+                chain: Sequence[int] = ()) -> tuple[int, ...]:
+    """The block hashes a Pin/Retain's target names, root first, as far as the caller
+    knows them: its ``block_hashes``; for a session target, the first blocks of ``chain``
+    (the hashes of the session's last prompt on that worker), up to ``prefix_tokens``.
+    Empty for other actions or an unknown chain."""
+    target = payload.get("target") if action_type in _HOLDING_TYPES else None
+    if not isinstance(target, Mapping):
+        return ()
+    if hashes := target.get("block_hashes"):
+        return tuple(hashes)
+    if target.get("session_id") is None or not chain:
+        return ()
+    prefix_tokens = target.get("prefix_tokens")
+    if prefix_tokens is None:
+        return tuple(chain)
+    return tuple(chain[:prefix_tokens // max(block_size, 1)])
+
+
 def room_left(held: int, limit: int | None) -> int:
     """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
     if limit is None:
@@ -49,9 +76,59 @@ class _Held:
     action_type: str
     blocks: int
     expires_at: float
+    keys: tuple[int, ...]  # named blocks, root first; it covers keys[:blocks]
+
+    @property
+    def slot(self) -> int:
+        return _PINNED if self.action_type == ActionType.PIN.value else _RETAINED
+
+    def named(self) -> tuple[int, ...]:
+        return self.keys[:self.blocks]
 
 
 _HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value})
+_PINNED, _RETAINED = 0, 1
+
+
+def _state(refs: list[int]) -> int | None:
+    """What a block counts as: pinned under any Pin, else retained under any Retain."""
+    if refs[_PINNED]:
+        return _PINNED
+    return _RETAINED if refs[_RETAINED] else None
+
+
+class _BlockCounts:
+    """Distinct blocks held, pinned and retained, per owner (a worker, or a tenant):
+    per-(owner, block) reference counts by holding type, and running totals per owner
+    that change only when a block's state (pinned / retained / not held) does."""
+
+    def __init__(self) -> None:
+        self._refs: dict[tuple[str, str, int], list[int]] = {}
+        self.totals: dict[str, list[int]] = {}
+
+    def named(self, owner: str, worker_id: str, keys: Sequence[int], slot: int,
+              sign: int) -> None:
+        refs_of, totals = self._refs, self.totals.setdefault(owner, [0, 0])
+        for key in keys:
+            ref_key = (owner, worker_id, key)
+            refs = refs_of.get(ref_key)
+            if refs is None:
+                refs = refs_of[ref_key] = [0, 0]
+            before = _state(refs)
+            refs[slot] += sign
+            after = _state(refs)
+            if after is None:
+                del refs_of[ref_key]
+            if before != after:
+                if before is not None:
+                    totals[before] -= 1
+                if after is not None:
+                    totals[after] += 1
+
+    def own(self, owner: str, blocks: int, slot: int) -> None:
+        """``blocks`` (negative: fewer) that no other holding can share."""
+        if blocks:
+            self.totals.setdefault(owner, [0, 0])[slot] += blocks
 
 
 class HoldingsLedger:
@@ -65,9 +142,9 @@ class HoldingsLedger:
         self._by_id: dict[str, _Held] = {}
         self._by_scope: dict[tuple[str, str], str] = {}
         self._expiry: list[tuple[float, str]] = []
-        # Running totals: (pinned, retained) per worker and per tenant.
-        self._worker_totals: dict[str, list[int]] = {}
-        self._tenant_totals: dict[str, list[int]] = {}
+        # Distinct (pinned, retained) blocks per worker and per tenant.
+        self._workers = _BlockCounts()
+        self._tenants = _BlockCounts()
 
     def record(
         self,
@@ -79,17 +156,21 @@ class HoldingsLedger:
         action_type: str,
         blocks: int,
         expires_at: float,
+        keys: Sequence[int] = (),
     ) -> None:
-        """Note a sent action. Non-holding types (Demote, Prefetch, Share) release the
-        scope's holding, since the plugin supersedes it the same way. An action id seen
-        before replaces that holding (ids are meant to be unique; this keeps the scope
-        index whole if one is not)."""
+        """Note a sent action. ``keys``: the hashes of the blocks it covers, root first,
+        as far as known (:func:`target_keys`); the rest of its ``blocks`` count as its own.
+        Non-holding types (Demote, Prefetch, Share) release the scope's holding, since
+        the plugin supersedes it the same way. An action id seen before replaces that
+        holding (ids are meant to be unique; this keeps the scope index whole if one is
+        not)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
         self.release_scope(worker_id, scope)
         if action_type not in _HOLDING_TYPES:
             return
-        held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at)
+        held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,
+                     tuple(keys))
         self._by_id[action_id] = held
         self._by_scope[(worker_id, scope)] = action_id
         heapq.heappush(self._expiry, (expires_at, action_id))
@@ -143,26 +224,43 @@ class HoldingsLedger:
         return gone
 
     def worker(self, worker_id: str) -> Holdings:
-        totals = self._worker_totals.get(worker_id)
+        totals = self._workers.totals.get(worker_id)
         return Holdings(totals[0], totals[1]) if totals else Holdings()
 
     def tenant(self, tenant: str) -> Holdings:
-        totals = self._tenant_totals.get(tenant)
+        totals = self._tenants.totals.get(tenant)
         return Holdings(totals[0], totals[1]) if totals else Holdings()
 
     def __len__(self) -> int:
         return len(self._by_id)
 
     def _set_blocks(self, held: _Held, blocks: int) -> None:
-        self._count(held, -1)
+        """Resize a holding; it keeps (or gains) its root-most blocks, as the worker
+        clips a claim and lets one go leaf first."""
+        old_named, old_blocks = held.named(), held.blocks
         held.blocks = blocks
-        self._count(held, +1)
+        new_named = held.named()
+        if len(new_named) < len(old_named):
+            self._count_named(held, old_named[len(new_named):], -1)
+        elif len(new_named) > len(old_named):
+            self._count_named(held, new_named[len(old_named):], +1)
+        own_change = (blocks - len(new_named)) - (old_blocks - len(old_named))
+        self._count_own(held, own_change)
 
     def _count(self, held: _Held, sign: int) -> None:
-        slot = 0 if held.action_type == ActionType.PIN.value else 1
-        self._worker_totals.setdefault(held.worker_id, [0, 0])[slot] += sign * held.blocks
+        named = held.named()
+        self._count_named(held, named, sign)
+        self._count_own(held, sign * (held.blocks - len(named)))
+
+    def _count_named(self, held: _Held, keys: Sequence[int], sign: int) -> None:
+        self._workers.named(held.worker_id, held.worker_id, keys, held.slot, sign)
         if held.tenant is not None:
-            self._tenant_totals.setdefault(held.tenant, [0, 0])[slot] += sign * held.blocks
+            self._tenants.named(held.tenant, held.worker_id, keys, held.slot, sign)
+
+    def _count_own(self, held: _Held, blocks: int) -> None:
+        self._workers.own(held.worker_id, blocks, held.slot)
+        if held.tenant is not None:
+            self._tenants.own(held.tenant, blocks, held.slot)
 
     def _drop(self, held: _Held) -> None:
         if self._by_id.pop(held.action_id, None) is None:

@@ -15,7 +15,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvhint.router.policy import (
     WorkerFeedback,
     WorkerPlanView,
     apply_outcome,
+    target_keys,
 )
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
@@ -83,6 +84,11 @@ class SentAction:
     # What a Pin/Retain protects and when its TTL ends (None: older rows, other types).
     scope: str | None = None
     expires_at: float | None = None
+    # The worker's latest report of letting blocks of it go unasked (HoldRelease): why,
+    # when, and what it still holds.
+    release_reason: str | None = None
+    released_at: float | None = None
+    held_after_release_blocks: int | None = None
     waiter: asyncio.Future[SentAction] | None = None
 
     @property
@@ -101,6 +107,8 @@ class SentAction:
             "applied_blocks": self.applied_blocks, "applied_tokens": self.applied_tokens,
             "created_at": self.created_at, "updated_at": self.updated_at,
             "scope": self.scope, "expires_at": self.expires_at,
+            "release_reason": self.release_reason, "released_at": self.released_at,
+            "held_after_release_blocks": self.held_after_release_blocks,
         }
 
     @classmethod
@@ -109,7 +117,9 @@ class SentAction:
             "action_id", "message_id", "worker_id", "tenant", "session_id", "action_type",
             "source", "trigger", "payload", "status", "created_at", "updated_at", "reason",
             "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
-        return cls(**fields, scope=row.get("scope"), expires_at=row.get("expires_at"))
+        return cls(**fields, **{k: row.get(k) for k in (
+            "scope", "expires_at", "release_reason", "released_at",
+            "held_after_release_blocks")})
 
 
 class HintDispatcher:
@@ -132,9 +142,7 @@ class HintDispatcher:
         self.feedback: dict[str, WorkerFeedback] = {}
         self.pending: dict[str, SentAction] = {}
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
-        # Pending actions a worker reported releasing blocks of before their outcome came
-        # (releases travel on their own subject): action id -> blocks still held.
-        self._released_early: dict[str, int] = {}
+        self._recent_by_id: dict[str, SentAction] = {}
         self._feedback_config = FeedbackConfig()
         # Actions per status they ended in (the dashboard's timeline differences it).
         self.status_counts: dict[str, int] = {}
@@ -186,9 +194,12 @@ class HintDispatcher:
     # --- sending ------------------------------------------------------------------------
 
     async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],
-                   source: str = "planner") -> list[SentAction]:
+                   source: str = "planner",
+                   chains: Mapping[str, Sequence[int]] | None = None) -> list[SentAction]:
         """Publish ``planned`` (one envelope per worker). ``session_ids`` maps each action's
-        scope to the client session id for the record."""
+        scope to the client session id for the record; ``chains`` a session scope to the
+        block hashes of its last prompt, so that its holdings count the blocks it shares
+        with others once (:func:`target_keys`)."""
         if not planned:
             return []
         by_worker: dict[str, list[PlannedAction]] = {}
@@ -216,10 +227,13 @@ class HintDispatcher:
                     expires_at=action.expires_at,
                 )
                 if ok:
+                    keys = target_keys(action.action_type, action.action.payload,
+                                       self._block_size(worker_id),
+                                       (chains or {}).get(action.scope, ()))
                     self.holdings.record(action_id=record.action_id, worker_id=worker_id,
                                          tenant=action.tenant, scope=action.scope,
                                          action_type=action.action_type, blocks=action.blocks,
-                                         expires_at=action.expires_at)
+                                         expires_at=action.expires_at, keys=keys)
                     self.pending[record.action_id] = record
                     self._metrics.hints_sent.labels(action.action_type, source).inc()
                 else:
@@ -271,7 +285,8 @@ class HintDispatcher:
         """``outcome`` as it stands now: where the worker has since reported releasing
         blocks of the action (that report came first), ``applied`` is capped at what it
         still holds. Pass what this returns to :meth:`on_outcome` and on."""
-        cap = self._released_early.get(outcome.action_id)
+        record = self.pending.get(outcome.action_id)
+        cap = record.held_after_release_blocks if record is not None else None
         applied = outcome.applied
         if cap is None or not outcome.status.is_terminal or applied.blocks <= cap:
             return outcome
@@ -284,16 +299,21 @@ class HintDispatcher:
         its stored row says why and what is left."""
         self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
             release.released.blocks)
+        now = self._clock()
+        pending = self.pending.get(release.action_id)
+        record = pending or self._recent_by_id.get(release.action_id)
+        held = release.held.blocks
+        if record is not None:
+            if record.held_after_release_blocks is not None:
+                held = min(held, record.held_after_release_blocks)  # reports never grow it
+            record.release_reason, record.released_at = release.reason.value, now
+            record.held_after_release_blocks = held
         if self._writer is not None:  # the action's row (a no-op for one never stored)
             self._writer.update("hint_actions", (release.action_id,), {
                 "action_id": release.action_id, "release_reason": release.reason.value,
-                "released_at": self._clock(), "held_after_release_blocks": release.held.blocks})
-        if release.action_id in self.pending:
-            held = release.held.blocks
-            self._released_early[release.action_id] = min(
-                held, self._released_early.get(release.action_id, held))
-            return
-        self.holdings.released(release.action_id, release.held.blocks)
+                "released_at": now, "held_after_release_blocks": held})
+        if pending is None:
+            self.holdings.released(release.action_id, held)
 
     def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
         record = self.pending.get(outcome.action_id)
@@ -338,8 +358,10 @@ class HintDispatcher:
     def _finish(self, record: SentAction) -> None:
         self.status_counts[record.status] = self.status_counts.get(record.status, 0) + 1
         self.pending.pop(record.action_id, None)
-        self._released_early.pop(record.action_id, None)
+        if len(self.recent) == self.recent.maxlen:
+            self._recent_by_id.pop(self.recent[0].action_id, None)
         self.recent.append(record)
+        self._recent_by_id[record.action_id] = record
         if record.waiter is not None and not record.waiter.done():
             record.waiter.set_result(record)
 
@@ -399,8 +421,16 @@ class HintDispatcher:
             self._hold(record, record.requested_blocks)
 
     def _hold(self, record: SentAction, blocks: int) -> None:
+        """Count a stored action's holding again. Only a target's own ``block_hashes``
+        are known here (session prompts are not stored): a session's blocks count as its
+        own until its next protection replaces the holding."""
         if blocks > 0 and record.scope is not None and record.expires_at is not None:
+            keys = target_keys(record.action_type, record.payload, 1)
             self.holdings.record(action_id=record.action_id, worker_id=record.worker_id,
                                  tenant=record.tenant, scope=record.scope,
                                  action_type=record.action_type, blocks=blocks,
-                                 expires_at=record.expires_at)
+                                 expires_at=record.expires_at, keys=keys)
+
+    def _block_size(self, worker_id: str) -> int:
+        worker = self._workers.get(worker_id)
+        return worker.status.block_size if worker is not None and worker.status else 1

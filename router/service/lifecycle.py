@@ -205,8 +205,9 @@ class SessionLifecycle:
             record.plan = result.session
         self.hints.observe(result.observations)
         if self._hints_enabled and result.actions:
-            sent = await self.hints.send(result.actions,
-                                         {record.worker_session_id: record.session_id})
+            sent = await self.hints.send(
+                result.actions, {record.worker_session_id: record.session_id},
+                chains={record.worker_session_id: record.last_block_hashes})
             for action in sent:
                 if action.status == FAILED:  # never reached the worker: holds nothing
                     record.plan = record.plan.holding(action.action_id, 0)

@@ -153,7 +153,8 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                                             planned, now)
     if over is not None:
         return _json_error(f"over budget; nothing was sent: {over}", 429)
-    sent = await runtime.hints.send(planned, {worker_sid: session_id}, source="api")
+    sent = await runtime.hints.send(planned, {worker_sid: session_id}, source="api",
+                                    chains={worker_sid: record.last_block_hashes})
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \
         else min(max(hint_request.wait_s, 0.0), 60.0)
     await runtime.hints.wait_terminal(sent, wait_s)

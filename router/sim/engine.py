@@ -67,6 +67,7 @@ from kvhint.router.policy import (
     plan_turn_routed,
     route,
     session_chain,
+    target_keys,
 )
 from kvhint.router.sim.host_tier import SimHostTier
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
@@ -402,10 +403,12 @@ class Simulation:
         by_worker: dict[str, list[PlannedAction]] = {}
         for planned in actions:
             by_worker.setdefault(planned.worker_id, []).append(planned)
+            keys = target_keys(planned.action_type, planned.action.payload,
+                               self.config.block_size, self._last_hashes.get(planned.scope, ()))
             self.ledger.record(action_id=planned.action.action_id, worker_id=planned.worker_id,
                                tenant=planned.tenant, scope=planned.scope,
                                action_type=planned.action_type, blocks=planned.blocks,
-                               expires_at=planned.expires_at)
+                               expires_at=planned.expires_at, keys=keys)
             self._planned[planned.action.action_id] = planned
             self.result.hints[(planned.action_type, "sent")] += 1
         for worker_id, planned_list in by_worker.items():

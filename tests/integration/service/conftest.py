@@ -75,6 +75,7 @@ class StubWorker:
     tool_names: list[str] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
     chunk_gap_s: float = 0.0
+    prompt_tokens: int = 40  # the usage it reports (32 of them cached)
     # /v1/models "root": where the router finds the tokenizer (the tiny model's).
     model_root: str = "stub"
     _runner: web.AppRunner | None = None
@@ -125,7 +126,7 @@ class StubWorker:
                 "id": "x", "object": "chat.completion", "model": "stub",
                 "choices": [{"index": 0, "message": self._message(),
                              "finish_reason": self.finish_reason}],
-                "usage": usage(40, 32, 2)})
+                "usage": usage(self.prompt_tokens, 32, 2)})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         delta = self._message()
@@ -143,7 +144,7 @@ class StubWorker:
         options = body.get("stream_options") or {}
         if options.get("include_usage"):
             await response.write(b"data: " + json.dumps(
-                {"choices": [], "usage": usage(40, 32, 2)}).encode() + b"\n\n")
+                {"choices": [], "usage": usage(self.prompt_tokens, 32, 2)}).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -14,7 +14,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from kvhint.router.policy import PlannerConfig
+from kvhint.router.policy import Holdings, PlannerConfig
 from kvhint.router.sim.engine import SimConfig, Simulation
 from kvhint.router.sim.trace import load_trace
 
@@ -49,3 +49,18 @@ def test_a_system_prompt_live_sessions_share_is_retained_through_a_flood(
     # it; sessions the planner leaves to LRU (below the retain threshold) do not count.
     assert _late_hit(tmp_path, replace(PlannerConfig(), shared_prefix_min_sessions=4)) == 0
     assert _late_hit(tmp_path, replace(PlannerConfig(), min_retain_priority=40)) == 0
+
+
+def test_the_planners_ledger_counts_a_shared_prefix_once_as_the_worker_does(
+        tmp_path: Path) -> None:
+    """s1..s3's retains all cover the shared blocks [1, 2]: the plugin holds them once,
+    and the planner's ledger (its pin room, the tenant's budgets) must say the same, not
+    one count per retain (before: 3 x 3 = 9 blocks for the 2 + 3 x 1 = 5 held)."""
+    path = tmp_path / "shared.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in SHARED))
+    sim = Simulation(load_trace(path, block_size=32),
+                     SimConfig(workers=1, gpu_blocks=400, block_size=32), "kvhint")
+    sim.run()
+    holds = sim.workers["w0"].core.executor.holds
+    assert (holds.pinned, holds.retained) == (0, 5)
+    assert sim.ledger.worker("w0") == Holdings(0, 5) == sim.ledger.tenant("default")

@@ -1,0 +1,80 @@
+"""What the router's NATS-side tests publish as w0's plugin: heartbeats, KV events, hold
+releases, and a chat turn through the router (wire messages built with the schemas)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from kvhint.schemas import (
+    Amount,
+    BlockStored,
+    Budgets,
+    HoldRelease,
+    HoldsReleased,
+    KVEventBatch,
+    ReleaseReason,
+    Subjects,
+    Usage,
+    WorkerStatus,
+    encode_event_batch,
+    encode_releases,
+    encode_status,
+)
+
+ACTIONS = {"kv.pin": ["1.0"], "kv.retain": ["1.0"], "kv.demote": ["1.0"],
+           "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}
+
+
+def status(worker: str, epoch: str, seq: int, url: str | None = None) -> bytes:
+    return encode_status(WorkerStatus(
+        worker_id=worker, epoch=epoch, model="tiny", cache_namespace="ns", block_size=32,
+        hash_algo="sha256", none_hash_seed="vllm-none-hash", supported_actions=ACTIONS,
+        budgets=Budgets(max_pinned_blocks=100, max_pin_ttl_s=600, max_retained_blocks=400,
+                        max_retain_ttl_s=3600),
+        usage=Usage(gpu_blocks_total=512, gpu_blocks_free=400, kv_usage=0.2),
+        last_event_seq=seq, interval_s=0.5, at=time.time(), http_url=url))
+
+
+def stored(hashes: list[int], parent: int | None, session: str | None) -> bytes:
+    return encode_event_batch(KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=[1] * 32 * len(hashes),
+        block_size=32, lora_id=None, medium="GPU", lora_name=None, session_id=session)]))
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def chat(client: httpx.AsyncClient, url: str, session: str, content: str,
+               system: str | None = None) -> None:
+    messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    await client.post(f"{url}/v1/chat/completions", json={
+        "model": "stub", "messages": messages, "session_id": session})
+
+
+async def publish_release(nc, subjects: Subjects, action_id: str,  # noqa: ANN001
+                          action_type: str, session: str | None, released: int, left: int,
+                          reason: ReleaseReason) -> None:
+    """What w0's plugin sends when an accepted action loses ``released`` blocks unasked
+    and keeps ``left`` (32-token blocks)."""
+    await nc.publish(subjects.releases("w0"), encode_releases(HoldsReleased(
+        worker_id="w0", at=time.time(), releases=[HoldRelease(
+            action_id=action_id, action_type=action_type, session_id=session, reason=reason,
+            released=Amount(released, 32 * released), held=Amount(left, 32 * left))])))
+
+
+async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001
+    """The router is connected to NATS and has heard w0's plugin (one heartbeat)."""
+    assert await runtime.link.wait_connected(10)
+    await asyncio.sleep(0.3)
+    await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
+    await until(lambda: runtime.workers.get("w0").plugin_alive)

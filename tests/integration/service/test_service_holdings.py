@@ -1,0 +1,260 @@
+"""The router's holdings against a real NATS server: what it believes the workers hold
+for its Pins and Retains (budgets, ``held_by_hints``) follows their answers, the blocks
+they let go unasked, a router restart, and blocks shared between sessions.
+
+The "plugin" here is this test publishing wire messages with the schemas (see
+test_service_feed.py; tests/e2e/service runs the real plugin)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from conftest import StubWorker, router_settings, running_router
+from feed_helpers import chat, plugin_registered, publish_release, status, until
+from kvhint.router.policy import Holdings
+from kvhint.schemas import (
+    Amount,
+    HintOutcome,
+    OutcomeStatus,
+    ReleaseReason,
+    Subjects,
+    decode_hints,
+    encode_outcome,
+)
+
+pytestmark = pytest.mark.usefixtures("throwaway_streams")
+
+
+async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A worker accepted the planner's Retain, then lost blocks of it (displaced by a
+    higher-priority retain, relieved under memory pressure): the router must stop
+    believing the session protected by them and stop counting them against the worker's
+    and the tenant's budgets. A release that overtakes its action's outcome (two subjects)
+    caps that outcome."""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    nc = await nats.connect(nats_url)
+    held: list[tuple[str, str, str, str | None]] = []
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - remembers, answers when told
+        decoded = decode_hints(msg.data)
+        held.extend((decoded.message_id, a.action_id, a.action_type.value,
+                     a.payload.target.session_id) for a in decoded.actions)
+
+    async def answer(message_id: str, action_id: str, action_type: str, blocks: int) -> None:
+        await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+            message_id=message_id, action_id=action_id, action_type=action_type,
+            worker_id="w0", status=OutcomeStatus.ACCEPTED, requested=Amount(blocks, 32 * blocks),
+            applied=Amount(blocks, 32 * blocks), at=time.time())))
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix,
+                               hints={"api_outcome_timeout_s": 5.0})
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            await chat(client, router.url, "agent", "x" * 400)
+            await until(lambda: len(held) >= 1)
+            message_id, action_id, action_type, session = held.pop()
+            assert action_type == "kv.retain" and session is not None
+            await answer(message_id, action_id, action_type, 4)
+            await until(lambda: action_id not in runtime.hints.pending)
+
+            async def views() -> tuple[object, dict[str, int]]:
+                detail = (await client.get(f"{router.url}/admin/sessions/default/agent")).json()
+                worker = (await client.get(f"{router.url}/admin/workers/w0")).json()
+                return detail["planner"]["protection"], worker["held_by_hints"]
+
+            protection, on_worker = await views()
+            assert protection["action_id"] == action_id and protection["blocks"] == 4
+            assert on_worker["retained_blocks"] == 4
+            assert runtime.hints.holdings.tenant("default").retained_blocks == 4
+            # Displaced: 3 of its 4 blocks went to a higher-priority retain.
+            await publish_release(nc, subjects, action_id, action_type, session, 3, 1,
+                                  ReleaseReason.DISPLACED)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 1)
+            protection, on_worker = await views()
+            assert protection["blocks"] == 1 and on_worker["retained_blocks"] == 1
+            assert runtime.hints.holdings.tenant("default").retained_blocks == 1
+            # Relieved: the last one went too. Nothing protects the session any more.
+            await publish_release(nc, subjects, action_id, action_type, session, 1, 0,
+                                  ReleaseReason.PRESSURE)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 0)
+            protection, on_worker = await views()
+            assert protection is None and on_worker == {"pinned_blocks": 0,
+                                                        "retained_blocks": 0}
+            (row,) = [h for h in (await client.get(f"{router.url}/admin/hints", params={
+                "session_id": "agent"})).json()["hints"] if h["action_id"] == action_id]
+            assert (row["status"], row["applied_blocks"], row["release_reason"],
+                    row["held_after_release_blocks"]) == ("accepted", 4, "pressure", 0)
+            # The dashboard's recent actions (memory, not the store) show it too.
+            (recent,) = [h for h in (await client.get(f"{router.url}/admin/overview")).json()[
+                "hints"] if h["action_id"] == action_id]
+            assert (recent["release_reason"], recent["held_after_release_blocks"]) == (
+                "pressure", 0)
+            # An API pin whose release comes before its outcome: the outcome is capped.
+            response = asyncio.ensure_future(client.post(
+                f"{router.url}/v1/sessions/agent/hints",
+                json={"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 30}}]}))
+            await until(lambda: any(a.startswith("kva-") for _m, a, _t, _s in held))
+            (message_id, pin_id, pin_type, pin_session), = [
+                h for h in held if h[1].startswith("kva-")]
+            await publish_release(nc, subjects, pin_id, pin_type, pin_session, 2, 1,
+                                  ReleaseReason.RESET)
+            await until(lambda: runtime.metrics.hold_releases.labels(
+                "kv.pin", "reset")._value.get() == 2)
+            await answer(message_id, pin_id, pin_type, 3)
+            action = (await response).json()["actions"][0]
+            assert action["status"] == "accepted" and action["applied_blocks"] == 1
+            assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
+            # A malformed report is counted and changes nothing.
+            await nc.publish(subjects.releases("w0"), b'{"worker_id": "w0", "releases": [{}]}')
+            await until(lambda: runtime.metrics.drops.labels("releases_malformed")
+                        ._value.get() == 1)
+            assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
+            metrics = (await client.get(f"{router.url}/metrics")).text
+            assert 'kvhint_router_hold_released_blocks_total{action="kv.retain",' \
+                   'reason="displaced"} 3.0' in metrics
+    finally:
+        await nc.drain()
+
+
+async def test_a_restarted_router_counts_what_the_workers_still_hold(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """The workers keep their Pins and Retains while the router restarts: the new router
+    rebuilds its holdings from the store (answered, TTL not over, less what workers
+    released, also while no router ran), so the worker's and the tenant's budgets are not
+    believed empty."""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    nc = await nats.connect(nats_url)
+    retains: dict[str, str] = {}  # session (worker-side id) -> its latest retain
+    seen: list[str] = []  # every action id, in order
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - accepts every action: 4 blocks
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            seen.append(action.action_id)
+            if action.action_type.value == "kv.retain":
+                retains[action.payload.target.session_id] = action.action_id
+            await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+                message_id=decoded.message_id, action_id=action.action_id,
+                action_type=action.action_type.value, worker_id="w0",
+                status=OutcomeStatus.ACCEPTED, requested=Amount(4, 128),
+                applied=Amount(4, 128), at=time.time())))
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            await chat(client, router.url, "agent", "x" * 400)
+            await chat(client, router.url, "pinned", "y" * 400)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 8)
+            # The API's pin of "pinned" supersedes that session's retain (as the plugin does).
+            pin = (await client.post(f"{router.url}/v1/sessions/pinned/hints", json={
+                "actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]})).json()
+            pin_id = pin["actions"][0]["action_id"]
+            assert runtime.hints.holdings.worker("w0") == Holdings(4, 4)
+            await publish_release(nc, subjects, pin_id, "kv.pin", None, 3, 1,
+                                  ReleaseReason.RESET)
+            await until(lambda: runtime.hints.holdings.worker("w0").pinned_blocks == 1)
+        # No router now: the worker relieves 3 of "agent"'s 4 retained blocks.
+        (agent,) = [s for s in retains if s.endswith("/agent")]
+        await publish_release(nc, subjects, retains[agent], "kv.retain", agent, 3, 1,
+                              ReleaseReason.PRESSURE)
+        before = len(seen)
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            holdings = router.runtime.hints.holdings
+            # The engine epoch comes back from the store: a heartbeat from another epoch
+            # will say the engine restarted meanwhile.
+            assert router.runtime.workers.get("w0").epoch == "e1"
+            await until(lambda: holdings.worker("w0").retained_blocks == 1)
+            assert holdings.worker("w0") == Holdings(1, 1)
+            assert holdings.tenant("default") == Holdings(1, 1)
+            # New actions get new ids: a repeated one would get the old one's outcome from
+            # the worker's idempotency memory, and its store row.
+            await plugin_registered(router.runtime, nc, subjects)
+            await chat(client, router.url, "later", "z" * 400)
+            await until(lambda: len(seen) > before)
+            assert not set(seen[before:]) & set(seen[:before])
+            await until(lambda: holdings.worker("w0").retained_blocks == 5)
+            # The engine restarts: it holds nothing, and neither do the budgets.
+            await nc.publish(subjects.status("w0"), status("w0", "e2", 0))
+            await until(lambda: holdings.worker("w0") == Holdings())
+            assert holdings.tenant("default") == Holdings()
+    finally:
+        await nc.drain()
+
+
+async def test_sessions_sharing_a_system_prompt_hold_its_blocks_once(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """Two sessions over one system prompt, each Retain accepted whole: the worker holds
+    the prompt's blocks once under both, and so must the router's budgets. Before, each
+    Retain counted them: ``held_by_hints`` and the tenant's retained budget overstated
+    what the worker held by the shared blocks (at vLLM's block size 16, 128 blocks per
+    session for a 2,000-token system prompt)."""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    stub.prompt_tokens = 1000  # about what the router's tokenizer counts for each prompt
+    nc = await nats.connect(nats_url)
+    retains: dict[str, tuple[str, object]] = {}
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - remembers each session's retain
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            if action.action_type.value == "kv.retain":
+                retains[action.payload.target.session_id] = (decoded.message_id, action)
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix)
+    system = "You are a careful agent that plans before it acts. " * 20
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            named: dict[str, tuple[int, ...]] = {}
+            asked: dict[str, int] = {}
+            for name in ("a", "b"):
+                await chat(client, router.url, name, f"task {name}: " + "y" * 300,
+                           system=system)
+                await until(lambda: f"default/{name}" in retains)
+                message_id, action = retains[f"default/{name}"]
+                blocks = action.payload.target.prefix_tokens // 32
+                named[name] = runtime.sessions.get("default", name).last_block_hashes[:blocks]
+                asked[name] = blocks
+                await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+                    message_id=message_id, action_id=action.action_id,
+                    action_type="kv.retain", worker_id="w0", status=OutcomeStatus.ACCEPTED,
+                    requested=Amount(blocks, 32 * blocks), applied=Amount(blocks, 32 * blocks),
+                    at=time.time())))
+            await until(lambda: not runtime.hints.pending)
+            shared = set(named["a"]) & set(named["b"])
+            assert len(shared) >= 10  # the system prompt's blocks
+            held = sum(asked.values()) - len(shared)
+            worker = (await client.get(f"{router.url}/admin/workers/w0")).json()
+            assert worker["held_by_hints"] == {"pinned_blocks": 0, "retained_blocks": held}
+            assert runtime.hints.holdings.tenant("default") == Holdings(0, held)
+            # One session ends its protection: the other still holds the shared blocks.
+            a_id = retains["default/a"][1].action_id
+            await publish_release(nc, subjects, a_id, "kv.retain", "default/a",
+                                  asked["a"], 0, ReleaseReason.DISPLACED)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks
+                        == asked["b"])
+    finally:
+        await nc.drain()
