@@ -18,13 +18,14 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvhint.router.policy import NoWorkerAvailable
+from kvhint.router.policy import FinishReason, NoWorkerAvailable
 from kvhint.router.service.inbound import InboundRequest, openai_error
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation, SseRelay
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
 from kvhint.router.service.upstream import (
     UpstreamBroken,
     UpstreamPool,
@@ -91,21 +92,26 @@ class _Flight:
     predicted_cached: int | None = 0
     prefill_pending: int = 0
     observation: ResponseObservation = field(default_factory=ResponseObservation)
+    trace_ticket: int | None = None
 
 
 class Forwarder:
     def __init__(self, workers: WorkerRegistry, routing: RoutingService, pool: UpstreamPool,
                  lifecycle: SessionLifecycle, metrics: RouterMetrics,
-                 on_worker_down: Callable[[str], None]) -> None:
+                 on_worker_down: Callable[[str], None],
+                 recorder: TraceRecorder | None = None) -> None:
         self._workers = workers
         self._routing = routing
         self._pool = pool
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._on_worker_down = on_worker_down
+        self._recorder = recorder
 
     async def forward(self, inbound: InboundRequest) -> Response:
         flight = _Flight(inbound, None, None, time.perf_counter())
+        if self._recorder is not None:
+            flight.trace_ticket = self._recorder.arrived()
         if inbound.client_session_id is not None:
             flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
                                                        inbound.client_session_id)
@@ -147,10 +153,11 @@ class Forwarder:
         worker.inflight += 1
         opening = asyncio.ensure_future(
             self._pool.open(worker_id, worker.url + flight.inbound.endpoint.path, body))
-        if flight.plan.deferred and flight.record is not None:
+        if flight.plan.deferred and (flight.record is not None or self._recorder is not None):
             # One candidate: the decision needed no prompt hashes. A session still wants
-            # them (its blocks, the prediction), computed while the request is on its way;
-            # a request without a session skips hashing (and makes no prediction).
+            # them (its blocks, the prediction), and so does the trace recorder, computed
+            # while the request is on its way; otherwise a request without a session
+            # skips hashing (and makes no prediction).
             await asyncio.sleep(0)
             flight.plan = await self._routing.complete(flight.plan, flight.inbound)
         plan = flight.plan
@@ -239,11 +246,30 @@ class Forwarder:
         if observation.prompt_tokens is not None and flight.worker_id is not None:
             self._metrics.record_usage(worker_id, observation.prompt_tokens,
                                        observation.cached_tokens or 0, flight.predicted_cached)
+        if self._recorder is not None and flight.trace_ticket is not None:
+            self._recorder.finished(flight.trace_ticket, *_traced(flight, status))
         if flight.record is not None:
             ok = 200 <= status < 300 and observation.prompt_tokens is not None
             await self._lifecycle.finished(flight.record, flight.worker_id or "",
                                            observation if ok else None,
                                            flight.inbound.session_end)
+
+
+def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
+    """What the trace recorder gets for a finished request, or why it gets nothing."""
+    plan, observation = flight.plan, flight.observation
+    if plan is None or not 200 <= status < 300 or observation.prompt_tokens is None:
+        return None, "trace_failed"
+    if not plan.exact:
+        return None, "trace_unhashed"
+    finish = observation.finish()
+    inbound = flight.inbound
+    return TracedRequest(
+        tenant=inbound.tenant.name, session_id=inbound.client_session_id,
+        prompt_tokens=plan.prompt_tokens, block_hashes=plan.block_hashes,
+        block_size=plan.block_size, output_tokens=observation.completion_tokens or 0,
+        finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
+        tool_names=tuple(observation.tool_names), end=inbound.session_end), ""
 
 
 def _error(message: str, status: int) -> Response:

@@ -99,11 +99,7 @@ class SessionLifecycle:
         if observation is not None and observation.prompt_tokens is not None:
             record.prompt_tokens += observation.prompt_tokens
             record.cached_tokens += observation.cached_tokens or 0
-            reason = FinishReason.parse(observation.finish_reason)
-            if observation.tool_names and reason is not FinishReason.TOOL_CALLS and (
-                    reason in (FinishReason.STOP, FinishReason.OTHER)):
-                # Named tool_choice answers with tool calls and finish_reason "stop".
-                reason = FinishReason.TOOL_CALLS
+            reason = observation.finish()
             if reason is FinishReason.TOOL_CALLS:
                 record.state = TOOL_GAP
                 record.open_gap = {"tools": sorted(set(observation.tool_names)),

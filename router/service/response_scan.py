@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from kvhint.router.policy import FinishReason
+
 
 class _Function(msgspec.Struct):
     name: str | None = None
@@ -83,6 +85,14 @@ class ResponseObservation:
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
             return not body.choices
         return False
+
+    def finish(self) -> FinishReason:
+        """How the response ended, for the planner: a response that called tools ends in
+        tool calls even where the server said ``stop`` (a named ``tool_choice``)."""
+        reason = FinishReason.parse(self.finish_reason)
+        if self.tool_names and reason in (FinishReason.STOP, FinishReason.OTHER):
+            return FinishReason.TOOL_CALLS
+        return reason
 
 
 class SseRelay:

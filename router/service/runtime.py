@@ -3,8 +3,8 @@ down in reverse order. Nothing here exists at import time.
 
 Start order: metrics -> store (migrate, recover) -> workers, sessions, hints -> upstream
 HTTP pool -> tokenizer discovery -> index + ingestor + the prompt-hashing thread -> NATS
-(background connect) -> periodic loops. Stop: loops -> NATS drain -> HTTP pool -> hashing
-thread -> last store flush -> engine.
+(background connect) -> periodic loops. Stop: loops -> trace file -> NATS drain -> HTTP
+pool -> hashing thread -> last store flush -> engine.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import RouterSettings
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.router.service.timeline import Timeline
+from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
@@ -49,6 +50,7 @@ MAX_SESSIONS_IN_MEMORY = 200_000
 TIMELINE_INTERVAL_S = 5.0
 FEED_TICK_S = 1.0
 MODEL_DISCOVERY_S = 10.0
+TRACE_FLUSH_S = 1.0
 
 
 @dataclass
@@ -72,6 +74,7 @@ class RouterRuntime:
     link: NatsLink | None = None
     feed: ClusterFeed | None = None
     models: dict[str, str] = field(default_factory=dict)  # served name -> tokenizer path
+    recorder: TraceRecorder | None = None
     started_at: float = field(default_factory=time.time)
     _loops: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -144,11 +147,19 @@ class RouterRuntime:
                                  hash_executor=hash_executor,
                                  hash_thread_min_tokens=settings.routing.hash_thread_min_tokens)
         prober = HealthProber(workers, pool, settings.health_probe_s)
+        recorder = None
+        if settings.trace_dir is not None:
+            # Fails the start-up if the folder cannot be made, not the first write.
+            await asyncio.to_thread(settings.trace_dir.mkdir, parents=True, exist_ok=True)
+            # A request never waits longer than its timeout; a minute more is slack.
+            recorder = TraceRecorder(settings.trace_dir, metrics.drop,
+                                     stall_s=settings.request_timeout_s + 60.0)
+            log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
-                              on_worker_down=prober.probe_later)
+                              on_worker_down=prober.probe_later, recorder=recorder)
         runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
-                      link=link, models=models)
+                      link=link, models=models, recorder=recorder)
         metrics.bind_state(runtime.state_sample)
         for tenant in directory.tenants:
             writer.upsert("tenants", (tenant.name,), {"name": tenant.name,
@@ -179,6 +190,9 @@ class RouterRuntime:
             asyncio.create_task(runtime._every(MODEL_DISCOVERY_S, runtime._discover),
                                 name="kvhint-models"),
         ]
+        if recorder is not None:
+            runtime._loops.append(asyncio.create_task(
+                runtime._every(TRACE_FLUSH_S, recorder.flush), name="kvhint-trace"))
         # What start-up built (transformers, tokenizers, torch's module graph: millions of
         # objects) lives as long as the process; left to the collector, every full
         # collection under load walks it again (measured: ~340 ms with the loop stopped).
@@ -193,6 +207,8 @@ class RouterRuntime:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        if self.recorder is not None:
+            await self.recorder.close()
         if self.feed is not None:
             await self.feed.close()
         if self.link is not None:

@@ -169,6 +169,9 @@ class RouterSettings(BaseSettings):
 
     routing: RoutingSettings = RoutingSettings()
     hints: HintSettings = HintSettings()
+    # Record the traffic served as session JSONL for `kvhint sim run` (block hashes and
+    # lengths, no text; trace_recorder.py): one file per start in this directory. None: off.
+    trace_dir: Path | None = None
 
     connect_timeout_s: float = Field(3.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)

@@ -37,7 +37,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                      help="G2 (host) blocks per worker, vLLM's CPU offloading bookkeeping")
     run.add_argument("--router", default="all",
                      help=f"one of {', '.join(POLICY_NAMES)}, a comma-separated list, or all")
-    run.add_argument("--block-size", type=int, default=512, help="tokens per block (trace's)")
+    run.add_argument("--block-size", type=int, default=512,
+                     help="tokens per simulated block (the trace's, unless "
+                          "--trace-block-size); a multiple of 32 (vLLM on the CPU)")
+    run.add_argument("--trace-block-size", type=int, default=None,
+                     help="tokens each of the trace's hash_ids names, when it divides "
+                          "--block-size (a router recording at vLLM's GPU block size 16: "
+                          "the file name says -bs16)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--limit", type=int, default=None, help="only the first N requests")
     run.add_argument("--json", action="store_true",
@@ -105,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvhint.router.sim.trace import TraceError, load_trace
 
     try:
-        trace = load_trace(args.trace, args.block_size, args.limit)
+        trace = load_trace(args.trace, args.block_size, args.limit, args.trace_block_size)
     except TraceError as exc:
         return _fail(str(exc))
     # Heavy imports (vLLM) only once the input is known good.

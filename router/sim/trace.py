@@ -80,9 +80,20 @@ class Trace:
         return len({r.session_id for r in self.requests})
 
 
-def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None) -> Trace:
-    """Parse and validate a whole trace (first ``limit`` requests when given)."""
+def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None,
+               trace_block_size: int | None = None) -> Trace:
+    """Parse and validate a whole trace (first ``limit`` requests when given).
+
+    ``trace_block_size``: the tokens each of the file's ``hash_ids`` names, when it is not
+    ``block_size`` but divides it (a trace the router recorded at vLLM's GPU block size
+    16, simulated at the CPU build's 32 or more): every ``block_size // trace_block_size``
+    ids become one block, named by the last of them. Ids are chained by prefix, so the
+    last id of a group names the group's whole prefix."""
     name = str(path)
+    trace_block_size = trace_block_size or block_size
+    if trace_block_size <= 0 or block_size % trace_block_size:
+        raise TraceError(name, 0, f"the trace's block size {trace_block_size} must divide "
+                                  f"the simulated block size {block_size}")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
@@ -99,7 +110,9 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     ended: set[str] = set()
     inference = _SessionInference(block_size)
     for line, obj in rows:
-        common = _common_fields(name, line, obj, block_size, fmt)
+        common = _common_fields(name, line, obj, trace_block_size, fmt)
+        if trace_block_size != block_size:
+            common = (*common[:3], _regroup(common[3], block_size // trace_block_size))
         timestamp, input_length, output_length, block_ids = common
         if timestamp < previous_ms:
             raise TraceError(
@@ -114,6 +127,12 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
             continue
         requests.append(_session_request(name, line, obj, common, turns, ended))
     return Trace(name, fmt, block_size, tuple(requests))
+
+
+def _regroup(block_ids: tuple[int, ...], factor: int) -> tuple[int, ...]:
+    """Every ``factor`` consecutive ids as one, named by the last (a partial group too)."""
+    return tuple(block_ids[min(start + factor, len(block_ids)) - 1]
+                 for start in range(0, len(block_ids), factor))
 
 
 def _json_lines(name: str, text: str, limit: int | None) -> Iterator[tuple[int, dict]]:

@@ -89,3 +89,20 @@ def test_empty_and_missing_files(tmp_path):
 def test_limit_and_blank_lines(tmp_path):
     path = _write(tmp_path, [_mc(0, [1]), "", _mc(1, [2]), _mc(2, [3])])
     assert [r.line for r in load_trace(path, limit=2).requests] == [1, 3]
+
+
+def test_a_trace_of_smaller_blocks_is_simulated_in_groups_named_by_their_last_id(tmp_path):
+    # Recorded at 16 tokens per id (a router in front of GPU workers), simulated at 32.
+    path = _write(tmp_path, [
+        {"timestamp": 0, "session_id": "s", "input_length": 70, "output_length": 1,
+         "hash_ids": [1, 2, 3, 4, 5]},
+        {"timestamp": 1, "session_id": "s", "input_length": 40, "output_length": 1,
+         "hash_ids": [1, 2, 9]},
+    ])
+    trace = load_trace(path, block_size=32, trace_block_size=16)
+    assert trace.block_size == 32
+    assert [r.block_ids for r in trace.requests] == [(2, 4, 5), (2, 9)]
+    with pytest.raises(TraceError, match="hash_ids' has 5 ids but input_length 70 needs 3"):
+        load_trace(path, block_size=32)  # read as 32-token ids: the counts do not fit
+    with pytest.raises(TraceError, match="must divide the simulated block size 32"):
+        load_trace(path, block_size=32, trace_block_size=24)

@@ -1,0 +1,200 @@
+"""Traffic recording: the requests the router serves, written as kvhint session JSONL (the
+simulator's input, ``router/sim/trace.py``), so that ``kvhint sim run`` replays an
+operator's own traffic against every policy and cache size before kvhint steers it.
+
+One line per recorded request, in arrival order::
+
+    {"timestamp": ms since the recording started, "session_id", "tenant",
+     "input_length": the router's prompt token count, "output_length": completion tokens,
+     "hash_ids": the router's block hashes of the prompt, "finish_reason",
+     "tool_names" (tool calls only), "end" (explicit end only)}
+
+No prompt text is written, only block hashes and lengths. ``hash_ids`` are the prompt's
+vLLM block hashes as the router computes them for routing; a partial last block gets an
+id of its own (the format names every block, full or not).
+
+Contracts:
+- recorded: requests whose prompt the router hashed with the model's tokenizer and that
+  the worker answered (2xx with usage). The rest are counted, never silently lost:
+  ``kvhint_router_drops_total{what="trace_failed" | "trace_unhashed" |
+  "trace_block_size" | "trace_stalled" | "trace_unfinished" | "trace_write_error"}``.
+- arrival order: a finished request waits for every request that arrived before it; one
+  that has not finished ``stall_s`` after it arrived is dropped (``trace_stalled``), so
+  one lost request cannot hold the file back.
+- one file per router start, ``kvhint-trace-<UTC start>-bs<block size>.jsonl`` in the
+  configured directory, opened at the first recorded request; replay it with
+  ``--block-size <block size>``. Requests hashed at another block size are dropped.
+- a session id a client reuses after it ended the session continues as ``<id>~2``, ``~3``
+  ... (a session ends for good in the trace format); a request without a session is a
+  one-turn session ``~r<n>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+FILE_PREFIX = "kvhint-trace-"
+
+
+@dataclass(frozen=True, slots=True)
+class TracedRequest:
+    """What the router knows of one finished request (``session_id`` None: none given)."""
+
+    tenant: str
+    session_id: str | None
+    prompt_tokens: int
+    block_hashes: tuple[int, ...]  # full prompt blocks, root first
+    block_size: int
+    output_tokens: int
+    finish_reason: str  # stop | tool_calls | length
+    tool_names: tuple[str, ...]
+    end: bool
+
+
+class TraceRecorder:
+    """Single event loop; file writes happen on a worker thread (:meth:`flush`).
+
+    Invariant: every ticket in ``[_emitted, _issued)`` is in ``_arrivals`` until it is
+    emitted or dropped; ``_finished`` holds those that finished, ``None`` for one that is
+    not recorded (already counted)."""
+
+    def __init__(self, directory: Path, drop: Callable[[str, int], None], stall_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.directory = directory
+        self._drop = drop
+        self._stall_s = stall_s
+        self._clock = clock
+        self._started = clock()
+        self._started_wall = wall()
+        self._issued = 0
+        self._emitted = 0
+        self._arrivals: dict[int, float] = {}
+        self._finished: dict[int, TracedRequest | None] = {}
+        self._lines: list[str] = []
+        self._block_size: int | None = None
+        self._file: IO[str] | None = None
+        self.path: Path | None = None
+        # Sessions that ended: (tenant, id) -> how many times (the next one is "~n+1").
+        self._ended: dict[tuple[str, str], int] = {}
+        self._partial_ids = 0
+        self._written = 0
+
+    @property
+    def written(self) -> int:
+        return self._written
+
+    def arrived(self) -> int:
+        """A request arrived; returns its ticket for :meth:`finished`."""
+        ticket = self._issued
+        self._issued += 1
+        self._arrivals[ticket] = self._clock()
+        return ticket
+
+    def finished(self, ticket: int, request: TracedRequest | None, reason: str = "") -> None:
+        """The request of ``ticket`` ended: ``request`` to record it, or None with the
+        drop ``reason`` it is counted under."""
+        if ticket not in self._arrivals or ticket in self._finished:
+            return  # dropped as stalled meanwhile (counted then)
+        if request is not None and self._block_size not in (None, request.block_size):
+            request, reason = None, "trace_block_size"
+        if request is not None and len(request.block_hashes) < (
+                request.prompt_tokens // request.block_size):
+            request, reason = None, "trace_unhashed"
+        if request is None:
+            self._drop(reason, 1)
+        elif self._block_size is None:
+            self._block_size = request.block_size
+        self._finished[ticket] = request
+        self._emit()
+
+    async def flush(self) -> None:
+        """Drop stalled requests, then append the lines ready so far to the file."""
+        now = self._clock()
+        while self._emitted < self._issued and self._emitted not in self._finished and (
+                now - self._arrivals[self._emitted] > self._stall_s):
+            self._finished[self._emitted] = None
+            self._drop("trace_stalled", 1)
+            self._emit()
+        await self._write()
+
+    async def close(self) -> None:
+        """Write what finished; requests still unfinished are dropped (counted)."""
+        unfinished = [t for t in range(self._emitted, self._issued) if t not in self._finished]
+        for ticket in unfinished:
+            self._finished[ticket] = None
+        if unfinished:
+            self._drop("trace_unfinished", len(unfinished))
+        self._emit()
+        await self._write()
+        if self._file is not None:
+            await asyncio.to_thread(self._file.close)
+            self._file = None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _emit(self) -> None:
+        while self._emitted in self._finished:
+            ticket = self._emitted
+            request = self._finished.pop(ticket)
+            arrived = self._arrivals.pop(ticket)
+            self._emitted += 1
+            if request is not None:
+                self._lines.append(self._line(ticket, arrived, request))
+
+    def _line(self, ticket: int, arrived: float, request: TracedRequest) -> str:
+        if request.session_id is None:
+            session_id = f"~r{ticket}"
+        else:
+            key = (request.tenant, request.session_id)
+            ends = self._ended.get(key, 0)
+            session_id = request.session_id if ends == 0 else f"{request.session_id}~{ends + 1}"
+            if request.end:
+                self._ended[key] = ends + 1
+        full = request.prompt_tokens // request.block_size
+        hash_ids = list(request.block_hashes[:full])
+        if request.prompt_tokens % request.block_size:
+            self._partial_ids += 1
+            hash_ids.append(self._partial_ids)
+        row: dict[str, object] = {
+            "timestamp": round((arrived - self._started) * 1000.0, 1),
+            "session_id": session_id, "tenant": request.tenant,
+            "input_length": request.prompt_tokens, "output_length": request.output_tokens,
+            "hash_ids": hash_ids, "finish_reason": request.finish_reason,
+        }
+        if request.finish_reason == "tool_calls" and request.tool_names:
+            row["tool_names"] = list(request.tool_names)
+        if request.end and request.session_id is not None:
+            row["end"] = True
+        return json.dumps(row, separators=(",", ":")) + "\n"
+
+    async def _write(self) -> None:
+        if not self._lines:
+            return
+        lines, self._lines = self._lines, []
+        try:
+            await asyncio.to_thread(self._append, lines)
+        except OSError:
+            self._drop("trace_write_error", len(lines))
+            return
+        self._written += len(lines)
+
+    def _append(self, lines: list[str]) -> None:
+        if self._file is None:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._started_wall))
+            self.directory.mkdir(parents=True, exist_ok=True)
+            name = f"{FILE_PREFIX}{stamp}-bs{self._block_size}"
+            path, n = self.directory / f"{name}.jsonl", 1
+            while path.exists():  # another router started in the same second
+                n += 1
+                path = self.directory / f"{name}-{n}.jsonl"
+            self.path = path
+            self._file = path.open("x", encoding="utf-8")
+        self._file.writelines(lines)
+        self._file.flush()

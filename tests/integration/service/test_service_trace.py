@@ -1,0 +1,69 @@
+"""Recorded traffic replays in the simulator: the router (real tokenizer, a stub worker)
+writes what it serves as session JSONL, and ``kvhint sim`` loads and replays that file,
+the second turn of a session finding the first turn's blocks cached."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from conftest import StubWorker, router_settings, running_router
+from kvhint.router.service.trace_recorder import FILE_PREFIX
+from kvhint.router.sim.engine import SimConfig, Simulation
+from kvhint.router.sim.trace import load_trace
+
+SYSTEM = {"role": "system", "content": "You are an agent. Plan, then call tools. " * 12}
+
+
+async def _post(client: httpx.AsyncClient, url: str, messages: list[dict[str, Any]],
+                session: str | None = None, end: bool = False) -> int:
+    headers = {"X-Session-End": "true"} if end else {}
+    body: dict[str, Any] = {"model": "stub", "messages": messages}
+    if session is not None:
+        body["session_id"] = session
+    response = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+    return response.status_code
+
+
+async def test_recorded_traffic_replays_in_the_simulator(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    stub = stub_workers[0]
+    traces = tmp_path / "traces"
+    settings = router_settings(tmp_path, [("w0", stub.url)], trace_dir=str(traces))
+    first = [SYSTEM, {"role": "user", "content": "Find the failing test in the repo."}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "c0", "type": "function", "function": {"name": "search", "arguments": "{}"}}]}
+    second = [*first, call, {"role": "tool", "tool_call_id": "c0",
+                             "content": "tests/test_io.py::test_read fails " * 8}]
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
+        assert await _post(client, router.url, first, "a") == 200
+        stub.finish_reason, stub.tool_names = "stop", []
+        assert await _post(client, router.url, second, "a", end=True) == 200
+        assert await _post(client, router.url, [{"role": "user", "content": "hi"}]) == 200
+        stub.mode = "status:500"
+        assert await _post(client, router.url, first, "b") == 500
+        metrics = (await client.get(f"{router.url}/metrics")).text
+    assert 'kvhint_router_drops_total{what="trace_failed"} 1.0' in metrics
+    (path,) = traces.glob(f"{FILE_PREFIX}*-bs16.jsonl")  # written when the router stopped
+    trace = load_trace(path, block_size=16)
+    a1, a2, anonymous = trace.requests
+    assert (a1.session_id, a1.turn, a1.finish_reason, a1.tool_names) == (
+        "a", 1, "tool_calls", ("search",))
+    assert (a2.session_id, a2.turn, a2.finish_reason, a2.end) == ("a", 2, "stop", True)
+    assert anonymous.session_id.startswith("~r") and anonymous.turn == 1
+    # The second turn's prompt extends the first's: its hashes start with the first's
+    # full blocks (the router's vLLM-compatible hashes, no text in the file).
+    full = a1.input_length // 16
+    assert full >= 10 and a2.block_ids[:full] == a1.block_ids[:full]
+    assert 0 < a1.arrival_s <= a2.arrival_s <= anonymous.arrival_s
+    assert "Plan, then call tools" not in path.read_text()
+    # Replayed at the CPU build's block size 32 (two recorded blocks per block).
+    replayed = load_trace(path, block_size=32, trace_block_size=16)
+    sim = Simulation(replayed, SimConfig(workers=1, gpu_blocks=256, block_size=32,
+                                         keep_records=True), "kvhint")
+    result = sim.run()
+    hits = {r.line: r.g1_hit_tokens for r in result.records}
+    assert hits[replayed.requests[1].line] == a1.input_length // 32 * 32
