@@ -35,6 +35,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -58,7 +59,8 @@ class TracedRequest:
 
 
 class TraceRecorder:
-    """Single event loop; file writes happen on a worker thread (:meth:`flush`).
+    """Single event loop; file writes happen on one thread of the recorder's own, in the
+    order they were asked for (a flush cancelled at shutdown still lands before the last).
 
     Invariant: every ticket in ``[_emitted, _issued)`` is in ``_arrivals`` until it is
     emitted or dropped; ``_finished`` holds those that finished, ``None`` for one that is
@@ -85,6 +87,7 @@ class TraceRecorder:
         self._ended: dict[tuple[str, str], int] = {}
         self._partial_ids = 0
         self._written = 0
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-trace")
 
     @property
     def written(self) -> int:
@@ -134,8 +137,9 @@ class TraceRecorder:
         self._emit()
         await self._write()
         if self._file is not None:
-            await asyncio.to_thread(self._file.close)
+            await asyncio.get_running_loop().run_in_executor(self._io, self._file.close)
             self._file = None
+        self._io.shutdown(wait=True)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -179,7 +183,7 @@ class TraceRecorder:
             return
         lines, self._lines = self._lines, []
         try:
-            await asyncio.to_thread(self._append, lines)
+            await asyncio.get_running_loop().run_in_executor(self._io, self._append, lines)
         except OSError:
             self._drop("trace_write_error", len(lines))
             return

@@ -133,6 +133,9 @@ def run_system(system: str, model: Path, work: Path, workload: AgentWorkload,
             "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(64 << 20),
             "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(16 << 20),
             "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(16 << 20),
+            # The run as session JSONL, for replaying it in the simulator (README,
+            # "Your own traffic"; BENCHMARKS.md, "simulator against a live run").
+            "KVHINT_ROUTER_TRACE_DIR": str(work / f"{tag}-trace"),
         }, work / f"{tag}-router.log", port=free_port())
     else:
         router = VllmRouterProcess(free_port(), [s.url for s in servers], system,
@@ -158,6 +161,7 @@ def run_system(system: str, model: Path, work: Path, workload: AgentWorkload,
             # CPU the router used while serving the workload (start-up excluded).
             extra["router_cpu_s"] = round(process_cpu_s(router.pid) - cpu_before, 2)
         if system == "kvhint":
+            extra["trace_dir"] = str(work / f"{tag}-trace")  # written when the router stops
             hints = httpx.get(f"{router.url}/admin/hints", params={"limit": 1}).json()
             extra["hint_outcomes"] = hints["counts_by_status"]
             metrics = httpx.get(f"{router.url}/metrics").text
