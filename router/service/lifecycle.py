@@ -48,7 +48,9 @@ from kvhint.schemas import HintOutcome, HoldRelease
 class SessionLifecycle:
     def __init__(self, sessions: SessionRegistry, hints: HintDispatcher, metrics: RouterMetrics,
                  hints_enabled: bool, forget_after_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_end: Callable[[str, str], None] | None = None) -> None:
+        """``on_end(tenant, session_id)``: told of every end (the trace recorder)."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -56,6 +58,7 @@ class SessionLifecycle:
         self._forget_after_s = forget_after_s
         self._clock = clock
         self._prefix_retains = SharedPrefixRetains()
+        self._on_end = on_end
 
     def begin_turn(self, tenant: str, session_id: str) -> SessionRecord:
         now = self._clock()
@@ -121,6 +124,8 @@ class SessionLifecycle:
         record.state = ENDED
         record.ended_at = now
         record.open_gap = None
+        if self._on_end is not None:
+            self._on_end(record.tenant, record.session_id)
         event = SessionEnded(record.worker_session_id, now)
         sent = await self._apply(record, plan_session_end(
             self.hints.context(now, record.tenant), record.plan, event))

@@ -124,8 +124,17 @@ class RouterRuntime:
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
         sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
         restored = sessions.restore(recovery.sessions)
+        recorder = None
+        if settings.trace_dir is not None:
+            # Fails the start-up if the folder cannot be made, not the first write.
+            await asyncio.to_thread(settings.trace_dir.mkdir, parents=True, exist_ok=True)
+            # A request never waits longer than its timeout; a minute more is slack.
+            recorder = TraceRecorder(settings.trace_dir, metrics.drop,
+                                     stall_s=settings.request_timeout_s + 60.0)
+            log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         lifecycle = SessionLifecycle(sessions, hints, metrics, settings.hints.enabled,
-                                     settings.routing.session_forget_s)
+                                     settings.routing.session_forget_s,
+                                     on_end=recorder.session_ended if recorder else None)
 
         pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s)
         await pool.start()
@@ -147,14 +156,6 @@ class RouterRuntime:
                                  hash_executor=hash_executor,
                                  hash_thread_min_tokens=settings.routing.hash_thread_min_tokens)
         prober = HealthProber(workers, pool, settings.health_probe_s)
-        recorder = None
-        if settings.trace_dir is not None:
-            # Fails the start-up if the folder cannot be made, not the first write.
-            await asyncio.to_thread(settings.trace_dir.mkdir, parents=True, exist_ok=True)
-            # A request never waits longer than its timeout; a minute more is slack.
-            recorder = TraceRecorder(settings.trace_dir, metrics.drop,
-                                     stall_s=settings.request_timeout_s + 60.0)
-            log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later, recorder=recorder)
         runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,

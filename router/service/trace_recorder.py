@@ -24,9 +24,10 @@ Contracts:
 - one file per router start, ``kvhint-trace-<UTC start>-bs<block size>.jsonl`` in the
   configured directory, opened at the first recorded request; replay it with
   ``--block-size <block size>``. Requests hashed at another block size are dropped.
-- a session id a client reuses after it ended the session continues as ``<id>~2``, ``~3``
-  ... (a session ends for good in the trace format); a request without a session is a
-  one-turn session ``~r<n>``.
+- a session id a client reuses after it ended the session (``X-Session-End``, or the
+  sessions API) continues as ``<id>~2``, ``~3`` ... (a session ends for good in the trace
+  format); a request without a session is a one-turn session ``~r<n>``. An end through
+  the sessions API marks no line ``end`` (the session's last line is already written).
 """
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ class TracedRequest:
     end: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _SessionEnded:
+    """A session ended outside a request, in arrival order among the requests."""
+
+    key: tuple[str, str]
+
+
 class TraceRecorder:
     """Single event loop; file writes happen on one thread of the recorder's own, in the
     order they were asked for (a flush cancelled at shutdown still lands before the last).
 
     Invariant: every ticket in ``[_emitted, _issued)`` is in ``_arrivals`` until it is
     emitted or dropped; ``_finished`` holds those that finished, ``None`` for one that is
-    not recorded (already counted)."""
+    not recorded (already counted), or a session's end (:meth:`session_ended`)."""
 
     def __init__(self, directory: Path, drop: Callable[[str, int], None], stall_s: float,
                  clock: Callable[[], float] = time.monotonic,
@@ -78,13 +86,15 @@ class TraceRecorder:
         self._issued = 0
         self._emitted = 0
         self._arrivals: dict[int, float] = {}
-        self._finished: dict[int, TracedRequest | None] = {}
+        self._finished: dict[int, TracedRequest | _SessionEnded | None] = {}
         self._lines: list[str] = []
         self._block_size: int | None = None
         self._file: IO[str] | None = None
         self.path: Path | None = None
-        # Sessions that ended: (tenant, id) -> how many times (the next one is "~n+1").
-        self._ended: dict[tuple[str, str], int] = {}
+        # Sessions ended since their last line; (tenant, id) -> times a reused id started
+        # over (its lines are "<id>~<n + 1>"). Both hold ended sessions only.
+        self._ended: set[tuple[str, str]] = set()
+        self._restarts: dict[tuple[str, str], int] = {}
         self._partial_ids = 0
         self._written = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-trace")
@@ -115,6 +125,13 @@ class TraceRecorder:
         elif self._block_size is None:
             self._block_size = request.block_size
         self._finished[ticket] = request
+        self._emit()
+
+    def session_ended(self, tenant: str, session_id: str) -> None:
+        """The session was ended outside a request (``DELETE /v1/sessions/{id}``, the admin
+        API): a request that arrives later under its id starts a new session."""
+        ticket = self.arrived()
+        self._finished[ticket] = _SessionEnded((tenant, session_id))
         self._emit()
 
     async def flush(self) -> None:
@@ -149,7 +166,9 @@ class TraceRecorder:
             request = self._finished.pop(ticket)
             arrived = self._arrivals.pop(ticket)
             self._emitted += 1
-            if request is not None:
+            if isinstance(request, _SessionEnded):
+                self._ended.add(request.key)
+            elif request is not None:
                 self._lines.append(self._line(ticket, arrived, request))
 
     def _line(self, ticket: int, arrived: float, request: TracedRequest) -> str:
@@ -157,10 +176,14 @@ class TraceRecorder:
             session_id = f"~r{ticket}"
         else:
             key = (request.tenant, request.session_id)
-            ends = self._ended.get(key, 0)
-            session_id = request.session_id if ends == 0 else f"{request.session_id}~{ends + 1}"
+            if key in self._ended:  # ended earlier: this id starts over
+                self._ended.discard(key)
+                self._restarts[key] = self._restarts.get(key, 0) + 1
+            restarts = self._restarts.get(key, 0)
+            session_id = request.session_id if not restarts else (
+                f"{request.session_id}~{restarts + 1}")
             if request.end:
-                self._ended[key] = ends + 1
+                self._ended.add(key)
         full = request.prompt_tokens // request.block_size
         hash_ids = list(request.block_hashes[:full])
         if request.prompt_tokens % request.block_size:

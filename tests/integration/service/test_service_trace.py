@@ -43,13 +43,18 @@ async def test_recorded_traffic_replays_in_the_simulator(
         stub.finish_reason, stub.tool_names = "stop", []
         assert await _post(client, router.url, second, "a", end=True) == 200
         assert await _post(client, router.url, [{"role": "user", "content": "hi"}]) == 200
+        assert await _post(client, router.url, first, "c") == 200
+        assert (await client.delete(f"{router.url}/v1/sessions/c")).status_code == 200
+        assert await _post(client, router.url, first, "c") == 200  # the id, reused
         stub.mode = "status:500"
         assert await _post(client, router.url, first, "b") == 500
         metrics = (await client.get(f"{router.url}/metrics")).text
     assert 'kvhint_router_drops_total{what="trace_failed"} 1.0' in metrics
     (path,) = traces.glob(f"{FILE_PREFIX}*-bs16.jsonl")  # written when the router stopped
     trace = load_trace(path, block_size=16)
-    a1, a2, anonymous = trace.requests
+    a1, a2, anonymous, c1, again = trace.requests
+    # Ended through the sessions API, then reused: a new session under the old id.
+    assert (c1.session_id, again.session_id, again.turn) == ("c", "c~2", 1)
     assert (a1.session_id, a1.turn, a1.finish_reason, a1.tool_names) == (
         "a", 1, "tool_calls", ("search",))
     assert (a2.session_id, a2.turn, a2.finish_reason, a2.end) == ("a", 2, "stop", True)

@@ -108,3 +108,23 @@ async def test_nothing_recorded_writes_no_file(tmp_path: Path) -> None:
     await recorder.close()
     assert recorder.path is None and not (tmp_path / "traces").exists()
     assert drops == {"trace_failed": 1}
+
+
+async def test_a_session_ended_through_the_api_starts_over_under_its_id(tmp_path: Path) -> None:
+    recorder, _drops = _recorder(tmp_path, Clock())
+    first = recorder.arrived()
+    recorder.session_ended("acme", "s")  # DELETE /v1/sessions/s while turn 1 runs
+    later = recorder.arrived()
+    recorder.finished(later, _request("s", 16, (1001,)))
+    recorder.finished(first, _request("s", 16, (1001,)))
+    recorder.session_ended("acme", "s")  # ended again, then a request-borne end too
+    ends = recorder.arrived()
+    recorder.finished(ends, _request("s", 16, (1001,), end=True))
+    recorder.session_ended("acme", "s")  # the router's own end after that request
+    last = recorder.arrived()
+    recorder.finished(last, _request("s", 16, (1001,)))
+    await recorder.close()
+    assert recorder.path is not None
+    trace = load_trace(recorder.path, block_size=BS)
+    assert [(r.session_id, r.turn, r.end) for r in trace.requests] == [
+        ("s", 1, False), ("s~2", 1, False), ("s~3", 1, True), ("s~4", 1, False)]
