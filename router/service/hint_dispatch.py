@@ -267,14 +267,12 @@ class HintDispatcher:
         worker = self._workers.get(worker_id)
         if worker is not None and worker.status is not None:
             # Pins only: a worker's retain budget is soft (a higher priority displaces a
-            # lower one, an overflow is clipped), which the planner relies on too; and the
-            # ledger sums blocks per action, so a block under several retains (a shared
-            # system prompt) counts several times there, once on the worker.
+            # lower one, an overflow is clipped), which the planner relies on too.
             checks.append((f"worker {worker_id}", "pinned",
                            self.holdings.worker(worker_id).pinned_blocks, pins,
                            worker.status.budgets.max_pinned_blocks))
         for who, kind, current, asked, limit in checks:
-            if asked and current + asked > limit:
+            if asked and limit is not None and current + asked > limit:
                 return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
         times.extend([now] * len(planned))
         return None

@@ -52,10 +52,15 @@ class WorkerConfig(BaseModel, frozen=True):
 
 
 class TenantBudget(BaseModel, frozen=True):
-    """What one tenant may hold through hints at any time, across all workers."""
+    """What one tenant may hold through hints at any time, across all workers (distinct
+    blocks). None: no cap of the tenant's own; the workers' budgets still bound every
+    hold. A fixed default cap would bind long before a GPU fleet's retain budgets do
+    (16,384 blocks of 16 tokens against ~50,000 retainable blocks per large worker) and
+    leave the simulator, which has no tenant caps, planning another fleet than the
+    router. Set them per tenant to share a fleet between tenants."""
 
-    max_pinned_blocks: int = Field(4096, ge=0)
-    max_retained_blocks: int = Field(16384, ge=0)
+    max_pinned_blocks: int | None = Field(None, ge=0)
+    max_retained_blocks: int | None = Field(None, ge=0)
     max_hint_ttl_s: float = Field(600.0, gt=0, le=86_400)
     max_actions_per_minute: int = Field(600, ge=0)
 

@@ -60,14 +60,14 @@ def status(worker: str, epoch: str = "e1") -> WorkerStatus:
         interval_s=1.0, at=time.time())
 
 
-def build(workers: list[str]):
+def build(workers: list[str], budget: TenantBudget | None = None):
     registry = WorkerRegistry([(w, f"http://{w}") for w in workers])
     for worker in workers:
         assert registry.on_heartbeat(status(worker)) is HeartbeatVerdict.FIRST
     metrics = RouterMetrics()
     link = RecordingLink()
     hints = HintDispatcher(link, Subjects("t"), registry, None, metrics, PlannerConfig(),
-                           seed=1)
+                           seed=1, budget_of=lambda _tenant: budget)
     sessions = SessionRegistry(None, max_sessions=100)
     lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
                                  forget_after_s=3600)
@@ -359,12 +359,11 @@ def test_a_retry_reuses_the_prompt_hashes_of_the_failed_attempt() -> None:
 
 
 def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() -> None:
-    """A worker's retain budget is soft (it displaces or clips), and the ledger counts a
-    block once per action covering it (a shared system prompt under many sessions'
-    retains): an API Retain is not refused by that count, as the planner's are not.
-    Pins are: their budget is hard."""
+    """A worker's retain budget is soft (it displaces or clips): an API Retain is not
+    refused by the worker's retained count, as the planner's are not. Pins are: their
+    budget is hard."""
     _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
-    for n in range(30):  # 30 retains over one 8-block prompt: 240 counted, budget 200
+    for n in range(30):  # 30 retains of 8 blocks: 240 held, the worker's budget 200
         hints.holdings.record(action_id=f"r{n}", worker_id="w0", tenant="t", scope=f"t/s{n}",
                               action_type="kv.retain", blocks=8, expires_at=1e12)
     hints.holdings.record(action_id="p", worker_id="w0", tenant="t", scope="t/p",
@@ -384,3 +383,19 @@ def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() 
     assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
         "t", TenantBudget(max_retained_blocks=240), "w0",
         [planned(RetainPayload(target=target, priority=50), 8)], time.time())
+
+
+def test_a_tenant_without_a_budget_of_its_own_is_bounded_by_the_workers_only() -> None:
+    """The default tenant budget caps no holds: with a fixed cap (it was 16,384 retained
+    blocks) the planner stopped retaining for a tenant long before a GPU fleet's retain
+    budgets filled, and the simulator, which has no tenant caps, planned another fleet."""
+    budget = TenantBudget()
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"], budget)
+    hints.holdings.record(action_id="r", worker_id="w0", tenant="t", scope="t/s",
+                          action_type="kv.retain", blocks=100_000, expires_at=1e12)
+    assert (budget.max_pinned_blocks, budget.max_retained_blocks) == (None, None)
+    action = PlannedAction("w0", make_action("kva-r", RetainPayload(
+        target=Target(session_id="t/x"), priority=50)), "t/x", "t", 8, 1e12, "api")
+    assert hints.api_budget_problem("t", budget, "w0", [action], time.time()) is None
+    config = hints.context(tenant="t").config
+    assert (config.tenant_max_pinned_blocks, config.tenant_max_retained_blocks) == (None, None)
