@@ -60,6 +60,16 @@ def target_keys(action_type: str, payload: Mapping[str, Any], block_size: int,
     return tuple(chain[:prefix_tokens // max(block_size, 1)])
 
 
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 def room_left(held: int, limit: int | None) -> int:
     """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
     if limit is None:
@@ -166,15 +176,26 @@ class HoldingsLedger:
         not)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
-        self.release_scope(worker_id, scope)
+        old_id = self._by_scope.get((worker_id, scope))
+        old = self._by_id[old_id] if old_id is not None else None
         if action_type not in _HOLDING_TYPES:
+            if old is not None:
+                self._drop(old)
             return
         held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,
                      tuple(keys))
+        # A session's new protection mostly covers its old one's blocks again (the chain
+        # grew by a turn): their common named prefix keeps its counts untouched, so a
+        # re-protection costs the blocks that changed, not the whole chain.
+        kept = 0
+        if old is not None and old.slot == held.slot and old.tenant == held.tenant:
+            kept = _common_prefix(old.named(), held.named())
+        if old is not None:
+            self._drop(old, kept_named=kept)
         self._by_id[action_id] = held
         self._by_scope[(worker_id, scope)] = action_id
         heapq.heappush(self._expiry, (expires_at, action_id))
-        self._count(held, +1)
+        self._count(held, +1, kept_named=kept)
 
     def release_scope(self, worker_id: str, scope: str) -> None:
         old = self._by_scope.get((worker_id, scope))
@@ -247,9 +268,11 @@ class HoldingsLedger:
         own_change = (blocks - len(new_named)) - (old_blocks - len(old_named))
         self._count_own(held, own_change)
 
-    def _count(self, held: _Held, sign: int) -> None:
+    def _count(self, held: _Held, sign: int, kept_named: int = 0) -> None:
+        """Count the holding in (+1) or out (-1), except its first ``kept_named`` named
+        blocks (another holding of the same scope, type and tenant takes them over)."""
         named = held.named()
-        self._count_named(held, named, sign)
+        self._count_named(held, named[kept_named:], sign)
         self._count_own(held, sign * (held.blocks - len(named)))
 
     def _count_named(self, held: _Held, keys: Sequence[int], sign: int) -> None:
@@ -262,9 +285,9 @@ class HoldingsLedger:
         if held.tenant is not None:
             self._tenants.own(held.tenant, blocks, held.slot)
 
-    def _drop(self, held: _Held) -> None:
+    def _drop(self, held: _Held, kept_named: int = 0) -> None:
         if self._by_id.pop(held.action_id, None) is None:
             return
-        self._count(held, -1)
+        self._count(held, -1, kept_named)
         if self._by_scope.get((held.worker_id, held.scope)) == held.action_id:
             del self._by_scope[(held.worker_id, held.scope)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvhint.router.policy import Holdings, HoldingsLedger, target_keys
 from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
 
@@ -84,3 +86,58 @@ def test_target_keys_name_the_blocks_a_target_covers() -> None:
     assert target_keys("kv.retain", whole, 16, chain) == chain
     assert target_keys("kv.retain", whole, 16, ()) == ()  # the chain is not known
     assert target_keys("kv.demote", whole, 16, chain) == ()  # holds nothing
+
+
+def test_the_running_counts_equal_a_recount_of_the_live_holdings() -> None:
+    """Random records (re-protections that extend or cut a chain, other types, other
+    tenants), clips, releases and restarts: the ledger's running totals always equal a
+    count from scratch of the blocks its live holdings cover."""
+    rng = random.Random(7)
+    chains = [tuple(range(1000 * c, 1000 * c + 30)) for c in range(3)]  # 3 prompts
+    ledger = HoldingsLedger()
+    live: dict[str, tuple[str, str, str, str, int, tuple[int, ...]]] = {}  # the oracle
+
+    def recount(owner_of: int, owner: str) -> Holdings:
+        states: dict[tuple[str, int], int] = {}
+        own = [0, 0]
+        for held in live.values():
+            if held[owner_of] != owner:
+                continue
+            worker, slot, blocks, keys = held[0], int(held[3] == "kv.retain"), held[4], held[5]
+            named = keys[:blocks]
+            own[slot] += blocks - len(named)
+            for key in named:
+                states[(worker, key)] = min(states.get((worker, key), 1), slot)
+        pinned = sum(1 for s in states.values() if s == 0)
+        return Holdings(pinned + own[0], len(states) - pinned + own[1])
+
+    for step in range(3000):
+        op = rng.random()
+        worker, tenant = rng.choice(("w0", "w1")), rng.choice(("a", "b"))
+        if op < 0.6 or not live:
+            action_id, scope = f"x{step}", f"{tenant}/s{rng.randrange(6)}"
+            kind = rng.choice(("kv.retain", "kv.retain", "kv.pin", "kv.demote"))
+            keys = rng.choice(chains)[:rng.randrange(1, 31)]
+            blocks = len(keys) + rng.choice((0, 0, 2))  # sometimes blocks past the prompt
+            ledger.record(action_id=action_id, worker_id=worker, tenant=tenant, scope=scope,
+                          action_type=kind, blocks=blocks, expires_at=1e12, keys=keys)
+            for other, held in list(live.items()):
+                if (held[0], held[2]) == (worker, scope):
+                    del live[other]
+            if kind != "kv.demote":
+                live[action_id] = (worker, tenant, scope, kind, blocks, keys)
+        elif op < 0.9:
+            action_id = rng.choice(sorted(live))
+            left = rng.randrange(0, live[action_id][4] + 1)
+            ledger.released(action_id, left)
+            if left == 0:
+                del live[action_id]
+            elif left < live[action_id][4]:
+                live[action_id] = (*live[action_id][:4], left, live[action_id][5])
+        else:
+            ledger.forget_worker(worker)
+            live = {k: v for k, v in live.items() if v[0] != worker}
+        for w in ("w0", "w1"):
+            assert ledger.worker(w) == recount(0, w), step
+        for t in ("a", "b"):
+            assert ledger.tenant(t) == recount(1, t), step
