@@ -12,14 +12,17 @@ from kvhint.schemas import (
     Amount,
     BlockStored,
     Budgets,
+    HintOutcome,
     HoldRelease,
     HoldsReleased,
     KVEventBatch,
+    OutcomeStatus,
     ReleaseReason,
     Subjects,
     Usage,
     WorkerStatus,
     encode_event_batch,
+    encode_outcome,
     encode_releases,
     encode_status,
 )
@@ -70,6 +73,15 @@ async def publish_release(nc, subjects: Subjects, action_id: str,  # noqa: ANN00
         worker_id="w0", at=time.time(), releases=[HoldRelease(
             action_id=action_id, action_type=action_type, session_id=session, reason=reason,
             released=Amount(released, 32 * released), held=Amount(left, 32 * left))])))
+
+
+async def publish_accepted(nc, subjects: Subjects, message_id: str,  # noqa: ANN001
+                           action_id: str, action_type: str, blocks: int) -> None:
+    """w0's plugin accepted the action whole: ``blocks`` (32-token blocks) applied."""
+    await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
+        message_id=message_id, action_id=action_id, action_type=action_type,
+        worker_id="w0", status=OutcomeStatus.ACCEPTED, requested=Amount(blocks, 32 * blocks),
+        applied=Amount(blocks, 32 * blocks), at=time.time())))
 
 
 async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001

@@ -8,7 +8,6 @@ test_service_feed.py; tests/e2e/service runs the real plugin)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -16,17 +15,16 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import chat, plugin_registered, publish_release, status, until
-from kvhint.router.policy import Holdings
-from kvhint.schemas import (
-    Amount,
-    HintOutcome,
-    OutcomeStatus,
-    ReleaseReason,
-    Subjects,
-    decode_hints,
-    encode_outcome,
+from feed_helpers import (
+    chat,
+    plugin_registered,
+    publish_accepted,
+    publish_release,
+    status,
+    until,
 )
+from kvhint.router.policy import Holdings
+from kvhint.schemas import ReleaseReason, Subjects, decode_hints
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -49,12 +47,6 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
         held.extend((decoded.message_id, a.action_id, a.action_type.value,
                      a.payload.target.session_id) for a in decoded.actions)
 
-    async def answer(message_id: str, action_id: str, action_type: str, blocks: int) -> None:
-        await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
-            message_id=message_id, action_id=action_id, action_type=action_type,
-            worker_id="w0", status=OutcomeStatus.ACCEPTED, requested=Amount(blocks, 32 * blocks),
-            applied=Amount(blocks, 32 * blocks), at=time.time())))
-
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
     settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
                                subject_prefix=subject_prefix,
@@ -67,7 +59,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             await until(lambda: len(held) >= 1)
             message_id, action_id, action_type, session = held.pop()
             assert action_type == "kv.retain" and session is not None
-            await answer(message_id, action_id, action_type, 4)
+            await publish_accepted(nc, subjects, message_id, action_id, action_type, 4)
             await until(lambda: action_id not in runtime.hints.pending)
 
             async def views() -> tuple[object, dict[str, int]]:
@@ -113,7 +105,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
                                   ReleaseReason.RESET)
             await until(lambda: runtime.metrics.hold_releases.labels(
                 "kv.pin", "reset")._value.get() == 2)
-            await answer(message_id, pin_id, pin_type, 3)
+            await publish_accepted(nc, subjects, message_id, pin_id, pin_type, 3)
             action = (await response).json()["actions"][0]
             assert action["status"] == "accepted" and action["applied_blocks"] == 1
             assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
@@ -148,11 +140,8 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
             seen.append(action.action_id)
             if action.action_type.value == "kv.retain":
                 retains[action.payload.target.session_id] = action.action_id
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
-                message_id=decoded.message_id, action_id=action.action_id,
-                action_type=action.action_type.value, worker_id="w0",
-                status=OutcomeStatus.ACCEPTED, requested=Amount(4, 128),
-                applied=Amount(4, 128), at=time.time())))
+            await publish_accepted(nc, subjects, decoded.message_id, action.action_id,
+                                   action.action_type.value, 4)
 
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
     settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
@@ -238,11 +227,8 @@ async def test_sessions_sharing_a_system_prompt_hold_its_blocks_once(
                 blocks = action.payload.target.prefix_tokens // 32
                 named[name] = runtime.sessions.get("default", name).last_block_hashes[:blocks]
                 asked[name] = blocks
-                await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
-                    message_id=message_id, action_id=action.action_id,
-                    action_type="kv.retain", worker_id="w0", status=OutcomeStatus.ACCEPTED,
-                    requested=Amount(blocks, 32 * blocks), applied=Amount(blocks, 32 * blocks),
-                    at=time.time())))
+                await publish_accepted(nc, subjects, message_id, action.action_id,
+                                       "kv.retain", blocks)
             await until(lambda: not runtime.hints.pending)
             shared = set(named["a"]) & set(named["b"])
             assert len(shared) >= 10  # the system prompt's blocks
