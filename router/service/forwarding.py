@@ -93,6 +93,7 @@ class _Flight:
     prefill_pending: int = 0
     observation: ResponseObservation = field(default_factory=ResponseObservation)
     trace_ticket: int | None = None
+    first_byte_at: float | None = None  # perf_counter
 
 
 class Forwarder:
@@ -224,6 +225,7 @@ class Forwarder:
             await self._account(flight, status)
 
     def _first_byte(self, flight: _Flight) -> None:
+        flight.first_byte_at = time.perf_counter()
         if flight.worker_id is not None and flight.prefill_pending:
             self._routing.first_byte(flight.worker_id, flight.prefill_pending)
             flight.prefill_pending = 0
@@ -264,12 +266,18 @@ def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
         return None, "trace_unhashed"
     finish = observation.finish()
     inbound = flight.inbound
+    output = observation.completion_tokens or 0
+    itl_ms = None
+    if inbound.stream and flight.first_byte_at is not None and output >= 2:
+        # The stream's first event to its end, per token after the first.
+        itl_ms = (time.perf_counter() - flight.first_byte_at) * 1000.0 / (output - 1)
     return TracedRequest(
         tenant=inbound.tenant.name, session_id=inbound.client_session_id,
         prompt_tokens=plan.prompt_tokens, block_hashes=plan.block_hashes,
-        block_size=plan.block_size, output_tokens=observation.completion_tokens or 0,
+        block_size=plan.block_size, output_tokens=output,
         finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
-        tool_names=tuple(observation.tool_names), end=inbound.session_end), ""
+        tool_names=tuple(observation.tool_names), end=inbound.session_end,
+        itl_ms=itl_ms), ""
 
 
 def _error(message: str, status: int) -> Response:

@@ -7,7 +7,8 @@ One line per recorded request, in arrival order::
     {"timestamp": ms since the recording started, "session_id", "tenant",
      "input_length": the router's prompt token count, "output_length": completion tokens,
      "hash_ids": the router's block hashes of the prompt, "finish_reason",
-     "tool_names" (tool calls only), "end" (explicit end only)}
+     "tool_names" (tool calls only), "end" (explicit end only),
+     "itl_ms" (streamed responses of 2+ tokens: the mean time between output tokens)}
 
 No prompt text is written, only block hashes and lengths. ``hash_ids`` are the prompt's
 vLLM block hashes as the router computes them for routing; a partial last block gets an
@@ -57,6 +58,7 @@ class TracedRequest:
     finish_reason: str  # stop | tool_calls | length
     tool_names: tuple[str, ...]
     end: bool
+    itl_ms: float | None = None  # streamed: mean time between output tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,8 @@ class TraceRecorder:
             row["tool_names"] = list(request.tool_names)
         if request.end and request.session_id is not None:
             row["end"] = True
+        if request.itl_ms is not None:
+            row["itl_ms"] = round(request.itl_ms, 2)
         return json.dumps(row, separators=(",", ":")) + "\n"
 
     async def _write(self) -> None:

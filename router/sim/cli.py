@@ -56,7 +56,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     timing = run.add_argument_group("time model")
     timing.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0)
     timing.add_argument("--prefill-overhead-s", type=float, default=0.010)
-    timing.add_argument("--decode-s-per-token", type=float, default=0.020)
+    timing.add_argument("--decode-s-per-token", type=float, default=None,
+                        help="default: the trace's median itl_ms where it has them (a "
+                             "router recording), else 0.020")
     timing.add_argument("--host-load-tokens-per-s", type=float, default=1_000_000.0)
     plugin = run.add_argument_group("worker plugin (its kv_connector_extra_config)")
     plugin.add_argument("--retain-budget-fraction", type=float, default=None)
@@ -126,9 +128,17 @@ def _run(args: argparse.Namespace) -> int:
     plugin = {k: v for k, v in (("retain_budget_fraction", args.retain_budget_fraction),
                                 ("pin_budget_fraction", args.pin_budget_fraction))
               if v is not None}
+    decode_s = args.decode_s_per_token
+    served = trace.served_decode_s_per_token()
+    if decode_s is None:
+        decode_s = served[0] if served is not None else TimeModel().decode_s_per_token
+        if served is not None:
+            print(f"[sim] decode {decode_s * 1000:.2f} ms per output token: the median of "
+                  f"the {served[1]} served responses the trace times (itl_ms)",
+                  file=sys.stderr)
     try:
         timing = TimeModel(args.prefill_tokens_per_s, args.prefill_overhead_s,
-                           args.decode_s_per_token, args.host_load_tokens_per_s)
+                           decode_s, args.host_load_tokens_per_s)
         config = SimConfig(workers=args.workers, gpu_blocks=args.gpu_blocks,
                            host_blocks=args.host_blocks, block_size=args.block_size,
                            timing=timing, seed=args.seed, plugin=plugin)

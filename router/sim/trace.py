@@ -17,6 +17,9 @@ it starts a session. Every response ends with ``stop``; no explicit ends.
     "tool_names": [str, ...]   optional; the tools called when finish_reason is tool_calls
     "end": bool                optional; the session ends explicitly after this response
     "tenant": str              optional, default "default"
+    "itl_ms": number           optional; the response's mean time between output tokens
+                               as served (the router's recordings carry it); their median
+                               is the simulator's decode time unless one is given
 
 A file is one format or the other (decided by the first line). Anything malformed stops
 the load with :class:`TraceError` naming the file, line and reason; nothing is simulated
@@ -34,7 +37,7 @@ from pathlib import Path
 FINISH_REASONS = ("stop", "tool_calls", "length")
 _MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
 _SESSION_KEYS = _MOONCAKE_KEYS | {"session_id", "turn", "finish_reason", "tool_names", "end",
-                                  "tenant"}
+                                  "tenant", "itl_ms"}
 
 
 class TraceError(ValueError):
@@ -63,6 +66,7 @@ class TraceRequest:
     tool_names: tuple[str, ...] = ()
     end: bool = False
     tenant: str = "default"
+    itl_s: float | None = None  # as served, where the trace says (session format)
 
     def full_blocks(self, block_size: int) -> int:
         return self.input_length // block_size
@@ -78,6 +82,16 @@ class Trace:
     @property
     def sessions(self) -> int:
         return len({r.session_id for r in self.requests})
+
+    def served_decode_s_per_token(self) -> tuple[float, int] | None:
+        """The median time between output tokens its responses were served with, and
+        how many responses say; None when none does."""
+        served = sorted(r.itl_s for r in self.requests if r.itl_s is not None)
+        if not served:
+            return None
+        middle = len(served) // 2
+        median = served[middle] if len(served) % 2 else (served[middle - 1] + served[middle]) / 2
+        return median, len(served)
 
 
 def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None,
@@ -236,8 +250,13 @@ def _session_request(
     tenant = obj.get("tenant", "default")
     if not isinstance(tenant, str) or not tenant or "/" in tenant:
         raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
+    itl_ms = obj.get("itl_ms")
+    if itl_ms is not None and (isinstance(itl_ms, bool) or not isinstance(itl_ms, (int, float))
+                               or not (math.isfinite(itl_ms) and itl_ms >= 0)):
+        raise TraceError(name, line, f"'itl_ms' must be a number >= 0, got {itl_ms!r}")
     return TraceRequest(line, timestamp / 1000.0, session_id, turn, input_length, output_length,
-                        block_ids, finish, tuple(tools), end, tenant)
+                        block_ids, finish, tuple(tools), end, tenant,
+                        None if itl_ms is None else itl_ms / 1000.0)
 
 
 class _SessionInference:

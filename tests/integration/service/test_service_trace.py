@@ -46,13 +46,20 @@ async def test_recorded_traffic_replays_in_the_simulator(
         assert await _post(client, router.url, first, "c") == 200
         assert (await client.delete(f"{router.url}/v1/sessions/c")).status_code == 200
         assert await _post(client, router.url, first, "c") == 200  # the id, reused
+        stub.chunk_gap_s = 0.05  # a streamed answer: 2 tokens, 50 ms apart
+        async with client.stream("POST", f"{router.url}/v1/chat/completions", json={
+                "model": "stub", "messages": first, "session_id": "d", "stream": True}) as r:
+            assert r.status_code == 200 and b"[DONE]" in await r.aread()
         stub.mode = "status:500"
         assert await _post(client, router.url, first, "b") == 500
         metrics = (await client.get(f"{router.url}/metrics")).text
     assert 'kvhint_router_drops_total{what="trace_failed"} 1.0' in metrics
     (path,) = traces.glob(f"{FILE_PREFIX}*-bs16.jsonl")  # written when the router stopped
     trace = load_trace(path, block_size=16)
-    a1, a2, anonymous, c1, again = trace.requests
+    a1, a2, anonymous, c1, again, streamed = trace.requests
+    # The streamed answer's pace as served: the simulator's decode time by default.
+    assert streamed.session_id == "d" and 0.04 <= streamed.itl_s < 0.5
+    assert a1.itl_s is None  # not streamed: no pace to tell
     # Ended through the sessions API, then reused: a new session under the old id.
     assert (c1.session_id, again.session_id, again.turn) == ("c", "c~2", 1)
     assert (a1.session_id, a1.turn, a1.finish_reason, a1.tool_names) == (

@@ -4,6 +4,7 @@ simulator loads, and counts everything it does not write."""
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 from pathlib import Path
 
 from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
@@ -128,3 +129,14 @@ async def test_a_session_ended_through_the_api_starts_over_under_its_id(tmp_path
     trace = load_trace(recorder.path, block_size=BS)
     assert [(r.session_id, r.turn, r.end) for r in trace.requests] == [
         ("s", 1, False), ("s~2", 1, False), ("s~3", 1, True), ("s~4", 1, False)]
+
+
+async def test_a_streamed_responses_pace_is_written_rounded(tmp_path: Path) -> None:
+    recorder, _drops = _recorder(tmp_path, Clock())
+    streamed = replace(_request("s", 16, (1001,)), itl_ms=12.3456)
+    recorder.finished(recorder.arrived(), streamed)
+    recorder.finished(recorder.arrived(), _request("t", 16, (1001,)))
+    await recorder.close()
+    assert recorder.path is not None
+    lines = recorder.path.read_text().splitlines()
+    assert '"itl_ms":12.35' in lines[0] and "itl_ms" not in lines[1]

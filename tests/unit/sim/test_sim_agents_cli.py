@@ -140,3 +140,17 @@ def test_the_plot_gets_the_umask_mode_not_0600(tmp_path):
     os.umask(umask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
     assert target.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_recorded_traces_served_decode_time_is_the_default(tmp_path, capsys):
+    rows = [{"timestamp": 100 * n, "session_id": "s", "input_length": 40 + n,
+             "output_length": 4, "hash_ids": [1, 100 + n], "itl_ms": 40 + 10 * n}
+            for n in range(3)]
+    trace = str(_trace_file(tmp_path, [json.dumps(r) for r in rows]))
+    args = ["sim", "run", "--trace", trace, "--gpu-blocks", "64", "--block-size", "32",
+            "--router", "kvhint", "--no-reference", "--no-progress", "--json"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "decode 50.00 ms per output token: the median of the 3 served responses" in err
+    assert main([*args, "--decode-s-per-token", "0.02"]) == 0
+    assert "decode" not in capsys.readouterr().err  # given: used as it is

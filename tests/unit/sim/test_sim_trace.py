@@ -106,3 +106,21 @@ def test_a_trace_of_smaller_blocks_is_simulated_in_groups_named_by_their_last_id
         load_trace(path, block_size=32)  # read as 32-token ids: the counts do not fit
     with pytest.raises(TraceError, match="must divide the simulated block size 32"):
         load_trace(path, block_size=32, trace_block_size=24)
+
+
+def test_served_inter_token_latencies_give_the_traces_decode_time(tmp_path):
+    def row(ts: int, itl: object | None) -> dict:
+        obj = {"timestamp": ts, "session_id": f"s{ts}", "input_length": 32, "output_length": 9,
+               "hash_ids": [ts]}
+        if itl is not None:
+            obj["itl_ms"] = itl
+        return obj
+
+    trace = load_trace(_write(tmp_path, [row(0, 10), row(1, None), row(2, 30.5), row(3, 12)]),
+                       block_size=32)
+    assert [r.itl_s for r in trace.requests] == [0.010, None, 0.0305, 0.012]
+    assert trace.served_decode_s_per_token() == (0.012, 3)
+    untimed = load_trace(_write(tmp_path, [row(0, None)], "u.jsonl"), block_size=32)
+    assert untimed.served_decode_s_per_token() is None
+    with pytest.raises(TraceError, match=r":2: 'itl_ms' must be a number >= 0, got -1"):
+        load_trace(_write(tmp_path, [row(0, 1), row(1, -1)], "bad.jsonl"), block_size=32)
