@@ -249,6 +249,8 @@ class Simulation:
         placement = self.placements.get(session_key)
         if placement is None:
             recent.add_session(self.now)
+        elif placement[0] != decision.worker_id:
+            self.result.moved_turns += 1
         self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
         if self.hints_on:
             self._last_hashes[session_key] = hashes

@@ -55,6 +55,9 @@ class PolicyResult:
     # Per admitted request, in admission order (kept only when asked for: tests, debugging).
     records: list[RequestRecord] | None = None
     dropped_requests: int = 0
+    # Turns routed to another worker than their session's previous turn (the live agent
+    # bench reports the same count, "moved_turns").
+    moved_turns: int = 0
     admission_waits: int = 0
     decode_alloc_failures: int = 0
     wall_s: float = 0.0
@@ -96,6 +99,7 @@ class PolicyResult:
             "released_blocks": {f"{action}|{reason}": n for (action, reason), n
                                 in sorted(self.released_blocks.items())},
             "dropped_requests": self.dropped_requests,
+            "moved_turns": self.moved_turns,
             "admission_waits": self.admission_waits,
             "decode_alloc_failures": self.decode_alloc_failures,
             "wall_s": round(self.wall_s, 3),

@@ -184,3 +184,12 @@ def test_a_prompt_larger_than_the_pool_is_dropped_counted_and_said(tmp_path: Pat
     assert result.prompt_tokens == 65  # the rates count the admitted request only
     assert "kvhint: 1 of 2 requests dropped" in table([result], [])
     assert result.to_json()["dropped_requests"] == 1
+
+
+def test_turns_routed_away_from_their_sessions_worker_are_counted(tiny_trace) -> None:
+    """On two workers round_robin alternates: r1 (s1) w0, r2 w1, r3 w0, r4 (s1) w1: one
+    moved turn. session_affinity keeps s1 on its worker: none."""
+    config = SimConfig(workers=2, gpu_blocks=6, block_size=32)
+    moved = {policy: Simulation(tiny_trace, config, policy).run().to_json()["moved_turns"]
+             for policy in ("round_robin", "session_affinity")}
+    assert moved == {"round_robin": 1, "session_affinity": 0}
