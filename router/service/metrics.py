@@ -157,6 +157,10 @@ class RouterMetrics:
         self.drops = Counter("kvhint_router_drops",
                              "Anything the router dropped, by what it was", ["what"],
                              registry=r)
+        self.trace_written = Counter(
+            "kvhint_router_trace_requests_written",
+            "Requests the traffic recorder wrote (trace_dir; what it could not: drops_total "
+            "what=trace_*)", registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)

@@ -130,7 +130,8 @@ class RouterRuntime:
             await asyncio.to_thread(settings.trace_dir.mkdir, parents=True, exist_ok=True)
             # A request never waits longer than its timeout; a minute more is slack.
             recorder = TraceRecorder(settings.trace_dir, metrics.drop,
-                                     stall_s=settings.request_timeout_s + 60.0)
+                                     stall_s=settings.request_timeout_s + 60.0,
+                                     on_written=metrics.trace_written.inc)
             log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         lifecycle = SessionLifecycle(sessions, hints, metrics, settings.hints.enabled,
                                      settings.routing.session_forget_s,

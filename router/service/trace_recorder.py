@@ -16,7 +16,8 @@ id of its own (the format names every block, full or not).
 
 Contracts:
 - recorded: requests whose prompt the router hashed with the model's tokenizer and that
-  the worker answered (2xx with usage). The rest are counted, never silently lost:
+  the worker answered (2xx with usage), counted in
+  ``kvhint_router_trace_requests_written_total``. The rest are counted, never silently lost:
   ``kvhint_router_drops_total{what="trace_failed" | "trace_unhashed" |
   "trace_block_size" | "trace_stalled" | "trace_unfinished" | "trace_write_error"}``.
 - arrival order: a finished request waits for every request that arrived before it; one
@@ -78,9 +79,11 @@ class TraceRecorder:
 
     def __init__(self, directory: Path, drop: Callable[[str, int], None], stall_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time,
+                 on_written: Callable[[int], None] = lambda _n: None) -> None:
         self.directory = directory
         self._drop = drop
+        self._on_written = on_written
         self._stall_s = stall_s
         self._clock = clock
         self._started = clock()
@@ -215,6 +218,7 @@ class TraceRecorder:
             self._drop("trace_write_error", len(lines))
             return
         self._written += len(lines)
+        self._on_written(len(lines))
 
     def _append(self, lines: list[str]) -> None:
         if self._file is None:

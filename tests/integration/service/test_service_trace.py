@@ -4,6 +4,7 @@ the second turn of a session finding the first turn's blocks cached."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ async def test_recorded_traffic_replays_in_the_simulator(
         async with client.stream("POST", f"{router.url}/v1/chat/completions", json={
                 "model": "stub", "messages": first, "session_id": "d", "stream": True}) as r:
             assert r.status_code == 200 and b"[DONE]" in await r.aread()
+        # Written by the recorder's periodic flush (1 s), counted on /metrics.
+        for _ in range(50):
+            metrics = (await client.get(f"{router.url}/metrics")).text
+            if "kvhint_router_trace_requests_written_total 6.0" in metrics:
+                break
+            await asyncio.sleep(0.1)
+        assert "kvhint_router_trace_requests_written_total 6.0" in metrics
         stub.mode = "status:500"
         assert await _post(client, router.url, first, "b") == 500
         metrics = (await client.get(f"{router.url}/metrics")).text
