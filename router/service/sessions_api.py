@@ -145,8 +145,8 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             continue
         assert action is not None
         planned.append(PlannedAction(worker.worker_id, action, worker_sid, tenant_name,
-                                     blocks, now + _held_for_s(action, worker.status.budgets),
-                                     "api"))
+                                     _target_blocks(action, blocks, worker.status.block_size),
+                                     now + _held_for_s(action, worker.status.budgets), "api"))
     if problems:
         return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
@@ -174,6 +174,17 @@ def _held_for_s(action: KvHintAction, budgets: Budgets) -> float:
     if action.action_type == ActionType.RETAIN.value:
         return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
     return float(asked or action.payload.get("deadline_s") or 0.0)
+
+
+def _target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -> int:
+    """The blocks an action's target can cover, as far as the router knows before the
+    worker answers: its ``block_hashes``, or the session's chain up to ``prefix_tokens``."""
+    target = action.payload.get("target") or {}
+    if target.get("block_hashes"):
+        return len(target["block_hashes"])
+    if target.get("prefix_tokens") is not None:
+        return min(session_blocks, target["prefix_tokens"] // max(block_size, 1))
+    return session_blocks
 
 
 def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,

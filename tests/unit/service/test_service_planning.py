@@ -17,6 +17,7 @@ from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
+from kvhint.router.service.sessions_api import _target_blocks
 from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.tenancy import Tenant
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
@@ -24,6 +25,7 @@ from kvhint.schemas import (
     Amount,
     Budgets,
     HintOutcome,
+    KvHintAction,
     OutcomeStatus,
     PinPayload,
     RetainPayload,
@@ -399,3 +401,15 @@ def test_a_tenant_without_a_budget_of_its_own_is_bounded_by_the_workers_only() -
     assert hints.api_budget_problem("t", budget, "w0", [action], time.time()) is None
     config = hints.context(tenant="t").config
     assert (config.tenant_max_pinned_blocks, config.tenant_max_retained_blocks) == (None, None)
+
+
+def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
+    """Counted against budgets until the worker answers: a prefix of the session's chain,
+    or the named blocks, not the session's whole chain (10 blocks here)."""
+    def action(target: dict) -> KvHintAction:
+        return KvHintAction("kva-x", "kv.retain", "1.0", {"target": target, "priority": 50})
+
+    assert _target_blocks(action({"session_id": "t/s"}), 10, 16) == 10
+    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
+    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
+    assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
