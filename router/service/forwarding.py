@@ -267,17 +267,18 @@ def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
     finish = observation.finish()
     inbound = flight.inbound
     output = observation.completion_tokens or 0
-    itl_ms = None
-    if inbound.stream and flight.first_byte_at is not None and output >= 2:
-        # The stream's first event to its end, per token after the first.
-        itl_ms = (time.perf_counter() - flight.first_byte_at) * 1000.0 / (output - 1)
+    itl_ms = ttft_ms = None
+    if inbound.stream and flight.first_byte_at is not None:
+        ttft_ms = (flight.first_byte_at - flight.received) * 1000.0
+        if output >= 2:  # the stream's first event to its end, per token after the first
+            itl_ms = (time.perf_counter() - flight.first_byte_at) * 1000.0 / (output - 1)
     return TracedRequest(
         tenant=inbound.tenant.name, session_id=inbound.client_session_id,
         prompt_tokens=plan.prompt_tokens, block_hashes=plan.block_hashes,
         block_size=plan.block_size, output_tokens=output,
         finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
         tool_names=tuple(observation.tool_names), end=inbound.session_end,
-        itl_ms=itl_ms), ""
+        itl_ms=itl_ms, ttft_ms=ttft_ms), ""
 
 
 def _error(message: str, status: int) -> Response:

@@ -8,7 +8,8 @@ One line per recorded request, in arrival order::
      "input_length": the router's prompt token count, "output_length": completion tokens,
      "hash_ids": the router's block hashes of the prompt, "finish_reason",
      "tool_names" (tool calls only), "end" (explicit end only),
-     "itl_ms" (streamed responses of 2+ tokens: the mean time between output tokens)}
+     "itl_ms" (streamed responses of 2+ tokens: the mean time between output tokens),
+     "ttft_ms" (streamed responses: arrival at the router to the first event)}
 
 No prompt text is written, only block hashes and lengths. ``hash_ids`` are the prompt's
 vLLM block hashes as the router computes them for routing; a partial last block gets an
@@ -60,6 +61,7 @@ class TracedRequest:
     tool_names: tuple[str, ...]
     end: bool
     itl_ms: float | None = None  # streamed: mean time between output tokens
+    ttft_ms: float | None = None  # streamed: arrival at the router to its first event
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +208,8 @@ class TraceRecorder:
             row["end"] = True
         if request.itl_ms is not None:
             row["itl_ms"] = round(request.itl_ms, 2)
+        if request.ttft_ms is not None:
+            row["ttft_ms"] = round(request.ttft_ms, 1)
         return json.dumps(row, separators=(",", ":")) + "\n"
 
     async def _write(self) -> None:

@@ -122,6 +122,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvhint.router.sim.engine import SimConfig
     from kvhint.router.sim.reference import oracle, unbounded
     from kvhint.router.sim.report import json_lines, plot, table
+    from kvhint.router.sim.results import percentile
     from kvhint.router.sim.runner import run_policies
     from kvhint.router.sim.timing import TimeModel
 
@@ -167,6 +168,13 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.write(json_lines(results, references))
     else:
         print(table(results, references))
+    if served_ttfts := trace.served_ttfts_s():
+        # Beside the simulated TTFTs: one far below says the time model runs faster than
+        # the fleet did (BENCHMARKS.md: that makes the simulator optimistic under pressure).
+        print(f"[sim] served (as recorded): TTFT p50 {percentile(served_ttfts, 50):.3f}s "
+              f"p99 {percentile(served_ttfts, 99):.3f}s over {len(served_ttfts)} streamed "
+              "responses; a simulated TTFT far below it: lower --prefill-tokens-per-s",
+              file=sys.stderr)
     return 0
 
 

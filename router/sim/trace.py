@@ -20,6 +20,8 @@ it starts a session. Every response ends with ``stop``; no explicit ends.
     "itl_ms": number           optional; the response's mean time between output tokens
                                as served (the router's recordings carry it); their median
                                is the simulator's decode time unless one is given
+    "ttft_ms": number          optional; the response's time to first token as served,
+                               shown beside the simulated TTFTs
 
 A file is one format or the other (decided by the first line). Anything malformed stops
 the load with :class:`TraceError` naming the file, line and reason; nothing is simulated
@@ -37,7 +39,7 @@ from pathlib import Path
 FINISH_REASONS = ("stop", "tool_calls", "length")
 _MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
 _SESSION_KEYS = _MOONCAKE_KEYS | {"session_id", "turn", "finish_reason", "tool_names", "end",
-                                  "tenant", "itl_ms"}
+                                  "tenant", "itl_ms", "ttft_ms"}
 
 
 class TraceError(ValueError):
@@ -67,6 +69,7 @@ class TraceRequest:
     end: bool = False
     tenant: str = "default"
     itl_s: float | None = None  # as served, where the trace says (session format)
+    ttft_s: float | None = None  # as served, where the trace says (session format)
 
     def full_blocks(self, block_size: int) -> int:
         return self.input_length // block_size
@@ -82,6 +85,10 @@ class Trace:
     @property
     def sessions(self) -> int:
         return len({r.session_id for r in self.requests})
+
+    def served_ttfts_s(self) -> list[float]:
+        """The times to first token its responses were served with, where it says."""
+        return [r.ttft_s for r in self.requests if r.ttft_s is not None]
 
     def served_decode_s_per_token(self) -> tuple[float, int] | None:
         """The median time between output tokens its responses were served with, and
@@ -250,13 +257,20 @@ def _session_request(
     tenant = obj.get("tenant", "default")
     if not isinstance(tenant, str) or not tenant or "/" in tenant:
         raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
-    itl_ms = obj.get("itl_ms")
-    if itl_ms is not None and (isinstance(itl_ms, bool) or not isinstance(itl_ms, (int, float))
-                               or not (math.isfinite(itl_ms) and itl_ms >= 0)):
-        raise TraceError(name, line, f"'itl_ms' must be a number >= 0, got {itl_ms!r}")
+    served = [_served_s(name, line, obj, key) for key in ("itl_ms", "ttft_ms")]
     return TraceRequest(line, timestamp / 1000.0, session_id, turn, input_length, output_length,
-                        block_ids, finish, tuple(tools), end, tenant,
-                        None if itl_ms is None else itl_ms / 1000.0)
+                        block_ids, finish, tuple(tools), end, tenant, *served)
+
+
+def _served_s(name: str, line: int, obj: dict, key: str) -> float | None:
+    """An optional served time in ms, as seconds."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise TraceError(name, line, f"{key!r} must be a number >= 0, got {value!r}")
+    return value / 1000.0
 
 
 class _SessionInference:

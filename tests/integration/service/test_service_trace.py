@@ -67,7 +67,8 @@ async def test_recorded_traffic_replays_in_the_simulator(
     a1, a2, anonymous, c1, again, streamed = trace.requests
     # The streamed answer's pace as served: the simulator's decode time by default.
     assert streamed.session_id == "d" and 0.04 <= streamed.itl_s < 0.5
-    assert a1.itl_s is None  # not streamed: no pace to tell
+    assert streamed.ttft_s is not None and 0 < streamed.ttft_s < 5.0
+    assert a1.itl_s is None and a1.ttft_s is None  # not streamed: no times to tell
     # Ended through the sessions API, then reused: a new session under the old id.
     assert (c1.session_id, again.session_id, again.turn) == ("c", "c~2", 1)
     assert (a1.session_id, a1.turn, a1.finish_reason, a1.tool_names) == (

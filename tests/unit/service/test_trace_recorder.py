@@ -131,12 +131,12 @@ async def test_a_session_ended_through_the_api_starts_over_under_its_id(tmp_path
         ("s", 1, False), ("s~2", 1, False), ("s~3", 1, True), ("s~4", 1, False)]
 
 
-async def test_a_streamed_responses_pace_is_written_rounded(tmp_path: Path) -> None:
+async def test_a_streamed_responses_times_are_written_rounded(tmp_path: Path) -> None:
     recorder, _drops = _recorder(tmp_path, Clock())
-    streamed = replace(_request("s", 16, (1001,)), itl_ms=12.3456)
+    streamed = replace(_request("s", 16, (1001,)), itl_ms=12.3456, ttft_ms=180.04)
     recorder.finished(recorder.arrived(), streamed)
     recorder.finished(recorder.arrived(), _request("t", 16, (1001,)))
     await recorder.close()
     assert recorder.path is not None
     lines = recorder.path.read_text().splitlines()
-    assert '"itl_ms":12.35' in lines[0] and "itl_ms" not in lines[1]
+    assert '"itl_ms":12.35,"ttft_ms":180.0' in lines[0] and "_ms" not in lines[1]

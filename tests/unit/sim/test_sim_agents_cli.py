@@ -144,7 +144,8 @@ def test_the_plot_gets_the_umask_mode_not_0600(tmp_path):
 
 def test_a_recorded_traces_served_decode_time_is_the_default(tmp_path, capsys):
     rows = [{"timestamp": 100 * n, "session_id": "s", "input_length": 40 + n,
-             "output_length": 4, "hash_ids": [1, 100 + n], "itl_ms": 40 + 10 * n}
+             "output_length": 4, "hash_ids": [1, 100 + n], "itl_ms": 40 + 10 * n,
+             "ttft_ms": 200}
             for n in range(3)]
     trace = str(_trace_file(tmp_path, [json.dumps(r) for r in rows]))
     args = ["sim", "run", "--trace", trace, "--gpu-blocks", "64", "--block-size", "32",
@@ -152,5 +153,6 @@ def test_a_recorded_traces_served_decode_time_is_the_default(tmp_path, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "decode 50.00 ms per output token: the median of the 3 served responses" in err
+    assert "served (as recorded): TTFT p50 0.200s p99 0.200s over 3 streamed" in err
     assert main([*args, "--decode-s-per-token", "0.02"]) == 0
     assert "decode" not in capsys.readouterr().err  # given: used as it is

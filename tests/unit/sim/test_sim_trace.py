@@ -116,11 +116,16 @@ def test_served_inter_token_latencies_give_the_traces_decode_time(tmp_path):
             obj["itl_ms"] = itl
         return obj
 
-    trace = load_trace(_write(tmp_path, [row(0, 10), row(1, None), row(2, 30.5), row(3, 12)]),
-                       block_size=32)
+    rows = [row(0, 10), row(1, None), row(2, 30.5), row(3, 12)]
+    rows[0]["ttft_ms"] = 250
+    trace = load_trace(_write(tmp_path, rows), block_size=32)
     assert [r.itl_s for r in trace.requests] == [0.010, None, 0.0305, 0.012]
     assert trace.served_decode_s_per_token() == (0.012, 3)
+    assert trace.served_ttfts_s() == [0.25]
     untimed = load_trace(_write(tmp_path, [row(0, None)], "u.jsonl"), block_size=32)
     assert untimed.served_decode_s_per_token() is None
     with pytest.raises(TraceError, match=r":2: 'itl_ms' must be a number >= 0, got -1"):
         load_trace(_write(tmp_path, [row(0, 1), row(1, -1)], "bad.jsonl"), block_size=32)
+    with pytest.raises(TraceError, match=r":1: 'ttft_ms' must be a number >= 0, got 'x'"):
+        load_trace(_write(tmp_path, [{**row(0, 1), "ttft_ms": "x"}], "bad2.jsonl"),
+                   block_size=32)
