@@ -257,16 +257,12 @@ class HoldingsLedger:
 
     def _set_blocks(self, held: _Held, blocks: int) -> None:
         """Resize a holding; it keeps (or gains) its root-most blocks, as the worker
-        clips a claim and lets one go leaf first."""
-        old_named, old_blocks = held.named(), held.blocks
+        clips a claim and lets one go leaf first: the named prefix both sizes share keeps
+        its counts."""
+        kept = min(held.blocks, blocks, len(held.keys))
+        self._count(held, -1, kept)
         held.blocks = blocks
-        new_named = held.named()
-        if len(new_named) < len(old_named):
-            self._count_named(held, old_named[len(new_named):], -1)
-        elif len(new_named) > len(old_named):
-            self._count_named(held, new_named[len(old_named):], +1)
-        own_change = (blocks - len(new_named)) - (old_blocks - len(old_named))
-        self._count_own(held, own_change)
+        self._count(held, +1, kept)
 
     def _count(self, held: _Held, sign: int, kept_named: int = 0) -> None:
         """Count the holding in (+1) or out (-1), except its first ``kept_named`` named

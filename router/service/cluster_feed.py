@@ -71,11 +71,11 @@ class _StreamCursor:
     a fresh store starts at new messages; a restart resumes after the last one handled;
     a link set up again after a failure resumes, it does not replay."""
 
-    def __init__(self, name: str, start_seq: int | None, writer: StoreWriter | None,
+    def __init__(self, name: str, last_seq: int | None, writer: StoreWriter | None,
                  wall: Callable[[], float]) -> None:
         self.name = name
-        # The last stream sequence handled; None: start at new messages.
-        self.seq = None if start_seq is None else start_seq - 1
+        # The last stream sequence handled (the store's cursor); None: start at new messages.
+        self.seq = last_seq or None
         self._writer = writer
         self._wall = wall
 
@@ -94,7 +94,7 @@ class _StreamCursor:
 class ClusterFeed:
     def __init__(self, link: NatsLink, ingestor: KvEventIngestor, workers: WorkerRegistry,
                  hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
-                 outcomes_start_seq: int | None, releases_start_seq: int | None,
+                 outcomes_last_seq: int | None, releases_last_seq: int | None,
                  snapshot_timeout_s: float,
                  on_hint_outcome: Callable[[SentAction, HintOutcome], None],
                  on_hold_released: Callable[[HoldRelease], None],
@@ -111,8 +111,8 @@ class ClusterFeed:
         self._snapshot_timeout_s = snapshot_timeout_s
         self._wall = wall_clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_start_seq, writer, wall_clock)
-        self.releases = _StreamCursor(RELEASES_CURSOR, releases_start_seq, writer, wall_clock)
+        self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
+        self.releases = _StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
         # False when JetStream failed and the feed runs on plain subscriptions.
         self.replay = True
 

@@ -411,7 +411,7 @@ class HintDispatcher:
                 self._metrics.drop("learned_stats_unreadable")
         for row in held:
             record = SentAction.from_row(row)
-            blocks = row.get("held_after_release_blocks")
+            blocks = record.held_after_release_blocks
             self._hold(record, record.applied_blocks if blocks is None else blocks)
         for row in pending:
             record = SentAction.from_row(row)

@@ -173,11 +173,9 @@ class RouterRuntime:
                 "from_config": worker.from_config})
         writer.start()
         if link is not None:
-            after = {name: recovery.cursors[name] + 1 if recovery.cursors.get(name) else None
-                     for name in (OUTCOMES_CURSOR, RELEASES_CURSOR)}
             runtime.feed = ClusterFeed(link, ingestor, workers, hints, metrics, writer,
-                                       outcomes_start_seq=after[OUTCOMES_CURSOR],
-                                       releases_start_seq=after[RELEASES_CURSOR],
+                                       outcomes_last_seq=recovery.cursors.get(OUTCOMES_CURSOR),
+                                       releases_last_seq=recovery.cursors.get(RELEASES_CURSOR),
                                        snapshot_timeout_s=5.0,
                                        on_hint_outcome=lifecycle.on_hint_outcome,
                                        on_hold_released=lifecycle.on_hold_released)

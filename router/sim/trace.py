@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,12 +94,8 @@ class Trace:
     def served_decode_s_per_token(self) -> tuple[float, int] | None:
         """The median time between output tokens its responses were served with, and
         how many responses say; None when none does."""
-        served = sorted(r.itl_s for r in self.requests if r.itl_s is not None)
-        if not served:
-            return None
-        middle = len(served) // 2
-        median = served[middle] if len(served) % 2 else (served[middle - 1] + served[middle]) / 2
-        return median, len(served)
+        served = [r.itl_s for r in self.requests if r.itl_s is not None]
+        return (statistics.median(served), len(served)) if served else None
 
 
 def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None,
