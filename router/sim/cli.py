@@ -130,13 +130,14 @@ def _run(args: argparse.Namespace) -> int:
                                 ("pin_budget_fraction", args.pin_budget_fraction))
               if v is not None}
     decode_s = args.decode_s_per_token
-    served = trace.served_decode_s_per_token()
     if decode_s is None:
-        decode_s = served[0] if served is not None else TimeModel().decode_s_per_token
-        if served is not None:
+        served = trace.served_decode_s_per_token()
+        if served is None:
+            decode_s = TimeModel().decode_s_per_token
+        else:
+            decode_s, timed = served
             print(f"[sim] decode {decode_s * 1000:.2f} ms per output token: the median of "
-                  f"the {served[1]} served responses the trace times (itl_ms)",
-                  file=sys.stderr)
+                  f"the {timed} served responses the trace times (itl_ms)", file=sys.stderr)
     try:
         timing = TimeModel(args.prefill_tokens_per_s, args.prefill_overhead_s,
                            decode_s, args.host_load_tokens_per_s)
