@@ -238,12 +238,18 @@ class HeadlessScheduler:
         """One schedule() + update_from_output() with a fabricated model output;
         ``after_schedule(scheduler_output)`` runs in between (e.g. to read a request's
         ``prefill_stats``, which vLLM clears when the request finishes)."""
+        out = self.scheduler.schedule()
+        if after_schedule is not None:
+            after_schedule(out)
+        return out, self.complete(out)
+
+    def complete(self, out: Any) -> Any:
+        """The model's answer to ``out`` (one :meth:`Scheduler.schedule` result), fed to
+        ``update_from_output``; returns its engine outputs. Split from :meth:`step` for a
+        caller whose model time passes between the two (the simulator)."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         scheduler = self.scheduler
-        out = scheduler.schedule()
-        if after_schedule is not None:
-            after_schedule(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -260,7 +266,7 @@ class HeadlessScheduler:
             kv_connector_output=self._offload_report(out.kv_connector_metadata))
         engine_outputs = scheduler.update_from_output(out, output)
         self.steps += 1
-        return out, engine_outputs
+        return engine_outputs
 
     def _offload_report(self, metadata: Any) -> Any:
         from vllm.v1.outputs import KVConnectorOutput

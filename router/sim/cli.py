@@ -14,6 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the simulator's modules import vLLM: only once the input is good
+    from kvhint.router.sim.engine import SimConfig
+    from kvhint.router.sim.trace import Trace
 
 POLICY_NAMES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
 
@@ -53,8 +58,25 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--no-reference", action="store_true",
                      help="skip the oracle and unbounded reference lines")
     run.add_argument("--no-progress", action="store_true")
+    engine = run.add_argument_group("engine")
+    engine.add_argument("--engine", choices=("fast", "scheduler"), default="fast",
+                        help="fast: one prefill at a time over vLLM's KVCacheManager (an "
+                             "hour-long trace in under a minute); scheduler: vLLM's real "
+                             "Scheduler, step by step (chunked prefill, admission, "
+                             "preemption as a server does; ~1 ms per step)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="scheduler engine: vLLM's token budget per step (its server "
+                             "default: 8,192 on H100-class GPUs, 2,048 on the CPU)")
+    engine.add_argument("--max-num-seqs", type=int, default=1024,
+                        help="scheduler engine: vLLM's running-request cap (server "
+                             "default: 1,024 on H100-class GPUs, 128 on the CPU)")
     timing = run.add_argument_group("time model")
-    timing.add_argument("--prefill-tokens-per-s", type=float, default=100_000.0)
+    timing.add_argument("--prefill-tokens-per-s", type=_rate_or_fit, default=100_000.0,
+                        help="a number, or fit: the rate at which the simulated median "
+                             "TTFT matches the trace's served one (ttft_ms; found by "
+                             "simulating kvhint, or the first policy, 8 times; with the "
+                             "scheduler engine the decode step is fitted to the served "
+                             "itl_ms too, unless --decode-s-per-token is given)")
     timing.add_argument("--prefill-overhead-s", type=float, default=0.010)
     timing.add_argument("--decode-s-per-token", type=float, default=None,
                         help="default: the trace's median itl_ms where it has them (a "
@@ -78,6 +100,15 @@ def _add_gen_agents(sub: argparse._SubParsersAction) -> None:
             continue
         gen.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     gen.set_defaults(func=_gen_agents)
+
+
+def _rate_or_fit(text: str) -> float | str:
+    if text == "fit":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of tokens/s or fit, got {text!r}") from None
 
 
 def parse_policies(text: str) -> list[str]:
@@ -138,12 +169,19 @@ def _run(args: argparse.Namespace) -> int:
             decode_s, timed = served
             print(f"[sim] decode {decode_s * 1000:.2f} ms per output token: the median of "
                   f"the {timed} served responses the trace times (itl_ms)", file=sys.stderr)
+    fit = args.prefill_tokens_per_s == "fit"
+    if fit and not trace.served_ttfts_s():
+        return _fail("--prefill-tokens-per-s fit: the trace has no ttft_ms (a router "
+                     "recording of streamed answers has them)")
     try:
-        timing = TimeModel(args.prefill_tokens_per_s, args.prefill_overhead_s,
-                           decode_s, args.host_load_tokens_per_s)
+        timing = TimeModel(TimeModel().prefill_tokens_per_s if fit else args.prefill_tokens_per_s,
+                           args.prefill_overhead_s, decode_s, args.host_load_tokens_per_s)
         config = SimConfig(workers=args.workers, gpu_blocks=args.gpu_blocks,
                            host_blocks=args.host_blocks, block_size=args.block_size,
-                           timing=timing, seed=args.seed, plugin=plugin)
+                           timing=timing, seed=args.seed, plugin=plugin,
+                           engine=args.engine,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           max_num_seqs=args.max_num_seqs)
     except ValidationError as exc:  # the plugin's config model (a ValueError too)
         return _fail("; ".join(
             f"--{'-'.join(map(str, error['loc'])).replace('_', '-')}: {error['msg']} "
@@ -156,6 +194,10 @@ def _run(args: argparse.Namespace) -> int:
               f"({trace.format}); {args.workers} worker(s) x {args.gpu_blocks} G1 blocks"
               + (f" + {args.host_blocks} G2" if args.host_blocks else "")
               + f"; policies: {', '.join(policies)}", file=progress)
+    if fit:
+        config = _fit_time_model(trace, config,
+                                 "kvhint" if "kvhint" in policies else policies[0],
+                                 fit_decode=args.decode_s_per_token is None)
     references = []
     if not args.no_reference:
         capacity = args.workers * (args.gpu_blocks + args.host_blocks)
@@ -174,9 +216,34 @@ def _run(args: argparse.Namespace) -> int:
         # the fleet did (BENCHMARKS.md: that makes the simulator optimistic under pressure).
         print(f"[sim] served (as recorded): TTFT p50 {percentile(served_ttfts, 50):.3f}s "
               f"p99 {percentile(served_ttfts, 99):.3f}s over {len(served_ttfts)} streamed "
-              "responses; a simulated TTFT far below it: lower --prefill-tokens-per-s",
+              "responses; a simulated TTFT far below it: --prefill-tokens-per-s fit",
               file=sys.stderr)
     return 0
+
+
+def _fit_time_model(trace: Trace, config: SimConfig, policy: str,
+                    fit_decode: bool) -> SimConfig:
+    from dataclasses import replace
+
+    from kvhint.router.sim.calibrate import fit_time_model
+    from kvhint.router.sim.results import PolicyResult, percentile
+
+    def on_run(rate: float, decode_s: float, result: PolicyResult) -> None:
+        print(f"[sim] fit: {rate:,.0f} prefill tokens/s, decode {decode_s * 1000:.2f} ms -> "
+              f"TTFT p50 {percentile(result.ttfts_s, 50):.3f}s, ITL p50 "
+              f"{percentile(result.itls_s, 50) * 1000:.2f} ms ({policy})", file=sys.stderr)
+
+    found = fit_time_model(trace, config, policy, fit_decode=fit_decode, on_run=on_run)
+    itl = (f"; decode step {found.decode_s_per_token * 1000:.2f} ms: ITL p50 "
+           f"{found.simulated_itl_p50_s * 1000:.2f} ms against "
+           f"{found.served_itl_p50_s * 1000:.2f} ms" if found.served_itl_p50_s else "")
+    print(f"[sim] prefill {found.tokens_per_s:,.0f} tokens/s: simulated TTFT p50 "
+          f"{found.simulated_ttft_p50_s:.3f}s against {found.served_ttft_p50_s:.3f}s served"
+          f"{itl} ({found.runs} runs of {policy}; --prefill-tokens-per-s "
+          f"{found.tokens_per_s:.0f} --decode-s-per-token {found.decode_s_per_token:.5f} "
+          "skip the fit)", file=sys.stderr)
+    return replace(config, timing=replace(config.timing, prefill_tokens_per_s=found.tokens_per_s,
+                                          decode_s_per_token=found.decode_s_per_token))
 
 
 def _gen_agents(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ Events, in time order (ties: arrival order of scheduling): a request *arrives* (
 plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
 admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), and a
 periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions and, as the
-live router's tick does, the shared-prefix scan).
+live router's tick does, the shared-prefix scan). With the ``scheduler`` engine
+(:class:`~kvhint.router.sim.scheduler_worker.SchedulerSimWorker`) a *step ends* instead
+of prefills and decodes: first tokens out, responses ended, the next step scheduled.
 """
 
 from __future__ import annotations
@@ -20,13 +22,11 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from kvhint.engine_plugin.config import PluginConfig
-from kvhint.engine_plugin.core import EngineIdentity, PluginCore
-from kvhint.engine_plugin.headless import build_kv_cache_manager, tokens_for_block_ids
+from kvhint.engine_plugin.headless import tokens_for_block_ids
 from kvhint.router.kv_index import (
     TIER_CPU,
     BlocksRemoved,
@@ -40,13 +40,11 @@ from kvhint.router.policy import (
     LearnedStats,
     Overlap,
     PlannedAction,
-    PlannerConfig,
     PlannerContext,
     PlanResult,
     RecentLoad,
     ResponseFinished,
     RouteRequest,
-    RoutingConfig,
     RoutingContext,
     RoutingPolicy,
     SessionEnded,
@@ -69,54 +67,19 @@ from kvhint.router.policy import (
     session_chain,
     target_keys,
 )
-from kvhint.router.sim.host_tier import SimHostTier
+from kvhint.router.sim.config import ENGINES, SimConfig
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
-from kvhint.router.sim.timing import TimeModel
+from kvhint.router.sim.scheduler_worker import SchedulerSimWorker, build_scheduler_worker
 from kvhint.router.sim.trace import Trace, TraceRequest
-from kvhint.router.sim.worker import Job, SimWorker
+from kvhint.router.sim.worker import Job, SimWorker, build_fast_worker
 from kvhint.schemas import DecodedHints, HintOutcome, evict_rest_supported, parse_action
 
 POLICIES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
+__all__ = ["ENGINES", "POLICIES", "SimConfig", "Simulation", "run_policy"]
 U64_MASK = (1 << 64) - 1
 
 # Event kinds, ordered for equal times: work that frees capacity first.
-_DECODE_DONE, _PREFILL_DONE, _REVIEW, _TICK, _ARRIVAL = range(5)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    workers: int = 1
-    gpu_blocks: int = 5_000
-    host_blocks: int = 0
-    block_size: int = 512
-    timing: TimeModel = TimeModel()
-    seed: int = 0
-    tick_s: float = 5.0
-    # Half-life of the router's recent-computed-tokens load signal.
-    recent_half_life_s: float = 120.0
-    host_cache_policy: str = "lru"
-    # Overrides of the plugin's config (its kv_connector_extra_config keys).
-    plugin: Mapping[str, Any] = field(default_factory=dict)
-    routing: RoutingConfig = RoutingConfig()
-    planner: PlannerConfig = PlannerConfig()
-    timeline_bucket_s: float = 60.0
-    keep_records: bool = False
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError("workers must be >= 1")
-        if self.gpu_blocks < 2:
-            raise ValueError("gpu_blocks must be >= 2")
-        if self.host_blocks < 0:
-            raise ValueError("host_blocks must be >= 0")
-        if self.block_size <= 0 or self.block_size % 32:
-            raise ValueError("block_size must be a positive multiple of 32 (vLLM on the CPU)")
-        self.plugin_config("w0")  # bad plugin overrides fail here, before any worker runs
-
-    def plugin_config(self, worker_id: str) -> PluginConfig:
-        """The plugin's validated config for one simulated worker (its defaults, then
-        ``plugin``); pydantic's ValidationError is a ValueError."""
-        return PluginConfig(worker_id=worker_id, **dict(self.plugin))
+_STEP_END, _DECODE_DONE, _PREFILL_DONE, _REVIEW, _TICK, _ARRIVAL = range(6)
 
 
 ProgressFn = Callable[[int, int], None]
@@ -158,7 +121,7 @@ class Simulation:
         self._seq = itertools.count()
         self._message_ids = itertools.count(1)
         self.result = PolicyResult(policy, records=[] if config.keep_records else None)
-        self.workers: dict[str, SimWorker] = {}
+        self.workers: dict[str, SimWorker | SchedulerSimWorker] = {}
         self._static_views: dict[str, WorkerPlanView] = {}
         self._build_workers()
 
@@ -168,24 +131,16 @@ class Simulation:
         config = self.config
         for i in range(config.workers):
             worker_id = f"w{i}"
-            cache = build_kv_cache_manager(config.block_size, config.gpu_blocks)
-            host = (SimHostTier(config.host_blocks, config.host_cache_policy)
-                    if config.host_blocks > 0 else None)
-            plugin_config = config.plugin_config(worker_id)
-            core = PluginCore.attach(
-                cache.manager, plugin_config, clock=self._clock,
-                identity=EngineIdentity(worker_id, model="sim"), host_tier=host,
-            )
-            self.workers[worker_id] = SimWorker(
-                worker_id, cache, core, config.timing, host, store_on_compute=True,
-                on_events=self._on_worker_events,
-            )
+            build = build_scheduler_worker if config.engine == "scheduler" else build_fast_worker
+            worker = build(worker_id, config, self._clock, self._on_worker_events)
+            core = worker.core
+            self.workers[worker_id] = worker
             self.feedback[worker_id] = WorkerFeedback(worker_id)
             # What the worker's status heartbeat would say (fixed for a run).
             self._static_views[worker_id] = WorkerPlanView(
                 worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),
                 supported_actions=frozenset(core.supported_actions()),
-                host_tier=host is not None,
+                host_tier=worker.host is not None,
                 evict_rest_first=evict_rest_supported(core.supported_actions()))
             self._recent[worker_id] = RecentLoad(config.recent_half_life_s)
             self.result.computed_by_worker[worker_id] = 0
@@ -207,6 +162,7 @@ class Simulation:
         self._push(self.config.tick_s, _TICK, None)
         arrivals = 0
         handlers = {
+            _STEP_END: self._on_step_end,
             _DECODE_DONE: self._on_decode_done,
             _PREFILL_DONE: self._on_prefill_done,
             _REVIEW: self._on_review,
@@ -239,7 +195,7 @@ class Simulation:
         tokens = tokens_for_block_ids(request.block_ids, self.config.block_size)
         del tokens[request.input_length:]
         worker0 = next(iter(self.workers.values()))
-        vllm_request = worker0.cache.make_request(tokens, session_id=session_key)
+        vllm_request = worker0.make_request(tokens, session_key, request.output_length)
         hashes = tuple(int.from_bytes(h, "big") & U64_MASK for h in vllm_request.block_hashes)
         decision = self._route(request, session_key, hashes)
         worker = self.workers[decision.worker_id]
@@ -290,7 +246,10 @@ class Simulation:
         self.result.requests += 1
         return route(ctx, features, self._route_rng)
 
-    def _try_start(self, worker: SimWorker) -> None:
+    def _try_start(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        if isinstance(worker, SchedulerSimWorker):
+            self._begin_step(worker)
+            return
         started = worker.start_prefill(self.now)
         self._take_releases(worker)  # the allocation may have relieved retained blocks
         if started is None:
@@ -310,8 +269,36 @@ class Simulation:
 
     def _on_decode_done(self, job: Job) -> None:
         worker = self.workers[job.worker_id]
+        assert isinstance(worker, SimWorker)
         worker.finish(job)
+        self._response_ended(job)
+        self._try_start(worker)
+
+    def _begin_step(self, worker: SchedulerSimWorker) -> None:
+        started = worker.begin_step(self.now)
+        self._take_releases(worker)  # the step's allocations may have relieved holds
+        if started is None:
+            return
+        length, admitted = started
+        for job in admitted:
+            self._record_admission(job)
+        self._push(self.now + length, _STEP_END, worker.worker_id)
+
+    def _on_step_end(self, worker_id: str) -> None:
+        worker = self.workers[worker_id]
+        assert isinstance(worker, SchedulerSimWorker)
+        ended = worker.end_step(self.now)
+        for job in ended.first_tokens:
+            self.result.ttfts_s.append(self.now - job.arrival_s)
+        for job in ended.finished:
+            self._response_ended(job)
+        self._begin_step(worker)
+
+    def _response_ended(self, job: Job) -> None:
+        """The response is out and its request freed: the planner's turn."""
         request = job.request
+        if request.output_length > 1:
+            self.result.itls_s.append((self.now - job.first_token_s) / (request.output_length - 1))
         if self.hints_on:
             state = self.sessions.get(job.session_key)
             if state is not None:
@@ -323,7 +310,6 @@ class Simulation:
                     self._apply_plan(plan_session_end(
                         self._planner_ctx(), self.sessions[job.session_key],
                         SessionEnded(job.session_key, self.now)))
-        self._try_start(worker)
 
     def _record_admission(self, job: Job) -> None:
         result = self.result
@@ -436,7 +422,7 @@ class Simulation:
             if worker_id in self.feedback:
                 self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
 
-    def _take_releases(self, worker: SimWorker) -> None:
+    def _take_releases(self, worker: SimWorker | SchedulerSimWorker) -> None:
         """What the worker's holds lost unasked (displaced, relieved), as the live router
         takes it: holdings shrink and the session's protection covers what is left."""
         message = worker.core.take_releases()
@@ -484,6 +470,8 @@ class Simulation:
         for worker in self.workers.values():
             result.dropped_requests += worker.counters.dropped_too_large
             result.admission_waits += worker.counters.admission_waits
+            if isinstance(worker, SchedulerSimWorker):
+                result.preemptions += worker.preemptions
 
 
 def run_policy(trace: Trace, config: SimConfig, policy: str,

@@ -47,6 +47,9 @@ class PolicyResult:
     g2_hit_tokens: int = 0
     computed_by_worker: dict[str, int] = field(default_factory=dict)
     ttfts_s: list[float] = field(default_factory=list)
+    # Per response of 2+ output tokens: its time from first to last token / (tokens - 1),
+    # as the router's recordings time streamed answers (itl_ms).
+    itls_s: list[float] = field(default_factory=list)
     # (action type, status) -> count; "sent" counts actions the planner sent.
     hints: Counter = field(default_factory=Counter)
     # (action type, reason) -> blocks workers let go of accepted Pins/Retains unasked.
@@ -60,6 +63,8 @@ class PolicyResult:
     moved_turns: int = 0
     admission_waits: int = 0
     decode_alloc_failures: int = 0
+    # The scheduler engine: running requests vLLM preempted to make room.
+    preemptions: int = 0
     wall_s: float = 0.0
 
     @property
@@ -95,6 +100,7 @@ class PolicyResult:
             "computed_tokens_by_worker": dict(sorted(self.computed_by_worker.items())),
             "ttft_p50_s": round(percentile(self.ttfts_s, 50), 6),
             "ttft_p99_s": round(percentile(self.ttfts_s, 99), 6),
+            "itl_p50_s": round(percentile(self.itls_s, 50), 6),
             "hints": self.hints_by_action(),
             "released_blocks": {f"{action}|{reason}": n for (action, reason), n
                                 in sorted(self.released_blocks.items())},
@@ -102,6 +108,7 @@ class PolicyResult:
             "moved_turns": self.moved_turns,
             "admission_waits": self.admission_waits,
             "decode_alloc_failures": self.decode_alloc_failures,
+            "preemptions": self.preemptions,
             "wall_s": round(self.wall_s, 3),
         }
 

@@ -1,9 +1,17 @@
 """How long a simulated worker spends on a request, from token counts.
 
-A worker prefills one request at a time (FIFO): ``prefill_s = overhead + computed /
-prefill_rate + host_loaded / host_load_rate``. Decode runs batched beside it, each request
-taking ``output_tokens * decode_s_per_token`` after its first token. Time to first token
-is queueing for the prefill slot (and for KV space) plus the prefill itself.
+The ``fast`` engine (:mod:`.worker`) prefills one request at a time (FIFO): ``prefill_s =
+overhead + computed / prefill_rate + host_loaded / host_load_rate``. Decode runs batched
+beside it, each request taking ``output_tokens * decode_s_per_token`` after its first
+token. Time to first token is queueing for the prefill slot (and for KV space) plus the
+prefill itself.
+
+The ``scheduler`` engine (:mod:`.scheduler_worker`) times each of vLLM's steps instead:
+``step_s = decode_s_per_token + prefill_tokens / prefill_rate``, where ``prefill_tokens``
+are the prompt tokens the step computes (vLLM's chunks, several prompts at once). A step
+with no prompt work is one decode step; prompt chunks stretch the step for every request
+in it, as they do on a server. The prefill overhead and the host rate are the fast
+engine's only.
 """
 
 from __future__ import annotations
@@ -36,3 +44,9 @@ class TimeModel:
 
     def decode_s(self, output_tokens: int) -> float:
         return output_tokens * self.decode_s_per_token
+
+    def step_s(self, prefill_tokens: int) -> float:
+        """One step of the scheduler engine (module docstring). The decode tokens are in
+        the base time: at the batch sizes simulated a decode step's time barely moves
+        with the number of running requests."""
+        return self.decode_s_per_token + prefill_tokens / self.prefill_tokens_per_s

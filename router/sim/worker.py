@@ -21,11 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvhint.engine_plugin.core import PluginCore
-from kvhint.engine_plugin.headless import HeadlessCache
+from kvhint.engine_plugin.core import EngineIdentity, PluginCore
+from kvhint.engine_plugin.headless import HeadlessCache, build_kv_cache_manager
+from kvhint.router.sim.config import SimConfig
 from kvhint.router.sim.host_tier import SimHostTier
 from kvhint.router.sim.timing import TimeModel
 from kvhint.router.sim.trace import TraceRequest
+
+EventsFn = Callable[[str, list[Any], list[tuple[bool, list[int]]]], None]
 
 # Decode tokens get ids outside the range trace blocks use (tokens_for_block_ids maps a
 # block id to a token below 2**30).
@@ -50,6 +53,9 @@ class Job:
     g2_hit_tokens: int = 0
     computed_tokens: int = 0
     decode_allocated: bool = True
+    # The scheduler engine's marks (vLLM decides when; see scheduler_worker).
+    admitted: bool = False
+    first_token_out: bool = False
 
 
 @dataclass(slots=True)
@@ -76,7 +82,7 @@ class SimWorker:
         timing: TimeModel,
         host: SimHostTier | None,
         store_on_compute: bool,
-        on_events: Callable[[str, list[Any], list[tuple[bool, list[int]]]], None],
+        on_events: EventsFn,
     ) -> None:
         self.worker_id = worker_id
         self.cache = cache
@@ -97,6 +103,12 @@ class SimWorker:
     @property
     def active_requests(self) -> int:
         return len(self.queue) + len(self.decoding) + (1 if self.prefilling else 0)
+
+    def make_request(self, prompt_token_ids: list[int], session_key: str,
+                     output_tokens: int) -> Any:
+        """The vLLM request for a prompt (its output is appended at the prefill's end)."""
+        del output_tokens  # allocated in one step by finish_prefill, not by vLLM
+        return self.cache.make_request(prompt_token_ids, session_id=session_key)
 
     def enqueue(self, job: Job) -> None:
         self.queue.append(job)
@@ -198,3 +210,16 @@ class SimWorker:
         host_events = self.host.take_events() if self.host is not None else []
         if events or host_events:
             self._on_events(self.worker_id, events, host_events)
+
+
+def build_fast_worker(worker_id: str, config: SimConfig, clock: Callable[[], float],
+                      on_events: EventsFn) -> SimWorker:
+    """vLLM's KVCacheManager with the plugin attached as it attaches inside vLLM, on the
+    simulation's clock."""
+    cache = build_kv_cache_manager(config.block_size, config.gpu_blocks)
+    host = (SimHostTier(config.host_blocks, config.host_cache_policy)
+            if config.host_blocks > 0 else None)
+    core = PluginCore.attach(cache.manager, config.plugin_config(worker_id), clock=clock,
+                             identity=EngineIdentity(worker_id, model="sim"), host_tier=host)
+    return SimWorker(worker_id, cache, core, config.timing, host, store_on_compute=True,
+                     on_events=on_events)

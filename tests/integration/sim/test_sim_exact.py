@@ -87,7 +87,8 @@ def test_host_tier_serves_the_continuation_of_a_g1_hit(tiny_trace) -> None:
     assert result.to_json()["g2_token_hit_rate"] == pytest.approx(32 / result.prompt_tokens)
 
 
-def test_same_seed_same_result_on_two_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["fast", "scheduler"])
+def test_same_seed_same_result_on_two_workers(tmp_path: Path, engine: str) -> None:
     from kvhint.router.sim.agents import AgentWorkloadSpec, write_agent_trace
 
     path = tmp_path / "agents.jsonl"
@@ -98,7 +99,7 @@ def test_same_seed_same_result_on_two_workers(tmp_path: Path) -> None:
     trace = load_trace(path, block_size=32)
 
     def run(policy: str, seed: int) -> dict:
-        config = SimConfig(workers=2, gpu_blocks=40, block_size=32, seed=seed)
+        config = SimConfig(workers=2, gpu_blocks=40, block_size=32, seed=seed, engine=engine)
         out = Simulation(trace, config, policy).run().to_json()
         out.pop("wall_s")
         return out

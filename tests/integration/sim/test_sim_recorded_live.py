@@ -16,10 +16,13 @@ RECORDED = Path(__file__).parents[2] / "benchmarks" / "sim" / "recorded" / "agen
 LIVE_CACHED, LIVE_PROMPT = 123_360, 166_845
 
 
-def test_a_recorded_live_run_replays_to_the_live_hit_rate() -> None:
+@pytest.mark.parametrize("engine", ["fast", "scheduler"])
+def test_a_recorded_live_run_replays_to_the_live_hit_rate(engine: str) -> None:
+    """Both engines; the scheduler engine with the CPU server's own scheduler settings."""
     trace = load_trace(RECORDED, block_size=32)
     assert sum(r.input_length for r in trace.requests) == pytest.approx(LIVE_PROMPT, abs=64)
-    result = Simulation(trace, SimConfig(workers=2, gpu_blocks=512, block_size=32),
-                        "kvhint").run()
+    config = SimConfig(workers=2, gpu_blocks=512, block_size=32, engine=engine,
+                       max_num_batched_tokens=2048, max_num_seqs=128)
+    result = Simulation(trace, config, "kvhint").run()
     hit = result.g1_hit_tokens + result.g2_hit_tokens
     assert hit == pytest.approx(LIVE_CACHED, abs=3 * 32)  # within three blocks

@@ -1,0 +1,63 @@
+"""What one simulation run is: the fleet, the time model, the engine, the policies' knobs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.router.policy import PlannerConfig, RoutingConfig
+from kvhint.router.sim.timing import TimeModel
+
+ENGINES = ("fast", "scheduler")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int = 1
+    gpu_blocks: int = 5_000
+    host_blocks: int = 0
+    block_size: int = 512
+    timing: TimeModel = TimeModel()
+    seed: int = 0
+    tick_s: float = 5.0
+    # Half-life of the router's recent-computed-tokens load signal.
+    recent_half_life_s: float = 120.0
+    host_cache_policy: str = "lru"
+    # Overrides of the plugin's config (its kv_connector_extra_config keys).
+    plugin: Mapping[str, Any] = field(default_factory=dict)
+    routing: RoutingConfig = RoutingConfig()
+    planner: PlannerConfig = PlannerConfig()
+    timeline_bucket_s: float = 60.0
+    keep_records: bool = False
+    # "fast": the simulator's own FIFO schedule over vLLM's KVCacheManager (worker.py);
+    # "scheduler": vLLM's real Scheduler, stepped (scheduler_worker.py), with its
+    # max_num_batched_tokens and max_num_seqs (vLLM's OpenAI server defaults on an
+    # H100-class GPU; on the CPU they are 2,048 and 128).
+    engine: str = "fast"
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if self.engine == "scheduler" and self.host_blocks:
+            raise ValueError("the scheduler engine has no host tier yet: use the fast "
+                             "engine with host blocks")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.gpu_blocks < 2:
+            raise ValueError("gpu_blocks must be >= 2")
+        if self.host_blocks < 0:
+            raise ValueError("host_blocks must be >= 0")
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError("block_size must be a positive multiple of 32 (vLLM on the CPU)")
+        self.plugin_config("w0")  # bad plugin overrides fail here, before any worker runs
+
+    def plugin_config(self, worker_id: str) -> PluginConfig:
+        """The plugin's validated config for one simulated worker (its defaults, then
+        ``plugin``); pydantic's ValidationError is a ValueError."""
+        return PluginConfig(worker_id=worker_id, **dict(self.plugin))
