@@ -100,6 +100,9 @@ class PluginCore:
         self.event_seq = 0
         self.cache_namespace = identity.cache_namespace(adapter.block_size)
         self._pending_hits: list[Hit] = []
+        # Outcomes the engine loop settled with no mailbox to post them to, kept for the
+        # next advance() caller (an in-process driver: tests, the simulator).
+        self._unposted: list[HintOutcome] = []
         self._status_at = 0.0
         self._event_log: list[IndexEvent] | None = None
         self._errors_logged: set[str] = set()
@@ -250,8 +253,10 @@ class PluginCore:
         return self.executor.advise(advice, self.cache_namespace)
 
     def advance(self) -> list[HintOutcome]:
-        """TTL expiry and deferred Prefetch completion at ``clock()``."""
-        return self.executor.advance()
+        """TTL expiry and deferred Prefetch completion at ``clock()``; with no mailbox,
+        also the outcomes :meth:`pump` settled since the last call."""
+        outcomes, self._unposted = self._unposted, []
+        return outcomes + self.executor.advance()
 
     def take_releases(self) -> HoldsReleased | None:
         """What accepted Pins and Retains lost unasked since the last call (displaced,
@@ -288,7 +293,11 @@ class PluginCore:
                 handled += 1
                 mailbox.put_outcomes(self._handle(item))
         outcomes = self.executor.advance()
-        if mailbox is not None:
+        if mailbox is None:
+            # Without a transport only an in-process caller can have sent a Prefetch:
+            # its outcome waits for that caller's advance().
+            self._unposted.extend(outcomes)
+        else:
             mailbox.put_outcomes(outcomes)
             # After the outcomes they may follow; a step's relief (allocations come before
             # this hook) goes out in the same step.

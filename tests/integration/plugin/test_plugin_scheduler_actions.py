@@ -291,8 +291,11 @@ def test_demote_share_and_prefetch_answer_honestly_on_the_cpu_backend() -> None:
                     action_id="pf")
     assert deferred.status.value == "deferred" and "no host tier" in deferred.reason
     turn(h, "t", [7, 8])  # a request recomputes them; the step settles the prefetch
+    # No mailbox to post it to: the step's outcome waits for an in-process advance().
+    (by_step,) = core.advance()
+    assert (by_step.action_id, by_step.status.value) == ("pf", "accepted")
     settled = hint(h, PrefetchPayload(target=Target(block_hashes=gone)), action_id="pf")
-    assert settled.status.value == "accepted" and settled.applied.blocks == 2
+    assert settled == by_step and settled.applied.blocks == 2
     # Another one that never comes back ends at its deadline.
     late = hint(h, PrefetchPayload(target=Target(block_hashes=[123456789]), deadline_s=2),
                 action_id="pf2")
