@@ -89,6 +89,11 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             # Only while EngineCore is being built is it on the call stack.
             self._waker = find_engine_waker() if self.plugin_config.wake_idle_engine else None
 
+    @property
+    def host_tier(self) -> OffloadingHostTier | None:
+        """vLLM's OffloadingConnector as the plugin found it at bind time (None: none)."""
+        return self._host_tier
+
     # --- binding ---------------------------------------------------------------------------
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

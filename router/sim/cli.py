@@ -63,7 +63,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                         help="fast: one prefill at a time over vLLM's KVCacheManager (an "
                              "hour-long trace in under a minute); scheduler: vLLM's real "
                              "Scheduler, step by step (chunked prefill, admission, "
-                             "preemption as a server does; ~1 ms per step)")
+                             "preemption as a server does; 1-2 ms per step)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="scheduler engine: vLLM's token budget per step (its server "
                              "default: 8,192 on H100-class GPUs, 2,048 on the CPU)")

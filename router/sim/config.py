@@ -42,9 +42,6 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
-        if self.engine == "scheduler" and self.host_blocks:
-            raise ValueError("the scheduler engine has no host tier yet: use the fast "
-                             "engine with host blocks")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.workers < 1:

@@ -39,6 +39,9 @@ def table(results: Sequence[PolicyResult], references: Sequence[ReferenceResult]
                                  for (action, reason), n in sorted(r.released_blocks.items()))
             lines.append(f"{r.policy}: blocks workers let go of accepted holds unasked: "
                          f"{released}")
+        if r.preemptions:
+            lines.append(f"{r.policy}: vLLM preempted {r.preemptions:,} running requests for "
+                         "room (scheduler engine; they were recomputed)")
         if r.dropped_requests:
             # Not in the rates above (the references do count them): say so, not hide it.
             lines.append(f"{r.policy}: {r.dropped_requests:,} of {r.requests:,} requests dropped "

@@ -6,9 +6,12 @@ vLLM itself, as a server does: vLLM's ``Scheduler`` with the kvhint plugin loade
 KV connector (:func:`kvhint.engine_plugin.headless.build_scheduler`) decides each step
 which requests run, how much of each prompt is prefilled (chunked prefill under
 ``max_num_batched_tokens``), which waiting requests are admitted and which running ones
-are preempted when the pool runs out. Nothing of that is re-implemented here; what this
-class adds is the model's time for each step (:meth:`TimeModel.step_s`) and the
-bookkeeping the simulation reads (hits at admission, first tokens, finished responses).
+are preempted when the pool runs out. With host blocks, vLLM's OffloadingConnector runs
+beside the plugin in a MultiConnector, as on a CUDA server, and its stores and loads are
+reported done at the step's end (``HeadlessScheduler``). Nothing of that is
+re-implemented here; what this class adds is the model's time for each step
+(:meth:`TimeModel.step_s`) and the bookkeeping the simulation reads (hits at admission,
+first tokens, finished responses).
 
 Protocol, per step: :meth:`begin_step` calls ``schedule()`` at the step's start and
 returns its length; :meth:`end_step`, at its end, feeds vLLM a fabricated model output
@@ -77,10 +80,14 @@ class SchedulerSimWorker:
         self.engine = engine
         self.timing = timing
         self.max_model_len = max_model_len
-        core = engine.connector.core
+        # Beside vLLM's OffloadingConnector (a host tier) it is one of a MultiConnector's.
+        connectors = getattr(engine.connector, "sub_connectors", [engine.connector])
+        kvhint = next(c for c in connectors if hasattr(c, "core"))
+        core = kvhint.core
         assert core is not None, "the kvhint connector binds its core when vLLM builds it"
         self.core = core
-        self.host = None  # the host tier is the fast engine's only (see SimConfig)
+        # vLLM's OffloadingConnector bookkeeping as the plugin finds it (None: no host tier).
+        self.host = kvhint.host_tier
         self._on_events = on_events
         scheduler = engine.scheduler
         scheduler.kv_event_publisher = _EventTee(
@@ -129,7 +136,7 @@ class SchedulerSimWorker:
         out = scheduler.schedule()
         self.preemptions += len(out.preempted_req_ids)
         admitted = []
-        prefill_tokens = 0
+        prefill_tokens = host_tokens = 0
         for request_id, tokens in out.num_scheduled_tokens.items():
             if tokens > 1:  # a prompt chunk (or a preempted request's recompute)
                 prefill_tokens += tokens
@@ -137,6 +144,7 @@ class SchedulerSimWorker:
             if not job.admitted:
                 self._admit(job, now)
                 admitted.append(job)
+                host_tokens += job.g2_hit_tokens
         self._sync()
         if out.total_num_scheduled_tokens == 0:
             # Nothing fits (holds or running requests fill the pool): wait for a kick.
@@ -144,23 +152,26 @@ class SchedulerSimWorker:
             self.engine.complete(out)
             return None
         self._in_step = out
-        return self.timing.step_s(prefill_tokens), admitted
+        return self.timing.step_s(prefill_tokens, host_tokens), admitted
 
     def _admit(self, job: Job, now: float) -> None:
         prompt = job.request.input_length
         # What vLLM reports as the response's cached tokens, set at the request's first
         # schedule() (local prefix hits; the kvhint connector loads nothing). vLLM keeps
         # prefill_stats only with log_stats on (build_scheduler's default).
-        hit = int(job.vllm_request.prefill_stats.num_local_cached_tokens)
+        stats = job.vllm_request.prefill_stats
+        hit, host = int(stats.num_local_cached_tokens), int(stats.num_external_cached_tokens)
         job.admitted = True
         job.start_s = now
         job.g1_hit_tokens = hit
-        job.computed_tokens = prompt - hit
+        job.g2_hit_tokens = host
+        job.computed_tokens = prompt - hit - host
         counters = self.counters
         counters.admitted += 1
-        counters.computed_tokens += prompt - hit
+        counters.computed_tokens += job.computed_tokens
         counters.prompt_tokens += prompt
         counters.g1_hit_tokens += hit
+        counters.g2_hit_tokens += host
 
     def end_step(self, now: float) -> StepEnd:
         """The step in flight ends at ``now``: its tokens come out."""
@@ -206,7 +217,8 @@ def build_scheduler_worker(worker_id: str, config: SimConfig, clock: Callable[[]
         block_size=config.block_size, num_blocks=config.gpu_blocks + 1,
         max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, connector_module="kvhint.engine_plugin.connector",
-        connector_extra_config={"worker_id": worker_id, **config.plugin}))
+        connector_extra_config={"worker_id": worker_id, **config.plugin},
+        host_blocks=config.host_blocks))
     worker = SchedulerSimWorker(worker_id, engine, config.timing, max_model_len, on_events)
     worker.core.use_clock(clock)
     return worker

@@ -7,11 +7,12 @@ token. Time to first token is queueing for the prefill slot (and for KV space) p
 prefill itself.
 
 The ``scheduler`` engine (:mod:`.scheduler_worker`) times each of vLLM's steps instead:
-``step_s = decode_s_per_token + prefill_tokens / prefill_rate``, where ``prefill_tokens``
-are the prompt tokens the step computes (vLLM's chunks, several prompts at once). A step
-with no prompt work is one decode step; prompt chunks stretch the step for every request
-in it, as they do on a server. The prefill overhead and the host rate are the fast
-engine's only.
+``step_s = decode_s_per_token + prefill_tokens / prefill_rate + host_loaded /
+host_load_rate``, where ``prefill_tokens`` are the prompt tokens the step computes
+(vLLM's chunks, several prompts at once) and ``host_loaded`` the host-tier tokens of the
+prompts it starts. A step with no prompt work is one decode step; prompt chunks stretch
+the step for every request in it, as they do on a server. The prefill overhead is the
+fast engine's only.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class TimeModel:
     def decode_s(self, output_tokens: int) -> float:
         return output_tokens * self.decode_s_per_token
 
-    def step_s(self, prefill_tokens: int) -> float:
+    def step_s(self, prefill_tokens: int, host_tokens: int = 0) -> float:
         """One step of the scheduler engine (module docstring). The decode tokens are in
         the base time: at the batch sizes simulated a decode step's time barely moves
         with the number of running requests."""
-        return self.decode_s_per_token + prefill_tokens / self.prefill_tokens_per_s
+        return (self.decode_s_per_token + prefill_tokens / self.prefill_tokens_per_s
+                + host_tokens / self.host_load_tokens_per_s)

@@ -72,16 +72,22 @@ def test_kvhint_retains_the_tool_gap_session_through_the_pressure(tiny_trace) ->
         hints["kv.retain"]["sent"]  # every action answered
 
 
-def test_host_tier_serves_the_continuation_of_a_g1_hit(tiny_trace) -> None:
+@pytest.mark.parametrize("engine", ["fast", "scheduler"])
+def test_host_tier_serves_the_continuation_of_a_g1_hit(tiny_trace, engine: str) -> None:
     """With 6 host blocks (vLLM's CPU offloading manager, LRU) every computed block is also
-    stored in G2; r4 finds block 10 in G1 and its child 11 (evicted from G1 by r3) in G2."""
+    stored in G2; r4 finds block 10 in G1 and its child 11 (evicted from G1 by r3) in G2.
+    The scheduler engine runs vLLM's OffloadingConnector itself, beside the plugin."""
     sim = Simulation(tiny_trace, SimConfig(workers=1, gpu_blocks=6, host_blocks=6,
-                                           block_size=32, keep_records=True), "round_robin")
+                                           block_size=32, keep_records=True, engine=engine),
+                     "round_robin")
     result = sim.run()
-    assert [(r.line, r.g1_hit_tokens, r.g2_hit_tokens) for r in result.records] == [
-        (1, 0, 0), (2, 0, 0), (3, 0, 0), (4, 32, 32)]
+    assert [(r.line, r.g1_hit_tokens, r.g2_hit_tokens, r.computed_tokens)
+            for r in result.records] == [
+        (1, 0, 0, 65), (2, 0, 0, 65), (3, 0, 0, 65), (4, 32, 32, 33)]
     host = sim.workers["w0"].host
-    assert host is not None and host.counters.loaded_blocks == 1
+    assert host is not None
+    if engine == "fast":
+        assert host.counters.loaded_blocks == 1
     # The router's index saw the host copies as tier CPU.
     assert sim.index.stats().entries_by_tier["CPU"] == 6
     assert result.to_json()["g2_token_hit_rate"] == pytest.approx(32 / result.prompt_tokens)

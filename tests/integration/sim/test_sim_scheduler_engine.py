@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvhint.router.sim.engine import SimConfig, Simulation
+from kvhint.router.sim.report import table
 from kvhint.router.sim.timing import TimeModel
 from kvhint.router.sim.trace import load_trace
 
@@ -104,10 +105,11 @@ def test_running_out_of_blocks_preempts_and_every_request_still_finishes(
     assert result.requests == 2 and len(result.ttfts_s) == 2
     assert not any(w.active_requests for w in sim.workers.values())
     assert result.to_json()["preemptions"] == result.preemptions
+    assert f"round_robin: vLLM preempted {result.preemptions} running requests" in table(
+        [result], [])
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"host_blocks": 4}, "no host tier"),
     ({"engine": "turbo"}, "unknown engine 'turbo'"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
 ])
@@ -116,7 +118,7 @@ def test_bad_engine_settings_are_refused_before_anything_runs(overrides, message
         _config(**overrides)
 
 
-def test_the_command_line_runs_the_scheduler_engine_and_refuses_a_host_tier(
+def test_the_command_line_runs_the_scheduler_engine(
         tmp_path: Path, capsys) -> None:
     from kvhint.router.cli import main
 
@@ -131,5 +133,6 @@ def test_the_command_line_runs_the_scheduler_engine_and_refuses_a_host_tier(
     # 65-token prompts in chunks of 64: each takes two steps, hits as the fast engine's.
     assert [r["recomputed_tokens"] for r in rows] == [65 * 3 + 97 - 32, 65 * 3 + 97 - 64]
     assert all(r["preemptions"] == 0 and "itl_p50_s" in r for r in rows)
-    assert main([*args, "--host-blocks", "4"]) == 2
-    assert "the scheduler engine has no host tier yet" in capsys.readouterr().err
+    assert main([*args, "--host-blocks", "6"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["g2_token_hit_rate"] == pytest.approx(32 / (65 * 3 + 97))
