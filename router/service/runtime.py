@@ -137,7 +137,8 @@ class RouterRuntime:
                                      settings.routing.session_forget_s,
                                      on_end=recorder.session_ended if recorder else None)
 
-        pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s)
+        pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
+                            keepalive_s=settings.upstream_keepalive_s)
         await pool.start()
         models = await _discover_models(settings, workers, pool)
         hasher = await _warm_hasher(models, settings.block_size)

@@ -180,6 +180,11 @@ class RouterSettings(BaseSettings):
 
     connect_timeout_s: float = Field(3.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)
+    # How long an idle connection to a worker is kept for reuse. Below the workers' own
+    # keep-alive (vLLM's server: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router gives
+    # a connection up before the worker closes it: a request written just as the worker
+    # closes fails before any answer, and the worker was counted down for it.
+    upstream_keepalive_s: float = Field(4.0, gt=0)
     # Worker HTTP health probe period (s) for workers marked down.
     health_probe_s: float = Field(2.0, gt=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)

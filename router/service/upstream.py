@@ -71,16 +71,18 @@ class UpstreamResponse:
 
 class UpstreamPool:
     def __init__(self, connect_timeout_s: float, request_timeout_s: float,
-                 worker_api_key: str | None = None) -> None:
+                 worker_api_key: str | None = None, keepalive_s: float = 4.0) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._keepalive_s = keepalive_s
         self._base_headers = {"Content-Type": "application/json"}
         if worker_api_key:
             self._base_headers["Authorization"] = f"Bearer {worker_api_key}"
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s,
+                                         ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=self._request_timeout_s,
                                         sock_connect=self._connect_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -75,6 +76,11 @@ class StubWorker:
     tool_names: list[str] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
     chunk_gap_s: float = 0.0
+    # Set: a request on a kept-alive connection idle longer than this is dropped unanswered
+    # (the connection reset), the outcome of a request written just as a server closes
+    # an idle connection (vLLM's after 5 s), a race no real server loses on cue.
+    drop_requests_idle_over_s: float | None = None
+    _idle_since: dict[int, float] = field(default_factory=dict)
     prompt_tokens: int = 40  # the usage it reports (32 of them cached)
     # /v1/models "root": where the router finds the tokenizer (the tiny model's).
     model_root: str = "stub"
@@ -115,6 +121,18 @@ class StubWorker:
         return message
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        connection = id(request.transport)
+        idle_since = self._idle_since.pop(connection, None)
+        if (self.drop_requests_idle_over_s is not None and idle_since is not None
+                and time.monotonic() - idle_since > self.drop_requests_idle_over_s):
+            request.transport.abort()  # type: ignore[union-attr]
+            raise web.HTTPServiceUnavailable()  # never sent: the connection is gone
+        try:
+            return await self._answer(request)
+        finally:
+            self._idle_since[connection] = time.monotonic()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
         if self.mode.startswith("status:"):

@@ -71,6 +71,31 @@ async def test_retry_once_on_the_next_worker_before_the_response_starts(
         assert "stub says 503" in response.text
 
 
+async def test_connections_idle_past_the_workers_keep_alive_are_not_reused(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A worker closes an idle keep-alive connection (vLLM's server after 5 s); a request
+    the router writes to it just then fails before any answer, and the worker was counted
+    down for it (a live bench lost 17 turns so). The stub drops a request on a connection
+    idle over 0.5 s; the router's pool gives connections up after 0.3 s idle
+    (``upstream_keepalive_s``, below the worker's), so turns after a pause get a fresh
+    one. With the pool keeping them longer than the worker does, the stub's race loses."""
+    stub = stub_workers[0]
+    stub.drop_requests_idle_over_s = 0.5
+    for keepalive_s, expected in ((0.3, [200, 200, 200]), (60.0, [200, 502])):
+        settings = router_settings(tmp_path, [("w0", stub.url)],
+                                   upstream_keepalive_s=keepalive_s)
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            statuses = []
+            for _ in expected:
+                response = await client.post(f"{router.url}/v1/chat/completions",
+                                             json={**CHAT, "session_id": "s1"})
+                statuses.append(response.status_code)
+                await asyncio.sleep(0.8)
+            assert statuses == expected, keepalive_s
+            (worker,) = (await client.get(f"{router.url}/admin/workers")).json()["workers"]
+            assert (worker["http_failures"] == 0) == (keepalive_s < 0.5)
+
+
 async def test_failure_after_bytes_is_a_clean_error_event(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
     from openai import APIError, AsyncOpenAI
