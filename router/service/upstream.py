@@ -71,7 +71,7 @@ class UpstreamResponse:
 
 class UpstreamPool:
     def __init__(self, connect_timeout_s: float, request_timeout_s: float,
-                 worker_api_key: str | None = None, keepalive_s: float = 4.0) -> None:
+                 worker_api_key: str | None = None, *, keepalive_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._keepalive_s = keepalive_s

@@ -83,7 +83,7 @@ def fit_time_model(trace: Trace, config: SimConfig, policy: str, *, fit_decode: 
             runs += 1
             if on_run is not None:
                 on_run(rate, decode_s, result)
-            simulated = percentile(result.ttfts_s, 50) if result.ttfts_s else math.inf
+            simulated = _ttft(result)
             error = _log_error(simulated, target)
             if best is None or error < best[0]:
                 best = (error, rate, result)
@@ -115,11 +115,15 @@ def fit_time_model(trace: Trace, config: SimConfig, policy: str, *, fit_decode: 
             fits.append((decode_s, rate, result))
         decode_s, rate, result = min(fits, key=lambda fit: max(
             _log_error(_itl(fit[2]), served_itl),
-            _log_error(percentile(fit[2].ttfts_s, 50), target)))
+            _log_error(_ttft(fit[2]), target)))
     else:
         served_itl = None
-    return TimeFit(rate, decode_s, percentile(result.ttfts_s, 50), target,
-                   percentile(result.itls_s, 50), served_itl, runs)
+    return TimeFit(rate, decode_s, _ttft(result), target, _itl(result), served_itl, runs)
+
+
+def _ttft(result: PolicyResult) -> float:
+    """The simulated median TTFT; infinite when nothing got a first token (too slow)."""
+    return percentile(result.ttfts_s, 50) if result.ttfts_s else math.inf
 
 
 def _itl(result: PolicyResult) -> float:

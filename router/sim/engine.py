@@ -470,8 +470,7 @@ class Simulation:
         for worker in self.workers.values():
             result.dropped_requests += worker.counters.dropped_too_large
             result.admission_waits += worker.counters.admission_waits
-            if isinstance(worker, SchedulerSimWorker):
-                result.preemptions += worker.preemptions
+            result.preemptions += worker.counters.preemptions
 
 
 def run_policy(trace: Trace, config: SimConfig, policy: str,

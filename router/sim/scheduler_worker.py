@@ -95,7 +95,6 @@ class SchedulerSimWorker:
         self.block_size = int(engine.vllm_config.cache_config.block_size)
         self.jobs: dict[str, Job] = {}
         self.counters = WorkerCounters()
-        self.preemptions = 0
         self.pending_prefill_tokens = 0
         self._in_step: Any = None  # the SchedulerOutput of the step in flight
 
@@ -134,7 +133,7 @@ class SchedulerSimWorker:
             return None
         scheduler = self.engine.scheduler
         out = scheduler.schedule()
-        self.preemptions += len(out.preempted_req_ids)
+        self.counters.preemptions += len(out.preempted_req_ids)
         admitted = []
         prefill_tokens = host_tokens = 0
         for request_id, tokens in out.num_scheduled_tokens.items():
@@ -155,23 +154,13 @@ class SchedulerSimWorker:
         return self.timing.step_s(prefill_tokens, host_tokens), admitted
 
     def _admit(self, job: Job, now: float) -> None:
-        prompt = job.request.input_length
         # What vLLM reports as the response's cached tokens, set at the request's first
-        # schedule() (local prefix hits; the kvhint connector loads nothing). vLLM keeps
+        # schedule(): local prefix hits, and external ones the OffloadingConnector loads
+        # from the host tier (the kvhint connector loads nothing). vLLM keeps
         # prefill_stats only with log_stats on (build_scheduler's default).
         stats = job.vllm_request.prefill_stats
-        hit, host = int(stats.num_local_cached_tokens), int(stats.num_external_cached_tokens)
-        job.admitted = True
-        job.start_s = now
-        job.g1_hit_tokens = hit
-        job.g2_hit_tokens = host
-        job.computed_tokens = prompt - hit - host
-        counters = self.counters
-        counters.admitted += 1
-        counters.computed_tokens += job.computed_tokens
-        counters.prompt_tokens += prompt
-        counters.g1_hit_tokens += hit
-        counters.g2_hit_tokens += host
+        self.counters.admit(job, now, int(stats.num_local_cached_tokens),
+                            int(stats.num_external_cached_tokens))
 
     def end_step(self, now: float) -> StepEnd:
         """The step in flight ends at ``now``: its tokens come out."""

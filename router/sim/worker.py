@@ -68,6 +68,23 @@ class WorkerCounters:
     prompt_tokens: int = 0
     g1_hit_tokens: int = 0
     g2_hit_tokens: int = 0
+    # The scheduler engine: running requests vLLM preempted to make room.
+    preemptions: int = 0
+
+    def admit(self, job: Job, now: float, g1_hit: int, g2_hit: int) -> None:
+        """The job's prompt starts at ``now`` with these prefix hits: noted on the job
+        and counted (both engines)."""
+        prompt = job.request.input_length
+        job.admitted = True
+        job.start_s = now
+        job.g1_hit_tokens = g1_hit
+        job.g2_hit_tokens = g2_hit
+        job.computed_tokens = prompt - g1_hit - g2_hit
+        self.admitted += 1
+        self.computed_tokens += job.computed_tokens
+        self.prompt_tokens += prompt
+        self.g1_hit_tokens += g1_hit
+        self.g2_hit_tokens += g2_hit
 
 
 class SimWorker:
@@ -154,18 +171,9 @@ class SimWorker:
             # vLLM's OffloadingConnector stores the newly computed full blocks.
             self.host.store(job.block_hashes[g1_blocks:])  # type: ignore[union-attr]
         self._sync()
-        job.start_s = now
-        job.g1_hit_tokens = hit
-        job.g2_hit_tokens = host_tokens
-        job.computed_tokens = computed
+        self.counters.admit(job, now, hit, host_tokens)
         self.prefilling = job
         self.active_blocks += -(-prompt // block_size)
-        counters = self.counters
-        counters.admitted += 1
-        counters.computed_tokens += computed
-        counters.prompt_tokens += prompt
-        counters.g1_hit_tokens += hit
-        counters.g2_hit_tokens += host_tokens
         return job, now + self.timing.prefill_s(computed, host_tokens)
 
     def finish_prefill(self, now: float) -> tuple[Job, float]:
