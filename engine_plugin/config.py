@@ -48,6 +48,11 @@ class PluginConfig(BaseModel):
     donor_retain_priority: int = Field(60, ge=0, le=100)
     # Prefetch of blocks already in G1: keep them retained at this priority until the deadline.
     prefetch_retain_priority: int = Field(80, ge=0, le=100)
+    # A Demote that finds host copies still being made (vLLM's offloading connector stores
+    # a request's last blocks as it ends, and the router's Demote may come first) is
+    # answered ``deferred`` and applied when they finish, or after this long with what has
+    # a copy then. 0: applied at once.
+    demote_copy_wait_s: float = Field(2.0, ge=0.0, le=60.0)
 
     # Session index bounds.
     max_sessions: int = Field(100_000, ge=1)

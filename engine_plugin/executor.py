@@ -14,10 +14,15 @@ Semantics (DESIGN §2, issue 3):
   allocation failure or a preemption that plain vLLM would not have. A block under several
   retains has the highest of their priorities.
 - a Pin, Retain or (applied) Demote whose target is a session supersedes that session's
-  earlier Pin and Retain claims on this worker: the old claims are dropped first, so
-  priority and TTL are replaced, not combined. ``Retain{priority: 0}`` therefore releases
-  a session: it holds nothing, and the free blocks that only this session used move to the
-  head of the eviction order (leaf first), so an ended session goes before live ones.
+  earlier Pin and Retain claims of the same ``owner`` on this worker: the old claims are
+  dropped first, so priority and TTL are replaced, not combined. ``Retain{priority: 0}``
+  therefore releases what that owner held for the session; when nothing else holds it,
+  the free blocks that only this session used move to the head of the eviction order
+  (leaf first), so an ended session goes before live ones. Owners' claims are apart so
+  that the router's planner, which re-plans every session, never undoes what an agent
+  runtime asked for: an agent's Pin outlives the planner's next Retain or release. An
+  agent's Demote supersedes the planner's claims too; a planner's Demote lets go no block
+  an agent's claim holds.
 - pins are clipped to a block budget and a max TTL; retains to their own budget, where a
   higher-priority retain displaces lower-priority retained blocks.
 - Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
@@ -47,6 +52,7 @@ from kvhint.schemas import (
     DemotePayload,
     DonorAdvice,
     HintOutcome,
+    HintOwner,
     HoldRelease,
     InvalidAction,
     OutcomeStatus,
@@ -61,6 +67,7 @@ from kvhint.schemas import (
 
 ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
 REJECTED, MISSING = OutcomeStatus.REJECTED, OutcomeStatus.MISSING
+PLANNER, AGENT = HintOwner.PLANNER.value, HintOwner.AGENT.value
 
 NO_HOST_TIER = ("no host tier on this worker (vLLM's offloading connectors need CUDA; the CPU "
                 "backend keeps KV in one tier)")
@@ -70,6 +77,20 @@ class _PendingPrefetch:
     keys: list[int]
     requested: Amount
     deadline: float
+
+
+@dataclass(slots=True)
+class _PendingDemote:
+    """A Demote waiting for host copies vLLM's connector is still making."""
+
+    message_id: str
+    action: ParsedAction
+    deadline: float
+
+    @property
+    def scope(self) -> tuple[str | None, str]:
+        payload = self.action.payload
+        return payload.target.session_id, payload.owner.value
 
 
 @dataclass(slots=True)
@@ -94,6 +115,10 @@ class HintExecutor:
                                 config.retain_budget_blocks(cache.num_blocks))
         self.counters = ExecutorCounters()
         self._pending: dict[str, _PendingPrefetch] = {}
+        self._pending_demotes: dict[str, _PendingDemote] = {}
+        # Terminal outcomes settled outside advance() (a waiting Demote superseded), for
+        # the next advance() to return.
+        self._settled: list[HintOutcome] = []
         self._memory: OrderedDict[tuple[str, str], HintOutcome] = OrderedDict()
 
     # --- public API -----------------------------------------------------------------------
@@ -116,7 +141,7 @@ class HintExecutor:
 
     @property
     def pending_actions(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._pending_demotes)
 
     def apply(self, decoded: DecodedHints) -> list[HintOutcome]:
         """Apply one hints message; one outcome per action (or one for a message that
@@ -155,15 +180,22 @@ class HintExecutor:
         return outcome
 
     def advance(self) -> list[HintOutcome]:
-        """Expire claims whose TTL passed and settle deferred Prefetches at ``clock()``;
-        returns the terminal outcomes of those Prefetches."""
+        """Expire claims whose TTL passed and settle deferred Prefetches and Demotes at
+        ``clock()``; returns the terminal outcomes of those."""
         now = self.clock()
         self.holds.expire(now)
-        return self._settle_prefetches(now) if self._pending else []
+        done, self._settled = self._settled, []
+        if self._pending_demotes:
+            done.extend(self._settle_demotes(now))
+        if self._pending:
+            done.extend(self._settle_prefetches(now))
+        return done
 
     def next_deadline(self) -> float | None:
-        """When :meth:`advance` next has work (a claim expiry or a Prefetch deadline)."""
+        """When :meth:`advance` next has work (a claim expiry, a Prefetch's or a waiting
+        Demote's deadline)."""
         times = [p.deadline for p in self._pending.values()]
+        times.extend(p.deadline for p in self._pending_demotes.values())
         expiry = self.holds.next_expiry()
         if expiry is not None:
             times.append(expiry)
@@ -188,7 +220,10 @@ class HintExecutor:
 
     # --- dispatch ---------------------------------------------------------------------------
 
-    def _dispatch(self, message_id: str, action: ParsedAction) -> HintOutcome:
+    def _dispatch(self, message_id: str, action: ParsedAction, may_wait: bool = True
+                  ) -> HintOutcome:
+        """``may_wait``: a Demote may wait for host copies in flight (not when it already
+        has: its deadline came or its copies are done)."""
         payload = action.payload
         action_id, type_ = action.action_id, action.action_type.value
 
@@ -221,20 +256,31 @@ class HintExecutor:
         notes = []
         if len(handles) < requested_blocks:
             notes.append(f"{len(handles)} of {requested_blocks} target blocks resident")
-        if isinstance(payload, DemotePayload):
-            return self._demote(answer, scope, handles, requested, notes)
+        owner = payload.owner.value
         if scope is not None:
-            self.holds.supersede(scope)
+            self._supersede_waiting_demotes(scope, owner, action_id)
+        if isinstance(payload, DemotePayload):
+            if may_wait and (wait := self._copies_to_wait_for(handles, owner)):
+                deadline = self.clock() + self.config.demote_copy_wait_s
+                self._pending_demotes[action_id] = _PendingDemote(message_id, action, deadline)
+                return answer(DEFERRED, f"{wait} of {len(handles)} resident blocks have a "
+                              "host copy vLLM's connector is still making; waiting up to "
+                              f"{self.config.demote_copy_wait_s:g}s for them", requested)
+            return self._demote(answer, scope, owner, handles, requested, notes)
+        if scope is not None:
+            self.holds.supersede(scope, owner)
         if isinstance(payload, PinPayload):
-            applied = self._pin(action_id, payload.ttl_s, handles, notes, scope)
+            applied = self._pin(action_id, payload.ttl_s, handles, notes, scope, owner)
         elif isinstance(payload, RetainPayload):
             if payload.priority == 0:
                 moved = self._evict_first_exclusive(scope)
                 notes.append(f"priority 0: released; {moved} free blocks only this session "
                              "used now go first")
-                return answer(ACCEPTED, "; ".join(notes), requested, self._amount(len(handles)))
+                # ``applied`` is what the action holds now: nothing (the sender counts an
+                # accepted Retain's ``applied`` as held).
+                return answer(ACCEPTED, "; ".join(notes), requested)
             applied = self._retain(action_id, payload.priority, payload.ttl_s, handles, notes,
-                                   scope)
+                                   scope, owner)
         else:  # pragma: no cover - every payload type is handled above
             raise TypeError(type(payload))
         status = ACCEPTED if not notes else CLIPPED  # notes so far say what was clipped
@@ -265,23 +311,24 @@ class HintExecutor:
     # --- pin / retain / demote ------------------------------------------------------------------
 
     def _pin(self, action_id: str, ttl: float, handles: list[BlockHandle], notes: list[str],
-             scope: str | None) -> int:
+             scope: str | None, owner: str) -> int:
         if ttl > self.config.max_pin_ttl_s:
             ttl = self.config.max_pin_ttl_s
             notes.append(f"ttl clipped to max_pin_ttl_s={ttl:g}")
-        applied, note = self.holds.pin(action_id, handles, self.clock() + ttl, scope)
+        applied, note = self.holds.pin(action_id, handles, self.clock() + ttl, scope, owner)
         if note:
             notes.append(note)
         return applied
 
     def _retain(self, action_id: str, priority: int, ttl_s: float | None,
-                handles: list[BlockHandle], notes: list[str], scope: str | None) -> int:
+                handles: list[BlockHandle], notes: list[str], scope: str | None,
+                owner: str) -> int:
         ttl = ttl_s if ttl_s is not None else self.config.max_retain_ttl_s
         if ttl > self.config.max_retain_ttl_s:
             ttl = self.config.max_retain_ttl_s
             notes.append(f"ttl clipped to max_retain_ttl_s={ttl:g}")
         applied, note = self.holds.retain(action_id, priority, handles, self.clock() + ttl,
-                                          scope)
+                                          scope, owner)
         if note:
             notes.append(note)
         return applied
@@ -299,12 +346,19 @@ class HintExecutor:
                    and (keep is None or h.key not in keep)]
         return self.cache.evict_first(handles)
 
-    def _demote(self, answer: Callable[..., HintOutcome], scope: str | None,
+    def _demote(self, answer: Callable[..., HintOutcome], scope: str | None, owner: str,
                 handles: list[BlockHandle], requested: Amount, notes: list[str]
                 ) -> HintOutcome:
         assert self.host_tier is not None
         if scope is not None:
-            self.holds.supersede(scope)
+            self.holds.supersede(scope, owner)
+            if owner == AGENT:
+                self.holds.supersede(scope, PLANNER)
+        if owner != AGENT:
+            spared = [h for h in handles if self.holds.held_by(h.block_id, AGENT)]
+            if spared:
+                notes.append(f"{len(spared)} blocks an agent's claim holds stay in G1")
+                handles = [h for h in handles if not self.holds.held_by(h.block_id, AGENT)]
         kept = self.host_tier.keep([h.key for h in handles])
         # vLLM serves a prefix from G1 first and continues from the host tier, never back:
         # a G1 block past a block that must be recomputed is wasted. So only blocks deeper
@@ -322,6 +376,50 @@ class HintExecutor:
                          "blocks before them)")
         status = ACCEPTED if not notes else (CLIPPED if demoted else REJECTED)
         return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
+
+    def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str) -> int:
+        """How many of a Demote's blocks lack a finished host copy that is on its way: in
+        flight, or on a block a request still holds (vLLM's connector stores a request's
+        blocks as it computes and finishes them, and a Demote planned as a response ends
+        can arrive first). A copy the tier lost, of a free block, is not waited for."""
+        assert self.host_tier is not None
+        if self.config.demote_copy_wait_s <= 0:
+            return 0
+        tier = self.host_tier
+        return sum(1 for h in handles
+                   if not tier.contains(h.key) and (tier.copying(h.key) or self.cache.in_use(h))
+                   and (owner == AGENT or not self.holds.held_by(h.block_id, AGENT)))
+
+    def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str) -> None:
+        """A newer session-targeted action of the same owner (the session's next turn came:
+        a new protection) ends a Demote of that session still waiting for copies,
+        unapplied; applied later, it would undo the newer action."""
+        for action_id, pending in list(self._pending_demotes.items()):
+            if action_id == by or pending.scope != (session_id, owner):
+                continue
+            del self._pending_demotes[action_id]
+            outcome = self._outcome(
+                pending.message_id, action_id, ActionType.DEMOTE.value, REJECTED,
+                f"superseded by {by} for the session while waiting for host copies; nothing "
+                "changed")
+            self._remember(("hint", action_id), outcome)
+            self._settled.append(outcome)
+
+    def _settle_demotes(self, now: float) -> list[HintOutcome]:
+        """Apply the waiting Demotes whose copies are done or whose deadline came."""
+        done: list[HintOutcome] = []
+        for action_id, pending in list(self._pending_demotes.items()):
+            if now < pending.deadline:
+                resolved = self._resolve(pending.action.payload.target)
+                keys = resolved[0] if isinstance(resolved, tuple) else []
+                handles = [h for h in map(self.cache.lookup, keys) if h is not None]
+                if self._copies_to_wait_for(handles, pending.scope[1]):
+                    continue
+            del self._pending_demotes[action_id]
+            outcome = self._dispatch(pending.message_id, pending.action, may_wait=False)
+            self._remember(("hint", action_id), outcome)
+            done.append(outcome)
+        return done
 
     # --- prefetch / donor -------------------------------------------------------------------
 
@@ -377,7 +475,7 @@ class HintExecutor:
     def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> None:
         if ttl_s > 0:
             self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles, [],
-                         None)
+                         None, PLANNER)
 
     def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
         def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),
@@ -401,7 +499,7 @@ class HintExecutor:
             notes.append(f"{len(handles)} of {len(keys)} donor blocks resident")
         if self.config.donor_retain:
             retained = self._retain(advice.advice_id, self.config.donor_retain_priority,
-                                    advice.ttl_s, handles, [], None)
+                                    advice.ttl_s, handles, [], None, PLANNER)
             notes.append(f"{retained} donor blocks retained for {advice.ttl_s:g}s")
         status = CLIPPED if len(handles) < len(keys) else ACCEPTED
         return answer(status, "; ".join(notes), requested, self._amount(len(handles)))

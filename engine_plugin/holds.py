@@ -9,7 +9,9 @@ on its blocks, ending at its expiry:
   passing over blocks a running request also uses (dropping those frees nothing). A
   block under several retains has the highest of their priorities. Re-prioritising is a
   heap push (stale entries are skipped lazily), never a re-sort.
-- claims made for a session (``scope``) can be dropped together (:meth:`supersede`).
+- claims made for a session (``scope``) by one owner (the router's planner, an agent
+  runtime) can be dropped together (:meth:`supersede`); another owner's claims on that
+  session stay.
 
 Blocks a claim loses without its sender asking (displaced by a higher-priority retain,
 relieved under memory pressure, given back for a prefix-cache reset) are remembered as
@@ -88,6 +90,7 @@ class _Claim:
     block_ids: set[int]
     expiry: float
     scope: str | None  # the session a session-targeted action was about
+    owner: str  # whose claim (HintOwner's value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +126,7 @@ class HoldLedger:
         self.counters = HoldCounters()
         self._holds: dict[int, _Hold] = {}
         self._claims: dict[str, _Claim] = {}
-        self._by_scope: dict[str, set[str]] = {}
+        self._by_scope: dict[tuple[str, str], set[str]] = {}  # (scope, owner) -> action ids
         self._pinned = 0
         self._retained = 0
         self._expiry_heap: list[tuple[float, int, str]] = []
@@ -149,6 +152,15 @@ class HoldLedger:
     def is_held(self, block_id: int) -> bool:
         return block_id in self._holds
 
+    def held_by(self, block_id: int, owner: str) -> bool:
+        """Whether a claim of ``owner`` holds the block."""
+        hold = self._holds.get(block_id)
+        if hold is None:
+            return False
+        claims = self._claims
+        return any(claims[a].owner == owner for a in (*hold.pins, *hold.retains)
+                   if a in claims)
+
     def handles(self) -> list[BlockHandle]:
         return [h.handle for h in self._holds.values()]
 
@@ -169,7 +181,7 @@ class HoldLedger:
     # --- claims ---------------------------------------------------------------------------
 
     def pin(self, action_id: str, handles: list[BlockHandle], expiry: float,
-            scope: str | None) -> tuple[int, str | None]:
+            scope: str | None, owner: str) -> tuple[int, str | None]:
         """Pin ``handles`` (root-most first); returns (blocks pinned, budget note)."""
         note = None
         fresh = [h for h in handles if not self.is_pinned(h.block_id)]
@@ -193,11 +205,11 @@ class HoldLedger:
                 self._pinned += 1
             hold.pins[action_id] = expiry
         self.cache.hold(new_holds)
-        self._add_claim(action_id, PIN, handles, expiry, scope)
+        self._add_claim(action_id, PIN, handles, expiry, scope, owner)
         return len(handles), note
 
     def retain(self, action_id: str, priority: int, handles: list[BlockHandle], expiry: float,
-               scope: str | None) -> tuple[int, str | None]:
+               scope: str | None, owner: str) -> tuple[int, str | None]:
         """Retain ``handles`` (root-most first); a full budget first displaces retained
         blocks of lower priority. Returns (blocks retained, budget note)."""
         note = None
@@ -229,12 +241,12 @@ class HoldLedger:
             if not hold.pins:
                 self._push_pressure(hold)
         self.cache.hold(new_holds)
-        self._add_claim(action_id, RETAIN, handles, expiry, scope)
+        self._add_claim(action_id, RETAIN, handles, expiry, scope, owner)
         return len(handles), note
 
-    def supersede(self, scope: str) -> None:
-        """Drop every claim made for ``scope`` (a session)."""
-        action_ids = self._by_scope.pop(scope, None)
+    def supersede(self, scope: str, owner: str) -> None:
+        """Drop every claim ``owner`` made for ``scope`` (a session)."""
+        action_ids = self._by_scope.pop((scope, owner), None)
         if not action_ids:
             return
         released: list[BlockHandle] = []
@@ -294,10 +306,11 @@ class HoldLedger:
     # --- internals ------------------------------------------------------------------------
 
     def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
-                   expiry: float, scope: str | None) -> None:
-        self._claims[action_id] = _Claim(kind, {h.block_id for h in handles}, expiry, scope)
+                   expiry: float, scope: str | None, owner: str) -> None:
+        self._claims[action_id] = _Claim(kind, {h.block_id for h in handles}, expiry, scope,
+                                         owner)
         if scope is not None:
-            self._by_scope.setdefault(scope, set()).add(action_id)
+            self._by_scope.setdefault((scope, owner), set()).add(action_id)
         heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))
         if len(self._expiry_heap) > 2 * len(self._claims) + _COMPACT_SLACK:
             # A superseded claim's entry stays until its expiry: rebuild from live claims.
@@ -392,11 +405,12 @@ class HoldLedger:
         if claim is None:
             return
         if claim.scope is not None and not keep_scope:
-            scoped = self._by_scope.get(claim.scope)
+            scope_key = (claim.scope, claim.owner)
+            scoped = self._by_scope.get(scope_key)
             if scoped is not None:
                 scoped.discard(action_id)
                 if not scoped:
-                    del self._by_scope[claim.scope]
+                    del self._by_scope[scope_key]
         for block_id in claim.block_ids:
             hold = self._holds.get(block_id)
             if hold is None:

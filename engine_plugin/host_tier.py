@@ -24,3 +24,6 @@ class HostTier(Protocol):
 
     def contains(self, block_hash: int) -> bool:
         """Whether the block has a finished host copy."""
+
+    def copying(self, block_hash: int) -> bool:
+        """Whether the block's host copy is in flight (stored, not finished yet)."""

@@ -20,10 +20,12 @@ from kvhint.schemas.events import (
 from kvhint.schemas.hints import (
     ACTION_VERSION,
     EVICT_REST_VERSION,
+    OWNER_VERSION,
     PROTOCOL_VERSION,
     ActionType,
     DecodedHints,
     DemotePayload,
+    HintOwner,
     HintPayload,
     InvalidAction,
     KvHintAction,
@@ -38,6 +40,7 @@ from kvhint.schemas.hints import (
     encode_hints,
     evict_rest_supported,
     make_action,
+    owner_supported,
     parse_action,
 )
 from kvhint.schemas.outcomes import (
@@ -70,6 +73,7 @@ from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 __all__ = [
     "ACTION_VERSION",
     "EVICT_REST_VERSION",
+    "OWNER_VERSION",
     "DONOR_ACTION_TYPE",
     "PROTOCOL_VERSION",
     "WIRE_VERSION",
@@ -86,6 +90,7 @@ __all__ = [
     "EventBatchDecoder",
     "EventBatchMeta",
     "HintOutcome",
+    "HintOwner",
     "HintPayload",
     "HoldRelease",
     "HoldsReleased",
@@ -128,5 +133,6 @@ __all__ = [
     "is_valid_worker_id",
     "evict_rest_supported",
     "make_action",
+    "owner_supported",
     "parse_action",
 ]

@@ -38,6 +38,9 @@ ACTION_VERSION = "1.0"
 # kv.retain and kv.pin 1.1 add ``evict_rest_first``; an action without it is sent as 1.0,
 # byte for byte what a 1.0 worker accepts.
 EVICT_REST_VERSION = "1.1"
+# kv.retain, kv.pin and kv.demote 1.2 add ``owner`` (1.2 keeps what 1.1 added); an action
+# of the default owner is sent as before.
+OWNER_VERSION = "1.2"
 
 # Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
 MAX_TTL_S = 86_400.0
@@ -56,6 +59,15 @@ class ActionType(str, enum.Enum):
     DEMOTE = "kv.demote"
     PREFETCH = "kv.prefetch"
     SHARE = "kv.share"
+
+
+class HintOwner(str, enum.Enum):
+    """Who a Pin, Retain or Demote speaks for. A worker keeps each owner's claims on a
+    session apart: the router's planner re-plans a session all the time and must not
+    undo a Pin an agent runtime asked for through the router's API."""
+
+    PLANNER = "planner"
+    AGENT = "agent"
 
 
 class KvHintAction(msgspec.Struct, frozen=True):
@@ -114,7 +126,17 @@ class _Payload(
     expires_at: float | None = None
 
 
-class RetainPayload(_Payload, frozen=True):
+class _OwnedPayload(_Payload, frozen=True, kw_only=True):
+    """A payload that makes or ends claims on a session (action_version 1.2 for a
+    non-default ``owner``). A session-targeted action supersedes the earlier claims of
+    its own owner on that session only; an agent's Demote also those of the planner
+    (the agent knows the session's GPU copy is not needed), and a planner's Demote lets
+    go no block an agent's claim holds."""
+
+    owner: HintOwner = HintOwner.PLANNER
+
+
+class RetainPayload(_OwnedPayload, frozen=True):
     """Bias eviction order; no guarantee. Released under pressure before any preemption.
 
     ``evict_rest_first`` (action_version 1.1, session targets only): the session's other
@@ -127,7 +149,7 @@ class RetainPayload(_Payload, frozen=True):
     evict_rest_first: bool = False
 
 
-class PinPayload(_Payload, frozen=True):
+class PinPayload(_OwnedPayload, frozen=True):
     """Protect from eviction until ``ttl_s``; clipped to the worker's budget and max TTL.
     ``evict_rest_first``: as for :class:`RetainPayload`."""
 
@@ -135,7 +157,7 @@ class PinPayload(_Payload, frozen=True):
     evict_rest_first: bool = False
 
 
-class DemotePayload(_Payload, frozen=True):
+class DemotePayload(_OwnedPayload, frozen=True):
     """Keep a host-tier (G2) copy, then let the GPU (G1) copy go first."""
 
 
@@ -164,8 +186,12 @@ PAYLOAD_TYPES: dict[ActionType, type[_Payload]] = {
 
 # action type -> versions this contract defines. A worker advertises the subset it runs.
 SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
-    t.value: (ACTION_VERSION, EVICT_REST_VERSION) if t in (ActionType.RETAIN, ActionType.PIN)
-    else (ACTION_VERSION,) for t in ActionType}
+    ActionType.RETAIN.value: (ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION),
+    ActionType.PIN.value: (ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION),
+    ActionType.DEMOTE.value: (ACTION_VERSION, OWNER_VERSION),
+    ActionType.PREFETCH.value: (ACTION_VERSION,),
+    ActionType.SHARE.value: (ACTION_VERSION,),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +241,13 @@ def parse_action(action: KvHintAction) -> ParsedAction | InvalidAction:
 
 
 def _version_problem(version: str, payload: _Payload) -> str | None:
+    if getattr(payload, "owner", HintOwner.PLANNER) is not HintOwner.PLANNER \
+            and version != OWNER_VERSION:
+        return f"owner needs action_version {OWNER_VERSION}"
     if not getattr(payload, "evict_rest_first", False):
         return None
     if version == ACTION_VERSION:
-        return f"evict_rest_first needs action_version {EVICT_REST_VERSION}"
+        return f"evict_rest_first needs action_version {EVICT_REST_VERSION} or later"
     if payload.target.session_id is None:
         return "evict_rest_first needs a session target (the rest of which session?)"
     return None
@@ -289,11 +318,26 @@ def evict_rest_supported(supported_actions: Mapping[str, Sequence[str]]) -> bool
                for t in (ActionType.RETAIN, ActionType.PIN))
 
 
+def owner_supported(supported_actions: Mapping[str, Sequence[str]], action_type: str) -> bool:
+    """Whether a worker advertising ``supported_actions`` takes ``owner`` on
+    ``action_type`` (its version 1.2)."""
+    return OWNER_VERSION in supported_actions.get(action_type, ())
+
+
+def action_version(payload: HintPayload) -> str:
+    """The lowest version that carries ``payload``: a worker that knows only 1.0 still
+    takes every action that uses no later field."""
+    if getattr(payload, "owner", HintOwner.PLANNER) is not HintOwner.PLANNER:
+        return OWNER_VERSION
+    if getattr(payload, "evict_rest_first", False):
+        return EVICT_REST_VERSION
+    return ACTION_VERSION
+
+
 def make_action(action_id: str, payload: HintPayload) -> KvHintAction:
     """Build a wire action from a typed payload (the planner's and tests' way in)."""
     action_type = next(t for t, cls in PAYLOAD_TYPES.items() if type(payload) is cls)
-    version = EVICT_REST_VERSION if getattr(payload, "evict_rest_first", False) else (
-        ACTION_VERSION)
+    version = action_version(payload)
     return KvHintAction(
         action_id=action_id,
         action_type=action_type.value,

@@ -36,6 +36,7 @@ class OffloadingHostTier:
         self._digest_of = digest_of
         self._make_key = make_offload_key
         self._ready = LookupResult.HIT
+        self._pending = LookupResult.HIT_PENDING
         # lookup() and touch() record nothing on the context; one serves every call.
         self._context = ReqContext(req_id="kvhint-host-tier")
 
@@ -103,6 +104,11 @@ class OffloadingHostTier:
 
     def contains(self, block_hash: int) -> bool:
         return self._ready_keys(block_hash) is not None
+
+    def copying(self, block_hash: int) -> bool:
+        keys = self._keys(block_hash)
+        return keys is not None and any(
+            self.manager.lookup(key, self._context) is self._pending for key in keys)
 
     def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:
         kept: list[int] = []

@@ -31,7 +31,7 @@ from kvhint.router.policy.donor import (
     choose_donor,
 )
 from kvhint.router.policy.feedback import FeedbackConfig, WorkerFeedback, apply_outcome
-from kvhint.router.policy.holdings import Holdings, HoldingsLedger, target_keys
+from kvhint.router.policy.holdings import Holdings, HoldingsLedger, agent_scope, target_keys
 from kvhint.router.policy.plan_types import (
     ALL_ACTIONS,
     PlannedAction,
@@ -135,6 +135,7 @@ __all__ = [
     "WorkerLoad",
     "WorkerPlanView",
     "WorkerScore",
+    "agent_scope",
     "apply_outcome",
     "cached_tokens",
     "choose_donor",

@@ -70,6 +70,16 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return i
 
 
+AGENT_SCOPE = "agent:"
+
+
+def agent_scope(session_scope: str) -> str:
+    """The scope of what an agent runtime holds for a session through the router's API:
+    apart from the planner's own holding of that session, as workers that take ``owner``
+    keep the two owners' claims apart."""
+    return AGENT_SCOPE + session_scope
+
+
 def room_left(held: int, limit: int | None) -> int:
     """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
     if limit is None:
@@ -196,6 +206,10 @@ class HoldingsLedger:
         self._by_scope[(worker_id, scope)] = action_id
         heapq.heappush(self._expiry, (expires_at, action_id))
         self._count(held, +1, kept_named=kept)
+
+    def holds(self, worker_id: str, scope: str) -> bool:
+        """Whether a live holding of ``scope`` is on the worker."""
+        return (worker_id, scope) in self._by_scope
 
     def release_scope(self, worker_id: str, scope: str) -> None:
         old = self._by_scope.get((worker_id, scope))

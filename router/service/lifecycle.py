@@ -6,7 +6,9 @@ which planner function it asks for hints.
 - turn routed: :func:`plan_turn_routed` (a move to another worker plans Share/Prefetch);
 - response finished: counters from the worker's usage; :func:`plan_response_finished`
   (a response ending in tool calls opens a tool gap: Pin/Retain for the predicted gap);
-- end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): :func:`plan_session_end`;
+- end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): what an agent runtime
+  asked the session's worker to hold through the API is released, then
+  :func:`plan_session_end`;
 - a worker answers the session's Pin/Retain: the protection the planner remembers becomes
   what the worker applied (:meth:`SessionPlanState.settled`); one that could not be sent
   (NATS down) protects nothing;
@@ -26,10 +28,12 @@ from kvhint.router.policy import (
     FinishReason,
     PlannerContext,
     PlanResult,
+    PlannedAction,
     ResponseFinished,
     SessionEnded,
     SharedPrefixRetains,
     TurnRouted,
+    agent_scope,
     find_shared_prefixes,
     plan_idle,
     plan_response_finished,
@@ -42,7 +46,14 @@ from kvhint.router.service.hint_dispatch import FAILED, HintDispatcher, SentActi
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
-from kvhint.schemas import HintOutcome, HoldRelease
+from kvhint.schemas import (
+    HintOutcome,
+    HintOwner,
+    HoldRelease,
+    RetainPayload,
+    Target,
+    make_action,
+)
 
 
 class SessionLifecycle:
@@ -127,10 +138,28 @@ class SessionLifecycle:
         if self._on_end is not None:
             self._on_end(record.tenant, record.session_id)
         event = SessionEnded(record.worker_session_id, now)
-        sent = await self._apply(record, plan_session_end(
+        # First, so that the planner's Demote that may follow can let go of those blocks.
+        sent = await self._release_agent_claims(record, now)
+        sent += await self._apply(record, plan_session_end(
             self.hints.context(now, record.tenant), record.plan, event))
         self.sessions.save(record)
         return sent
+
+    async def _release_agent_claims(self, record: SessionRecord, now: float
+                                    ) -> list[SentAction]:
+        """An ended session needs nothing an agent runtime asked its worker to hold for
+        it: release them (the planner's own end never touches an agent's claims)."""
+        worker_id, session_scope = record.worker_id, record.worker_session_id
+        scope = agent_scope(session_scope)
+        if not self._hints_enabled or worker_id is None \
+                or not self.hints.holdings.holds(worker_id, scope):
+            return []
+        ttl = self.hints.planner_config.release_ttl_s
+        payload = RetainPayload(target=Target(session_id=session_scope), priority=0, ttl_s=ttl,
+                                owner=HintOwner.AGENT)
+        action = PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
+                               scope, record.tenant, 0, now + ttl, "end:agent_release")
+        return await self.hints.send([action], {scope: record.session_id})
 
     def on_hint_outcome(self, sent: SentAction, outcome: HintOutcome) -> None:
         """A worker answered ``sent``: fold it into its session's protection."""

@@ -7,7 +7,10 @@
   checks tenancy, bounds and budgets before anything is sent; a request with any invalid
   action changes nothing (422), one over budget changes nothing (429). Otherwise the
   actions go to the session's worker and the answer carries their outcomes (202 when
-  some are still pending after ``wait_s``).
+  some are still pending after ``wait_s``). Pins, Retains and Demotes go as the agent's
+  (``owner: agent``) to workers that take it, whatever ``owner`` the caller wrote, so the
+  planner's re-planning of the session never undoes them; the router keeps them as their
+  own holding (:func:`agent_scope`).
 """
 
 from __future__ import annotations
@@ -19,21 +22,27 @@ import msgspec
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from kvhint.router.policy import PlannedAction
+from kvhint.router.policy import PlannedAction, agent_scope
 from kvhint.router.service.inbound import BadRequest, check_session_id, openai_error
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_from_headers
 from kvhint.schemas import (
     ACTION_VERSION,
+    EVICT_REST_VERSION,
+    OWNER_VERSION,
     ActionType,
     Budgets,
+    HintOwner,
     InvalidAction,
     KvHintAction,
+    owner_supported,
     parse_action,
 )
 from kvhint.schemas.hints import PAYLOAD_TYPES
 
 MAX_ACTIONS_PER_CALL = 16
+# Versions an agent's action may be sent as 1.2 instead of (1.2 carries what they do).
+_OWNER_UPGRADES = frozenset({ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION})
 
 
 class HintRequestAction(msgspec.Struct, forbid_unknown_fields=True):
@@ -144,7 +153,8 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             problems.append({"index": str(index), "action_id": action_id, "reason": problem})
             continue
         assert action is not None
-        planned.append(PlannedAction(worker.worker_id, action, worker_sid, tenant_name,
+        planned.append(PlannedAction(worker.worker_id, action, _scope(action, worker_sid),
+                                     tenant_name,
                                      _target_blocks(action, blocks, worker.status.block_size),
                                      now + _held_for_s(action, worker.status.budgets), "api"))
     if problems:
@@ -153,8 +163,9 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                                             planned, now)
     if over is not None:
         return _json_error(f"over budget; nothing was sent: {over}", 429)
-    sent = await runtime.hints.send(planned, {worker_sid: session_id}, source="api",
-                                    chains={worker_sid: record.last_block_hashes})
+    scopes = {action.scope for action in planned}
+    sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
+                                    chains=dict.fromkeys(scopes, record.last_block_hashes))
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \
         else min(max(hint_request.wait_s, 0.0), 60.0)
     await runtime.hints.wait_terminal(sent, wait_s)
@@ -162,6 +173,15 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             "actions": [a.row() for a in sent]}
     status = 200 if all(a.terminal for a in sent) else 202
     return JSONResponse(body, status_code=status)
+
+
+def _scope(action: KvHintAction, worker_sid: str) -> str:
+    """The router's holding scope of an API action: the agent's own, apart from the
+    planner's, where the worker keeps owners apart (the action says ``owner``); else the
+    session's, which the planner's next protection replaces, as the worker does."""
+    if action.payload.get("owner") == HintOwner.AGENT.value:
+        return agent_scope(worker_sid)
+    return worker_sid
 
 
 def _held_for_s(action: KvHintAction, budgets: Budgets) -> float:
@@ -207,8 +227,16 @@ def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
                 return "target.session_id must be this session", None
             target["session_id"] = worker_sid
         payload["target"] = target
+    version = item.action_version
+    # An agent's claims must outlive the planner's re-planning of the session: the worker
+    # keeps them apart when it takes ``owner``. The API decides the owner, not the caller.
+    payload.pop("owner", None)
+    if version in _OWNER_UPGRADES and owner_supported(worker.status.supported_actions,
+                                                      item.action_type):
+        payload["owner"] = HintOwner.AGENT.value
+        version = OWNER_VERSION
     action = KvHintAction(action_id=action_id, action_type=item.action_type,
-                          action_version=item.action_version, payload=payload)
+                          action_version=version, payload=payload)
     parsed = parse_action(action)
     if isinstance(parsed, InvalidAction):
         return parsed.reason, None

@@ -93,6 +93,10 @@ class SimHostTier:
     def contains(self, block_hash: int) -> bool:
         return self.manager.lookup(_key(block_hash), self._probe) is LookupResult.HIT
 
+    def copying(self, block_hash: int) -> bool:
+        """Never: stores complete at once here."""
+        return False
+
     # -- the worker's side ---------------------------------------------------------------------
 
     def prefix_blocks(self, block_hashes: Sequence[int]) -> int:

@@ -51,6 +51,17 @@ SAMPLES: dict[str, tuple[object, type]] = {
             target=s.Target(session_id="tenant-a/sess-2", prefix_tokens=4096), ttl_s=12.0,
             evict_rest_first=True)),
     ]), s.KvHintsEnvelope),
+    # kv.retain / kv.pin / kv.demote 1.2: owner (a planner's action is sent as before).
+    "hints_envelope_v1_2": (s.KvHintsEnvelope(protocol_version="1", message_id="msg-3", actions=[
+        s.make_action("a-pin", s.PinPayload(
+            target=s.Target(session_id="tenant-a/sess-1"), ttl_s=600.0,
+            owner=s.HintOwner.AGENT)),
+        s.make_action("a-retain", s.RetainPayload(
+            target=s.Target(session_id="tenant-a/sess-1", prefix_tokens=8192), priority=90,
+            evict_rest_first=True, owner=s.HintOwner.AGENT)),
+        s.make_action("a-demote", s.DemotePayload(
+            target=s.Target(session_id="tenant-a/sess-1"), owner=s.HintOwner.AGENT)),
+    ]), s.KvHintsEnvelope),
     "hint_outcome": (s.HintOutcome(
         message_id="msg-1", action_id="a-pin", action_type="kv.pin", worker_id="w0",
         status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",

@@ -52,6 +52,29 @@ def test_evict_rest_first_rides_on_version_1_1_and_only_there() -> None:
     assert isinstance(bare, s.ParsedAction) and not bare.payload.evict_rest_first
 
 
+def test_owner_rides_on_version_1_2_and_a_planners_action_is_sent_as_before() -> None:
+    agent = s.make_action("a1", s.RetainPayload(
+        target=s.Target(session_id="x", prefix_tokens=64), priority=40, evict_rest_first=True,
+        owner=s.HintOwner.AGENT))
+    planner = s.make_action("a2", s.DemotePayload(target=s.Target(session_id="x"),
+                                                  owner=s.HintOwner.PLANNER))
+    assert agent.action_version == s.OWNER_VERSION == "1.2"
+    assert agent.payload["owner"] == "agent"
+    assert planner.action_version == "1.0" and "owner" not in planner.payload
+    parsed = s.parse_action(agent)
+    assert isinstance(parsed, s.ParsedAction)
+    assert parsed.payload.owner is s.HintOwner.AGENT and parsed.payload.evict_rest_first
+    # A 1.2 action without the field is the planner's.
+    bare = s.parse_action(s.KvHintAction("a3", "kv.demote", "1.2",
+                                         {"target": {"session_id": "x"}}))
+    assert isinstance(bare, s.ParsedAction) and bare.payload.owner is s.HintOwner.PLANNER
+    # Per action type: a worker without a host tier offers no kv.demote at all.
+    supported = {"kv.retain": ["1.0", "1.1", "1.2"], "kv.pin": ["1.0", "1.1"]}
+    assert s.owner_supported(supported, "kv.retain")
+    assert not s.owner_supported(supported, "kv.pin")
+    assert not s.owner_supported(supported, "kv.demote")
+
+
 @pytest.mark.parametrize(
     ("action", "fragment"),
     [
@@ -75,11 +98,20 @@ def test_evict_rest_first_rides_on_version_1_1_and_only_there() -> None:
         (_action("kv.pin", {"target": {"session_id": "x"}}, action_id=""), "action_id is empty"),
         # evict_rest_first is 1.1, for session targets, and only on kv.retain and kv.pin.
         (_action("kv.retain", {"target": {"session_id": "x"}, "evict_rest_first": True}),
-         "evict_rest_first needs action_version 1.1"),
+         "evict_rest_first needs action_version 1.1 or later"),
         (_action("kv.pin", {"target": {"block_hashes": [1]}, "evict_rest_first": True},
                  version="1.1"), "evict_rest_first needs a session target"),
         (_action("kv.demote", {"target": {"session_id": "x"}}, version="1.1"),
          "unsupported action_version '1.1' for kv.demote"),
+        # owner is 1.2, on kv.retain, kv.pin and kv.demote, planner or agent.
+        (_action("kv.pin", {"target": {"session_id": "x"}, "owner": "agent"}, version="1.1"),
+         "owner needs action_version 1.2"),
+        (_action("kv.demote", {"target": {"session_id": "x"}, "owner": "agent"}),
+         "owner needs action_version 1.2"),
+        (_action("kv.pin", {"target": {"session_id": "x"}, "owner": "someone"},
+                 version="1.2"), "Invalid enum value 'someone'"),
+        (_action("kv.prefetch", {"target": {"session_id": "x"}, "owner": "agent"}),
+         "unknown field `owner`"),
         (_action("kv.demote", {"target": {"session_id": "x"}, "evict_rest_first": True}),
          "unknown field `evict_rest_first`"),
     ],

@@ -207,6 +207,9 @@ class RecordingHostTier:
     def contains(self, block_hash: int) -> bool:
         return block_hash in self.stored
 
+    def copying(self, block_hash: int) -> bool:
+        return False  # keep() stores at once
+
 
 def test_demote_with_a_host_tier_puts_gpu_copies_first_in_line() -> None:
     hc = build_kv_cache_manager(block_size=BS, num_blocks=40)

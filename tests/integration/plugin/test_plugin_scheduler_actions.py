@@ -29,6 +29,7 @@ from kvhint.engine_plugin.headless import (
 from kvhint.schemas import (
     DemotePayload,
     HintOutcome,
+    HintOwner,
     PinPayload,
     PrefetchPayload,
     RetainPayload,
@@ -129,6 +130,31 @@ def test_a_newer_session_hint_supersedes_the_older_one() -> None:
     executor = h.connector.core.executor
     assert executor.pinned_blocks == 0 and executor.retained_blocks == 4
     assert executor.holds.counters.superseded_claims == 1
+
+
+def test_an_agents_pin_outlives_the_planners_retains_and_release() -> None:
+    """Owners' claims on a session are kept apart: the router's planner re-plans every
+    session (a Retain each idle review, a release when it expects no return) and must not
+    undo a Pin an agent runtime asked for; the agent's own release ends it."""
+    h = sched(pin_budget_fraction=0.2)
+    turn(h, "s", [1, 2, 3, 4])
+    executor = h.connector.core.executor
+    pin = hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60, owner=HintOwner.AGENT))
+    assert (pin.status.value, pin.applied.blocks) == ("accepted", 4)
+    retain = hint(h, RetainPayload(target=Target(session_id="s"), priority=30))
+    assert retain.status.value == "accepted"
+    assert executor.pinned_blocks == 4 and executor.retained_blocks == 0
+    release = hint(h, RetainPayload(target=Target(session_id="s"), priority=0, ttl_s=1))
+    assert "0 free blocks only this session used now go first" in release.reason
+    assert executor.pinned_blocks == 4
+    assert executor.holds.counters.superseded_claims == 1  # the planner's retain only
+    flood(h, 40)
+    assert cached_tokens(h, [1, 2, 3, 4]) == 4 * BS
+    # The agent's own release ends its pin; the planner's next Retain would not have.
+    done = hint(h, RetainPayload(target=Target(session_id="s"), priority=0, ttl_s=1,
+                                 owner=HintOwner.AGENT))
+    assert done.status.value == "accepted"
+    assert executor.pinned_blocks == 0 and executor.retained_blocks == 0
 
 
 def test_pin_budget_and_ttl_clip() -> None:

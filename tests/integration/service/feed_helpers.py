@@ -31,10 +31,17 @@ ACTIONS = {"kv.pin": ["1.0"], "kv.retain": ["1.0"], "kv.demote": ["1.0"],
            "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}
 
 
-def status(worker: str, epoch: str, seq: int, url: str | None = None) -> bytes:
+# What a plugin of this version advertises (owners apart on kv.retain, kv.pin, kv.demote).
+ACTIONS_WITH_OWNER = {"kv.pin": ["1.0", "1.1", "1.2"], "kv.retain": ["1.0", "1.1", "1.2"],
+                      "kv.demote": ["1.0", "1.2"], "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}
+
+
+def status(worker: str, epoch: str, seq: int, url: str | None = None,
+           actions: dict[str, list[str]] | None = None) -> bytes:
     return encode_status(WorkerStatus(
         worker_id=worker, epoch=epoch, model="tiny", cache_namespace="ns", block_size=32,
-        hash_algo="sha256", none_hash_seed="vllm-none-hash", supported_actions=ACTIONS,
+        hash_algo="sha256", none_hash_seed="vllm-none-hash",
+        supported_actions=ACTIONS if actions is None else actions,
         budgets=Budgets(max_pinned_blocks=100, max_pin_ttl_s=600, max_retained_blocks=400,
                         max_retain_ttl_s=3600),
         usage=Usage(gpu_blocks_total=512, gpu_blocks_free=400, kv_usage=0.2),
@@ -84,9 +91,10 @@ async def publish_accepted(nc, subjects: Subjects, message_id: str,  # noqa: ANN
         applied=Amount(blocks, 32 * blocks), at=time.time())))
 
 
-async def plugin_registered(runtime, nc, subjects: Subjects) -> None:  # noqa: ANN001
+async def plugin_registered(runtime, nc, subjects: Subjects,  # noqa: ANN001
+                            actions: dict[str, list[str]] | None = None) -> None:
     """The router is connected to NATS and has heard w0's plugin (one heartbeat)."""
     assert await runtime.link.wait_connected(10)
     await asyncio.sleep(0.3)
-    await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
+    await nc.publish(subjects.status("w0"), status("w0", "e1", 0, actions=actions))
     await until(lambda: runtime.workers.get("w0").plugin_alive)

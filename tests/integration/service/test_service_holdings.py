@@ -11,11 +11,13 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import msgspec
 import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
 from feed_helpers import (
+    ACTIONS_WITH_OWNER,
     chat,
     plugin_registered,
     publish_accepted,
@@ -188,6 +190,67 @@ async def test_a_restarted_router_counts_what_the_workers_still_hold(
             await nc.publish(subjects.status("w0"), status("w0", "e2", 0))
             await until(lambda: holdings.worker("w0") == Holdings())
             assert holdings.tenant("default") == Holdings()
+    finally:
+        await nc.drain()
+
+
+async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """Against a worker that keeps owners apart (1.2), a Pin an agent runtime sends
+    through the API is the agent's (``owner: agent``): the planner's next protection of
+    the session replaces only its own, at the worker and in the router's holdings. The
+    session's end releases the agent's claims first, then the planner ends its own.
+    (A 1.0 worker gets the old form; the restart test above covers that.)"""
+    subjects = Subjects(subject_prefix)
+    stub = stub_workers[0]
+    nc = await nats.connect(nats_url)
+    actions: list[tuple[str, str, dict]] = []  # (action id, version, payload) in order
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - accepts: 4 blocks held, a release none
+        decoded = decode_hints(msg.data)
+        for raw in msgspec.json.decode(msg.data)["actions"]:
+            actions.append((raw["action_id"], raw["action_version"], raw["payload"]))
+        for action in decoded.actions:
+            releases = getattr(action.payload, "priority", None) == 0
+            await publish_accepted(nc, subjects, decoded.message_id, action.action_id,
+                                   action.action_type.value, 0 if releases else 4)
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix,
+                               hints={"api_outcome_timeout_s": 5.0, "tick_s": 3600.0})
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            holdings = router.runtime.hints.holdings
+            await plugin_registered(router.runtime, nc, subjects, ACTIONS_WITH_OWNER)
+            await chat(client, router.url, "s", "y" * 400)
+            await until(lambda: holdings.holds("w0", "default/s"))
+            pin = (await client.post(f"{router.url}/v1/sessions/s/hints", json={
+                "actions": [{"action_type": "kv.pin",
+                             "payload": {"ttl_s": 300, "owner": "planner"}}]})).json()
+            pin_id = pin["actions"][0]["action_id"]
+            # The API decides the owner, whatever the caller wrote.
+            assert (pin_id, "1.2", "agent") in [(a, v, p.get("owner")) for a, v, p in actions]
+            assert pin["actions"][0]["payload"]["owner"] == "agent"
+            assert holdings.holds("w0", "agent:default/s") and holdings.holds("w0", "default/s")
+            # The next turn's protection (the planner's) leaves the agent's pin alone.
+            before = len(actions)
+            await chat(client, router.url, "s", "y" * 400 + " and more " + "z" * 200)
+            await until(lambda: len(actions) > before)
+            assert all("owner" not in p for _, _, p in actions[before:])
+            assert holdings.holds("w0", "agent:default/s")
+            assert holdings.worker("w0").pinned_blocks == 4
+            # The end: the agent's claims are released first, then the planner's.
+            before = len(actions)
+            ended = (await client.delete(f"{router.url}/v1/sessions/s")).json()
+            first, *rest = ended["hints"]
+            assert first["payload"]["owner"] == "agent" and first["payload"]["priority"] == 0
+            assert rest and all("owner" not in h["payload"] for h in rest)
+            await until(lambda: len(actions) >= before + 1 + len(rest))
+            assert actions[before][0] == first["action_id"]
+            await until(lambda: not holdings.holds("w0", "agent:default/s"))
+            assert holdings.worker("w0").pinned_blocks == 0
     finally:
         await nc.drain()
 
