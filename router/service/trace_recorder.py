@@ -29,8 +29,11 @@ Contracts:
   ``--block-size <block size>``. Requests hashed at another block size are dropped.
 - a session id a client reuses after it ended the session (``X-Session-End``, or the
   sessions API) continues as ``<id>~2``, ``~3`` ... (a session ends for good in the trace
-  format); a request without a session is a one-turn session ``~r<n>``. An end through
-  the sessions API marks no line ``end`` (the session's last line is already written).
+  format); a request without a session is a one-turn session ``~r<n>``.
+- an end through the sessions API after the session's last line is written as an end
+  line, ``{"timestamp", "session_id", "tenant", "end": true}``, at the time the end came
+  (the simulator ends the session then); an end the session's own request carried
+  (``X-Session-End``) is on that request's line instead.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class TraceRecorder:
         self._arrivals: dict[int, float] = {}
         self._finished: dict[int, TracedRequest | _SessionEnded | None] = {}
         self._lines: list[str] = []
+        self._request_lines = 0  # of ``_lines`` (the rest are end lines)
         self._block_size: int | None = None
         self._file: IO[str] | None = None
         self.path: Path | None = None
@@ -102,6 +106,8 @@ class TraceRecorder:
         # over (its lines are "<id>~<n + 1>"). Both hold ended sessions only.
         self._ended: set[tuple[str, str]] = set()
         self._restarts: dict[tuple[str, str], int] = {}
+        # Sessions with a line written and no end yet: (tenant, id) -> the id in the file.
+        self._open: dict[tuple[str, str], str] = {}
         self._partial_ids = 0
         self._written = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-trace")
@@ -175,8 +181,11 @@ class TraceRecorder:
             self._emitted += 1
             if isinstance(request, _SessionEnded):
                 self._ended.add(request.key)
+                if (written_id := self._open.pop(request.key, None)) is not None:
+                    self._lines.append(self._end_line(arrived, request.key[0], written_id))
             elif request is not None:
                 self._lines.append(self._line(ticket, arrived, request))
+                self._request_lines += 1
 
     def _line(self, ticket: int, arrived: float, request: TracedRequest) -> str:
         if request.session_id is None:
@@ -191,6 +200,9 @@ class TraceRecorder:
                 f"{request.session_id}~{restarts + 1}")
             if request.end:
                 self._ended.add(key)
+                self._open.pop(key, None)
+            else:
+                self._open[key] = session_id
         full = request.prompt_tokens // request.block_size
         hash_ids = list(request.block_hashes[:full])
         if request.prompt_tokens % request.block_size:
@@ -212,17 +224,23 @@ class TraceRecorder:
             row["ttft_ms"] = round(request.ttft_ms, 1)
         return json.dumps(row, separators=(",", ":")) + "\n"
 
+    def _end_line(self, arrived: float, tenant: str, session_id: str) -> str:
+        row = {"timestamp": round((arrived - self._started) * 1000.0, 1),
+               "session_id": session_id, "tenant": tenant, "end": True}
+        return json.dumps(row, separators=(",", ":")) + "\n"
+
     async def _write(self) -> None:
         if not self._lines:
             return
         lines, self._lines = self._lines, []
+        requests, self._request_lines = self._request_lines, 0
         try:
             await asyncio.get_running_loop().run_in_executor(self._io, self._append, lines)
         except OSError:
-            self._drop("trace_write_error", len(lines))
+            self._drop("trace_write_error", len(lines))  # end lines too: the end is lost
             return
-        self._written += len(lines)
-        self._on_written(len(lines))
+        self._written += requests
+        self._on_written(requests)
 
     def _append(self, lines: list[str]) -> None:
         if self._file is None:

@@ -9,8 +9,8 @@ simulation's; the only randomness is a seeded ``random.Random``.
 
 Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
 plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
-admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), and a
-periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions and, as the
+admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), a
+*session end* through the sessions API (a trace's end line), and a periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions and, as the
 live router's tick does, the shared-prefix scan). With the ``scheduler`` engine
 (:class:`~kvhint.router.sim.scheduler_worker.SchedulerSimWorker`) a *step ends* instead
 of prefills and decodes: first tokens out, responses ended, the next step scheduled.
@@ -79,7 +79,7 @@ __all__ = ["ENGINES", "POLICIES", "SimConfig", "Simulation", "run_policy"]
 U64_MASK = (1 << 64) - 1
 
 # Event kinds, ordered for equal times: work that frees capacity first.
-_STEP_END, _DECODE_DONE, _PREFILL_DONE, _REVIEW, _TICK, _ARRIVAL = range(6)
+_STEP_END, _DECODE_DONE, _PREFILL_DONE, _REVIEW, _SESSION_END, _TICK, _ARRIVAL = range(7)
 
 
 ProgressFn = Callable[[int, int], None]
@@ -166,6 +166,7 @@ class Simulation:
             _DECODE_DONE: self._on_decode_done,
             _PREFILL_DONE: self._on_prefill_done,
             _REVIEW: self._on_review,
+            _SESSION_END: self._on_session_end,
         }
         heap = self._heap
         while heap:
@@ -307,9 +308,15 @@ class Simulation:
                                          request.tool_names)
                 self._apply_plan(plan_response_finished(self._planner_ctx(), state, event))
                 if request.end:
-                    self._apply_plan(plan_session_end(
-                        self._planner_ctx(), self.sessions[job.session_key],
-                        SessionEnded(job.session_key, self.now)))
+                    self._on_session_end(job.session_key)
+                elif request.end_at_s is not None:  # ended later, through the sessions API
+                    self._push(max(request.end_at_s, self.now), _SESSION_END, job.session_key)
+
+    def _on_session_end(self, session_key: str) -> None:
+        state = self.sessions.get(session_key)
+        if state is not None:
+            self._apply_plan(plan_session_end(self._planner_ctx(), state,
+                                              SessionEnded(session_key, self.now)))
 
     def _record_admission(self, job: Job) -> None:
         result = self.result

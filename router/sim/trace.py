@@ -23,6 +23,12 @@ it starts a session. Every response ends with ``stop``; no explicit ends.
     "ttft_ms": number          optional; the response's time to first token as served,
                                shown beside the simulated TTFTs
 
+and one more kind of line, an **end line**: ``{"timestamp", "session_id", "tenant"?,
+"end": true}`` and nothing else. The session ended explicitly at that time (the router's
+``DELETE /v1/sessions/{id}``), after the request on its latest line; the simulator ends
+it then, or when that response ends if the replay is later. A session with no request
+before it, or one already ended, is an error.
+
 A file is one format or the other (decided by the first line). Anything malformed stops
 the load with :class:`TraceError` naming the file, line and reason; nothing is simulated
 from a partial trace.
@@ -34,13 +40,14 @@ import json
 import math
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 FINISH_REASONS = ("stop", "tool_calls", "length")
 _MOONCAKE_KEYS = {"timestamp", "input_length", "output_length", "hash_ids"}
 _SESSION_KEYS = _MOONCAKE_KEYS | {"session_id", "turn", "finish_reason", "tool_names", "end",
                                   "tenant", "itl_ms", "ttft_ms"}
+_END_LINE_KEYS = {"timestamp", "session_id", "tenant", "end"}
 
 
 class TraceError(ValueError):
@@ -71,6 +78,7 @@ class TraceRequest:
     tenant: str = "default"
     itl_s: float | None = None  # as served, where the trace says (session format)
     ttft_s: float | None = None  # as served, where the trace says (session format)
+    end_at_s: float | None = None  # an end line: the session ended then, after this request
 
     def full_blocks(self, block_size: int) -> int:
         return self.input_length // block_size
@@ -127,7 +135,11 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     turns: dict[str, int] = {}
     ended: set[str] = set()
     inference = _SessionInference(block_size)
+    latest: dict[str, int] = {}  # session -> index of its latest request in ``requests``
     for line, obj in rows:
+        if fmt == "session" and "input_length" not in obj and obj.get("end") is True:
+            previous_ms = _end_line(name, line, obj, previous_ms, requests, latest, ended)
+            continue
         common = _common_fields(name, line, obj, trace_block_size, fmt)
         if trace_block_size != block_size:
             common = (*common[:3], _regroup(common[3], block_size // trace_block_size))
@@ -144,7 +156,40 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
                                          input_length, output_length, block_ids))
             continue
         requests.append(_session_request(name, line, obj, common, turns, ended))
+        latest[requests[-1].session_id] = len(requests) - 1
+    if not requests:
+        raise TraceError(name, 0, "no requests (only end lines)")
     return Trace(name, fmt, block_size, tuple(requests))
+
+
+def _end_line(name: str, line: int, obj: dict, previous_ms: float,
+              requests: list[TraceRequest], latest: dict[str, int], ended: set[str]) -> float:
+    """Fold an end line into its session's latest request; returns its timestamp."""
+    unknown = sorted(set(obj) - _END_LINE_KEYS)
+    if unknown:
+        raise TraceError(name, line, f"an end line has only timestamp, session_id, tenant "
+                                     f"and end; got {', '.join(unknown)}")
+    timestamp = obj.get("timestamp")
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not (
+            math.isfinite(timestamp) and timestamp >= 0):
+        raise TraceError(name, line, f"'timestamp' must be a number >= 0 (ms), got {timestamp!r}")
+    if timestamp < previous_ms:
+        raise TraceError(name, line, f"timestamp {timestamp:g} is before the previous line's "
+                                     f"{previous_ms:g} (timestamps must not decrease)")
+    session_id = obj.get("session_id")
+    if session_id in ended:
+        raise TraceError(name, line, f"session {session_id!r} ends twice")
+    index = latest.get(session_id) if isinstance(session_id, str) else None
+    if index is None:
+        raise TraceError(name, line, f"end line for session {session_id!r}, which has no "
+                                     "request before it")
+    tenant = obj.get("tenant", requests[index].tenant)
+    if tenant != requests[index].tenant:
+        raise TraceError(name, line, f"end line's tenant {tenant!r} is not session "
+                                     f"{session_id!r}'s ({requests[index].tenant!r})")
+    ended.add(session_id)
+    requests[index] = replace(requests[index], end_at_s=timestamp / 1000.0)
+    return float(timestamp)
 
 
 def _regroup(block_ids: tuple[int, ...], factor: int) -> tuple[int, ...]:

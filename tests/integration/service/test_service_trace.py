@@ -69,8 +69,11 @@ async def test_recorded_traffic_replays_in_the_simulator(
     assert streamed.session_id == "d" and 0.04 <= streamed.itl_s < 0.5
     assert streamed.ttft_s is not None and 0 < streamed.ttft_s < 5.0
     assert a1.itl_s is None and a1.ttft_s is None  # not streamed: no times to tell
-    # Ended through the sessions API, then reused: a new session under the old id.
+    # Ended through the sessions API (an end line, at the time the DELETE came), then
+    # reused: a new session under the old id.
     assert (c1.session_id, again.session_id, again.turn) == ("c", "c~2", 1)
+    assert c1.end_at_s is not None and c1.arrival_s <= c1.end_at_s <= again.arrival_s
+    assert not c1.end and again.end_at_s is None and a2.end_at_s is None
     assert (a1.session_id, a1.turn, a1.finish_reason, a1.tool_names) == (
         "a", 1, "tool_calls", ("search",))
     assert (a2.session_id, a2.turn, a2.finish_reason, a2.end) == ("a", 2, "stop", True)

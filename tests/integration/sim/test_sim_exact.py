@@ -72,6 +72,28 @@ def test_kvhint_retains_the_tool_gap_session_through_the_pressure(tiny_trace) ->
         hints["kv.retain"]["sent"]  # every action answered
 
 
+@pytest.mark.parametrize(("end_ms", "ended_at"), [(15_000, 15.0), (25_000, 25.0),
+                                                  (10_000, None)])
+def test_a_session_ended_through_the_api_ends_when_the_end_came(
+        tmp_path: Path, end_ms: int, ended_at: float | None) -> None:
+    """An end line (the recorder's for ``DELETE /v1/sessions/{id}``): the planner ends
+    s2 at that time, or when its response ends if the end came while it ran (10 s)."""
+    end = {"timestamp": end_ms, "session_id": "s2", "end": True}
+    rows = sorted([*ROWS, end], key=lambda r: r["timestamp"])  # stable: after s2's turn
+    path = tmp_path / "ended.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sim = Simulation(load_trace(path, block_size=32),
+                     SimConfig(workers=1, gpu_blocks=6, block_size=32), "kvhint")
+    sim.run()
+    s2 = sim.sessions["default/s2"]
+    assert s2.ended and not s2.awaiting_return
+    if ended_at is None:  # s2's response ended after 10 s: the end waited for it
+        assert 10.0 < s2.last_activity < 10.5
+    else:
+        assert s2.last_activity == ended_at
+    assert not sim.sessions["default/s3"].ended
+
+
 @pytest.mark.parametrize("engine", ["fast", "scheduler"])
 def test_host_tier_serves_the_continuation_of_a_g1_hit(tiny_trace, engine: str) -> None:
     """With 6 host blocks (vLLM's CPU offloading manager, LRU) every computed block is also

@@ -4,6 +4,7 @@ simulator loads, and counts everything it does not write."""
 from __future__ import annotations
 
 import collections
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -129,6 +130,13 @@ async def test_a_session_ended_through_the_api_starts_over_under_its_id(tmp_path
     trace = load_trace(recorder.path, block_size=BS)
     assert [(r.session_id, r.turn, r.end) for r in trace.requests] == [
         ("s", 1, False), ("s~2", 1, False), ("s~3", 1, True), ("s~4", 1, False)]
+    # An end through the API is an end line, at the time it came; a request-borne end is
+    # on its request's line (the router's own end after it writes nothing more).
+    assert [r.end_at_s for r in trace.requests] == [0.0, 0.0, None, None]
+    lines = recorder.path.read_text().splitlines()
+    assert len(lines) == 6 and recorder.written == 4
+    assert json.loads(lines[1]) == {"timestamp": 0.0, "session_id": "s", "tenant": "acme",
+                                    "end": True}
 
 
 async def test_a_streamed_responses_times_are_written_rounded(tmp_path: Path) -> None:

@@ -51,6 +51,21 @@ def test_session_format_fields(tmp_path):
     assert (second.turn, second.end, second.finish_reason) == (2, True, "stop")
 
 
+def test_an_end_line_ends_the_session_after_its_latest_request(tmp_path):
+    path = _write(tmp_path, [
+        {**_mc(0, [1]), "session_id": "a", "tenant": "acme"},
+        {**_mc(500, [2]), "session_id": "b"},
+        {"timestamp": 2500, "session_id": "a", "tenant": "acme", "end": True},
+        {**_mc(3000, [2, 3]), "session_id": "b"},
+    ])
+    a, b1, b2 = load_trace(path).requests
+    assert (a.end, a.end_at_s) == (False, 2.5)
+    assert b1.end_at_s is None and b2.end_at_s is None
+
+
+_END = {"timestamp": 5, "session_id": "a", "end": True}
+
+
 @pytest.mark.parametrize(
     ("rows", "line", "fragment"),
     [
@@ -68,6 +83,19 @@ def test_session_format_fields(tmp_path):
         ([{**_mc(0, [1]), "session_id": "a", "finish_reason": "eos"}], 1, "finish_reason"),
         ([{**_mc(0, [1]), "session_id": "a", "tool_names": ["x"]}], 1, "not 'tool_calls'"),
         ([_mc(0, [1]), {**_mc(1, [2]), "timestamp": -1}], 2, "timestamp"),
+        # End lines: after a request of their session, once, alone, in time order.
+        ([_END], 1, "which has no request before it"),
+        ([{**_mc(0, [1]), "session_id": "b"}, _END], 2, "which has no request before it"),
+        ([{**_mc(0, [1]), "session_id": "a"}, _END, _END], 3, "ends twice"),
+        ([{**_mc(0, [1]), "session_id": "a", "end": True}, _END], 2, "ends twice"),
+        ([{**_mc(0, [1]), "session_id": "a"}, _END, {**_mc(9, [2]), "session_id": "a"}], 3,
+         "continues after its 'end'"),
+        ([{**_mc(0, [1]), "session_id": "a"}, {**_END, "output_length": 3}], 2,
+         "an end line has only"),
+        ([{**_mc(9, [1]), "session_id": "a"}, _END], 2, "timestamps must not decrease"),
+        ([{**_mc(0, [1]), "session_id": "a", "tenant": "x"}, {**_END, "tenant": "y"}], 2,
+         "end line's tenant 'y'"),
+        ([_mc(0, [1]), _END], 2, "unknown field(s) end, session_id"),
     ],
 )
 def test_bad_lines_stop_the_load_naming_line_and_reason(tmp_path, rows, line, fragment):
