@@ -180,16 +180,16 @@ class HoldingsLedger:
     ) -> None:
         """Note a sent action. ``keys``: the hashes of the blocks it covers, root first,
         as far as known (:func:`target_keys`); the rest of its ``blocks`` count as its own.
-        Non-holding types (Demote, Prefetch, Share) release the scope's holding, since
-        the plugin supersedes it the same way. An action id seen before replaces that
-        holding (ids are meant to be unique; this keeps the scope index whole if one is
-        not)."""
+        A Demote releases the scope's holding, since the plugin supersedes it the same
+        way; Prefetch and Share leave it (the plugin does too). An action id seen before
+        replaces that holding (ids are meant to be unique; this keeps the scope index
+        whole if one is not)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
         if action_type not in _HOLDING_TYPES:
-            if old is not None:
+            if old is not None and action_type == ActionType.DEMOTE.value:
                 self._drop(old)
             return
         held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,

@@ -135,9 +135,15 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
     # A Demote releases the scope's holding.
     ledger.record(action_id="r3", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.retain", blocks=4, expires_at=100.0)
+    # A Prefetch or Share of the session does not: the plugin keeps its claims through
+    # them (a session moving back to a worker that still retains it, say).
+    for action_id, action_type in (("f1", "kv.prefetch"), ("s1", "kv.share")):
+        ledger.record(action_id=action_id, worker_id="w1", tenant=None, scope="t/y",
+                      action_type=action_type, blocks=4, expires_at=0.0)
+        assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
     ledger.record(action_id="d1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.demote", blocks=4, expires_at=0.0)
-    assert ledger.worker("w1") == Holdings()
+    assert ledger.worker("w1") == Holdings() and not ledger.holds("w1", "t/y")
 
 
 def test_ledger_shrinks_a_holding_by_what_the_worker_let_go_unasked() -> None:
