@@ -269,6 +269,10 @@ class HoldingsLedger:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def __contains__(self, action_id: object) -> bool:
+        """Whether a live holding is the action ``action_id``'s."""
+        return action_id in self._by_id
+
     def _set_blocks(self, held: _Held, blocks: int) -> None:
         """Resize a holding; it keeps (or gains) its root-most blocks, as the worker
         clips a claim and lets one go leaf first: the named prefix both sizes share keeps

@@ -294,12 +294,17 @@ class HintDispatcher:
     def on_release(self, release: HoldRelease) -> None:
         """A worker let blocks of an accepted Pin/Retain go unasked: its holding shrinks
         (for a still pending action, its coming outcome is capped; :meth:`effective`), and
-        its stored row says why and what is left."""
-        self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
-            release.released.blocks)
+        its stored row says why and what is left. Counted in the metrics only by the
+        router that sent the action (or restored it): every replica hears every release,
+        and a fleet's total must count each once."""
         now = self._clock()
         pending = self.pending.get(release.action_id)
         record = pending or self._recent_by_id.get(release.action_id)
+        if record is not None or release.action_id in self.holdings:
+            self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
+                release.released.blocks)
+        else:
+            self._metrics.drop("release_unknown_action")
         held = release.held.blocks
         if record is not None:
             if record.held_after_release_blocks is not None:

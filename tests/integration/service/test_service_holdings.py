@@ -114,6 +114,13 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             action = (await response).json()["actions"][0]
             assert action["status"] == "accepted" and action["applied_blocks"] == 1
             assert runtime.hints.holdings.worker("w0").pinned_blocks == 1
+            # Another router replica's action (every replica hears every release): not
+            # in this router's metrics, which must count each release once per fleet.
+            await publish_release(nc, subjects, "kvh-another-replica", "kv.pin", None, 5, 0,
+                                  ReleaseReason.RESET)
+            await until(lambda: runtime.metrics.drops.labels("release_unknown_action")
+                        ._value.get() == 1)
+            assert runtime.metrics.hold_releases.labels("kv.pin", "reset")._value.get() == 2
             # A malformed report is counted and changes nothing.
             await nc.publish(subjects.releases("w0"), b'{"worker_id": "w0", "releases": [{}]}')
             await until(lambda: runtime.metrics.drops.labels("releases_malformed")
