@@ -4,8 +4,8 @@ the router as its own process (as `kvhint router` runs it).
 One module, two workers started once (about a minute each on this machine), tests in
 order: the OpenAI SDK, vLLM's own benchmark client, agent sessions with tool gaps under
 KV pressure with a router restart in the middle, a prefix-cache reset on a worker (vLLM's
-dev-mode endpoint: the workers run with ``VLLM_SERVER_DEV_MODE=1``), then one worker
-stopped.
+dev-mode endpoint: the workers run with ``VLLM_SERVER_DEV_MODE=1``), an agent's pin
+through the API outliving the planner's next protection, then one worker stopped.
 """
 
 from __future__ import annotations
@@ -201,6 +201,75 @@ def test_a_prefix_cache_reset_on_a_worker_reaches_the_router(stack: Stack) -> No
         metrics = client.get(f"{stack.router.url}/metrics").text
         assert 'kvhint_router_hold_released_blocks_total{action="kv.retain",reason="reset"}' \
             in metrics
+
+
+def test_an_agents_pin_outlives_the_planners_next_protection(stack: Stack) -> None:
+    # An agent runtime pins its session through the API; the session's next turn makes
+    # the planner protect it again (its Retain), which before replaced the agent's pin on
+    # the worker. The real plugin keeps the two owners' claims apart; the session's end
+    # releases the agent's pin.
+    session = "owner-probe"
+    messages = [{"role": "user", "content": "remember all of this context please " * 20}]
+    with httpx.Client(timeout=120) as client:
+        def turn() -> str:
+            response = client.post(f"{stack.router.url}/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 4, "session_id": session,
+                "messages": messages})
+            assert response.status_code == 200, response.text
+            messages.extend([response.json()["choices"][0]["message"],
+                             {"role": "user", "content": "and now this as well " * 5}])
+            return response.headers["x-kvhint-worker"]
+
+        worker_id = turn()
+        deadline = time.monotonic() + 60
+        while stack.admin(f"/workers/{worker_id}")["status"] is None and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)  # the plugin's first heartbeat (a test run alone)
+        pinned = client.post(f"{stack.router.url}/v1/sessions/{session}/hints", json={
+            "actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]})
+        assert pinned.status_code == 200, pinned.text
+        (pin,) = pinned.json()["actions"]
+        assert pin["payload"]["owner"] == "agent", pin
+        assert pin["status"] in ("accepted", "clipped") and pin["applied_blocks"] > 0, pin
+        assert turn() == worker_id
+        protected_at = _planner_protection_answered(stack, session, pin["action_id"])
+
+        def pinned_on_worker() -> int:
+            status = stack.admin(f"/workers/{worker_id}")["status"]
+            # A heartbeat sent after the planner's Retain was applied.
+            return status["usage"]["pinned_blocks"] if status["at"] > protected_at else -1
+
+        deadline = time.monotonic() + 20
+        while (blocks := pinned_on_worker()) < 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert blocks >= pin["applied_blocks"], blocks  # the pin is still there
+        ended = client.delete(f"{stack.router.url}/v1/sessions/{session}")
+        assert ended.status_code == 200, ended.text
+        first = ended.json()["hints"][0]
+        assert first["payload"]["owner"] == "agent" and first["payload"]["priority"] == 0
+        deadline = time.monotonic() + 20
+        while stack.admin(f"/workers/{worker_id}")["status"]["usage"]["pinned_blocks"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert stack.admin(f"/workers/{worker_id}")["status"]["usage"]["pinned_blocks"] == 0
+
+
+def _planner_protection_answered(stack: Stack, session: str, after: str) -> float:
+    """When the worker answered a protection of ``session`` the planner sent after the
+    action ``after`` (its time on the router's clock)."""
+    deadline = time.monotonic() + 30
+    rows: list[dict] = []
+    while time.monotonic() < deadline:
+        rows = stack.admin("/hints", session_id=session, limit=100)["hints"]
+        sent_at = next(r["created_at"] for r in rows if r["action_id"] == after)
+        answered = [r["updated_at"] for r in rows if r["source"] == "planner"
+                    and r["action_type"] in ("kv.retain", "kv.pin")
+                    and r["created_at"] > sent_at and r["status"] in ("accepted", "clipped")]
+        if answered:
+            return max(answered)
+        time.sleep(0.2)
+    raise AssertionError(f"no protection of the planner's after {after} was answered: "
+                         f"{[(r['source'], r['trigger'], r['status']) for r in rows]}")
 
 
 def _restart(router: RouterProcess) -> None:
