@@ -145,6 +145,18 @@ class _BlockCounts:
                 if after is not None:
                     totals[after] += 1
 
+    def counted(self, owner: str, worker_id: str, keys: Sequence[int], slot: int) -> int:
+        """How many of ``keys`` a new holding of type ``slot`` would not add to the
+        owner's ``slot`` total: already pinned (for a Pin), already held (for a Retain:
+        a pinned block stays pinned)."""
+        refs_of = self._refs
+        count = 0
+        for key in keys:
+            refs = refs_of.get((owner, worker_id, key))
+            if refs is not None and (slot == _RETAINED or refs[_PINNED]):
+                count += 1
+        return count
+
     def own(self, owner: str, blocks: int, slot: int) -> None:
         """``blocks`` (negative: fewer) that no other holding can share."""
         if blocks:
@@ -257,6 +269,19 @@ class HoldingsLedger:
                 self._drop(held)
                 gone += 1
         return gone
+
+    def added(self, worker_id: str, tenant: str | None, action_type: str, blocks: int,
+              keys: Sequence[int]) -> tuple[int, int]:
+        """(worker, tenant) blocks a new Pin/Retain of ``blocks`` would add to what they
+        hold of its kind: its named ``keys`` (root first) that other holdings already
+        count so (a system prompt every session shares) add nothing; the rest add one
+        each, as :meth:`record` will count them."""
+        slot = _PINNED if action_type == ActionType.PIN.value else _RETAINED
+        named = tuple(keys[:blocks])
+        worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
+        if tenant is None:
+            return worker, 0
+        return worker, blocks - self._tenants.counted(tenant, worker_id, named, slot)
 
     def worker(self, worker_id: str) -> Holdings:
         totals = self._workers.totals.get(worker_id)

@@ -248,28 +248,39 @@ class HintDispatcher:
         return f"{self._rng.getrandbits(64):016x}"
 
     def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
-                           planned: Sequence[PlannedAction], now: float) -> str | None:
+                           planned: Sequence[PlannedAction], now: float,
+                           chain: Sequence[int] = ()) -> str | None:
         """Why API actions must not be sent (tenant rate and holdings, the worker's
-        advertised budgets), or None; a None answer counts them against the rate."""
+        advertised budgets), or None; a None answer counts them against the rate.
+        ``chain``: the session's last prompt's block hashes on the worker, so that blocks
+        already held the same way (a shared system prompt) are not counted again."""
         times = self._api_times.setdefault(tenant, deque())
         while times and now - times[0] > 60.0:
             times.popleft()
         if len(times) + len(planned) > budget.max_actions_per_minute:
             return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
                     "per minute")
-        pins = sum(a.blocks for a in planned if a.action_type == ActionType.PIN.value)
-        retains = sum(a.blocks for a in planned if a.action_type == ActionType.RETAIN.value)
+        block_size = self._block_size(worker_id)
+        added = {ActionType.PIN.value: [0, 0], ActionType.RETAIN.value: [0, 0]}
+        for action in planned:
+            if (totals := added.get(action.action_type)) is not None:
+                keys = target_keys(action.action_type, action.action.payload, block_size, chain)
+                on_worker, on_tenant = self.holdings.added(worker_id, tenant, action.action_type,
+                                                           action.blocks, keys)
+                totals[0] += on_worker
+                totals[1] += on_tenant
+        pins, retains = added[ActionType.PIN.value], added[ActionType.RETAIN.value]
         held = self.holdings.tenant(tenant)
-        checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins,
+        checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
                    budget.max_pinned_blocks),
-                  (f"tenant {tenant!r}", "retained", held.retained_blocks, retains,
+                  (f"tenant {tenant!r}", "retained", held.retained_blocks, retains[1],
                    budget.max_retained_blocks)]
         worker = self._workers.get(worker_id)
         if worker is not None and worker.status is not None:
             # Pins only: a worker's retain budget is soft (a higher priority displaces a
             # lower one, an overflow is clipped), which the planner relies on too.
             checks.append((f"worker {worker_id}", "pinned",
-                           self.holdings.worker(worker_id).pinned_blocks, pins,
+                           self.holdings.worker(worker_id).pinned_blocks, pins[0],
                            worker.status.budgets.max_pinned_blocks))
         for who, kind, current, asked, limit in checks:
             if asked and limit is not None and current + asked > limit:

@@ -160,7 +160,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     if problems:
         return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
-                                            planned, now)
+                                            planned, now, record.last_block_hashes)
     if over is not None:
         return _json_error(f"over budget; nothing was sent: {over}", 429)
     scopes = {action.scope for action in planned}

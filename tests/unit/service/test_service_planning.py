@@ -387,6 +387,36 @@ def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() 
         [planned(RetainPayload(target=target, priority=50), 8)], time.time())
 
 
+def test_api_budgets_count_blocks_already_held_the_same_way_once() -> None:
+    """Two agents pin their sessions, which share a 30-block system prompt: the second
+    pin adds its own 5 blocks to what the tenant and the worker hold pinned, not 35 (it
+    was refused with a 429 under a cap the worker's real count fits). A Retain over
+    pinned blocks adds nothing to the retained count either."""
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])  # worker: 50 pinnable
+    system = list(range(1000, 1030))
+    first, second = [*system, *range(1, 6)], [*system, *range(11, 16)]
+    hints.holdings.record(action_id="p1", worker_id="w0", tenant="t", scope="agent:t/a",
+                          action_type="kv.pin", blocks=35, expires_at=1e12, keys=first)
+    assert hints.holdings.tenant("t").pinned_blocks == 35
+
+    def planned(payload: object, blocks: int) -> PlannedAction:
+        return PlannedAction("w0", make_action("kva-b", payload), "agent:t/b", "t", blocks,
+                             1e12, "api")
+
+    budget = TenantBudget(max_pinned_blocks=40, max_retained_blocks=5)
+    pin = planned(PinPayload(target=Target(session_id="t/b"), ttl_s=30), 35)
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), second) is None
+    # Without the chain the router cannot name the blocks: all 35 count.
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time()) == (
+        "tenant 't' would hold 70 pinned blocks (limit 40)")
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), [
+        *system[:25], *range(100, 110)]) == (  # shares 25 of the 30: 10 more
+        "tenant 't' would hold 45 pinned blocks (limit 40)")
+    retain = planned(RetainPayload(target=Target(session_id="t/b", prefix_tokens=30 * 4),
+                                   priority=50), 30)
+    assert hints.api_budget_problem("t", budget, "w0", [retain], time.time(), second) is None
+
+
 def test_a_tenant_without_a_budget_of_its_own_is_bounded_by_the_workers_only() -> None:
     """The default tenant budget caps no holds: with a fixed cap (it was 16,384 retained
     blocks) the planner stopped retaining for a tenant long before a GPU fleet's retain
