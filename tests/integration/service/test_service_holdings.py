@@ -258,6 +258,15 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
             assert actions[before][0] == first["action_id"]
             await until(lambda: not holdings.holds("w0", "agent:default/s"))
             assert holdings.worker("w0").pinned_blocks == 0
+            # An agent's Demote ends the planner's claims on the session too, on the
+            # worker and so in the router's holdings.
+            await chat(client, router.url, "t", "x" * 400)
+            await until(lambda: holdings.holds("w0", "default/t"))
+            demoted = (await client.post(f"{router.url}/v1/sessions/t/hints", json={
+                "actions": [{"action_type": "kv.demote"}]})).json()
+            assert demoted["actions"][0]["payload"]["owner"] == "agent"
+            assert not holdings.holds("w0", "default/t")
+            assert not holdings.holds("w0", "agent:default/t")
     finally:
         await nc.drain()
 
