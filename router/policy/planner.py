@@ -129,6 +129,7 @@ def plan_turn_routed(
         last_user_gap_s=last_user_gap,
         protection=None if moved_from != event.worker_id else session.protection,
         demoted=False,
+        agent_demoted=False,
         ended=False,
     )
     return PlanResult(new_state, tuple(actions), tuple(observations))
@@ -148,6 +149,7 @@ def plan_response_finished(
         gap_kind=kind,
         gap_opened_at=event.at,
         gap_predicted_s=predicted,
+        agent_demoted=False,
     )
     return _protect(ctx, state, idle_s=0.0, reason=f"gap:{kind}", new_blocks=True)
 
@@ -164,6 +166,8 @@ def plan_idle(ctx: PlannerContext, session: SessionPlanState) -> PlanResult:
     if idle >= ctx.config.abandon_after_s:
         result = _end(ctx, session, "abandoned")
         return PlanResult(result.session, result.actions, observed)
+    if session.agent_demoted:
+        return PlanResult(session, (), observed)
     result = _protect(ctx, session, idle_s=idle, reason="idle")
     return PlanResult(result.session, result.actions, observed)
 

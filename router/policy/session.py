@@ -71,6 +71,9 @@ class SessionPlanState:
     gap_predicted_s: float = 0.0
     protection: Protection | None = None
     demoted: bool = False
+    # An agent runtime demoted the session through the API in this gap: the planner
+    # leaves it to the host tier until its next turn (its reviews would re-protect it).
+    agent_demoted: bool = False
     ended: bool = False
     # Whether this gap's return/no-return was already observed (see return_window_s).
     return_counted: bool = False

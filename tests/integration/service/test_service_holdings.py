@@ -207,7 +207,8 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
     """Against a worker that keeps owners apart (1.2), a Pin an agent runtime sends
     through the API is the agent's (``owner: agent``): the planner's next protection of
     the session replaces only its own, at the worker and in the router's holdings. The
-    session's end releases the agent's claims first, then the planner ends its own.
+    session's end releases the agent's claims first, then the planner ends its own. An
+    agent's Demote ends both, and the planner leaves the session demoted.
     (A 1.0 worker gets the old form; the restart test above covers that.)"""
     subjects = Subjects(subject_prefix)
     stub = stub_workers[0]
@@ -267,6 +268,9 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
             assert demoted["actions"][0]["payload"]["owner"] == "agent"
             assert not holdings.holds("w0", "default/t")
             assert not holdings.holds("w0", "agent:default/t")
+            # The planner leaves it demoted until its next turn (no re-protection).
+            plan = router.runtime.sessions.get("default", "t").plan
+            assert plan.agent_demoted and plan.protection is None
     finally:
         await nc.drain()
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import replace
 
 from planner_fixtures import (
@@ -125,6 +127,34 @@ def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
     assert priorities == sorted(priorities, reverse=True) and priorities[-1] == 0
     assert observations == [ReturnObserved(1, False, "@user")]
     assert session.ended and session.protection is None
+
+
+def test_a_session_an_agent_demoted_is_left_demoted_until_its_next_turn() -> None:
+    """An agent runtime demoted the session through the API: the planner's idle reviews
+    would re-protect it (its retains are re-sent as their priority moves); they send
+    nothing, still count the session gone once, and still end it when abandoned. Its
+    next turn and response plan as usual."""
+    config = PlannerConfig(return_window_s=600.0, abandon_after_s=900.0)
+    ctx = make_ctx(config=config)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    session = dataclasses.replace(session, protection=None, demoted=True, agent_demoted=True)
+    observations, actions = [], []
+    now = next_idle_review(config, session, 0.0)
+    while session.awaiting_return:
+        result = plan_idle(make_ctx(now=now, config=config), session)
+        observations += result.observations
+        actions += [(now, typed(p)) for p in result.actions]
+        session = result.session
+        now = next_idle_review(config, session, now) or now
+    assert observations == [ReturnObserved(1, False, "@user")]
+    # Only the abandonment at 900 s sends anything: the release of an ended session.
+    assert [(at, type(a.payload).__name__, a.payload.priority) for at, a in actions] == [
+        (900.0, "RetainPayload", 0)]
+    assert session.ended
+    # A new turn clears it: its response is protected again.
+    again = dataclasses.replace(session_after_turn(ctx), agent_demoted=True)
+    routed = plan_turn_routed(ctx, again, TurnRouted("t/s", "t", "w0", 9 * BS, 10.0))
+    assert not routed.session.agent_demoted
 
 
 def _sent_priorities(config: PlannerConfig) -> list[int]:
