@@ -48,10 +48,10 @@ class PluginConfig(BaseModel):
     donor_retain_priority: int = Field(60, ge=0, le=100)
     # Prefetch of blocks already in G1: keep them retained at this priority until the deadline.
     prefetch_retain_priority: int = Field(80, ge=0, le=100)
-    # A Demote that finds host copies still being made (vLLM's offloading connector stores
-    # a request's last blocks as it ends, and the router's Demote may come first) is
-    # answered ``deferred`` and applied when they finish, or after this long with what has
-    # a copy then. 0: applied at once.
+    # A Demote that finds host copies still in flight (vLLM's offloading connector copies
+    # asynchronously, and a Demote planned as a response ends can come before the copies
+    # of its last blocks finish) is answered ``deferred`` and applied when they finish, or
+    # after this long with what has a copy then. 0: applied at once.
     demote_copy_wait_s: float = Field(2.0, ge=0.0, le=60.0)
 
     # Session index bounds.

@@ -379,9 +379,11 @@ class HintExecutor:
 
     def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str) -> int:
         """How many of a Demote's blocks lack a finished host copy that is on its way: in
-        flight, or on a block a request still holds (vLLM's connector stores a request's
-        blocks as it computes and finishes them, and a Demote planned as a response ends
-        can arrive first). A copy the tier lost, of a free block, is not waited for."""
+        flight, or of a block a request still holds (vLLM's connector copies a request's
+        blocks asynchronously as it computes them, and a Demote planned as a response
+        ends can arrive first). A free block with no copy at all is not waited for: the
+        tier lost it, or vLLM never stores it (0.32 leaves a finished request's last,
+        decode-completed block unstored)."""
         assert self.host_tier is not None
         if self.config.demote_copy_wait_s <= 0:
             return 0

@@ -155,10 +155,10 @@ def test_a_planners_demote_spares_what_an_agent_holds_and_an_agents_demote_does_
 
 
 def test_a_demote_waits_for_copies_in_flight_then_lets_go() -> None:
-    """vLLM's connector stores a request's blocks as it computes them; a Demote planned as
-    the response ends can arrive before the last copies finish. It waits (``deferred``)
-    and goes through once they do, instead of being refused (11 of 28 Demotes on a live
-    run with the real connector were, before)."""
+    """vLLM's connector copies a request's blocks to the host asynchronously; a Demote
+    planned as the response ends can arrive before the last copies finish (on a GPU
+    server; here the copy reports are held back). It waits (``deferred``) and goes
+    through once they finish, instead of being refused."""
     h = sched()
     core = plugin(h).core
     now = [1000.0]
