@@ -33,10 +33,13 @@ class Holdings:
 def held_blocks(outcome: HintOutcome) -> int | None:
     """The blocks a Pin/Retain holds on its worker after this answer: ``applied`` when
     accepted or clipped, none when rejected or missing; None for a ``deferred`` (not an
-    answer yet)."""
+    answer yet). A Prefetch holds (retains until its deadline) what it applied only when
+    accepted: a clipped one answers at its deadline, holding nothing."""
     if not outcome.status.is_terminal:
         return None
-    if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
+    if outcome.status is OutcomeStatus.ACCEPTED or (
+            outcome.status is OutcomeStatus.CLIPPED
+            and outcome.action_type != ActionType.PREFETCH.value):
         return outcome.applied.blocks
     return 0
 
@@ -106,7 +109,10 @@ class _Held:
         return self.keys[:self.blocks]
 
 
-_HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value})
+# Prefetch: the worker retains what it brought into G1 until the Prefetch's deadline.
+_HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
+                            ActionType.PREFETCH.value})
+PREFETCH_SCOPE = "prefetch:"
 _PINNED, _RETAINED = 0, 1
 
 
@@ -193,11 +199,14 @@ class HoldingsLedger:
         """Note a sent action. ``keys``: the hashes of the blocks it covers, root first,
         as far as known (:func:`target_keys`); the rest of its ``blocks`` count as its own.
         A Demote releases the scope's holding, since the plugin supersedes it the same
-        way; Prefetch and Share leave it (the plugin does too). An action id seen before
-        replaces that holding (ids are meant to be unique; this keeps the scope index
-        whole if one is not)."""
+        way; Prefetch and Share leave it (the plugin does too). A Prefetch's own retain
+        (until ``expires_at``, its deadline) is a holding of its own scope,
+        ``prefetch:<scope>``. An action id seen before replaces that holding (ids are
+        meant to be unique; this keeps the scope index whole if one is not)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
+        if action_type == ActionType.PREFETCH.value:
+            scope = PREFETCH_SCOPE + scope
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
         if action_type not in _HOLDING_TYPES:

@@ -380,8 +380,11 @@ def _plan_move(
     ):
         blocks = _blocks_of(ctx, session, new_worker.block_size)
         payload = PrefetchPayload(target=target, deadline_s=config.prefetch_deadline_s)
+        # Until its deadline: the worker retains what it brought into G1 that long.
         actions.append(PlannedAction.make(ctx, new, payload, session.session_id,
-                                          session.tenant, blocks, ctx.now, "moved:prefetch"))
+                                          session.tenant, blocks,
+                                          ctx.now + config.prefetch_deadline_s,
+                                          "moved:prefetch"))
     if old_worker is not None and session.protection is not None:
         if old_worker.host_tier and old_worker.can_send(ActionType.DEMOTE, config):
             payload = DemotePayload(target=target)

@@ -136,11 +136,22 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
     ledger.record(action_id="r3", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.retain", blocks=4, expires_at=100.0)
     # A Prefetch or Share of the session does not: the plugin keeps its claims through
-    # them (a session moving back to a worker that still retains it, say).
-    for action_id, action_type in (("f1", "kv.prefetch"), ("s1", "kv.share")):
-        ledger.record(action_id=action_id, worker_id="w1", tenant=None, scope="t/y",
-                      action_type=action_type, blocks=4, expires_at=0.0)
-        assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
+    # them (a session moving back to a worker that still retains it, say). A Prefetch's
+    # own retain (what it brought into G1, until its deadline) is a holding of its own.
+    ledger.record(action_id="s1", worker_id="w1", tenant=None, scope="t/y",
+                  action_type="kv.share", blocks=4, expires_at=0.0)
+    assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
+    ledger.record(action_id="f1", worker_id="w1", tenant=None, scope="t/y",
+                  action_type="kv.prefetch", blocks=6, expires_at=90.0, keys=range(6))
+    assert ledger.worker("w1") == Holdings(0, 10) and ledger.holds("w1", "prefetch:t/y")
+    ledger.settle(_outcome("kv.prefetch", OutcomeStatus.ACCEPTED, 6, 5, action_id="f1"))
+    assert ledger.worker("w1") == Holdings(0, 9)
+    assert ledger.expire(91.0) == 1 and ledger.worker("w1") == Holdings(0, 4)
+    # One that ends clipped (at its deadline, with part in G1) retains nothing.
+    ledger.record(action_id="f2", worker_id="w1", tenant=None, scope="t/y",
+                  action_type="kv.prefetch", blocks=6, expires_at=1e9)
+    ledger.settle(_outcome("kv.prefetch", OutcomeStatus.CLIPPED, 6, 3, action_id="f2"))
+    assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
     ledger.record(action_id="d1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.demote", blocks=4, expires_at=0.0)
     assert ledger.worker("w1") == Holdings() and not ledger.holds("w1", "t/y")
