@@ -10,8 +10,9 @@ simulation's; the only randomness is a seeded ``random.Random``.
 Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
 plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
 admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), a
-*session end* through the sessions API (a trace's end line), and a periodic *tick* (plugin TTL expiry, the outcome feedback of deferred actions and, as the
-live router's tick does, the shared-prefix scan). With the ``scheduler`` engine
+*session end* through the sessions API (a trace's end line), and a periodic *tick*
+(plugin TTL expiry, the outcome feedback of deferred actions and, as the live router's
+tick does, the shared-prefix scan). With the ``scheduler`` engine
 (:class:`~kvhint.router.sim.scheduler_worker.SchedulerSimWorker`) a *step ends* instead
 of prefills and decodes: first tokens out, responses ended, the next step scheduled.
 """

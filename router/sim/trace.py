@@ -144,11 +144,7 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
         if trace_block_size != block_size:
             common = (*common[:3], _regroup(common[3], block_size // trace_block_size))
         timestamp, input_length, output_length, block_ids = common
-        if timestamp < previous_ms:
-            raise TraceError(
-                name, line, f"timestamp {timestamp:g} is before the previous line's "
-                f"{previous_ms:g} (timestamps must not decrease)"
-            )
+        _check_order(name, line, timestamp, previous_ms)
         previous_ms = timestamp
         if fmt == "mooncake":
             session_id, turn = inference.assign(block_ids, input_length)
@@ -169,13 +165,8 @@ def _end_line(name: str, line: int, obj: dict, previous_ms: float,
     if unknown:
         raise TraceError(name, line, f"an end line has only timestamp, session_id, tenant "
                                      f"and end; got {', '.join(unknown)}")
-    timestamp = obj.get("timestamp")
-    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not (
-            math.isfinite(timestamp) and timestamp >= 0):
-        raise TraceError(name, line, f"'timestamp' must be a number >= 0 (ms), got {timestamp!r}")
-    if timestamp < previous_ms:
-        raise TraceError(name, line, f"timestamp {timestamp:g} is before the previous line's "
-                                     f"{previous_ms:g} (timestamps must not decrease)")
+    timestamp = _timestamp_ms(name, line, obj)
+    _check_order(name, line, timestamp, previous_ms)
     session_id = obj.get("session_id")
     if session_id in ended:
         raise TraceError(name, line, f"session {session_id!r} ends twice")
@@ -189,7 +180,24 @@ def _end_line(name: str, line: int, obj: dict, previous_ms: float,
                                      f"{session_id!r}'s ({requests[index].tenant!r})")
     ended.add(session_id)
     requests[index] = replace(requests[index], end_at_s=timestamp / 1000.0)
+    return timestamp
+
+
+def _timestamp_ms(name: str, line: int, obj: dict) -> float:
+    if "timestamp" not in obj:
+        raise TraceError(name, line, "missing 'timestamp'")
+    timestamp = obj["timestamp"]
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not (
+        math.isfinite(timestamp) and timestamp >= 0
+    ):
+        raise TraceError(name, line, f"'timestamp' must be a number >= 0 (ms), got {timestamp!r}")
     return float(timestamp)
+
+
+def _check_order(name: str, line: int, timestamp: float, previous_ms: float) -> None:
+    if timestamp < previous_ms:
+        raise TraceError(name, line, f"timestamp {timestamp:g} is before the previous line's "
+                                     f"{previous_ms:g} (timestamps must not decrease)")
 
 
 def _regroup(block_ids: tuple[int, ...], factor: int) -> tuple[int, ...]:
@@ -237,13 +245,7 @@ def _common_fields(
         raise TraceError(name, line, f"unknown field(s) {', '.join(unknown)}{hint}")
     if fmt == "session" and "session_id" not in obj:
         raise TraceError(name, line, "missing 'session_id' (line 1 made this a session trace)")
-    if "timestamp" not in obj:
-        raise TraceError(name, line, "missing 'timestamp'")
-    timestamp = obj["timestamp"]
-    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not (
-        math.isfinite(timestamp) and timestamp >= 0
-    ):
-        raise TraceError(name, line, f"'timestamp' must be a number >= 0 (ms), got {timestamp!r}")
+    timestamp = _timestamp_ms(name, line, obj)
     input_length = _int_field(name, line, obj, "input_length", 1)
     output_length = _int_field(name, line, obj, "output_length", 0)
     ids = obj.get("hash_ids")
