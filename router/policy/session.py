@@ -8,7 +8,7 @@ into the planner functions and stores the new value they return.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from kvhint.router.policy.holdings import held_blocks
 from kvhint.schemas.outcomes import HintOutcome
@@ -108,7 +108,11 @@ class SessionPlanState:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> SessionPlanState:
-        raw = dict(data)
+        """From :meth:`to_dict`'s form. Fields this version does not know (a newer
+        router wrote them, and the store outlived it) are left out, so a rolled-back
+        router keeps the rest of the plan instead of starting the session afresh."""
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in data.items() if k in known}
         protection = raw.pop("protection", None)
         state = cls(**raw)  # type: ignore[arg-type]
         if protection is not None:
