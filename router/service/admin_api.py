@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
+from kvhint.router.policy import agent_scope
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
@@ -61,8 +62,14 @@ def session_view(runtime: RouterRuntime, record: SessionRecord, detail: bool) ->
             "gap_kind": plan.gap_kind, "gap_predicted_s": plan.gap_predicted_s,
             "protection": (msgspec.to_builtins(plan.protection)
                            if plan.protection is not None else None),
-            "demoted": plan.demoted, "context_tokens": plan.context_tokens,
+            "demoted": plan.demoted, "agent_demoted": plan.agent_demoted,
+            "context_tokens": plan.context_tokens,
         },
+        # Workers holding what an agent runtime asked for through the API (apart from the
+        # planner's protection above).
+        "agent_held_on": [w.worker_id for w in runtime.workers.all()
+                          if runtime.hints.holdings.holds(
+                              w.worker_id, agent_scope(record.worker_session_id))],
     }
     if detail:
         view["gaps"] = record.gaps[-32:]

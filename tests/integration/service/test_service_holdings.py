@@ -242,6 +242,8 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
             assert (pin_id, "1.2", "agent") in [(a, v, p.get("owner")) for a, v, p in actions]
             assert pin["actions"][0]["payload"]["owner"] == "agent"
             assert holdings.holds("w0", "agent:default/s") and holdings.holds("w0", "default/s")
+            view = (await client.get(f"{router.url}/admin/sessions/default/s")).json()
+            assert view["agent_held_on"] == ["w0"] and view["planner"]["protection"]
             # The next turn's protection (the planner's) leaves the agent's pin alone.
             before = len(actions)
             await chat(client, router.url, "s", "y" * 400 + " and more " + "z" * 200)
@@ -259,6 +261,8 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
             assert actions[before][0] == first["action_id"]
             await until(lambda: not holdings.holds("w0", "agent:default/s"))
             assert holdings.worker("w0").pinned_blocks == 0
+            view = (await client.get(f"{router.url}/admin/sessions/default/s")).json()
+            assert view["agent_held_on"] == []
             # An agent's Demote ends the planner's claims on the session too, on the
             # worker and so in the router's holdings.
             await chat(client, router.url, "t", "x" * 400)
@@ -271,6 +275,8 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
             # The planner leaves it demoted until its next turn (no re-protection).
             plan = router.runtime.sessions.get("default", "t").plan
             assert plan.agent_demoted and plan.protection is None
+            view = (await client.get(f"{router.url}/admin/sessions/default/t")).json()
+            assert view["planner"]["agent_demoted"] is True
     finally:
         await nc.drain()
 
