@@ -354,11 +354,10 @@ class HintExecutor:
             self.holds.supersede(scope, owner)
             if owner == AGENT:
                 self.holds.supersede(scope, PLANNER)
-        if owner != AGENT:
-            spared = [h for h in handles if self.holds.held_by(h.block_id, AGENT)]
-            if spared:
-                notes.append(f"{len(spared)} blocks an agent's claim holds stay in G1")
-                handles = [h for h in handles if not self.holds.held_by(h.block_id, AGENT)]
+        demotable = self._demotable(handles, owner)
+        if spared := len(handles) - len(demotable):
+            notes.append(f"{spared} blocks an agent's claim holds stay in G1")
+        handles = demotable
         kept = self.host_tier.keep([h.key for h in handles])
         # vLLM serves a prefix from G1 first and continues from the host tier, never back:
         # a G1 block past a block that must be recomputed is wasted. So only blocks deeper
@@ -388,9 +387,15 @@ class HintExecutor:
         if self.config.demote_copy_wait_s <= 0:
             return 0
         tier = self.host_tier
-        return sum(1 for h in handles
-                   if not tier.contains(h.key) and (tier.copying(h.key) or self.cache.in_use(h))
-                   and (owner == AGENT or not self.holds.held_by(h.block_id, AGENT)))
+        return sum(1 for h in self._demotable(handles, owner)
+                   if not tier.contains(h.key) and (tier.copying(h.key) or self.cache.in_use(h)))
+
+    def _demotable(self, handles: list[BlockHandle], owner: str) -> list[BlockHandle]:
+        """The blocks a Demote of ``owner`` may let go: a planner's spares every block an
+        agent's claim holds; an agent's, none."""
+        if owner == AGENT:
+            return handles
+        return [h for h in handles if not self.holds.held_by(h.block_id, AGENT)]
 
     def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str) -> None:
         """A newer session-targeted action of the same owner (the session's next turn came:

@@ -9,6 +9,8 @@ which planner function it asks for hints.
 - end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): what an agent runtime
   asked the session's worker to hold through the API is released, then
   :func:`plan_session_end`;
+- an agent's Demote through the API: the planner's holding of the session on that worker
+  is over, and the planner leaves it demoted until its next turn;
 - a worker answers the session's Pin/Retain: the protection the planner remembers becomes
   what the worker applied (:meth:`SessionPlanState.settled`); one that could not be sent
   (NATS down) protects nothing;
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvhint.router.policy import (
     FinishReason,
@@ -160,6 +163,17 @@ class SessionLifecycle:
         action = PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
                                scope, record.tenant, 0, now + ttl, "end:agent_release")
         return await self.hints.send([action], {scope: record.session_id})
+
+    def agent_demoted(self, record: SessionRecord, worker_id: str) -> None:
+        """An agent runtime demoted the session on ``worker_id`` through the API (as its
+        own, ``owner: agent``): the worker let that supersede the planner's claims too, so
+        the planner's holding there is over; on the session's own worker the planner
+        leaves it demoted until its next turn."""
+        self.hints.holdings.release_scope(worker_id, record.worker_session_id)
+        if worker_id == record.worker_id:
+            record.plan = replace(record.plan, protection=None, demoted=True,
+                                  agent_demoted=True)
+            self.sessions.save(record)
 
     def on_hint_outcome(self, sent: SentAction, outcome: HintOutcome) -> None:
         """A worker answered ``sent``: fold it into its session's protection."""

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -168,13 +167,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))
     if any(a.action_type == ActionType.DEMOTE.value and a.scope != worker_sid for a in planned):
-        # The worker lets an agent's Demote supersede the planner's claims too; the
-        # planner leaves the session demoted until its next turn.
-        runtime.hints.holdings.release_scope(worker.worker_id, worker_sid)
-        if worker.worker_id == record.worker_id:
-            record.plan = replace(record.plan, protection=None, demoted=True,
-                                  agent_demoted=True)
-            runtime.sessions.save(record)
+        runtime.lifecycle.agent_demoted(record, worker.worker_id)
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \
         else min(max(hint_request.wait_s, 0.0), 60.0)
     await runtime.hints.wait_terminal(sent, wait_s)

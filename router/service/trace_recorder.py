@@ -209,7 +209,7 @@ class TraceRecorder:
             self._partial_ids += 1
             hash_ids.append(self._partial_ids)
         row: dict[str, object] = {
-            "timestamp": round((arrived - self._started) * 1000.0, 1),
+            "timestamp": self._timestamp_ms(arrived),
             "session_id": session_id, "tenant": request.tenant,
             "input_length": request.prompt_tokens, "output_length": request.output_tokens,
             "hash_ids": hash_ids, "finish_reason": request.finish_reason,
@@ -222,12 +222,14 @@ class TraceRecorder:
             row["itl_ms"] = round(request.itl_ms, 2)
         if request.ttft_ms is not None:
             row["ttft_ms"] = round(request.ttft_ms, 1)
-        return json.dumps(row, separators=(",", ":")) + "\n"
+        return _json_line(row)
 
     def _end_line(self, arrived: float, tenant: str, session_id: str) -> str:
-        row = {"timestamp": round((arrived - self._started) * 1000.0, 1),
-               "session_id": session_id, "tenant": tenant, "end": True}
-        return json.dumps(row, separators=(",", ":")) + "\n"
+        return _json_line({"timestamp": self._timestamp_ms(arrived),
+                           "session_id": session_id, "tenant": tenant, "end": True})
+
+    def _timestamp_ms(self, arrived: float) -> float:
+        return round((arrived - self._started) * 1000.0, 1)
 
     async def _write(self) -> None:
         if not self._lines:
@@ -255,3 +257,7 @@ class TraceRecorder:
             self._file = path.open("x", encoding="utf-8")
         self._file.writelines(lines)
         self._file.flush()
+
+
+def _json_line(row: dict[str, object]) -> str:
+    return json.dumps(row, separators=(",", ":")) + "\n"

@@ -31,6 +31,16 @@ from kvhint.schemas import ReleaseReason, Subjects, decode_hints
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
 
+def _settings_without_ticks(tmp_path: Path, stub: StubWorker, nats_url: str,
+                            subject_prefix: str) -> object:
+    """No planner tick in the test's time: a tick re-protects a session whose hold was
+    released (its new Retain replaces the holding a test asserts on), which raced with
+    the assertions on a loaded machine."""
+    return router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                           subject_prefix=subject_prefix,
+                           hints={"api_outcome_timeout_s": 5.0, "tick_s": 3600.0})
+
+
 async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
@@ -50,12 +60,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
                      a.payload.target.session_id) for a in decoded.actions)
 
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
-    # No planner tick in the test's time: a tick re-protects a session whose hold was
-    # released (its new Retain replaces the holding asserted below), which raced with the
-    # assertions on a loaded machine.
-    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix,
-                               hints={"api_outcome_timeout_s": 5.0, "tick_s": 3600.0})
+    settings = _settings_without_ticks(tmp_path, stub, nats_url, subject_prefix)
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
@@ -225,9 +230,7 @@ async def test_an_agents_pin_is_its_own_holding_until_the_session_ends(
                                    action.action_type.value, 0 if releases else 4)
 
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
-    settings = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix,
-                               hints={"api_outcome_timeout_s": 5.0, "tick_s": 3600.0})
+    settings = _settings_without_ticks(tmp_path, stub, nats_url, subject_prefix)
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             holdings = router.runtime.hints.holdings
