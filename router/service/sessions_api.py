@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -133,13 +134,14 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
         return _json_error(f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
     worker_id = hint_request.worker_id or record.worker_id
-    worker = runtime.workers.get(worker_id) if worker_id else None
-    if worker is None:
+    if worker_id is None:
         return _json_error("the session has no worker yet (send a turn first, or name "
                            "worker_id)", 409)
-    if not worker.plugin_alive or worker.status is None:
-        return _json_error(f"worker {worker.worker_id} runs no kvhint plugin (no heartbeat)",
-                           503)
+    if worker_id not in runtime.workers and worker_id != record.worker_id:
+        return _json_error(f"unknown worker {worker_id!r}", 404)
+    worker = await runtime.workers.wait_heard(worker_id, _heartbeat_wait_s(runtime))
+    if worker is None or worker.status is None:
+        return _no_plugin(runtime, worker_id)
     worker_sid = record.worker_session_id
     now = time.time()
     blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)
@@ -175,6 +177,29 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             "actions": [a.row() for a in sent]}
     status = 200 if all(a.terminal for a in sent) else 202
     return JSONResponse(body, status_code=status)
+
+
+def _heartbeat_wait_s(runtime: RouterRuntime) -> float:
+    """How long a hints call may still wait for a worker's first heartbeat: only within
+    ``hints.api_heartbeat_wait_s`` of the router's start, when it has heard no plugin yet
+    (a restarted router would otherwise answer 503 for up to a heartbeat interval)."""
+    started = runtime.started_at + runtime.settings.hints.api_heartbeat_wait_s
+    return max(started - time.time(), 0.0)
+
+
+def _no_plugin(runtime: RouterRuntime, worker_id: str) -> JSONResponse:
+    """503 for a worker with no live plugin, with when to ask again: its heartbeat interval
+    where one was heard, else the plugin's default (2 s)."""
+    worker = runtime.workers.get(worker_id)
+    if worker is None or worker.last_heartbeat is None:
+        message = (f"worker {worker_id} runs no kvhint plugin (no heartbeat since the "
+                   f"router started)")
+    else:
+        message = f"worker {worker_id}'s kvhint plugin is silent (missed heartbeats)"
+    interval = worker.status.interval_s if worker is not None and worker.status else 2.0
+    response = _json_error(message, 503)
+    response.headers["Retry-After"] = str(max(math.ceil(interval), 1))
+    return response
 
 
 def _scope(action: KvHintAction, worker_sid: str) -> str:

@@ -130,6 +130,10 @@ class HintSettings(BaseModel, frozen=True):
     enabled: bool = True
     # How long the hints API waits for a worker's terminal outcome before answering 202.
     api_outcome_timeout_s: float = Field(5.0, ge=0, le=60)
+    # For this long after the router starts, a hints call for a worker whose plugin it
+    # has not heard yet waits for the first heartbeat (the plugin's default interval is
+    # 2 s) instead of answering 503 at once. 0: never wait.
+    api_heartbeat_wait_s: float = Field(5.0, ge=0, le=60)
     # Planner tick (idle decay, expiries), seconds.
     tick_s: float = Field(1.0, gt=0)
 

@@ -14,6 +14,7 @@ All state lives on the event loop thread; nothing here does I/O.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -55,6 +56,9 @@ class WorkerRegistry:
             worker_id: WorkerState(worker_id, url, from_config=True)
             for worker_id, url in configured
         }
+        # Callers waiting for a worker's heartbeat (see :meth:`wait_heard`), set and
+        # dropped by the heartbeat.
+        self._heard: dict[str, asyncio.Event] = {}
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self._workers
@@ -93,7 +97,25 @@ class WorkerRegistry:
         worker.epoch = status.epoch
         worker.last_heartbeat = now
         worker.plugin_alive = True
+        heard = self._heard.pop(status.worker_id, None)
+        if heard is not None:
+            heard.set()
         return verdict
+
+    async def wait_heard(self, worker_id: str, timeout_s: float) -> WorkerState | None:
+        """The worker once its plugin has heartbeated (now or within ``timeout_s``), else
+        None. Only a heartbeat counts: it brings the status hints are checked against."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.plugin_alive and worker.status is not None:
+            return worker
+        if timeout_s <= 0:
+            return None
+        heard = self._heard.setdefault(worker_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(heard.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        return self._workers.get(worker_id)
 
     def mark_http_failure(self, worker_id: str, reason: str) -> None:
         worker = self._workers.get(worker_id)

@@ -177,6 +177,66 @@ async def test_hints_api_forwards_and_returns_the_outcome(
         await nc.drain()
 
 
+async def test_hints_api_waits_for_the_first_heartbeat_after_the_router_starts(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A router that just started has heard no plugin yet: an agent's hints call waits for
+    the worker's first heartbeat (it answered 503 until then); a worker still unheard
+    when the wait is over gets 503 with Retry-After; a worker the router does not know
+    is a 404, not a wait."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - accepts every action whole
+        worker = msg.subject.rsplit(".", 1)[1]
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            await nc.publish(subjects.outcomes(worker), encode_outcome(HintOutcome(
+                message_id=decoded.message_id, action_id=action.action_id,
+                action_type=action.action_type.value, worker_id=worker,
+                status=OutcomeStatus.ACCEPTED, requested=Amount(2, 64),
+                applied=Amount(2, 64), at=time.time())))
+
+    for worker in ("w0", "w1"):
+        await nc.subscribe(subjects.hints(worker), cb=plugin)
+    settings = router_settings(tmp_path, [(f"w{i}", stub.url) for i, stub in enumerate(
+        stub_workers)], nats_url=nats_url, subject_prefix=subject_prefix,
+        hints={"api_heartbeat_wait_s": 8.0})
+    pin = {"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 30}}]}
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+            runtime = router.runtime
+            assert await runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)  # subscriptions in place
+            await chat(client, router.url, "agent", "x" * 400)
+            await until(lambda: runtime.sessions.get("default", "agent") is not None
+                        and runtime.sessions.get("default", "agent").worker_id is not None)
+            worker_id = runtime.sessions.get("default", "agent").worker_id
+            other = "w1" if worker_id == "w0" else "w0"
+            url = f"{router.url}/v1/sessions/agent/hints"
+            assert runtime.workers.get(worker_id).status is None
+
+            async def first_heartbeat() -> None:
+                await asyncio.sleep(0.5)
+                await nc.publish(subjects.status(worker_id), status(worker_id, "e1", 0))
+
+            waited, _ = await asyncio.gather(client.post(url, json=pin), first_heartbeat())
+            assert waited.status_code == 200, waited.text
+            assert waited.json()["actions"][0]["status"] == "accepted"
+            # The other worker never heartbeats: once the start-up wait is over, 503 with
+            # when to ask again (the plugin's default interval: none was heard).
+            unheard = await client.post(url, json={**pin, "worker_id": other})
+            assert unheard.status_code == 503
+            assert "no heartbeat since the router started" in unheard.json()["error"]["message"]
+            assert unheard.headers["retry-after"] == "2"
+            assert time.time() >= runtime.started_at + 8.0
+            unknown = await client.post(url, json={**pin, "worker_id": "w9"})
+            assert unknown.status_code == 404
+            assert "unknown worker 'w9'" in unknown.json()["error"]["message"]
+    finally:
+        await nc.drain()
+
+
 async def test_pending_hint_outcome_published_during_a_restart_lands(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
