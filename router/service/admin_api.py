@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from kvhint.router.policy import agent_scope
 from kvhint.router.service.runtime import RouterRuntime
-from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
 from kvhint.router.store.reader import (
     count_hints_by_status,
@@ -137,7 +137,7 @@ def build_admin_router() -> APIRouter:
         return {"sessions": [session_view(runtime, r, detail=False) for r in records[:limit]],
                 "total": len(records), "source": "memory"}
 
-    @router.get("/sessions/{tenant}/{session_id}")
+    @router.get("/sessions/{tenant}/{session_id:path}")
     async def get_one_session(request: Request, tenant: str, session_id: str,
                               principal: Principal = Depends(admin_principal)
                               ) -> dict[str, Any]:
@@ -154,7 +154,7 @@ def build_admin_router() -> APIRouter:
             raise HTTPException(404, f"unknown session {tenant}/{session_id}")
         return {**row, "source": "store", "hints": hints}
 
-    @router.post("/sessions/{tenant}/{session_id}/end")
+    @router.post("/sessions/{tenant}/{session_id:path}/end")
     async def end_session(request: Request, tenant: str, session_id: str,
                           principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
         runtime: RouterRuntime = request.app.state.runtime
@@ -200,37 +200,49 @@ def build_admin_router() -> APIRouter:
 
 
 def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
-    """Everything the dashboard draws, in one call."""
+    """Everything the dashboard draws, in one call. A tenant admin's holds its tenant's
+    sessions and hints only; the fleet's traffic totals and timeline, which are not kept
+    per tenant, are left out (``totals`` None, ``timeline`` empty)."""
     scope = principal.tenant.name if principal.tenant is not None else None
     sessions = [r for r in runtime.sessions if scope is None or r.tenant == scope]
     sessions.sort(key=lambda r: r.last_activity, reverse=True)
-    totals = runtime.metrics.totals
-    prompt = sum(t.prompt_tokens for t in totals.values())
-    cached = sum(t.cached_tokens for t in totals.values())
-    predicted = sum(t.predicted_cached_tokens for t in totals.values())
-    of_predicted = sum(t.actual_cached_of_predicted for t in totals.values())
     recent_hints = list(runtime.hints.recent)[-50:][::-1]
-    pending = sorted(runtime.hints.pending.values(), key=lambda a: a.created_at, reverse=True)
+    pending = sorted((a for a in runtime.hints.pending.values()
+                      if scope is None or a.tenant == scope),
+                     key=lambda a: a.created_at, reverse=True)
     hints = [a.row() for a in (pending[:50] + recent_hints)
              if scope is None or a.tenant == scope][:100]
+    by_state = {ACTIVE: 0, TOOL_GAP: 0, ENDED: 0}
+    for record in sessions:
+        by_state[record.state] = by_state.get(record.state, 0) + 1
+    status_counts = runtime.hints.status_counts if scope is None else \
+        runtime.hints.status_counts_by_tenant.get(scope, {})
     stats = runtime.index.stats()
     return {
         "now": time.time(), "started_at": runtime.started_at,
         "dev_mode": runtime.directory.dev_mode,
         "nats_connected": runtime.link.connected if runtime.link is not None else False,
-        "totals": {"requests": sum(t.requests for t in totals.values()),
-                   "errors": sum(t.errors for t in totals.values()),
-                   "prompt_tokens": prompt, "cached_tokens": cached,
-                   "predicted_cached_tokens": predicted,
-                   "actual_cached_of_predicted": of_predicted,
-                   "cached_share": cached / prompt if prompt else None},
-        "timeline": runtime.timeline.as_list(),
+        "totals": _fleet_totals(runtime) if scope is None else None,
+        "timeline": runtime.timeline.as_list() if scope is None else [],
         "workers": [worker_view(runtime, w.worker_id) for w in runtime.workers.all()],
         "sessions": [session_view(runtime, r, detail=False) for r in sessions[:100]],
-        "sessions_by_state": runtime.sessions.counts_by_state(),
+        "sessions_by_state": by_state,
         "hints": hints,
-        "hint_status_counts": dict(runtime.hints.status_counts),
-        "hints_pending": len(runtime.hints.pending),
+        "hint_status_counts": dict(status_counts),
+        "hints_pending": len(pending),
         "index": {"distinct_blocks": stats.distinct_blocks, "entries": stats.entries,
                   "sessions": stats.sessions, "workers": stats.workers},
     }
+
+
+def _fleet_totals(runtime: RouterRuntime) -> dict[str, Any]:
+    totals = runtime.metrics.totals
+    prompt = sum(t.prompt_tokens for t in totals.values())
+    cached = sum(t.cached_tokens for t in totals.values())
+    return {"requests": sum(t.requests for t in totals.values()),
+            "errors": sum(t.errors for t in totals.values()),
+            "prompt_tokens": prompt, "cached_tokens": cached,
+            "predicted_cached_tokens": sum(t.predicted_cached_tokens for t in totals.values()),
+            "actual_cached_of_predicted": sum(t.actual_cached_of_predicted
+                                              for t in totals.values()),
+            "cached_share": cached / prompt if prompt else None}

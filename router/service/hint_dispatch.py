@@ -144,8 +144,10 @@ class HintDispatcher:
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
         self._recent_by_id: dict[str, SentAction] = {}
         self._feedback_config = FeedbackConfig()
-        # Actions per status they ended in (the dashboard's timeline differences it).
+        # Actions per status they ended in (the dashboard's timeline differences it), in
+        # all and per tenant (a tenant admin's overview; None: actions of no tenant).
         self.status_counts: dict[str, int] = {}
+        self.status_counts_by_tenant: dict[str | None, dict[str, int]] = {}
         self._api_times: dict[str, deque[float]] = {}
         self._stats_dirty = False
 
@@ -371,6 +373,8 @@ class HintDispatcher:
 
     def _finish(self, record: SentAction) -> None:
         self.status_counts[record.status] = self.status_counts.get(record.status, 0) + 1
+        of_tenant = self.status_counts_by_tenant.setdefault(record.tenant, {})
+        of_tenant[record.status] = of_tenant.get(record.status, 0) + 1
         self.pending.pop(record.action_id, None)
         if len(self.recent) == self.recent.maxlen:
             self._recent_by_id.pop(self.recent[0].action_id, None)

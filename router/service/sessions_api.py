@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any
 
@@ -34,8 +35,11 @@ from kvhint.schemas import (
     ActionType,
     Budgets,
     HintOwner,
+    HintPayload,
     InvalidAction,
     KvHintAction,
+    PinPayload,
+    RetainPayload,
     owner_supported,
     parse_action,
 )
@@ -44,6 +48,13 @@ from kvhint.schemas.hints import PAYLOAD_TYPES
 MAX_ACTIONS_PER_CALL = 16
 # Versions an agent's action may be sent as 1.2 instead of (1.2 carries what they do).
 _OWNER_UPGRADES = frozenset({ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION})
+
+
+# A caller's own action id (see _action_ids); with the tenant name (64) it fits the
+# store's 128-character column.
+MAX_CALLER_ACTION_ID_LEN = 48
+_CALLER_ACTION_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_ACTION_ID_LEN}}}")
+_STILL_PENDING = "is still pending: wait for its outcome, or send another action_id"
 
 
 class HintRequestAction(msgspec.Struct, forbid_unknown_fields=True):
@@ -83,7 +94,7 @@ def _tenant_for(principal: Principal, tenant: str | None) -> str:
 def build_sessions_router() -> APIRouter:
     router = APIRouter(tags=["sessions"])
 
-    @router.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id:path}")
     async def end_session(session_id: str, request: Request,
                           tenant: str | None = Query(None)) -> JSONResponse:
         runtime: RouterRuntime = request.app.state.runtime
@@ -101,7 +112,7 @@ def build_sessions_router() -> APIRouter:
         return JSONResponse({"tenant": tenant_name, "session_id": session_id,
                              "state": record.state, "hints": [a.row() for a in sent]})
 
-    @router.post("/v1/sessions/{session_id}/hints")
+    @router.post("/v1/sessions/{session_id:path}/hints")
     async def send_hints(session_id: str, request: Request,
                          tenant: str | None = Query(None)) -> JSONResponse:
         runtime: RouterRuntime = request.app.state.runtime
@@ -133,6 +144,10 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
         return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
     if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
         return _json_error(f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
+    action_ids, id_problems = _action_ids(hint_request.actions, tenant_name, runtime)
+    if id_problems:
+        status = 409 if all(p["reason"].endswith(_STILL_PENDING) for p in id_problems) else 422
+        return _json_error("invalid action ids; nothing was sent", status, actions=id_problems)
     worker_id = hint_request.worker_id or record.worker_id
     if worker_id is None:
         return _json_error("the session has no worker yet (send a turn first, or name "
@@ -147,18 +162,18 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)
     planned: list[PlannedAction] = []
     problems: list[dict[str, str]] = []
-    for index, item in enumerate(hint_request.actions):
-        action_id = item.action_id or f"kva-{runtime.hints.new_id()}"
-        problem, action = _checked_action(item, action_id, worker_sid, principal, tenant.budget,
-                                          worker, runtime)
+    for index, (item, action_id) in enumerate(zip(hint_request.actions, action_ids)):
+        problem, checked = _checked_action(item, action_id, worker_sid, principal,
+                                           tenant.budget, worker, runtime)
         if problem is not None:
             problems.append({"index": str(index), "action_id": action_id, "reason": problem})
             continue
-        assert action is not None
+        assert checked is not None
+        action, payload = checked
         planned.append(PlannedAction(worker.worker_id, action, _scope(action, worker_sid),
                                      tenant_name,
                                      _target_blocks(action, blocks, worker.status.block_size),
-                                     now + _held_for_s(action, worker.status.budgets), "api"))
+                                     now + _held_for_s(payload, worker.status.budgets), "api"))
     if problems:
         return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
@@ -179,10 +194,45 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     return JSONResponse(body, status_code=status)
 
 
+def _action_ids(actions: list[HintRequestAction], tenant_name: str, runtime: RouterRuntime
+                ) -> tuple[list[str], list[dict[str, str]]]:
+    """The ids the actions go out under, and what is wrong with the ones given.
+
+    A caller's ``action_id`` is its tenant's: it goes out as ``kva-<tenant>:<id>``, so two
+    tenants choosing the same id never meet in the worker's duplicate memory, the router's
+    pending table or the store, and the same id again from the same tenant is the same
+    action (idempotent, as the worker answers a repeat). Without one, the router picks
+    ``kva-<random>``."""
+    ids: list[str] = []
+    problems: list[dict[str, str]] = []
+    for index, item in enumerate(actions):
+        given = item.action_id
+        if given is None:
+            ids.append(f"kva-{runtime.hints.new_id()}")
+            continue
+        action_id = f"kva-{tenant_name}:{given}"
+        if not _CALLER_ACTION_ID.fullmatch(given):
+            reason = (f"action_id must be 1-{MAX_CALLER_ACTION_ID_LEN} letters, digits, "
+                      f"'.', '_', ':' or '-'")
+        elif action_id in ids:
+            reason = "action_id is given twice in this call"
+        elif action_id in runtime.hints.pending:
+            reason = f"action {action_id} {_STILL_PENDING}"
+        else:
+            reason = ""
+        if reason:
+            problems.append({"index": str(index), "action_id": given, "reason": reason})
+        ids.append(action_id)
+    return ids, problems
+
+
 def _heartbeat_wait_s(runtime: RouterRuntime) -> float:
     """How long a hints call may still wait for a worker's first heartbeat: only within
     ``hints.api_heartbeat_wait_s`` of the router's start, when it has heard no plugin yet
-    (a restarted router would otherwise answer 503 for up to a heartbeat interval)."""
+    (a restarted router would otherwise answer 503 for up to a heartbeat interval). None
+    without NATS: no heartbeat can come."""
+    if runtime.link is None:
+        return 0.0
     started = runtime.started_at + runtime.settings.hints.api_heartbeat_wait_s
     return max(started - time.time(), 0.0)
 
@@ -211,16 +261,17 @@ def _scope(action: KvHintAction, worker_sid: str) -> str:
     return worker_sid
 
 
-def _held_for_s(action: KvHintAction, budgets: Budgets) -> float:
-    """How long the worker holds what ``action`` asks for, as it clips it: a Pin's TTL to
-    ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one without
-    a TTL gets; other actions their ``ttl_s`` or ``deadline_s`` (0 for one-shots)."""
-    asked = action.payload.get("ttl_s")
-    if action.action_type == ActionType.PIN.value:
-        return min(float(asked or 0.0), budgets.max_pin_ttl_s)
-    if action.action_type == ActionType.RETAIN.value:
+def _held_for_s(payload: HintPayload, budgets: Budgets) -> float:
+    """How long the worker holds what an action asks for, as it reads and clips it (the
+    payload as parsed, so with the wire defaults a caller left out: a Pin's 60 s): a Pin's
+    TTL to ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one
+    without a TTL gets; other actions their ``ttl_s`` or ``deadline_s`` (0 for one-shots)."""
+    asked = getattr(payload, "ttl_s", None)
+    if isinstance(payload, PinPayload):
+        return min(float(asked), budgets.max_pin_ttl_s)
+    if isinstance(payload, RetainPayload):
         return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
-    return float(asked or action.payload.get("deadline_s") or 0.0)
+    return float(asked or getattr(payload, "deadline_s", None) or 0.0)
 
 
 def _target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -> int:
@@ -236,8 +287,10 @@ def _target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -
 
 def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
                     principal: Principal, budget: Any, worker: Any,
-                    runtime: RouterRuntime) -> tuple[str | None, KvHintAction | None]:
-    """(problem, None) or (None, the action with its target bound to this session)."""
+                    runtime: RouterRuntime
+                    ) -> tuple[str | None, tuple[KvHintAction, HintPayload] | None]:
+    """(problem, None) or (None, (the action with its target bound to this session, its
+    payload as the worker will parse it))."""
     payload = dict(item.payload)
     target = payload.get("target")
     if target is None:
@@ -279,4 +332,4 @@ def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
         if runtime.workers.get(destination) is None:
             return f"unknown destination_worker {destination!r}", None
     assert parsed.action_type in PAYLOAD_TYPES
-    return None, action
+    return None, (action, parsed.payload)

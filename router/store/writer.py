@@ -7,7 +7,10 @@ win, columns merge), so a busy session costs one row write per interval, not per
 
 If a flush fails (database down), the batch is kept under newer writes and retried on the
 next tick; once more than ``queue_max`` distinct rows wait, new ones are dropped and
-counted (``on_drop``), never silently.
+counted (``on_drop``), never silently. If the database refuses the batch's *data* (a value
+too long for its column, a constraint), the rows are written one transaction each and
+those it refuses are dropped and counted (``store_row_rejected``): one bad row must not
+hold every later write back forever.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from typing import Any
 from sqlalchemy import Engine, bindparam, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 
 from kvhint.router.store.models import TABLES
 
 log = logging.getLogger(__name__)
 
 RowKey = tuple[str, tuple[Any, ...]]
+# What the database says of the data, not of itself: retrying the same rows cannot help.
+_ROW_ERRORS = (DataError, IntegrityError, ProgrammingError)
 UPSERT = "upsert"
 UPDATE = "update"
 
@@ -96,15 +101,43 @@ class StoreWriter:
             batch, self._pending = self._pending, {}
             try:
                 await asyncio.to_thread(self._write, batch)
+            except _ROW_ERRORS as exc:
+                self._failed(exc, "writing its rows one by one", len(batch))
+                await self._write_each(batch)
+                return
             except SQLAlchemyError as exc:
-                self.flush_errors += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("store flush failed (%d rows kept for retry): %s",
-                            len(batch), self.last_error)
+                self._failed(exc, "rows kept for retry", len(batch))
                 self._requeue(batch)
                 return
             self.flushes += 1
             self.rows_written += len(batch)
+
+    def _failed(self, exc: SQLAlchemyError, then: str, rows: int) -> None:
+        self.flush_errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        log.warning("store flush of %d rows failed (%s): %s", rows, then, self.last_error)
+
+    async def _write_each(self, batch: dict[RowKey, list[Any]]) -> None:
+        """Each row in its own transaction: the rows the database refuses are dropped and
+        counted; if it goes away meanwhile, the rest are kept for the next flush."""
+        rejected = 0
+        rows = list(batch.items())
+        for index, (row_key, entry) in enumerate(rows):
+            try:
+                await asyncio.to_thread(self._write, {row_key: entry})
+            except _ROW_ERRORS as exc:
+                rejected += 1
+                log.error("store refused a %s row, dropped: %s", row_key[0],
+                          f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            except SQLAlchemyError as exc:
+                self._failed(exc, "rows kept for retry", len(rows) - index)
+                self._requeue(dict(rows[index:]))
+                break
+            self.rows_written += 1
+        if rejected:
+            self._on_drop("store_row_rejected", rejected)
+        self.flushes += 1
 
     def _requeue(self, batch: dict[RowKey, list[Any]]) -> None:
         for row_key, (kind, values) in batch.items():

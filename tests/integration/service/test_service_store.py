@@ -102,6 +102,43 @@ def test_batched_writes_collapse_and_recover(database_url: str) -> None:
         engine.dispose()
 
 
+def test_a_row_the_database_refuses_is_dropped_and_the_rest_written(
+        database_url: str) -> None:
+    """A row the database refuses (here NULL in a NOT NULL column; on PostgreSQL also an
+    id longer than its column) is dropped and counted; the rows beside it, and every
+    later write, still land. Before, the batch was retried whole forever."""
+    engine = create_store_engine(database_url)
+    drops: list[tuple[str, int]] = []
+    try:
+        migrate(engine)
+        long_id = "x" * 200  # the column is 128 characters; SQLite does not enforce it
+        refused = 2 if engine.dialect.name == "postgresql" else 1
+
+        async def scenario() -> None:
+            writer = StoreWriter(engine, flush_interval_s=0.05, queue_max=100,
+                                 on_drop=lambda what, n: drops.append((what, n)))
+            now = time.time()
+            writer.upsert("hint_actions", ("good",), _action("good", "pending", now))
+            writer.upsert("hint_actions", ("null",),
+                          {**_action("null", "pending", now), "message_id": None})
+            writer.upsert("hint_actions", (long_id,), _action(long_id, "pending", now))
+            writer.upsert("sessions", ("acme", "s1"), _session("s1", now, 1))
+            await writer.flush()
+            assert writer.queued == 0 and writer.rows_written == 4 - refused
+            writer.upsert("hint_actions", ("later",), _action("later", "pending", now))
+            await writer.flush()
+            assert writer.queued == 0 and writer.rows_written == 5 - refused
+
+        asyncio.run(scenario())
+        assert drops == [("store_row_rejected", refused)]
+        ids = {row["action_id"] for row in query_hints(engine)}
+        assert {"good", "later"} <= ids and "null" not in ids
+        state = load_recovery(engine, active_since=time.time() - 60, max_sessions=10)
+        assert [s["session_id"] for s in state.sessions] == ["s1"]
+    finally:
+        engine.dispose()
+
+
 def test_recovery_loads_the_holds_still_live_oldest_first(database_url: str) -> None:
     engine = create_store_engine(database_url)
     try:
