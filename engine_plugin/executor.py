@@ -260,7 +260,7 @@ class HintExecutor:
         if scope is not None:
             self._supersede_waiting_demotes(scope, owner, action_id)
         if isinstance(payload, DemotePayload):
-            if may_wait and (wait := self._copies_to_wait_for(handles, owner)):
+            if may_wait and (wait := self._copies_to_wait_for(handles, owner, scope)):
                 deadline = self.clock() + self.config.demote_copy_wait_s
                 self._pending_demotes[action_id] = _PendingDemote(message_id, action, deadline)
                 return answer(DEFERRED, f"{wait} of {len(handles)} resident blocks have a "
@@ -354,9 +354,10 @@ class HintExecutor:
             self.holds.supersede(scope, owner)
             if owner == AGENT:
                 self.holds.supersede(scope, PLANNER)
-        demotable = self._demotable(handles, owner)
+        demotable = self._demotable(handles, owner, scope)
         if spared := len(handles) - len(demotable):
-            notes.append(f"{spared} blocks an agent's claim holds stay in G1")
+            notes.append(f"{spared} blocks other claims hold stay in G1 (another session's, "
+                         "a shared prefix's, or an agent's)")
         handles = demotable
         kept = self.host_tier.keep([h.key for h in handles])
         # vLLM serves a prefix from G1 first and continues from the host tier, never back:
@@ -373,10 +374,14 @@ class HintExecutor:
             notes.append(f"{len(demoted)} of {len(handles)} resident blocks demoted; the rest "
                          f"stay in G1 ({uncopied} without a finished host copy, and the "
                          "blocks before them)")
-        status = ACCEPTED if not notes else (CLIPPED if demoted else REJECTED)
+        # Nothing demoted because other claims hold every block is a clipped Demote (it
+        # did all it may), not a rejected one: rejections in a row make the router stop
+        # sending Demotes to this worker.
+        status = ACCEPTED if not notes else (CLIPPED if demoted or not handles else REJECTED)
         return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
 
-    def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str) -> int:
+    def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str,
+                            scope: str | None) -> int:
         """How many of a Demote's blocks lack a finished host copy that is on its way: in
         flight, or of a block a request still holds (vLLM's connector copies a request's
         blocks asynchronously as it computes them, and a Demote planned as a response
@@ -387,12 +392,20 @@ class HintExecutor:
         if self.config.demote_copy_wait_s <= 0:
             return 0
         tier = self.host_tier
-        return sum(1 for h in self._demotable(handles, owner)
+        return sum(1 for h in self._demotable(handles, owner, scope)
                    if not tier.contains(h.key) and (tier.copying(h.key) or self.cache.in_use(h)))
 
-    def _demotable(self, handles: list[BlockHandle], owner: str) -> list[BlockHandle]:
-        """The blocks a Demote of ``owner`` may let go: a planner's spares every block an
+    def _demotable(self, handles: list[BlockHandle], owner: str, scope: str | None
+                   ) -> list[BlockHandle]:
+        """The blocks a Demote of ``owner`` may let go. Of a session (``scope``): those no
+        claim holds but the ones the Demote supersedes (its owner's for the session; an
+        agent's Demote the planner's too), so a block another session shares and retains,
+        a shared prefix's retain, or (under a planner's Demote) an agent's claim keeps it
+        in G1. By block hashes (a global admin's): a planner's spares the blocks an
         agent's claim holds; an agent's, none."""
+        if scope is not None:
+            owners = (AGENT, PLANNER) if owner == AGENT else (PLANNER,)
+            return [h for h in handles if not self.holds.held_beyond(h.block_id, scope, owners)]
         if owner == AGENT:
             return handles
         return [h for h in handles if not self.holds.held_by(h.block_id, AGENT)]
@@ -420,7 +433,7 @@ class HintExecutor:
                 resolved = self._resolve(pending.action.payload.target)
                 keys = resolved[0] if isinstance(resolved, tuple) else []
                 handles = [h for h in map(self.cache.lookup, keys) if h is not None]
-                if self._copies_to_wait_for(handles, pending.scope[1]):
+                if self._copies_to_wait_for(handles, pending.scope[1], pending.scope[0]):
                     continue
             del self._pending_demotes[action_id]
             outcome = self._dispatch(pending.message_id, pending.action, may_wait=False)
@@ -435,10 +448,11 @@ class HintExecutor:
                   ) -> HintOutcome:
         type_ = ActionType.PREFETCH.value
         if requested.blocks and len(handles) >= requested.blocks:
-            self._retain_until(action_id, handles, payload.deadline_s)
+            retained = self._retain_until(action_id, handles, payload.deadline_s)
             return self._outcome(message_id, action_id, type_, ACCEPTED,
-                                 "already resident in G1; retained until the deadline",
-                                 requested, self._amount(len(handles)))
+                                 f"already resident in G1; {retained} of {len(handles)} "
+                                 "blocks retained until the deadline", requested,
+                                 self._amount(len(handles)))
         self._pending[action_id] = _PendingPrefetch(
             message_id, keys, requested, self.clock() + payload.deadline_s)
         if self.host_tier is None:
@@ -479,10 +493,13 @@ class HintExecutor:
             done.append(outcome)
         return done
 
-    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> None:
-        if ttl_s > 0:
-            self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles, [],
-                         None, PLANNER)
+    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> int:
+        """Retain a Prefetch's blocks until its deadline; returns how many the retain
+        budget took."""
+        if ttl_s <= 0:
+            return 0
+        return self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles,
+                            [], None, PLANNER)
 
     def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
         def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),

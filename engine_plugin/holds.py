@@ -11,9 +11,10 @@ on its blocks, ending at its expiry:
   heap push (stale entries are skipped lazily), never a re-sort.
 - claims made for a session (``scope``) by one owner (the router's planner, an agent
   runtime) can be dropped together (:meth:`supersede`); another owner's claims on that
-  session stay.
+  session stay. A claim under an action id already claimed replaces that claim.
 
-Blocks a claim loses without its sender asking (displaced by a higher-priority retain,
+Blocks a claim loses without its sender asking (displaced by a higher-priority retain, by
+the retain budget when a pin under a retain ends, or by a Demote naming the blocks,
 relieved under memory pressure, given back for a prefix-cache reset) are remembered as
 :class:`ClaimLoss` until :meth:`HoldLedger.take_losses`, so the sender can be told; TTL
 expiry and supersession are not (the sender knows of them).
@@ -161,6 +162,19 @@ class HoldLedger:
         return any(claims[a].owner == owner for a in (*hold.pins, *hold.retains)
                    if a in claims)
 
+    def held_beyond(self, block_id: int, scope: str, owners: Sequence[str]) -> bool:
+        """Whether a claim other than ``owners``' claims for ``scope`` holds the block
+        (another session's, a shared prefix's, another owner's)."""
+        hold = self._holds.get(block_id)
+        if hold is None:
+            return False
+        claims = self._claims
+        for action_id in (*hold.pins, *hold.retains):
+            claim = claims.get(action_id)
+            if claim is None or claim.scope != scope or claim.owner not in owners:
+                return True
+        return False
+
     def handles(self) -> list[BlockHandle]:
         return [h.handle for h in self._holds.values()]
 
@@ -183,6 +197,7 @@ class HoldLedger:
     def pin(self, action_id: str, handles: list[BlockHandle], expiry: float,
             scope: str | None, owner: str) -> tuple[int, str | None]:
         """Pin ``handles`` (root-most first); returns (blocks pinned, budget note)."""
+        self._replace_claim(action_id)
         note = None
         fresh = [h for h in handles if not self.is_pinned(h.block_id)]
         room = max(self.max_pinned - self._pinned, 0)
@@ -212,6 +227,7 @@ class HoldLedger:
                scope: str | None, owner: str) -> tuple[int, str | None]:
         """Retain ``handles`` (root-most first); a full budget first displaces retained
         blocks of lower priority. Returns (blocks retained, budget note)."""
+        self._replace_claim(action_id)
         note = None
         fresh = [h for h in handles if h.block_id not in self._holds]
         room = self.max_retained - self._retained
@@ -254,14 +270,16 @@ class HoldLedger:
             self.counters.superseded_claims += 1
             self._end_claim(action_id, released, keep_scope=True)
         self._release(released)
+        self._fit_retained()
 
     def unretain(self, handles: Sequence[BlockHandle]) -> None:
-        """Drop the retain claims on these blocks (pinned ones keep their pins)."""
+        """Drop the retain claims on these blocks (pinned ones keep their pins); the
+        claims' senders did not ask, so each loss is noted as ``displaced``."""
         released: list[BlockHandle] = []
         for handle in handles:
             hold = self._holds.get(handle.block_id)
             if hold is not None and not hold.pins:
-                self._drop_hold(hold, released, lost_to=None)
+                self._drop_hold(hold, released, lost_to=DISPLACED)
         self._release(released)
 
     def expire(self, now: float) -> int:
@@ -278,6 +296,7 @@ class HoldLedger:
             self._end_claim(action_id, released)
         self.counters.expired_claims += ended
         self._release(released)
+        self._fit_retained()
         return ended
 
     def relieve(self, num_blocks: int) -> int:
@@ -304,6 +323,26 @@ class HoldLedger:
         return len(handles)
 
     # --- internals ------------------------------------------------------------------------
+
+    def _replace_claim(self, action_id: str) -> None:
+        """A claim under an id already claimed replaces it. Ids are meant to be unique and
+        the executor answers a repeat from memory, but one it no longer remembers (or a
+        donor advice sharing a hint's id) must not orphan the old claim's holds, which
+        no expiry would then end."""
+        if action_id in self._claims:
+            released: list[BlockHandle] = []
+            self._end_claim(action_id, released)
+            self._release(released)
+            self._fit_retained()
+
+    def _fit_retained(self) -> None:
+        """Back within ``max_retained``: a block whose pin ended while a retain also
+        covered it becomes retained without the retain budget having counted it (a
+        retain charges only blocks not held already), so the excess is displaced, lowest
+        priority first."""
+        excess = self._retained - self.max_retained
+        if excess > 0:
+            self.counters.displaced += self._drop_retained(excess, 101, DISPLACED)
 
     def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
                    expiry: float, scope: str | None, owner: str) -> None:

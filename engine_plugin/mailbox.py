@@ -12,14 +12,14 @@ needs no lock. Everything dropped for lack of room is counted.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from kvhint.schemas import HintOutcome, HoldsReleased
+from kvhint.schemas import HintOutcome, HoldsReleased, OutcomeStatus
 
 
 @dataclass(slots=True)
@@ -112,6 +112,10 @@ class Mailbox:
     # should be shipped (wall-clock seconds), so an idle engine is woken for one step.
     stats_flush_at: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Action ids the scheduler thread has given a terminal outcome (the newest
+    # ``outcome_limit``; under ``lock``): the transport's early ``deferred`` for a repeat
+    # must not follow the terminal outcome the repeat will be answered with.
+    answered: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     # --- transport side -----------------------------------------------------------------
 
@@ -140,6 +144,13 @@ class Mailbox:
     def put_outcomes(self, outcomes: list[HintOutcome]) -> None:
         if not outcomes:
             return
+        with self.lock:
+            for outcome in outcomes:
+                if outcome.status is not OutcomeStatus.DEFERRED and outcome.action_id:
+                    self.answered[outcome.action_id] = None
+                    self.answered.move_to_end(outcome.action_id)
+            while len(self.answered) > self.outcome_limit:
+                self.answered.popitem(last=False)
         for outcome in outcomes:
             if len(self.outcomes) >= self.outcome_limit and pop_oldest(self.outcomes) is not None:
                 with self.lock:

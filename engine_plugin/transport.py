@@ -290,6 +290,9 @@ class NatsTransport:
         with mailbox.lock:  # the scheduler marks items taken under the same lock
             if item.taken:
                 return
+            # A repeat of an action already answered gets that terminal outcome again,
+            # and a "deferred" must never follow a terminal outcome.
+            outcomes = [o for o in outcomes if o.action_id not in mailbox.answered]
             mailbox.outcomes.extend(outcomes)  # the final outcomes can only come after
         self.counters.deferred_at_once += len(outcomes)
         self._notify()

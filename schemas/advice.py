@@ -36,6 +36,8 @@ class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     def problem(self) -> str | None:
         """Why a worker must reject this advice, or None."""
+        if not self.advice_id:
+            return "advice_id is empty"
         if not self.donor_block_hashes:
             return "donor_block_hashes is empty"
         if any(h > U64_MAX for h in self.donor_block_hashes):

@@ -142,7 +142,7 @@ def test_a_planners_demote_spares_what_an_agent_holds_and_an_agents_demote_does_
     # two blocks, and they stay in G1, pinned; only the other two let their GPU copy go.
     outcome = hint(h, DemotePayload(target=Target(session_id="s")))
     assert (outcome.status.value, outcome.applied.blocks) == ("clipped", 2)
-    assert "2 blocks an agent's claim holds stay in G1" in outcome.reason
+    assert "2 blocks other claims hold stay in G1" in outcome.reason
     assert core.executor.pinned_blocks == 2 and core.executor.retained_blocks == 0
     assert [core.executor.holds.is_held(core.executor.cache.lookup(k).block_id)
             for k in keys] == [True, True, False, False]
@@ -152,6 +152,33 @@ def test_a_planners_demote_spares_what_an_agent_holds_and_an_agents_demote_does_
     outcome = hint(h, DemotePayload(target=Target(session_id="s"), owner=HintOwner.AGENT))
     assert (outcome.status.value, outcome.applied.blocks) == ("accepted", 4)
     assert core.executor.pinned_blocks == 0 and core.executor.retained_blocks == 0
+
+
+def test_a_sessions_demote_leaves_the_blocks_another_session_retains_in_g1() -> None:
+    """Two sessions share a prefix; B retains its chain, then A's planner demotes A. The
+    shared blocks are B's too: they stay in G1, retained for B, and only A's own blocks
+    go. Before, the Demote dropped B's retain on the shared blocks without telling the
+    router, and B's next turn found no prefix in G1."""
+    h = sched()
+    core = plugin(h).core
+    turn(h, "A", [1, 2, 3, 4])
+    turn(h, "B", [1, 2, 5, 6])
+    hint(h, RetainPayload(target=Target(session_id="B"), priority=90), "b-retain")
+    outcome = hint(h, DemotePayload(target=Target(session_id="A")))
+    assert (outcome.status.value, outcome.applied.blocks) == ("clipped", 2), outcome.reason
+    assert "2 blocks other claims hold stay in G1" in outcome.reason
+    executor = core.executor
+    assert [executor.holds.is_held(executor.cache.lookup(k).block_id)
+            for k in core.index.session_blocks("B")] == [True, True, True, True]
+    assert executor.retained_blocks == 4 and core.take_releases() is None
+    turn(h, None, [100, 101, 102, 103])
+    assert g1_tokens(h, [1, 2, 5, 6]) == 4 * BS
+    # A session made only of B's retained blocks has nothing of its own to demote: the
+    # Demote is clipped to nothing, not rejected (rejections in a row make the router
+    # stop sending Demotes to this worker).
+    turn(h, "C", [1, 2])
+    nothing = hint(h, DemotePayload(target=Target(session_id="C")))
+    assert (nothing.status.value, nothing.applied.blocks) == ("clipped", 0), nothing.reason
 
 
 def test_a_demote_waits_for_copies_in_flight_then_lets_go() -> None:

@@ -242,6 +242,15 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
             quick = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (quick.action_id, quick.status.value) == ("fast", "accepted")
             assert h.connector.transport.counters.deferred_at_once == 1
+            # A repeat of an answered action while the engine is busy gets no "deferred"
+            # after its terminal outcome: only that outcome again, at the next step.
+            await nc.publish(subjects.hints("w0"), pin_message("slow"))
+            await asyncio.sleep(0.5)
+            assert outcomes.empty()
+            h.step()
+            again = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (again.action_id, again.status.value) == ("slow", "accepted")
+            assert h.connector.transport.counters.deferred_at_once == 1
     finally:
         await nc.drain()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from scheduler_fixtures import BS, hint, prompt, sched, turn
 
 from kvhint.engine_plugin.headless import HeadlessScheduler
-from kvhint.schemas import PinPayload, RetainPayload, Target
+from kvhint.schemas import DonorAdvice, PinPayload, RetainPayload, Target, encode_advice
 
 
 def test_retain_budget_displaces_lower_priority() -> None:
@@ -139,3 +139,63 @@ def test_blocks_a_hold_loses_unasked_are_reported_once_with_what_is_left() -> No
     assert _releases(h) == {("back-2", "reset"): ("back", 3, 0),
                             ("top-1", "reset"): ("top", 3, 0),
                             ("pin-1", "reset"): ("pinned", 2, 0)}
+
+
+def test_a_claim_under_an_id_already_claimed_replaces_it_and_still_expires() -> None:
+    """Ids are meant to be unique, and the executor answers a repeat from memory; but a
+    repeat it no longer remembers, or a donor advice under a hint's id, made a second
+    claim under the same id. The first claim's holds then had no claim behind them: no
+    expiry ever ended them, and they used the pin budget for good."""
+    h = sched(max_remembered_actions=1)
+    core = h.connector.core
+    now = [1_000.0]
+    core.use_clock(lambda: now[0])
+    executor = core.executor
+    turn(h, "s", [1, 2, 3, 4])
+    turn(h, "t", [5, 6])
+    assert hint(h, PinPayload(target=Target(session_id="s"), ttl_s=10), "x").status.value \
+        == "accepted"
+    hint(h, RetainPayload(target=Target(session_id="t"), priority=50, ttl_s=10), "other")
+    # "x" again, forgotten by the duplicate memory: a Pin of t's blocks this time.
+    again = hint(h, PinPayload(target=Target(session_id="t"), ttl_s=10), "x")
+    assert (again.status.value, again.applied.blocks) == ("accepted", 2)
+    assert executor.pinned_blocks == 2
+    # A donor advice under the same id replaces it in turn.
+    advice = DonorAdvice(advice_id="x", session_id="u", namespace=core.cache_namespace,
+                         donor_block_hashes=core.index.session_blocks("s")[:1],
+                         similarity=0.9, ttl_s=5, at=now[0])
+    assert core.apply_advice(encode_advice(advice)).status.value == "accepted"
+    assert executor.pinned_blocks == 0
+    now[0] += 4_000
+    core.advance()
+    assert (executor.pinned_blocks, executor.retained_blocks) == (0, 0)
+    assert executor.next_deadline() is None
+    empty = DonorAdvice(advice_id="", session_id="u", namespace=core.cache_namespace,
+                        donor_block_hashes=[1], similarity=0.9, at=now[0])
+    rejected = core.apply_advice(encode_advice(empty))
+    assert rejected.status.value == "rejected" and "advice_id is empty" in rejected.reason
+
+
+def test_a_pin_ending_under_a_retain_keeps_the_retain_budget() -> None:
+    """A retain charges its budget only for blocks not held already, so blocks both pinned
+    and retained were not counted; when the pin ended they became retained beyond
+    max_retained_blocks. The excess is now displaced, lowest priority first, and
+    reported."""
+    h = sched(retain_budget_fraction=0.1)  # 6 blocks
+    core = h.connector.core
+    now = [1_000.0]
+    core.use_clock(lambda: now[0])
+    executor = core.executor
+    turn(h, "a", [1, 2, 3, 4])
+    turn(h, "b", [5, 6, 7, 8, 9, 10])
+    a_blocks = core.index.session_blocks("a")
+    hint(h, PinPayload(target=Target(block_hashes=a_blocks), ttl_s=10), "pin-a")
+    hint(h, RetainPayload(target=Target(block_hashes=a_blocks), priority=50, ttl_s=100),
+         "retain-a")
+    hint(h, RetainPayload(target=Target(session_id="b"), priority=80, ttl_s=100), "retain-b")
+    assert (executor.pinned_blocks, executor.retained_blocks) == (4, 6)
+    now[0] += 20
+    core.advance()
+    assert (executor.pinned_blocks, executor.retained_blocks) == (0, 6)
+    assert _held_blocks(h, "b") == 6  # the higher priority kept
+    assert _releases(h) == {("retain-a", "displaced"): (None, 4, 0)}
