@@ -304,9 +304,16 @@ class PluginCore:
             self._post_releases()
             now = time.monotonic()
             mailbox.next_deadline = self.executor.next_deadline()
-            if now - self._status_at >= STATUS_REFRESH_S:
+            since = now - self._status_at
+            if since >= STATUS_REFRESH_S:
                 self._status_at = now
                 self.refresh_status()
+                mailbox.status_refresh_at = None
+            else:
+                # Skipped to spare the step; an engine that now goes idle would leave the
+                # heartbeat reporting these figures' predecessors for good (a pin applied
+                # in this step, missing). The transport wakes it for one step then.
+                mailbox.status_refresh_at = time.time() + STATUS_REFRESH_S - since
 
     def refresh_status(self) -> None:
         """Hand the transport the figures its heartbeat reports (scheduler thread)."""

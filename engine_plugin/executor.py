@@ -21,8 +21,9 @@ Semantics (DESIGN §2, issue 3):
   (leaf first), so an ended session goes before live ones. Owners' claims are apart so
   that the router's planner, which re-plans every session, never undoes what an agent
   runtime asked for: an agent's Pin outlives the planner's next Retain or release. An
-  agent's Demote supersedes the planner's claims too; a planner's Demote lets go no block
-  an agent's claim holds.
+  agent's Demote supersedes the planner's claims too; a session's Demote lets go no block
+  another claim holds (another session's, a shared prefix's, an agent's under a
+  planner's Demote): :mod:`.demotion`.
 - pins are clipped to a block budget and a max TTL; retains to their own budget, where a
   higher-priority retain displaces lower-priority retained blocks.
 - Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
@@ -41,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhint.engine_plugin.config import PluginConfig
+from kvhint.engine_plugin.demotion import copies_on_their_way, demotable, with_host_copies
 from kvhint.engine_plugin.holds import PIN, BlockCache, BlockHandle, HoldLedger
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
@@ -354,61 +356,35 @@ class HintExecutor:
             self.holds.supersede(scope, owner)
             if owner == AGENT:
                 self.holds.supersede(scope, PLANNER)
-        demotable = self._demotable(handles, owner, scope)
-        if spared := len(handles) - len(demotable):
+        mine = demotable(self.holds, handles, owner, scope)
+        if spared := len(handles) - len(mine):
             notes.append(f"{spared} blocks other claims hold stay in G1 (another session's, "
                          "a shared prefix's, or an agent's)")
-        handles = demotable
-        kept = self.host_tier.keep([h.key for h in handles])
-        # vLLM serves a prefix from G1 first and continues from the host tier, never back:
-        # a G1 block past a block that must be recomputed is wasted. So only blocks deeper
-        # than every block without a finished host copy let their GPU copy go first (our
-        # retains on them dropped, then moved to the head of the eviction order, deepest
-        # first); the others stay in G1 as they were, and a Demote never costs a hit.
-        uncopied_depth = max((h.depth for h in handles if h.key not in kept), default=-1)
-        demoted = [h for h in handles if h.key in kept and h.depth > uncopied_depth]
+        demoted = with_host_copies(self.host_tier, mine)
+        # Retains left on them (only a block-hash Demote finds any) dropped, reported as
+        # displaced; then the blocks go to the head of the eviction order, deepest first.
         self.holds.unretain(demoted)
         self.cache.evict_first(demoted)
-        if len(demoted) < len(handles):
-            uncopied = len(handles) - len(kept)
-            notes.append(f"{len(demoted)} of {len(handles)} resident blocks demoted; the rest "
+        if len(demoted) < len(mine):
+            uncopied = sum(1 for h in mine if not self.host_tier.contains(h.key))
+            notes.append(f"{len(demoted)} of {len(mine)} resident blocks demoted; the rest "
                          f"stay in G1 ({uncopied} without a finished host copy, and the "
                          "blocks before them)")
         # Nothing demoted because other claims hold every block is a clipped Demote (it
         # did all it may), not a rejected one: rejections in a row make the router stop
         # sending Demotes to this worker.
-        status = ACCEPTED if not notes else (CLIPPED if demoted or not handles else REJECTED)
+        status = ACCEPTED if not notes else (CLIPPED if demoted or not mine else REJECTED)
         return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
 
     def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str,
                             scope: str | None) -> int:
-        """How many of a Demote's blocks lack a finished host copy that is on its way: in
-        flight, or of a block a request still holds (vLLM's connector copies a request's
-        blocks asynchronously as it computes them, and a Demote planned as a response
-        ends can arrive first). A free block with no copy at all is not waited for: the
-        tier lost it, or vLLM never stores it (0.32 leaves a finished request's last,
-        decode-completed block unstored)."""
+        """How many of a Demote's own blocks (:func:`demotable`) have a host copy still
+        on its way (:func:`copies_on_their_way`); 0 when the plugin does not wait."""
         assert self.host_tier is not None
         if self.config.demote_copy_wait_s <= 0:
             return 0
-        tier = self.host_tier
-        return sum(1 for h in self._demotable(handles, owner, scope)
-                   if not tier.contains(h.key) and (tier.copying(h.key) or self.cache.in_use(h)))
-
-    def _demotable(self, handles: list[BlockHandle], owner: str, scope: str | None
-                   ) -> list[BlockHandle]:
-        """The blocks a Demote of ``owner`` may let go. Of a session (``scope``): those no
-        claim holds but the ones the Demote supersedes (its owner's for the session; an
-        agent's Demote the planner's too), so a block another session shares and retains,
-        a shared prefix's retain, or (under a planner's Demote) an agent's claim keeps it
-        in G1. By block hashes (a global admin's): a planner's spares the blocks an
-        agent's claim holds; an agent's, none."""
-        if scope is not None:
-            owners = (AGENT, PLANNER) if owner == AGENT else (PLANNER,)
-            return [h for h in handles if not self.holds.held_beyond(h.block_id, scope, owners)]
-        if owner == AGENT:
-            return handles
-        return [h for h in handles if not self.holds.held_by(h.block_id, AGENT)]
+        return copies_on_their_way(self.host_tier, self.cache,
+                                   demotable(self.holds, handles, owner, scope))
 
     def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str) -> None:
         """A newer session-targeted action of the same owner (the session's next turn came:

@@ -111,6 +111,9 @@ class Mailbox:
     # Set on the scheduler thread: when connector stats held back by their interval
     # should be shipped (wall-clock seconds), so an idle engine is woken for one step.
     stats_flush_at: float | None = None
+    # Set on the scheduler thread: when a status refresh it skipped (rate limit) is due
+    # (wall-clock seconds), so an idle engine is woken for one step to make it.
+    status_refresh_at: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Action ids the scheduler thread has given a terminal outcome (the newest
     # ``outcome_limit``; under ``lock``): the transport's early ``deferred`` for a repeat

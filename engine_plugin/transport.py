@@ -342,10 +342,11 @@ class NatsTransport:
 
     def _maybe_wake_for_deadline(self) -> None:
         now = time.time()
-        due = [t for t in (self.mailbox.next_deadline, self.mailbox.stats_flush_at)
-               if t is not None and now >= t]
+        mailbox = self.mailbox
+        due = [t for t in (mailbox.next_deadline, mailbox.stats_flush_at,
+                           mailbox.status_refresh_at) if t is not None and now >= t]
         if due:
-            self.mailbox.wake_engine()
+            mailbox.wake_engine()
 
     async def _flush_outbound(self, nc: Any) -> None:
         """Publish what is queued. Items are taken before publishing and put back at the

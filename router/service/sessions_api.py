@@ -229,7 +229,7 @@ def _action_ids(actions: list[HintRequestAction], tenant_name: str, runtime: Rou
 def _heartbeat_wait_s(runtime: RouterRuntime) -> float:
     """How long a hints call may still wait for a worker's first heartbeat: only within
     ``hints.api_heartbeat_wait_s`` of the router's start, when it has heard no plugin yet
-    (a restarted router would otherwise answer 503 for up to a heartbeat interval). None
+    (a restarted router would otherwise answer 503 for up to a heartbeat interval). 0
     without NATS: no heartbeat can come."""
     if runtime.link is None:
         return 0.0

@@ -8,6 +8,7 @@ the latency benchmark).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from typing import Any
 import nats
 import pytest
 
+from kvhint.engine_plugin import core as core_module
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -251,6 +253,46 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
             again = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (again.action_id, again.status.value) == ("slow", "accepted")
             assert h.connector.transport.counters.deferred_at_once == 1
+    finally:
+        await nc.drain()
+
+
+async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_figures(
+        nats_url: str, subject_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat's figures are refreshed at most every STATUS_REFRESH_S, at a step. A
+    step that skipped the refresh and after which the engine went idle left the heartbeat
+    reporting the figures before it for good: a pin that step applied was missing (the
+    e2e pin test saw 0 pinned blocks now and then). The transport now wakes the idle
+    engine for one step when the skipped refresh falls due."""
+    monkeypatch.setattr(core_module, "STATUS_REFRESH_S", 1.0)
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        status = await collect(nc, subjects.status("w0"))
+        with plugin(nats_url, subject_prefix, pin_budget_fraction=0.2,
+                    create_events_stream=False) as h:
+            core = h.connector.core
+            woken = threading.Event()
+            core.mailbox.wake_engine = woken.set  # the engine's waker, as vLLM's would be
+            await until(lambda: h.connector.transport.connected)
+            turn(h, "s", [1, 2, 3])
+            core.refresh_status()
+            await nc.publish(subjects.hints("w0"), pin_message("p1"))
+            await until(lambda: bool(core.mailbox.inbound))
+            woken.clear()
+            h.step()  # applies the pin; too soon after the last refresh to make one
+            assert core.executor.pinned_blocks == 3
+            # Connector stats held back also wake an idle engine; vLLM asks for them only
+            # where stats are logged. Without them, only the skipped refresh may wake it.
+            core.mailbox.stats_flush_at = None
+            beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
+            assert beat.usage.pinned_blocks == 0  # stale, until the engine steps again
+            await until(woken.is_set, timeout_s=5)
+            h.step()  # the woken engine's step
+            deadline = time.monotonic() + 5
+            while beat.usage.pinned_blocks != 3 and time.monotonic() < deadline:
+                beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
+            assert beat.usage.pinned_blocks == 3
     finally:
         await nc.drain()
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
@@ -57,6 +60,26 @@ class RememberingPlugin:
                 await self.nc.publish(self.subjects.outcomes("w0"), encode_outcome(outcome))
 
 
+@asynccontextmanager
+async def router_with_plugin(tmp_path: Path, nats_url: str, subject_prefix: str,
+                             stub_workers: list[StubWorker], **settings: Any
+                             ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, RememberingPlugin]]:
+    """A router over w0 (the first stub worker) whose plugin this test plays, heard once."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    plugin = RememberingPlugin(nc, subjects)
+    await nc.subscribe(subjects.hints("w0"), cb=plugin.answer_hints)
+    config = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
+                             subject_prefix=subject_prefix, **settings)
+    try:
+        async with running_router(config) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            await plugin_registered(router.runtime, nc, subjects)
+            yield router, client, plugin
+    finally:
+        await nc.drain()
+
+
 async def _chat(client: httpx.AsyncClient, url: str, session: str, key: str | None = None
                 ) -> None:
     """One turn whose prompt is the session's own (no blocks shared with another's)."""
@@ -74,65 +97,56 @@ async def test_a_callers_action_id_is_its_tenants_own(
     the second got the first's remembered outcome and its pin was never applied, and the
     first tenant's ledger lost its pin); an id twice in one call, a malformed id, and an
     id still pending are refused with nothing sent."""
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    plugin = RememberingPlugin(nc, subjects)
-    await nc.subscribe(subjects.hints("w0"), cb=plugin.answer_hints)
-    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix, tenants=TENANTS)
     pin = {"actions": [{"action_type": "kv.pin", "action_id": "pin-1",
                         "payload": {"ttl_s": 300}}]}
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
-            runtime = router.runtime
-            await plugin_registered(runtime, nc, subjects)
-            await _chat(client, router.url, "s", "ka")
-            await _chat(client, router.url, "s", "kb")
-            url = f"{router.url}/v1/sessions/s/hints"
-            answers = {}
-            for tenant, key in (("a", "aa"), ("b", "bb")):
-                response = await client.post(url, json=pin,
-                                             headers={"authorization": f"Bearer {key}"})
-                assert response.status_code == 200, response.text
-                (answers[tenant],) = response.json()["actions"]
-            assert answers["a"]["action_id"] == "kva-a:pin-1"
-            assert answers["b"]["action_id"] == "kva-b:pin-1"
-            assert {a["status"] for a in answers.values()} == {"accepted"}
-            assert answers["b"]["message_id"] != answers["a"]["message_id"]
-            assert runtime.hints.holdings.tenant("a").pinned_blocks == 2
-            assert runtime.hints.holdings.tenant("b").pinned_blocks == 2
-            history = (await client.get(f"{router.url}/admin/hints",
-                                        headers={"authorization": "Bearer aa"})).json()
-            assert "kva-a:pin-1" in [h["action_id"] for h in history["hints"]]
-            # The same id again from the same tenant is the same action: its outcome.
-            again = await client.post(url, json=pin, headers={"authorization": "Bearer aa"})
-            assert again.json()["actions"][0]["status"] == "accepted"
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=TENANTS) as (router, client, plugin):
+        runtime = router.runtime
+        await _chat(client, router.url, "s", "ka")
+        await _chat(client, router.url, "s", "kb")
+        url = f"{router.url}/v1/sessions/s/hints"
+        answers = {}
+        for tenant, key in (("a", "aa"), ("b", "bb")):
+            response = await client.post(url, json=pin,
+                                         headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+            (answers[tenant],) = response.json()["actions"]
+        assert answers["a"]["action_id"] == "kva-a:pin-1"
+        assert answers["b"]["action_id"] == "kva-b:pin-1"
+        assert {a["status"] for a in answers.values()} == {"accepted"}
+        assert answers["b"]["message_id"] != answers["a"]["message_id"]
+        assert runtime.hints.holdings.tenant("a").pinned_blocks == 2
+        assert runtime.hints.holdings.tenant("b").pinned_blocks == 2
+        history = (await client.get(f"{router.url}/admin/hints",
+                                    headers={"authorization": "Bearer aa"})).json()
+        assert "kva-a:pin-1" in [h["action_id"] for h in history["hints"]]
+        # The same id again from the same tenant is the same action: its outcome.
+        again = await client.post(url, json=pin, headers={"authorization": "Bearer aa"})
+        assert again.json()["actions"][0]["status"] == "accepted"
 
-            sent_before = len(plugin.received)
-            refused = {
-                "twice": [{"action_type": "kv.retain", "action_id": "r-1", "payload": {}},
-                          {"action_type": "kv.retain", "action_id": "r-1", "payload": {}}],
-                "too long": [{"action_type": "kv.retain", "action_id": "x" * 200}],
-                "characters": [{"action_type": "kv.retain", "action_id": "a b\u0000"}],
-            }
-            for case, actions in refused.items():
-                response = await client.post(url, json={"actions": actions},
-                                             headers={"authorization": "Bearer aa"})
-                assert response.status_code == 422, (case, response.text)
-                assert "nothing was sent" in response.json()["error"]["message"]
-            # A pending action's id: 409 until its outcome comes (the plugin stays silent).
-            plugin.answer = False
-            slow = {"wait_s": 0, "actions": [{"action_type": "kv.retain", "action_id": "r-2",
-                                              "payload": {}}]}
-            first = await client.post(url, json=slow, headers={"authorization": "Bearer aa"})
-            assert first.status_code == 202
-            second = await client.post(url, json=slow, headers={"authorization": "Bearer aa"})
-            assert second.status_code == 409 and "still pending" in second.text
-            await until(lambda: len(plugin.received) == sent_before + 1)
-            await asyncio.sleep(0.3)
-            assert plugin.received[sent_before:] == [("kva-a:r-2", "kv.retain")]
-    finally:
-        await nc.drain()
+        sent_before = len(plugin.received)
+        refused = {
+            "twice": [{"action_type": "kv.retain", "action_id": "r-1", "payload": {}},
+                      {"action_type": "kv.retain", "action_id": "r-1", "payload": {}}],
+            "too long": [{"action_type": "kv.retain", "action_id": "x" * 200}],
+            "characters": [{"action_type": "kv.retain", "action_id": "a b\u0000"}],
+        }
+        for case, actions in refused.items():
+            response = await client.post(url, json={"actions": actions},
+                                         headers={"authorization": "Bearer aa"})
+            assert response.status_code == 422, (case, response.text)
+            assert "nothing was sent" in response.json()["error"]["message"]
+        # A pending action's id: 409 until its outcome comes (the plugin stays silent).
+        plugin.answer = False
+        slow = {"wait_s": 0, "actions": [{"action_type": "kv.retain", "action_id": "r-2",
+                                          "payload": {}}]}
+        first = await client.post(url, json=slow, headers={"authorization": "Bearer aa"})
+        assert first.status_code == 202
+        second = await client.post(url, json=slow, headers={"authorization": "Bearer aa"})
+        assert second.status_code == 409 and "still pending" in second.text
+        await until(lambda: len(plugin.received) == sent_before + 1)
+        await asyncio.sleep(0.3)
+        assert plugin.received[sent_before:] == [("kva-a:r-2", "kv.retain")]
 
 
 async def test_a_pin_without_ttl_counts_against_the_budget_for_its_default_ttl(
@@ -141,30 +155,21 @@ async def test_a_pin_without_ttl_counts_against_the_budget_for_its_default_ttl(
     """A Pin that leaves ``ttl_s`` out is held by the worker for the wire default (60 s):
     the tenant's pin budget counts it that long. Before, the router counted it as ending
     at once, and a second pin over the cap went through."""
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    await nc.subscribe(subjects.hints("w0"), cb=RememberingPlugin(nc, subjects).answer_hints)
-    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix,
-                               tenants=[{"name": "default",
-                                         "budget": {"max_pinned_blocks": 2}}])
     pin = {"actions": [{"action_type": "kv.pin", "payload": {"target": {"prefix_tokens": 64}}}]}
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
-            runtime = router.runtime
-            await plugin_registered(runtime, nc, subjects)
-            await _chat(client, router.url, "s1")
-            await _chat(client, router.url, "s2")
-            first = await client.post(f"{router.url}/v1/sessions/s1/hints", json=pin)
-            assert first.status_code == 200, first.text
-            (action,) = first.json()["actions"]
-            assert action["expires_at"] - action["created_at"] == pytest.approx(60.0, abs=1)
-            runtime.hints.expire(time.time() + 30)
-            assert runtime.hints.holdings.tenant("default").pinned_blocks == 2
-            second = await client.post(f"{router.url}/v1/sessions/s2/hints", json=pin)
-            assert second.status_code == 429, second.text
-    finally:
-        await nc.drain()
+    cap = [{"name": "default", "budget": {"max_pinned_blocks": 2}}]
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=cap) as (router, client, _):
+        runtime = router.runtime
+        await _chat(client, router.url, "s1")
+        await _chat(client, router.url, "s2")
+        first = await client.post(f"{router.url}/v1/sessions/s1/hints", json=pin)
+        assert first.status_code == 200, first.text
+        (action,) = first.json()["actions"]
+        assert action["expires_at"] - action["created_at"] == pytest.approx(60.0, abs=1)
+        runtime.hints.expire(time.time() + 30)
+        assert runtime.hints.holdings.tenant("default").pinned_blocks == 2
+        second = await client.post(f"{router.url}/v1/sessions/s2/hints", json=pin)
+        assert second.status_code == 429, second.text
 
 
 async def test_a_session_id_with_a_slash_can_be_hinted_viewed_and_ended(
@@ -173,67 +178,50 @@ async def test_a_session_id_with_a_slash_can_be_hinted_viewed_and_ended(
     """The gateway takes ``user/42`` as a session id; every sessions and admin route takes
     it too (plain or %2F-encoded). Before, they all answered 404 and the session could
     not be ended."""
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    await nc.subscribe(subjects.hints("w0"), cb=RememberingPlugin(nc, subjects).answer_hints)
-    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
-            await plugin_registered(router.runtime, nc, subjects)
-            await _chat(client, router.url, "user/42")
-            await _chat(client, router.url, "team/7")
-            hinted = await client.post(f"{router.url}/v1/sessions/user/42/hints", json={
-                "actions": [{"action_type": "kv.retain", "payload": {"priority": 50}}]})
-            assert hinted.status_code == 200, hinted.text
-            assert hinted.json()["session_id"] == "user/42"
-            view = await client.get(f"{router.url}/admin/sessions/default/user%2F42")
-            assert view.status_code == 200 and view.json()["session_id"] == "user/42"
-            ended = await client.delete(f"{router.url}/v1/sessions/user/42")
-            assert ended.status_code == 200 and ended.json()["state"] == "ended"
-            by_admin = await client.post(f"{router.url}/admin/sessions/default/team/7/end")
-            assert by_admin.status_code == 200, by_admin.text
-            assert router.runtime.sessions.get("default", "team/7").state == "ended"
-    finally:
-        await nc.drain()
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix,
+                                  stub_workers) as (router, client, _):
+        await _chat(client, router.url, "user/42")
+        await _chat(client, router.url, "team/7")
+        hinted = await client.post(f"{router.url}/v1/sessions/user/42/hints", json={
+            "actions": [{"action_type": "kv.retain", "payload": {"priority": 50}}]})
+        assert hinted.status_code == 200, hinted.text
+        assert hinted.json()["session_id"] == "user/42"
+        view = await client.get(f"{router.url}/admin/sessions/default/user%2F42")
+        assert view.status_code == 200 and view.json()["session_id"] == "user/42"
+        ended = await client.delete(f"{router.url}/v1/sessions/user/42")
+        assert ended.status_code == 200 and ended.json()["state"] == "ended"
+        by_admin = await client.post(f"{router.url}/admin/sessions/default/team/7/end")
+        assert by_admin.status_code == 200, by_admin.text
+        assert router.runtime.sessions.get("default", "team/7").state == "ended"
 
 
 async def test_a_tenant_admins_overview_holds_its_own_tenant_only(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    await nc.subscribe(subjects.hints("w0"), cb=RememberingPlugin(nc, subjects).answer_hints)
-    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
-                               subject_prefix=subject_prefix, tenants=TENANTS,
-                               admin_keys=["root"])
     retain = {"actions": [{"action_type": "kv.retain", "payload": {"priority": 50}}]}
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
-            await plugin_registered(router.runtime, nc, subjects)
-            for session in ("s1", "s2"):
-                await _chat(client, router.url, session, "kb")
-            await _chat(client, router.url, "s1", "ka")
-            for key in ("aa", "bb", "bb"):
-                response = await client.post(f"{router.url}/v1/sessions/s1/hints", json=retain,
-                                             headers={"authorization": f"Bearer {key}"})
-                assert response.status_code == 200, response.text
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=TENANTS, admin_keys=["root"]) as (router, client, _):
+        for session in ("s1", "s2"):
+            await _chat(client, router.url, session, "kb")
+        await _chat(client, router.url, "s1", "ka")
+        for key in ("aa", "bb", "bb"):
+            response = await client.post(f"{router.url}/v1/sessions/s1/hints", json=retain,
+                                         headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
 
-            async def overview(key: str) -> dict:
-                return (await client.get(f"{router.url}/admin/overview",
-                                         headers={"authorization": f"Bearer {key}"})).json()
+        async def overview(key: str) -> dict:
+            return (await client.get(f"{router.url}/admin/overview",
+                                     headers={"authorization": f"Bearer {key}"})).json()
 
-            mine, fleet = await overview("aa"), await overview("root")
-            assert {s["tenant"] for s in mine["sessions"]} == {"a"}
-            assert sum(mine["sessions_by_state"].values()) == 1
-            assert sum(fleet["sessions_by_state"].values()) == 3
-            assert mine["totals"] is None and mine["timeline"] == []
-            assert fleet["totals"]["requests"] == 3
-            api = [h for h in mine["hints"] if h["source"] == "api"]
-            assert {h["tenant"] for h in mine["hints"]} == {"a"} and len(api) == 1
-            # Hint outcomes: a's own, against everyone's for the global admin.
-            assert mine["hint_status_counts"]["accepted"] < \
-                fleet["hint_status_counts"]["accepted"]
-            assert (await overview("bb"))["hint_status_counts"]["accepted"] >= 2
-    finally:
-        await nc.drain()
+        mine, fleet = await overview("aa"), await overview("root")
+        assert {s["tenant"] for s in mine["sessions"]} == {"a"}
+        assert sum(mine["sessions_by_state"].values()) == 1
+        assert sum(fleet["sessions_by_state"].values()) == 3
+        assert mine["totals"] is None and mine["timeline"] == []
+        assert fleet["totals"]["requests"] == 3
+        api = [h for h in mine["hints"] if h["source"] == "api"]
+        assert {h["tenant"] for h in mine["hints"]} == {"a"} and len(api) == 1
+        # Hint outcomes: a's own, against everyone's for the global admin.
+        assert mine["hint_status_counts"]["accepted"] < \
+            fleet["hint_status_counts"]["accepted"]
+        assert (await overview("bb"))["hint_status_counts"]["accepted"] >= 2
