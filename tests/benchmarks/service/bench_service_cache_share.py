@@ -68,7 +68,10 @@ UNBOUNDED_KV_TOKENS = 262_144
 
 
 def start_workers(model: Path, work: Path, system: str, kv_tokens: int, nats_url: str,
-                  prefix: str, max_model_len: int) -> tuple[list[VllmServer], list[str]]:
+                  prefix: str, max_model_len: int, plugin_config: dict[str, float]
+                  ) -> tuple[list[VllmServer], list[str]]:
+    """``plugin_config``: connector extra config for kvhint's workers beyond the bench's
+    own (e.g. ``retain_budget_fraction``); empty: the plugin's defaults."""
     servers, zmq_endpoints = [], []
     count = 1 if system == UNBOUNDED else 2
     for index in range(count):
@@ -85,7 +88,8 @@ def start_workers(model: Path, work: Path, system: str, kv_tokens: int, nats_url
         elif system == "kvhint":
             config = plugin_transfer_config(f"w{index}", nats_url)
             config["kv_connector_extra_config"].update(subject_prefix=prefix,
-                                                       events_stream_max_bytes=64 << 20)
+                                                       events_stream_max_bytes=64 << 20,
+                                                       **plugin_config)
             spec = replace(spec, kv_transfer_config=config)
         else:
             zmq_port = free_port()
@@ -106,13 +110,13 @@ def start_workers(model: Path, work: Path, system: str, kv_tokens: int, nats_url
 
 
 def run_system(system: str, model: Path, work: Path, workload: AgentWorkload,
-               kv_tokens: int, nats_url: str, max_model_len: int, tag: str
-               ) -> tuple[dict, list[TurnResult]]:
+               kv_tokens: int, nats_url: str, max_model_len: int, tag: str,
+               plugin_config: dict[str, float]) -> tuple[dict, list[TurnResult]]:
     prefix = f"kvhintbench.{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
     try:
         servers, endpoints = start_workers(model, work, system, kv_tokens, nats_url, prefix,
-                                           max_model_len)
+                                           max_model_len, plugin_config)
     except BaseException:
         if system == "kvhint":  # the plugin creates its events stream as the engine starts
             asyncio.run(remove_streams(nats_url, Subjects(prefix)))
@@ -280,7 +284,11 @@ def main() -> int:
                              "round ('unbounded' runs once); shares and TTFT quantiles pool "
                              "all rounds' turns, and each round's ratio is reported too")
     parser.add_argument("--out", type=Path, default=None, help="folder for JSON and plot")
+    parser.add_argument("--retain-budget-fraction", type=float, default=None,
+                        help="kvhint's workers: the plugin's retain budget (its default: 0.5)")
     args = parser.parse_args()
+    plugin_config = ({} if args.retain_budget_fraction is None
+                     else {"retain_budget_fraction": args.retain_budget_fraction})
     # SIGTERM exits through the finally blocks, so no vLLM server is left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
@@ -308,7 +316,7 @@ def main() -> int:
                 for system in order:
                     summary, system_turns = run_system(
                         system, model, work, workload, args.kv_cache_tokens, nats.url,
-                        args.max_model_len, f"{system}-r{number}")
+                        args.max_model_len, f"{system}-r{number}", plugin_config)
                     rounds[system].append(summary)
                     turns[system].append(system_turns)
     finally:
@@ -317,6 +325,7 @@ def main() -> int:
     baselines = {k: v for k, v in results.items() if k not in ("kvhint", UNBOUNDED)}
     report: dict = {"workload": asdict(workload), "kv_cache_tokens": args.kv_cache_tokens,
                     "max_model_len": args.max_model_len, "rounds": args.rounds,
+                    "plugin_config": plugin_config,
                     "results": results, "logs": str(work)}
     if "kvhint" in results and baselines:
         report.update(ratios(results))
