@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ from kvhint.schemas import (
     decode_advice,
     decode_hints,
     decode_snapshot_request,
+    new_epoch,
 )
 from kvhint.schemas.hints import SUPPORTED_VERSIONS
 
@@ -61,7 +61,9 @@ class EngineIdentity:
     hash_algo: str = "sha256"
     none_hash_seed: str | None = "vllm-none-hash"
     data_parallel_rank: int = 0
-    epoch: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    # Ordered by the engine's start (schemas.new_epoch): a router never takes an older
+    # engine's late messages for a restart.
+    epoch: str = field(default_factory=new_epoch)
 
     def cache_namespace(self, block_size: int) -> str:
         """Blocks are comparable across workers only within one namespace."""

@@ -67,7 +67,16 @@ from kvhint.schemas.snapshot import (
     encode_snapshot,
     encode_snapshot_request,
 )
-from kvhint.schemas.status import Budgets, Usage, WorkerStatus, decode_status, encode_status
+from kvhint.schemas.status import (
+    Budgets,
+    Usage,
+    WorkerStatus,
+    decode_status,
+    encode_status,
+    epoch_is_older,
+    epoch_started_ms,
+    new_epoch,
+)
 from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 
 __all__ = [
@@ -129,10 +138,13 @@ __all__ = [
     "encode_snapshot",
     "encode_snapshot_request",
     "encode_status",
+    "epoch_is_older",
+    "epoch_started_ms",
     "external_hash_to_int",
     "is_valid_worker_id",
     "evict_rest_supported",
     "make_action",
+    "new_epoch",
     "owner_supported",
     "parse_action",
 ]

@@ -7,9 +7,38 @@ block hashes for this worker is here (``block_size``, ``hash_algo``, ``none_hash
 
 from __future__ import annotations
 
+import re
+import time
+import uuid
+
 import msgspec
 
 from kvhint.schemas._codec import decode_json, encode_json
+
+# An epoch names one engine start: "<start, ms since 1970, 12 hex digits>-<8 hex random>".
+# Its start orders epochs, so a router that hears an older engine's messages after a newer
+# one's (JetStream history replayed at its start, a late snapshot reply) does not take
+# them for a restart. Epochs of other forms (plugins before this one: 16 random hex
+# digits) have no order.
+_EPOCH = re.compile(r"([0-9a-f]{12})-[0-9a-f]{8}")
+
+
+def new_epoch(now_s: float | None = None) -> str:
+    started = time.time() if now_s is None else now_s
+    return f"{int(started * 1000):012x}-{uuid.uuid4().hex[:8]}"
+
+
+def epoch_started_ms(epoch: str) -> int | None:
+    """When the engine of ``epoch`` started (ms), or None for an epoch without order."""
+    match = _EPOCH.fullmatch(epoch)
+    return int(match.group(1), 16) if match else None
+
+
+def epoch_is_older(epoch: str, than: str) -> bool:
+    """Whether ``epoch`` names an engine started before ``than``'s (False when either has
+    no order, or both started in the same millisecond)."""
+    a, b = epoch_started_ms(epoch), epoch_started_ms(than)
+    return a is not None and b is not None and a < b
 
 
 class Budgets(msgspec.Struct, frozen=True, kw_only=True):

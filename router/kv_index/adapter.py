@@ -41,10 +41,12 @@ class AdapterCounters:
 
 
 def _ints(values: Sequence[int | bytes]) -> Sequence[int]:
-    # Publishers send all ints (vLLM's default) or all bytes; look at the first only.
-    if values and type(values[0]) is not int:
-        return [external_hash_to_int(v) for v in values]
-    return values  # type: ignore[return-value]
+    """Every hash as an int. Publishers send all ints (vLLM's default) or all bytes; a run
+    that mixes them is converted element by element (the type check runs in C), so no
+    bytes key ever reaches the index."""
+    if not values or (type(values[0]) is int and bytes not in set(map(type, values))):
+        return values  # type: ignore[return-value]
+    return [external_hash_to_int(v) for v in values]
 
 
 _STORED, _REMOVED, _CLEARED = 1, 2, 3
@@ -100,11 +102,7 @@ class EventBatchAdapter:
                     out.append(BlocksRemoved(worker_id, removed, removed_tier))
                     removed = []
                 removed_tier = tier
-                hashes = ev.block_hashes  # type: ignore[attr-defined]
-                if hashes and type(hashes[0]) is int:
-                    removed += hashes
-                else:
-                    removed += _ints(hashes)
+                removed += _ints(ev.block_hashes)  # type: ignore[attr-defined]
                 continue
             if kind == 0:
                 continue

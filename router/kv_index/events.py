@@ -26,6 +26,11 @@ TIER_OTHER = "OTHER"
 TIERS: tuple[str, ...] = (TIER_GPU, TIER_CPU, TIER_STORAGE, TIER_OTHER)
 
 
+def index_tier(tier: str) -> str:
+    """``tier`` as the index keeps it: one of TIERS, anything else under OTHER."""
+    return tier if tier in TIERS else TIER_OTHER
+
+
 def tier_of_medium(medium: str | None) -> str:
     """vLLM ``medium`` -> index tier: ``None`` is GPU, unknown strings are ``OTHER``."""
     if medium is None:

@@ -231,7 +231,10 @@ class KvEventIngestor:
         return stream
 
     def _alive_actions(self, stream: WorkerStream[bytes], was_alive: bool) -> list[IngestAction]:
-        if was_alive or stream.epoch is None:
+        """A worker that came alive with this message; none for a message its stream
+        dropped (a stale epoch's leaves a dead worker dead)."""
+        if was_alive or stream.epoch is None or stream.phase in (StreamPhase.NEW,
+                                                                 StreamPhase.DEAD):
             return []
         return [WorkerAlive(stream.worker_id, stream.epoch)]
 

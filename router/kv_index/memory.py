@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 
 from kvhint.router.kv_index.events import (
+    TIER_OTHER,
     TIERS,
     AllBlocksCleared,
     BlocksRemoved,
@@ -38,6 +39,12 @@ from kvhint.router.kv_index.sessions import SessionTable
 
 _BITS = 4
 _TIER_BIT = {tier: i for i, tier in enumerate(TIERS)}
+_OTHER_BIT = _TIER_BIT[TIER_OTHER]
+
+
+def _tier_bit(tier: str) -> int:
+    """A tier outside TIERS is kept under OTHER, as the adapter keeps unknown mediums."""
+    return _TIER_BIT.get(tier, _OTHER_BIT)
 _SLOT_ALL = (1 << _BITS) - 1
 
 
@@ -94,7 +101,7 @@ class InMemoryClusterKvIndex:
         slot = self._slot_of.get(event.worker_id)
         if slot is None:
             slot = self._slot(event.worker_id)
-        self._store(slot, _TIER_BIT[event.tier], hashes)
+        self._store(slot, _tier_bit(event.tier), hashes)
         if event.session_id is not None:
             self._sessions.stored(event.session_id, event.worker_id, event.parent_hash,
                                   hashes[-1])
@@ -104,12 +111,16 @@ class InMemoryClusterKvIndex:
         masks = self._masks
         own = self._slot_hashes[slot]
         if not any(map(masks.__contains__, hashes)):
-            # The common case, all in C: hashes nobody holds yet (a fresh run; a chain never
-            # repeats a hash, each one covers its whole prefix).
+            # The common case, all in C: hashes nobody holds yet (a fresh run). A chain
+            # never repeats a hash, but a run may (two byte hashes with the same low 64
+            # bits): count what ``own`` gained, not the run's length.
             masks.update(zip(hashes, repeat(bit)))
+            before = len(own)
             own.update(hashes)
-            self._tier_counts[slot][tier] += len(hashes)
-            self._stored += len(hashes)
+            added = len(own) - before
+            self._tier_counts[slot][tier] += added
+            self._stored += added
+            self._duplicates += len(hashes) - added
             return
         slot_all = _SLOT_ALL << (slot * _BITS)
         added = dup = 0
@@ -137,7 +148,7 @@ class InMemoryClusterKvIndex:
         if slot is None:
             self._missing += len(hashes)
             return
-        tier = _TIER_BIT[event.tier]
+        tier = _tier_bit(event.tier)
         bit = 1 << (slot * _BITS + tier)
         masks = self._masks
         own = self._slot_hashes[slot]
@@ -198,7 +209,7 @@ class InMemoryClusterKvIndex:
         slot = self._slot(event.worker_id)
         by_tier: dict[int, dict[int, None]] = {}
         for block in event.blocks:
-            listed = by_tier.setdefault(_TIER_BIT[block.tier], {})
+            listed = by_tier.setdefault(_tier_bit(block.tier), {})
             if block.block_hash in listed:  # listed twice: counted like a duplicate store
                 self._duplicates += 1
             listed[block.block_hash] = None
@@ -261,7 +272,7 @@ class InMemoryClusterKvIndex:
 
     def tier_prefix(self, block_hashes: Sequence[int], tier: str) -> Mapping[str, int]:
         get = self._masks.get
-        shift = _TIER_BIT[tier]
+        shift = _tier_bit(tier)
         alive = self._gpu_pattern << shift
         ends: dict[int, int] = {}
         i = 0
@@ -303,7 +314,7 @@ class InMemoryClusterKvIndex:
         if slot is None:
             return False
         bits = self._masks.get(block_hash, 0) >> (slot * _BITS) & _SLOT_ALL
-        return bool(bits if tier is None else bits >> _TIER_BIT[tier] & 1)
+        return bool(bits if tier is None else bits >> _tier_bit(tier) & 1)
 
     def session_placements(self, session_id: str) -> tuple[SessionPlacement, ...]:
         return self._sessions.placements(session_id)

@@ -19,6 +19,7 @@ from kvhint.router.kv_index.events import (
     IndexEvent,
     SnapshotLoaded,
     WorkerPurged,
+    index_tier,
 )
 from kvhint.router.kv_index.protocol import (
     IndexState,
@@ -51,7 +52,7 @@ class NaiveClusterKvIndex:
                 self._sessions.stored(event.session_id, event.worker_id, event.parent_hash,
                                       event.block_hashes[-1])
         elif isinstance(event, BlocksRemoved):
-            tier_set = self._blocks.get(event.worker_id, {}).get(event.tier, set())
+            tier_set = self._blocks.get(event.worker_id, {}).get(index_tier(event.tier), set())
             for h in event.block_hashes:
                 if h in tier_set:
                     tier_set.discard(h)
@@ -82,7 +83,7 @@ class NaiveClusterKvIndex:
             self.apply(event)
 
     def _tier_set(self, worker_id: str, tier: str) -> set[int]:
-        return self._blocks.setdefault(worker_id, {}).setdefault(tier, set())
+        return self._blocks.setdefault(worker_id, {}).setdefault(index_tier(tier), set())
 
     def match_prefix(self, block_hashes: Sequence[int]) -> PrefixMatch:
         out: dict[str, WorkerOverlap] = {}
@@ -102,7 +103,7 @@ class NaiveClusterKvIndex:
     def tier_prefix(self, block_hashes: Sequence[int], tier: str) -> Mapping[str, int]:
         out = {}
         for worker_id, tiers in self._blocks.items():
-            resident = tiers.get(tier, set())
+            resident = tiers.get(index_tier(tier), set())
             n = 0
             while n < len(block_hashes) and block_hashes[n] in resident:
                 n += 1
@@ -121,7 +122,7 @@ class NaiveClusterKvIndex:
     def has_block(self, worker_id: str, block_hash: int, tier: str | None = None) -> bool:
         tiers = self._blocks.get(worker_id, {})
         if tier is not None:
-            return block_hash in tiers.get(tier, set())
+            return block_hash in tiers.get(index_tier(tier), set())
         return any(block_hash in s for s in tiers.values())
 
     def session_placements(self, session_id: str) -> tuple[SessionPlacement, ...]:

@@ -5,7 +5,10 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
 ``interval_s``. :class:`WorkerStream` turns those observations into verdicts:
 
 - in-order batch -> apply; ``seq`` already applied -> duplicate (dropped, counted);
-- a batch from an epoch we moved past -> stale (dropped, counted);
+- a batch from an epoch we moved past, or of an engine started before the current one's
+  (epochs carry their start, :func:`kvhint.schemas.epoch_is_older`; JetStream history
+  replayed at a router's start, a late snapshot reply) -> stale (dropped, counted), never
+  a restart;
 - a new epoch -> the old cache is gone: purge; if the batch is ``seq == 1`` we have the whole
   new stream, else resync from a snapshot;
 - a sequence gap, joining mid-stream, or a heartbeat reporting a ``last_event_seq`` we have
@@ -23,6 +26,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from kvhint.schemas.status import epoch_is_older
 
 T = TypeVar("T")
 
@@ -131,10 +136,10 @@ class WorkerStream(Generic[T]):
     # --- observations -------------------------------------------------------------
 
     def on_batch(self, epoch: str, seq: int, item: T, now: float) -> Decision:
-        self.last_heard = now
-        if epoch in self._retired:
+        if self._is_stale(epoch):
             self.counters.stale_epoch += 1
             return Decision(BatchVerdict.STALE_EPOCH)
+        self.last_heard = now
         purge = self._observe_epoch(epoch)
         if self.phase is StreamPhase.RESYNCING:
             return self._buffer_batch(seq, item, purge)
@@ -161,7 +166,7 @@ class WorkerStream(Generic[T]):
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
                   status: object | None = None) -> Decision:
         """A heartbeat. Returns a decision with no verdict (there is no batch)."""
-        if epoch in self._retired:
+        if self._is_stale(epoch):
             self.counters.stale_status += 1
             return Decision()
         self.last_heard = now
@@ -227,9 +232,11 @@ class WorkerStream(Generic[T]):
 
         "restart": the worker's epoch changed between pages; pagination restarts at 0.
         """
-        self.last_heard = now
+        stale = self._is_stale(epoch)  # a late reply from an engine we moved past
+        if not stale:
+            self.last_heard = now
         resync = self._resync
-        if resync is None or cursor != resync.cursor:
+        if resync is None or cursor != resync.cursor or stale:
             self.counters.snapshot_pages_ignored += 1
             return "ignored", None
         self.counters.snapshot_pages += 1
@@ -298,6 +305,11 @@ class WorkerStream(Generic[T]):
         self.last_heard = None
 
     # --- internals ----------------------------------------------------------------
+
+    def _is_stale(self, epoch: str) -> bool:
+        """Of an engine we moved past: retired, or started before the current one."""
+        return epoch in self._retired or (
+            self.epoch is not None and epoch != self.epoch and epoch_is_older(epoch, self.epoch))
 
     def _observe_epoch(self, epoch: str) -> str | None:
         """Take ``epoch`` as current; the purge reason when it replaces a live one."""

@@ -240,7 +240,14 @@ class ClusterFeed:
             self._metrics.resyncs.labels(request.worker_id, "snapshot", "failed").inc()
             self._perform(self.ingestor.on_snapshot_failed(request.worker_id, reason))
             return
-        actions = self.ingestor.on_snapshot_page(page)
+        if page.worker_id != request.worker_id:
+            # A plugin answering under another worker's id would overwrite that worker's
+            # resync; this one's request is retried.
+            self._metrics.drop("snapshot_wrong_worker")
+            self._perform(self.ingestor.on_snapshot_failed(
+                request.worker_id, f"snapshot reply names worker {page.worker_id!r}"))
+            return
+        actions = self.ingestor.on_snapshot_page(page, request.cursor)
         if page.next_cursor is None:
             self._metrics.resyncs.labels(request.worker_id, "snapshot", "loaded").inc()
         self._perform(actions)

@@ -106,6 +106,39 @@ async def test_events_gap_snapshot_and_restart(tmp_path: Path, nats_url: str,
         await nc.drain()
 
 
+async def test_a_snapshot_reply_naming_another_worker_is_dropped_and_counted(
+        tmp_path: Path, nats_url: str, subject_prefix: str) -> None:
+    """w7's snapshot subject answered by a plugin that calls itself w8: the page would
+    have overwritten w8's resync and index; it is dropped, counted, and w7's asked again."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    asked: list[int] = []
+
+    async def impostor(msg) -> None:  # noqa: ANN001
+        asked.append(decode_snapshot_request(msg.data).cursor)
+        await msg.respond(encode_snapshot(WorkerSnapshot(
+            worker_id="w8", epoch="e1", seq=2, block_size=32,
+            blocks=[SnapshotBlock(5, None, "GPU")], sessions=[])))
+
+    await nc.subscribe(subjects.snapshot("w7"), cb=impostor)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            assert await runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)  # subscriptions in place
+            deadline = time.monotonic() + 10
+            while len(asked) < 2 and time.monotonic() < deadline:  # heartbeats kept up
+                await nc.publish(subjects.status("w7"), status("w7", "e1", 2))
+                await asyncio.sleep(0.3)
+            assert len(asked) >= 2  # the first reply dropped, then w7 asked again
+            assert runtime.index.stats().entries == 0 and "w8" not in runtime.index.worker_ids()
+            text = (await client.get(f"{router.url}/metrics")).text
+            assert 'kvhint_router_drops_total{what="snapshot_wrong_worker"}' in text
+    finally:
+        await nc.drain()
+
+
 async def test_hints_api_forwards_and_returns_the_outcome(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:

@@ -98,6 +98,24 @@ def test_set_semantics_duplicates_and_missing_removes_are_counted(index: Cluster
     assert not index.has_block("w0", 1) and index.has_block("w0", 2)
 
 
+def test_a_hash_repeated_within_one_run_counts_once(index: ClusterKvIndex) -> None:
+    # Two byte hashes with the same low 64 bits arrive as one int twice. The fast index's
+    # all-new path counted the run's length: a residency stayed counted after removal.
+    index.apply(stored("w0", [7, 7]))
+    assert index.worker_block_counts("w0") == {"GPU": 1}
+    assert index.stats().stored_blocks == 1 and index.stats().duplicate_stores == 1
+    index.apply(BlocksRemoved("w0", [7]))
+    assert index.worker_block_counts("w0") == {} and index.stats().entries == 0
+
+
+def test_a_tier_outside_the_known_ones_is_kept_under_other(index: ClusterKvIndex) -> None:
+    index.apply(stored("w0", [1, 2], tier="cpu"))
+    assert index.locate(1) == {"w0": frozenset({"OTHER"})}
+    assert index.has_block("w0", 1, "cpu") and index.tier_prefix([1, 2], "OTHER") == {"w0": 2}
+    index.apply(BlocksRemoved("w0", [1, 2], "cpu"))
+    assert index.stats().entries == 0
+
+
 def test_removal_of_last_copy_forgets_the_hash(index: ClusterKvIndex) -> None:
     index.apply(stored("w0", [7]))
     index.apply(stored("w1", [7]))

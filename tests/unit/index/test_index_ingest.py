@@ -284,3 +284,82 @@ def test_unknown_event_types_are_counted_and_the_rest_applied() -> None:
     ing.on_event_message(headers("w0", "e1", 1), payload)
     assert index.export_state().blocks == {"w0": {"GPU": frozenset({1, 2})}}
     assert ing.stats().adapter["unknown_events"] == 1
+
+
+# Ordered epochs, as plugins name them (schemas.new_epoch): OLD's engine started first.
+OLD, CUR = s.new_epoch(1_000.0), s.new_epoch(2_000.0)
+
+
+def test_an_older_engines_replayed_batches_after_the_current_heartbeat_are_stale() -> None:
+    """A router starting up hears the current engine's heartbeat, then JetStream replays
+    the events history, which begins with an earlier engine's batches. They are stale,
+    not a restart: before, the old epoch replaced the current one, whose every later
+    message was then dropped as stale, and the worker was declared dead for good."""
+    ing, index, clock = make()
+    acts = ing.on_status(status(epoch=CUR, last_seq=2))
+    assert [type(a) for a in acts] == [WorkerAlive, RequestSnapshot]
+    for seq in (1, 2):
+        assert ing.on_event_message(headers("w0", OLD, seq), batch(store([seq]))) == []
+    for seq, block in ((1, 11), (2, 12)):
+        ing.on_event_message(headers("w0", CUR, seq), batch(store([block])))
+    ing.on_snapshot_page(page("w0", CUR, 0, []), cursor=0)
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({11, 12})}}
+    stream = ing.stats().stream
+    assert stream["stale_epoch"] == 2 and stream["epoch_changes"] == 0
+    clock.now += 1.0
+    ing.on_status(status(epoch=CUR, last_seq=2))
+    assert ing.tick() == [] and ing.live_workers() == ("w0",)
+
+
+def test_an_older_engines_batches_first_then_the_current_one_restarts_the_stream() -> None:
+    ing, index, _ = make()
+    ing.on_event_message(headers("w0", OLD, 1), batch(store([1])))
+    acts = ing.on_event_message(headers("w0", CUR, 1), batch(store([11])))
+    assert [type(a) for a in acts] == [WorkerPurgedNotice]
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({11})}}
+
+
+def test_a_late_snapshot_reply_from_an_engine_we_moved_past_is_ignored() -> None:
+    """A gap asks the engine for a snapshot; the engine restarts before the reply comes.
+    The late reply (the old engine's blocks) is ignored: before, it brought the stream
+    back to the old epoch and retired the current one."""
+    ing, index, _ = make()
+    ing.on_event_message(headers("w0", OLD, 1), batch(store([1])))
+    assert [type(a) for a in ing.on_event_message(headers("w0", OLD, 3), batch(store([3])))] \
+        == [RequestSnapshot]
+    # The restarted engine's heartbeat: it has published, so a new resync (cursor 0).
+    assert [type(a) for a in ing.on_status(status(epoch=CUR, last_seq=1))] == \
+        [WorkerPurgedNotice, RequestSnapshot]
+    assert ing.on_snapshot_page(page("w0", OLD, 3, [(1, None, "GPU")]), cursor=0) == []
+    ing.on_snapshot_page(page("w0", CUR, 1, [(11, None, "GPU")]), cursor=0)
+    ing.on_event_message(headers("w0", CUR, 2), batch(store([12], parent=11)))
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({11, 12})}}
+    assert ing.live_workers() == ("w0",)
+
+
+def test_a_stale_message_to_a_dead_worker_does_not_bring_it_back() -> None:
+    ing, _, clock = make()
+    ing.on_status(status(epoch=CUR, interval_s=1.0))
+    clock.now += 5
+    assert [type(a) for a in ing.tick()] == [WorkerDead]
+    assert ing.on_status(status(epoch=OLD)) == []
+    assert ing.on_event_message(headers("w0", OLD, 1), batch(store([1]))) == []
+    assert ing.live_workers() == ()
+
+
+def test_epochs_order_by_the_engine_start_and_others_have_none() -> None:
+    assert s.epoch_is_older(OLD, CUR) and not s.epoch_is_older(CUR, OLD)
+    assert s.epoch_started_ms(OLD) == 1_000_000
+    assert not s.epoch_is_older("e1", CUR) and not s.epoch_is_older(OLD, "0123456789abcdef")
+
+
+def test_a_run_mixing_int_and_byte_hashes_reaches_the_index_as_ints() -> None:
+    """Publishers send all ints or all bytes; a mixed run was passed on as it came when
+    its first hash was an int, leaving a bytes key no later removal matched."""
+    ing, index, _ = make()
+    five = (5).to_bytes(32, "big")
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1, five])))  # type: ignore[list-item]
+    assert index.has_block("w0", 5)
+    ing.on_event_message(headers("w0", "e1", 2), batch(s.BlockRemoved(
+        block_hashes=[1, five], medium="GPU", group_idx=0)))  # type: ignore[list-item]
+    assert index.stats().entries == 0
