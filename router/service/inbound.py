@@ -21,7 +21,10 @@ SESSION_HEADER = "x-session-id"
 SESSION_END_HEADER = "x-session-end"
 MAX_SESSION_ID_LEN = 256
 # Stripped from every client body: the router sets them (or nobody does).
-ROUTER_OWNED_FIELDS = ("kv_transfer_params", "cache_salt", "prompt_cache_key", "session_id")
+# Fields a client may not set (the body's, and vllm_xargs'): the router sets the session
+# and the salt; transfer params are for connectors, which a client must not steer.
+ROUTER_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt",
+                       "prompt_cache_key", "session_id")
 
 _json_decoder = msgspec.json.Decoder()
 
@@ -89,6 +92,8 @@ def parse_inbound(
         body = _json_decoder.decode(raw_body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:  # msgspec gives up around 1,000 levels of nesting
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
 
@@ -116,8 +121,10 @@ def parse_inbound(
         body.pop(field, None)
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict):
-        # vLLM also reads a session id from vllm_xargs; only the router may set it.
-        xargs.pop("session_id", None)
+        # vLLM copies vllm_xargs into the request's extra_args and reads a session id, KV
+        # transfer params and a cache salt from them too; only the router may set those.
+        for field in ROUTER_OWNED_FIELDS:
+            xargs.pop(field, None)
     if client_session_id is not None:
         body["session_id"] = tenant.worker_session_id(client_session_id)
     if tenant.cache_salt is not None:

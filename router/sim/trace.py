@@ -11,7 +11,8 @@ it starts a session. Every response ends with ``stop``; no explicit ends.
 
 **kvhint session JSONL** (ours) adds, per line::
 
-    "session_id": str          required; the session this request belongs to
+    "session_id": str          required; the session this request belongs to (with
+                               "tenant": two tenants' equal ids are two sessions)
     "turn": int                optional; 1, 2, ... per session (checked when given)
     "finish_reason": "stop" | "tool_calls" | "length"   optional, default "stop"
     "tool_names": [str, ...]   optional; the tools called when finish_reason is tool_calls
@@ -93,7 +94,7 @@ class Trace:
 
     @property
     def sessions(self) -> int:
-        return len({r.session_id for r in self.requests})
+        return len({(r.tenant, r.session_id) for r in self.requests})
 
     def served_ttfts_s(self) -> list[float]:
         """The times to first token its responses were served with, where it says."""
@@ -132,10 +133,12 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     fmt = "session" if "session_id" in rows[0][1] else "mooncake"
     requests: list[TraceRequest] = []
     previous_ms = -math.inf
-    turns: dict[str, int] = {}
-    ended: set[str] = set()
+    # Sessions are a tenant's: two tenants' "s" are two sessions (the router keys them so).
+    turns: dict[tuple[str, str], int] = {}
+    ended: set[tuple[str, str]] = set()
     inference = _SessionInference(block_size)
-    latest: dict[str, int] = {}  # session -> index of its latest request in ``requests``
+    # (tenant, session) -> index of its latest request in ``requests``
+    latest: dict[tuple[str, str], int] = {}
     for line, obj in rows:
         if fmt == "session" and "input_length" not in obj and obj.get("end") is True:
             previous_ms = _end_line(name, line, obj, previous_ms, requests, latest, ended)
@@ -152,14 +155,15 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
                                          input_length, output_length, block_ids))
             continue
         requests.append(_session_request(name, line, obj, common, turns, ended))
-        latest[requests[-1].session_id] = len(requests) - 1
+        latest[(requests[-1].tenant, requests[-1].session_id)] = len(requests) - 1
     if not requests:
         raise TraceError(name, 0, "no requests (only end lines)")
     return Trace(name, fmt, block_size, tuple(requests))
 
 
 def _end_line(name: str, line: int, obj: dict, previous_ms: float,
-              requests: list[TraceRequest], latest: dict[str, int], ended: set[str]) -> float:
+              requests: list[TraceRequest], latest: dict[tuple[str, str], int],
+              ended: set[tuple[str, str]]) -> float:
     """Fold an end line into its session's latest request; returns its timestamp."""
     unknown = sorted(set(obj) - _END_LINE_KEYS)
     if unknown:
@@ -168,17 +172,16 @@ def _end_line(name: str, line: int, obj: dict, previous_ms: float,
     timestamp = _timestamp_ms(name, line, obj)
     _check_order(name, line, timestamp, previous_ms)
     session_id = obj.get("session_id")
-    if session_id in ended:
-        raise TraceError(name, line, f"session {session_id!r} ends twice")
-    index = latest.get(session_id) if isinstance(session_id, str) else None
+    tenant = obj.get("tenant", "default")
+    key = (tenant, session_id)
+    if key in ended:
+        raise TraceError(name, line, f"session {session_id!r} of tenant {tenant!r} ends twice")
+    index = latest.get(key) if isinstance(session_id, str) and isinstance(tenant, str) \
+        else None
     if index is None:
-        raise TraceError(name, line, f"end line for session {session_id!r}, which has no "
-                                     "request before it")
-    tenant = obj.get("tenant", requests[index].tenant)
-    if tenant != requests[index].tenant:
-        raise TraceError(name, line, f"end line's tenant {tenant!r} is not session "
-                                     f"{session_id!r}'s ({requests[index].tenant!r})")
-    ended.add(session_id)
+        raise TraceError(name, line, f"end line for session {session_id!r} of tenant "
+                                     f"{tenant!r}, which has no request before it")
+    ended.add(key)
     requests[index] = replace(requests[index], end_at_s=timestamp / 1000.0)
     return timestamp
 
@@ -267,22 +270,26 @@ def _session_request(
     line: int,
     obj: dict,
     common: tuple[float, int, int, tuple[int, ...]],
-    turns: dict[str, int],
-    ended: set[str],
+    turns: dict[tuple[str, str], int],
+    ended: set[tuple[str, str]],
 ) -> TraceRequest:
     timestamp, input_length, output_length, block_ids = common
     session_id = obj["session_id"]
     if not isinstance(session_id, str) or not session_id:
         raise TraceError(name, line, "'session_id' must be a non-empty string")
-    if session_id in ended:
+    tenant = obj.get("tenant", "default")
+    if not isinstance(tenant, str) or not tenant or "/" in tenant:
+        raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
+    key = (tenant, session_id)
+    if key in ended:
         raise TraceError(name, line, f"session {session_id!r} continues after its 'end'")
-    expected_turn = turns.get(session_id, 0) + 1
+    expected_turn = turns.get(key, 0) + 1
     turn = obj.get("turn", expected_turn)
     if isinstance(turn, bool) or not isinstance(turn, int) or turn != expected_turn:
         raise TraceError(
             name, line, f"'turn' of session {session_id!r} must be {expected_turn}, got {turn!r}"
         )
-    turns[session_id] = turn
+    turns[key] = turn
     finish = obj.get("finish_reason", "stop")
     if finish not in FINISH_REASONS:
         raise TraceError(
@@ -297,10 +304,7 @@ def _session_request(
     if not isinstance(end, bool):
         raise TraceError(name, line, f"'end' must be true or false, got {end!r}")
     if end:
-        ended.add(session_id)
-    tenant = obj.get("tenant", "default")
-    if not isinstance(tenant, str) or not tenant or "/" in tenant:
-        raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
+        ended.add(key)
     served = [_served_s(name, line, obj, key) for key in ("itl_ms", "ttft_ms")]
     return TraceRequest(line, timestamp / 1000.0, session_id, turn, input_length, output_length,
                         block_ids, finish, tuple(tools), end, tenant, *served)

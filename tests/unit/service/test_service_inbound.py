@@ -27,13 +27,18 @@ def test_session_id_sources_in_order() -> None:
 
 
 def test_router_owns_session_salt_and_transfer_params() -> None:
+    # vLLM copies vllm_xargs into the request's extra_args and takes kv_transfer_params
+    # from there too: a string there would raise inside vLLM's scheduler with a connector.
     body = chat(session_id="s1", cache_salt="mine", kv_transfer_params={"do_remote": True},
-                prompt_cache_key="k", vllm_xargs={"session_id": "evil", "x": 1})
+                ec_transfer_params={"x": 1}, prompt_cache_key="k",
+                vllm_xargs={"session_id": "evil", "kv_transfer_params": "x",
+                            "cache_salt": "mine", "x": 1})
     inbound = parse_inbound(Endpoint.CHAT, body, ACME, None, None)
     forwarded = inbound.body
     assert forwarded["session_id"] == "acme/s1"
     assert forwarded["cache_salt"] == "salt-acme"
     assert "kv_transfer_params" not in forwarded and "prompt_cache_key" not in forwarded
+    assert "ec_transfer_params" not in forwarded
     assert forwarded["vllm_xargs"] == {"x": 1}
     assert inbound.worker_session_id == "acme/s1"
 
@@ -82,3 +87,13 @@ def test_session_id_limits() -> None:
         parse_inbound(Endpoint.CHAT, chat(session_id="x" * 300), DEV, None, None)
     with pytest.raises(BadRequest):
         parse_inbound(Endpoint.CHAT, chat(), DEV, "bad\nid", None)
+
+
+def test_a_body_nested_too_deeply_is_a_bad_request() -> None:
+    # msgspec gives up with a RecursionError, which was a 500.
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_inbound(Endpoint.CHAT, b"[" * 1200 + b"]" * 1200, DEV, None, None)
+    deep = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x": ' + \
+        b"[" * 1200 + b"]" * 1200 + b"}"
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_inbound(Endpoint.CHAT, deep, DEV, None, None)

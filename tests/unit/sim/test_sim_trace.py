@@ -43,7 +43,7 @@ def test_session_format_fields(tmp_path):
          "hash_ids": [1, 2], "finish_reason": "tool_calls", "tool_names": ["search"],
          "tenant": "acme"},
         {"timestamp": 1000, "session_id": "a", "turn": 2, "input_length": 700,
-         "output_length": 5, "hash_ids": [1, 3], "end": True},
+         "output_length": 5, "hash_ids": [1, 3], "end": True, "tenant": "acme"},
     ])
     first, second = load_trace(path).requests
     assert (first.tenant, first.finish_reason, first.tool_names, first.turn) == (
@@ -61,6 +61,25 @@ def test_an_end_line_ends_the_session_after_its_latest_request(tmp_path):
     a, b1, b2 = load_trace(path).requests
     assert (a.end, a.end_at_s) == (False, 2.5)
     assert b1.end_at_s is None and b2.end_at_s is None
+
+
+def test_two_tenants_sessions_of_the_same_id_are_two_sessions(tmp_path):
+    """The router keys sessions by tenant and its recorder writes the client's id with
+    the tenant beside it: tenant t1 ending its "s" does not end t2's "s", and their turns
+    count apart. Before, the loader refused such a recording ("continues after its
+    'end'") or merged the two."""
+    path = _write(tmp_path, [
+        {**_mc(0, [1]), "session_id": "s", "tenant": "t1"},
+        {**_mc(1, [2]), "session_id": "s", "tenant": "t2"},
+        {**_mc(2, [1, 3]), "session_id": "s", "tenant": "t1", "turn": 2, "end": True},
+        {**_mc(3, [2, 4]), "session_id": "s", "tenant": "t2", "turn": 2},
+        {"timestamp": 4, "session_id": "s", "tenant": "t2", "end": True},
+    ])
+    trace = load_trace(path)
+    assert trace.sessions == 2
+    assert [(r.tenant, r.turn, r.end, r.end_at_s) for r in trace.requests] == [
+        ("t1", 1, False, None), ("t2", 1, False, None), ("t1", 2, True, None),
+        ("t2", 2, False, 0.004)]
 
 
 _END = {"timestamp": 5, "session_id": "a", "end": True}
@@ -94,7 +113,7 @@ _END = {"timestamp": 5, "session_id": "a", "end": True}
          "an end line has only"),
         ([{**_mc(9, [1]), "session_id": "a"}, _END], 2, "timestamps must not decrease"),
         ([{**_mc(0, [1]), "session_id": "a", "tenant": "x"}, {**_END, "tenant": "y"}], 2,
-         "end line's tenant 'y'"),
+         "session 'a' of tenant 'y', which has no request before it"),
         ([_mc(0, [1]), _END], 2, "unknown field(s) end, session_id"),
     ],
 )
