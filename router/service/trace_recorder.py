@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import IO
 
 FILE_PREFIX = "kvhint-trace-"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ class TraceRecorder:
         self._lines: list[str] = []
         self._request_lines = 0  # of ``_lines`` (the rest are end lines)
         self._block_size: int | None = None
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self.path: Path | None = None
         # Sessions ended since their last line; (tenant, id) -> times a reused id started
         # over (its lines are "<id>~<n + 1>"). Both hold ended sessions only.
@@ -167,7 +170,10 @@ class TraceRecorder:
         self._emit()
         await self._write()
         if self._file is not None:
-            await asyncio.get_running_loop().run_in_executor(self._io, self._file.close)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._io, self._file.close)
+            except OSError as exc:  # must not stop the router's shutdown after it
+                log.warning("trace file %s did not close cleanly: %s", self.path, exc)
             self._file = None
         self._io.shutdown(wait=True)
 
@@ -254,9 +260,20 @@ class TraceRecorder:
                 n += 1
                 path = self.directory / f"{name}-{n}.jsonl"
             self.path = path
-            self._file = path.open("x", encoding="utf-8")
-        self._file.writelines(lines)
-        self._file.flush()
+            # Unbuffered: what write() returns is on disk, so a failed write can be undone.
+            self._file = path.open("xb", buffering=0)
+        data = "".join(lines).encode("utf-8")
+        start = self._file.tell()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError:
+            # A full disk or a file size limit: take back what part of the batch got
+            # written, so the file never holds half a line, nor lines counted as dropped.
+            self._file.truncate(start)
+            self._file.seek(start)
+            raise
 
 
 def _json_line(row: dict[str, object]) -> str:
