@@ -14,6 +14,7 @@ masks with bit ``s*4+t`` set.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
@@ -57,7 +58,10 @@ class InMemoryClusterKvIndex:
         self._worker_of: list[str] = []
         self._slot_hashes: list[set[int]] = []
         self._tier_counts: list[list[int]] = []
-        self._gpu_pattern = 0  # bit slot*4 for every slot
+        self._gpu_pattern = 0  # bit slot*4 for every slot in use
+        # Slots of purged workers, lowest first: a fleet whose worker ids come and go
+        # (autoscaling, restarts under new ids) keeps its masks as wide as it is large.
+        self._free_slots: list[int] = []
         self._sessions = SessionTable(max_sessions, max_frontiers)
         self._stored = 0
         self._removed = 0
@@ -87,10 +91,15 @@ class InMemoryClusterKvIndex:
     def _slot(self, worker_id: str) -> int:
         slot = self._slot_of.get(worker_id)
         if slot is None:
-            slot = self._slot_of[worker_id] = len(self._worker_of)
-            self._worker_of.append(worker_id)
-            self._slot_hashes.append(set())
-            self._tier_counts.append([0] * len(TIERS))
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+                self._worker_of[slot] = worker_id
+            else:
+                slot = len(self._worker_of)
+                self._worker_of.append(worker_id)
+                self._slot_hashes.append(set())
+                self._tier_counts.append([0] * len(TIERS))
+            self._slot_of[worker_id] = slot
             self._gpu_pattern |= 1 << (slot * _BITS)
         return slot
 
@@ -202,6 +211,10 @@ class InMemoryClusterKvIndex:
     def _on_purged(self, event: WorkerPurged) -> None:
         self._purged += 1
         self._drop_worker(event.worker_id)
+        slot = self._slot_of.pop(event.worker_id, None)
+        if slot is not None:  # nothing of it is left in any mask: the slot is free
+            self._gpu_pattern &= ~(1 << (slot * _BITS))
+            heapq.heappush(self._free_slots, slot)
 
     def _on_snapshot(self, event: SnapshotLoaded) -> None:
         self._snapshots += 1

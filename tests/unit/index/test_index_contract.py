@@ -206,3 +206,21 @@ def test_snapshot_listing_a_block_twice_counts_one_residency(index: ClusterKvInd
     assert index.stats().duplicate_stores == 1 and index.stats().entries == 2
     index.apply(BlocksRemoved("w0", [1]))
     assert index.worker_block_counts("w0") == {"CPU": 1}
+
+
+def test_workers_that_come_and_go_reuse_their_slots() -> None:
+    # A fleet whose worker ids change (autoscaling, restarts under new ids): each purged
+    # worker's slot is reused, so the per-hash masks and every lookup's loop over slots
+    # stay as wide as the live fleet. Before, 3,000 such ids made a 64-block lookup take
+    # 13 ms instead of 5 us. (Slots are the fast index's own; the naive one has none.)
+    index = InMemoryClusterKvIndex()
+    index.apply(stored("keep", [1, 2, 3]))
+    for n in range(3_000):
+        index.apply(stored(f"gone-{n}", [1, 2, 100 + n]))
+        index.apply(WorkerPurged(f"gone-{n}", "engine restarted"))
+    index.apply(stored("new", [1, 2]))
+    assert dict(index.match_prefix([1, 2, 3]).workers) == {
+        "keep": WorkerOverlap(3, 0), "new": WorkerOverlap(2, 0)}
+    assert index.worker_ids() == ("keep", "new")
+    assert len(index._worker_of) == 2  # noqa: SLF001 - the slots themselves are the point
+    assert index.locate(100) == {} and index.stats().distinct_blocks == 3
