@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvhint.router.service.admin_api import build_admin_router
 from kvhint.router.service.dashboard import build_dashboard_router
+from kvhint.router.service.forwarding import wait_disconnect
 from kvhint.router.service.inbound import (
     SESSION_END_HEADER,
     SESSION_HEADER,
@@ -124,7 +125,13 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     except BadRequest as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return _error(exc.message, exc.status, exc.param)
-    return await runtime.forwarder.forward(inbound)
+    if inbound.stream:  # the streamed response watches for the client leaving itself
+        return await runtime.forwarder.forward(inbound)
+    gone = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        return await runtime.forwarder.forward(inbound, gone)
+    finally:
+        gone.cancel()
 
 
 async def _models(request: Request) -> Response:

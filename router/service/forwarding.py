@@ -9,6 +9,7 @@ event instead (the SDKs raise it as an ``APIError``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -45,22 +46,25 @@ class _RelayResponse(Response):
 
     Starlette's StreamingResponse opens an anyio task group per response on ASGI < 2.4
     (uvicorn reports 2.3) to notice a client that goes away; one plain task watching
-    ``receive`` does the same for a fraction of the cost. When the client is gone, or the
-    response ends any way, the relay generator is closed at once, which cancels the
-    upstream request and runs its accounting.
+    ``receive`` does the same for a fraction of the cost. When the client is gone,
+    ``on_client_gone`` runs at once (it closes the upstream request, so a relay waiting on
+    a silent worker wakes up); when the response ends any way, the relay generator is
+    closed, which runs its accounting.
     """
 
     def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int,
-                 headers: dict[str, str]) -> None:
+                 headers: dict[str, str], on_client_gone: Callable[[], None]) -> None:
         # No body attribute: init_headers then sets no Content-Length (chunked transfer).
         self.status_code = status_code
         self.media_type = headers.get("content-type", "text/event-stream")
         self.background = None
         self.init_headers(headers)
         self._chunks = chunks
+        self._on_client_gone = on_client_gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        gone.add_done_callback(self._client_gone)
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
@@ -70,13 +74,45 @@ class _RelayResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            gone.remove_done_callback(self._client_gone)
             gone.cancel()
             await self._chunks.aclose()
 
+    def _client_gone(self, gone: asyncio.Future[None]) -> None:
+        if not gone.cancelled() and gone.exception() is None:
+            self._on_client_gone()
 
-async def _wait_disconnect(receive: Receive) -> None:
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client disconnects (the request body already read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class _ClientGone(Exception):
+    """The client of a non-streamed request left before its worker answered."""
+
+
+async def _until_open(opening: asyncio.Future[UpstreamResponse],
+                      client_gone: asyncio.Future[None] | None) -> UpstreamResponse:
+    """The worker's response once it starts, or :class:`_ClientGone` (the request to the
+    worker cancelled) if the client leaves first."""
+    if client_gone is None:
+        return await opening
+    await asyncio.wait((opening, client_gone), return_when=asyncio.FIRST_COMPLETED)
+    if opening.done() or client_gone.cancelled():
+        return await opening
+    opening.cancel()
+    with contextlib.suppress(asyncio.CancelledError, UpstreamUnavailable):
+        await opening
+    raise _ClientGone
+
+
+def _client_left(flight: "_Flight", upstream: UpstreamResponse) -> None:
+    """The client went away: close the worker's response now, which ends a read waiting on
+    a silent worker (and has vLLM abort the request) instead of at its next chunk."""
+    flight.client_gone = True
+    upstream.close()
 
 
 @dataclass(slots=True)
@@ -94,6 +130,8 @@ class _Flight:
     observation: ResponseObservation = field(default_factory=ResponseObservation)
     trace_ticket: int | None = None
     first_byte_at: float | None = None  # perf_counter
+    client_gone: bool = False
+    client_gone_signal: asyncio.Future[None] | None = None
 
 
 class Forwarder:
@@ -109,8 +147,13 @@ class Forwarder:
         self._on_worker_down = on_worker_down
         self._recorder = recorder
 
-    async def forward(self, inbound: InboundRequest) -> Response:
+    async def forward(self, inbound: InboundRequest,
+                      client_gone: asyncio.Future[None] | None = None) -> Response:
+        """``client_gone``: done when the client of a non-streamed request disconnects
+        (a streamed response watches its own); the worker's response is then closed at
+        once, not when it finishes."""
         flight = _Flight(inbound, None, None, time.perf_counter())
+        flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
         if inbound.client_session_id is not None:
@@ -133,6 +176,9 @@ class Forwarder:
             worker_id = flight.plan.decision.worker_id
             try:
                 upstream = await self._open(flight, worker_id, body)
+            except _ClientGone:
+                await self._account(flight, 499)
+                return Response(status_code=499)
             except UpstreamUnavailable as exc:
                 last_error = exc
                 excluded = excluded | {worker_id}
@@ -166,7 +212,11 @@ class Forwarder:
         uncached = max(plan.prompt_tokens - predicted, 0)
         self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
         try:
-            upstream = await opening
+            upstream = await _until_open(opening, flight.client_gone_signal)
+        except _ClientGone:
+            worker.inflight -= 1
+            self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size, uncached)
+            raise
         except UpstreamUnavailable as exc:
             worker.inflight -= 1
             self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size, uncached)
@@ -188,18 +238,33 @@ class Forwarder:
         headers[WORKER_HEADER] = upstream.worker_id
         streaming = flight.inbound.stream and upstream.status < 400
         if not streaming:
+            signal = flight.client_gone_signal
+
+            def client_gone(done: asyncio.Future[None]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    _client_left(flight, upstream)
+
+            if signal is not None:
+                signal.add_done_callback(client_gone)
             try:
                 payload = await upstream.read()
             except UpstreamBroken as exc:
+                if flight.client_gone:  # nobody reads this answer
+                    await self._account(flight, 499)
+                    return Response(status_code=499)
                 self._metrics.broken_streams.labels(upstream.worker_id).inc()
                 await self._account(flight, 502)
                 return _error(f"worker failed while responding: {exc}", 502)
+            finally:
+                if signal is not None:
+                    signal.remove_done_callback(client_gone)
             self._first_byte(flight)
             if upstream.status < 400:
                 flight.observation.observe_json(payload)
             await self._account(flight, upstream.status)
             return Response(payload, status_code=upstream.status, headers=headers)
-        return _RelayResponse(self._relay(flight, upstream), upstream.status, headers)
+        return _RelayResponse(self._relay(flight, upstream), upstream.status, headers,
+                              lambda: _client_left(flight, upstream))
 
     async def _relay(self, flight: _Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:
@@ -213,6 +278,9 @@ class Forwarder:
                     first = False
                 yield chunk
         except UpstreamBroken as exc:
+            if flight.client_gone:  # our own doing: the upstream closed for a client gone
+                status = 499
+                return
             status = 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
             yield b"data: " + openai_error(f"worker failed mid-stream: {exc}", 502) + b"\n\n"

@@ -76,6 +76,8 @@ class StubWorker:
     tool_names: list[str] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
     chunk_gap_s: float = 0.0
+    # A worker busy before it answers at all (a long prefill, a queue).
+    answer_delay_s: float = 0.0
     # Set: a request on a kept-alive connection idle longer than this is dropped unanswered
     # (the connection reset), the outcome of a request written just as a server closes
     # an idle connection (vLLM's after 5 s), a race no real server loses on cue.
@@ -135,6 +137,8 @@ class StubWorker:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        if self.answer_delay_s:
+            await asyncio.sleep(self.answer_delay_s)
         if self.mode.startswith("status:"):
             code = int(self.mode.split(":")[1])
             return web.json_response({"error": {"message": f"stub says {code}", "code": code}},

@@ -247,6 +247,44 @@ async def test_models_health_metrics_dashboard(tmp_path: Path,
         json.loads(json.dumps(overview))
 
 
+async def _requests_with_code(client: httpx.AsyncClient, url: str, code: int) -> float:
+    text = (await client.get(f"{url}/metrics")).text
+    wanted = f'kvhint_router_requests_total{{code="{code}",endpoint="chat",worker='
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(wanted))
+
+
+async def test_a_client_leaving_a_silent_worker_is_noticed_at_once(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """The client leaves while its worker sends nothing (a stalled stream; a request not
+    answered yet): the router closes the worker's response at once, counts a 499 and
+    frees the worker's in-flight slot. Before, it noticed only at the worker's next
+    chunk or answer (up to request_timeout_s), the worker generating for nobody."""
+    stub = stub_workers[0]
+    stub.chunk_gap_s = 6.0  # silent after the first event
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        worker = router.runtime.workers.get("w0")
+        async with client.stream("POST", f"{router.url}/v1/chat/completions",
+                                 json={**CHAT, "stream": True}) as response:
+            async for _line in response.aiter_lines():
+                break  # the first event, then the client hangs up
+        started = time.monotonic()
+        while worker.inflight and time.monotonic() - started < 2.0:
+            await asyncio.sleep(0.05)
+        assert worker.inflight == 0
+        assert await _requests_with_code(client, router.url, 499) == 1
+        # Not streamed: the worker has not answered yet when the client gives up.
+        stub.chunk_gap_s, stub.answer_delay_s = 0.0, 6.0
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(f"{router.url}/v1/chat/completions", json=CHAT, timeout=1.0)
+        started = time.monotonic()
+        while worker.inflight and time.monotonic() - started < 2.0:
+            await asyncio.sleep(0.05)
+        assert worker.inflight == 0
+        assert await _requests_with_code(client, router.url, 499) == 2
+
+
 async def test_client_leaving_mid_stream_is_counted_and_frees_the_worker(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
     stub = stub_workers[0]
