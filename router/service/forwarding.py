@@ -9,7 +9,6 @@ event instead (the SDKs raise it as an ``APIError``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -103,8 +102,12 @@ async def _until_open(opening: asyncio.Future[UpstreamResponse],
     if opening.done() or client_gone.cancelled():
         return await opening
     opening.cancel()
-    with contextlib.suppress(asyncio.CancelledError, UpstreamUnavailable):
-        await opening
+    try:
+        late = await opening
+    except (asyncio.CancelledError, UpstreamUnavailable):
+        pass
+    else:  # it opened before the cancel took: give its connection back
+        late.close()
     raise _ClientGone
 
 
