@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 
 from kvhint.router.policy import agent_scope
 from kvhint.router.service.runtime import RouterRuntime
-from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord
+from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
 from kvhint.router.store.reader import (
     count_hints_by_status,
@@ -212,11 +212,6 @@ def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
                      key=lambda a: a.created_at, reverse=True)
     hints = [a.row() for a in (pending[:50] + recent_hints)
              if scope is None or a.tenant == scope][:100]
-    by_state = {ACTIVE: 0, TOOL_GAP: 0, ENDED: 0}
-    for record in sessions:
-        by_state[record.state] = by_state.get(record.state, 0) + 1
-    status_counts = runtime.hints.status_counts if scope is None else \
-        runtime.hints.status_counts_by_tenant.get(scope, {})
     stats = runtime.index.stats()
     return {
         "now": time.time(), "started_at": runtime.started_at,
@@ -226,9 +221,9 @@ def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
         "timeline": runtime.timeline.as_list() if scope is None else [],
         "workers": [worker_view(runtime, w.worker_id) for w in runtime.workers.all()],
         "sessions": [session_view(runtime, r, detail=False) for r in sessions[:100]],
-        "sessions_by_state": by_state,
+        "sessions_by_state": runtime.sessions.counts_by_state(scope),
         "hints": hints,
-        "hint_status_counts": dict(status_counts),
+        "hint_status_counts": runtime.hints.status_counts_of(scope),
         "hints_pending": len(pending),
         "index": {"distinct_blocks": stats.distinct_blocks, "entries": stats.entries,
                   "sessions": stats.sessions, "workers": stats.workers},

@@ -45,14 +45,15 @@ class _RelayResponse(Response):
 
     Starlette's StreamingResponse opens an anyio task group per response on ASGI < 2.4
     (uvicorn reports 2.3) to notice a client that goes away; one plain task watching
-    ``receive`` does the same for a fraction of the cost. When the client is gone,
-    ``on_client_gone`` runs at once (it closes the upstream request, so a relay waiting on
-    a silent worker wakes up); when the response ends any way, the relay generator is
-    closed, which runs its accounting.
+    ``receive`` does the same for a fraction of the cost. When the client is gone, the
+    watcher's ``on_client_gone`` callback runs at once (it closes the upstream request, so
+    a relay waiting on a silent worker wakes up); when the response ends any way, the
+    relay generator is closed, which runs its accounting.
     """
 
     def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int,
-                 headers: dict[str, str], on_client_gone: Callable[[], None]) -> None:
+                 headers: dict[str, str],
+                 on_client_gone: Callable[[asyncio.Future[None]], None]) -> None:
         # No body attribute: init_headers then sets no Content-Length (chunked transfer).
         self.status_code = status_code
         self.media_type = headers.get("content-type", "text/event-stream")
@@ -63,7 +64,7 @@ class _RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.ensure_future(wait_disconnect(receive))
-        gone.add_done_callback(self._client_gone)
+        gone.add_done_callback(self._on_client_gone)
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
@@ -73,13 +74,9 @@ class _RelayResponse(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            gone.remove_done_callback(self._client_gone)
+            gone.remove_done_callback(self._on_client_gone)
             gone.cancel()
             await self._chunks.aclose()
-
-    def _client_gone(self, gone: asyncio.Future[None]) -> None:
-        if not gone.cancelled() and gone.exception() is None:
-            self._on_client_gone()
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -111,11 +108,17 @@ async def _until_open(opening: asyncio.Future[UpstreamResponse],
     raise _ClientGone
 
 
-def _client_left(flight: "_Flight", upstream: UpstreamResponse) -> None:
-    """The client went away: close the worker's response now, which ends a read waiting on
-    a silent worker (and has vLLM abort the request) instead of at its next chunk."""
-    flight.client_gone = True
-    upstream.close()
+def _closes_upstream_when_gone(flight: "_Flight", upstream: UpstreamResponse
+                               ) -> Callable[[asyncio.Future[None]], None]:
+    """A done callback for a disconnect watcher: once the client went away, close the
+    worker's response now, which ends a read waiting on a silent worker (and has vLLM
+    abort the request) instead of at its next chunk. A watcher cancelled (the response
+    ended first) or failed changes nothing."""
+    def on_done(gone: asyncio.Future[None]) -> None:
+        if not gone.cancelled() and gone.exception() is None:
+            flight.client_gone = True
+            upstream.close()
+    return on_done
 
 
 @dataclass(slots=True)
@@ -242,11 +245,7 @@ class Forwarder:
         streaming = flight.inbound.stream and upstream.status < 400
         if not streaming:
             signal = flight.client_gone_signal
-
-            def client_gone(done: asyncio.Future[None]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    _client_left(flight, upstream)
-
+            client_gone = _closes_upstream_when_gone(flight, upstream)
             if signal is not None:
                 signal.add_done_callback(client_gone)
             try:
@@ -267,7 +266,7 @@ class Forwarder:
             await self._account(flight, upstream.status)
             return Response(payload, status_code=upstream.status, headers=headers)
         return _RelayResponse(self._relay(flight, upstream), upstream.status, headers,
-                              lambda: _client_left(flight, upstream))
+                              _closes_upstream_when_gone(flight, upstream))
 
     async def _relay(self, flight: _Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:

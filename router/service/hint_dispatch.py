@@ -144,10 +144,8 @@ class HintDispatcher:
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
         self._recent_by_id: dict[str, SentAction] = {}
         self._feedback_config = FeedbackConfig()
-        # Actions per status they ended in (the dashboard's timeline differences it), in
-        # all and per tenant (a tenant admin's overview; None: actions of no tenant).
-        self.status_counts: dict[str, int] = {}
-        self.status_counts_by_tenant: dict[str | None, dict[str, int]] = {}
+        # Actions per tenant (None: actions of no tenant) and status they ended in.
+        self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_times: dict[str, deque[float]] = {}
         self._stats_dirty = False
 
@@ -245,6 +243,20 @@ class HintDispatcher:
                 self._save(record)
                 sent.append(record)
         return sent
+
+    @property
+    def status_counts(self) -> dict[str, int]:
+        """Actions per status they ended in, all tenants (the dashboard's timeline
+        differences it)."""
+        totals: dict[str, int] = {}
+        for of_tenant in self._status_counts.values():
+            for status, count in of_tenant.items():
+                totals[status] = totals.get(status, 0) + count
+        return totals
+
+    def status_counts_of(self, tenant: str | None) -> dict[str, int]:
+        """Actions per status they ended in: ``tenant``'s, or all tenants' for None."""
+        return self.status_counts if tenant is None else dict(self._status_counts.get(tenant, {}))
 
     def new_id(self) -> str:
         return f"{self._rng.getrandbits(64):016x}"
@@ -372,8 +384,7 @@ class HintDispatcher:
         return len(late)
 
     def _finish(self, record: SentAction) -> None:
-        self.status_counts[record.status] = self.status_counts.get(record.status, 0) + 1
-        of_tenant = self.status_counts_by_tenant.setdefault(record.tenant, {})
+        of_tenant = self._status_counts.setdefault(record.tenant, {})
         of_tenant[record.status] = of_tenant.get(record.status, 0) + 1
         self.pending.pop(record.action_id, None)
         if len(self.recent) == self.recent.maxlen:

@@ -251,7 +251,7 @@ class RouterRuntime:
             log.info("models discovered: %s", sorted(models))
 
     def _sample(self) -> None:
-        self.timeline.sample(time.time(), self.metrics.totals, dict(self.hints.status_counts))
+        self.timeline.sample(time.time(), self.metrics.totals, self.hints.status_counts)
 
     # --- views --------------------------------------------------------------------------
 

@@ -145,10 +145,12 @@ class SessionRegistry:
             self._sessions[record.key] = record
         return len(rows)
 
-    def counts_by_state(self) -> dict[str, int]:
+    def counts_by_state(self, tenant: str | None = None) -> dict[str, int]:
+        """Sessions in memory per state; only ``tenant``'s when given."""
         counts: dict[str, int] = {ACTIVE: 0, TOOL_GAP: 0, ENDED: 0}
         for record in self._sessions.values():
-            counts[record.state] = counts.get(record.state, 0) + 1
+            if tenant is None or record.tenant == tenant:
+                counts[record.state] = counts.get(record.state, 0) + 1
         return counts
 
     def _evict_oldest(self) -> None:
