@@ -30,6 +30,8 @@ from kvhint.router.service.inbound import (
     Endpoint,
     openai_error,
     parse_inbound,
+    read_body_within,
+    refusal_headers,
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.runtime import RouterRuntime
@@ -113,10 +115,8 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     try:
         tenant = runtime.directory.client(
             api_key_from_headers(headers.get("authorization"), headers.get("x-api-key")))
-        body = await request.body()
-        if len(body) > runtime.settings.max_body_bytes:
-            raise BadRequest(f"request body is larger than {runtime.settings.max_body_bytes} "
-                             "bytes", status=413)
+        body = await read_body_within(request.stream(), headers.get("content-length"),
+                                      runtime.settings.max_body_bytes)
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
                                 headers.get(SESSION_END_HEADER))
     except AuthError as exc:
@@ -182,4 +182,4 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def _error(message: str, status: int, param: str | None = None,
            error_type: str | None = None) -> Response:
     return Response(openai_error(message, status, param, error_type), status_code=status,
-                    media_type="application/json")
+                    media_type="application/json", headers=refusal_headers(status))

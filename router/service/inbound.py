@@ -10,6 +10,7 @@ client as they are.
 from __future__ import annotations
 
 import enum
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,29 @@ ROUTER_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt",
                        "prompt_cache_key", "session_id")
 
 _json_decoder = msgspec.json.Decoder()
+
+
+async def read_body_within(chunks: AsyncIterator[bytes], declared_length: str | None,
+                           limit: int) -> bytes:
+    """The whole request body, or :class:`BadRequest` 413 as soon as it is known to be over
+    ``limit`` bytes: from its ``Content-Length`` before reading, or while reading a chunked
+    body. The router never holds more than ``limit`` bytes of one body."""
+    too_large = BadRequest(f"request body is larger than {limit} bytes", status=413)
+    if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def refusal_headers(status: int) -> dict[str, str] | None:
+    """Headers for an error answer: a 413 closes the connection, because the rest of the
+    body is still unread and a keep-alive connection would have the server read (and
+    discard) all of it, and let the client go on sending."""
+    return {"connection": "close"} if status == 413 else None
 
 
 class Endpoint(str, enum.Enum):

@@ -25,7 +25,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from kvhint.router.policy import PlannedAction, agent_scope
-from kvhint.router.service.inbound import BadRequest, check_session_id, openai_error
+from kvhint.router.service.inbound import (
+    BadRequest,
+    check_session_id,
+    openai_error,
+    read_body_within,
+    refusal_headers,
+)
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_from_headers
 from kvhint.schemas import (
@@ -74,7 +80,7 @@ class HintRequest(msgspec.Struct, forbid_unknown_fields=True):
 def _json_error(message: str, status: int, **extra: Any) -> JSONResponse:
     body = msgspec.json.decode(openai_error(message, status))
     body["error"].update(extra)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=refusal_headers(status))
 
 
 def _principal(runtime: RouterRuntime, request: Request) -> Principal:
@@ -122,7 +128,9 @@ def build_sessions_router() -> APIRouter:
             if not principal.is_admin:
                 raise AuthError(403, "sending hints needs an admin key")
             tenant_name = _tenant_for(principal, tenant)
-            hint_request = msgspec.json.decode(await request.body(), type=HintRequest)
+            body = await read_body_within(request.stream(), request.headers.get("content-length"),
+                                          runtime.settings.max_body_bytes)
+            hint_request = msgspec.json.decode(body, type=HintRequest)
         except AuthError as exc:
             return _json_error(exc.message, exc.status)
         except BadRequest as exc:
@@ -191,7 +199,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     body = {"tenant": tenant_name, "session_id": session_id, "worker_id": worker.worker_id,
             "actions": [a.row() for a in sent]}
     status = 200 if all(a.terminal for a in sent) else 202
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=refusal_headers(status))
 
 
 def _action_ids(actions: list[HintRequestAction], tenant_name: str, runtime: RouterRuntime

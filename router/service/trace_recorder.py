@@ -29,7 +29,9 @@ Contracts:
   ``--block-size <block size>``. Requests hashed at another block size are dropped.
 - a session id a client reuses after it ended the session (``X-Session-End``, or the
   sessions API) continues as ``<id>~2``, ``~3`` ... (a session ends for good in the trace
-  format); a request without a session is a one-turn session ``~r<n>``.
+  format); a request without a session is a one-turn session ``~r<n>``. A ``~`` in a
+  client's own id is written doubled (``a~2`` as ``a~~2``), so no client id reads as the
+  recorder's ``~`` suffixes.
 - an end through the sessions API after the session's last line is written as an end
   line, ``{"timestamp", "session_id", "tenant", "end": true}``, at the time the end came
   (the simulator ends the session then); an end the session's own request carried
@@ -202,8 +204,8 @@ class TraceRecorder:
                 self._ended.discard(key)
                 self._restarts[key] = self._restarts.get(key, 0) + 1
             restarts = self._restarts.get(key, 0)
-            session_id = request.session_id if not restarts else (
-                f"{request.session_id}~{restarts + 1}")
+            own_id = request.session_id.replace("~", "~~")
+            session_id = own_id if not restarts else f"{own_id}~{restarts + 1}"
             if request.end:
                 self._ended.add(key)
                 self._open.pop(key, None)

@@ -304,3 +304,57 @@ async def test_client_leaving_mid_stream_is_counted_and_frees_the_worker(
             await asyncio.sleep(0.1)
         assert wanted in text
         assert router.runtime.workers.get("w0").inflight == 0
+
+
+async def _send_until_answered(url: str, path: str, headers: str, chunk: bytes,
+                               cap_bytes: int) -> tuple[bytes, int]:
+    """Writes the request head, then ``chunk`` after ``chunk`` (up to ``cap_bytes``) while
+    reading, the way a client that keeps sending would; returns what the server answered
+    and how many body bytes were sent by then. A raw socket: httpx reads only after it
+    sent the whole body."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\n"
+                 f"content-type: application/json\r\n{headers}\r\n".encode())
+    answer = asyncio.ensure_future(reader.read(65536))
+    sent = 0
+    try:
+        while not answer.done() and sent < cap_bytes:
+            writer.write(chunk)
+            sent += len(chunk)
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        return await asyncio.wait_for(answer, 10), sent
+    except ConnectionError:  # the server closed while we wrote: its answer came first
+        return await asyncio.wait_for(answer, 10), sent
+    finally:
+        writer.close()
+
+
+async def test_a_body_over_the_limit_is_refused_while_it_is_still_coming(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """``max_body_bytes`` bounds what the router holds of one body: a chunked body gets
+    its 413 once the limit is passed, while the client is still sending (before, the
+    router read the whole body first), and the connection is closed so the client stops;
+    a declared length over the limit gets it before the body is read. The hints API has
+    the same bound."""
+    stub = stub_workers[0]
+    limit = 64 * 1024
+    settings = router_settings(tmp_path, [("w0", stub.url)], max_body_bytes=limit)
+    piece = b" " * 8192
+    chunked = b"%x\r\n%s\r\n" % (len(piece), piece)
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for path in ("/v1/chat/completions", "/v1/sessions/s1/hints"):
+            answer, sent = await _send_until_answered(
+                router.url, path, "transfer-encoding: chunked\r\n", chunked, 64 << 20)
+            assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+            assert b"larger than 65536 bytes" in answer
+            assert b"connection: close" in answer.lower()
+            assert sent < 8 << 20  # answered long before the 64 MiB the client had
+        answer, sent = await _send_until_answered(
+            router.url, "/v1/chat/completions", f"content-length: {limit + 1}\r\n",
+            b" " * 1024, limit + 1)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        # The router goes on serving; nothing reached the worker.
+        ok = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert ok.status_code == 200 and len(stub.received) == 1

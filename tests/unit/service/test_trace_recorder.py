@@ -148,3 +148,23 @@ async def test_a_streamed_responses_times_are_written_rounded(tmp_path: Path) ->
     assert recorder.path is not None
     lines = recorder.path.read_text().splitlines()
     assert '"itl_ms":12.35,"ttft_ms":180.0' in lines[0] and "_ms" not in lines[1]
+
+
+async def test_client_ids_with_a_tilde_never_read_as_the_recorders_suffixes(
+        tmp_path: Path) -> None:
+    """``s`` restarted is ``s~2`` in the file and a request with no session is ``~r<n>``;
+    a client whose own ids are literally ``s~2`` and ``~r1`` stays a session of its own."""
+    recorder, _drops = _recorder(tmp_path, Clock())
+    tickets = [recorder.arrived() for _ in range(4)]
+    recorder.finished(tickets[0], _request("s", 16, (1001,), end=True))
+    recorder.finished(tickets[1], _request(None, 16, (1002,)))
+    recorder.finished(tickets[2], _request("s", 16, (1003,)))  # s again: starts over
+    recorder.finished(tickets[3], _request("s~2", 16, (1004,)))
+    late = recorder.arrived()
+    recorder.finished(late, _request("~r1", 16, (1005,)))
+    await recorder.close()
+    assert recorder.path is not None
+    trace = load_trace(recorder.path, block_size=BS)
+    ids = [r.session_id for r in trace.requests]
+    assert ids == ["s", "~r1", "s~2", "s~~2", "~~r1"]
+    assert [r.turn for r in trace.requests] == [1, 1, 1, 1, 1]
