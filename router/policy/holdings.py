@@ -179,6 +179,7 @@ class HoldingsLedger:
     def __init__(self) -> None:
         self._by_id: dict[str, _Held] = {}
         self._by_scope: dict[tuple[str, str], str] = {}
+        self._workers_of_scope: dict[str, set[str]] = {}
         self._expiry: list[tuple[float, str]] = []
         # Distinct (pinned, retained) blocks per worker and per tenant.
         self._workers = _BlockCounts()
@@ -225,12 +226,17 @@ class HoldingsLedger:
             self._drop(old, kept_named=kept)
         self._by_id[action_id] = held
         self._by_scope[(worker_id, scope)] = action_id
+        self._workers_of_scope.setdefault(scope, set()).add(worker_id)
         heapq.heappush(self._expiry, (expires_at, action_id))
         self._count(held, +1, kept_named=kept)
 
     def holds(self, worker_id: str, scope: str) -> bool:
         """Whether a live holding of ``scope`` is on the worker."""
         return (worker_id, scope) in self._by_scope
+
+    def workers_holding(self, scope: str) -> list[str]:
+        """The workers with a live holding of ``scope``, sorted."""
+        return sorted(self._workers_of_scope.get(scope, ()))
 
     def release_scope(self, worker_id: str, scope: str) -> None:
         old = self._by_scope.get((worker_id, scope))
@@ -339,3 +345,7 @@ class HoldingsLedger:
         self._count(held, -1, kept_named)
         if self._by_scope.get((held.worker_id, held.scope)) == held.action_id:
             del self._by_scope[(held.worker_id, held.scope)]
+            workers = self._workers_of_scope[held.scope]
+            workers.discard(held.worker_id)
+            if not workers:
+                del self._workers_of_scope[held.scope]

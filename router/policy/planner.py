@@ -251,13 +251,20 @@ def _protect(
     if worker is None or blocks == 0:
         return PlanResult(session)
     kind = session.gap_kind or USER_GAP
+    # Twice past its predicted gap (a quantile), a session is overdue: its tool may never
+    # answer, so it is no longer pinned (a hard hold it would keep until abandonment, an
+    # hour) and is valued by hit density like any idle session. Up to twice the gap, a
+    # late return is still likely enough to pin for (gen-agents 2 x 400, seeds 1-5:
+    # -0.5% recomputed tokens against pinning until abandonment, -0.9% against stopping
+    # at the predicted gap; BENCHMARKS.md).
+    overdue = idle_s > 2.0 * session.gap_predicted_s
     remaining = max(session.gap_predicted_s - idle_s, config.min_ttl_s)
     current = session.protection
     own_pinned = current.blocks if current and current.action_type == ActionType.PIN.value else 0
     own_retained = current.blocks if current and current.action_type == ActionType.RETAIN.value else 0
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
 
-    if not is_user_kind(kind) and remaining <= config.pin_max_gap_s and worker.can_send(
+    if not is_user_kind(kind) and not overdue and remaining <= config.pin_max_gap_s and worker.can_send(
         ActionType.PIN, config
     ):
         if not new_blocks and current is not None and (

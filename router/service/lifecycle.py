@@ -14,8 +14,12 @@ which planner function it asks for hints.
 - a worker answers the session's Pin/Retain: the protection the planner remembers becomes
   what the worker applied (:meth:`SessionPlanState.settled`); one that could not be sent
   (NATS down) protects nothing;
-- tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon), hint
-  deadlines, learned statistics saved, long-gone sessions forgotten from memory; every
+- a turn in flight when its session ends (a DELETE while the worker answers) only
+  updates the counters: nothing is planned for a session that ended;
+- tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon) when
+  :func:`next_idle_review` says one is due, the same schedule the simulator keeps; hint
+  deadlines, learned statistics saved; ended sessions (an idle one ends when abandoned)
+  and sessions awaiting nothing are forgotten from memory once long gone; every
   ``PlannerConfig.shared_prefix_scan_s`` prefixes shared by many sessions are retained
   (:func:`find_shared_prefixes`, :func:`plan_shared_prefixes`; the simulator runs the
   same scan).
@@ -38,6 +42,7 @@ from kvhint.router.policy import (
     TurnRouted,
     agent_scope,
     find_shared_prefixes,
+    next_idle_review,
     plan_idle,
     plan_response_finished,
     plan_shared_prefixes,
@@ -102,6 +107,9 @@ class SessionLifecycle:
         record.turns += 1
         record.predicted_cached_tokens += predicted_cached
         record.last_block_hashes = block_hashes
+        if record.state == ENDED:  # ended while this turn was on its way: plan nothing
+            self.sessions.save(record)
+            return
         event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now,
                            predicted_cached if prediction_exact else None)
         context = self.hints.context(now, record.tenant)
@@ -116,6 +124,10 @@ class SessionLifecycle:
         if observation is not None and observation.prompt_tokens is not None:
             record.prompt_tokens += observation.prompt_tokens
             record.cached_tokens += observation.cached_tokens or 0
+        if record.state == ENDED:  # ended while the worker answered: plan nothing
+            self.sessions.save(record)
+            return
+        if observation is not None and observation.prompt_tokens is not None:
             reason = observation.finish()
             if reason is FinishReason.TOOL_CALLS:
                 record.state = TOOL_GAP
@@ -133,7 +145,10 @@ class SessionLifecycle:
         self.sessions.save(record)
 
     async def end(self, record: SessionRecord) -> list[SentAction]:
-        """End the session; returns the hint actions the end sent."""
+        """End the session; returns the hint actions the end sent (none for a session
+        that has already ended: a repeated DELETE sends nothing again)."""
+        if record.state == ENDED and record.plan.ended:
+            return []
         now = self._clock()
         record.state = ENDED
         record.ended_at = now
@@ -150,19 +165,22 @@ class SessionLifecycle:
 
     async def _release_agent_claims(self, record: SessionRecord, now: float
                                     ) -> list[SentAction]:
-        """An ended session needs nothing an agent runtime asked its worker to hold for
-        it: release them (the planner's own end never touches an agent's claims)."""
-        worker_id, session_scope = record.worker_id, record.worker_session_id
+        """An ended session needs nothing an agent runtime asked a worker to hold for it:
+        release them on every worker that holds some (the session's own, an earlier one
+        it moved from, one the agent named), since the planner's own end never touches
+        an agent's claims."""
+        session_scope = record.worker_session_id
         scope = agent_scope(session_scope)
-        if not self._hints_enabled or worker_id is None \
-                or not self.hints.holdings.holds(worker_id, scope):
+        workers = self.hints.holdings.workers_holding(scope)
+        if not self._hints_enabled or not workers:
             return []
         ttl = self.hints.planner_config.release_ttl_s
         payload = RetainPayload(target=Target(session_id=session_scope), priority=0, ttl_s=ttl,
                                 owner=HintOwner.AGENT)
-        action = PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
-                               scope, record.tenant, 0, now + ttl, "end:agent_release")
-        return await self.hints.send([action], {scope: record.session_id})
+        actions = [PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
+                                 scope, record.tenant, 0, now + ttl, "end:agent_release")
+                   for worker_id in workers]
+        return await self.hints.send(actions, {scope: record.session_id})
 
     def agent_demoted(self, record: SessionRecord, worker_id: str) -> None:
         """An agent runtime demoted the session on ``worker_id`` through the API (as its
@@ -205,27 +223,38 @@ class SessionLifecycle:
         self.hints.expire(now)
         await self._retain_shared_prefixes(now)
         contexts: dict[str, PlannerContext] = {}  # per tenant, rebuilt after sends
+        config = self.hints.planner_config
         for record in self.sessions:
             if record.state == ENDED:
                 if record.ended_at is not None and now - record.ended_at > self._forget_after_s:
                     self.sessions.forget(record)
                 continue
-            if record.inflight == 0 and now - record.last_activity > self._forget_after_s:
-                self.sessions.forget(record)
+            if record.inflight:
                 continue
-            if record.plan.awaiting_return and record.inflight == 0:
-                context = contexts.get(record.tenant)
-                if context is None:
-                    context = contexts[record.tenant] = self.hints.context(now, record.tenant)
-                result = plan_idle(context, record.plan)
-                if result.session is not record.plan or result.actions:
-                    await self._apply(record, result)
-                    if result.actions:
-                        contexts.clear()  # holdings changed
-                    if result.session is not None and result.session.ended:
-                        record.state = ENDED
-                        record.ended_at = now
-                    self.sessions.save(record)
+            plan = record.plan
+            if not plan.awaiting_return or plan.gap_opened_at is None:
+                # A session awaiting a return is kept until plan_idle abandons it (its
+                # holds released, its non-return learnt), however long that takes.
+                if now - record.last_activity > self._forget_after_s:
+                    self.sessions.forget(record)
+                continue
+            since = max(record.idle_reviewed_at or plan.gap_opened_at, plan.gap_opened_at)
+            due = next_idle_review(config, plan, since)
+            if due is None or now < due:
+                continue
+            record.idle_reviewed_at = now
+            context = contexts.get(record.tenant)
+            if context is None:
+                context = contexts[record.tenant] = self.hints.context(now, record.tenant)
+            result = plan_idle(context, plan)
+            if result.session is not plan or result.actions:
+                await self._apply(record, result)
+                if result.actions:
+                    contexts.clear()  # holdings changed
+                if result.session is not None and result.session.ended:
+                    record.state = ENDED
+                    record.ended_at = now
+                self.sessions.save(record)
         self.hints.save_learned(now)
 
     async def _retain_shared_prefixes(self, now: float) -> None:

@@ -44,6 +44,9 @@ class SessionRecord:
     # Block hashes of the last routed prompt (memory only): what the admin API checks
     # against the index for "resident blocks per tier".
     last_block_hashes: tuple[int, ...] = ()
+    # When plan_idle last reviewed the session (memory only): the next review is due at
+    # next_idle_review(config, plan, max(this, the gap's opening)).
+    idle_reviewed_at: float | None = None
 
     @property
     def key(self) -> tuple[str, str]:

@@ -85,6 +85,28 @@ def test_a_pin_covers_the_whole_chain_or_the_session_is_retained_at_top_priority
     assert pin.action_type.value == "kv.pin" and pin.payload.target.prefix_tokens == 8 * BS
 
 
+def test_a_tool_gap_twice_overdue_is_no_longer_pinned() -> None:
+    """A tool that never answers: up to twice its predicted gap the session is still
+    pinned for a late return; after that it is valued like any idle session (before, it
+    was re-pinned at every review until abandoned an hour later, using the pin budget
+    live sessions need)."""
+    stats = fast_search()
+    ctx = make_ctx(stats=stats)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.TOOL_CALLS, ("search",),
+                     at=0.0).session
+    predicted = session.gap_predicted_s
+    assert 0.0 < predicted < 10.0
+
+    def idle_at(now: float) -> list:
+        return [typed(p) for p in plan_idle(make_ctx(now=now, stats=stats),
+                                            replace(session, protection=None)).actions]
+
+    (late,) = idle_at(1.5 * predicted)
+    assert late.action_type.value == "kv.pin"
+    for now in (2.5 * predicted, 600.0, 3000.0):
+        assert all(a.action_type.value != "kv.pin" for a in idle_at(now)), now
+
+
 def test_stop_is_retained_with_priority_rising_with_depth() -> None:
     ctx = make_ctx()
     shallow = finish(ctx, session_after_turn(ctx), FinishReason.STOP)
