@@ -112,8 +112,10 @@ class SharedPrefixRetains:
         return self._until
 
     def scan_due(self, now: float, every_s: float) -> bool:
-        """True (and the next scan set ``every_s`` later) when a scan is due at ``now``."""
-        if now < self._next_scan:
+        """True (and the next scan set ``every_s`` later) when a scan is due at ``now``.
+        A clock that stepped back by more than ``every_s`` makes one due at once (else
+        scans would stop for as long as the step)."""
+        if self._next_scan - every_s <= now < self._next_scan:
             return False
         self._next_scan = now + every_s
         return True

@@ -38,6 +38,7 @@ from kvhint.router.policy import (
     PlannedAction,
     ResponseFinished,
     SessionEnded,
+    SharedPrefix,
     SharedPrefixRetains,
     TurnRouted,
     agent_scope,
@@ -268,7 +269,13 @@ class SessionLifecycle:
                                    record.last_block_hashes))]
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         self._prefix_retains.until)
-        actions = plan_shared_prefixes(context, prefixes)
+        # Each tenant's prefixes are planned against its own budget (the scan's context
+        # has none: it pools every tenant's sessions, each tenant's apart).
+        by_tenant: dict[str | None, list[SharedPrefix]] = {}
+        for prefix in prefixes:
+            by_tenant.setdefault(prefix.tenant, []).append(prefix)
+        actions = [action for tenant, group in by_tenant.items()
+                   for action in plan_shared_prefixes(self.hints.context(now, tenant), group)]
         if self._hints_enabled and actions:
             await self.hints.send(actions, {})
             self._prefix_retains.sent(actions)

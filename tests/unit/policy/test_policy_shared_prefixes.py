@@ -75,6 +75,10 @@ def test_retains_sent_are_remembered_until_they_end_and_scans_come_on_schedule()
     assert retains.scan_due(0.0, 10.0)
     assert not retains.scan_due(9.9, 10.0)
     assert retains.scan_due(10.0, 10.0)
+    # The wall clock stepped back an hour: a scan is due at once, then on schedule.
+    assert retains.scan_due(10.0 - 3600.0, 10.0)
+    assert not retains.scan_due(15.0 - 3600.0, 10.0)
+    assert retains.scan_due(20.0, 10.0)
     (prefix,) = find_shared_prefixes(_chains(), 3, retains.until)
     retains.sent([_retain("w0", f"prefix:{prefix.key}", 110.0),
                   _retain("w0", "t/s1", 500.0)])  # a session's action: not a prefix

@@ -11,6 +11,7 @@ from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import SessionRegistry
+from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import (
     HintOwner,
@@ -35,7 +36,7 @@ class Clock:
 
 
 def build(workers: list[str], forget_after_s: float = 3600.0,
-          config: PlannerConfig | None = None):
+          config: PlannerConfig | None = None, budget: TenantBudget | None = None):
     clock = Clock()
     registry = WorkerRegistry([(w, f"http://{w}") for w in workers])
     for worker in workers:
@@ -43,7 +44,8 @@ def build(workers: list[str], forget_after_s: float = 3600.0,
     metrics = RouterMetrics()
     link = RecordingLink()
     hints = HintDispatcher(link, Subjects("t"), registry, None, metrics,
-                           config or PlannerConfig(), seed=1, clock=clock)
+                           config or PlannerConfig(), seed=1, clock=clock,
+                           budget_of=lambda tenant: budget if tenant == "acme" else None)
     sessions = SessionRegistry(None, max_sessions=100)
     ended: list[tuple[str, str]] = []
     lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
@@ -183,3 +185,22 @@ async def test_an_end_releases_the_agents_claims_on_every_worker_that_holds_some
                 and a.payload.owner is HintOwner.AGENT]
     assert sorted(released) == [("w0", HintOwner.AGENT), ("w1", HintOwner.AGENT)]
     assert hints.holdings.tenant("default").pinned_blocks == 0
+
+
+async def test_shared_prefix_retains_keep_to_each_tenants_retain_budget() -> None:
+    """Four sessions of tenant acme share a 4-block system prompt, as do four of tenant
+    other; acme may retain 2 blocks, so only other's prefix is retained. Before, the
+    scan planned with no tenant's budget and acme got 4 blocks retained."""
+    clock, link, hints, sessions, lifecycle, _ended = build(
+        ["w0"], budget=TenantBudget(max_retained_blocks=2))
+    for tenant, root in (("acme", 100), ("other", 200)):
+        system = tuple(range(root, root + 4))
+        for number in range(4):
+            record = sessions.open(tenant, f"s{number}", clock.now)
+            record.worker_id = "w0"
+            record.last_block_hashes = (*system, root * 10 + number)
+    await lifecycle.tick()
+    retained = [a.payload.target.block_hashes for _w, a in sent_actions(link)
+                if a.action_type.value == "kv.retain"]
+    assert retained == [[200, 201, 202, 203]]
+    assert hints.holdings.tenant("acme").retained_blocks == 0
