@@ -9,6 +9,7 @@ store after a restart.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ ACTIVE = "active"
 TOOL_GAP = "tool_gap"
 ENDED = "ended"
 _MAX_GAPS_KEPT = 32
+# How far past the least recently opened session eviction looks for an ended one.
+_EVICTION_LOOKAHEAD = 64
 
 
 @dataclass(slots=True)
@@ -105,7 +108,8 @@ class SessionRecord:
 class SessionRegistry:
     def __init__(self, writer: StoreWriter | None, max_sessions: int,
                  on_drop: Callable[[str, int], None] | None = None) -> None:
-        self._sessions: dict[tuple[str, str], SessionRecord] = {}
+        # In opening order (least recently opened first): eviction takes from the front.
+        self._sessions: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
         self._writer = writer
         self._max = max_sessions
         self._on_drop = on_drop
@@ -125,14 +129,17 @@ class SessionRegistry:
 
     def open(self, tenant: str, session_id: str, now: float) -> SessionRecord:
         """The session's record, created on its first turn (a returning ended session
-        becomes active again)."""
-        record = self._sessions.get((tenant, session_id))
+        becomes active again). Opening makes it the most recently active one."""
+        key = (tenant, session_id)
+        record = self._sessions.get(key)
         if record is None:
             if len(self._sessions) >= self._max:
                 self._evict_oldest()
             record = SessionRecord(tenant, session_id, now, now,
                                    SessionPlanState(f"{tenant}/{session_id}", tenant))
-            self._sessions[record.key] = record
+            self._sessions[key] = record
+        else:
+            self._sessions.move_to_end(key)
         return record
 
     def save(self, record: SessionRecord) -> None:
@@ -143,8 +150,7 @@ class SessionRegistry:
         self._sessions.pop(record.key, None)
 
     def restore(self, rows: list[dict[str, Any]]) -> int:
-        for row in rows:
-            record = SessionRecord.from_row(row)
+        for record in sorted(map(SessionRecord.from_row, rows), key=lambda r: r.last_activity):
             self._sessions[record.key] = record
         return len(rows)
 
@@ -157,11 +163,22 @@ class SessionRegistry:
         return counts
 
     def _evict_oldest(self) -> None:
-        # Forget the least recently active ended session, else the least recently active.
-        # The store keeps it; only memory is bounded.
-        ended = [r for r in self._sessions.values() if r.state == ENDED]
-        pool = ended or list(self._sessions.values())
-        victim = min(pool, key=lambda r: r.last_activity)
+        """Forget an ended session among the ``_EVICTION_LOOKAHEAD`` least recently
+        opened, else the least recently opened one with no turn in flight (a turn in
+        flight would finish into a record nobody reviews). The store keeps it; only
+        memory is bounded, at a bounded cost per new session (the registry is kept in
+        opening order, not scanned whole)."""
+        victim = None
+        for seen, record in enumerate(self._sessions.values()):
+            if record.state == ENDED:
+                victim = record
+                break
+            if victim is None and not record.inflight:
+                victim = record
+            if seen >= _EVICTION_LOOKAHEAD and victim is not None:
+                break
+        if victim is None:
+            return  # every session has a turn in flight: go over the bound for now
         self._sessions.pop(victim.key, None)
         if self._on_drop is not None:
             self._on_drop("session_evicted_from_memory", 1)

@@ -204,3 +204,25 @@ async def test_shared_prefix_retains_keep_to_each_tenants_retain_budget() -> Non
                 if a.action_type.value == "kv.retain"]
     assert retained == [[200, 201, 202, 203]]
     assert hints.holdings.tenant("acme").retained_blocks == 0
+
+
+def test_a_full_registry_forgets_ended_then_idle_sessions_never_one_in_flight() -> None:
+    """At its bound the registry forgets the least recently opened ended session, else
+    the least recently opened one with no turn in flight, and counts each. Before, a
+    session whose turn was in flight could be forgotten (its answer then protected a
+    record nobody reviewed), and each new session scanned them all."""
+    drops: list[str] = []
+    registry = SessionRegistry(None, max_sessions=3, on_drop=lambda what, n: drops.append(what))
+    busy = registry.open("t", "busy", 1.0)
+    busy.inflight = 1
+    idle = registry.open("t", "idle", 2.0)
+    done = registry.open("t", "done", 3.0)
+    done.state = "ended"
+    registry.open("t", "new1", 4.0)  # full: the ended one goes first
+    assert registry.get("t", "done") is None and registry.get("t", "busy") is busy
+    registry.open("t", "busy", 5.0)  # reopened: most recent now
+    registry.open("t", "new2", 6.0)  # no ended one: the oldest with nothing in flight
+    assert registry.get("t", "idle") is None
+    assert registry.get("t", "busy") is busy and idle is not busy
+    assert drops == ["session_evicted_from_memory"] * 2
+    assert len(registry) == 3
