@@ -83,6 +83,7 @@ from kvhint.router.policy.shared_prefixes import (
 )
 from kvhint.router.policy.stats import (
     ANY_TOOL,
+    MAX_GAP_KEYS,
     USER_GAP,
     CompletionReadObserved,
     GapObserved,
@@ -96,6 +97,7 @@ from kvhint.router.policy.stats import (
 __all__ = [
     "ALL_ACTIONS",
     "ANY_TOOL",
+    "MAX_GAP_KEYS",
     "USER_GAP",
     "CompletionReadObserved",
     "DonorCandidate",

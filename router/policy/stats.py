@@ -57,6 +57,13 @@ def is_user_kind(kind: str) -> bool:
     return kind == USER_GAP or kind.startswith(USER_GAP + ":")
 
 STATS_VERSION = 1
+
+# Tool names come from the model's output: a fleet may see any number of them, of any
+# length. Past these bounds a tool's gaps are learnt only under ANY_TOOL (which every
+# tool name also feeds, and predictions fall back to), so the statistics, and the store
+# row they are saved in, stay bounded.
+MAX_GAP_KEYS = 4096
+MAX_KIND_CHARS = 128
 _BASE_S = 0.25
 _STEP = math.sqrt(2.0)
 _BUCKETS = 44  # 0.25 s .. ~0.25 * 2**21.5 s (about 2 months)
@@ -308,9 +315,10 @@ class LearnedStats:
             return
         if isinstance(observation, GapObserved):
             bucket = depth_bucket(observation.depth)
-            kinds = [observation.kind]
-            if observation.kind != USER_GAP:
-                kinds.append(USER_GAP if is_user_kind(observation.kind) else ANY_TOOL)
+            kind = observation.kind
+            kinds = [kind] if self._learns_kind(kind, bucket) else []
+            if kind != USER_GAP:
+                kinds.append(USER_GAP if is_user_kind(kind) else ANY_TOOL)
             for kind in kinds:
                 for key in (f"{kind}|{bucket}", f"{kind}|*"):
                     self.gaps.setdefault(key, GapHistogram()).add(observation.seconds, self.decay)
@@ -324,6 +332,16 @@ class LearnedStats:
             count.finished = count.finished * self.decay + 1.0
             count.returned = count.returned * self.decay + (
                 1.0 if observation.returned else 0.0)
+
+    def _learns_kind(self, kind: str, bucket: int) -> bool:
+        """Whether ``kind``'s own histograms are kept (pooled and user kinds always; a
+        tool name while under :data:`MAX_GAP_KEYS` and :data:`MAX_KIND_CHARS`)."""
+        if kind == ANY_TOOL or is_user_kind(kind):
+            return True
+        if len(kind) > MAX_KIND_CHARS:
+            return False
+        known = f"{kind}|{bucket}" in self.gaps and f"{kind}|*" in self.gaps
+        return known or len(self.gaps) + 2 <= MAX_GAP_KEYS
 
     # -- persistence ---------------------------------------------------------------------
 

@@ -148,6 +148,7 @@ class HintDispatcher:
         self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_times: dict[str, deque[float]] = {}
         self._stats_dirty = False
+        self._feedback_saved: dict[str, WorkerFeedback] = {}  # what save_learned last wrote
 
     # --- planner context ----------------------------------------------------------------
 
@@ -420,9 +421,12 @@ class HintDispatcher:
                 "updated_at": now})
             self._stats_dirty = False
         for worker_id, feedback in self.feedback.items():
+            if self._feedback_saved.get(worker_id) is feedback:
+                continue  # unchanged since saved (feedback is replaced, never mutated)
             self._writer.upsert("learned_stats", ("*", f"feedback:{worker_id}"), {
                 "tenant": "*", "kind": f"feedback:{worker_id}", "data": feedback.to_dict(),
                 "updated_at": now})
+            self._feedback_saved[worker_id] = feedback
 
     def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]],
                 held: Sequence[dict[str, Any]] = ()) -> None:
@@ -437,6 +441,7 @@ class HintDispatcher:
                 elif row["kind"].startswith("feedback:"):
                     feedback = WorkerFeedback.from_dict(row["data"])
                     self.feedback[feedback.worker_id] = feedback
+                    self._feedback_saved[feedback.worker_id] = feedback
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring stored %s: %s", row.get("kind"), exc)
                 self._metrics.drop("learned_stats_unreadable")

@@ -8,6 +8,7 @@ import pytest
 
 from kvhint.router.policy import (
     ANY_TOOL,
+    MAX_GAP_KEYS,
     USER_GAP,
     CompletionReadObserved,
     FeedbackConfig,
@@ -40,6 +41,26 @@ def test_gap_statistics_are_learnt_per_tool_and_depth_and_pooled_for_unseen_tool
     # away longer than ever before is unlikely, not impossible, to come back.
     assert 0.0 < stats.gap_survival("build", 3, 1000.0) < 0.05
     assert stats.gap_survival("build", 3, 1000.0) < stats.gap_survival("build", 3, 400.0)
+
+
+def test_tool_names_beyond_the_bounds_are_learnt_under_the_pool_only() -> None:
+    """Tool names are the model's: 5,000 distinct ones (or a 1,000-character one) no
+    longer grow the statistics, and their saved row, without bound; their gaps still
+    feed the pooled ANY_TOOL histogram every unknown tool falls back to. Names known
+    before the bound keep learning."""
+    stats = LearnedStats(decay=1.0)
+    for _ in range(10):
+        stats.apply(GapObserved("search", 1, 2.0))
+    for number in range(5000):
+        stats.apply(GapObserved(f"tool_{number}", 1, 30.0))
+    stats.apply(GapObserved("x" * 1000, 1, 30.0))
+    assert len(stats.gaps) <= MAX_GAP_KEYS
+    assert not any(key.startswith("x" * 200) for key in stats.gaps)
+    assert stats.gaps[f"{ANY_TOOL}|1"].total == 5011
+    before = stats.gaps["search|1"].total
+    stats.apply(GapObserved("search", 1, 2.0))
+    assert stats.gaps["search|1"].total == before + 1
+    assert len(json.dumps(stats.to_dict())) < 4 << 20
 
 
 def test_return_probability_moves_from_the_prior_to_what_is_observed() -> None:

@@ -226,3 +226,32 @@ def test_a_full_registry_forgets_ended_then_idle_sessions_never_one_in_flight() 
     assert registry.get("t", "busy") is busy and idle is not busy
     assert drops == ["session_evicted_from_memory"] * 2
     assert len(registry) == 3
+
+
+class RecordingWriter:
+    """Stands in for the StoreWriter's upsert (what is asked to be written, not how)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, tuple]] = []
+
+    def upsert(self, table: str, key: tuple, row: dict) -> None:
+        self.rows.append((table, key))
+
+
+def test_learned_feedback_is_saved_when_it_changes_not_at_every_tick() -> None:
+    """An idle router with 8 workers rewrote every worker's feedback row at every tick
+    (480 upserts a minute); now a worker's row is written when its feedback changes."""
+    registry = WorkerRegistry([(f"w{n}", f"http://w{n}") for n in range(8)])
+    writer = RecordingWriter()
+    hints = HintDispatcher(RecordingLink(), Subjects("t"), registry, writer,  # type: ignore[arg-type]
+                           RouterMetrics(), PlannerConfig(), seed=1)
+    for n in range(8):
+        hints.reset_worker(f"w{n}")
+    for tick in range(60):
+        hints.save_learned(START + tick)
+    assert len([k for t, k in writer.rows if t == "learned_stats"]) == 8
+    hints.reset_worker("w3")  # changed: written once more
+    for tick in range(60, 70):
+        hints.save_learned(START + tick)
+    assert [k for _t, k in writer.rows][-1] == ("*", "feedback:w3")
+    assert len(writer.rows) == 9
