@@ -122,6 +122,14 @@ class SentAction:
             "held_after_release_blocks")})
 
 
+def _outcome_columns(outcome: HintOutcome) -> dict[str, Any]:
+    """What a worker's answer sets of its action's record (and store row)."""
+    return {"status": outcome.status.value, "reason": outcome.reason,
+            "requested_blocks": outcome.requested.blocks,
+            "requested_tokens": outcome.requested.tokens,
+            "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens}
+
+
 class HintDispatcher:
     def __init__(self, link: NatsLink | None, subjects: Subjects, workers: WorkerRegistry,
                  writer: StoreWriter | None, metrics: RouterMetrics,
@@ -348,16 +356,19 @@ class HintDispatcher:
         record = self.pending.get(outcome.action_id)
         if record is None:
             self._metrics.drop("outcome_unknown_action")
+            # Another replica's action (replicas share the outcome stream and its cursor):
+            # its row gets the answer, so that replica, restarted from the shared cursor
+            # after this message, does not wait for it. A no-op for a row never stored.
+            if self._writer is not None:
+                self._writer.update("hint_actions", (outcome.action_id,), {
+                    "action_id": outcome.action_id, **_outcome_columns(outcome),
+                    "updated_at": self._clock()})
             return None
         if record.terminal:
             self._metrics.drop("outcome_duplicate")
             return record
-        record.status = outcome.status.value
-        record.reason = outcome.reason
-        record.requested_blocks = outcome.requested.blocks
-        record.requested_tokens = outcome.requested.tokens
-        record.applied_blocks = outcome.applied.blocks
-        record.applied_tokens = outcome.applied.tokens
+        for column, value in _outcome_columns(outcome).items():
+            setattr(record, column, value)
         record.updated_at = self._clock()
         self._save(record)
         if not outcome.status.is_terminal:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -84,15 +85,32 @@ class StoreWriter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvhint-store-writer")
 
-    async def close(self) -> None:
+    async def close(self, retry_for_s: float = 10.0) -> None:
+        """Stop the flush loop, then write what is queued, retrying a store that is away
+        for up to ``retry_for_s``; rows still unwritten then are dropped and counted
+        (``store_write``). The loop is stopped between flushes, never during one: a batch
+        cancelled in its thread would go on and could commit after the newer rows."""
         if self._task is not None:
-            self._task.cancel()
+            async with self._flush_lock:  # a flush in progress finishes first
+                self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
             self._task = None
-        await self.flush()
+        deadline = time.monotonic() + retry_for_s
+        pause = 0.1
+        while True:
+            await self.flush()
+            if not self._pending or time.monotonic() + pause > deadline:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+        if self._pending:
+            log.error("store still failing at shutdown: %d queued rows dropped (%s)",
+                      len(self._pending), self.last_error)
+            self._on_drop("store_write", len(self._pending))
+            self._pending = {}
 
     async def flush(self) -> None:
         async with self._flush_lock:

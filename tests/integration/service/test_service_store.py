@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 import time
 
 import pytest
@@ -189,3 +191,106 @@ def test_plain_postgres_urls_use_psycopg(url: str) -> None:
     from kvhint.router.service.settings import RouterSettings
 
     assert RouterSettings(database_url=url).database_url.startswith("postgresql+psycopg://")
+
+
+def test_closing_waits_for_a_flush_in_progress_so_the_newest_row_wins(tmp_path) -> None:
+    """A flush blocked in its thread (another connection holds SQLite's write lock) when
+    the router shuts down: close() lets it finish, then writes the newer value. Before,
+    close() cancelled the flush while its thread went on, and the older batch committed
+    after the newer one (10 times out of 10)."""
+    path = tmp_path / "kvhint.db"
+    engine = create_store_engine(f"sqlite:///{path}")
+    migrate(engine)
+
+    async def scenario() -> None:
+        writer = StoreWriter(engine, flush_interval_s=0.01, queue_max=100,
+                             on_drop=lambda *_: None)
+        locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        locker.execute("BEGIN IMMEDIATE")
+        writer.start()
+        writer.upsert("sessions", ("acme", "s1"), _session("s1", 1.0, 1))
+        await asyncio.sleep(0.2)  # the loop took turn 1 and is blocked writing it
+        assert writer.queued == 0
+        writer.upsert("sessions", ("acme", "s1"), _session("s1", 1.0, 2))
+        threading.Timer(0.5, locker.rollback).start()
+        await writer.close()
+
+    try:
+        asyncio.run(scenario())
+        state = load_recovery(engine, active_since=0.0, max_sessions=10)
+        assert [s["turns"] for s in state.sessions] == [2]
+    finally:
+        engine.dispose()
+
+
+def test_closing_retries_a_store_that_is_away_then_counts_what_it_drops(tmp_path) -> None:
+    """At shutdown the store is briefly away (here: its tables are not there yet): close()
+    retries until it is back. One that stays away past the retry time has its rows
+    dropped and counted (before: dropped silently, logged as 'kept for retry')."""
+    engine = create_store_engine(f"sqlite:///{tmp_path / 'late.db'}")
+    drops: list[tuple[str, int]] = []
+
+    async def scenario() -> None:
+        writer = StoreWriter(engine, flush_interval_s=10, queue_max=100,
+                             on_drop=lambda what, n: drops.append((what, n)))
+        writer.upsert("hint_actions", ("a1",), _action("a1", "pending", 1.0))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, migrate, engine)  # the store comes back
+        await writer.close()
+        assert writer.queued == 0 and writer.rows_written == 1 and writer.flush_errors >= 1
+        gone = StoreWriter(create_store_engine(f"sqlite:///{tmp_path / 'gone.db'}"),
+                           flush_interval_s=10, queue_max=100,
+                           on_drop=lambda what, n: drops.append((what, n)))
+        gone.upsert("hint_actions", ("a2",), _action("a2", "pending", 1.0))
+        gone.upsert("hint_actions", ("a3",), _action("a3", "pending", 1.0))
+        await gone.close(retry_for_s=0.5)
+        assert gone.queued == 0
+
+    try:
+        asyncio.run(scenario())
+        assert [a["action_id"] for a in query_hints(engine)] == ["a1"]
+        assert drops == [("store_write", 2)]
+    finally:
+        engine.dispose()
+
+
+def test_an_answer_to_another_replicas_action_lands_in_its_row(database_url: str) -> None:
+    """Replicas share the outcome stream and its stored cursor: while replica A is down,
+    replica B reads the answer to A's pending action and moves the cursor past it. B now
+    writes that answer to the action's row, so A restarted finds it answered instead of
+    waiting for it until it expires. An answer to an action no replica stored writes
+    nothing."""
+    from kvhint.router.policy import PlannerConfig
+    from kvhint.router.service.hint_dispatch import HintDispatcher
+    from kvhint.router.service.metrics import RouterMetrics
+    from kvhint.router.service.workers import WorkerRegistry
+    from kvhint.schemas import Amount, HintOutcome, OutcomeStatus, Subjects
+
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        with engine.begin() as conn:  # replica A's action, sent before it went down
+            conn.execute(HintActionRow.__table__.insert().values(
+                _action("a-pin", "pending", time.time())))
+
+        async def replica_b() -> None:
+            writer = StoreWriter(engine, flush_interval_s=10, queue_max=100,
+                                 on_drop=lambda *_: None)
+            hints = HintDispatcher(None, Subjects("t"), WorkerRegistry([]), writer,
+                                   RouterMetrics(), PlannerConfig(), seed=1)
+            for action_id in ("a-pin", "nobody's"):
+                assert hints.on_outcome(HintOutcome(
+                    message_id="m1", action_id=action_id, action_type="kv.pin",
+                    worker_id="w0", status=OutcomeStatus.CLIPPED, reason="budget",
+                    requested=Amount(blocks=4), applied=Amount(blocks=2),
+                    at=time.time())) is None
+            await writer.close()
+
+        asyncio.run(replica_b())
+        (row,) = query_hints(engine)
+        assert (row["action_id"], row["status"], row["reason"], row["applied_blocks"]) == (
+            "a-pin", "clipped", "budget", 2)
+        state = load_recovery(engine, active_since=0.0, max_sessions=10)
+        assert state.pending_actions == []
+    finally:
+        engine.dispose()
