@@ -11,7 +11,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 
 
 def create_store_engine(url: str) -> Engine:
@@ -45,9 +45,19 @@ def alembic_config(url: str) -> Config:
     return config
 
 
+# pg_advisory_xact_lock key for migrations: "kvhint" as a number.
+_MIGRATION_LOCK = 0x6B7668696E74
+
+
 def migrate(engine: Engine, revision: str = "head") -> None:
-    """Bring the schema to ``revision`` (idempotent)."""
+    """Bring the schema to ``revision`` (idempotent). On PostgreSQL, routers starting
+    together (replicas, a rolling deploy) take turns: the first migrates, the others
+    then find the schema current (without the lock, all but one failed on a fresh
+    database with a duplicate-key error)."""
     config = alembic_config(engine.url.render_as_string(hide_password=False))
     with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                               {"key": _MIGRATION_LOCK})
         config.attributes["connection"] = connection
         command.upgrade(config, revision)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sqlite3
 import threading
 import time
@@ -31,6 +32,23 @@ def test_migrations_build_exactly_the_models(database_url: str) -> None:
         assert diff == [], f"models and migrations disagree: {diff}"
     finally:
         engine.dispose()
+
+
+def test_routers_starting_together_migrate_a_fresh_database_once(database_url: str) -> None:
+    """Replicas starting together on a fresh database: one migrates, the others find the
+    schema current. Before, on PostgreSQL all but one failed on a duplicate key (or
+    hung). Replicas share a PostgreSQL store; a SQLite file is one router's own."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
+    engines = [create_store_engine(database_url) for _ in range(3)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for result in [pool.submit(migrate, engine) for engine in engines]:
+                result.result()
+        assert "hint_actions" in inspect(engines[0]).get_table_names()
+    finally:
+        for engine in engines:
+            engine.dispose()
 
 
 def test_a_store_made_before_hold_releases_keeps_its_rows(database_url: str) -> None:
