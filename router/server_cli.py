@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import yaml
     from pydantic import ValidationError
 
     from kvhint.router.service.settings import RouterSettings
@@ -46,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     try:
         settings = RouterSettings(**overrides)
-    except (ValidationError, FileNotFoundError) as exc:
+    except (ValidationError, FileNotFoundError, yaml.YAMLError) as exc:
         print(f"kvhint router: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     if args.check_config:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
@@ -24,7 +24,7 @@ from pydantic_settings import (
 )
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
-from kvhint.schemas import is_valid_worker_id
+from kvhint.schemas import Subjects, WireDecodeError, is_valid_worker_id
 
 ENV_PREFIX = "KVHINT_ROUTER_"
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
@@ -32,7 +32,7 @@ _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class WorkerConfig(BaseModel, frozen=True):
+class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
     id: str
     url: str
 
@@ -51,7 +51,7 @@ class WorkerConfig(BaseModel, frozen=True):
         return value.rstrip("/")
 
 
-class TenantBudget(BaseModel, frozen=True):
+class TenantBudget(BaseModel, frozen=True, extra="forbid"):
     """What one tenant may hold through hints at any time, across all workers (distinct
     blocks). None: no cap of the tenant's own; the workers' budgets still bound every
     hold. A fixed default cap would bind long before a GPU fleet's retain budgets do
@@ -65,7 +65,7 @@ class TenantBudget(BaseModel, frozen=True):
     max_actions_per_minute: int = Field(600, ge=0)
 
 
-class TenantConfig(BaseModel, frozen=True):
+class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     name: str
     # Keys a client sends as ``Authorization: Bearer <key>`` (or ``X-API-Key``).
     api_keys: list[str] = Field(default_factory=list)
@@ -91,7 +91,7 @@ class TenantConfig(BaseModel, frozen=True):
         return value
 
 
-class RoutingSettings(BaseModel, frozen=True):
+class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # kvhint (cache + load + bounded session affinity), kv_aware, session_affinity or
     # round_robin: the policy functions in kvhint.router.policy.routing.
     policy: str = "kvhint"
@@ -126,7 +126,7 @@ class RoutingSettings(BaseModel, frozen=True):
             raise ValueError(f"routing.policy {value!r}: one of {known}") from None
 
 
-class HintSettings(BaseModel, frozen=True):
+class HintSettings(BaseModel, frozen=True, extra="forbid"):
     enabled: bool = True
     # How long the hints API waits for a worker's terminal outcome before answering 202.
     api_outcome_timeout_s: float = Field(5.0, ge=0, le=60)
@@ -192,13 +192,27 @@ class RouterSettings(BaseSettings):
     # Worker HTTP health probe period (s) for workers marked down.
     health_probe_s: float = Field(2.0, gt=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("workers", mode="before")
     @classmethod
     def _parse_workers(cls, value: Any) -> Any:
         if isinstance(value, str):
             return parse_worker_list(value)
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _subject_prefix(cls, value: str) -> str:
+        try:
+            Subjects(value)
+        except WireDecodeError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @field_validator("admin_keys", mode="before")

@@ -56,6 +56,16 @@ def test_config_file_under_environment(tmp_path: Path, monkeypatch: pytest.Monke
     {"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]},
     {"unknown_field": 1},
     {"routing": {"new_session_spread": -1}},
+    # A misspelt key at any depth is refused, not ignored (an operator who wrote
+    # `hints: {enable: false}` got hints on; `budget: {max_actions_per_min: 1}` got 600).
+    {"hints": {"enable": False}},
+    {"routing": {"session_forget": 60}},
+    {"tenants": [{"name": "a", "budget": {"max_actions_per_min": 1}}]},
+    {"tenants": [{"name": "a", "api_key": ["k"]}]},
+    {"workers": [{"id": "w0", "url": "http://a:1", "weight": 2}]},
+    # Refused here, not at start-up after the migration ran.
+    {"log_level": "verbose"},
+    {"subject_prefix": "kv hint"},
 ])
 def test_bad_settings_are_refused_with_a_message(bad: dict) -> None:
     with pytest.raises(ValidationError):
@@ -103,3 +113,17 @@ def test_api_key_header_forms() -> None:
     assert api_key_from_headers("bearer  abc ", None) == "abc"
     assert api_key_from_headers(None, "xyz") == "xyz"
     assert api_key_from_headers("Basic abc", None) is None
+
+
+def test_check_config_reports_bad_yaml_and_bad_keys_without_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvhint.router.cli import main
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("routing: {policy: kvhint\n")
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text("hints:\n  enable: false\n")
+    for config in (broken, misspelt):
+        assert main(["router", "--config", str(config), "--check-config"]) == 2
+        assert "invalid settings" in capsys.readouterr().err
+    assert RouterSettings(log_level="DEBUG").log_level == "debug"
