@@ -98,8 +98,13 @@ class RouterRuntime:
 
         workers = WorkerRegistry([(w.id, w.url) for w in settings.workers])
         for row in recovery.workers:
-            # Workers learned from heartbeats come back; ones dropped from the config do not.
-            if not row.get("from_config") and row["worker_id"] not in workers and row.get("url"):
+            # Workers learned from heartbeats and heard within the last session_forget_s
+            # come back; ones dropped from the config, or long gone (a pod deleted last
+            # week would be routed to, retried and probed forever), do not. A live one
+            # that was silent longer is back at its next heartbeat.
+            heard = row.get("last_seen") or 0.0
+            if not row.get("from_config") and row["worker_id"] not in workers \
+                    and row.get("url") and now - heard <= settings.routing.session_forget_s:
                 workers.ensure(row["worker_id"], row["url"])
             # The engine epoch last seen: a first heartbeat from another one says the engine
             # restarted while the router was down (what it held, restored below, is gone).

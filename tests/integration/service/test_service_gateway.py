@@ -212,6 +212,30 @@ async def test_sessions_survive_a_restart(tmp_path: Path,
         assert record.turns == 4
 
 
+async def test_workers_learned_from_heartbeats_come_back_only_if_heard_lately(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A restart brings back the workers the router learned from heartbeats (in the
+    store) that it heard within session_forget_s; before, a pod gone for a week came
+    back routable on every restart, and took first requests and retries."""
+    from kvhint.router.store.database import create_store_engine, migrate
+    from kvhint.router.store.models import WorkerRow
+
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    engine = create_store_engine(settings.database_url)
+    migrate(engine)
+    now = time.time()
+    with engine.begin() as conn:
+        for worker_id, heard in (("recent", now - 60), ("old-pod", now - 7 * 86400),
+                                 ("never", None)):
+            conn.execute(WorkerRow.__table__.insert().values(
+                worker_id=worker_id, url="http://127.0.0.1:9", from_config=False,
+                last_seen=heard))
+    engine.dispose()
+    async with running_router(settings) as router:
+        assert sorted(w.worker_id for w in router.runtime.workers.all()) == ["recent", "w0"]
+
+
 async def test_hints_api_refuses_without_a_plugin_and_validates(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
     stub = stub_workers[0]
