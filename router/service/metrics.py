@@ -161,6 +161,9 @@ class RouterMetrics:
             "kvhint_router_trace_requests_written",
             "Requests the traffic recorder wrote (trace_dir; what it could not: drops_total "
             "what=trace_*)", registry=r)
+        self.store_pruned = Counter("kvhint_router_store_pruned_rows",
+                                    "History rows deleted from the store past "
+                                    "store_retention_s, by table", ["table"], registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)

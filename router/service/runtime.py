@@ -41,6 +41,7 @@ from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.reader import load_recovery
+from kvhint.router.store.retention import prune_history
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Subjects
 
@@ -50,6 +51,7 @@ MAX_SESSIONS_IN_MEMORY = 200_000
 TIMELINE_INTERVAL_S = 5.0
 FEED_TICK_S = 1.0
 MODEL_DISCOVERY_S = 10.0
+STORE_PRUNE_S = 3600.0
 TRACE_FLUSH_S = 1.0
 
 
@@ -195,6 +197,8 @@ class RouterRuntime:
                                 name="kvhint-timeline"),
             asyncio.create_task(runtime._every(MODEL_DISCOVERY_S, runtime._discover),
                                 name="kvhint-models"),
+            asyncio.create_task(runtime._every(STORE_PRUNE_S, runtime._prune_store),
+                                name="kvhint-store-retention"),
         ]
         if recorder is not None:
             runtime._loops.append(asyncio.create_task(
@@ -239,6 +243,15 @@ class RouterRuntime:
             except Exception:  # noqa: BLE001 - a periodic job must survive one bad round
                 log.exception("periodic job %s failed", getattr(work, "__name__", work))
                 self.metrics.drop("periodic_job_error")
+
+    async def _prune_store(self) -> None:
+        before = time.time() - self.settings.store_retention_s
+        deleted = await asyncio.to_thread(prune_history, self.engine, before)
+        for table, rows in deleted.items():
+            if rows:
+                self.metrics.store_pruned.labels(table).inc(rows)
+        if any(deleted.values()):
+            log.info("store retention: deleted %s", deleted)
 
     def _feed_tick(self) -> None:
         if self.feed is not None:

@@ -165,6 +165,10 @@ class RouterSettings(BaseSettings):
     migrate_on_start: bool = True
     store_flush_interval_s: float = Field(0.25, gt=0)
     store_queue_max: int = Field(100_000, gt=0)
+    # History older than this is deleted from the store, hourly: answered hint actions,
+    # sessions idle that long, workers learned from heartbeats not heard that long
+    # (router/store/retention.py).
+    store_retention_s: float = Field(7 * 86_400.0, gt=0)
 
     # Tokenizer (path or name) for vLLM-compatible block hashes; None: ask the workers'
     # /v1/models for the model's root.

@@ -312,3 +312,44 @@ def test_an_answer_to_another_replicas_action_lands_in_its_row(database_url: str
         assert state.pending_actions == []
     finally:
         engine.dispose()
+
+
+def test_history_past_the_retention_window_is_deleted_and_nothing_else(
+        database_url: str) -> None:
+    """Only history goes: answered actions created before the window (not one pending,
+    nor a hold whose TTL is not over), sessions idle since before it, heartbeat-learned
+    workers not heard since; configured workers and everything newer stay."""
+    from kvhint.router.store.models import SessionRow, WorkerRow
+    from kvhint.router.store.retention import prune_history
+
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        old, new = 100.0, 10_000.0
+        with engine.begin() as conn:
+            insert = HintActionRow.__table__.insert()
+            conn.execute(insert.values(_action("old-done", "accepted", old)
+                                       | {"expires_at": old + 60}))
+            conn.execute(insert.values(_action("old-pending", "pending", old)))
+            conn.execute(insert.values(_action("old-still-held", "accepted", old)
+                                       | {"expires_at": new + 60}))
+            conn.execute(insert.values(_action("old-no-expiry", "rejected", old)))
+            conn.execute(insert.values(_action("new-done", "accepted", new)))
+            conn.execute(SessionRow.__table__.insert().values(_session("old-s", old, 3)))
+            conn.execute(SessionRow.__table__.insert().values(_session("new-s", new, 3)))
+            for worker_id, configured, heard in (("gone", False, old), ("cfg", True, old),
+                                                 ("live", False, new)):
+                conn.execute(WorkerRow.__table__.insert().values(
+                    worker_id=worker_id, url="http://x:1", from_config=configured,
+                    last_seen=heard))
+        assert prune_history(engine, before=5_000.0) == {
+            "hint_actions": 2, "sessions": 1, "workers": 1}
+        assert sorted(a["action_id"] for a in query_hints(engine)) == [
+            "new-done", "old-pending", "old-still-held"]
+        state = load_recovery(engine, active_since=0.0, max_sessions=10)
+        assert [s["session_id"] for s in state.sessions] == ["new-s"]
+        assert sorted(w["worker_id"] for w in state.workers) == ["cfg", "live"]
+        assert prune_history(engine, before=5_000.0) == {
+            "hint_actions": 0, "sessions": 0, "workers": 0}
+    finally:
+        engine.dispose()

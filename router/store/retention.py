@@ -1,0 +1,33 @@
+"""How long the store keeps history: rows older than the retention window are deleted.
+
+Only history goes: answered hint actions (never one still pending or deferred, nor a
+Pin/Retain whose TTL is not over), sessions idle since before the window, and workers
+learned from heartbeats (never configured ones) not heard since. Synchronous
+(SQLAlchemy Core); the service runs it in a worker thread.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, delete, or_
+
+from kvhint.router.store.models import HintActionRow, SessionRow, WorkerRow
+from kvhint.router.store.reader import NON_TERMINAL
+
+
+def prune_history(engine: Engine, before: float) -> dict[str, int]:
+    """Delete history older than ``before`` (seconds since the epoch); returns the rows
+    deleted per table."""
+    actions = delete(HintActionRow).where(
+        HintActionRow.created_at < before,
+        HintActionRow.status.not_in(NON_TERMINAL),
+        or_(HintActionRow.expires_at.is_(None), HintActionRow.expires_at < before))
+    sessions = delete(SessionRow).where(SessionRow.last_activity < before)
+    workers = delete(WorkerRow).where(
+        WorkerRow.from_config.is_(False),
+        or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
+    deleted = {}
+    with engine.begin() as conn:
+        for table, statement in (("hint_actions", actions), ("sessions", sessions),
+                                 ("workers", workers)):
+            deleted[table] = conn.execute(statement).rowcount or 0
+    return deleted
