@@ -87,6 +87,8 @@ class KvEventIngestor:
         self._malformed = 0
         self._subject_mismatch = 0
         self._unknown_pages = 0
+        # Counters of the streams forgotten (long dead), so totals never go back.
+        self._forgotten_counters = dict.fromkeys((f.name for f in fields(StreamCounters)), 0)
 
     # --- messages -------------------------------------------------------------------
 
@@ -180,6 +182,10 @@ class KvEventIngestor:
         actions: list[IngestAction] = []
         for stream in list(self._streams.values()):
             was_heard = stream.last_heard
+            if stream.phase is StreamPhase.DEAD and (
+                    was_heard is None or now - was_heard > self.config.forget_dead_after_s):
+                self._forget_stream(stream)
+                continue
             decision, request_page = stream.tick(now)
             if stream.phase is StreamPhase.DEAD and decision.purge_reason:
                 self.index.apply(WorkerPurged(stream.worker_id, decision.purge_reason))
@@ -193,9 +199,9 @@ class KvEventIngestor:
 
     def forget_worker(self, worker_id: str, reason: str = "removed") -> None:
         """The worker left the configuration: drop its stream state and index entries."""
-        stream = self._streams.pop(worker_id, None)
+        stream = self._streams.get(worker_id)
         if stream is not None:
-            stream.forget()
+            self._forget_stream(stream)
         self.index.apply(WorkerPurged(worker_id, reason))
 
     # --- views ----------------------------------------------------------------------
@@ -213,7 +219,7 @@ class KvEventIngestor:
                             if s.phase is StreamPhase.LIVE))
 
     def stats(self) -> IngestStats:
-        totals = dict.fromkeys((f.name for f in fields(StreamCounters)), 0)
+        totals = dict(self._forgotten_counters)
         for stream in self._streams.values():
             for name, value in _as_dict(stream.counters).items():
                 totals[name] += value
@@ -223,6 +229,12 @@ class KvEventIngestor:
                            unknown_worker_pages=self._unknown_pages)
 
     # --- internals ------------------------------------------------------------------
+
+    def _forget_stream(self, stream: WorkerStream[bytes]) -> None:
+        del self._streams[stream.worker_id]
+        for name, value in _as_dict(stream.counters).items():
+            self._forgotten_counters[name] += value
+        stream.forget()
 
     def _stream(self, worker_id: str) -> WorkerStream[bytes]:
         stream = self._streams.get(worker_id)

@@ -61,6 +61,10 @@ class StreamConfig:
     # treat the difference as lost batches. None: one heartbeat interval.
     tail_gap_grace_s: float | None = None
     max_retired_epochs: int = 8
+    # A worker dead (silent) this long is forgotten by the ingestor: its stream state,
+    # kept so far to refuse its old engines' replayed messages, goes. Past the events
+    # stream's age limit (1 h by default) no such message is left to replay.
+    forget_dead_after_s: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)

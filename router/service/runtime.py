@@ -151,7 +151,12 @@ class RouterRuntime:
         hasher = await _warm_hasher(models, settings.block_size)
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
-                                   config=StreamConfig(heartbeat_misses=settings.heartbeat_misses))
+                                   config=StreamConfig(
+                                       heartbeat_misses=settings.heartbeat_misses,
+                                       # Dead workers are forgotten once the events
+                                       # stream holds none of their messages to replay.
+                                       forget_dead_after_s=max(
+                                           3600.0, settings.events_stream_max_age_s)))
         routing_config = RoutingConfig(
             policy=RoutingPolicy(settings.routing.policy),
             new_session_spread=settings.routing.new_session_spread,

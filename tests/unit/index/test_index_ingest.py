@@ -198,6 +198,29 @@ def test_silent_worker_is_declared_dead_and_purged() -> None:
     assert ing.stats().stream["deaths"] == 1
 
 
+def test_a_worker_dead_past_the_forget_time_is_forgotten_and_its_counts_kept() -> None:
+    """Worker ids come and go (pods): a stream dead longer than forget_dead_after_s is
+    dropped, so the ingestor holds only workers heard lately; its counters stay in the
+    totals (they are Prometheus counters), and a worker of that id heard later starts
+    afresh. Before, every worker id ever heard stayed for good."""
+    ing, index, clock = make()
+    ing.on_status(status(interval_s=1.0))
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    clock.now += 4.0
+    assert [type(a) for a in ing.tick()] == [WorkerDead]
+    clock.now += ing.config.forget_dead_after_s / 2
+    ing.tick()
+    assert "w0" in ing.worker_views()
+    batches = ing.stats().stream["batches_applied"]
+    clock.now += ing.config.forget_dead_after_s
+    assert ing.tick() == []
+    assert ing.worker_views() == {}
+    assert ing.stats().stream["batches_applied"] == batches == 1
+    assert ing.stats().stream["deaths"] == 1
+    ing.on_status(status(epoch="e2"))
+    assert ing.worker_views()["w0"].epoch == "e2"
+
+
 def test_heartbeat_reveals_lost_trailing_batches() -> None:
     ing, _, clock = make()
     ing.on_status(status(last_seq=0, interval_s=1.0))
