@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -55,7 +57,7 @@ from kvhint.engine_plugin.metrics import (
     KvHintPromMetrics,
     StatsTracker,
 )
-from kvhint.engine_plugin.transport import NatsTransport
+from kvhint.engine_plugin.transport import NatsTransport, TransportCounters
 from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
     OffloadingHostTier,
@@ -232,7 +234,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "index_blocks": len(core.index),
             "index_sessions": core.index.num_sessions,
             "nats_connected": int(self.transport is not None and self.transport.connected),
-            HINTS_KEY: {f"{a}|{s}": n for (a, s), n in ex.outcomes.items()},
+            HINTS_KEY: _hint_counts(ex.outcomes, tc, mailbox),
             LATENCY_KEY: latencies,
         }
         return out
@@ -269,3 +271,14 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
 # installed; importing the module by path (vLLM does, wherever it builds the connector
 # or its metrics) covers a plugin that is only on PYTHONPATH.
 register_connector_name(KvHintConnector.__name__, __name__)
+
+
+def _hint_counts(executor_outcomes: Mapping[tuple[str, str], int],
+                 transport: TransportCounters | None, mailbox: Mailbox | None
+                 ) -> dict[str, int]:
+    """``kvhint:hints_total`` by "<action type>|<status>": the executor's outcomes and
+    the ones the transport answered itself (inbox full, engine busy)."""
+    counts = Counter(executor_outcomes)
+    if transport is not None and mailbox is not None:
+        counts.update(transport.outcomes_seen(mailbox.lock))
+    return {f"{a}|{s}": n for (a, s), n in counts.items()}

@@ -19,9 +19,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -78,6 +78,13 @@ class TransportCounters:
     publish_errors: int = 0
     inbound_rejected: int = 0
     deferred_at_once: int = 0
+    # Outcomes the transport answered itself (inbox full: rejected; engine busy:
+    # deferred), by (action type, status); changed and read under the mailbox's lock.
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+    def outcomes_seen(self, lock: threading.Lock) -> dict[tuple[str, str], int]:
+        with lock:
+            return dict(self.outcomes)
 
 
 class NatsTransport:
@@ -279,6 +286,9 @@ class NatsTransport:
                             action_type=action_type, worker_id=self.worker_id,
                             status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
                 for action_id, action_type in targets])
+            with self.mailbox.lock:
+                self.counters.outcomes.update(
+                    (action_type, OutcomeStatus.REJECTED.value) for _id, action_type in targets)
 
     def _defer_if_waiting(self, item: Inbound) -> None:
         """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
@@ -294,6 +304,7 @@ class NatsTransport:
             # and a "deferred" must never follow a terminal outcome.
             outcomes = [o for o in outcomes if o.action_id not in mailbox.answered]
             mailbox.outcomes.extend(outcomes)  # the final outcomes can only come after
+            self.counters.outcomes.update((o.action_type, o.status.value) for o in outcomes)
         self.counters.deferred_at_once += len(outcomes)
         self._notify()
 

@@ -18,6 +18,7 @@ import nats
 import pytest
 
 from kvhint.engine_plugin import core as core_module
+from kvhint.engine_plugin.metrics import HINTS_KEY
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -253,6 +254,8 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
             again = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (again.action_id, again.status.value) == ("slow", "accepted")
             assert h.connector.transport.counters.deferred_at_once == 1
+            hints = h.connector._read_stats()[HINTS_KEY]
+            assert hints["kv.pin|deferred"] == 1 and hints["kv.pin|accepted"] == 2
     finally:
         await nc.drain()
 
@@ -317,6 +320,9 @@ async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
             h.step()
             first = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (first.action_id, first.status.value) == ("f0", "missing")
+            # kvhint:hints_total counts the rejections the transport answered too.
+            hints = h.connector._read_stats()[HINTS_KEY]
+            assert hints == {"kv.pin|rejected": 2, "kv.pin|missing": 1}
     finally:
         await nc.drain()
 
