@@ -163,6 +163,7 @@ class Forwarder:
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
         if inbound.client_session_id is not None:
+            await self._lifecycle.recall(inbound.tenant.name, inbound.client_session_id)
             flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
                                                        inbound.client_session_id)
         body = msgspec.json.encode(inbound.body)

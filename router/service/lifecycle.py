@@ -28,8 +28,9 @@ which planner function it asks for hints.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 from kvhint.router.policy import (
     FinishReason,
@@ -69,8 +70,12 @@ class SessionLifecycle:
     def __init__(self, sessions: SessionRegistry, hints: HintDispatcher, metrics: RouterMetrics,
                  hints_enabled: bool, forget_after_s: float,
                  clock: Callable[[], float] = time.time,
-                 on_end: Callable[[str, str], None] | None = None) -> None:
-        """``on_end(tenant, session_id)``: told of every end (the trace recorder)."""
+                 on_end: Callable[[str, str], None] | None = None,
+                 load_session: Callable[[str, str], Awaitable[dict[str, Any] | None]]
+                 | None = None) -> None:
+        """``on_end(tenant, session_id)``: told of every end (the trace recorder).
+        ``load_session(tenant, session_id)``: the session's stored row, or None (the
+        store), asked by :meth:`recall`."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -79,6 +84,19 @@ class SessionLifecycle:
         self._clock = clock
         self._prefix_retains = SharedPrefixRetains()
         self._on_end = on_end
+        self._load_session = load_session
+
+    async def recall(self, tenant: str, session_id: str) -> None:
+        """Before a turn of a session not in memory: when the registry is not complete
+        (sessions were evicted, or not all restored), bring its stored record back, so
+        the turn continues its history instead of starting a blank one that the first
+        save writes over the stored row."""
+        if self.sessions.complete or self._load_session is None \
+                or self.sessions.get(tenant, session_id) is not None:
+            return
+        row = await self._load_session(tenant, session_id)
+        if row is not None:
+            self.sessions.adopt(row)
 
     def begin_turn(self, tenant: str, session_id: str) -> SessionRecord:
         now = self._clock()

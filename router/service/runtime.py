@@ -40,7 +40,7 @@ from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
-from kvhint.router.store.reader import load_recovery
+from kvhint.router.store.reader import get_session, load_recovery
 from kvhint.router.store.retention import prune_history
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Subjects
@@ -130,7 +130,8 @@ class RouterRuntime:
                                seed=secrets.randbits(64), budget_of=directory.budget)
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
         sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
-        restored = sessions.restore(recovery.sessions)
+        # Complete only when the store held nothing older than what was loaded.
+        restored = sessions.restore(recovery.sessions, complete=recovery.sessions_complete)
         recorder = None
         if settings.trace_dir is not None:
             # Fails the start-up if the folder cannot be made, not the first write.
@@ -140,9 +141,10 @@ class RouterRuntime:
                                      stall_s=settings.request_timeout_s + 60.0,
                                      on_written=metrics.trace_written.inc)
             log.info("recording traffic as session JSONL under %s", settings.trace_dir)
-        lifecycle = SessionLifecycle(sessions, hints, metrics, settings.hints.enabled,
-                                     settings.routing.session_forget_s,
-                                     on_end=recorder.session_ended if recorder else None)
+        lifecycle = SessionLifecycle(
+            sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
+            on_end=recorder.session_ended if recorder else None,
+            load_session=lambda tenant, sid: asyncio.to_thread(get_session, engine, tenant, sid))
 
         pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
                             keepalive_s=settings.upstream_keepalive_s)

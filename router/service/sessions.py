@@ -113,6 +113,11 @@ class SessionRegistry:
         self._writer = writer
         self._max = max_sessions
         self._on_drop = on_drop
+        # False once a session may be in the store and not in memory (one was forgotten
+        # or evicted, or the restore left some out): a session opened then is looked up
+        # in the store first (:meth:`adopt`), so its first save does not overwrite its
+        # history with a blank record.
+        self.complete = True
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -147,12 +152,28 @@ class SessionRegistry:
             self._writer.upsert("sessions", record.key, record.row())
 
     def forget(self, record: SessionRecord) -> None:
-        self._sessions.pop(record.key, None)
+        if self._sessions.pop(record.key, None) is not None:
+            self.complete = False
 
-    def restore(self, rows: list[dict[str, Any]]) -> int:
+    def restore(self, rows: list[dict[str, Any]], complete: bool = True) -> int:
+        """``complete``: ``rows`` are every session the store holds worth keeping (False
+        when the load was cut at the registry's bound)."""
         for record in sorted(map(SessionRecord.from_row, rows), key=lambda r: r.last_activity):
             self._sessions[record.key] = record
+        self.complete = self.complete and complete
         return len(rows)
+
+    def adopt(self, row: dict[str, Any]) -> SessionRecord:
+        """The stored session ``row`` in memory again (a session evicted earlier that
+        came back); a record already in memory is kept as it is."""
+        record = SessionRecord.from_row(row)
+        current = self._sessions.get(record.key)
+        if current is not None:
+            return current
+        if len(self._sessions) >= self._max:
+            self._evict_oldest()
+        self._sessions[record.key] = record
+        return record
 
     def counts_by_state(self, tenant: str | None = None) -> dict[str, int]:
         """Sessions in memory per state; only ``tenant``'s when given."""
@@ -180,5 +201,6 @@ class SessionRegistry:
         if victim is None:
             return  # every session has a turn in flight: go over the bound for now
         self._sessions.pop(victim.key, None)
+        self.complete = False
         if self._on_drop is not None:
             self._on_drop("session_evicted_from_memory", 1)

@@ -32,6 +32,8 @@ class RecoveryState:
     learned: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
+    # Whether ``sessions`` are every session the store holds (none older, none cut).
+    sessions_complete: bool = True
 
 
 def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
@@ -58,7 +60,10 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
     workers = _rows(engine, select(*WorkerRow.__table__.columns))
     cursors = {row["name"]: row["value"]
                for row in _rows(engine, select(*CursorRow.__table__.columns))}
-    return RecoveryState(sessions, pending, held, learned, workers, cursors)
+    with engine.connect() as conn:
+        stored = conn.execute(select(func.count()).select_from(SessionRow)).scalar_one()
+    return RecoveryState(sessions, pending, held, learned, workers, cursors,
+                         sessions_complete=stored == len(sessions))
 
 
 def query_hints(engine: Engine, status: str | None = None, tenant: str | None = None,

@@ -382,3 +382,30 @@ async def test_a_body_over_the_limit_is_refused_while_it_is_still_coming(
         # The router goes on serving; nothing reached the worker.
         ok = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
         assert ok.status_code == 200 and len(stub.received) == 1
+
+
+async def test_a_session_back_after_being_forgotten_continues_its_stored_history(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A session forgotten from memory (idle past session_forget_s, or evicted) that
+    comes back continues the history the store keeps; before, a blank record replaced
+    it and its first save wiped the stored turns, counters and planner state."""
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        runtime = router.runtime
+        for _turn in range(3):
+            await client.post(f"{router.url}/v1/chat/completions",
+                              json={**CHAT, "session_id": "back"})
+        record = runtime.sessions.get("default", "back")
+        assert record is not None and record.turns == 3
+        await runtime.writer.flush()
+        runtime.sessions.forget(record)
+        await client.post(f"{router.url}/v1/chat/completions",
+                          json={**CHAT, "session_id": "back"})
+        again = runtime.sessions.get("default", "back")
+        assert again is not None and again is not record
+        assert again.turns == 4 and again.plan.turns == 4
+        assert again.created_at == record.created_at
+        await client.post(f"{router.url}/v1/chat/completions",
+                          json={**CHAT, "session_id": "brand-new"})
+        assert runtime.sessions.get("default", "brand-new").turns == 1
