@@ -254,7 +254,8 @@ def _text_parts(role: str, content: Any) -> list[str | dict[str, Any]]:
         if not isinstance(part, Mapping):
             raise PromptRenderError("content parts must be strings or objects")
         part_type = part.get("type")
-        if part_type not in _TEXT_PART_KEYS or part.get("uuid") is not None:
+        if not isinstance(part_type, str) or part_type not in _TEXT_PART_KEYS \
+                or part.get("uuid") is not None:
             raise UnsupportedPrompt(
                 f"content part type {part_type!r} is not text; multimodal prompts are not "
                 "hashed by the router")
@@ -321,10 +322,17 @@ def _tool_call(call: Any) -> dict[str, Any]:
     if call.get("type", "function") != "function" or not isinstance(function, Mapping):
         raise PromptRenderError("chat completions only support assistant tool_calls of type "
                                 "'function'.")
-    out = {k: copy.deepcopy(v) for k, v in call.items() if k in ("id", "type")}
-    out["function"] = {k: copy.deepcopy(v) for k, v in function.items()
-                       if k in ("name", "arguments")}
-    return out
+    # The order and the keys vLLM's validated request hands the template (openai's
+    # TypedDicts: id, function {arguments, name}, type; unknown keys kept after): a
+    # template that prints ``tool_call.function | tojson`` (Hermes/Qwen style) or the
+    # whole call renders these bytes, and HF's tojson does not sort keys.
+    def ordered(source: Mapping[str, Any], first: tuple[str, ...]) -> dict[str, Any]:
+        out = {k: copy.deepcopy(source[k]) for k in first if k in source}
+        out.update((k, copy.deepcopy(v)) for k, v in source.items() if k not in out)
+        return out
+
+    return ordered({**call, "function": ordered(function, ("arguments", "name"))},
+                   ("id", "function", "type"))
 
 
 def _decode_tool_call_arguments(conversation: list[dict[str, Any]]) -> None:
@@ -344,7 +352,7 @@ def _decode_tool_call_arguments(conversation: list[dict[str, Any]]) -> None:
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # not JSON, or nested too deep
                     arguments = None
             function["arguments"] = arguments if isinstance(arguments, dict) else {}
 

@@ -56,7 +56,9 @@ class RequestHasher:
 
     ``sources`` maps the served model name (the body's ``model``) to its tokenizer source.
     ``loader`` builds a renderer from a source (injectable for tests); at most
-    ``max_loaded_models`` renderers stay loaded (least recently used dropped).
+    ``max_loaded_models`` renderers stay loaded (least recently used dropped). Names
+    with the same source (``--served-model-name`` aliases) share one renderer: keyed by
+    name, ten aliases reloaded a tokenizer on every request.
     """
 
     def __init__(self, sources: Mapping[str, ModelTokenizerSource],
@@ -65,7 +67,7 @@ class RequestHasher:
         self._sources = dict(sources)
         self._loader = loader or _load_renderer
         self._max_loaded = max_loaded_models
-        self._renderers: OrderedDict[str, PromptRenderer] = OrderedDict()
+        self._renderers: OrderedDict[tuple[Any, ...], PromptRenderer] = OrderedDict()
         self._hashers: dict[HashConfig, BlockHasher] = {}
         self._lock = threading.Lock()  # guards both caches (and loads a model once)
 
@@ -75,15 +77,16 @@ class RequestHasher:
     def renderer(self, model: str) -> PromptRenderer:
         """The model's renderer, loading it on first use (raises :class:`UnknownModel`)."""
         with self._lock:
-            renderer = self._renderers.get(model)
-            if renderer is not None:
-                self._renderers.move_to_end(model)
-                return renderer
             source = self._sources.get(model)
             if source is None:
                 raise UnknownModel(f"no tokenizer configured for model {model!r}")
+            key = _source_key(source)
+            renderer = self._renderers.get(key)
+            if renderer is not None:
+                self._renderers.move_to_end(key)
+                return renderer
             renderer = self._loader(source)
-            self._renderers[model] = renderer
+            self._renderers[key] = renderer
             while len(self._renderers) > self._max_loaded:
                 self._renderers.popitem(last=False)
             return renderer
@@ -127,3 +130,11 @@ def _load_renderer(source: ModelTokenizerSource) -> PromptRenderer:
         source.path, chat_template=source.chat_template,
         default_chat_template_kwargs=source.default_chat_template_kwargs,
         exclude_tools_when_tool_choice_none=source.exclude_tools_when_tool_choice_none)
+
+
+def _source_key(source: ModelTokenizerSource) -> tuple[Any, ...]:
+    """What makes two sources render alike (the kwargs mapping made hashable)."""
+    kwargs = source.default_chat_template_kwargs
+    return (str(source.path), source.chat_template,
+            repr(sorted(kwargs.items())) if kwargs else None,
+            source.exclude_tools_when_tool_choice_none)

@@ -18,12 +18,15 @@ time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import msgspec
 
 from kvhint.router.hashing import HashConfig, HashingError, PromptHashes, RequestHasher
 from kvhint.router.kv_index.protocol import ClusterKvIndex
@@ -47,7 +50,9 @@ from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 RECENT_HALF_LIFE_S = 120.0
 # Rough tokens-per-character when the prompt cannot be tokenized (unknown model).
+log = logging.getLogger(__name__)
 _CHARS_PER_TOKEN = 4
+_json_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +188,10 @@ class RoutingService:
         except HashingError as exc:
             self.metrics.drop(f"prompt_hashing:{type(exc).__name__}")
             return None
+        except Exception:  # noqa: BLE001 - a body the hasher trips on is still routed
+            log.exception("prompt hashing failed; routing without prefix hashes")
+            self.metrics.drop("prompt_hashing:internal_error")
+            return None
         self.metrics.hashing.observe(time.perf_counter() - started)
         return hashes
 
@@ -254,8 +263,20 @@ def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any
 
 
 def _estimate_tokens(inbound: InboundRequest) -> int:
+    """About how many tokens the prompt renders to: what decides where it is hashed.
+    A chat counts its tool schemas, documents and earlier tool calls as well as its
+    messages' text: agent frameworks send tens of thousands of tokens of tools with a
+    short message."""
     if inbound.endpoint is Endpoint.CHAT:
-        chars = sum(len(str(m.get("content") or "")) for m in inbound.messages or ())
+        body = inbound.body
+        chars = 0
+        for message in inbound.messages or ():
+            chars += len(str(message.get("content") or ""))
+            if message.get("tool_calls"):
+                chars += len(_json_encode(message["tool_calls"]))
+        for key in ("tools", "documents"):
+            if body.get(key):
+                chars += len(_json_encode(body[key]))
     else:
         prompt = inbound.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

@@ -371,6 +371,10 @@ async def _models_of(pool: UpstreamPool, url: str) -> dict[str, str]:
         return {}
     found = {}
     for item in listing.get("data", []) if isinstance(listing, dict) else []:
-        if isinstance(item, dict) and isinstance(item.get("id"), str):
+        # A LoRA adapter (it names a "parent") hashes its blocks with the adapter as an
+        # extra key: the base model's hashes would predict hits it never has, so its
+        # requests are routed without prompt hashes.
+        if isinstance(item, dict) and isinstance(item.get("id"), str) \
+                and not item.get("parent"):
             found[item["id"]] = str(item.get("root") or item["id"])
     return found

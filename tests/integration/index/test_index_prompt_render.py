@@ -86,7 +86,9 @@ def test_request_hasher_salt_models_and_configs(tiny_model_dir: Path) -> None:
         return PromptRenderer.from_pretrained(source.path)
 
     hasher = RequestHasher({"tiny": ModelTokenizerSource(tiny_model_dir),
-                            "alias": ModelTokenizerSource(tiny_model_dir)},
+                            "alias": ModelTokenizerSource(tiny_model_dir),
+                            "templated": ModelTokenizerSource(
+                                tiny_model_dir, chat_template="{{ messages[0].content }}")},
                            loader=loader, max_loaded_models=1)
     config = HashConfig(block_size=4)
     text = "The quick brown fox jumps over the lazy dog. " * 4
@@ -96,7 +98,11 @@ def test_request_hasher_salt_models_and_configs(tiny_model_dir: Path) -> None:
     assert plain.token_ids == salted.token_ids and len(plain.block_hashes) >= 4
     assert plain.hashed_tokens == 4 * len(plain.block_hashes) <= plain.num_tokens
     assert all(a != b for a, b in zip(plain.block_hashes, salted.block_hashes))
-    hasher.hash_chat(chat(model="alias"), config)  # evicts "tiny" (max 1 loaded)
+    for _ in range(3):  # an alias of the same source shares its renderer: no reload
+        hasher.hash_chat(chat(model="alias"), config)
+        hasher.hash_chat(chat(), config)
+    assert len(loads) == 1
+    hasher.hash_chat(chat(model="templated"), config)  # evicts the other (max 1 loaded)
     hasher.hash_chat(chat(), config)
     assert len(loads) == 3
     with pytest.raises(UnknownModel):
@@ -133,3 +139,37 @@ def test_request_hasher_from_several_threads_gives_the_one_thread_hashes(
         got = list(pool.map(lambda b: shared.hash_chat(b, config), bodies * 4))
     assert got == expected * 4
     assert len(loads) == 1  # the model was loaded once, not once per thread
+
+
+def test_tool_calls_reach_the_template_as_vllm_hands_them(tiny_model_dir: Path) -> None:
+    """A Hermes/Qwen-style template prints ``tool_call.function | tojson``: the router
+    must hand it the call's keys in the order vLLM's validated request has them
+    (arguments before name; extra keys kept), or every block after the first tool call
+    misses. Compared with vLLM's own renderer on the tiny model (no server)."""
+    import asyncio
+
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.online_renderer import OnlineRenderer
+    from vllm.renderers.registry import renderer_from_config
+
+    template = ("{% for message in messages %}<|{{ message.role }}|>{{ message.content or '' }}"
+                "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}"
+                "{{ call | tojson }}</tool_call>{% endfor %}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    body = {"model": "tiny", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "type": "function", "id": "call_1", "index": 0,
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"}]}
+    model_config = ModelConfig(model=str(tiny_model_dir), tokenizer=str(tiny_model_dir),
+                               max_model_len=4096, enforce_eager=True)
+    online = OnlineRenderer(model_config, renderer_from_config(VllmConfig(
+        model_config=model_config)), request_logger=None, chat_template=template,
+        chat_template_content_format="auto")
+    _conversation, prompts = asyncio.run(online.render_chat(ChatCompletionRequest(**body)))
+    expected = prompts[0]["prompt_token_ids"]
+    ours = PromptRenderer.from_pretrained(tiny_model_dir, chat_template=template)
+    assert ours.chat_token_ids(body) == list(expected)

@@ -86,6 +86,8 @@ class StubWorker:
     prompt_tokens: int = 40  # the usage it reports (32 of them cached)
     # /v1/models "root": where the router finds the tokenizer (the tiny model's).
     model_root: str = "stub"
+    # LoRA adapters it lists as models of their own (vLLM: "parent" names the base).
+    adapters: list[str] = field(default_factory=list)
     _runner: web.AppRunner | None = None
 
     @property
@@ -111,8 +113,10 @@ class StubWorker:
         return web.Response(text="ok")
 
     async def _models(self, _request: web.Request) -> web.Response:
+        adapters = [{"id": name, "root": f"/adapters/{name}", "parent": "stub"}
+                    for name in self.adapters]
         return web.json_response({"object": "list",
-                                  "data": [{"id": "stub", "root": self.model_root}]})
+                                  "data": [{"id": "stub", "root": self.model_root}, *adapters]})
 
     def _message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "hello"}

@@ -409,3 +409,36 @@ async def test_a_session_back_after_being_forgotten_continues_its_stored_history
         await client.post(f"{router.url}/v1/chat/completions",
                           json={**CHAT, "session_id": "brand-new"})
         assert runtime.sessions.get("default", "brand-new").turns == 1
+
+
+async def test_bodies_the_hasher_cannot_read_are_still_routed_and_adapters_not_hashed(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A content part whose type is not a string, or tool-call arguments nested past
+    Python's recursion limit, are routed (the worker validates them); before, the
+    router's hashing raised and answered 500. A LoRA adapter the workers list (vLLM
+    names its parent) gets no prompt hashes: vLLM hashes its blocks with the adapter as
+    an extra key, so the base model's hashes would predict hits it never has."""
+    for stub in stub_workers:  # two workers: the router hashes to choose between them
+        stub.adapters = ["sql-lora"]
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url),
+                                          ("w1", stub_workers[1].url)])
+    deep = "[" * 5000 + "]" * 5000
+    bodies = [
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]},
+        {**CHAT, "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "f", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"}]},
+    ]
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        assert set(router.runtime.models) == {"stub"}
+        for body in bodies:
+            response = await client.post(f"{router.url}/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+        adapter = await client.post(f"{router.url}/v1/chat/completions",
+                                    json={**CHAT, "model": "sql-lora"})
+        assert adapter.status_code == 200
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert 'what="internal_error"' not in metrics
+        assert 'kvhint_router_drops_total{what="prompt_hashing:UnknownModel"} 1.0' in metrics

@@ -18,7 +18,7 @@ from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.sessions_api import _target_blocks
-from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.settings import RoutingSettings, TenantBudget
 from kvhint.router.service.tenancy import Tenant
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.schemas import (
@@ -443,3 +443,25 @@ def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
     assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
     assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
     assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
+
+
+def test_tool_schemas_count_toward_hashing_a_prompt_off_the_event_loop() -> None:
+    """Agent frameworks send tens of thousands of tokens of tool schemas with a short
+    message; the estimate that decides where a prompt is hashed counts them (and
+    earlier tool calls and documents), so such a prompt is hashed on the hashing thread
+    (before: estimated at 7 tokens and hashed inline, ~0.5 s on the event loop)."""
+    from kvhint.router.service.routing_service import _estimate_tokens
+
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{n}", "description": "does a thing " * 40,
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+        for n in range(40)]
+    body = {"model": "m", "tools": tools,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                          "function": {"name": "tool_1", "arguments": "{}" + " " * 8000}}]}]}
+    inbound = parse_inbound(Endpoint.CHAT, json.dumps(body).encode(), TENANT, None, None)
+    assert _estimate_tokens(inbound) >= RoutingSettings().hash_thread_min_tokens
+    short = parse_inbound(Endpoint.CHAT, json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]}).encode(), TENANT, None, None)
+    assert _estimate_tokens(short) < 10
