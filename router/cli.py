@@ -31,6 +31,13 @@ def _up(args: argparse.Namespace) -> int:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvhint", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--state-dir", default=".kvhint", help="model, logs and database live here")
     up.add_argument("--router-port", type=int, default=8080)
     up.add_argument("--worker-base-port", type=int, default=8001)
-    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--workers", type=_positive_int, default=2)
     up.add_argument("--nats-url", default="nats://127.0.0.1:4222",
                     help="used when a server answers there; else one is started")
     up.add_argument("--kv-cache-tokens", type=int, default=16_384)

@@ -35,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     import yaml
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from kvhint.router.service.settings import RouterSettings
 
@@ -47,7 +48,7 @@ def _run(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     try:
         settings = RouterSettings(**overrides)
-    except (ValidationError, FileNotFoundError, yaml.YAMLError) as exc:
+    except (ValidationError, SettingsError, FileNotFoundError, yaml.YAMLError) as exc:
         print(f"kvhint router: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     if args.check_config:

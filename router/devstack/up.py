@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,12 +65,22 @@ def run_dev_stack(options: DevStackOptions) -> int:
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # A closed terminal (SIGHUP) stops the stack too: the children run in sessions of
+    # their own and would never see the hangup.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    taken = _ports_taken([options.router_port] + [options.worker_base_port + index
+                                                  for index in range(options.workers)])
+    if taken:
+        _say(f"port(s) {', '.join(map(str, taken))} already in use (another `make run`?); "
+             "stop it, or pick others with --router-port / --worker-base-port")
+        return 1
 
     model_dir = state / "models" / RECIPE_VERSION
     _say(f"model: {model_dir} (building if missing)")
     build_tiny_model(model_dir)
+    if stop.is_set():
+        return 130
 
     with ExitStack() as stack:
         nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log"))
@@ -96,7 +107,11 @@ def run_dev_stack(options: DevStackOptions) -> int:
             servers.append((worker_id, server))
         for worker_id, server in servers:
             _say(f"waiting for worker {worker_id} on {server.url} (log: {server.log_path})")
-            server.wait_ready()
+            try:
+                server.wait_ready(stop=stop)
+            except RuntimeError as exc:
+                _say(f"worker {worker_id} failed: {exc}")
+                return 1
             if stop.is_set():
                 return 130
 
@@ -105,7 +120,13 @@ def run_dev_stack(options: DevStackOptions) -> int:
             router = _start_router(options, nats.url, servers, state, logs)
             stack.callback(_stop_process, router)
             entry = f"http://127.0.0.1:{options.router_port}"
-            _wait_http(f"{entry}/health", router, stop)
+            try:
+                _wait_http(f"{entry}/health", router, stop)
+            except RuntimeError as exc:
+                _say(f"{exc}; see {logs / 'router.log'}")
+                return 1
+            if stop.is_set():
+                return 130
         else:
             _say("router not built yet: talk to a worker directly")
 
@@ -120,9 +141,21 @@ def run_dev_stack(options: DevStackOptions) -> int:
         while not stop.wait(1.0):
             dead = [wid for wid, server in servers if not server.running]
             if dead:
-                _say(f"worker(s) {', '.join(dead)} exited; see {logs}")
+                _say(f"worker(s) {', '.join(dead)} exited; stopping (see {logs})")
+                return 1
         _say("stopping")
     return 0
+
+
+def _ports_taken(ports: list[int]) -> list[int]:
+    """The ports something on 127.0.0.1 already listens on."""
+    taken = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                taken.append(port)
+    return taken
 
 
 def _start_router(options: DevStackOptions, nats_url: str, servers, state: Path,
@@ -147,14 +180,15 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], stop: threading.Event,
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not stop.is_set():
         if proc.poll() is not None:
-            raise RuntimeError(f"router exited with code {proc.returncode}")
+            raise RuntimeError(f"the router exited with code {proc.returncode} during start-up")
         try:
             if httpx.get(url, timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"router did not answer {url}")
+    if not stop.is_set():
+        raise RuntimeError(f"the router did not answer {url} within {timeout_s:.0f}s")
 
 
 def _stop_process(proc: subprocess.Popen[bytes]) -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 from collections.abc import Mapping
@@ -152,9 +153,12 @@ class VllmServer:
                 start_new_session=True,
             )
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float = 300.0,
+                   stop: threading.Event | None = None) -> None:
+        """Returns once the server answers, or at once when ``stop`` is set (Ctrl-C);
+        raises ``RuntimeError`` when it exits or is not ready within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             if self._proc is None or self._proc.poll() is not None:
                 raise RuntimeError(
                     f"vLLM server on port {self.spec.port} exited early; log tail:\n"
@@ -166,6 +170,8 @@ class VllmServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        if stop is not None and stop.is_set():
+            return
         raise RuntimeError(
             f"vLLM server on port {self.spec.port} not ready after {timeout_s:.0f}s; "
             "log tail:\n" + self.log_tail()

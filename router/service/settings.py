@@ -177,7 +177,9 @@ class RouterSettings(BaseSettings):
     block_size: int = Field(16, gt=0)
 
     tenants: list[TenantConfig] = Field(default_factory=list)
-    admin_keys: list[str] = Field(default_factory=list)
+    # KVHINT_ROUTER_ADMIN_KEYS is "key1,key2" (not JSON): NoDecode hands the string
+    # to the validator below.
+    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     salt_secret: str = "kvhint-dev-salt-secret"
 
     routing: RoutingSettings = RoutingSettings()

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvhint.router.cli import main
 from kvhint.schemas.export import MESSAGES
 
@@ -24,3 +26,48 @@ def test_console_script_runs() -> None:
                          check=True).stdout
     for command in ("up", "schemas", "router", "sim"):
         assert command in out
+
+
+def test_kvhint_up_refuses_ports_in_use_and_bad_worker_counts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second `make run` while one runs (its ports answer) stops at once with a clear
+    message, before building or starting anything; before, it reported ready against
+    the first run's servers, then printed a line a second forever."""
+    import socket
+
+    from kvhint.router.devstack.up import DevStackOptions, run_dev_stack
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        options = DevStackOptions(state_dir=tmp_path / "state", router_port=port,
+                                  worker_base_port=port + 1, workers=1)
+        assert run_dev_stack(options) == 1
+    assert f"port(s) {port} already in use" in capsys.readouterr().out
+    assert not (tmp_path / "state" / "models").exists()
+    with pytest.raises(SystemExit):
+        main(["up", "--workers", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_waiting_for_a_worker_ends_when_asked_to_stop(tmp_path: Path) -> None:
+    """Ctrl-C while a worker starts (up to 300 s with vLLM) stops the wait at once.
+    The worker here is a process that never answers, standing in for a vLLM server
+    still loading."""
+    import threading
+    import time
+
+    from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
+
+    server = VllmServer(VllmWorkerSpec(model_dir=tmp_path, port=9), tmp_path / "w.log")
+    server._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop = threading.Event()
+    try:
+        threading.Timer(0.5, stop.set).start()
+        started = time.monotonic()
+        server.wait_ready(timeout_s=60, stop=stop)
+        assert time.monotonic() - started < 5
+    finally:
+        server._proc.kill()
+        server._proc.wait()

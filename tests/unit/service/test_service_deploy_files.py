@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
@@ -74,3 +75,27 @@ def test_shipped_router_configs_are_valid_settings() -> None:
     k8s = next(doc for doc in yaml.safe_load_all(
         (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc["kind"] == "ConfigMap")
     assert RouterSettings(**yaml.safe_load(k8s["data"]["router.yaml"])).nats_url
+
+
+def test_the_shipped_deployments_start_with_their_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Kubernetes router as shipped: its ConfigMap file plus the environment its
+    Deployment sets from the Secret (admin keys comma-separated, tenants as JSON); and
+    compose's single admin key. Before, both env forms crashed the router at start."""
+    docs = [doc for doc in yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
+    config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
+    secret = next(doc for doc in docs if doc["kind"] == "Secret")["stringData"]
+    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
+    config = tmp_path / "router.yaml"
+    config.write_text(config_map["data"]["router.yaml"])
+    for variable in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
+        key = variable["valueFrom"]["secretKeyRef"]["key"]
+        monkeypatch.setenv(variable["name"], secret[key])
+    settings = RouterSettings(config_file=config)
+    assert settings.admin_keys == ["change-me-admin"]
+    assert [(t.name, t.api_keys) for t in settings.tenants] == [
+        ("team-a", ["change-me-team-a"])]
+    assert not settings.dev_mode and settings.database_url.startswith("postgresql+psycopg")
+    monkeypatch.setenv("KVHINT_ROUTER_ADMIN_KEYS", "k1, k2")
+    assert RouterSettings(config_file=config).admin_keys == ["k1", "k2"]
