@@ -55,20 +55,34 @@ class AgentWorkloadSpec:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "seed":
-                continue
-            if f.name.endswith("probability"):
-                if not 0.0 <= value <= 1.0:
-                    raise ValueError(f"{f.name} must be within 0..1, got {value}")
-            elif value < 0 or (value == 0 and f.name in (
-                    "sessions", "block_size", "agent_types", "tools_per_agent", "mean_turns",
-                    "max_turns", "duration_s")):
-                raise ValueError(f"{f.name} must be > 0, got {value}")
+            if f.name != "seed":
+                _check_spec_value(f.name, getattr(self, f.name))
         if self.block_size % 32:
             raise ValueError("block_size must be a multiple of 32")
         if self.mean_turns < 1:
             raise ValueError("mean_turns must be >= 1")
+
+
+# Must be > 0: counts the workload cannot do without, and what the generator divides by
+# or takes the log of (a gap median of 0 is log(0)); the rest must be >= 0.
+_POSITIVE = frozenset({"sessions", "block_size", "agent_types", "tools_per_agent",
+                       "mean_turns", "max_turns", "duration_s", "tool_gap_median_s",
+                       "user_gap_median_s"})
+
+
+def _check_spec_value(name: str, value: float) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is finite and in its range
+    (nan compares false with everything, so each range is stated as what must hold)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if name.endswith("probability"):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be within 0..1, got {value}")
+    elif name in _POSITIVE:
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    elif not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def generate(spec: AgentWorkloadSpec) -> list[dict[str, object]]:

@@ -12,6 +12,7 @@ end or not at all.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,8 +140,13 @@ def _run(args: argparse.Namespace) -> int:
         return _fail(f"--limit must be >= 1, got {args.limit}")
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
-    if args.plot is not None and not (args.plot.parent or Path(".")).is_dir():
-        return _fail(f"--plot: folder {args.plot.parent} does not exist")
+    if problem := _time_flag_problem(args):
+        return _fail(problem)
+    if args.plot is not None:
+        from kvhint.router.sim.report import plot_target_problem
+
+        if problem := plot_target_problem(args.plot):
+            return _fail(f"--plot: {problem}")
     from kvhint.router.sim.trace import TraceError, load_trace
 
     try:
@@ -203,14 +209,20 @@ def _run(args: argparse.Namespace) -> int:
         capacity = args.workers * (args.gpu_blocks + args.host_blocks)
         references = [oracle(trace, capacity), unbounded(trace)]
     results = run_policies(trace, config, policies, jobs=args.jobs, progress=progress)
-    if args.plot is not None:
-        title = (f"{Path(trace.path).name}: {args.workers} x {args.gpu_blocks} G1"
-                 + (f" + {args.host_blocks} G2" if args.host_blocks else "") + " blocks")
-        plot(args.plot, results, references, title)
+    # The results first: a plot that still fails (a full disk) must not lose them.
     if args.json:
         sys.stdout.write(json_lines(results, references))
     else:
         print(table(results, references))
+    sys.stdout.flush()
+    code = 0
+    if args.plot is not None:
+        title = (f"{Path(trace.path).name}: {args.workers} x {args.gpu_blocks} G1"
+                 + (f" + {args.host_blocks} G2" if args.host_blocks else "") + " blocks")
+        try:
+            plot(args.plot, results, references, title)
+        except (OSError, ValueError, RuntimeError) as exc:  # disk, format, LaTeX (pgf)
+            code = _fail(f"--plot: cannot write {args.plot}: {exc}")
     if served_ttfts := trace.served_ttfts_s():
         # Beside the simulated TTFTs: one far below says the time model runs faster than
         # the fleet did (BENCHMARKS.md: that makes the simulator optimistic under pressure).
@@ -218,7 +230,26 @@ def _run(args: argparse.Namespace) -> int:
               f"p99 {percentile(served_ttfts, 99):.3f}s over {len(served_ttfts)} streamed "
               "responses; a simulated TTFT far below it: --prefill-tokens-per-s fit",
               file=sys.stderr)
-    return 0
+    return code
+
+
+# The time model's flags: rates must be > 0, times >= 0, all finite (nan and inf parse as
+# floats, and would turn every simulated time into nan or inf).
+_RATE_FLAGS = ("prefill_tokens_per_s", "host_load_tokens_per_s")
+_TIME_FLAGS = ("prefill_overhead_s", "decode_s_per_token")
+
+
+def _time_flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the time model's flags, or None (unset and ``fit`` are fine)."""
+    for name in _RATE_FLAGS + _TIME_FLAGS:
+        value = getattr(args, name)
+        if value is None or value == "fit":
+            continue
+        positive = name in _RATE_FLAGS
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value}"
+    return None
 
 
 def _fit_time_model(trace: Trace, config: SimConfig, policy: str,
@@ -258,6 +289,8 @@ def _gen_agents(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not (args.out.parent or Path(".")).is_dir():
         return _fail(f"--out: folder {args.out.parent} does not exist")
+    if args.out.is_dir():
+        return _fail(f"--out: {args.out} is a directory; give a file name")
     summary = write_agent_trace(args.out, spec)
     print(f"wrote {args.out}: {summary}")
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -71,7 +72,8 @@ from kvhint.router.policy import (
 from kvhint.router.sim.config import ENGINES, SimConfig
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
 from kvhint.router.sim.scheduler_worker import SchedulerSimWorker, build_scheduler_worker
-from kvhint.router.sim.trace import Trace, TraceRequest
+from kvhint.router.sim.tick_grid import grid_ceil, grid_floor, scan_aligned
+from kvhint.router.sim.trace import Trace, TraceRequest, intern_block_ids
 from kvhint.router.sim.worker import Job, SimWorker, build_fast_worker
 from kvhint.schemas import DecodedHints, HintOutcome, evict_rest_supported, parse_action
 
@@ -98,6 +100,7 @@ class Simulation:
             )
         self.trace = trace
         self.config = config
+        self._token_ids = intern_block_ids(trace)
         self.policy = policy
         self.hints_on = policy == "kvhint"
         self.now = 0.0
@@ -119,9 +122,15 @@ class Simulation:
         # decayed, kept exactly as the live router's RoutingService keeps them.
         self._recent: dict[str, RecentLoad] = {}
         self._heap: list[tuple[float, int, int, Any]] = []
+        # Ticks run on a grid: tick k at k * tick_s (k >= 1). The index of the tick being
+        # handled, and of one at which the unskipped schedule runs a shared-prefix scan
+        # (the first tick does: SharedPrefixRetains starts due); see _next_tick.
+        self._tick_index = 0
+        self._scan_tick = 1
         self._seq = itertools.count()
         self._message_ids = itertools.count(1)
-        self.result = PolicyResult(policy, records=[] if config.keep_records else None)
+        self.result = PolicyResult(policy, records=[] if config.keep_records else None,
+                                   timeline_width_s=config.timeline_bucket_s)
         self.workers: dict[str, SimWorker | SchedulerSimWorker] = {}
         self._static_views: dict[str, WorkerPlanView] = {}
         self._build_workers()
@@ -149,6 +158,46 @@ class Simulation:
     def _clock(self) -> float:
         return self.now
 
+    # -- ticks ------------------------------------------------------------------------------------
+
+    def _push_tick(self, index: int) -> None:
+        self._push(index * self.config.tick_s, _TICK, index)
+
+    def _next_tick(self, index: int) -> int:
+        """The index of the tick to run after tick ``index`` (0: before the first).
+
+        Normally ``index + 1``. While every worker is idle, the ticks before the next event
+        can only expire claims and run shared-prefix scans; when none of them can do
+        anything, they are skipped, up to the last tick at or before the next event (a
+        trace stamped in epoch ms, or with hours of idle time, would otherwise spend its
+        run ticking through them). The contract: a run gives the same result as one that
+        runs every tick. So a skip stops at the tick that handles the next claim expiry;
+        none happens while a Prefetch or Demote waits, nor (kvhint) while some session
+        would count in a scan, whose retains would change with time; and it lands where
+        the unskipped schedule scans, so later scans keep their times."""
+        following = index + 1
+        if not self._heap or any(w.active_requests or w.core.executor.pending_actions
+                                 for w in self.workers.values()):
+            return following
+        tick_s = self.config.tick_s
+        target = grid_floor(self._heap[0][0], tick_s)
+        for worker in self.workers.values():
+            expiry = worker.core.executor.next_deadline()
+            if expiry is not None and math.isfinite(expiry):
+                target = min(target, grid_ceil(expiry, tick_s))
+        if target > following and self.hints_on:
+            target = following if self._scan_could_act() else scan_aligned(
+                index, target, self._scan_tick, tick_s, self.config.planner.shared_prefix_scan_s)
+        return max(target, following)
+
+    def _scan_could_act(self) -> bool:
+        """Whether a shared-prefix scan now has any session to count (else it sends
+        nothing, whenever it runs, until an event changes the sessions)."""
+        ctx = self._planner_ctx()
+        return any(session_chain(ctx, session, session.worker_id,
+                                 self._last_hashes.get(key, ())) is not None
+                   for key, session in self.sessions.items())
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
@@ -160,7 +209,7 @@ class Simulation:
         total = len(requests)
         for request in requests:
             self._push(request.arrival_s, _ARRIVAL, request)
-        self._push(self.config.tick_s, _TICK, None)
+        self._push_tick(self._next_tick(0))
         arrivals = 0
         handlers = {
             _STEP_END: self._on_step_end,
@@ -179,9 +228,10 @@ class Simulation:
                 if progress is not None and (arrivals % 200 == 0 or arrivals == total):
                     progress(arrivals, total)
             elif kind == _TICK:
+                self._tick_index = payload
                 self._on_tick()
                 if arrivals < total or any(w.active_requests for w in self.workers.values()):
-                    self._push(at + self.config.tick_s, _TICK, None)
+                    self._push_tick(self._next_tick(payload))
             else:
                 handlers[kind](payload)
             if arrivals == total and not any(w.active_requests for w in self.workers.values()):
@@ -194,7 +244,8 @@ class Simulation:
 
     def _on_arrival(self, request: TraceRequest) -> None:
         session_key = f"{request.tenant}/{request.session_id}"
-        tokens = tokens_for_block_ids(request.block_ids, self.config.block_size)
+        tokens = tokens_for_block_ids([self._token_ids[b] for b in request.block_ids],
+                                      self.config.block_size)
         del tokens[request.input_length:]
         worker0 = next(iter(self.workers.values()))
         vllm_request = worker0.make_request(tokens, session_key, request.output_length)
@@ -326,11 +377,14 @@ class Simulation:
         result.g1_hit_tokens += job.g1_hit_tokens
         result.g2_hit_tokens += job.g2_hit_tokens
         result.computed_by_worker[job.worker_id] += job.computed_tokens
-        bucket = int(self.now // self.config.timeline_bucket_s)
+        # Only buckets with admissions get a point: a trace stamped in epoch ms would
+        # otherwise list every empty minute since 1970 (admissions come in time order).
+        width = self.config.timeline_bucket_s
+        start = (self.now // width) * width
         timeline = result.timeline
-        while len(timeline) <= bucket:
-            timeline.append(TimelinePoint(len(timeline) * self.config.timeline_bucket_s))
-        point = timeline[bucket]
+        if not timeline or timeline[-1].start_s < start:
+            timeline.append(TimelinePoint(start))
+        point = timeline[-1]
         point.prompt_tokens += prompt
         point.hit_tokens += job.g1_hit_tokens + job.g2_hit_tokens
         if result.records is not None:
@@ -462,6 +516,7 @@ class Simulation:
         retains = self._prefix_retains
         if not retains.scan_due(self.now, config.shared_prefix_scan_s):
             return
+        self._scan_tick = self._tick_index
         retains.expire(self.now)
         ctx = self._planner_ctx()
         chains = [chain for key, session in self.sessions.items() if (

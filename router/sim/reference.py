@@ -1,8 +1,9 @@
 """Reference lines: what any cache of the same size could do on the trace.
 
 Block-level models over the trace's prompt blocks with vLLM's hit rules (only full
-blocks are cached; a hit is the longest cached prefix of full blocks, at most
-``input_length - 1`` tokens). No routing, no queueing: one pool, requests in arrival
+blocks are cached; a hit is the longest cached prefix of full blocks, whole blocks only,
+leaving at least the last prompt token to compute: at most ``(input_length - 1) //
+block_size`` blocks). No routing, no queueing: one pool, requests in arrival
 order, each request's blocks cached the moment it arrives.
 
 - ``unbounded``: every block ever seen stays cached.
@@ -41,7 +42,9 @@ def _chains(trace: Trace) -> list[list[int]]:
 
 
 def _hit_tokens(matched_blocks: int, input_length: int, block_size: int) -> int:
-    return min(matched_blocks * block_size, max(input_length - 1, 0))
+    """vLLM's hit: whole cached blocks only, and never the last prompt token (it is
+    recomputed for the first output), so at most (input_length - 1) // block_size blocks."""
+    return min(matched_blocks, max(input_length - 1, 0) // block_size) * block_size
 
 
 def unbounded(trace: Trace) -> ReferenceResult:

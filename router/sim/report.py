@@ -73,6 +73,30 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def plot_target_problem(path: Path) -> str | None:
+    """Why :func:`plot` could not write ``path``, checked before a run (so a bad target
+    costs nothing), or None: its folder must exist and be writable, it must not be a
+    folder, and its suffix must name a format matplotlib writes (none: PNG)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return "matplotlib is not installed (the sim extra: pip install 'kvhint[sim]')"
+    path = Path(path)
+    folder = path.parent
+    if not folder.is_dir():
+        return f"folder {folder} does not exist"
+    if path.is_dir():
+        return f"{path} is a directory; give a file name such as {path / 'hits.png'}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {folder} is not writable"
+    suffix = path.suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        return (f"{path}: matplotlib cannot write .{suffix} files (it writes "
+                f"{', '.join('.' + f for f in sorted(formats))})")
+    return None
+
+
 def plot(path: Path, results: Sequence[PolicyResult], references: Sequence[ReferenceResult],
          title: str) -> None:
     """Cumulative token hit rate (G1+G2) over trace time, one line per policy; reference
@@ -90,7 +114,7 @@ def plot(path: Path, results: Sequence[PolicyResult], references: Sequence[Refer
             prompt += point.prompt_tokens
             hits += point.hit_tokens
             if prompt:
-                xs.append((point.start_s + 0.5 * _width(r)) / 60.0)
+                xs.append((point.start_s + 0.5 * r.timeline_width_s) / 60.0)
                 ys.append(100.0 * hits / prompt)
         ax.plot(xs, ys, label=r.policy, linewidth=1.8)
     for ref in references:
@@ -105,7 +129,7 @@ def plot(path: Path, results: Sequence[PolicyResult], references: Sequence[Refer
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    suffix = Path(path).suffix.lstrip(".") or "png"
+    suffix = Path(path).suffix.lstrip(".").lower() or "png"
     fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=f".{suffix}",
                                dir=Path(path).parent or ".")
     os.close(fd)
@@ -125,8 +149,3 @@ def _plain_mode(path: str) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
-
-
-def _width(result: PolicyResult) -> float:
-    timeline = result.timeline
-    return timeline[1].start_s - timeline[0].start_s if len(timeline) > 1 else 60.0

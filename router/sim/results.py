@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of unsorted values; 0.0 when empty."""
+    """Nearest-rank percentile (q in 0..100) of unsorted values: the smallest value with
+    at least q% of the values at or below it (rank ceil(q/100 * n), at least 1); 0.0 when
+    empty. ``q * n / 100``, not ``q / 100 * n``: 7 / 100 * 100 is 7.000000000000001."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered) / 100.0)))
     return ordered[rank - 1]
 
 
@@ -54,7 +57,9 @@ class PolicyResult:
     hints: Counter = field(default_factory=Counter)
     # (action type, reason) -> blocks workers let go of accepted Pins/Retains unasked.
     released_blocks: Counter = field(default_factory=Counter)
+    # Buckets of ``timeline_width_s`` in time order; only those with admissions.
     timeline: list[TimelinePoint] = field(default_factory=list)
+    timeline_width_s: float = 60.0
     # Per admitted request, in admission order (kept only when asked for: tests, debugging).
     records: list[RequestRecord] | None = None
     dropped_requests: int = 0

@@ -2,9 +2,9 @@
 
 The ``fast`` engine (:mod:`.worker`) prefills one request at a time (FIFO): ``prefill_s =
 overhead + computed / prefill_rate + host_loaded / host_load_rate``. Decode runs batched
-beside it, each request taking ``output_tokens * decode_s_per_token`` after its first
-token. Time to first token is queueing for the prefill slot (and for KV space) plus the
-prefill itself.
+beside it, each request taking ``(output_tokens - 1) * decode_s_per_token`` after its
+first token (the prefill produces the first). Time to first token is queueing for the
+prefill slot (and for KV space) plus the prefill itself.
 
 The ``scheduler`` engine (:mod:`.scheduler_worker`) times each of vLLM's steps instead:
 ``step_s = decode_s_per_token + prefill_tokens / prefill_rate + host_loaded /
@@ -17,6 +17,7 @@ fast engine's only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -29,12 +30,16 @@ class TimeModel:
     host_load_tokens_per_s: float = 1_000_000.0
 
     def __post_init__(self) -> None:
+        # Finite, or every time computed from them is nan/inf: nan compares false with
+        # everything, so "<= 0" alone let it through and the event heap lost its order.
         for name in ("prefill_tokens_per_s", "host_load_tokens_per_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         for name in ("prefill_overhead_s", "decode_s_per_token"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def prefill_s(self, computed_tokens: int, host_tokens: int = 0) -> float:
         return (
@@ -44,7 +49,9 @@ class TimeModel:
         )
 
     def decode_s(self, output_tokens: int) -> float:
-        return output_tokens * self.decode_s_per_token
+        """From the first output token to the last: the prefill produced the first, so
+        ``output_tokens - 1`` decode steps follow it (none for 0 or 1 tokens)."""
+        return max(output_tokens - 1, 0) * self.decode_s_per_token
 
     def step_s(self, prefill_tokens: int, host_tokens: int = 0) -> float:
         """One step of the scheduler engine (module docstring). The decode tokens are in

@@ -37,6 +37,7 @@ from a partial trace.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -117,8 +118,10 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     ids become one block, named by the last of them. Ids are chained by prefix, so the
     last id of a group names the group's whole prefix."""
     name = str(path)
-    trace_block_size = trace_block_size or block_size
-    if trace_block_size <= 0 or block_size % trace_block_size:
+    trace_block_size = block_size if trace_block_size is None else trace_block_size
+    if trace_block_size <= 0:
+        raise TraceError(name, 0, f"the trace's block size must be > 0, got {trace_block_size}")
+    if block_size % trace_block_size:
         raise TraceError(name, 0, f"the trace's block size {trace_block_size} must divide "
                                   f"the simulated block size {block_size}")
     try:
@@ -127,10 +130,11 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
         raise TraceError(name, 0, f"cannot read: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise TraceError(name, 0, f"not UTF-8 text: {exc.reason}") from exc
-    rows = list(_json_lines(name, text, limit))
-    if not rows:
+    rows = _json_lines(name, text)
+    first = next(rows, None)
+    if first is None:
         raise TraceError(name, 0, "no requests (empty file)")
-    fmt = "session" if "session_id" in rows[0][1] else "mooncake"
+    fmt = "session" if "session_id" in first[1] else "mooncake"
     requests: list[TraceRequest] = []
     previous_ms = -math.inf
     # Sessions are a tenant's: two tenants' "s" are two sessions (the router keys them so).
@@ -139,10 +143,12 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     inference = _SessionInference(block_size)
     # (tenant, session) -> index of its latest request in ``requests``
     latest: dict[tuple[str, str], int] = {}
-    for line, obj in rows:
+    for line, obj in itertools.chain([first], rows):
         if fmt == "session" and "input_length" not in obj and obj.get("end") is True:
             previous_ms = _end_line(name, line, obj, previous_ms, requests, latest, ended)
             continue
+        if limit is not None and len(requests) >= limit:
+            break  # the limit counts requests; end lines up to here still count
         common = _common_fields(name, line, obj, trace_block_size, fmt)
         if trace_block_size != block_size:
             common = (*common[:3], _regroup(common[3], block_size // trace_block_size))
@@ -171,13 +177,11 @@ def _end_line(name: str, line: int, obj: dict, previous_ms: float,
                                      f"and end; got {', '.join(unknown)}")
     timestamp = _timestamp_ms(name, line, obj)
     _check_order(name, line, timestamp, previous_ms)
-    session_id = obj.get("session_id")
-    tenant = obj.get("tenant", "default")
+    session_id, tenant = _session_key(name, line, obj)
     key = (tenant, session_id)
     if key in ended:
         raise TraceError(name, line, f"session {session_id!r} of tenant {tenant!r} ends twice")
-    index = latest.get(key) if isinstance(session_id, str) and isinstance(tenant, str) \
-        else None
+    index = latest.get(key)
     if index is None:
         raise TraceError(name, line, f"end line for session {session_id!r} of tenant "
                                      f"{tenant!r}, which has no request before it")
@@ -199,8 +203,15 @@ def _timestamp_ms(name: str, line: int, obj: dict) -> float:
 
 def _check_order(name: str, line: int, timestamp: float, previous_ms: float) -> None:
     if timestamp < previous_ms:
-        raise TraceError(name, line, f"timestamp {timestamp:g} is before the previous line's "
-                                     f"{previous_ms:g} (timestamps must not decrease)")
+        raise TraceError(name, line, f"timestamp {_exact(timestamp)} is before the previous "
+                                     f"line's {_exact(previous_ms)} (timestamps must not "
+                                     "decrease)")
+
+
+def _exact(value: float) -> str:
+    """A timestamp as written: every digit (":g" keeps 6, so 1234567 and 1234568 both
+    read 1.23457e+06), and no ".0" on whole numbers."""
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 def _regroup(block_ids: tuple[int, ...], factor: int) -> tuple[int, ...]:
@@ -209,20 +220,19 @@ def _regroup(block_ids: tuple[int, ...], factor: int) -> tuple[int, ...]:
                  for start in range(0, len(block_ids), factor))
 
 
-def _json_lines(name: str, text: str, limit: int | None) -> Iterator[tuple[int, dict]]:
-    count = 0
-    for number, raw in enumerate(text.splitlines(), start=1):
+def _json_lines(name: str, text: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line. Lines end at "\n" only: JSON strings may
+    hold a raw U+2028 or form feed, which str.splitlines would also split at (and
+    misnumber every later line)."""
+    for number, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
-        if limit is not None and count >= limit:
-            return
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise TraceError(name, number, f"not JSON: {exc.msg} (column {exc.colno})") from exc
         if not isinstance(obj, dict):
             raise TraceError(name, number, f"expected a JSON object, got {type(obj).__name__}")
-        count += 1
         yield number, obj
 
 
@@ -274,12 +284,7 @@ def _session_request(
     ended: set[tuple[str, str]],
 ) -> TraceRequest:
     timestamp, input_length, output_length, block_ids = common
-    session_id = obj["session_id"]
-    if not isinstance(session_id, str) or not session_id:
-        raise TraceError(name, line, "'session_id' must be a non-empty string")
-    tenant = obj.get("tenant", "default")
-    if not isinstance(tenant, str) or not tenant or "/" in tenant:
-        raise TraceError(name, line, "'tenant' must be a non-empty string without '/'")
+    session_id, tenant = _session_key(name, line, obj)
     key = (tenant, session_id)
     if key in ended:
         raise TraceError(name, line, f"session {session_id!r} continues after its 'end'")
@@ -308,6 +313,20 @@ def _session_request(
     served = [_served_s(name, line, obj, key) for key in ("itl_ms", "ttft_ms")]
     return TraceRequest(line, timestamp / 1000.0, session_id, turn, input_length, output_length,
                         block_ids, finish, tuple(tools), end, tenant, *served)
+
+
+def _session_key(name: str, line: int, obj: dict) -> tuple[str, str]:
+    """A request or end line's (session_id, tenant), checked (any JSON value may be there:
+    a list or an object would not even hash)."""
+    session_id = obj.get("session_id")
+    if not isinstance(session_id, str) or not session_id:
+        raise TraceError(name, line, f"'session_id' must be a non-empty string, got "
+                                     f"{session_id!r}")
+    tenant = obj.get("tenant", "default")
+    if not isinstance(tenant, str) or not tenant or "/" in tenant:
+        raise TraceError(name, line, f"'tenant' must be a non-empty string without '/', got "
+                                     f"{tenant!r}")
+    return session_id, tenant
 
 
 def _served_s(name: str, line: int, obj: dict, key: str) -> float | None:
@@ -345,3 +364,18 @@ class _SessionInference:
         if full >= 1:
             self._terminal[block_ids[full - 1]] = (session_id, turn)
         return session_id, turn
+
+
+def intern_block_ids(trace: Trace) -> dict[int, int]:
+    """The trace's block ids -> dense ids 0, 1, 2, ... in order of first appearance.
+
+    A block's tokens are derived from its id modulo the token vocabulary
+    (:func:`tokens_for_block_ids`), so ids a vocabulary apart (any id may be as large as a
+    trace likes: hashes, epoch-stamped counters) would name the same block. Interned,
+    distinct ids never collide, and equal ids stay equal, which is all the id means."""
+    interned: dict[int, int] = {}
+    for request in trace.requests:
+        for block_id in request.block_ids:
+            if block_id not in interned:
+                interned[block_id] = len(interned)
+    return interned

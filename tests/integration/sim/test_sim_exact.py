@@ -18,11 +18,14 @@ hits both of s1's blocks (64 tokens) and costs s2's root (20): 2 removals.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvhint.router.sim.engine import SimConfig, Simulation
+from kvhint.router.sim.timing import TimeModel
 from kvhint.router.sim.trace import load_trace
 
 ROWS = [
@@ -222,3 +225,124 @@ def test_turns_routed_away_from_their_sessions_worker_are_counted(tiny_trace) ->
     moved = {policy: Simulation(tiny_trace, config, policy).run().to_json()["moved_turns"]
              for policy in ("round_robin", "session_affinity")}
     assert moved == {"round_robin": 1, "session_affinity": 0}
+
+
+# Sessions minutes and an hour apart, with tool calls, answers and an API end: hours of
+# virtual time in which every worker is idle between a few requests.
+GAPPY = [
+    {"timestamp": 0, "session_id": "a", "input_length": 65, "output_length": 8,
+     "hash_ids": [1, 2, 3], "finish_reason": "tool_calls", "tool_names": ["build"]},
+    {"timestamp": 2_000, "session_id": "b", "input_length": 70, "output_length": 4,
+     "hash_ids": [1, 4, 5]},
+    {"timestamp": 3_000, "session_id": "c", "input_length": 70, "output_length": 4,
+     "hash_ids": [1, 6, 7]},
+    {"timestamp": 95_000, "session_id": "a", "input_length": 100, "output_length": 8,
+     "hash_ids": [1, 2, 8, 9]},
+    {"timestamp": 400_000, "session_id": "b", "end": True},
+    {"timestamp": 3_600_000, "session_id": "c", "input_length": 110, "output_length": 3,
+     "hash_ids": [1, 6, 10, 11]},
+    {"timestamp": 3_660_000, "session_id": "d", "input_length": 66, "output_length": 2,
+     "hash_ids": [1, 12, 13]},
+    {"timestamp": 7_200_000, "session_id": "a", "input_length": 140, "output_length": 5,
+     "hash_ids": [1, 2, 8, 14, 15]},
+]
+
+
+@pytest.mark.parametrize(("engine", "host_blocks"), [("fast", 0), ("fast", 8), ("scheduler", 0)])
+def test_idle_ticks_are_skipped_and_nothing_measured_changes(tmp_path: Path, monkeypatch,
+                                                             engine: str, host_blocks: int):
+    """Ticks run every 5 s of virtual time; while every worker is idle most do nothing, and
+    a trace with hours between requests (or stamped in epoch ms) spent its run on them.
+    The skipping run must give exactly what ticking through every one gives, for every
+    policy, hints and host tier included."""
+    path = tmp_path / "gappy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in GAPPY))
+    trace = load_trace(path, block_size=32)
+    config = SimConfig(workers=2, gpu_blocks=8, host_blocks=host_blocks, block_size=32,
+                       keep_records=True, engine=engine)
+    ticks = 0
+    on_tick = Simulation._on_tick
+
+    def counted(self) -> None:
+        nonlocal ticks
+        ticks += 1
+        on_tick(self)
+
+    monkeypatch.setattr(Simulation, "_on_tick", counted)
+
+    def run(policy: str, skip: bool) -> tuple[dict, list, int]:
+        nonlocal ticks
+        ticks = 0
+        sim = Simulation(trace, config, policy)
+        if not skip:
+            sim._next_tick = lambda index: index + 1  # every tick, as before skipping
+        result = sim.run()
+        out = result.to_json()
+        out.pop("wall_s")
+        return out, result.records, ticks
+
+    for policy in ("round_robin", "session_affinity", "kv_aware", "kvhint"):
+        skipped, every = run(policy, skip=True), run(policy, skip=False)
+        assert skipped[:2] == every[:2], policy
+        assert every[2] >= 7_200 // 5  # two hours of ticks
+        assert skipped[2] < every[2] // 4, (policy, skipped[2], every[2])
+    assert skipped[0]["hints"]  # kvhint sent hints across the gaps
+    # The hit-rate timeline lists the minutes with admissions, not every minute between.
+    timeline = Simulation(trace, config, "round_robin").run().timeline
+    assert [(p.start_s, p.prompt_tokens) for p in timeline] == [
+        (0.0, 65 + 70 + 70), (60.0, 100), (3600.0, 110), (3660.0, 66), (7200.0, 140)]
+
+
+def test_a_trace_stamped_in_epoch_ms_runs_in_moments(tmp_path: Path) -> None:
+    """Timestamps in epoch ms (a router recording's wall clock): the first request comes
+    1.7e9 virtual seconds in. Ticking every 5 s from 0 to it never ended."""
+    path = tmp_path / "epoch.jsonl"
+    path.write_text(
+        '{"timestamp": 1733241600000, "input_length": 1024, "output_length": 10, '
+        '"hash_ids": [1, 2]}\n'
+        '{"timestamp": 1733241601000, "input_length": 1024, "output_length": 10, '
+        '"hash_ids": [1, 3]}\n')
+    command = [sys.executable, "-c", "import sys; from kvhint.router.cli import main; "
+               "sys.exit(main(sys.argv[1:]))", "sim", "run", "--trace", str(path),
+               "--gpu-blocks", "64", "--router", "all", "--jobs", "1", "--json", "--no-progress"]
+    # One process (--jobs 1), so a timeout leaves no forked child behind.
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [row["policy"] for row in rows] == ["round_robin", "session_affinity", "kv_aware",
+                                               "kvhint", "oracle", "unbounded"]
+    assert all(row["recomputed_tokens"] == 2048 - 512 for row in rows)  # block 1 hits
+
+
+def test_block_ids_a_token_vocabulary_apart_are_different_blocks(tmp_path: Path) -> None:
+    """A block's tokens come from its id modulo 2**30 (the headless token vocabulary):
+    ids 5 and 2**30 + 5 named the same block, and a prompt hit a prefix it never shared.
+    The simulator interns the trace's ids first."""
+    big = 1 << 30
+    path = tmp_path / "ids.jsonl"
+    rows = [{"timestamp": 0, "input_length": 65, "output_length": 1, "hash_ids": [5, 6, 7]},
+            {"timestamp": 1000, "input_length": 65, "output_length": 1,
+             "hash_ids": [big + 5, big + 6, 8]},
+            {"timestamp": 2000, "input_length": 65, "output_length": 1,
+             "hash_ids": [2 ** 70 + 5, 2 ** 70 + 6, 9]},
+            {"timestamp": 3000, "input_length": 65, "output_length": 1,
+             "hash_ids": [5, 6, 10]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = SimConfig(workers=1, gpu_blocks=32, block_size=32, keep_records=True)
+    result = Simulation(load_trace(path, block_size=32), config, "round_robin").run()
+    assert [(r.line, r.g1_hit_tokens) for r in result.records] == [
+        (1, 0), (2, 0), (3, 0), (4, 64)]
+
+
+def test_the_fast_engine_streams_one_token_per_decode_step(tmp_path: Path) -> None:
+    """The prefill yields the first token, then one decode step per further token: the
+    time between tokens is the decode step (it was n/(n-1) of it), and the response ends
+    (n - 1) steps after its first token."""
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 65, "output_length": 5,
+                                "hash_ids": [1, 2, 3]}) + "\n")
+    config = SimConfig(workers=1, gpu_blocks=8, block_size=32,
+                       timing=TimeModel(decode_s_per_token=0.02))
+    result = Simulation(load_trace(path, block_size=32), config, "round_robin").run()
+    assert result.itls_s == [pytest.approx(0.02)]
+    assert result.ttfts_s == [pytest.approx(0.010 + 65 / 100_000)]

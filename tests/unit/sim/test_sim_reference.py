@@ -22,15 +22,16 @@ def _trace(tmp_path: Path, rows: list[tuple[list[int], int]]):
 
 
 def test_unbounded_and_belady_hits_are_exact(tmp_path):
-    # Full blocks only count; a hit is capped at input_length - 1.
+    # Full blocks only count, whole blocks only, and the last prompt token is always
+    # computed: at most (input_length - 1) // 32 blocks hit.
     trace = _trace(tmp_path, [
         ([1, 2, 3], 65),        # A: caches 1, 2
         ([4, 5, 6], 65),        # B: caches 4, 5
         ([1, 2, 7], 96),        # A again, 3 full blocks: hits 1, 2 (64 tokens)
-        ([4, 5], 64),           # B again, all full: hit capped at 63
-        ([1, 2, 7], 96),        # A: hits 1, 2, 7 capped at 95
+        ([4, 5], 64),           # B again, all full: 63 // 32 = 1 block may hit (32)
+        ([1, 2, 7], 96),        # A: 1, 2, 7 cached, 95 // 32 = 2 blocks may hit (64)
     ])
-    assert unbounded(trace).hit_tokens == 64 + 63 + 95
+    assert unbounded(trace).hit_tokens == 64 + 32 + 64
     assert unbounded(trace).prompt_tokens == 65 * 2 + 96 * 2 + 64
     # Belady with 3 blocks (ties: the deeper block goes first):
     #   r2 adds 4, 5 -> evict 5 (4 and 5 both next used at r4; 5 is deeper)
@@ -49,3 +50,24 @@ def test_oracle_never_beats_unbounded_and_grows_with_capacity(tmp_path):
     rates = [oracle(trace, c).hit_tokens for c in (1, 2, 4, 8, 64)]
     assert rates == sorted(rates)
     assert rates[-1] == unbounded(trace).hit_tokens
+
+
+def test_reference_hits_are_whole_blocks_as_vllm_counts_them(tmp_path):
+    """vLLM never reuses the last prompt token and reuses whole blocks only: at most
+    (input_length - 1) // 32 blocks hit. The old rule credited min(matched * 32, L - 1),
+    a partial block (63 of 64 tokens, 95 of 96). The simulator's own unbounded run (vLLM's
+    KVCacheManager, a pool no trace here fills) must hit exactly what ``unbounded`` says."""
+    from kvhint.router.sim.engine import SimConfig, Simulation
+
+    trace = _trace(tmp_path, [
+        ([1, 2], 64),           # caches 1, 2
+        ([1, 2], 64),           # 63 // 32 = 1 block: 32 (old: 63)
+        ([1, 2, 3], 65),        # 64 // 32 = 2 blocks: 64
+        ([1, 2, 3], 96),        # 3 not cached yet (partial before): 64
+        ([1, 2, 3], 96),        # 1, 2, 3 cached; 95 // 32 = 2 blocks: 64 (old: 95)
+    ])
+    assert unbounded(trace).hit_tokens == 32 + 64 + 64 + 64
+    assert oracle(trace, 100).hit_tokens == 32 + 64 + 64 + 64
+    simulated = Simulation(trace, SimConfig(workers=1, gpu_blocks=64, block_size=BS),
+                           "round_robin").run()
+    assert simulated.g1_hit_tokens == unbounded(trace).hit_tokens

@@ -176,3 +176,76 @@ def test_served_inter_token_latencies_give_the_traces_decode_time(tmp_path):
     with pytest.raises(TraceError, match=r":1: 'ttft_ms' must be a number >= 0, got 'x'"):
         load_trace(_write(tmp_path, [{**row(0, 1), "ttft_ms": "x"}], "bad2.jsonl"),
                    block_size=32)
+
+
+@pytest.mark.parametrize(
+    ("rows", "line", "fragment"),
+    [
+        # An end line's session_id or tenant of another JSON type: a TraceError naming the
+        # line, not a TypeError (a list or an object does not even hash).
+        ([{**_mc(0, [1]), "session_id": "s"}, {"timestamp": 3, "session_id": ["s"],
+                                                 "end": True}],
+         2, "'session_id' must be a non-empty string, got ['s']"),
+        ([{**_mc(0, [1]), "session_id": "s"}, {"timestamp": 3, "session_id": "s",
+                                                 "tenant": {}, "end": True}],
+         2, "'tenant' must be a non-empty string without '/', got {}"),
+        ([{**_mc(0, [1]), "session_id": "s"}, {"timestamp": 3, "end": True}],
+         2, "'session_id' must be a non-empty string, got None"),
+        # Both timestamps exactly as written (":g" printed "1.23457e+06 is before
+        # 1.23457e+06").
+        ([_mc(1234568, [1]), _mc(1234567, [2])], 2,
+         "timestamp 1234567 is before the previous line's 1234568"),
+        ([_mc(0, [1]), {**_mc(1, [2]), "timestamp": 1234567.25},
+          {**_mc(2, [3]), "timestamp": 1234567.125}], 3,
+         "timestamp 1234567.125 is before the previous line's 1234567.25"),
+    ],
+)
+def test_end_line_types_and_order_errors_name_the_line_exactly(tmp_path, rows, line, fragment):
+    path = _write(tmp_path, rows)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert info.value.line == line
+    assert fragment in info.value.reason
+    assert f"{path}:{line}:" in str(info.value)
+
+
+def test_a_trace_block_size_of_zero_is_refused_not_ignored(tmp_path):
+    path = _write(tmp_path, [_mc(0, [1, 2])])
+    with pytest.raises(TraceError, match="the trace's block size must be > 0, got 0"):
+        load_trace(path, trace_block_size=0)
+    with pytest.raises(TraceError, match="must be > 0, got -16"):
+        load_trace(path, trace_block_size=-16)
+    assert load_trace(path, trace_block_size=None).block_size == 512
+
+
+def test_limit_counts_requests_not_end_lines(tmp_path):
+    """--limit N: the first N requests; an end line before the (N+1)th request still ends
+    its session."""
+    path = _write(tmp_path, [
+        {**_mc(0, [1]), "session_id": "s"},
+        {"timestamp": 1, "session_id": "s", "end": True},
+        {**_mc(2, [2]), "session_id": "t"},
+        {**_mc(3, [3]), "session_id": "u"},
+    ])
+    trace = load_trace(path, limit=2)
+    assert [(r.line, r.session_id, r.end_at_s) for r in trace.requests] == [
+        (1, "s", 0.001), (3, "t", None)]
+    assert len(load_trace(path, limit=1).requests) == 1
+    assert len(load_trace(path, limit=9).requests) == 3
+
+
+def test_lines_end_at_newlines_only(tmp_path):
+    """A JSON string may hold a raw U+2028 (or a form feed): str.splitlines split the line
+    there, and the load stopped with "not JSON". Later lines keep their numbers."""
+    path = tmp_path / "t.jsonl"
+    rows = [{**_mc(0, [1]), "session_id": "a\u2028b"}, {**_mc(1, [2]), "session_id": "c\x0cd"},
+            {**_mc(2, [3]), "session_id": "e"}]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                    encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    trace = load_trace(path)
+    assert [(r.line, r.session_id) for r in trace.requests] == [
+        (1, "a\u2028b"), (2, "c\x0cd"), (3, "e")]
+    path.write_text(path.read_text(encoding="utf-8") + "{oops\n", encoding="utf-8")
+    with pytest.raises(TraceError, match=r":4: not JSON"):
+        load_trace(path)
