@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
 from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, StreamConfig
@@ -144,7 +145,7 @@ class RouterRuntime:
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
-            load_session=lambda tenant, sid: asyncio.to_thread(get_session, engine, tenant, sid))
+            load_session=lambda tenant, sid: _stored_session(engine, metrics, tenant, sid))
 
         pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
                             keepalive_s=settings.upstream_keepalive_s)
@@ -345,6 +346,18 @@ async def _warm_hasher(models: dict[str, str], block_size: int) -> RequestHasher
             return hasher
         sources.pop(failed)
     return None
+
+
+async def _stored_session(engine: Engine, metrics: RouterMetrics, tenant: str,
+                          session_id: str) -> dict[str, Any] | None:
+    """A session's stored row, or None (also when the store cannot be read: the turn
+    then starts a record of its own rather than failing; counted)."""
+    try:
+        return await asyncio.to_thread(get_session, engine, tenant, session_id)
+    except SQLAlchemyError as exc:
+        log.warning("could not read session %s/%s from the store: %s", tenant, session_id, exc)
+        metrics.drop("store_read_error")
+        return None
 
 
 async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,

@@ -442,3 +442,27 @@ async def test_bodies_the_hasher_cannot_read_are_still_routed_and_adapters_not_h
         metrics = (await client.get(f"{router.url}/metrics")).text
         assert 'what="internal_error"' not in metrics
         assert 'kvhint_router_drops_total{what="prompt_hashing:UnknownModel"} 1.0' in metrics
+
+
+async def test_a_store_that_cannot_be_read_does_not_fail_a_returning_sessions_turn(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """The lookup of a forgotten session's stored row fails (here: its table is gone):
+    the turn is served with a record of its own, and the failure is counted."""
+    from sqlalchemy import text
+
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        runtime = router.runtime
+        await client.post(f"{router.url}/v1/chat/completions", json={**CHAT, "session_id": "x"})
+        runtime.sessions.forget(runtime.sessions.get("default", "x"))
+        await runtime.writer.flush()
+        with runtime.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE sessions RENAME TO sessions_away"))
+        response = await client.post(f"{router.url}/v1/chat/completions",
+                                     json={**CHAT, "session_id": "x"})
+        assert response.status_code == 200
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert 'kvhint_router_drops_total{what="store_read_error"} 1.0' in metrics
+        with runtime.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE sessions_away RENAME TO sessions"))
