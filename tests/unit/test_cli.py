@@ -44,7 +44,8 @@ def test_kvhint_up_refuses_ports_in_use_and_bad_worker_counts(
         options = DevStackOptions(state_dir=tmp_path / "state", router_port=port,
                                   worker_base_port=port + 1, workers=1)
         assert run_dev_stack(options) == 1
-    assert f"port(s) {port} already in use" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"port(s) {port}" in out and "already in use" in out
     assert not (tmp_path / "state" / "models").exists()
     with pytest.raises(SystemExit):
         main(["up", "--workers", "0"])
