@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.settings import RouterSettings
+from kvhint.router.service.settings import ModelPromptSettings, RouterSettings
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.router.service.timeline import Timeline
 from kvhint.router.service.trace_recorder import TraceRecorder
@@ -151,7 +151,7 @@ class RouterRuntime:
                             keepalive_s=settings.upstream_keepalive_s)
         await pool.start()
         models = await _discover_models(settings, workers, pool)
-        hasher = await _warm_hasher(models, settings.block_size)
+        hasher = await _warm_hasher(models, settings.block_size, settings.model_prompts)
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
                                    config=StreamConfig(
@@ -272,7 +272,8 @@ class RouterRuntime:
         models = await _discover_models(self.settings, self.workers, self.pool)
         if models:
             self.models = models
-            self.routing.hasher = await _warm_hasher(models, self.settings.block_size)
+            self.routing.hasher = await _warm_hasher(models, self.settings.block_size,
+                                                     self.settings.model_prompts)
             self.routing.default_model = next(iter(models))
             log.info("models discovered: %s", sorted(models))
 
@@ -325,11 +326,19 @@ def _announce(settings: RouterSettings, directory: TenantDirectory) -> None:
         log.warning("no workers configured: waiting for heartbeats that carry an http_url")
 
 
-async def _warm_hasher(models: dict[str, str], block_size: int) -> RequestHasher | None:
+async def _warm_hasher(models: dict[str, str], block_size: int,
+                       prompts: Mapping[str, ModelPromptSettings]) -> RequestHasher | None:
     """A hasher with every model's tokenizer and chat template loaded (seconds, once),
-    so the first request does not pay for it. A model whose tokenizer does not load is
-    left out (routed without prompt hashes) rather than retried on every request."""
-    sources = {name: ModelTokenizerSource(path) for name, path in models.items()}
+    so the first request does not pay for it, each rendering as its workers' flags say
+    (``prompts``, by served name, "*" for the rest). A model whose tokenizer does not load
+    is left out (routed without prompt hashes) rather than retried on every request."""
+    sources = {}
+    for name, path in models.items():
+        flags = prompts.get(name) or prompts.get("*") or ModelPromptSettings()
+        sources[name] = ModelTokenizerSource(
+            path, chat_template=flags.chat_template,
+            default_chat_template_kwargs=flags.default_chat_template_kwargs,
+            exclude_tools_when_tool_choice_none=flags.exclude_tools_when_tool_choice_none)
     while sources:
         hasher = RequestHasher(sources)
         failed = None

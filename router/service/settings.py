@@ -9,6 +9,7 @@ config file ``workers`` is a list of ``{id, url}`` (or the same string).
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 from pathlib import Path
@@ -138,6 +139,34 @@ class HintSettings(BaseModel, frozen=True, extra="forbid"):
     tick_s: float = Field(1.0, gt=0)
 
 
+class ModelPromptSettings(BaseModel, frozen=True, extra="forbid"):
+    """The vLLM server flags that shape a served model's prompt, as its workers were
+    started with: the router renders prompts the same way to hash them (a worker started
+    with ``--chat-template`` renders other tokens than the tokenizer's template, and every
+    predicted hit would miss)."""
+
+    # ``--chat-template``: a file path, or the template itself (vLLM's rule: a value that
+    # does not open as a file and has no ``{``, ``}`` or newline is a path that failed).
+    chat_template: str | None = None
+    # ``--default-chat-template-kwargs`` (JSON object).
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # ``--exclude-tools-when-tool-choice-none``.
+    exclude_tools_when_tool_choice_none: bool = False
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return Path(value).expanduser().read_text()
+        except (OSError, ValueError):
+            if not any(c in value for c in "{}\n"):
+                raise ValueError(f"chat_template {value!r} looks like a file path, but it "
+                                 "could not be read") from None
+            return codecs.decode(value, "unicode_escape")
+
+
 class RouterSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
                                       extra="forbid")
@@ -173,6 +202,9 @@ class RouterSettings(BaseSettings):
     # Tokenizer (path or name) for vLLM-compatible block hashes; None: ask the workers'
     # /v1/models for the model's root.
     tokenizer: str | None = None
+    # Per served model name ("*": every model without an entry of its own): the workers'
+    # prompt-shaping flags (ModelPromptSettings).
+    model_prompts: dict[str, ModelPromptSettings] = Field(default_factory=dict)
     # Block size and hash seed when no heartbeat says them.
     block_size: int = Field(16, gt=0)
 

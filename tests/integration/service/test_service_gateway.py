@@ -466,3 +466,25 @@ async def test_a_store_that_cannot_be_read_does_not_fail_a_returning_sessions_tu
         assert 'kvhint_router_drops_total{what="store_read_error"} 1.0' in metrics
         with runtime.engine.begin() as conn:
             conn.execute(text("ALTER TABLE sessions_away RENAME TO sessions"))
+
+
+async def test_the_router_renders_prompts_with_the_workers_chat_template(
+        tmp_path: Path, stub_workers: list[StubWorker], tiny_model_dir: Path) -> None:
+    """Workers started with --chat-template render other tokens than the tokenizer's own
+    template; configured as model_prompts, the router hashes what they render. Before,
+    the flag could not be given to the router, and every predicted hit on such a fleet
+    missed."""
+    from kvhint.router.hashing import HashConfig, PromptRenderer
+
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / "t.jinja").write_text(template)
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)],
+                               model_prompts={"*": {"chat_template": str(tmp_path / "t.jinja")}})
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hello there " * 20}]}
+    async with running_router(settings) as router:
+        hashed = router.runtime.routing.hasher.hash_chat(body, HashConfig(block_size=16))
+    worker_render = PromptRenderer.from_pretrained(tiny_model_dir, chat_template=template)
+    default_render = PromptRenderer.from_pretrained(tiny_model_dir)
+    assert list(hashed.token_ids) == worker_render.chat_token_ids(body)
+    assert list(hashed.token_ids) != default_render.chat_token_ids(body)

@@ -127,3 +127,20 @@ def test_check_config_reports_bad_yaml_and_bad_keys_without_a_traceback(
         assert main(["router", "--config", str(config), "--check-config"]) == 2
         assert "invalid settings" in capsys.readouterr().err
     assert RouterSettings(log_level="DEBUG").log_level == "debug"
+
+
+def test_model_prompt_flags_take_a_template_file_or_inline_text(tmp_path: Path) -> None:
+    """As vLLM's --chat-template: a file path, or the template itself; a value that
+    looks like a path but cannot be read is refused at start, not at the first request."""
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    settings = RouterSettings(model_prompts={
+        "tiny": {"chat_template": str(template), "exclude_tools_when_tool_choice_none": True},
+        "*": {"chat_template": "{{ messages[0].content }}\\n",
+              "default_chat_template_kwargs": {"enable_thinking": False}}})
+    assert settings.model_prompts["tiny"].chat_template == template.read_text()
+    assert settings.model_prompts["*"].chat_template == "{{ messages[0].content }}\n"
+    with pytest.raises(ValidationError, match="looks like a file path"):
+        RouterSettings(model_prompts={"tiny": {"chat_template": str(tmp_path / "nope.jinja")}})
+    with pytest.raises(ValidationError):
+        RouterSettings(model_prompts={"tiny": {"template": "x"}})
