@@ -7,6 +7,7 @@ JetStream in a temporary store, and stops it (and removes the store) on exit.
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,27 @@ from urllib.parse import urlparse
 class NatsEndpoint:
     url: str
     started_here: bool
+    # What the server's INFO line says (one found running may lack it; the router then
+    # runs without replayed events and outcomes).
+    jetstream: bool = True
+
+
+def nats_has_jetstream(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at ``url`` announces JetStream in its INFO line."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            line = sock.makefile("rb").readline(1 << 16)
+    except OSError:
+        return False
+    if not line.startswith(b"INFO "):
+        return False
+    try:
+        return bool(json.loads(line[5:]).get("jetstream"))
+    except ValueError:
+        return False
 
 
 def nats_answers(url: str, timeout_s: float = 1.0) -> bool:
@@ -118,7 +140,7 @@ def running_nats(url: str | None = "nats://127.0.0.1:4222",
                  log_path: Path | None = None) -> Iterator[NatsEndpoint]:
     """Yield a NATS endpoint with JetStream: ``url`` if it answers, else one started here."""
     if url and nats_answers(url):
-        yield NatsEndpoint(url=url, started_here=False)
+        yield NatsEndpoint(url=url, started_here=False, jetstream=nats_has_jetstream(url))
         return
     server = NatsServerProcess(log_path=log_path)
     try:

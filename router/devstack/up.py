@@ -85,6 +85,10 @@ def run_dev_stack(options: DevStackOptions) -> int:
     with ExitStack() as stack:
         nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log"))
         _say(f"NATS: {nats.url} ({'started here' if nats.started_here else 'already running'})")
+        if not nats.jetstream:
+            _say(f"WARNING: the NATS server at {nats.url} has no JetStream: the router runs "
+                 "without replayed KV events and hint outcomes (start it with -js, or "
+                 "point --nats-url elsewhere)")
 
         with_plugin = _module_available(PLUGIN_MODULE)
         if not with_plugin:

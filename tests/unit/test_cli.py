@@ -72,3 +72,35 @@ def test_waiting_for_a_worker_ends_when_asked_to_stop(tmp_path: Path) -> None:
     finally:
         server._proc.kill()
         server._proc.wait()
+
+
+def test_a_nats_server_without_jetstream_is_told_apart() -> None:
+    """kvhint up uses a NATS it finds running; one started without -js is now reported
+    on the console (before, only router.log said that replay was off)."""
+    import time
+
+    from kvhint.router.devstack.nats_server import (
+        NatsServerProcess,
+        free_port,
+        nats_answers,
+        nats_has_jetstream,
+        nats_server_binary,
+        running_nats,
+    )
+
+    port = free_port()
+    bare = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with_js = NatsServerProcess()
+    try:
+        deadline = time.monotonic() + 15
+        while not nats_answers(f"nats://127.0.0.1:{port}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with running_nats(f"nats://127.0.0.1:{port}") as found:
+            assert not found.started_here and not found.jetstream
+        with_js.start()
+        assert nats_has_jetstream(with_js.url)
+    finally:
+        bare.terminate()
+        bare.wait()
+        with_js.close()
