@@ -282,14 +282,17 @@ class Forwarder:
                 yield chunk
         except UpstreamBroken as exc:
             if flight.client_gone:  # our own doing: the upstream closed for a client gone
-                status = 499
+                # A client that leaves once it has the whole answer (the OpenAI SDK closes
+                # right after [DONE]) was served: its usage counts, its session is planned.
+                status = status if relay.finished else 499
                 return
             status = 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
             yield b"data: " + openai_error(f"worker failed mid-stream: {exc}", 502) + b"\n\n"
         except (GeneratorExit, asyncio.CancelledError):
-            # Closed at a yield: the client went away before the stream's end.
-            status = 499
+            # Closed at a yield: the client went away before the stream's end (or just
+            # after [DONE], before the worker's own end of the stream: served).
+            status = status if relay.finished else 499
             raise
         finally:
             upstream.close()

@@ -102,6 +102,9 @@ class SseRelay:
         self.observation = observation
         self.strip_usage_chunk = strip_usage_chunk
         self._pending = b""
+        # The stream's terminal ``data: [DONE]`` event has been relayed: the client has
+        # the whole answer, and one that leaves now has not left early.
+        self.finished = False
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
@@ -139,6 +142,8 @@ class SseRelay:
             return False
         payload = event[start + 5:].strip()
         if not payload.startswith(b"{"):
+            if payload == b"[DONE]":
+                self.finished = True
             return False
         usage_only = self.observation.observe_json(payload)
         return usage_only and self.strip_usage_chunk

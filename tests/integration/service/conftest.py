@@ -88,6 +88,8 @@ class StubWorker:
     model_root: str = "stub"
     # LoRA adapters it lists as models of their own (vLLM: "parent" names the base).
     adapters: list[str] = field(default_factory=list)
+    # Seconds a stream stays open after its [DONE] event before the worker ends it.
+    linger_after_done_s: float = 0.0
     _runner: web.AppRunner | None = None
 
     @property
@@ -172,6 +174,8 @@ class StubWorker:
             await response.write(b"data: " + json.dumps(
                 {"choices": [], "usage": usage(self.prompt_tokens, 32, 2)}).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        if self.linger_after_done_s:
+            await asyncio.sleep(self.linger_after_done_s)
         await response.write_eof()
         return response
 

@@ -488,3 +488,29 @@ async def test_the_router_renders_prompts_with_the_workers_chat_template(
     default_render = PromptRenderer.from_pretrained(tiny_model_dir)
     assert list(hashed.token_ids) == worker_render.chat_token_ids(body)
     assert list(hashed.token_ids) != default_render.chat_token_ids(body)
+
+
+async def test_a_client_that_leaves_right_after_done_was_served(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """The OpenAI SDK closes its connection as soon as it reads [DONE]; the worker ends
+    the stream a moment later. That turn was served: it counts as 200 with its usage,
+    and the session is planned from it. Before, the disconnect watcher took it for a
+    client gone early (499), its usage was dropped and nothing protected the session
+    (an e2e run saw a session's cached tokens at 0)."""
+    stub = stub_workers[0]
+    stub.linger_after_done_s = 0.5
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for _turn in range(2):
+            async with client.stream("POST", f"{router.url}/v1/chat/completions", json={
+                    **CHAT, "stream": True, "session_id": "sdk",
+                    "stream_options": {"include_usage": True}}) as response:
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        break  # leave now, as the SDK does
+        await asyncio.sleep(1.0)
+        record = router.runtime.sessions.get("default", "sdk")
+        assert record is not None and record.turns == 2
+        assert record.cached_tokens == 64 and record.prompt_tokens == 80
+        metrics = (await client.get(f"{router.url}/metrics")).text
+        assert 'code="499"' not in metrics
