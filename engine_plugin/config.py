@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvhint.schemas import Subjects, WireDecodeError, is_valid_worker_id
+from kvhint.schemas import Subjects, is_valid_worker_id
 
 # Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
@@ -95,10 +95,7 @@ class PluginConfig(BaseModel):
     @field_validator("subject_prefix")
     @classmethod
     def _check_prefix(cls, value: str) -> str:
-        try:
-            Subjects(value)
-        except WireDecodeError as exc:
-            raise ValueError(str(exc)) from exc
+        Subjects(value)  # its WireDecodeError is a ValueError: pydantic reports it
         return value
 
     @property

@@ -30,33 +30,33 @@ class NatsEndpoint:
     jetstream: bool = True
 
 
-def nats_has_jetstream(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether the server at ``url`` announces JetStream in its INFO line."""
+def _info_line(url: str, timeout_s: float) -> bytes | None:
+    """The first line the server at ``url`` sends (NATS: ``INFO {json}``), or None when
+    nothing answers there."""
     parsed = urlparse(url)
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.settimeout(timeout_s)
-            line = sock.makefile("rb").readline(1 << 16)
+            return sock.makefile("rb").readline(1 << 16)
     except OSError:
-        return False
-    if not line.startswith(b"INFO "):
-        return False
-    try:
-        return bool(json.loads(line[5:]).get("jetstream"))
-    except ValueError:
-        return False
+        return None
 
 
 def nats_answers(url: str, timeout_s: float = 1.0) -> bool:
     """True when something at ``url`` speaks the NATS protocol (sends an INFO line)."""
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 4222
+    line = _info_line(url, timeout_s)
+    return line is not None and line.startswith(b"INFO")
+
+
+def nats_has_jetstream(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether the server at ``url`` announces JetStream in its INFO line."""
+    line = _info_line(url, timeout_s)
+    if line is None or not line.startswith(b"INFO "):
+        return False
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(timeout_s)
-            return sock.recv(5).startswith(b"INFO")
-    except OSError:
+        return bool(json.loads(line[5:]).get("jetstream"))
+    except ValueError:
         return False
 
 

@@ -138,11 +138,8 @@ class SessionRegistry:
         key = (tenant, session_id)
         record = self._sessions.get(key)
         if record is None:
-            if len(self._sessions) >= self._max:
-                self._evict_oldest()
-            record = SessionRecord(tenant, session_id, now, now,
-                                   SessionPlanState(f"{tenant}/{session_id}", tenant))
-            self._sessions[key] = record
+            record = self._add(SessionRecord(tenant, session_id, now, now,
+                                             SessionPlanState(f"{tenant}/{session_id}", tenant)))
         else:
             self._sessions.move_to_end(key)
         return record
@@ -168,8 +165,10 @@ class SessionRegistry:
         came back); a record already in memory is kept as it is."""
         record = SessionRecord.from_row(row)
         current = self._sessions.get(record.key)
-        if current is not None:
-            return current
+        return current if current is not None else self._add(record)
+
+    def _add(self, record: SessionRecord) -> SessionRecord:
+        """Put ``record`` in memory as the most recently opened, making room first."""
         if len(self._sessions) >= self._max:
             self._evict_oldest()
         self._sessions[record.key] = record

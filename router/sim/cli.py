@@ -12,7 +12,6 @@ end or not at all.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -233,22 +232,21 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
-# The time model's flags: rates must be > 0, times >= 0, all finite (nan and inf parse as
-# floats, and would turn every simulated time into nan or inf).
-_RATE_FLAGS = ("prefill_tokens_per_s", "host_load_tokens_per_s")
-_TIME_FLAGS = ("prefill_overhead_s", "decode_s_per_token")
+# The time model's flags (nan and inf parse as floats): checked by the time model's own
+# rule before the trace is read.
+_TIME_MODEL_FLAGS = ("prefill_tokens_per_s", "host_load_tokens_per_s", "prefill_overhead_s",
+                     "decode_s_per_token")
 
 
 def _time_flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the time model's flags, or None (unset and ``fit`` are fine)."""
-    for name in _RATE_FLAGS + _TIME_FLAGS:
+    from kvhint.router.sim.timing import time_model_problem
+
+    for name in _TIME_MODEL_FLAGS:
         value = getattr(args, name)
-        if value is None or value == "fit":
-            continue
-        positive = name in _RATE_FLAGS
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            flag = "--" + name.replace("_", "-")
-            return f"{flag} must be a finite number {'> 0' if positive else '>= 0'}, got {value}"
+        if value is not None and value != "fit" and (
+                problem := time_model_problem(name, value)):
+            return f"--{name.replace('_', '-')} {problem}"
     return None
 
 

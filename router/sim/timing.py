@@ -18,7 +18,21 @@ fast engine's only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+
+RATE_FIELDS = ("prefill_tokens_per_s", "host_load_tokens_per_s")
+
+
+def time_model_problem(name: str, value: float) -> str | None:
+    """What is wrong with ``value`` for the :class:`TimeModel` field ``name``, or None:
+    rates must be > 0, times >= 0, all finite (nan compares false with everything, so
+    "<= 0" alone let it through, and every time computed from it, and the event heap's
+    order, became nan)."""
+    positive = name in RATE_FIELDS
+    if math.isfinite(value) and (value > 0 if positive else value >= 0):
+        return None
+    return f"must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,16 +44,9 @@ class TimeModel:
     host_load_tokens_per_s: float = 1_000_000.0
 
     def __post_init__(self) -> None:
-        # Finite, or every time computed from them is nan/inf: nan compares false with
-        # everything, so "<= 0" alone let it through and the event heap lost its order.
-        for name in ("prefill_tokens_per_s", "host_load_tokens_per_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        for name in ("prefill_overhead_s", "decode_s_per_token"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for f in fields(self):
+            if problem := time_model_problem(f.name, getattr(self, f.name)):
+                raise ValueError(f"{f.name} {problem}")
 
     def prefill_s(self, computed_tokens: int, host_tokens: int = 0) -> float:
         return (
