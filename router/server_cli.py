@@ -67,9 +67,13 @@ def serve(settings: RouterSettings) -> int:
     import uvicorn
 
     from kvhint.router.service.app import create_app
+    from kvhint.router.store.database import store_unreachable
 
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if problem := store_unreachable(settings.database_url, settings.store_connect_timeout_s):
+        print(f"kvhint router: {problem}", file=sys.stderr)
+        return 1
     app = create_app(settings)
     # uvloop + httptools when installed (they are with uvicorn[standard] / vLLM): the
     # proxy's added latency is a benchmark target.

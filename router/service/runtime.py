@@ -89,7 +89,7 @@ class RouterRuntime:
         directory = TenantDirectory(settings)
         _announce(settings, directory)
 
-        engine = create_store_engine(settings.database_url)
+        engine = create_store_engine(settings.database_url, settings.store_connect_timeout_s)
         if settings.migrate_on_start:
             await asyncio.to_thread(migrate, engine)
         now = time.time()

@@ -192,6 +192,8 @@ class RouterSettings(BaseSettings):
 
     database_url: str = "sqlite:///kvhint-router.db"
     migrate_on_start: bool = True
+    # A PostgreSQL connection attempt fails after this (a URL's own connect_timeout wins).
+    store_connect_timeout_s: float = Field(10.0, gt=0)
     store_flush_interval_s: float = Field(0.25, gt=0)
     store_queue_max: int = Field(100_000, gt=0)
     # History older than this is deleted from the store, hourly: answered hint actions,

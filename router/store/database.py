@@ -6,21 +6,54 @@ Alembic migrations build both.
 
 from __future__ import annotations
 
+import math
 from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import SQLAlchemyError
 
 
-def create_store_engine(url: str) -> Engine:
+# How long a PostgreSQL connection attempt may take before it fails (libpq's
+# connect_timeout; a URL that sets its own keeps it).
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+
+
+def create_store_engine(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> Engine:
+    """An engine for ``url``. A PostgreSQL server that does not answer (a dropped route,
+    a host that accepts and stalls) fails a connection after ``connect_timeout_s``:
+    without a bound, libpq waits for as long as the kernel retries, so the router's
+    start and every store flush hung for minutes on it."""
     if url.startswith("sqlite"):
         _ensure_sqlite_dir(url)
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+    parsed = make_url(url)
+    connect_args: dict[str, object] = {}
+    if "connect_timeout" not in parsed.query:
+        # libpq takes whole seconds; under 2 it treats as 2.
+        connect_args["connect_timeout"] = max(2, math.ceil(connect_timeout_s))
+    return create_engine(parsed, pool_pre_ping=True, pool_size=4, max_overflow=4,
+                         connect_args=connect_args)
+
+
+def store_unreachable(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> str:
+    """One line saying why the store at ``url`` cannot be connected to, or "" if it can.
+    For start-up: an operator reads this where the service would otherwise die in its
+    lifespan with a driver traceback."""
+    engine = create_store_engine(url, connect_timeout_s)
+    try:
+        engine.connect().close()
+    except SQLAlchemyError as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        where = engine.url.render_as_string(hide_password=True)
+        return f"cannot connect to the store at {where}: {reason[0] if reason else type(exc).__name__}"
+    finally:
+        engine.dispose()
+    return ""
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI object

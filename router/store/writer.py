@@ -8,7 +8,7 @@ win, columns merge), so a busy session costs one row write per interval, not per
 If a flush fails (database down), the batch is kept under newer writes and retried on the
 next tick; once more than ``queue_max`` distinct rows wait, new ones are dropped and
 counted (``on_drop``), never silently. If the database refuses the batch's *data* (a value
-too long for its column, a constraint), the rows are written one transaction each and
+too long for its column, a constraint, a value that cannot be serialised), the rows are written one transaction each and
 those it refuses are dropped and counted (``store_row_rejected``): one bad row must not
 hold every later write back forever.
 """
@@ -24,7 +24,8 @@ from typing import Any
 from sqlalchemy import Engine, bindparam, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
+from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
+                            SQLAlchemyError, StatementError)
 
 from kvhint.router.store.models import TABLES
 
@@ -32,7 +33,23 @@ log = logging.getLogger(__name__)
 
 RowKey = tuple[str, tuple[Any, ...]]
 # What the database says of the data, not of itself: retrying the same rows cannot help.
-_ROW_ERRORS = (DataError, IntegrityError, ProgrammingError)
+_DATABASE_ROW_ERRORS = (DataError, IntegrityError, ProgrammingError)
+
+
+# What a write can raise: the database's errors, and a value the driver cannot serialise
+# (psycopg's JSON dumper raises TypeError/ValueError as they are; SQLite's path wraps them
+# in a StatementError).
+_WRITE_ERRORS = (SQLAlchemyError, TypeError, ValueError)
+
+
+def _is_row_error(exc: Exception) -> bool:
+    """Whether ``exc`` is about the rows, not the database: the database refused their
+    data, or they failed before reaching it (a value that cannot be bound or serialised).
+    Retrying such rows fails the same way, so retrying the whole batch would hold every
+    later write back forever."""
+    if isinstance(exc, (*_DATABASE_ROW_ERRORS, TypeError, ValueError)):
+        return True
+    return isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
 UPSERT = "upsert"
 UPDATE = "update"
 
@@ -119,18 +136,18 @@ class StoreWriter:
             batch, self._pending = self._pending, {}
             try:
                 await asyncio.to_thread(self._write, batch)
-            except _ROW_ERRORS as exc:
-                self._failed(exc, "writing its rows one by one", len(batch))
-                await self._write_each(batch)
-                return
-            except SQLAlchemyError as exc:
-                self._failed(exc, "rows kept for retry", len(batch))
-                self._requeue(batch)
+            except _WRITE_ERRORS as exc:
+                if _is_row_error(exc):
+                    self._failed(exc, "writing its rows one by one", len(batch))
+                    await self._write_each(batch)
+                else:
+                    self._failed(exc, "rows kept for retry", len(batch))
+                    self._requeue(batch)
                 return
             self.flushes += 1
             self.rows_written += len(batch)
 
-    def _failed(self, exc: SQLAlchemyError, then: str, rows: int) -> None:
+    def _failed(self, exc: Exception, then: str, rows: int) -> None:
         self.flush_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:500]
         log.warning("store flush of %d rows failed (%s): %s", rows, then, self.last_error)
@@ -143,15 +160,15 @@ class StoreWriter:
         for index, (row_key, entry) in enumerate(rows):
             try:
                 await asyncio.to_thread(self._write, {row_key: entry})
-            except _ROW_ERRORS as exc:
+            except _WRITE_ERRORS as exc:
+                if not _is_row_error(exc):
+                    self._failed(exc, "rows kept for retry", len(rows) - index)
+                    self._requeue(dict(rows[index:]))
+                    break
                 rejected += 1
                 log.error("store refused a %s row, dropped: %s", row_key[0],
                           f"{type(exc).__name__}: {exc}"[:300])
                 continue
-            except SQLAlchemyError as exc:
-                self._failed(exc, "rows kept for retry", len(rows) - index)
-                self._requeue(dict(rows[index:]))
-                break
             self.rows_written += 1
         if rejected:
             self._on_drop("store_row_rejected", rejected)

@@ -126,13 +126,16 @@ def test_a_row_the_database_refuses_is_dropped_and_the_rest_written(
         database_url: str) -> None:
     """A row the database refuses (here NULL in a NOT NULL column; on PostgreSQL also an
     id longer than its column) is dropped and counted; the rows beside it, and every
-    later write, still land. Before, the batch was retried whole forever."""
+    later write, still land. Before, the batch was retried whole forever. So is a row
+    whose value cannot even be serialised. Before, on SQLite (a StatementError) it too
+    held every later write back; on PostgreSQL psycopg's TypeError ended the writer's
+    loop, so nothing was written again."""
     engine = create_store_engine(database_url)
     drops: list[tuple[str, int]] = []
     try:
         migrate(engine)
         long_id = "x" * 200  # the column is 128 characters; SQLite does not enforce it
-        refused = 2 if engine.dialect.name == "postgresql" else 1
+        refused = 3 if engine.dialect.name == "postgresql" else 2
 
         async def scenario() -> None:
             writer = StoreWriter(engine, flush_interval_s=0.05, queue_max=100,
@@ -142,12 +145,14 @@ def test_a_row_the_database_refuses_is_dropped_and_the_rest_written(
             writer.upsert("hint_actions", ("null",),
                           {**_action("null", "pending", now), "message_id": None})
             writer.upsert("hint_actions", (long_id,), _action(long_id, "pending", now))
+            writer.upsert("hint_actions", ("set",),
+                          {**_action("set", "pending", now), "payload": {"ids": {1, 2}}})
             writer.upsert("sessions", ("acme", "s1"), _session("s1", now, 1))
             await writer.flush()
-            assert writer.queued == 0 and writer.rows_written == 4 - refused
+            assert writer.queued == 0 and writer.rows_written == 5 - refused
             writer.upsert("hint_actions", ("later",), _action("later", "pending", now))
             await writer.flush()
-            assert writer.queued == 0 and writer.rows_written == 5 - refused
+            assert writer.queued == 0 and writer.rows_written == 6 - refused
 
         asyncio.run(scenario())
         assert drops == [("store_row_rejected", refused)]
@@ -352,4 +357,42 @@ def test_history_past_the_retention_window_is_deleted_and_nothing_else(
         assert prune_history(engine, before=5_000.0) == {
             "hint_actions": 0, "sessions": 0, "workers": 0}
     finally:
+        engine.dispose()
+
+
+def test_a_postgresql_that_does_not_answer_fails_after_the_connect_timeout() -> None:
+    """A server that accepts the TCP connection and never answers (a stalled host, a
+    proxy with nothing behind it): the connection attempt fails after the store's
+    connect timeout. Before, there was none and libpq waited forever, so the router's
+    start (migrations, recovery) hung with it. A local listener stands in for the stalled
+    server: a real PostgreSQL cannot be made to stall on cue."""
+    import socket
+
+    from sqlalchemy.exc import OperationalError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    engine = create_store_engine(f"postgresql+psycopg://kvhint@127.0.0.1:{port}/test",
+                                 connect_timeout_s=2)
+    outcome: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            engine.connect().close()
+            outcome.append(None)
+        except OperationalError as exc:
+            outcome.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(30)
+    try:
+        assert outcome, "the connection attempt still waits after 30 s"
+        assert isinstance(outcome[0], OperationalError)
+        assert time.monotonic() - started < 15
+    finally:
+        listener.close()
         engine.dispose()

@@ -144,3 +144,25 @@ def test_model_prompt_flags_take_a_template_file_or_inline_text(tmp_path: Path) 
         RouterSettings(model_prompts={"tiny": {"chat_template": str(tmp_path / "nope.jinja")}})
     with pytest.raises(ValidationError):
         RouterSettings(model_prompts={"tiny": {"template": "x"}})
+
+
+def test_a_store_it_cannot_reach_stops_the_router_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, the service died in its lifespan and printed the driver's traceback.
+    A closed local port stands in for a PostgreSQL that is down."""
+    import socket
+
+    from kvhint.router.cli import main
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    config = tmp_path / "router.yaml"
+    config.write_text(f"database_url: postgresql://kvhint:secret@127.0.0.1:{port}/kvhint\n")
+    assert main(["router", "--config", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("kvhint router: cannot connect to the store at "
+                             f"postgresql+psycopg://kvhint:***@127.0.0.1:{port}/kvhint: ")
+    assert "secret" not in err[0]
