@@ -105,7 +105,8 @@ class PromptRenderer:
         if add_generation_prompt and continue_final:
             raise PromptRenderError(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        template = self._resolve_template(body.get("tools"))
+        tools = self._tools(body)
+        template = self._resolve_template(tools)
         traits = self._traits.get(template)
         if traits is None:
             traits = self._traits[template] = template_traits(template)
@@ -115,7 +116,6 @@ class PromptRenderer:
                 and not traits.supports_developer_role):
             conversation = _consolidate_system(_developer_to_system(conversation))
         kwargs = self._template_kwargs(body, template, traits.variables)
-        tools = self._tool_dicts(body)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation=conversation, tools=tools, chat_template=template,
@@ -157,6 +157,15 @@ class PromptRenderer:
             raise UnsupportedPrompt("model has no usable chat template")
         return template
 
+    def _tools(self, body: Mapping[str, Any]) -> Any:
+        """The tools the template sees, with vLLM's precedence: the request's
+        ``chat_template_kwargs["tools"]``, else its ``tools`` (unless excluded for
+        ``tool_choice: "none"``), else ``--default-chat-template-kwargs``' ``tools``;
+        None and ``"auto"`` never override."""
+        request_kwargs = _request_template_kwargs(body)
+        return _merge(_merge(self._default_kwargs, {"tools": self._tool_dicts(body)}),
+                      {"tools": request_kwargs.get("tools")}).get("tools")
+
     def _tool_dicts(self, body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         tools = body.get("tools")
         if tools is None:
@@ -169,9 +178,7 @@ class PromptRenderer:
 
     def _template_kwargs(self, body: Mapping[str, Any], template: str,
                          template_vars: frozenset[str]) -> dict[str, Any]:
-        request_kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(request_kwargs, Mapping):
-            raise PromptRenderError("'chat_template_kwargs' must be an object")
+        request_kwargs = _request_template_kwargs(body)
         if {"chat_template", "tokenize"} & request_kwargs.keys():
             raise UnsupportedPrompt("chat_template_kwargs may not set chat_template/tokenize")
         extra: dict[str, Any] = {
@@ -226,6 +233,13 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
 
 def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _request_template_kwargs(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    request_kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(request_kwargs, Mapping):
+        raise PromptRenderError("'chat_template_kwargs' must be an object")
+    return request_kwargs
 
 
 def _merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

@@ -146,13 +146,6 @@ def test_tool_calls_reach_the_template_as_vllm_hands_them(tiny_model_dir: Path) 
     must hand it the call's keys in the order vLLM's validated request has them
     (arguments before name; extra keys kept), or every block after the first tool call
     misses. Compared with vLLM's own renderer on the tiny model (no server)."""
-    import asyncio
-
-    from vllm.config import ModelConfig, VllmConfig
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.renderers.online_renderer import OnlineRenderer
-    from vllm.renderers.registry import renderer_from_config
-
     template = ("{% for message in messages %}<|{{ message.role }}|>{{ message.content or '' }}"
                 "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}"
                 "{{ call | tojson }}</tool_call>{% endfor %}<|end|>{% endfor %}"
@@ -164,12 +157,44 @@ def test_tool_calls_reach_the_template_as_vllm_hands_them(tiny_model_dir: Path) 
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "user", "content": "And tomorrow?"}]}
-    model_config = ModelConfig(model=str(tiny_model_dir), tokenizer=str(tiny_model_dir),
+    ours = PromptRenderer.from_pretrained(tiny_model_dir, chat_template=template)
+    assert ours.chat_token_ids(body) == _vllm_chat_token_ids(tiny_model_dir, template, body)
+
+
+def test_tools_in_chat_template_kwargs_reach_the_template_as_in_vllm(
+        tiny_model_dir: Path) -> None:
+    """vLLM hands the template ``chat_template_kwargs["tools"]`` when a request sets it,
+    over the request's own ``tools``. The router used to drop it, so a client passing
+    its tools that way (some agent SDKs do) missed every block after them."""
+    template = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+                "{% for message in messages %}<|{{ message.role }}|>{{ message.content }}"
+                "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    schema = {"type": "function", "function": {"name": "search", "parameters": {}}}
+    other = {"type": "function", "function": {"name": "fetch", "parameters": {}}}
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "Find kvhint."}]}
+    # tool_choice "none": "auto" needs a server started with a tool-call parser.
+    with_tools = base | {"tools": [other], "tool_choice": "none"}
+    ours = PromptRenderer.from_pretrained(tiny_model_dir, chat_template=template)
+    for body in (base | {"chat_template_kwargs": {"tools": [schema]}},
+                 with_tools | {"chat_template_kwargs": {"tools": [schema]}},
+                 with_tools | {"chat_template_kwargs": {"tools": None}}):
+        assert ours.chat_token_ids(body) == _vllm_chat_token_ids(tiny_model_dir, template,
+                                                                 body), body
+
+
+def _vllm_chat_token_ids(model_dir: Path, template: str, body: dict) -> list[int]:
+    """The prompt token ids vLLM's own OpenAI renderer makes of ``body`` (no server)."""
+    import asyncio
+
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.renderers.online_renderer import OnlineRenderer
+    from vllm.renderers.registry import renderer_from_config
+
+    model_config = ModelConfig(model=str(model_dir), tokenizer=str(model_dir),
                                max_model_len=4096, enforce_eager=True)
     online = OnlineRenderer(model_config, renderer_from_config(VllmConfig(
         model_config=model_config)), request_logger=None, chat_template=template,
         chat_template_content_format="auto")
     _conversation, prompts = asyncio.run(online.render_chat(ChatCompletionRequest(**body)))
-    expected = prompts[0]["prompt_token_ids"]
-    ours = PromptRenderer.from_pretrained(tiny_model_dir, chat_template=template)
-    assert ours.chat_token_ids(body) == list(expected)
+    return list(prompts[0]["prompt_token_ids"])
