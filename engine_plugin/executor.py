@@ -48,6 +48,7 @@ from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
+    REJECTED_EXPIRED,
     ActionType,
     Amount,
     DecodedHints,
@@ -235,7 +236,8 @@ class HintExecutor:
                                  applied)
 
         if payload.expires_at is not None and self.clock() > payload.expires_at:
-            return answer(REJECTED, f"expired: expires_at {payload.expires_at:.3f} has passed")
+            return answer(REJECTED, f"{REJECTED_EXPIRED} expires_at {payload.expires_at:.3f} "
+                                   "has passed")
         if isinstance(payload, SharePayload):
             if payload.destination_worker == self.worker_id:
                 return answer(REJECTED, "share destination is this worker")

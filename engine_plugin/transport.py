@@ -41,6 +41,7 @@ from kvhint.engine_plugin.mailbox import (
 from kvhint.engine_plugin.snapshot_order import ordered_blocks
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
+    REJECTED_INBOX_FULL,
     EventBatchMeta,
     HintOutcome,
     OutcomeStatus,
@@ -62,7 +63,7 @@ from kvhint.schemas._codec import WireDecodeError, encode_json
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_FULL_INBOX = "worker inbox full ({limit} messages waiting for the scheduler); not applied"
+_FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
 
 
 @dataclass(slots=True)

@@ -44,11 +44,14 @@ from kvhint.schemas.hints import (
     parse_action,
 )
 from kvhint.schemas.outcomes import (
+    REJECTED_EXPIRED,
+    REJECTED_INBOX_FULL,
     Amount,
     HintOutcome,
     OutcomeStatus,
     decode_outcome,
     encode_outcome,
+    is_transient_rejection,
 )
 from kvhint.schemas.releases import (
     HoldRelease,
@@ -80,6 +83,9 @@ from kvhint.schemas.status import (
 from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 
 __all__ = [
+    "REJECTED_EXPIRED",
+    "REJECTED_INBOX_FULL",
+    "is_transient_rejection",
     "ACTION_VERSION",
     "EVICT_REST_VERSION",
     "OWNER_VERSION",

@@ -31,6 +31,17 @@ class OutcomeStatus(str, enum.Enum):
         return self is not OutcomeStatus.DEFERRED
 
 
+# Stable openings of a ``rejected`` outcome's reason that say nothing of what the worker
+# supports: the same action may be accepted later. A router learns no capability from
+# them (kvhint.router.policy.feedback).
+REJECTED_EXPIRED = "expired:"
+REJECTED_INBOX_FULL = "worker inbox full"
+
+
+def is_transient_rejection(reason: str) -> bool:
+    return reason.startswith((REJECTED_EXPIRED, REJECTED_INBOX_FULL))
+
+
 class Amount(msgspec.Struct, frozen=True):
     blocks: NonNegative = 0
     tokens: NonNegative = 0

@@ -13,7 +13,13 @@ more). Rules:
 - ``reject_disable_after`` consecutive ``rejected`` outcomes of one action type disable
   that type for this worker (a worker without a host tier answers Demote ``rejected``:
   the planner stops sending it); any ``accepted``/``clipped`` of that type resets the count.
-  ``missing`` (the blocks were already gone) and ``deferred`` change nothing.
+  ``missing`` (the blocks were already gone), ``deferred``, and a rejection that says
+  nothing of what the worker supports (expired in transit, a full inbox:
+  :func:`~kvhint.schemas.outcomes.is_transient_rejection`) change nothing: a burst that
+  filled a worker's inbox used to disable Pin and Retain there until its engine restarted.
+
+Feed it only the planner's own actions: an agent's actions say what the agent asked, and
+one tenant's agent must not turn the planner off on a worker for every tenant.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvhint.schemas.hints import ActionType
-from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
+from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus, is_transient_rejection
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,8 @@ def apply_outcome(
     kind = outcome.action_type
     status = outcome.status
     if not kind or status in (OutcomeStatus.DEFERRED, OutcomeStatus.MISSING):
+        return feedback
+    if status is OutcomeStatus.REJECTED and is_transient_rejection(outcome.reason):
         return feedback
     if status is OutcomeStatus.REJECTED:
         count = feedback.rejections_in_row.get(kind, 0) + 1

@@ -375,8 +375,10 @@ class HintDispatcher:
             return record
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
         self.holdings.settle(outcome)
-        feedback = self.feedback.get(record.worker_id) or WorkerFeedback(record.worker_id)
-        self.feedback[record.worker_id] = apply_outcome(feedback, outcome, self._feedback_config)
+        if record.source == "planner":  # an agent's actions never steer the planner
+            feedback = self.feedback.get(record.worker_id) or WorkerFeedback(record.worker_id)
+            self.feedback[record.worker_id] = apply_outcome(feedback, outcome,
+                                                            self._feedback_config)
         self._finish(record)
         return record
 

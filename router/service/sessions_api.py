@@ -328,6 +328,9 @@ def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
     parsed = parse_action(action)
     if isinstance(parsed, InvalidAction):
         return parsed.reason, None
+    expires_at = parsed.payload.expires_at
+    if expires_at is not None and expires_at <= time.time():
+        return f"expires_at={expires_at} has passed (unix seconds)", None
     for field_name in ("ttl_s", "deadline_s"):
         value = getattr(parsed.payload, field_name, None)
         if value is not None and value > budget.max_hint_ttl_s:

@@ -172,12 +172,15 @@ async def test_hints_api_forwards_and_returns_the_outcome(
                 {"action_type": "kv.pin", "payload": {"ttl_s": 10}},
                 {"action_type": "kv.pin", "payload": {"ttl_s": 5000}},
                 {"action_type": "kv.explode", "payload": {}},
-                {"action_type": "kv.pin", "payload": {"target": {"session_id": "other"}}}]})
+                {"action_type": "kv.pin", "payload": {"target": {"session_id": "other"}}},
+                # Already expired: the worker would only reject it.
+                {"action_type": "kv.pin", "payload": {"ttl_s": 10, "expires_at": 1.0}}]})
             assert bad.status_code == 422
             reasons = [a["reason"] for a in bad.json()["error"]["actions"]]
             assert "exceeds this tenant" in reasons[0]
             assert "unsupported action_type" in reasons[1]
             assert "this session" in reasons[2]
+            assert "expires_at=1.0 has passed" in reasons[3]
             # The planner sends its own hint after the turn (kvh-..., published off the
             # request path, so it may land after the rejected call); the API sent nothing.
             await until(lambda: any(a.startswith("kvh-") for a in seen))

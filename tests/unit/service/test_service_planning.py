@@ -465,3 +465,40 @@ def test_tool_schemas_count_toward_hashing_a_prompt_off_the_event_loop() -> None
     short = parse_inbound(Endpoint.CHAT, json.dumps({"model": "m", "messages": [
         {"role": "user", "content": "hi"}]}).encode(), TENANT, None, None)
     assert _estimate_tokens(short) < 10
+
+
+def test_only_the_planners_lasting_rejections_turn_an_action_type_off() -> None:
+    """Two rejections of one type in a row turn it off for the worker (a worker without
+    a host tier rejects Demote). Before, an agent's own actions counted: one tenant's
+    agent sending expired Pins turned Pin off on that worker for every tenant, until
+    the engine restarted. And so did rejections that say nothing of what the worker
+    supports: a burst that filled its inbox, or actions expired in transit."""
+    from kvhint.engine_plugin.transport import _FULL_INBOX
+
+    _registry, _m, _link, hints, _s, _lc, _i, _r = build(["w0"])
+    transient = [_FULL_INBOX.format(limit=256), "expired: expires_at 1.000 has passed"]
+
+    async def reject(source: str, reasons: list[str]) -> None:
+        for n, reason in enumerate(reasons):
+            action = make_action(f"kva-{source}-{n}-{len(hints.pending)}-{time.monotonic_ns()}",
+                                 PinPayload(target=Target(session_id="default/s1"), ttl_s=30))
+            [sent] = await hints.send([PlannedAction("w0", action, "default/s1", "default", 8,
+                                                     time.time() + 30, source)],
+                                      {"default/s1": "s1"}, source=source)
+            hints.on_outcome(HintOutcome(
+                message_id="m", action_id=sent.action_id, action_type="kv.pin",
+                worker_id="w0", status=OutcomeStatus.REJECTED, reason=reason,
+                at=time.time()))
+
+    def pins_allowed() -> bool:
+        return "w0" not in hints.feedback or hints.feedback["w0"].allows("kv.pin")
+
+    async def scenario() -> None:
+        await reject("api", ["no such blocks here", "no such blocks here"])
+        assert pins_allowed()
+        await reject("planner", transient * 2)
+        assert pins_allowed()
+        await reject("planner", ["pins not supported", "pins not supported"])
+        assert not pins_allowed()
+
+    asyncio.run(scenario())
