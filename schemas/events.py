@@ -16,11 +16,12 @@ normalised with :func:`external_hash_to_int`, the same low-64-bits rule vLLM app
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
 from kvhint.schemas._codec import U64_MAX, WireDecodeError
+from kvhint.schemas.status import epoch_problem
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -121,12 +122,33 @@ def _decode_lenient(strict: msgspec.msgpack.Decoder, loose: msgspec.msgpack.Deco
         raise WireDecodeError(f"invalid KV event batch: {exc}") from exc
     events: list[Any] = []
     unknown = 0
+    known_tags = _tags(union)
     for raw in lenient.events:
         try:
             events.append(msgspec.convert(raw, union))
-        except msgspec.ValidationError:
+        except msgspec.ValidationError as exc:
+            tag = _tag_of(raw)
+            if tag in known_tags:
+                # A residency event we cannot read: skipping it would leave the index
+                # wrong for good (a removal missed is a false hit forever), so the batch
+                # is undecodable and its worker resyncs.
+                raise WireDecodeError(f"invalid {tag} event: {exc}") from exc
             unknown += 1
     return lenient.ts, events, lenient.data_parallel_rank, unknown
+
+
+def _tags(union: Any) -> frozenset[str]:
+    return frozenset(t.__struct_config__.tag for t in get_args(union))
+
+
+def _tag_of(raw: Any) -> Any:
+    """A raw event's type tag: the first item of an array-like event (vLLM's form), or
+    the ``type`` key of a map."""
+    if isinstance(raw, list) and raw:
+        return raw[0]
+    if isinstance(raw, dict):
+        return raw.get("type")
+    return None
 
 
 # --- Summaries: what a router's index reads, decoded without the token ids -------------
@@ -206,8 +228,13 @@ class EventBatchMeta:
             raise WireDecodeError("KV event batch has no headers (need worker, epoch, seq)")
         try:
             seq = int(headers[HEADER_SEQ])
-            return cls(headers[HEADER_WORKER], headers[HEADER_EPOCH], seq)
+            meta = cls(headers[HEADER_WORKER], headers[HEADER_EPOCH], seq)
         except KeyError as exc:
             raise WireDecodeError(f"KV event batch lacks header {exc.args[0]}") from exc
         except ValueError as exc:
             raise WireDecodeError(f"KV event batch has a non-integer {HEADER_SEQ}") from exc
+        if seq < 1:
+            raise WireDecodeError(f"KV event batch has {HEADER_SEQ} {seq} (they start at 1)")
+        if (problem := epoch_problem(meta.epoch)) is not None:
+            raise WireDecodeError(f"KV event batch: {problem}")
+        return meta

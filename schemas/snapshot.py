@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from kvhint.schemas._codec import decode_json, encode_json
+from kvhint.schemas.status import Epoch
 
 MAX_SNAPSHOT_PAGE = 50_000
 
@@ -39,9 +40,9 @@ class SnapshotSession(msgspec.Struct, frozen=True, array_like=True):
 
 class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
-    epoch: str
+    epoch: Epoch
     # The last event sequence number this page reflects; replay events after it.
-    seq: int
+    seq: Annotated[int, Meta(ge=0)]
     block_size: int
     blocks: list[SnapshotBlock]
     sessions: list[SnapshotSession]

@@ -10,8 +10,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from kvhint.schemas._codec import decode_json, encode_json
 
@@ -21,6 +23,17 @@ from kvhint.schemas._codec import decode_json, encode_json
 # them for a restart. Epochs of other forms (plugins before this one: 16 random hex
 # digits) have no order.
 _EPOCH = re.compile(r"([0-9a-f]{12})-[0-9a-f]{8}")
+# Any epoch on the wire: 1-128 visible ASCII characters. An empty or odd one is a
+# malformed message (dropped and counted), never an engine restart.
+Epoch = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
+_ANY_EPOCH = re.compile(r"[!-~]{1,128}")
+
+
+def epoch_problem(epoch: str) -> str | None:
+    """Why ``epoch`` cannot name an engine start, or None."""
+    if _ANY_EPOCH.fullmatch(epoch):
+        return None
+    return f"epoch {epoch[:40]!r} is not 1-128 visible ASCII characters"
 
 
 def new_epoch(now_s: float | None = None) -> str:
@@ -63,7 +76,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
-    epoch: str
+    epoch: Epoch
     model: str
     # Blocks are comparable across workers only within one namespace: same model,
     # block size, hash algorithm and seed.
@@ -77,7 +90,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     host_tier: bool = False
     budgets: Budgets
     usage: Usage
-    last_event_seq: int = 0
+    last_event_seq: Annotated[int, Meta(ge=0)] = 0
     interval_s: float
     at: float
     # Where the router reaches this worker's OpenAI server (a worker known only by its

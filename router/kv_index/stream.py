@@ -170,7 +170,7 @@ class WorkerStream(Generic[T]):
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
                   status: object | None = None) -> Decision:
         """A heartbeat. Returns a decision with no verdict (there is no batch)."""
-        if self._is_stale(epoch):
+        if self._is_stale(epoch, heartbeat=True):
             self.counters.stale_status += 1
             return Decision()
         self.last_heard = now
@@ -310,10 +310,20 @@ class WorkerStream(Generic[T]):
 
     # --- internals ----------------------------------------------------------------
 
-    def _is_stale(self, epoch: str) -> bool:
-        """Of an engine we moved past: retired, or started before the current one."""
-        return epoch in self._retired or (
-            self.epoch is not None and epoch != self.epoch and epoch_is_older(epoch, self.epoch))
+    def _is_stale(self, epoch: str, heartbeat: bool = False) -> bool:
+        """Of an engine we moved past: retired, or started before the current one.
+
+        Except a heartbeat once the current engine is dead: heartbeats are not replayed
+        (core NATS), so one proves its engine runs now, and a not-retired epoch that
+        looks older is an engine started after its host's clock stepped back (NTP, a VM
+        restored). Before, its every message was dropped and the worker stayed dead
+        until forgotten, an hour later. Its batches count once its heartbeat is taken."""
+        if epoch in self._retired:
+            return True
+        if heartbeat and self.phase is StreamPhase.DEAD:
+            return False
+        return (self.epoch is not None and epoch != self.epoch
+                and epoch_is_older(epoch, self.epoch))
 
     def _observe_epoch(self, epoch: str) -> str | None:
         """Take ``epoch`` as current; the purge reason when it replaces a live one."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from kvhint import schemas as s
@@ -164,6 +165,20 @@ def test_typed_decoders_raise_wire_decode_error() -> None:
                          b'"status":"maybe","at":1}')
     with pytest.raises(s.WireDecodeError, match="worker status"):
         s.decode_status(b'{"worker_id": 5}')
+    # An empty epoch is malformed: before, it was taken for an engine restart.
+    good = s.WorkerStatus(
+        worker_id="w0", epoch="e1", model="m", cache_namespace="ns", block_size=16,
+        hash_algo="sha256", none_hash_seed=None, supported_actions={},
+        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=0, max_retained_blocks=0,
+                          max_retain_ttl_s=0),
+        usage=s.Usage(gpu_blocks_total=1, gpu_blocks_free=1, kv_usage=0.0),
+        interval_s=1.0, at=0.0)
+    assert s.decode_status(s.encode_status(good)) == good
+    for bad in (msgspec.structs.replace(good, epoch=""),
+                msgspec.structs.replace(good, epoch="e 1"),
+                msgspec.structs.replace(good, last_event_seq=-1)):
+        with pytest.raises(s.WireDecodeError, match="worker status"):
+            s.decode_status(s.encode_status(bad))
     with pytest.raises(s.WireDecodeError, match="donor advice"):
         s.decode_advice(b"{}")
     with pytest.raises(s.WireDecodeError, match="limit"):

@@ -14,6 +14,7 @@ from kvhint.router.kv_index import (
     WorkerOverlap,
     WorkerPurgedNotice,
 )
+from kvhint.schemas.events import HEADER_EPOCH, HEADER_SEQ
 from kvhint.schemas.snapshot import SnapshotBlock as WireBlock
 from kvhint.schemas.snapshot import SnapshotSession
 
@@ -361,11 +362,13 @@ def test_a_late_snapshot_reply_from_an_engine_we_moved_past_is_ignored() -> None
 
 
 def test_a_stale_message_to_a_dead_worker_does_not_bring_it_back() -> None:
+    """A replayed batch of an older engine does not; a heartbeat of one does (see
+    test_an_engine_started_after_a_clock_step_back_...): heartbeats are not replayed,
+    so one says its engine runs now."""
     ing, _, clock = make()
     ing.on_status(status(epoch=CUR, interval_s=1.0))
     clock.now += 5
     assert [type(a) for a in ing.tick()] == [WorkerDead]
-    assert ing.on_status(status(epoch=OLD)) == []
     assert ing.on_event_message(headers("w0", OLD, 1), batch(store([1]))) == []
     assert ing.live_workers() == ()
 
@@ -386,3 +389,57 @@ def test_a_run_mixing_int_and_byte_hashes_reaches_the_index_as_ints() -> None:
     ing.on_event_message(headers("w0", "e1", 2), batch(s.BlockRemoved(
         block_hashes=[1, five], medium="GPU", group_idx=0)))  # type: ignore[list-item]
     assert index.stats().entries == 0
+
+
+def test_a_residency_event_that_cannot_be_read_resyncs_its_worker() -> None:
+    """A BlockRemoved whose hash is a float: skipping it, as an unknown event type is,
+    would leave blocks 1-2 indexed for good (a false hit at every routing). Before, it
+    was counted as an unknown type and the rest applied; now the batch is undecodable
+    and the worker resyncs from a snapshot."""
+    import msgspec
+
+    ing, index, _ = make()
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1, 2])))
+    bad = msgspec.msgpack.encode([2.0, [
+        {"type": "BlockRemoved", "block_hashes": [1.5], "medium": "GPU"}], None])
+    actions = ing.on_event_message(headers("w0", "e1", 2), bad)
+    assert actions == [RequestSnapshot("w0", 0, 2, "undecodable event batch")]
+    assert ing.stats().adapter["unknown_events"] == 0
+    assert ing.stats().adapter["decode_errors"] == 1
+    assert ing.on_snapshot_page(page("w0", "e1", 2, [(2, None, "GPU")])) == []
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({2})}}
+
+
+def test_an_engine_started_after_a_clock_step_back_is_taken_once_the_old_one_is_dead(
+        ) -> None:
+    """The host's clock stepped back before the engine restarted: the new epoch's start
+    sorts before the current one's. While the current engine may still be alive its
+    messages are stale (they could be replayed history); once it is declared dead, the
+    new engine is taken. Before, it was dropped as stale until the worker was
+    forgotten, an hour later."""
+    ing, index, clock = make()
+    ing.on_status(status(epoch=CUR, last_seq=0))
+    ing.on_event_message(headers("w0", CUR, 1), batch(store([1])))
+    stepped_back = s.new_epoch(1_500.0)
+    for _ in range(4):  # the restarted engine's heartbeats, 1 s apart
+        clock.now += 1.0
+        ing.on_status(status(epoch=stepped_back, last_seq=0))
+        ing.tick()
+    assert ing.live_workers() == ()  # the old engine fell silent: dead, purged
+    clock.now += 1.0
+    acts = ing.on_status(status(epoch=stepped_back, last_seq=1))
+    assert [type(a) for a in acts] == [WorkerAlive, RequestSnapshot]
+    ing.on_snapshot_page(page("w0", stepped_back, 1, [(7, None, "GPU")]))
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({7})}}
+    assert ing.live_workers() == ("w0",)
+
+
+def test_a_batch_with_an_empty_epoch_or_seq_0_is_malformed_not_a_restart() -> None:
+    ing, index, _ = make()
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    for bad in ({**headers("w0", "e1", 2), HEADER_EPOCH: ""},
+                {**headers("w0", "e1", 2), HEADER_SEQ: "0"}):
+        assert ing.on_event_message(bad, batch(store([2]))) == []
+    assert ing.stats().malformed_messages == 2
+    assert ing.stats().stream["epoch_changes"] == 0
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1})}}
