@@ -11,6 +11,7 @@ the router does with ids and budgets, which a real engine would answer the same 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -225,3 +226,39 @@ async def test_a_tenant_admins_overview_holds_its_own_tenant_only(
         assert mine["hint_status_counts"]["accepted"] < \
             fleet["hint_status_counts"]["accepted"]
         assert (await overview("bb"))["hint_status_counts"]["accepted"] >= 2
+        # The fleet's traffic is every tenant's: a tenant admin sees the workers' health,
+        # not their request counts or the index's totals (before, it saw b's requests).
+        assert [w["requests"] for w in fleet["workers"]] == [3]
+        assert [(w["requests"], w["inflight"]) for w in mine["workers"]] == [(None, None)]
+        assert mine["index"] is None and "distinct_blocks" in fleet["index"]
+        # The tenant's own latest hints, even when the fleet's last 50 are b's (before,
+        # a's overview listed none of them).
+        a_hint = [a for a in router.runtime.hints.recent if a.tenant == "a"][-1]
+        b_hint = next(a for a in router.runtime.hints.recent if a.tenant == "b")
+        router.runtime.hints.recent.extend(
+            dataclasses.replace(b_hint, action_id=f"kva-b-{n}") for n in range(60))
+        listed = [h["action_id"] for h in (await overview("aa"))["hints"]]
+        assert a_hint.action_id in listed
+
+
+async def test_admin_parameters_are_checked_before_any_store_read(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A NUL in a name reached PostgreSQL, which refused it: a 500 counted as an
+    internal error. Now every name in an admin path or query is checked: a 422 that
+    names the parameter. An unknown ``source`` was served from memory; now a 422."""
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=TENANTS, admin_keys=["root"]) as (router, client, _):
+        root = {"authorization": "Bearer root"}
+        for path, params, name in (
+                ("/admin/hints", {"session_id": "a\x00b"}, "session_id"),
+                ("/admin/hints", {"worker_id": "w\x00"}, "worker_id"),
+                ("/admin/sessions", {"state": "\x00", "source": "store"}, "state"),
+                ("/admin/sessions", {"source": "bogus"}, "source"),
+                ("/admin/sessions/a/x%00y", {}, "session_id"),
+                ("/admin/workers/w%01", {}, "worker_id")):
+            response = await client.get(f"{router.url}{path}", params=params, headers=root)
+            assert response.status_code == 422, (path, params, response.text)
+            assert name in response.text
+        assert "internal_error" not in router.runtime.metrics.render().decode()
+
