@@ -21,7 +21,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -108,25 +108,29 @@ class RoutingService:
     async def plan(self, inbound: InboundRequest, session_worker: str | None,
                    session_turns: int, exclude: frozenset[str] = frozenset(),
                    earlier: RoutePlan | None = None) -> RoutePlan:
-        """Rank the routable workers for ``inbound``; raises ``NoWorkerAvailable``.
+        """Rank the routable workers that serve ``inbound``'s model; raises
+        ``NoWorkerAvailable``. ``exclude``: workers a failed attempt already tried.
         ``earlier``: this request's plan from a failed attempt; its prompt hashes, when
         exact, are reused rather than computed again."""
+        retry = bool(exclude)
+        exclude = exclude | self.workers.not_serving(inbound.model or self.default_model)
         candidates = [w for w in self.workers.routable() if w.worker_id not in exclude]
-        if len(candidates) == 1 and not exclude:
+        if len(candidates) == 1 and not retry:
             only = candidates[0].worker_id
             decision = RouteDecision(worker_id=only, fallbacks=(), predicted_cached_tokens=0,
                                      predicted_host_tokens=0, reason="only_worker")
-            return RoutePlan(decision, _estimate_tokens(inbound), (), self._block_size(),
-                             exact=False, deferred=True)
+            return RoutePlan(decision, _estimate_tokens(inbound), (),
+                             self._hash_config(candidates).block_size, exact=False,
+                             deferred=True)
         if earlier is not None and earlier.exact:
             block_hashes, prompt_tokens = earlier.block_hashes, earlier.prompt_tokens
             block_size, exact = earlier.block_size, True
-        elif (hashes := await self._hash(inbound)) is not None:
+        elif (hashes := await self._hash(inbound, candidates)) is not None:
             block_hashes, prompt_tokens = hashes.block_hashes, hashes.num_tokens
             block_size, exact = hashes.block_size, True
         else:  # not tokenizable here: routed on an estimate, without cache overlap
             block_hashes, prompt_tokens = (), _estimate_tokens(inbound)
-            block_size, exact = self._block_size(), False
+            block_size, exact = self._hash_config(candidates).block_size, False
         started = time.perf_counter()
         now = self.clock()
         overlaps: dict[str, Overlap] = {}
@@ -154,7 +158,8 @@ class RoutingService:
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
         """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""
-        hashes = await self._hash(inbound)
+        chosen = self.workers.get(plan.decision.worker_id)
+        hashes = await self._hash(inbound, [chosen] if chosen is not None else [])
         if hashes is None:
             return replace(plan, deferred=False)
         worker_id = plan.decision.worker_id
@@ -169,14 +174,15 @@ class RoutingService:
         return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes, hashes.block_size,
                          exact=True)
 
-    async def _hash(self, inbound: InboundRequest) -> PromptHashes | None:
+    async def _hash(self, inbound: InboundRequest,
+                    candidates: Sequence[WorkerState]) -> PromptHashes | None:
         hasher = self.hasher
         if hasher is None:
             return None
         body: dict[str, Any] = inbound.body
         if "model" not in body and self.default_model is not None:
             body = {**body, "model": self.default_model}
-        config = self._hash_config()  # read here: the registry belongs to the loop
+        config = self._hash_config(candidates)  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
             if (self.hash_executor is not None
@@ -195,14 +201,13 @@ class RoutingService:
         self.metrics.hashing.observe(time.perf_counter() - started)
         return hashes
 
-    def _hash_config(self) -> HashConfig:
-        for worker in self.workers.all():
+    def _hash_config(self, candidates: Sequence[WorkerState]) -> HashConfig:
+        """How the workers that may take the request hash blocks (block size, seed):
+        a worker of another model may use others."""
+        for worker in (*candidates, *self.workers.all()):
             if worker.status is not None and worker.plugin_alive:
                 return HashConfig.from_status(worker.status)
         return HashConfig(block_size=self.default_block_size)
-
-    def _block_size(self) -> int:
-        return self._hash_config().block_size
 
     def _worker_load(self, worker: WorkerState, now: float, exclude: frozenset[str]) -> WorkerLoad:
         load = self._loads.get(worker.worker_id)

@@ -266,16 +266,18 @@ class RouterRuntime:
             self.feed.tick()
 
     async def _discover(self) -> None:
-        """Workers that were down at start: learn their models (tokenizers) later."""
-        if self.routing.hasher is not None:
-            return
+        """The workers' model lists, again (adapters load and unload at run time, workers
+        join); and models no tokenizer is loaded for yet (a worker down at start, one
+        that joined with another model) get theirs."""
         models = await _discover_models(self.settings, self.workers, self.pool)
-        if models:
-            self.models = models
-            self.routing.hasher = await _warm_hasher(models, self.settings.block_size,
+        new = {name: path for name, path in models.items() if name not in self.models}
+        if new:
+            self.models = {**self.models, **new}
+            self.routing.hasher = await _warm_hasher(self.models, self.settings.block_size,
                                                      self.settings.model_prompts)
-            self.routing.default_model = next(iter(models))
-            log.info("models discovered: %s", sorted(models))
+            if self.routing.default_model is None:
+                self.routing.default_model = next(iter(self.models))
+            log.info("models discovered: %s", sorted(new))
 
     def _sample(self) -> None:
         self.timeline.sample(time.time(), self.metrics.totals, self.hints.status_counts)
@@ -372,31 +374,36 @@ async def _stored_session(engine: Engine, metrics: RouterMetrics, tenant: str,
 async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,
                            pool: UpstreamPool) -> dict[str, str]:
     """Served model name -> tokenizer path: from settings, else each worker's /v1/models
-    (vLLM reports the model's ``root``, a local path when it serves one)."""
-    if settings.tokenizer:
-        found: dict[str, str] = {}
-        for worker in workers.routable():
-            found.update(await _models_of(pool, worker.url or ""))
-        names = list(found) or ["default"]
-        return {name: settings.tokenizer for name in names}
+    (vLLM reports the model's ``root``, a local path when it serves one). Each worker
+    that answers also gets its list of names (``served_models``, adapters included),
+    which routing keeps requests to."""
     models: dict[str, str] = {}
     for worker in workers.routable():
-        models.update(await _models_of(pool, worker.url or ""))
+        listing = await _listed_models(pool, worker.url or "")
+        if listing is None:
+            continue
+        worker.served_models = frozenset(item["id"] for item in listing)
+        for item in listing:
+            # A LoRA adapter (it names a "parent") hashes its blocks with the adapter as
+            # an extra key: the base model's hashes would predict hits it never has, so
+            # its requests are routed without prompt hashes.
+            if not item.get("parent"):
+                models[item["id"]] = str(item.get("root") or item["id"])
+    if settings.tokenizer:
+        return {name: settings.tokenizer for name in (list(models) or ["default"])}
     return models
 
 
-async def _models_of(pool: UpstreamPool, url: str) -> dict[str, str]:
+async def _listed_models(pool: UpstreamPool, url: str) -> list[dict[str, Any]] | None:
+    """The entries of ``url``'s /v1/models that name a model, or None when it did not
+    answer one."""
     try:
         listing: Any = await pool.get_json(url + "/v1/models", timeout_s=5.0)
     except Exception as exc:  # noqa: BLE001 - any failure just means "not known yet"
         log.warning("could not list models at %s: %r", url, exc)
-        return {}
-    found = {}
-    for item in listing.get("data", []) if isinstance(listing, dict) else []:
-        # A LoRA adapter (it names a "parent") hashes its blocks with the adapter as an
-        # extra key: the base model's hashes would predict hits it never has, so its
-        # requests are routed without prompt hashes.
-        if isinstance(item, dict) and isinstance(item.get("id"), str) \
-                and not item.get("parent"):
-            found[item["id"]] = str(item.get("root") or item["id"])
-    return found
+        return None
+    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
+        log.warning("%s/v1/models answered no model list", url)
+        return None
+    return [item for item in listing["data"]
+            if isinstance(item, dict) and isinstance(item.get("id"), str)]

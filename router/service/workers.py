@@ -44,10 +44,16 @@ class WorkerState:
     plugin_alive: bool = False
     epoch: str | None = None
     requests: int = 0
+    # The model names its /v1/models lists (served names and LoRA adapters); None until
+    # it has answered once.
+    served_models: frozenset[str] | None = None
 
     @property
     def routable(self) -> bool:
         return self.url is not None and self.http_up
+
+    def may_serve(self, model: str) -> bool:
+        return self.served_models is None or model in self.served_models
 
 
 class WorkerRegistry:
@@ -71,6 +77,16 @@ class WorkerRegistry:
 
     def routable(self) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.routable]
+
+    def not_serving(self, model: str | None) -> frozenset[str]:
+        """Workers a request for ``model`` must not go to: those whose model list lacks
+        it, once some worker lists it (vLLM answers another model's name with a 404).
+        Empty when ``model`` is None or no worker lists it: a worker that has not
+        answered /v1/models yet, or a list out of date, may still serve it."""
+        if model is None or not any(w.served_models and model in w.served_models
+                                    for w in self._workers.values()):
+            return frozenset()
+        return frozenset(w.worker_id for w in self._workers.values() if not w.may_serve(model))
 
     def ensure(self, worker_id: str, url: str | None = None) -> WorkerState:
         worker = self._workers.get(worker_id)

@@ -86,6 +86,9 @@ class StubWorker:
     prompt_tokens: int = 40  # the usage it reports (32 of them cached)
     # /v1/models "root": where the router finds the tokenizer (the tiny model's).
     model_root: str = "stub"
+    # The served model name; a request naming another model (nor an adapter) gets
+    # vLLM's 404.
+    model: str = "stub"
     # LoRA adapters it lists as models of their own (vLLM: "parent" names the base).
     adapters: list[str] = field(default_factory=list)
     # Seconds a stream stays open after its [DONE] event before the worker ends it.
@@ -115,10 +118,11 @@ class StubWorker:
         return web.Response(text="ok")
 
     async def _models(self, _request: web.Request) -> web.Response:
-        adapters = [{"id": name, "root": f"/adapters/{name}", "parent": "stub"}
+        adapters = [{"id": name, "root": f"/adapters/{name}", "parent": self.model}
                     for name in self.adapters]
         return web.json_response({"object": "list",
-                                  "data": [{"id": "stub", "root": self.model_root}, *adapters]})
+                                  "data": [{"id": self.model, "root": self.model_root},
+                                           *adapters]})
 
     def _message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "hello"}
@@ -143,6 +147,10 @@ class StubWorker:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        if body.get("model", self.model) not in (self.model, *self.adapters):
+            return web.json_response({"error": {
+                "message": f"The model `{body['model']}` does not exist.",
+                "type": "NotFoundError", "code": 404}}, status=404)
         if self.answer_delay_s:
             await asyncio.sleep(self.answer_delay_s)
         if self.mode.startswith("status:"):

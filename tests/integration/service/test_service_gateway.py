@@ -444,6 +444,35 @@ async def test_bodies_the_hasher_cannot_read_are_still_routed_and_adapters_not_h
         assert 'kvhint_router_drops_total{what="prompt_hashing:UnknownModel"} 1.0' in metrics
 
 
+async def test_requests_go_only_to_workers_that_serve_their_model(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A fleet serving two models (one with a LoRA adapter): each request goes to a
+    worker whose /v1/models lists its model. Before, routing ignored the model, and half
+    of them got vLLM's 404 from a worker serving the other one. A model no worker lists
+    is still routed (a list may be out of date; the worker answers for it)."""
+    base, other = stub_workers
+    other.model, other.adapters = "other", ["sql-lora"]
+    settings = router_settings(tmp_path, [("w0", base.url), ("w1", other.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        assert {w.worker_id: w.served_models for w in router.runtime.workers.all()} == {
+            "w0": frozenset({"stub"}), "w1": frozenset({"other", "sql-lora"})}
+        for model in ("stub", "other", "sql-lora") * 4:
+            response = await client.post(f"{router.url}/v1/chat/completions",
+                                         json={**CHAT, "model": model})
+            assert response.status_code == 200, (model, response.text)
+        assert [b["model"] for b in base.received] == ["stub"] * 4
+        assert sorted(b["model"] for b in other.received) == ["other"] * 4 + ["sql-lora"] * 4
+        unknown = await client.post(f"{router.url}/v1/chat/completions",
+                                    json={**CHAT, "model": "nope"})
+        assert unknown.status_code == 404
+        # The worker serving "other" is down: its requests are refused, not sent to w0.
+        await other.stop()
+        refused = await client.post(f"{router.url}/v1/chat/completions",
+                                    json={**CHAT, "model": "other"})
+        assert refused.status_code in (502, 503), refused.text
+        assert "other" not in [b["model"] for b in base.received]
+
+
 async def test_a_store_that_cannot_be_read_does_not_fail_a_returning_sessions_turn(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
     """The lookup of a forgotten session's stored row fails (here: its table is gone):
