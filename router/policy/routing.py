@@ -194,10 +194,11 @@ class NoWorkerAvailable(Exception):
 
 def cached_tokens(overlap: Overlap | None, prompt_tokens: int, block_size: int) -> tuple[int, int]:
     """(cached tokens including G2, of which G2) for a prompt, capped like vLLM: a hit
-    never covers the prompt's last token, so at most ``prompt_tokens - 1``."""
+    never covers the prompt's last token, and is whole blocks, so at most the whole
+    blocks in ``prompt_tokens - 1`` (a fully cached 2-block prompt hits 1 block)."""
     if overlap is None:
         return 0, 0
-    cap = max(prompt_tokens - 1, 0)
+    cap = max(prompt_tokens - 1, 0) // block_size * block_size
     gpu = min(overlap.gpu_blocks * block_size, cap)
     total = min((overlap.gpu_blocks + overlap.host_blocks) * block_size, cap)
     return total, total - gpu

@@ -131,3 +131,21 @@ def test_block_hasher_equals_vllm_request_hasher(algo: str, seed: str | None,
 def test_secret_seed_is_refused() -> None:
     with pytest.raises(UnsupportedHashConfig, match="secret"):
         BlockHasher(HashConfig(32, "xxhash", None))
+
+
+def test_predicted_cached_tokens_are_vllms_hit_for_whole_and_partial_block_prompts() -> None:
+    """A fully cached prompt of whole blocks hits one block less in vLLM (the hit is
+    whole blocks short of the last token); the router predicted a block less one token
+    (31 of a 32-token prompt at block 16, where vLLM hits 16)."""
+    from kvhint.engine_plugin.headless import build_kv_cache_manager
+    from kvhint.router.policy import Overlap, cached_tokens
+
+    block = 16
+    cache = build_kv_cache_manager(block_size=block, num_blocks=64)
+    for tokens in (2 * block, 2 * block + 1, 4 * block, 4 * block + 7):
+        prompt = list(range(1000 * tokens, 1000 * tokens + tokens))
+        first = cache.make_request(prompt)
+        cache.admit(first)
+        cache.finish(first)
+        predicted, _host = cached_tokens(Overlap(tokens // block), tokens, block)
+        assert predicted == cache.lookup_hit_tokens(cache.make_request(prompt)), tokens

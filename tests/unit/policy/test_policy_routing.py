@@ -150,7 +150,10 @@ def test_no_healthy_worker_raises() -> None:
 
 
 def test_cached_tokens_follow_vllms_cap_of_prompt_minus_one() -> None:
-    assert cached_tokens(Overlap(4), 4 * BS, BS) == (4 * BS - 1, 0)
+    """vLLM's hit is whole blocks within the prompt less its last token: a fully cached
+    prompt of 4 whole blocks hits 3 of them (before, 4 blocks less one token)."""
+    assert cached_tokens(Overlap(4), 4 * BS, BS) == (3 * BS, 0)
+    assert cached_tokens(Overlap(4), 4 * BS + 1, BS) == (4 * BS, 0)
     assert cached_tokens(Overlap(1, 2), 10 * BS, BS) == (3 * BS, 2 * BS)
     assert cached_tokens(None, 100, BS) == (0, 0)
     assert decay_recent(100.0, 120.0, 120.0) == pytest.approx(50.0)
