@@ -45,6 +45,7 @@ class BatchVerdict(enum.Enum):
     STALE_EPOCH = "stale_epoch"
     BUFFERED = "buffered"
     OVERFLOW = "overflow"    # resync buffer full: dropped (the resync will notice the hole)
+    IMPLAUSIBLE = "implausible"  # seq far past what the worker's heartbeat says it sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,11 @@ class StreamConfig:
     # treat the difference as lost batches. None: one heartbeat interval.
     tail_gap_grace_s: float | None = None
     max_retired_epochs: int = 8
+    # A batch numbered this far past the last heartbeat's last_event_seq cannot be the
+    # worker's (it publishes at most one batch per engine step, a few hundred between
+    # heartbeats): dropped and counted. Taken for a gap, one such batch sent the worker
+    # into resyncs forever, every snapshot ending in a "hole" before it.
+    max_seq_ahead_of_heartbeat: int = 100_000
     # A worker dead (silent) this long is forgotten by the ingestor: its stream state,
     # kept so far to refuse its old engines' replayed messages, goes. Past the events
     # stream's age limit (1 h by default) no such message is left to replay.
@@ -98,6 +104,7 @@ class StreamCounters:
     snapshot_failures: int = 0
     deaths: int = 0
     stale_status: int = 0
+    implausible_seq: int = 0
 
 
 @dataclass(slots=True)
@@ -136,6 +143,7 @@ class WorkerStream(Generic[T]):
         self._buffered_max_seq = 0
         self._resync: _Resync[T] | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
+        self._reported_seq: int | None = None  # this epoch's last heartbeat's last_event_seq
 
     # --- observations -------------------------------------------------------------
 
@@ -143,6 +151,10 @@ class WorkerStream(Generic[T]):
         if self._is_stale(epoch):
             self.counters.stale_epoch += 1
             return Decision(BatchVerdict.STALE_EPOCH)
+        if (epoch == self.epoch and self._reported_seq is not None
+                and seq > self._reported_seq + self.config.max_seq_ahead_of_heartbeat):
+            self.counters.implausible_seq += 1
+            return Decision(BatchVerdict.IMPLAUSIBLE)
         self.last_heard = now
         purge = self._observe_epoch(epoch)
         if self.phase is StreamPhase.RESYNCING:
@@ -177,6 +189,7 @@ class WorkerStream(Generic[T]):
         self.interval_s = interval_s if interval_s > 0 else self.config.default_interval_s
         self.last_status = status
         purge = self._observe_epoch(epoch)
+        self._reported_seq = last_event_seq
         if self.phase is StreamPhase.RESYNCING:
             return Decision(None, purge)
         if self.phase is not StreamPhase.LIVE:
@@ -348,6 +361,7 @@ class WorkerStream(Generic[T]):
 
     def _reset_stream(self) -> None:
         self.applied_seq = 0
+        self._reported_seq = None
         self.counters.stale_epoch += len(self._buffer)
         self._buffer.clear()
         self._buffered_max_seq = 0

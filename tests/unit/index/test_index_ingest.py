@@ -443,3 +443,20 @@ def test_a_batch_with_an_empty_epoch_or_seq_0_is_malformed_not_a_restart() -> No
     assert ing.stats().malformed_messages == 2
     assert ing.stats().stream["epoch_changes"] == 0
     assert index.export_state().blocks == {"w0": {"GPU": frozenset({1})}}
+
+
+def test_a_batch_numbered_far_past_the_heartbeat_is_dropped_not_a_gap() -> None:
+    """One batch with seq 10^12 (a publisher's bug, a corrupted header): before, it was a
+    gap, and every snapshot after it ended in a "hole" before it, so the worker resynced
+    forever and never came back live."""
+    ing, index, clock = make()
+    ing.on_status(status(epoch="e1", last_seq=0))
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    clock.now += 1.0
+    ing.on_status(status(epoch="e1", last_seq=1))
+    assert ing.on_event_message(headers("w0", "e1", 10**12), batch(store([2]))) == []
+    ing.on_event_message(headers("w0", "e1", 2), batch(store([3], parent=1)))
+    assert ing.stats().stream["implausible_seq"] == 1
+    assert ing.stats().stream["resyncs_started"] == 0
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1, 3})}}
+    assert ing.live_workers() == ("w0",)
