@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from sqlalchemy.exc import OperationalError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -90,6 +91,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.include_router(build_sessions_router())
     app.include_router(build_admin_router())
     app.include_router(build_dashboard_router())
+    app.add_exception_handler(OperationalError, _store_unavailable)
     app.add_exception_handler(Exception, _internal_error)
     return RouterApp(app)
 
@@ -169,6 +171,16 @@ async def _health(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     return Response(runtime_of(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _store_unavailable(request: Request, exc: Exception) -> Response:
+    """A store read the database could not serve (down, unreachable, locked): the
+    client may retry; not the router's bug."""
+    log.warning("store unavailable on %s: %s", request.url.path, exc)
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is not None:
+        runtime.metrics.drop("store_read_error")
+    return _error("the router's store cannot be read right now; retry later", 503)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
