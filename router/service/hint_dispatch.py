@@ -90,6 +90,9 @@ class SentAction:
     released_at: float | None = None
     held_after_release_blocks: int | None = None
     waiter: asyncio.Future[SentAction] | None = None
+    # When this router began waiting for the outcome (not stored): the send, or for an
+    # action restored from the store, the restart.
+    waiting_since: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -387,7 +390,8 @@ class HintDispatcher:
         ``OUTCOME_DEADLINE_S`` are marked expired. Returns how many actions expired."""
         now = self._clock() if now is None else now
         self.holdings.expire(now)
-        late = [a for a in self.pending.values() if now - a.created_at > OUTCOME_DEADLINE_S]
+        late = [a for a in self.pending.values()
+                if now - (a.waiting_since or a.created_at) > OUTCOME_DEADLINE_S]
         for record in late:
             record.status = EXPIRED
             record.reason = f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s"
@@ -462,8 +466,14 @@ class HintDispatcher:
             record = SentAction.from_row(row)
             blocks = record.held_after_release_blocks
             self._hold(record, record.applied_blocks if blocks is None else blocks)
+        now = self._clock()
         for row in pending:
             record = SentAction.from_row(row)
+            # Its outcome may be on its way in the outcome stream this router replays
+            # from its cursor after the restart: it gets OUTCOME_DEADLINE_S from now.
+            # Before, an action sent more than that before the restart expired at the
+            # first tick, and its outcome arriving a moment later was "unknown".
+            record.waiting_since = now
             self.pending[record.action_id] = record
             self._hold(record, record.requested_blocks)
 

@@ -502,3 +502,29 @@ def test_only_the_planners_lasting_rejections_turn_an_action_type_off() -> None:
         assert not pins_allowed()
 
     asyncio.run(scenario())
+
+
+def test_an_action_restored_after_a_restart_waits_for_its_late_outcome() -> None:
+    """An action sent five minutes before the router restarted, its outcome still in the
+    outcome stream the router replays after it starts: it waits OUTCOME_DEADLINE_S from
+    the restart. Before, it expired at the first tick, and its outcome, a moment later,
+    was dropped as unknown (and its hold no longer counted)."""
+    from kvhint.router.service.hint_dispatch import OUTCOME_DEADLINE_S, SentAction
+
+    _registry, metrics, _link, hints, _s, _lc, _i, _r = build(["w0"])
+    sent_at = time.time() - 300
+    row = SentAction(action_id="kvh-1", message_id="m", worker_id="w0", tenant="default",
+                     session_id="s1", action_type="kv.pin", source="planner", trigger="gap",
+                     payload={"target": {"session_id": "default/s1"}, "ttl_s": 600},
+                     status="pending", created_at=sent_at, updated_at=sent_at,
+                     requested_blocks=8, scope="default/s1",
+                     expires_at=sent_at + 600).row()
+    hints.restore([], [row])
+    assert hints.expire() == 0
+    record = hints.on_outcome(HintOutcome(
+        message_id="m", action_id="kvh-1", action_type="kv.pin", worker_id="w0",
+        status=OutcomeStatus.ACCEPTED, requested=Amount(8), applied=Amount(8),
+        at=time.time()))
+    assert record is not None and record.status == "accepted"
+    assert 'what="outcome_unknown_action"' not in metrics.render().decode()
+    assert hints.expire(time.time() + OUTCOME_DEADLINE_S + 1) == 0  # answered: nothing left
