@@ -127,8 +127,8 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     except BadRequest as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return _error(exc.message, exc.status, exc.param)
-    if inbound.stream:  # the streamed response watches for the client leaving itself
-        return await runtime.forwarder.forward(inbound)
+    # Watches for the client leaving until the response starts (a worker still busy
+    # before its first byte); a streamed response then watches for itself.
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         return await runtime.forwarder.forward(inbound, gone)

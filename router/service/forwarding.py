@@ -1,9 +1,12 @@
 """One inference request through the router: session, route, forward, relay, account.
 
-Retry rule: a worker that fails before its response starts (connection refused, timeout,
-502/503/504) is marked down and the request goes once to the next-best worker. Once
-bytes have reached the client, a failure ends the stream with an OpenAI-style error
-event instead (the SDKs raise it as an ``APIError``).
+Retry rule: a worker that fails before it has the request (connection refused or timed
+out, a connection reset before any answer) or answers 502/503/504 is marked down and the
+request goes once to the next-best worker. A worker that has the request but does not
+answer within ``request_timeout_s`` is slow, not down, and may still be running it: the
+client gets a 504 and the request is not run again elsewhere. Once bytes have reached the
+client, a failure ends the stream with an OpenAI-style error event instead (the SDKs raise
+it as an ``APIError``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvhint.router.service.upstream import (
     UpstreamBroken,
     UpstreamPool,
     UpstreamResponse,
+    UpstreamTimeout,
     UpstreamUnavailable,
 )
 from kvhint.router.service.workers import WorkerRegistry
@@ -101,7 +105,7 @@ async def _until_open(opening: asyncio.Future[UpstreamResponse],
     opening.cancel()
     try:
         late = await opening
-    except (asyncio.CancelledError, UpstreamUnavailable):
+    except (asyncio.CancelledError, UpstreamUnavailable, UpstreamTimeout):
         pass
     else:  # it opened before the cancel took: give its connection back
         late.close()
@@ -155,9 +159,9 @@ class Forwarder:
 
     async def forward(self, inbound: InboundRequest,
                       client_gone: asyncio.Future[None] | None = None) -> Response:
-        """``client_gone``: done when the client of a non-streamed request disconnects
-        (a streamed response watches its own); the worker's response is then closed at
-        once, not when it finishes."""
+        """``client_gone``: done when the client disconnects before the response to it
+        starts (a streamed response then watches its own); the request to the worker, or
+        the worker's response, is then closed at once, not when it finishes."""
         flight = _Flight(inbound, None, None, time.perf_counter())
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
@@ -186,6 +190,9 @@ class Forwarder:
             except _ClientGone:
                 await self._account(flight, 499)
                 return Response(status_code=499)
+            except UpstreamTimeout as exc:
+                await self._account(flight, 504)
+                return _error(str(exc), 504)
             except UpstreamUnavailable as exc:
                 last_error = exc
                 excluded = excluded | {worker_id}
@@ -231,6 +238,21 @@ class Forwarder:
             self._on_worker_down(worker_id)
             log.warning("worker %s failed before responding: %s", worker_id, exc.reason)
             raise
+        except UpstreamTimeout as exc:
+            # The worker took the request and may be running it: it stays up, the turn
+            # counts as routed there, and _account (504) gives its in-flight slot back.
+            log.warning("%s", exc)
+            await self._took(flight, worker_id, predicted, uncached)
+            raise
+        await self._took(flight, worker_id, predicted, uncached)
+        return upstream
+
+    async def _took(self, flight: _Flight, worker_id: str, predicted: int,
+                    uncached: int) -> None:
+        """Worker ``worker_id`` has the request: from now on _account settles it."""
+        plan = flight.plan
+        worker = self._workers.get(worker_id)
+        assert plan is not None and worker is not None
         worker.requests += 1
         flight.worker_id = worker_id
         flight.uncached = flight.prefill_pending = uncached
@@ -238,7 +260,6 @@ class Forwarder:
         if flight.record is not None:
             await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
                                          predicted, plan.block_hashes, plan.exact)
-        return upstream
 
     async def _respond(self, flight: _Flight, upstream: UpstreamResponse) -> Response:
         headers = dict(upstream.headers)
@@ -256,8 +277,9 @@ class Forwarder:
                     await self._account(flight, 499)
                     return Response(status_code=499)
                 self._metrics.broken_streams.labels(upstream.worker_id).inc()
-                await self._account(flight, 502)
-                return _error(f"worker failed while responding: {exc}", 502)
+                code = 504 if exc.timed_out else 502
+                await self._account(flight, code)
+                return _error(f"worker failed while responding: {exc}", code)
             finally:
                 if signal is not None:
                     signal.remove_done_callback(client_gone)
@@ -280,15 +302,20 @@ class Forwarder:
                     self._first_byte(flight)
                     first = False
                 yield chunk
+            if flight.client_gone and not relay.finished:
+                # Closed for a client gone while no read was pending: a response aiohttp
+                # had whole then ends cleanly, yet the client never got its [DONE].
+                status = 499
         except UpstreamBroken as exc:
             if flight.client_gone:  # our own doing: the upstream closed for a client gone
                 # A client that leaves once it has the whole answer (the OpenAI SDK closes
                 # right after [DONE]) was served: its usage counts, its session is planned.
                 status = status if relay.finished else 499
                 return
-            status = 502
+            status = 504 if exc.timed_out else 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
-            yield b"data: " + openai_error(f"worker failed mid-stream: {exc}", 502) + b"\n\n"
+            error = openai_error(f"worker failed mid-stream: {exc}", status)
+            yield b"data: " + error + b"\n\n"
         except (GeneratorExit, asyncio.CancelledError):
             # Closed at a yield: the client went away before the stream's end (or just
             # after [DONE], before the worker's own end of the stream: served).

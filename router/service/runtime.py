@@ -137,9 +137,11 @@ class RouterRuntime:
         if settings.trace_dir is not None:
             # Fails the start-up if the folder cannot be made, not the first write.
             await asyncio.to_thread(settings.trace_dir.mkdir, parents=True, exist_ok=True)
-            # A request never waits longer than its timeout; a minute more is slack.
+            # A request silent past its timeout has ended (a 504). A stream that keeps
+            # sending may last longer: one over half an hour is dropped from the trace
+            # as stalled (counted), so one lost request cannot hold the file back longer.
             recorder = TraceRecorder(settings.trace_dir, metrics.drop,
-                                     stall_s=settings.request_timeout_s + 60.0,
+                                     stall_s=max(settings.request_timeout_s + 60.0, 1800.0),
                                      on_written=metrics.trace_written.inc)
             log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         lifecycle = SessionLifecycle(

@@ -222,7 +222,15 @@ class RouterSettings(BaseSettings):
     # lengths, no text; trace_recorder.py): one file per start in this directory. None: off.
     trace_dir: Path | None = None
 
+    # A worker that does not accept the connection in this long is down: the request
+    # goes to the next-best worker.
     connect_timeout_s: float = Field(3.0, gt=0)
+    # The longest a worker may keep the router waiting for a byte once it has the
+    # request: for its answer to start (vLLM sends a non-streamed answer only once it is
+    # complete, so this bounds its whole generation) and, within an answer, between two
+    # chunks (a stream may last longer in all). Running past it is a 504 (an error event
+    # mid-stream); the worker is slow, not down, and may still be running the request,
+    # so it is not marked down and the request is not run again elsewhere.
     request_timeout_s: float = Field(600.0, gt=0)
     # How long an idle connection to a worker is kept for reuse. Below the workers' own
     # keep-alive (vLLM's server: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so the router gives

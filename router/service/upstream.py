@@ -2,8 +2,17 @@
 
 aiohttp rather than httpx because the proxy's own overhead is a benchmark target (it
 adds less per request here). :meth:`UpstreamPool.open` returns once the worker has sent
-its status line and headers; everything that fails before that point is an
+its status line and headers. A failure before the worker has the request (connection
+refused or timed out, a connection reset before any answer) or a 502/503/504 is an
 :class:`UpstreamUnavailable`, the only failure the router retries on another worker.
+
+There is no limit on a response's whole length (a healthy stream may run for many
+minutes, and vLLM sends a non-streamed answer only once it is complete): the worker may
+keep the router waiting at most ``request_timeout_s`` for any byte, for its status line
+after the request was sent or between two chunks of its body. Running past that is an
+:class:`UpstreamTimeout` before the response starts, an :class:`UpstreamBroken` with
+``timed_out`` after: a slow worker, not a dead one, which may still be running the
+request, so it is neither marked down nor given the request again elsewhere.
 """
 
 from __future__ import annotations
@@ -37,8 +46,24 @@ class UpstreamUnavailable(Exception):
         self.body = body
 
 
+class UpstreamTimeout(Exception):
+    """The worker has the request but sent no status line within ``request_timeout_s``
+    (it may be running it: not retried, not a worker down)."""
+
+    def __init__(self, worker_id: str, timeout_s: float) -> None:
+        super().__init__(f"worker {worker_id}: no answer within {timeout_s:g} s "
+                         "(request_timeout_s)")
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+
+
 class UpstreamBroken(Exception):
-    """The worker failed after the response started (the client may have bytes)."""
+    """The worker failed after the response started (the client may have bytes);
+    ``timed_out``: it sent nothing for ``request_timeout_s``."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(slots=True)
@@ -47,12 +72,13 @@ class UpstreamResponse:
     status: int
     headers: dict[str, str]
     _response: aiohttp.ClientResponse
+    _read_timeout_s: float
 
     async def read(self) -> bytes:
         try:
             return await self._response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise UpstreamBroken(f"worker {self.worker_id}: {type(exc).__name__}: {exc}") from exc
+            raise self._broken(exc) from exc
         finally:
             self._response.release()
 
@@ -61,9 +87,16 @@ class UpstreamResponse:
             async for chunk in self._response.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise UpstreamBroken(f"worker {self.worker_id}: {type(exc).__name__}: {exc}") from exc
+            raise self._broken(exc) from exc
         finally:
             self._response.close()
+
+    def _broken(self, exc: BaseException) -> UpstreamBroken:
+        if isinstance(exc, aiohttp.SocketTimeoutError):
+            return UpstreamBroken(f"worker {self.worker_id}: sent nothing for "
+                                  f"{self._read_timeout_s:g} s (request_timeout_s)",
+                                  timed_out=True)
+        return UpstreamBroken(f"worker {self.worker_id}: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         self._response.close()
@@ -83,8 +116,12 @@ class UpstreamPool:
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s,
                                          ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s,
-                                        sock_connect=self._connect_timeout_s)
+        # No total: a response lasts as long as the worker keeps sending (module doc).
+        # sock_connect: nothing sent yet, so a worker that does not accept in time is
+        # down and the request goes elsewhere; sock_read runs from the request's last
+        # byte to the status line, then between chunks.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s,
+                                        sock_read=self._request_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                               auto_decompress=False, skip_auto_headers=(
                                                   "User-Agent", "Accept-Encoding"))
@@ -107,6 +144,8 @@ class UpstreamPool:
             headers.update(extra_headers)
         try:
             response = await self.session.post(url, data=body, headers=headers)
+        except aiohttp.SocketTimeoutError as exc:  # sent; a connect timeout is not one
+            raise UpstreamTimeout(worker_id, self._request_timeout_s) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}") from exc
         if response.status in RETRYABLE_STATUSES:
@@ -118,7 +157,8 @@ class UpstreamPool:
                 response.release()
             raise UpstreamUnavailable(worker_id, f"HTTP {response.status}", response.status,
                                       error_body)
-        return UpstreamResponse(worker_id, response.status, _copy_headers(response), response)
+        return UpstreamResponse(worker_id, response.status, _copy_headers(response), response,
+                                self._request_timeout_s)
 
     async def get_json(self, url: str, timeout_s: float) -> object:
         """Small GETs (health probes, /v1/models); raises on any failure."""
