@@ -159,7 +159,7 @@ class KvEventIngestor:
             return []
         if outcome in ("more", "restart"):
             return [self._request_page(stream, "snapshot continues" if outcome == "more"
-                                       else "epoch changed during snapshot; restarting")]
+                                       else "another snapshot's page; restarting")]
         assert pages is not None
         self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
         ready, decision = stream.finish_resync()

@@ -94,8 +94,16 @@ class IndexStats:
 
 @dataclass(frozen=True)
 class IndexState:
-    """Canonical, comparable state: two indexes answer every read the same when their
-    ``IndexState`` is equal. Used to prove that replaying events rebuilds the index."""
+    """Canonical, comparable state: which (worker, tier) holds each hash, and each
+    session's frontiers per worker. Used to prove that replaying events rebuilds the index.
+
+    Equal states answer the residency reads the same (``match_prefix``, ``tier_prefix``,
+    ``locate``, ``has_block``, ``worker_block_counts``, ``worker_ids``) and hold the same
+    session frontiers. Not covered: session recency. ``sessions`` maps ignore order, so two
+    indexes with equal states can list a session's placements in a different order
+    (``session_placements``: most recently stored worker last) and evict different
+    sessions next; a snapshot restore rebuilds recency in load order, not in the order the
+    live index saw. Nor the counters of :meth:`ClusterKvIndex.stats`."""
 
     blocks: Mapping[str, Mapping[str, frozenset[int]]] = field(default_factory=dict)
     sessions: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)

@@ -114,7 +114,7 @@ class _Resync(Generic[T]):
     awaiting_since: float | None = None   # a page request is out
     retry_at: float | None = None         # set after a failure
     page_epoch: str | None = None
-    base_seq: int | None = None           # min seq over the pages received
+    base_seq: int | None = None           # the snapshot's seq (every page's)
     pages: list[object] = field(default_factory=list)
 
 
@@ -247,7 +247,11 @@ class WorkerStream(Generic[T]):
                          page: object, now: float) -> tuple[str, list[object] | None]:
         """Returns ("ignored"|"restart"|"more"|"done", pages when done).
 
-        "restart": the worker's epoch changed between pages; pagination restarts at 0.
+        "restart": the page is of another snapshot than the pages before it (another
+        epoch, or another ``seq``: a late reply to an earlier request, or the worker
+        took a new snapshot meanwhile); pagination restarts at 0. A snapshot's cursors
+        hold only within it, so pages of two were joined with blocks lost or kept wrongly,
+        and the stream then reported live.
         """
         stale = self._is_stale(epoch)  # a late reply from an engine we moved past
         if not stale:
@@ -258,11 +262,12 @@ class WorkerStream(Generic[T]):
             return "ignored", None
         self.counters.snapshot_pages += 1
         resync.awaiting_since = None
-        if resync.page_epoch is not None and epoch != resync.page_epoch:
+        if resync.page_epoch is not None and (epoch != resync.page_epoch
+                                              or seq != resync.base_seq):
             resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
             return "restart", None
         resync.page_epoch = epoch
-        resync.base_seq = seq if resync.base_seq is None else min(resync.base_seq, seq)
+        resync.base_seq = seq
         resync.pages.append(page)
         if next_cursor is not None:
             resync.cursor = next_cursor

@@ -3,6 +3,8 @@ snapshots, dead workers, tail gaps; and that every dropped message is counted.""
 
 from __future__ import annotations
 
+from ingest_fixtures import Clock, batch, headers, page, remove, status, store
+
 from kvhint import schemas as s
 from kvhint.router.kv_index import (
     InMemoryClusterKvIndex,
@@ -15,55 +17,6 @@ from kvhint.router.kv_index import (
     WorkerPurgedNotice,
 )
 from kvhint.schemas.events import HEADER_EPOCH, HEADER_SEQ
-from kvhint.schemas.snapshot import SnapshotBlock as WireBlock
-from kvhint.schemas.snapshot import SnapshotSession
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def batch(*events: s.BlockStored | s.BlockRemoved | s.AllBlocksCleared) -> bytes:
-    return s.encode_event_batch(s.KVEventBatch(ts=1.0, events=list(events)))
-
-
-def store(hashes: list[int], parent: int | None = None, medium: str | None = "GPU",
-          session: str | None = None, group: int | None = 0) -> s.BlockStored:
-    return s.BlockStored(block_hashes=hashes, parent_block_hash=parent,
-                         token_ids=list(range(32 * len(hashes))), block_size=32, lora_id=None,
-                         medium=medium, lora_name=None, group_idx=group, session_id=session)
-
-
-def remove(h: int, medium: str | None = "GPU") -> s.BlockRemoved:
-    return s.BlockRemoved(block_hashes=[h], medium=medium, group_idx=0)
-
-
-def headers(worker: str, epoch: str, seq: int) -> dict[str, str]:
-    return s.EventBatchMeta(worker, epoch, seq).to_headers()
-
-
-def status(worker: str = "w0", epoch: str = "e1", last_seq: int = 0,
-           interval_s: float = 1.0) -> s.WorkerStatus:
-    return s.WorkerStatus(
-        worker_id=worker, epoch=epoch, model="tiny", cache_namespace="ns", block_size=32,
-        hash_algo="sha256", none_hash_seed="vllm-none-hash", supported_actions={},
-        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=0, max_retained_blocks=0,
-                          max_retain_ttl_s=0),
-        usage=s.Usage(gpu_blocks_total=10, gpu_blocks_free=10, kv_usage=0.0),
-        last_event_seq=last_seq, interval_s=interval_s, at=0.0)
-
-
-def page(worker: str, epoch: str, seq: int, blocks: list[tuple[int, int | None, str]],
-         cursor_next: int | None = None, sessions: list[tuple[str, list[int]]] = ()
-         ) -> s.WorkerSnapshot:
-    return s.WorkerSnapshot(
-        worker_id=worker, epoch=epoch, seq=seq, block_size=32,
-        blocks=[WireBlock(h, p, m) for h, p, m in blocks],
-        sessions=[SnapshotSession(sid, f) for sid, f in sessions], next_cursor=cursor_next)
 
 
 def make() -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
@@ -121,10 +74,10 @@ def test_gap_buffers_then_resyncs_from_paged_snapshot() -> None:
     acts = ing.on_snapshot_page(page("w0", "e1", 4, [(1, None, "GPU"), (7, 1, "GPU")],
                                      cursor_next=2))
     assert acts == [RequestSnapshot("w0", 2, 2, "snapshot continues")]
-    acts = ing.on_snapshot_page(page("w0", "e1", 5, [(8, 7, "GPU"), (9, 8, "CPU")],
+    acts = ing.on_snapshot_page(page("w0", "e1", 4, [(8, 7, "GPU"), (9, 8, "CPU")],
                                      sessions=[("t/s", [9])]))
     assert acts == []
-    # Pages joined at seq 4 (min over pages); batches 5 and 6 replayed on top.
+    # The snapshot is of seq 4; batches 5 and 6 replayed on top.
     assert index.export_state().blocks == {
         "w0": {"GPU": frozenset({7, 8, 10}), "CPU": frozenset({9})}}
     assert index.session_placements("t/s")[0].frontiers == (9,)
@@ -135,6 +88,26 @@ def test_gap_buffers_then_resyncs_from_paged_snapshot() -> None:
     assert stream["resyncs_completed"] == 1
     ing.on_event_message(headers("w0", "e1", 7), batch(store([11], parent=10)))
     assert index.has_block("w0", 11)
+
+
+def test_a_page_of_another_snapshot_restarts_the_paging() -> None:
+    """A snapshot's cursors hold only within it: a page of a snapshot taken at another
+    seq (a late reply to an earlier request, a snapshot the worker took again meanwhile)
+    starts the paging over. Before, pages of two snapshots were joined at the lower seq,
+    blocks between their cursors lost, and the stream reported live."""
+    ing, index, _ = make()
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    ing.on_event_message(headers("w0", "e1", 3), batch(store([3], parent=2)))
+    ing.on_snapshot_page(page("w0", "e1", 3, [(1, None, "GPU"), (2, 1, "GPU")],
+                              cursor_next=2))
+    acts = ing.on_snapshot_page(page("w0", "e1", 4, [(4, 3, "GPU")]), cursor=2)
+    assert acts == [RequestSnapshot("w0", 0, 2, "another snapshot's page; restarting")]
+    assert ing.worker_views()["w0"].phase == "resyncing"
+    ing.on_snapshot_page(page("w0", "e1", 3, [(1, None, "GPU"), (2, 1, "GPU")],
+                              cursor_next=2))
+    ing.on_snapshot_page(page("w0", "e1", 3, [(3, 2, "GPU")]), cursor=2)
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1, 2, 3})}}
+    assert ing.live_workers() == ("w0",)
 
 
 def test_router_joining_mid_stream_resyncs_first() -> None:
