@@ -18,6 +18,13 @@ from kvhint.schemas import Subjects, is_valid_worker_id
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
 LOGGER_NAME = "vllm.kvhint"
 
+# The kv_role to load the plugin with when it is the engine's only connector. The plugin
+# moves no KV data, so it declares no consumer role: vLLM treats a KV consumer as one that
+# may load into freshly allocated blocks (see the vllm_adapter package docstring).
+# Beside vLLM's OffloadingConnector (in a MultiConnector), the MultiConnector's own role
+# stays "kv_both": that connector does load.
+KV_ROLE = "kv_producer"
+
 _URL_RE = re.compile(r"^(nats|tls|ws|wss)://[^\s]+$")
 
 

@@ -3,8 +3,13 @@
 Load it with::
 
     --enable-prefix-caching --kv-transfer-config '{"kv_connector": "KvHintConnector",
-      "kv_connector_module_path": "kvhint.engine_plugin.connector", "kv_role": "kv_both",
+      "kv_connector_module_path": "kvhint.engine_plugin.connector", "kv_role": "kv_producer",
       "kv_connector_extra_config": {"worker_id": "w0", "nats_url": "nats://127.0.0.1:4222"}}'
+
+``kv_role`` is ``kv_producer`` (:data:`~kvhint.engine_plugin.config.KV_ROLE`): the plugin
+loads no KV, and a consumer role (``kv_both``) makes vLLM hold freed blocks back while a
+step is in flight; the :mod:`~kvhint.engine_plugin.vllm_adapter` docstring says what else
+it changes. ``kv_both`` still works; the plugin says so in its log.
 
 Only the SCHEDULER-role instance (in EngineCore, one per data-parallel rank) does
 anything: it binds :class:`~kvhint.engine_plugin.core.PluginCore` to the KVCacheManager,
@@ -15,7 +20,7 @@ Host tier (Demote): configure vLLM's OffloadingConnector beside the plugin (CUDA
 
     --kv-transfer-config '{"kv_connector": "MultiConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"connectors": [
-        {"kv_connector": "KvHintConnector", "kv_role": "kv_both",
+        {"kv_connector": "KvHintConnector", "kv_role": "kv_producer",
          "kv_connector_module_path": "kvhint.engine_plugin.connector",
          "kv_connector_extra_config": {"worker_id": "w0", "nats_url": "..."}},
         {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -46,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig, load_plugin_config
+from kvhint.engine_plugin.config import KV_ROLE, LOGGER_NAME, PluginConfig, load_plugin_config
 from kvhint.engine_plugin.core import EngineIdentity, PluginCore
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.mailbox import Mailbox
@@ -62,6 +67,7 @@ from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
     OffloadingHostTier,
     VllmCacheAdapter,
+    consumer_role_of,
     find_engine_waker,
     none_hash_seed,
     register_connector_name,
@@ -90,6 +96,18 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             # Only while EngineCore is being built is it on the call stack.
             self._waker = find_engine_waker() if self.plugin_config.wake_idle_engine else None
+            if consumer_role := consumer_role_of(vllm_config, type(self).__name__):
+                logger.warning(
+                    "kvhint: kv_role %r makes vLLM treat the plugin as a KV consumer (with "
+                    "async scheduling it holds freed blocks back while a step is in flight, "
+                    "and a cache reset of running requests then fails); the plugin loads "
+                    "no KV: load it with kv_role %r", consumer_role, KV_ROLE)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """The plugin hands no KV off (vLLM defaults this to the producer role): a request
+        preempted with output in flight keeps it, as in plain vLLM."""
+        return False
 
     @property
     def host_tier(self) -> OffloadingHostTier | None:

@@ -18,7 +18,9 @@ Semantics (DESIGN §2, issue 3):
   dropped first, so priority and TTL are replaced, not combined. ``Retain{priority: 0}``
   therefore releases what that owner held for the session; when nothing else holds it,
   the free blocks that only this session used move to the head of the eviction order
-  (leaf first), so an ended session goes before live ones. Owners' claims are apart so
+  (leaf first), so an ended session goes before live ones. By block hashes it releases
+  that owner's block-hash Retains on those blocks (a shared prefix's); session claims on
+  them and Pins stay until they end. Owners' claims are apart so
   that the router's planner, which re-plans every session, never undoes what an agent
   runtime asked for: an agent's Pin outlives the planner's next Retain or release. An
   agent's Demote supersedes the planner's claims too; a session's Demote lets go no block
@@ -276,6 +278,12 @@ class HintExecutor:
         if isinstance(payload, PinPayload):
             applied = self._pin(action_id, payload.ttl_s, handles, notes, scope, owner)
         elif isinstance(payload, RetainPayload):
+            if payload.priority == 0 and scope is None:
+                dropped, freed = self.holds.release_retains(handles, owner)
+                notes.append(f"priority 0: released this owner's block-hash Retains on "
+                             f"{dropped} blocks ({freed} back in the free queue; session "
+                             "claims and Pins stay until they end)")
+                return answer(ACCEPTED, "; ".join(notes), requested)
             if payload.priority == 0:
                 moved = self._evict_first_exclusive(scope)
                 notes.append(f"priority 0: released; {moved} free blocks only this session "

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvhint.engine_plugin.config import KV_ROLE
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -200,10 +202,16 @@ class HeadlessSchedulerSpec:
     connector_module: str | None = None  # e.g. "kvhint.engine_plugin.connector"
     connector_class: str = "KvHintConnector"
     connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    kv_role: str = KV_ROLE  # the named connector's (the MultiConnector's is kv_both)
     # > 0: run vLLM's OffloadingConnector (CPU host tier of this many blocks) beside the
     # named connector in a MultiConnector, the way a CUDA server is configured for Demote.
     host_blocks: int = 0
     log_stats: bool = True
+    # True: vLLM's AsyncScheduler with async scheduling on, as a CUDA server runs by
+    # default (the CPU platform turns it off while validating the config: set again here).
+    async_scheduling: bool = False
+    # > 0: a prefill gets at most this many tokens a step while others wait (chunked).
+    long_prefill_token_threshold: int = 0
     model_dir: Path | None = None
 
 
@@ -253,7 +261,10 @@ class HeadlessScheduler:
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
-            req = scheduler.requests[req_id]
+            req = scheduler.requests.get(req_id)
+            if req is None:  # finished (aborted) while the step was in flight
+                sampled.append([])
+                continue
             # After schedule(), num_computed_tokens includes this step's tokens; a
             # partial prefill chunk samples nothing, as in the real model runner.
             done = req.num_computed_tokens >= req.num_tokens
@@ -354,7 +365,7 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     if spec.connector_module is not None:
         transfer = KVTransferConfig(kv_connector=spec.connector_class,
                                     kv_connector_module_path=spec.connector_module,
-                                    kv_role="kv_both",
+                                    kv_role=spec.kv_role,
                                     kv_connector_extra_config=dict(spec.connector_extra_config))
     if spec.host_blocks > 0:
         if transfer is None:
@@ -366,7 +377,7 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
                                         {"kv_connector": transfer.kv_connector,
                                          "kv_connector_module_path":
                                              transfer.kv_connector_module_path,
-                                         "kv_role": "kv_both",
+                                         "kv_role": spec.kv_role,
                                          "kv_connector_extra_config":
                                              dict(spec.connector_extra_config)},
                                         offloading]})
@@ -381,6 +392,8 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
                                                                     spec.block_size),
                                          max_model_len=max_model_len,
                                          is_encoder_decoder=False, enable_chunked_prefill=True,
+                                         long_prefill_token_threshold=(
+                                             spec.long_prefill_token_threshold),
                                          async_scheduling=False),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=transfer,
@@ -395,6 +408,12 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     kv_cache_config = generate_scheduler_kv_cache_config(
         get_kv_cache_configs(vllm_config, [layer_specs], [memory]))
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    scheduler_class = Scheduler
+    if spec.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        vllm_config.scheduler_config.async_scheduling = True
+        scheduler_class = AsyncScheduler
     if spec.host_blocks > 0:
         # What CPUOffloadingSpec divides cpu_bytes_to_use by: one block of every layer,
         # rounded up to its alignment.
@@ -408,8 +427,9 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
                                                                          vllm_config)
     kv_cache_config.hash_block_size = hash_block_size
     hasher = _block_hasher(hash_block_size)
-    scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                          structured_output_manager=StructuredOutputManager(vllm_config),
-                          block_size=scheduler_block_size, hash_block_size=hash_block_size,
-                          include_finished_set=False, log_stats=spec.log_stats)
+    scheduler = scheduler_class(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scheduler_block_size, hash_block_size=hash_block_size,
+        include_finished_set=False, log_stats=spec.log_stats)
     return HeadlessScheduler(scheduler, vllm_config, _request_factory(hasher))

@@ -282,6 +282,41 @@ class HoldLedger:
                 self._drop_hold(hold, released, lost_to=DISPLACED)
         self._release(released)
 
+    def release_retains(self, handles: Sequence[BlockHandle], owner: str) -> tuple[int, int]:
+        """Drop ``owner``'s block-hash (session-less) retain claims on these blocks, at its
+        own request (a ``Retain{priority: 0}`` by block hashes): no loss is noted, and a
+        claim left holding nothing ends. Session claims and pins stay. Returns (blocks
+        un-retained, blocks given back to the pool)."""
+        released: list[BlockHandle] = []
+        claims = self._claims
+        dropped = 0
+        for handle in handles:
+            hold = self._holds.get(handle.block_id)
+            if hold is None:
+                continue
+            mine = [a for a in hold.retains if (c := claims.get(a)) is not None
+                    and c.scope is None and c.owner == owner]
+            if not mine:
+                continue
+            dropped += 1
+            for action_id in mine:
+                del hold.retains[action_id]
+                claim = claims[action_id]
+                claim.block_ids.discard(handle.block_id)
+                if not claim.block_ids:
+                    del claims[action_id]  # its expiry heap entry is skipped as stale
+                    self.counters.superseded_claims += 1
+            if hold.pins:
+                continue
+            if hold.retains:
+                self._push_pressure(hold)  # its priority may have dropped
+            else:
+                self._retained -= 1
+                del self._holds[handle.block_id]
+                released.append(hold.handle)
+        self._release(released)
+        return dropped, len(released)
+
     def expire(self, now: float) -> int:
         """End the claims whose expiry has come; returns how many."""
         released: list[BlockHandle] = []

@@ -47,6 +47,9 @@ class VllmCacheAdapter:
         self._group_ids = self._full_attention_groups(groups)
         self._resolve_hashes = self._hash_resolver()
         self._digests: dict[int, bytes] = {}
+        # Live requests that mapped each hash: a digest a live request still needs (it
+        # may cache that block later, its cursor already past it) is never dropped.
+        self._refs: dict[int, int] = {}
         self._mapped: dict[str, int] = {}  # live request id -> block hashes already mapped
         self._installed: dict[str, Any] = {}
         self.events_enabled_by_plugin = False
@@ -110,8 +113,14 @@ class VllmCacheAdapter:
         reset_prefix_cache = manager.reset_prefix_cache
         allocate_slots = manager.allocate_slots
         free = manager.free
+        # Scheduler.defer_block_free (async scheduling or pipeline parallelism with a KV
+        # consumer connector): a freed request's blocks are popped here and returned to
+        # the pool later, without manager.free.
+        pop_blocks_for_free = getattr(manager, "pop_blocks_for_free", None)
         self._installed = {"take_events": take_events, "reset_prefix_cache": reset_prefix_cache,
                            "allocate_slots": allocate_slots, "free": free}
+        if pop_blocks_for_free is not None:
+            self._installed["pop_blocks_for_free"] = pop_blocks_for_free
         hit_position = _positional_index(allocate_slots, "num_new_computed_tokens")
         block_size = self._block_size
         map_request = self._map_request
@@ -154,10 +163,20 @@ class VllmCacheAdapter:
             free(request)
             self._forget_request(request)
 
+        def pop_blocks_mapping_last_hashes(request: Any) -> Any:
+            # The blocks stay out of the pool until the scheduler frees them, but what was
+            # cached stays cached and what was not never will be: forget as free() does.
+            map_request(request)
+            blocks = pop_blocks_for_free(request)
+            self._forget_request(request)
+            return blocks
+
         manager.take_events = tee_take_events
         manager.reset_prefix_cache = reset_releasing_holds
         manager.allocate_slots = allocate_slots_releasing_retained
         manager.free = free_mapping_last_hashes
+        if pop_blocks_for_free is not None:
+            manager.pop_blocks_for_free = pop_blocks_mapping_last_hashes
 
     def uninstall(self) -> None:
         for name, original in self._installed.items():
@@ -240,17 +259,27 @@ class VllmCacheAdapter:
 
     def _forget_request(self, request: Any) -> None:
         """The request's blocks went back to the pool: stop tracking it and drop the
-        hashes it computed that never made it into the cache."""
-        if self._mapped.pop(request.request_id, None) is None:
+        hashes it mapped that never made it into the cache and no other live request
+        mapped (that one may still cache them)."""
+        mapped = self._mapped.pop(request.request_id, None)
+        if not mapped:
             return
-        for digest in self._resolve_hashes(request.block_hashes):
+        refs, digests = self._refs, self._digests
+        for digest in self._resolve_hashes(request.block_hashes)[:mapped]:
+            key = digest_to_int(digest)
+            left = refs.get(key, 0) - 1
+            if left > 0:
+                refs[key] = left
+                continue
+            refs.pop(key, None)
             if self.pool.get_cached_block(digest, self._group_ids) is None:
-                self._digests.pop(digest_to_int(digest), None)
+                digests.pop(key, None)
 
     def forget_request(self, request: Any) -> None:
-        """The scheduler is done with the request (its blocks may be freed later)."""
+        """The scheduler is done with the request: map its last hashes and forget it as
+        when its blocks are freed."""
         self._map_request(request)
-        self._mapped.pop(request.request_id, None)
+        self._forget_request(request)
 
     def hit_keys(self, request: Any, num_hit_tokens: int) -> list[int]:
         """The 64-bit hashes of the request's first ``num_hit_tokens`` (cached) tokens."""
@@ -263,10 +292,13 @@ class VllmCacheAdapter:
 
     def forget(self, keys: Iterable[int]) -> None:
         """These hashes left the cache (per the event stream); drop their digests unless
-        another copy is still cached."""
+        another copy is still cached or a live request mapped them (it may cache them
+        again: its cursor is past them)."""
+        refs = self._refs
         for key in keys:
             digest = self._digests.get(key)
-            if digest is not None and self.pool.get_cached_block(digest, self._group_ids) is None:
+            if (digest is not None and key not in refs
+                    and self.pool.get_cached_block(digest, self._group_ids) is None):
                 del self._digests[key]
 
     def known_keys(self) -> list[int]:
@@ -274,6 +306,7 @@ class VllmCacheAdapter:
 
     def forget_all(self) -> None:
         self._digests.clear()
+        self._refs.clear()  # every live request maps (and counts) its hashes again
         self._mapped = dict.fromkeys(self._mapped, 0)
 
     @property
@@ -289,9 +322,11 @@ class VllmCacheAdapter:
         start = self._mapped.get(request.request_id, 0)
         if start >= len(hashes):
             return
-        digests = self._digests
+        digests, refs = self._digests, self._refs
         for digest in hashes[start:]:
-            digests[digest_to_int(digest)] = digest
+            key = digest_to_int(digest)
+            digests[key] = digest
+            refs[key] = refs.get(key, 0) + 1
         self._mapped[request.request_id] = len(hashes)
 
     # --- events -------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Engine-level touches: the engine's wake-up, connector registration by name, the
-NONE_HASH seed, and encoding events as vLLM's own KVEventBatch."""
+NONE_HASH seed, the connector's role, and encoding events as vLLM's own KVEventBatch."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ class EventBatchEncoder:
     def encode(self, ts: float, events: list[Any], data_parallel_rank: int | None) -> bytes:
         return self._encoder.encode(self._batch_type(ts=ts, events=events,
                                                      data_parallel_rank=data_parallel_rank))
+
+
+def consumer_role_of(vllm_config: Any, class_name: str) -> str | None:
+    """The kv_role when ``class_name`` is the engine's only connector and that role makes
+    vLLM treat it as a KV consumer (see the package docstring), else None."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or getattr(transfer, "kv_connector", None) != class_name:
+        return None
+    return str(transfer.kv_role) if getattr(transfer, "is_kv_consumer", False) else None
 
 
 def register_connector_name(class_name: str, module_path: str) -> None:

@@ -51,7 +51,7 @@ def plugin_transfer_config(worker_id: str, nats_url: str) -> dict[str, object]:
     return {
         "kv_connector": "KvHintConnector",
         "kv_connector_module_path": PLUGIN_MODULE,
-        "kv_role": "kv_both",
+        "kv_role": "kv_producer",  # kvhint.engine_plugin.config.KV_ROLE (a test checks)
         "kv_connector_extra_config": {"worker_id": worker_id, "nats_url": nats_url},
     }
 

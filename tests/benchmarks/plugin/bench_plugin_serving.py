@@ -241,7 +241,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                          env=plugin_env), state / "plugin.log"),
         }
         if args.noop_baseline:
-            noop = {"kv_connector": "NoopKvConnector", "kv_role": "kv_both",
+            noop = {"kv_connector": "NoopKvConnector", "kv_role": transfer["kv_role"],
                     "kv_connector_module_path": "noop_kv_connector"}
             servers["noop"] = VllmServer(replace(
                 base, port=free_port(), kv_transfer_config=noop,

@@ -46,7 +46,7 @@ def multi_server(vllm_pool: Any, nats_url: str, prefix: str) -> Iterator[VllmSer
     plugin = plugin_transfer_config("w0", nats_url)
     plugin["kv_connector_extra_config"] = {**plugin["kv_connector_extra_config"],
                                            "subject_prefix": prefix}
-    transfer = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+    transfer = {"kv_connector": "MultiConnector", "kv_role": plugin["kv_role"],
                 "kv_connector_extra_config": {"connectors": [plugin]}}
     spec = replace(vllm_pool.base_spec, kv_cache_tokens=1600, max_model_len=1024,
                    kv_transfer_config=transfer)

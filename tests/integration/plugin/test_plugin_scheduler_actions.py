@@ -104,6 +104,36 @@ def test_retain_with_priority_zero_releases_a_session_to_plain_lru() -> None:
     assert h.block_pool.get_num_free_blocks() == free_before + 4
 
 
+def test_retain_with_priority_zero_by_block_hashes_releases_that_owners_hash_retains() -> None:
+    """A shared prefix retained by block hashes is released the same way (the planner's
+    shared-prefix Retains target hashes); a session's claim or another owner's on those
+    blocks keeps them."""
+    h = sched()
+    turn(h, "s", [1, 2, 3, 4])
+    turn(h, "t", [1, 2, 7, 8])
+    executor = h.connector.core.executor
+    keys = h.connector.core.index.session_blocks("s")
+    assert hint(h, RetainPayload(target=Target(block_hashes=keys), priority=70)).applied.blocks == 4
+    hint(h, RetainPayload(target=Target(session_id="t"), priority=40))  # blocks 1, 2, 7, 8
+    hint(h, RetainPayload(target=Target(block_hashes=keys[3:]), priority=50,
+                          owner=HintOwner.AGENT))
+    assert executor.retained_blocks == 6
+    free_before = h.block_pool.get_num_free_blocks()
+    outcome = hint(h, RetainPayload(target=Target(block_hashes=keys), priority=0, ttl_s=1))
+    assert (outcome.status.value, outcome.applied.blocks) == ("accepted", 0)
+    assert "on 4 blocks (1 back in the free queue" in outcome.reason, outcome.reason
+    # Block 3 went back; 1 and 2 stay under t's Retain, 4 under the agent's.
+    assert executor.retained_blocks == 5
+    assert h.block_pool.get_num_free_blocks() == free_before + 1
+    assert executor.holds.counters.superseded_claims == 1  # the planner's hash Retain ended
+    again = hint(h, RetainPayload(target=Target(block_hashes=keys), priority=0, ttl_s=1))
+    assert "on 0 blocks" in again.reason
+    done = hint(h, RetainPayload(target=Target(block_hashes=keys), priority=0, ttl_s=1,
+                                 owner=HintOwner.AGENT))
+    assert "on 1 blocks (1 back in the free queue" in done.reason
+    assert executor.retained_blocks == 4
+
+
 def test_released_session_is_evicted_before_older_untouched_sessions() -> None:
     # Plain LRU would evict "older" first (finished first); a release (Retain priority 0)
     # of "ended" puts its own blocks at the head, while the system prompt it shares with
