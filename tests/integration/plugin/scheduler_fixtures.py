@@ -5,8 +5,12 @@ and turns and hints applied through the connector's PluginCore."""
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -17,6 +21,30 @@ from kvhint.schemas import HintOutcome, KvHintsEnvelope, encode_hints, make_acti
 
 BS = 32
 _ids = itertools.count(1)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def plugin_log_lines() -> Iterator[list[str]]:
+    """The plugin's INFO-and-up log lines while the block runs (vLLM's loggers do not
+    propagate to the root, so caplog does not see them)."""
+    log = logging.getLogger(LOGGER_NAME)
+    handler, level = _Lines(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def sched(num_blocks: int = 64, **extra: Any) -> HeadlessScheduler:

@@ -11,10 +11,10 @@ the CPU backend.
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any
 
-from kvhint.engine_plugin.config import LOGGER_NAME
+from scheduler_fixtures import plugin_log_lines
+
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -78,37 +78,21 @@ def g1_tokens(h: HeadlessScheduler, block_ids: list[int]) -> int:
     return hit
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_the_plugin_finds_vllms_offloading_connector_and_offers_demote() -> None:
-    log = logging.getLogger(LOGGER_NAME)  # vLLM's loggers do not propagate to the root
-    lines, level = _Lines(), log.level
-    log.addHandler(lines)
-    log.setLevel(logging.INFO)
-    try:
+    with plugin_log_lines() as lines:
         h = sched()
         core = plugin(h).core
         assert core.executor.host_tier is not None
         assert "kv.demote" in core.supported_actions()
-        assert any("host tier: vLLM's OffloadingConnector" in line for line in lines.lines)
+        assert any("host tier: vLLM's OffloadingConnector" in line for line in lines)
         # Without the offloading connector the same plugin has none, and says why.
         plain = build_scheduler(HeadlessSchedulerSpec(
             block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
             connector_extra_config={"worker_id": "w0"}))
-    finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
     assert plain.connector.core.executor.host_tier is None
     assert "kv.demote" not in plain.connector.core.supported_actions()
     assert any("no host tier (no KV connector with an offloading manager" in line
-               for line in lines.lines)
+               for line in lines)
 
 
 def test_demote_lets_the_gpu_copy_go_first_and_the_next_turn_loads_from_the_host() -> None:

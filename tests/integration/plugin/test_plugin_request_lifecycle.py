@@ -4,14 +4,13 @@ and the plugin alone is loaded as no KV consumer."""
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any
 
 import pytest
-from scheduler_fixtures import BS, hint, prompt
+from scheduler_fixtures import BS, hint, plugin_log_lines, prompt
 
-from kvhint.engine_plugin.config import KV_ROLE, LOGGER_NAME
+from kvhint.engine_plugin.config import KV_ROLE
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -49,15 +48,6 @@ def aborted(h: HeadlessScheduler, requests: list[Any]) -> None:
 
     h.scheduler.finish_requests([r.request_id for r in requests],
                                 RequestStatus.FINISHED_ABORTED)
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 # --- deferred frees ---------------------------------------------------------------------------
@@ -115,21 +105,14 @@ def test_the_plugin_alone_is_no_kv_consumer_so_vllm_frees_and_resets_as_without_
 
 
 def test_a_consumer_role_for_the_plugin_alone_is_named_in_the_log() -> None:
-    log = logging.getLogger(LOGGER_NAME)  # vLLM's loggers do not propagate to the root
-    lines, level = _Lines(), log.level
-    log.addHandler(lines)
-    log.setLevel(logging.INFO)
-    try:
+    with plugin_log_lines() as lines:
         build(kv_role="kv_both")
-        said = [line for line in lines.lines if "KV consumer" in line]
-        lines.lines.clear()
+        said = [line for line in lines if "KV consumer" in line]
+        lines.clear()
         build()
         build(host_blocks=16)  # the MultiConnector is kv_both: its OffloadingConnector loads
-    finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
     assert len(said) == 1 and f"kv_role {KV_ROLE!r}" in said[0], said
-    assert not [line for line in lines.lines if "KV consumer" in line]
+    assert not [line for line in lines if "KV consumer" in line]
 
 
 # --- hashes shared by live requests -------------------------------------------------------------
