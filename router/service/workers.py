@@ -93,8 +93,13 @@ class WorkerRegistry:
         if worker is None:
             worker = WorkerState(worker_id, url, from_config=False)
             self._workers[worker_id] = worker
-        elif url and worker.url is None:
+        elif url and url != worker.url and (worker.url is None or not worker.from_config):
+            # A worker known by its heartbeats moved (a pod rescheduled on another
+            # address): route to where it says it is now, and learn its models again.
+            # Before, the first address was kept for good. A configured URL wins.
             worker.url = url
+            worker.http_up, worker.http_failures = True, 0
+            worker.served_models = None
         return worker
 
     def on_heartbeat(self, status: WorkerStatus, now: float | None = None) -> HeartbeatVerdict:

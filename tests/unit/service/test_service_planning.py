@@ -8,6 +8,8 @@ import dataclasses
 import json
 import time
 
+import msgspec
+
 from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
 from kvhint.router.policy import GapObserved, PlannedAction, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
@@ -93,6 +95,22 @@ def test_heartbeat_verdicts() -> None:
     assert registry.routable() == []
     registry.mark_http_ok("w0")
     assert [w.worker_id for w in registry.routable()] == ["w0"]
+
+
+def test_a_worker_known_by_its_heartbeats_is_routed_where_it_says_it_is_now() -> None:
+    """A pod rescheduled on another address keeps its worker id: its heartbeats' http_url
+    wins over the one first heard (before, that one was kept for good: a worker marked
+    down there was probed there forever). A configured URL is never replaced."""
+    registry = WorkerRegistry([("w0", "http://configured")])
+    for worker, url in (("w0", "http://elsewhere"), ("w1", "http://old"),
+                        ("w1", "http://new")):
+        registry.on_heartbeat(msgspec.structs.replace(status(worker), http_url=url))
+        if url == "http://old":
+            registry.mark_http_failure("w1", "refused")
+            registry.get("w1").served_models = frozenset({"tiny"})
+    assert registry.get("w0").url == "http://configured"
+    moved = registry.get("w1")
+    assert (moved.url, moved.http_up, moved.served_models) == ("http://new", True, None)
 
 
 def test_single_worker_is_decided_without_hashing_then_completed() -> None:
