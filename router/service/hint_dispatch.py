@@ -273,6 +273,18 @@ class HintDispatcher:
     def new_id(self) -> str:
         return f"{self._rng.getrandbits(64):016x}"
 
+    def api_rate_wait_s(self, tenant: str, actions: int, budget: TenantBudget,
+                        now: float) -> float | None:
+        """Seconds until ``actions`` more API actions fit ``tenant``'s per-minute rate
+        (0: they fit now; None: never, more than the rate in one call)."""
+        if actions > budget.max_actions_per_minute:
+            return None
+        times = self._api_times.get(tenant, ())
+        over = len(times) + actions - budget.max_actions_per_minute
+        if over <= 0:
+            return 0.0
+        return max(60.0 - (now - times[over - 1]), 0.0)
+
     def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                            planned: Sequence[PlannedAction], now: float,
                            chain: Sequence[int] = ()) -> str | None:

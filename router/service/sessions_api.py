@@ -187,7 +187,11 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
                                             planned, now, record.last_block_hashes)
     if over is not None:
-        return _json_error(f"over budget; nothing was sent: {over}", 429)
+        response = _json_error(f"over budget; nothing was sent: {over}", 429)
+        wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)
+        if wait_s:  # over the per-minute rate: when a retry fits (budgets have no time)
+            response.headers["retry-after"] = str(math.ceil(wait_s))
+        return response
     scopes = {action.scope for action in planned}
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))

@@ -262,3 +262,25 @@ async def test_admin_parameters_are_checked_before_any_store_read(
             assert name in response.text
         assert "internal_error" not in router.runtime.metrics.render().decode()
 
+
+
+async def test_a_call_over_the_tenants_rate_says_when_to_retry(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """Over ``max_actions_per_minute``: a 429 with Retry-After, the seconds until the
+    call fits (before, none: a client could only guess or hammer)."""
+    tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
+                "budget": {"max_actions_per_minute": 2}}]
+    retain = {"actions": [{"action_type": "kv.retain", "payload": {"priority": 50}}]}
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=tenants) as (router, client, _):
+        await _chat(client, router.url, "s1", "ka")
+        key = {"authorization": "Bearer aa"}  # hints need an admin key
+        for _ in range(2):
+            ok = await client.post(f"{router.url}/v1/sessions/s1/hints", json=retain,
+                                   headers=key)
+            assert ok.status_code == 200, ok.text
+        over = await client.post(f"{router.url}/v1/sessions/s1/hints", json=retain,
+                                 headers=key)
+        assert over.status_code == 429 and "per minute" in over.text
+        assert 1 <= int(over.headers["retry-after"]) <= 60
