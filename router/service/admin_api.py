@@ -182,6 +182,7 @@ def build_admin_router() -> APIRouter:
                           principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
         runtime: RouterRuntime = request.app.state.runtime
         _scope(principal, tenant)
+        await runtime.lifecycle.recall(tenant, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant, session_id)
         if record is None:
             raise HTTPException(404, f"unknown session {tenant}/{session_id}")

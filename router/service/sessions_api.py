@@ -111,6 +111,7 @@ def build_sessions_router() -> APIRouter:
             return _json_error(exc.message, exc.status)
         except BadRequest as exc:
             return _json_error(exc.message, exc.status)
+        await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant_name, session_id)
         if record is None:
             return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
@@ -147,6 +148,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     tenant = runtime.directory.get(tenant_name)
     if tenant is None:
         return _json_error(f"unknown tenant {tenant_name!r}", 404)
+    await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
     record = runtime.sessions.get(tenant_name, session_id)
     if record is None:
         return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)

@@ -409,6 +409,16 @@ async def test_a_session_back_after_being_forgotten_continues_its_stored_history
         await client.post(f"{router.url}/v1/chat/completions",
                           json={**CHAT, "session_id": "brand-new"})
         assert runtime.sessions.get("default", "brand-new").turns == 1
+        # Ended while forgotten from memory: the stored session ends (before, a 404), by
+        # the client and by an admin.
+        for session, ending in (("back", "/v1/sessions/back"),
+                                ("brand-new", "/admin/sessions/default/brand-new/end")):
+            await runtime.writer.flush()
+            runtime.sessions.forget(runtime.sessions.get("default", session))
+            ended = await (client.delete(f"{router.url}{ending}") if ending.startswith("/v1")
+                           else client.post(f"{router.url}{ending}"))
+            assert ended.status_code == 200, ended.text
+            assert runtime.sessions.get("default", session).state == "ended"
 
 
 async def test_bodies_the_hasher_cannot_read_are_still_routed_and_adapters_not_hashed(
