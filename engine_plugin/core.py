@@ -106,6 +106,9 @@ class PluginCore:
         # next advance() caller (an in-process driver: tests, the simulator).
         self._unposted: list[HintOutcome] = []
         self._status_at = 0.0
+        # The index's copy for snapshot requests taken in the current pump(): one copy
+        # serves them all (no event changes the index between them).
+        self._step_snapshot: tuple[Any, Any] | None = None
         self._event_log: list[IndexEvent] | None = None
         self._errors_logged: set[str] = set()
 
@@ -291,9 +294,11 @@ class PluginCore:
         if mailbox is not None:
             mailbox.last_engine_activity = time.monotonic()
             handled = 0
+            self._step_snapshot = None
             while handled < MAX_INBOUND_PER_STEP and (item := mailbox.take()) is not None:
                 handled += 1
                 mailbox.put_outcomes(self._handle(item))
+            self._step_snapshot = None
         outcomes = self.executor.advance()
         if mailbox is None:
             # Without a transport only an in-process caller can have sent a Prefetch:
@@ -346,9 +351,13 @@ class PluginCore:
             self.mailbox.put_snapshot(SnapshotOut(self.event_seq, [], [], item.reply_to, -1,
                                                   0, error=str(exc)))
             return
-        self.mailbox.put_snapshot(SnapshotOut(
-            self.event_seq, self.index.snapshot_raw(), self.index.snapshot_sessions(),
-            item.reply_to, request.cursor, request.limit))
+        if self._step_snapshot is None:
+            # Copies the whole index on the scheduler thread (1M blocks: ~1 s): requests
+            # that come together (router replicas resyncing, retries) share one copy.
+            self._step_snapshot = (self.index.snapshot_raw(), self.index.snapshot_sessions())
+        raw, sessions = self._step_snapshot
+        self.mailbox.put_snapshot(SnapshotOut(self.event_seq, raw, sessions, item.reply_to,
+                                              request.cursor, request.limit))
 
     def has_pending_work(self) -> bool:
         """Whether the engine should run a step even with no request (a hint is waiting,
