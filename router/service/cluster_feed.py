@@ -200,6 +200,12 @@ class ClusterFeed:
 
     def tick(self) -> None:
         self._perform(self.ingestor.tick())
+        # As long as the ingestor keeps a dead worker's stream (to refuse its replayed
+        # history), then gone from the registry too.
+        for worker_id in self._workers.forget_silent(time.monotonic(),
+                                                     self.ingestor.config.forget_dead_after_s):
+            log.info("worker %s silent for over %.0fs: forgotten", worker_id,
+                     self.ingestor.config.forget_dead_after_s)
 
     # --- ingestor actions ---------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvhint.schemas import WorkerStatus
@@ -47,6 +47,7 @@ class WorkerState:
     # The model names its /v1/models lists (served names and LoRA adapters); None until
     # it has answered once.
     served_models: frozenset[str] | None = None
+    added_at: float = field(default_factory=time.monotonic)
 
     @property
     def routable(self) -> bool:
@@ -77,6 +78,19 @@ class WorkerRegistry:
 
     def routable(self) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.routable]
+
+    def forget_silent(self, now: float, after_s: float) -> list[str]:
+        """Forget the workers known only by their heartbeats (not configured) that have
+        said nothing for ``after_s`` (monotonic ``now``) and have nothing in flight: a pod
+        gone for good. Before, they stayed for the router's life, probed, listed, and
+        their metric series kept alerting. Returns their ids."""
+        gone = [w.worker_id for w in self._workers.values()
+                if not w.from_config and w.inflight == 0
+                and now - (w.last_heartbeat if w.last_heartbeat is not None
+                           else w.added_at) > after_s]
+        for worker_id in gone:
+            del self._workers[worker_id]
+        return gone
 
     def not_serving(self, model: str | None) -> frozenset[str]:
         """Workers a request for ``model`` must not go to: those whose model list lacks

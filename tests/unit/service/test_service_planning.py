@@ -113,6 +113,19 @@ def test_a_worker_known_by_its_heartbeats_is_routed_where_it_says_it_is_now() ->
     assert (moved.url, moved.http_up, moved.served_models) == ("http://new", True, None)
 
 
+def test_a_worker_known_by_its_heartbeats_and_silent_for_long_is_forgotten() -> None:
+    """A pod gone for good: before, it stayed listed, probed and alerting for the router's
+    life. A configured worker, or one with a request in flight, stays."""
+    registry = WorkerRegistry([("w0", "http://configured")])
+    for worker in ("w0", "w1", "w2"):
+        registry.on_heartbeat(msgspec.structs.replace(status(worker),
+                                                      http_url=f"http://{worker}"), now=0.0)
+    registry.get("w2").inflight = 1
+    assert registry.forget_silent(now=3000.0, after_s=3600.0) == []
+    assert registry.forget_silent(now=3601.0, after_s=3600.0) == ["w1"]
+    assert sorted(w.worker_id for w in registry.all()) == ["w0", "w2"]
+
+
 def test_single_worker_is_decided_without_hashing_then_completed() -> None:
     _registry, _m, _l, _h, _s, _lc, index, routing = build(["w0"])
     inbound = parse_inbound(Endpoint.COMPLETION, b'{"prompt": [1,2,3,4,5,6,7,8,9]}',
