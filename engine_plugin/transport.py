@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +63,19 @@ from kvhint.schemas._codec import WireDecodeError, encode_json
 
 logger = logging.getLogger(LOGGER_NAME)
 
+# Snapshots kept for their later pages: a few routers resyncing at once, each for as long
+# as paging a large index takes.
+_SNAPSHOTS_KEPT = 3
+_SNAPSHOT_KEPT_S = 120.0
+
 _FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
+
+
+@dataclass(slots=True, frozen=True)
+class _KeptSnapshot:
+    snapshot: SnapshotOut
+    blocks: list[tuple[int, int | None, str]]
+    taken_at: float  # monotonic
 
 
 @dataclass(slots=True)
@@ -111,8 +123,11 @@ class NatsTransport:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
-        # The latest snapshot and its ordered blocks, for the pages after the first.
-        self._last_snapshot: tuple[SnapshotOut, list[tuple[int, int | None, str]]] | None = None
+        # The latest snapshots by seq (with their ordered blocks and when they were
+        # taken), for the pages after the first: routers paging at once each continue
+        # their own (SnapshotRequest.seq). Before, one was kept, and two routers
+        # resyncing together kept replacing each other's.
+        self._snapshots: OrderedDict[int, _KeptSnapshot] = OrderedDict()
         self._ready = threading.Event()
 
     @property
@@ -260,15 +275,39 @@ class NatsTransport:
         self._post("advice", msg)
 
     async def _on_snapshot(self, msg: Any) -> None:
-        cached = self._last_snapshot
         try:
             request = decode_snapshot_request(msg.data)
         except WireDecodeError:
             request = None
-        if request is not None and request.cursor > 0 and cached is not None:
-            await self._reply_page(*cached, msg.reply, request.cursor, request.limit)
-            return
+        if request is not None and request.cursor > 0:
+            kept = self._kept_snapshot(request.seq)
+            if kept is not None:
+                await self._reply_page(kept.snapshot, kept.blocks, msg.reply, request.cursor,
+                                       request.limit)
+                return
+        # A first page, or one of a snapshot no longer kept: a new snapshot answers it.
         self._post("snapshot", msg)
+
+    def _kept_snapshot(self, seq: int | None) -> _KeptSnapshot | None:
+        """The kept snapshot of ``seq`` (None: the latest one)."""
+        if seq is None:
+            return next(reversed(self._snapshots.values()), None)
+        return self._snapshots.get(seq)
+
+    def _keep_snapshot(self, snapshot: SnapshotOut) -> list[tuple[int, int | None, str]]:
+        """``snapshot``'s blocks in page order, kept for its later pages. Snapshots of one
+        seq hold the same blocks (only events change the index): ordered once."""
+        kept = self._snapshots.get(snapshot.seq)
+        if kept is None:
+            kept = _KeptSnapshot(snapshot, ordered_blocks(snapshot.raw_blocks),
+                                 time.monotonic())
+        self._snapshots[snapshot.seq] = kept
+        self._snapshots.move_to_end(snapshot.seq)
+        now = time.monotonic()
+        while self._snapshots and (len(self._snapshots) > _SNAPSHOTS_KEPT or now - next(
+                iter(self._snapshots.values())).taken_at > _SNAPSHOT_KEPT_S):
+            self._snapshots.popitem(last=False)
+        return kept.blocks
 
     def _post(self, kind: str, msg: Any) -> None:
         item = Inbound(kind, msg.data, time.monotonic(), msg.reply or None)
@@ -382,8 +421,7 @@ class NatsTransport:
                 mailbox.event_batches.appendleft(batch)
                 return await self._publish_failed(exc)
         while (snapshot := pop_oldest(mailbox.snapshots)) is not None:
-            blocks = ordered_blocks(snapshot.raw_blocks)
-            self._last_snapshot = (snapshot, blocks) if snapshot.error is None else None
+            blocks = self._keep_snapshot(snapshot) if snapshot.error is None else []
             await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
                                    snapshot.limit)
         return None

@@ -19,8 +19,15 @@ MAX_SNAPSHOT_PAGE = 50_000
 
 
 class SnapshotRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A page of the worker's snapshot. ``cursor`` 0 takes a new snapshot; a later page
+    names the ``seq`` of the snapshot it continues (its first page's), so that routers
+    paging at once each continue their own. ``seq`` None (routers before it): the
+    worker's latest snapshot. A snapshot the worker no longer keeps is answered from a
+    new one (another ``seq``: the router starts its paging over)."""
+
     cursor: Annotated[int, Meta(ge=0)] = 0
     limit: Annotated[int, Meta(gt=0, le=MAX_SNAPSHOT_PAGE)] = 20_000
+    seq: Annotated[int, Meta(ge=0)] | None = None
 
 
 class SnapshotBlock(msgspec.Struct, frozen=True, array_like=True):

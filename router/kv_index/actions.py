@@ -20,6 +20,8 @@ class RequestSnapshot:
     cursor: int
     limit: int
     reason: str
+    # The seq of the snapshot a page after the first continues (SnapshotRequest.seq).
+    seq: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -263,7 +263,7 @@ class KvEventIngestor:
         stream.page_requested(self._clock())
         cursor = stream.resync_cursor
         return RequestSnapshot(stream.worker_id, cursor if cursor is not None else 0,
-                               self.config.snapshot_page_limit, reason)
+                               self.config.snapshot_page_limit, reason, stream.resync_seq)
 
     def _apply_payload(self, stream: WorkerStream[bytes], payload: bytes) -> list[IngestAction]:
         try:

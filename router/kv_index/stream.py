@@ -233,6 +233,12 @@ class WorkerStream(Generic[T]):
     def resync_cursor(self) -> int | None:
         return None if self._resync is None else self._resync.cursor
 
+    @property
+    def resync_seq(self) -> int | None:
+        """The seq of the snapshot being paged (None before its first page)."""
+        return None if self._resync is None or not self._resync.cursor \
+            else self._resync.base_seq
+
     def page_requested(self, now: float) -> None:
         if self._resync is not None:
             self._resync.awaiting_since = now

@@ -236,7 +236,8 @@ class ClusterFeed:
 
     async def _fetch_page(self, request: RequestSnapshot) -> None:
         payload = encode_snapshot_request(SnapshotRequest(cursor=request.cursor,
-                                                          limit=request.limit))
+                                                          limit=request.limit,
+                                                          seq=request.seq))
         try:
             reply = await self._link.request(self._subjects.snapshot(request.worker_id),
                                              payload, self._snapshot_timeout_s)

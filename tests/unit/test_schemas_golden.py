@@ -92,7 +92,7 @@ SAMPLES: dict[str, tuple[object, type]] = {
                       pinned_blocks=10, retained_blocks=20, indexed_blocks=400, sessions=7,
                       active_requests=2, pending_hints=1),
         last_event_seq=42, interval_s=1.0, at=AT), s.WorkerStatus),
-    "snapshot_request": (s.SnapshotRequest(cursor=0, limit=1000), s.SnapshotRequest),
+    "snapshot_request": (s.SnapshotRequest(cursor=2000, limit=1000, seq=41), s.SnapshotRequest),
     "worker_snapshot": (s.WorkerSnapshot(
         worker_id="w0", epoch="e-5f2c", seq=42, block_size=32,
         blocks=[s.SnapshotBlock(11, None, "GPU"), s.SnapshotBlock(12, 11, "GPU")],

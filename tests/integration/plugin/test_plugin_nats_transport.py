@@ -219,6 +219,41 @@ async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -
         await nc.drain()
 
 
+async def test_two_routers_paging_at_once_each_continue_their_own_snapshot(
+        nats_url: str, subject_prefix: str) -> None:
+    """Router replicas resync one worker at once, the index moving between their first
+    pages: each later page comes from the snapshot its request names. Before, the worker
+    kept only its latest snapshot, so one router's pages came from the other's and it
+    started over, again and again."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+
+    async def page(h, request: SnapshotRequest):  # noqa: ANN001, ANN202
+        reply = asyncio.ensure_future(nc.request(
+            subjects.snapshot("w0"), encode_snapshot_request(request), timeout=5))
+        await step_until(h, reply.done)
+        return decode_snapshot((await reply).data)
+
+    try:
+        with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
+            await until(lambda: h.connector.transport.connected)
+            turn(h, "a", [1, 2, 3, 4, 5, 6])
+            first_a = await page(h, SnapshotRequest(limit=3))
+            turn(h, "b", [20, 21])  # the index moves: a new seq
+            first_b = await page(h, SnapshotRequest(limit=3))
+            assert first_b.seq > first_a.seq
+            rest_a = await page(h, SnapshotRequest(cursor=first_a.next_cursor, limit=3,
+                                                   seq=first_a.seq))
+            rest_b = await page(h, SnapshotRequest(cursor=first_b.next_cursor, limit=3,
+                                                   seq=first_b.seq))
+            assert (rest_a.seq, rest_b.seq) == (first_a.seq, first_b.seq)
+            # A snapshot no longer kept is answered from a new one (the router restarts).
+            gone = await page(h, SnapshotRequest(cursor=3, limit=3, seq=first_a.seq - 1))
+            assert gone.seq == h.connector.core.event_seq
+    finally:
+        await nc.drain()
+
+
 async def test_snapshot_requests_taken_in_one_step_share_one_copy_of_the_index(
         nats_url: str, subject_prefix: str) -> None:
     """Three routers (or retries) ask for a snapshot while the engine is busy: the next

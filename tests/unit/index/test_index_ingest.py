@@ -73,7 +73,7 @@ def test_gap_buffers_then_resyncs_from_paged_snapshot() -> None:
     assert not index.has_block("w0", 10)
     acts = ing.on_snapshot_page(page("w0", "e1", 4, [(1, None, "GPU"), (7, 1, "GPU")],
                                      cursor_next=2))
-    assert acts == [RequestSnapshot("w0", 2, 2, "snapshot continues")]
+    assert acts == [RequestSnapshot("w0", 2, 2, "snapshot continues", seq=4)]
     acts = ing.on_snapshot_page(page("w0", "e1", 4, [(8, 7, "GPU"), (9, 8, "CPU")],
                                      sessions=[("t/s", [9])]))
     assert acts == []
