@@ -111,8 +111,10 @@ def resident_blocks(runtime: RouterRuntime, record: SessionRecord) -> dict[str, 
 
 def worker_view(runtime: RouterRuntime, worker_id: str,
                 principal: Principal | None = None) -> dict[str, Any]:
-    """A worker's state. For a tenant admin (``principal`` of one tenant), without the
-    fleet's traffic on it (requests, in flight), which is every tenant's."""
+    """A worker's state. For a tenant admin (``principal`` of one tenant), its health and
+    capabilities without what every tenant's traffic makes of it: requests and in flight,
+    the heartbeat's usage, the blocks indexed and held by hints, the event stream's
+    position and counters (null)."""
     worker = runtime.workers.get(worker_id)
     if worker is None:
         raise HTTPException(404, f"unknown worker {worker_id!r}")
@@ -126,15 +128,25 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
         "last_http_error": worker.last_http_error, "plugin_alive": worker.plugin_alive,
         "epoch": worker.epoch, "inflight": worker.inflight if fleet else None,
         "requests": worker.requests if fleet else None,
-        "status": msgspec.to_builtins(worker.status) if worker.status is not None else None,
-        "index_blocks": dict(runtime.index.worker_block_counts(worker_id)),
+        "status": _status_view(worker, fleet),
+        "index_blocks": dict(runtime.index.worker_block_counts(worker_id)) if fleet else None,
         "stream": ({"phase": stream.phase, "epoch": stream.epoch,
-                    "applied_seq": stream.applied_seq, "counters": dict(stream.counters)}
+                    "applied_seq": stream.applied_seq if fleet else None,
+                    "counters": dict(stream.counters) if fleet else None}
                    if stream is not None else None),
-        "held_by_hints": {"pinned_blocks": held.pinned_blocks,
-                          "retained_blocks": held.retained_blocks},
+        "held_by_hints": ({"pinned_blocks": held.pinned_blocks,
+                           "retained_blocks": held.retained_blocks} if fleet else None),
         "feedback": feedback.to_dict() if feedback is not None else None,
     }
+
+
+def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:
+    if worker.status is None:
+        return None
+    status = msgspec.to_builtins(worker.status)
+    if not fleet:
+        status["usage"] = None
+    return status
 
 
 def build_admin_router() -> APIRouter:

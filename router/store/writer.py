@@ -37,9 +37,11 @@ _DATABASE_ROW_ERRORS = (DataError, IntegrityError, ProgrammingError)
 
 
 # What a write can raise: the database's errors, and a value the driver cannot serialise
-# (psycopg's JSON dumper raises TypeError/ValueError as they are; SQLite's path wraps them
-# in a StatementError).
-_WRITE_ERRORS = (SQLAlchemyError, TypeError, ValueError)
+# or bind (psycopg's JSON dumper raises TypeError/ValueError as they are, sqlite3 an
+# OverflowError for an int past 64 bits; SQLite's JSON path wraps them in a
+# StatementError).
+_VALUE_ERRORS = (TypeError, ValueError, ArithmeticError)
+_WRITE_ERRORS = (SQLAlchemyError, *_VALUE_ERRORS)
 
 
 def _is_row_error(exc: Exception) -> bool:
@@ -47,7 +49,7 @@ def _is_row_error(exc: Exception) -> bool:
     data, or they failed before reaching it (a value that cannot be bound or serialised).
     Retrying such rows fails the same way, so retrying the whole batch would hold every
     later write back forever."""
-    if isinstance(exc, (*_DATABASE_ROW_ERRORS, TypeError, ValueError)):
+    if isinstance(exc, (*_DATABASE_ROW_ERRORS, *_VALUE_ERRORS)):
         return True
     return isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
 UPSERT = "upsert"
@@ -143,6 +145,10 @@ class StoreWriter:
                 else:
                     self._failed(exc, "rows kept for retry", len(batch))
                     self._requeue(batch)
+                return
+            except Exception as exc:  # noqa: BLE001 - nothing foreseen may end the loop
+                self._failed(exc, "rows dropped", len(batch))
+                self._on_drop("store_write", len(batch))
                 return
             self.flushes += 1
             self.rows_written += len(batch)

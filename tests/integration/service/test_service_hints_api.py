@@ -230,6 +230,12 @@ async def test_a_tenant_admins_overview_holds_its_own_tenant_only(
         # not their request counts or the index's totals (before, it saw b's requests).
         assert [w["requests"] for w in fleet["workers"]] == [3]
         assert [(w["requests"], w["inflight"]) for w in mine["workers"]] == [(None, None)]
+        (worker,) = mine["workers"]
+        assert (worker["status"]["usage"], worker["index_blocks"], worker["held_by_hints"],
+                worker["stream"]["counters"]) == (None, None, None, None)
+        assert worker["status"]["supported_actions"] and worker["http_up"]
+        (everyone,) = fleet["workers"]
+        assert everyone["status"]["usage"] and everyone["held_by_hints"] is not None
         assert mine["index"] is None and "distinct_blocks" in fleet["index"]
         # The tenant's own latest hints, even when the fleet's last 50 are b's (before,
         # a's overview listed none of them).
