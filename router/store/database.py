@@ -17,7 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 
 # How long a PostgreSQL connection attempt may take before it fails (libpq's
-# connect_timeout; a URL that sets its own keeps it).
+# connect_timeout, for the libpq drivers; a URL that sets its own keeps it).
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 
@@ -33,7 +33,8 @@ def create_store_engine(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIM
         return engine
     parsed = make_url(url)
     connect_args: dict[str, object] = {}
-    if "connect_timeout" not in parsed.query:
+    if parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in (
+            "psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
         # libpq takes whole seconds; under 2 it treats as 2.
         connect_args["connect_timeout"] = max(2, math.ceil(connect_timeout_s))
     return create_engine(parsed, pool_pre_ping=True, pool_size=4, max_overflow=4,
