@@ -125,7 +125,7 @@ def run_dev_stack(options: DevStackOptions) -> int:
             stack.callback(_stop_process, router)
             entry = f"http://127.0.0.1:{options.router_port}"
             try:
-                _wait_http(f"{entry}/health", router, stop)
+                _wait_http(f"{entry}/ready", router, stop)
             except RuntimeError as exc:
                 _say(f"{exc}; see {logs / 'router.log'}")
                 return 1

@@ -87,6 +87,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.router.add_route("/v1/completions", _completions, methods=["POST"])
     app.router.add_route("/v1/models", _models, methods=["GET"])
     app.router.add_route("/health", _health, methods=["GET"])
+    app.router.add_route("/ready", _ready, methods=["GET"])
     app.router.add_route("/metrics", _metrics, methods=["GET"])
     app.include_router(build_sessions_router())
     app.include_router(build_admin_router())
@@ -167,6 +168,27 @@ async def _health(request: Request) -> Response:
         "routable_workers": sum(1 for w in workers if w.routable),
         "nats_connected": runtime.link.connected if runtime.link is not None else False,
     })
+
+
+async def _ready(request: Request) -> Response:
+    """Readiness, not liveness (``/health``): 200 once some worker the router would route
+    to has answered it over HTTP (listed its models or taken a request), else 503 with
+    the reason. A router that can only answer 503 "no worker available" is kept out of
+    a load balancer's rotation by this, and not restarted; NATS is not required, as
+    routing goes on without the KV events (on stale overlaps)."""
+    workers = runtime_of(request).workers.all()
+    routable = [w for w in workers if w.routable]
+    answered = [w for w in routable if w.served_models is not None or w.requests > 0]
+    if answered:
+        return JSONResponse({"status": "ready", "ready_workers": len(answered)})
+    if not workers:
+        reason = "no worker configured or heard from yet"
+    elif not routable:
+        reason = "every known worker is down"
+    else:
+        reason = "no worker has answered yet"
+    return JSONResponse({"status": "not_ready", "reason": reason,
+                         "known_workers": len(workers)}, status_code=503)
 
 
 async def _metrics(request: Request) -> Response:

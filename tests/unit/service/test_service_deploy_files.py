@@ -99,3 +99,20 @@ def test_the_shipped_deployments_start_with_their_environment(
     assert not settings.dev_mode and settings.database_url.startswith("postgresql+psycopg")
     monkeypatch.setenv("KVHINT_ROUTER_ADMIN_KEYS", "k1, k2")
     assert RouterSettings(config_file=config).admin_keys == ["k1", "k2"]
+
+
+def test_the_router_deployment_probes_real_paths(tmp_path: Path) -> None:
+    """Readiness asks ``/ready`` (a worker answered), liveness and start-up ``/health``:
+    with readiness on ``/health``, a router that can only answer 503 stayed in rotation."""
+    from kvhint.router.service.app import create_app
+
+    deployment = next(doc for doc in yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc and doc["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    probes = {kind: container[kind]["httpGet"]["path"]
+              for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert probes == {"startupProbe": "/health", "readinessProbe": "/ready",
+                      "livenessProbe": "/health"}
+    settings = RouterSettings(database_url=f"sqlite:///{tmp_path / 'r.db'}", nats_url=None)
+    paths = {getattr(route, "path", None) for route in create_app(settings).api.routes}
+    assert set(probes.values()) <= paths

@@ -1,0 +1,105 @@
+"""The dashboard's own script renders a real router's ``/admin/overview`` (run under
+Node.js with a minimal stand-in for the page's DOM: only the elements it writes to)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import StubWorker, router_settings, running_router
+from kvhint.router.service.settings import RouterSettings
+
+DASHBOARD = (Path(__file__).resolve().parents[3] / "router" / "service" / "static"
+             / "dashboard.html")
+
+# Runs the page's <script> against a recorded overview, with the browser's clock at
+# ``browser_now`` (s), and prints what it wrote into each element.
+_HARNESS = r"""
+const fs = require("fs"), vm = require("vm");
+const [page, overviewFile, browserNow] = process.argv.slice(2);
+const overview = JSON.parse(fs.readFileSync(overviewFile, "utf8"));
+const script = fs.readFileSync(page, "utf8").match(/<script>([\s\S]*)<\/script>/)[1];
+const elements = {};
+const element = id => elements[id] ??= {textContent: "", innerHTML: "", className: "",
+                                        clientWidth: 800, clientHeight: 200};
+Date.now = () => Number(browserNow) * 1000;
+const context = vm.createContext({
+  document: {getElementById: element},
+  localStorage: {getItem: () => null, setItem: () => {}},
+  location: {search: "", pathname: "/dashboard"},
+  history: {replaceState: () => {}},
+  fetch: async () => ({ok: true, json: async () => overview}),
+  setInterval: () => 0, URLSearchParams, Date, Math, Object, JSON, Number, String, Set,
+});
+vm.runInContext(script, context);
+setTimeout(() => console.log(JSON.stringify(elements)), 50);
+"""
+
+
+needs_node = pytest.mark.skipif(shutil.which("node") is None,
+                                reason="Node.js is not installed")
+
+
+def render(tmp_path: Path, overview: dict[str, Any], browser_now: float) -> dict[str, Any]:
+    """What the dashboard's script wrote into each element for ``overview``."""
+    (tmp_path / "overview.json").write_text(json.dumps(overview))
+    (tmp_path / "harness.js").write_text(_HARNESS)
+    run = subprocess.run(
+        ["node", str(tmp_path / "harness.js"), str(DASHBOARD), str(tmp_path / "overview.json"),
+         str(browser_now)], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(run.stdout)
+
+
+async def _overview_after_a_turn(settings: RouterSettings, api_key: str | None,
+                                 admin_key: str | None) -> dict[str, Any]:
+    def auth(key: str | None) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        response = await client.post(f"{router.url}/v1/chat/completions", json={
+            "model": "stub", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "session_id": "s1"}, headers=auth(api_key))
+        assert response.status_code == 200
+        overview = await client.get(f"{router.url}/admin/overview", headers=auth(admin_key))
+        assert overview.status_code == 200
+        return overview.json()
+
+
+@needs_node
+async def test_ages_are_counted_on_the_routers_clock_not_the_browsers(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    overview = await _overview_after_a_turn(
+        router_settings(tmp_path, [("w0", stub_workers[0].url)]), None, None)
+    [session] = overview["sessions"]
+    # The router saw the session's last activity 7 s before its "now"; the browser's
+    # clock is an hour behind the router's (before, every age read "0s ago").
+    overview["now"] = session["last_activity"] + 7
+    elements = render(tmp_path, overview, overview["now"] - 3600)
+    assert elements["err"]["textContent"] == ""
+    assert "s1" in elements["sessions"]["innerHTML"]
+    assert "<td>7s ago</td>" in elements["sessions"]["innerHTML"]
+    assert "w0" in elements["workers"]["innerHTML"]
+
+
+@needs_node
+async def test_a_tenant_admins_overview_renders_without_the_fleets_figures(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A tenant admin's overview has nulls where the fleet's traffic would be."""
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], admin_keys=["root"],
+                               tenants=[{"name": "a", "api_keys": ["ka"],
+                                         "admin_keys": ["aa"]}])
+    overview = await _overview_after_a_turn(settings, "ka", "aa")
+    assert overview["totals"] is None
+    elements = render(tmp_path, overview, overview["now"])
+    assert elements["err"]["textContent"] == ""
+    assert elements["share"]["textContent"] == "–"
+    assert elements["reqs"]["textContent"] == "–"
+    assert "s1" in elements["sessions"]["innerHTML"]
+    workers = elements["workers"]["innerHTML"]
+    assert "w0" in workers and "undefined" not in workers and "null" not in workers

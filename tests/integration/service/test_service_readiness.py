@@ -1,0 +1,46 @@
+"""``/ready`` (readiness) against ``/health`` (liveness): a router is ready once a worker it
+would route to has answered it; one that could only answer 503 is alive but not ready."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from conftest import StubWorker, router_settings, running_router
+
+CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+async def test_not_ready_until_a_worker_answered_and_not_once_all_are_down(
+        tmp_path: Path) -> None:
+    settings = router_settings(tmp_path, [("dead", "http://127.0.0.1:9")])  # refused
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        assert (await client.get(f"{router.url}/health")).status_code == 200
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 503
+        assert ready.json() == {"status": "not_ready", "reason": "no worker has answered yet",
+                                "known_workers": 1}
+        response = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert response.status_code == 502
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 503 and ready.json()["reason"] == "every known worker is down"
+        assert (await client.get(f"{router.url}/health")).status_code == 200
+
+
+async def test_ready_with_a_worker_that_listed_its_models(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url),
+                                          ("dead", "http://127.0.0.1:9")])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 200
+        assert ready.json() == {"status": "ready", "ready_workers": 1}
+
+
+async def test_not_ready_with_no_worker_known(tmp_path: Path) -> None:
+    settings = router_settings(tmp_path, [])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 503
+        assert ready.json()["reason"] == "no worker configured or heard from yet"
