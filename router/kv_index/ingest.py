@@ -162,7 +162,7 @@ class KvEventIngestor:
                                        else "another snapshot's page; restarting")]
         assert pages is not None
         self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
-        ready, decision = stream.finish_resync()
+        ready, decision = stream.finish_resync(self._clock())
         actions: list[IngestAction] = []
         for payload in ready:
             actions += self._apply_payload(stream, payload)
@@ -218,6 +218,14 @@ class KvEventIngestor:
         return tuple(sorted(w for w, s in self._streams.items()
                             if s.phase is StreamPhase.LIVE))
 
+    def view_exact(self, worker_id: str) -> bool:
+        """Whether what the index holds of ``worker_id`` is exact now (its stream LIVE and
+        heard lately; :meth:`WorkerStream.view_exact`). False for a worker never heard, a
+        resyncing one (its view is from before the gap) and a silent one: an overlap read
+        from such a view is an estimate, not to be reported or learnt from as exact."""
+        stream = self._streams.get(worker_id)
+        return stream is not None and stream.view_exact(self._clock())
+
     def stats(self) -> IngestStats:
         totals = dict(self._forgotten_counters)
         for stream in self._streams.values():
@@ -270,7 +278,7 @@ class KvEventIngestor:
             events = self._adapter.decode(stream.worker_id, payload)
         except WireDecodeError:
             # The batch is lost for good: its effect on the cache is unknown, so resync.
-            decision = stream.force_resync("undecodable event batch")
+            decision = stream.force_resync("undecodable event batch", self._clock())
             return self._carry_out(stream, decision)
         self.index.apply_all(events)
         return []

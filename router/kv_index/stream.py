@@ -15,7 +15,18 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
   not applied within a grace period -> resync: batches are buffered (bounded, overflow
   counted) until the snapshot's pages arrive, then buffered batches after the snapshot's
   ``seq`` are applied in order;
+- a resync still unfinished ``resync_view_trust_s`` after it began (snapshots failing or
+  timing out while the worker still heartbeats) -> purge once, and keep resyncing: until
+  then the view from before the gap keeps answering (the best estimate there is: a gap
+  loses a few batches of a cache of thousands of blocks), after it the view is too old to
+  route on, and would otherwise be trusted for as long as the snapshots keep failing;
 - no message for ``heartbeat_misses * interval_s`` -> dead: purge.
+
+What the index says of a worker is *exact* (:meth:`WorkerStream.view_exact`) only while
+its stream is LIVE and heard within ``exact_heartbeat_misses`` heartbeat intervals: a
+resyncing worker's view misses what the lost and the buffered batches did, and a silent
+one's may miss what it is doing now. Routing may still use an inexact view; what it
+predicts from one must not be reported, or learnt from, as exact.
 
 Time comes from the caller (an injected clock); nothing here does I/O.
 """
@@ -71,6 +82,15 @@ class StreamConfig:
     # kept so far to refuse its old engines' replayed messages, goes. Past the events
     # stream's age limit (1 h by default) no such message is left to replay.
     forget_dead_after_s: float = 3600.0
+    # A resync unfinished this long after it began purges the worker's stale view (once
+    # per resync; the resync goes on). Long enough for a snapshot to be retried a few
+    # times (snapshot_timeout_s, snapshot_retry_s), short against how fast a busy
+    # worker's cache turns over.
+    resync_view_trust_s: float = 30.0
+    # A LIVE stream's view is exact while the worker was heard within this many of its
+    # heartbeat intervals (one heartbeat late is jitter; more, the stream may be lagging
+    # or the plugin gone; heartbeat_misses later it is declared dead and purged).
+    exact_heartbeat_misses: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,17 +125,21 @@ class StreamCounters:
     deaths: int = 0
     stale_status: int = 0
     implausible_seq: int = 0
+    # Resyncs that outlasted resync_view_trust_s: the worker's stale view was purged.
+    stalled_resync_purges: int = 0
 
 
 @dataclass(slots=True)
 class _Resync(Generic[T]):
     reason: str
+    started_at: float
     cursor: int = 0
     awaiting_since: float | None = None   # a page request is out
     retry_at: float | None = None         # set after a failure
     page_epoch: str | None = None
     base_seq: int | None = None           # the snapshot's seq (every page's)
     pages: list[object] = field(default_factory=list)
+    view_purged: bool = False              # the stale view was purged (stalled too long)
 
 
 @dataclass(slots=True)
@@ -164,7 +188,7 @@ class WorkerStream(Generic[T]):
                 self.phase = StreamPhase.LIVE
             else:
                 return self._begin_resync(seq, item, purge,
-                                          f"joined mid-stream at seq {seq}")
+                                          f"joined mid-stream at seq {seq}", now)
         if seq <= self.applied_seq:
             self.counters.duplicates += 1
             return Decision(BatchVerdict.DUPLICATE, purge)
@@ -177,7 +201,8 @@ class WorkerStream(Generic[T]):
         self.counters.gaps += 1
         self.counters.missing_batches += seq - self.applied_seq - 1
         return self._begin_resync(seq, item, purge,
-                                  f"sequence gap: expected {self.applied_seq + 1}, got {seq}")
+                                  f"sequence gap: expected {self.applied_seq + 1}, got {seq}",
+                                  now)
 
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
                   status: object | None = None) -> Decision:
@@ -197,7 +222,8 @@ class WorkerStream(Generic[T]):
                 self.phase = StreamPhase.LIVE  # nothing published yet: empty cache
                 return Decision(None, purge)
             return self._begin_resync(None, None, purge,
-                                      f"joined mid-stream (worker at seq {last_event_seq})")
+                                      f"joined mid-stream (worker at seq {last_event_seq})",
+                                      now)
         if last_event_seq > self.applied_seq:
             if self._behind is None:  # keep the oldest claim we have not caught up with
                 self._behind = (last_event_seq, now)
@@ -217,14 +243,21 @@ class WorkerStream(Generic[T]):
             return Decision(None, f"no heartbeat for {silence:.1f}s"), False
         resync = self._resync
         if resync is not None:
+            decision = _NOTHING
+            if (not resync.view_purged
+                    and now - resync.started_at > self.config.resync_view_trust_s):
+                resync.view_purged = True
+                self.counters.stalled_resync_purges += 1
+                decision = Decision(None, f"resync stalled for {now - resync.started_at:.1f}s "
+                                          f"({resync.reason}): stale view dropped")
             if resync.retry_at is not None and now >= resync.retry_at:
                 resync.retry_at = None
-                return _NOTHING, True
+                return decision, True
             if (resync.awaiting_since is not None
                     and now - resync.awaiting_since > self.config.snapshot_timeout_s):
                 self.counters.snapshot_failures += 1
-                return _NOTHING, True
-            return _NOTHING, False
+                return decision, True
+            return decision, False
         return self._check_tail_gap(now), False
 
     # --- resync -------------------------------------------------------------------
@@ -280,7 +313,7 @@ class WorkerStream(Generic[T]):
             return "more", None
         return "done", resync.pages
 
-    def finish_resync(self) -> tuple[list[T], Decision]:
+    def finish_resync(self, now: float) -> tuple[list[T], Decision]:
         """After the snapshot is loaded: the buffered items to apply, in order, and a
         decision (a new resync if a hole remains after the snapshot)."""
         resync = self._resync
@@ -311,7 +344,7 @@ class WorkerStream(Generic[T]):
                 rest = buffered[i:]
                 decision = self._begin_resync(None, None, None,
                                               f"hole after snapshot: expected "
-                                              f"{self.applied_seq + 1}, got {entry.seq}")
+                                              f"{self.applied_seq + 1}, got {entry.seq}", now)
                 self._buffer = rest
                 self._buffered_max_seq = rest[-1].seq
                 return ready, decision
@@ -320,11 +353,17 @@ class WorkerStream(Generic[T]):
             ready.append(entry.item)
         return ready, Decision()
 
-    def force_resync(self, reason: str) -> Decision:
+    def force_resync(self, reason: str, now: float) -> Decision:
         """Start a resync now (e.g. an applied batch could not be decoded)."""
         if self.phase is StreamPhase.RESYNCING:
             return Decision()
-        return self._begin_resync(None, None, None, reason)
+        return self._begin_resync(None, None, None, reason, now)
+
+    def view_exact(self, now: float) -> bool:
+        """Whether the index's view of this worker is exact now: LIVE, and heard within
+        ``exact_heartbeat_misses`` heartbeat intervals (see the module doc)."""
+        return (self.phase is StreamPhase.LIVE and self.last_heard is not None
+                and now - self.last_heard <= self.interval_s * self.config.exact_heartbeat_misses)
 
     def forget(self) -> None:
         """Back to NEW (the owner removed the worker)."""
@@ -381,9 +420,9 @@ class WorkerStream(Generic[T]):
         self.phase = StreamPhase.NEW
 
     def _begin_resync(self, seq: int | None, item: T | None, purge: str | None,
-                      reason: str) -> Decision:
+                      reason: str, now: float) -> Decision:
         self.phase = StreamPhase.RESYNCING
-        self._resync = _Resync(reason)
+        self._resync = _Resync(reason, now)
         self._behind = None
         self.counters.resyncs_started += 1
         verdict = None
@@ -426,4 +465,4 @@ class WorkerStream(Generic[T]):
         self.counters.missing_batches += target - self.applied_seq
         return self._begin_resync(None, None, None,
                                   f"tail gap: worker reported seq {target}, applied "
-                                  f"{self.applied_seq}")
+                                  f"{self.applied_seq}", now)

@@ -268,7 +268,9 @@ class ClusterFeed:
 
 def _reason_label(reason: str) -> str:
     """A bounded label from a free-text reason ("engine restarted (epoch a -> b)")."""
-    for word in ("restart", "gap", "mid-stream", "dead", "behind", "tail", "epoch", "silent"):
+    # "stalled" first: a stalled resync's reason quotes the reason the resync began.
+    for word in ("stalled", "restart", "gap", "mid-stream", "dead", "behind", "tail", "epoch",
+                 "silent"):
         if word in reason:
             return word
     return "other"

@@ -5,6 +5,8 @@ builds its frozen context from the workers' heartbeats, the holdings ledger and 
 per-worker outcome feedback; wraps each worker's actions in one ``KvHintsEnvelope`` on
 ``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
 back into holdings, feedback, metrics, the store and any API caller waiting for it.
+The record of an action is :mod:`.hint_records`; the sessions API's budget check,
+:mod:`.hint_api_budget`. Both are re-exported here, where callers have imported them.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -34,6 +36,17 @@ from kvhint.router.policy import (
     apply_outcome,
     target_keys,
 )
+from kvhint.router.service.hint_api_budget import ApiBudgetGate
+from kvhint.router.service.hint_records import (
+    API_SOURCE,
+    EXPIRED,
+    FAILED,
+    OUTCOME_DEADLINE_S,
+    PENDING,
+    PLANNER_SOURCE,
+    SentAction,
+    outcome_columns,
+)
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
 from kvhint.router.service.settings import TenantBudget
@@ -41,96 +54,21 @@ from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
     PROTOCOL_VERSION,
-    ActionType,
     Amount,
     HintOutcome,
     HoldRelease,
     KvHintsEnvelope,
-    OutcomeStatus,
     Subjects,
     encode_hints,
     evict_rest_supported,
 )
 
+__all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
+           "PLANNER_SOURCE", "HintDispatcher", "SentAction"]
+
 log = logging.getLogger(__name__)
 
-PENDING = "pending"
-EXPIRED = "expired"
-FAILED = "failed"
-# An action with no terminal outcome after this long is marked expired.
-OUTCOME_DEADLINE_S = 120.0
 _RECENT_KEPT = 2000
-
-
-@dataclass(slots=True)
-class SentAction:
-    action_id: str
-    message_id: str
-    worker_id: str
-    tenant: str | None
-    session_id: str | None  # the client's id (without tenant)
-    action_type: str
-    source: str  # planner | api
-    trigger: str
-    payload: dict[str, Any]
-    status: str
-    created_at: float
-    updated_at: float
-    reason: str = ""
-    requested_blocks: int = 0
-    requested_tokens: int = 0
-    applied_blocks: int = 0
-    applied_tokens: int = 0
-    # What a Pin/Retain protects and when its TTL ends (None: older rows, other types).
-    scope: str | None = None
-    expires_at: float | None = None
-    # The worker's latest report of letting blocks of it go unasked (HoldRelease): why,
-    # when, and what it still holds.
-    release_reason: str | None = None
-    released_at: float | None = None
-    held_after_release_blocks: int | None = None
-    waiter: asyncio.Future[SentAction] | None = None
-    # When this router began waiting for the outcome (not stored): the send, or for an
-    # action restored from the store, the restart.
-    waiting_since: float | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.status not in (PENDING, OutcomeStatus.DEFERRED.value)
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "action_id": self.action_id, "message_id": self.message_id,
-            "tenant": self.tenant, "session_id": self.session_id,
-            "worker_id": self.worker_id, "action_type": self.action_type,
-            "source": self.source, "trigger": self.trigger, "payload": self.payload,
-            "status": self.status, "reason": self.reason,
-            "requested_blocks": self.requested_blocks,
-            "requested_tokens": self.requested_tokens,
-            "applied_blocks": self.applied_blocks, "applied_tokens": self.applied_tokens,
-            "created_at": self.created_at, "updated_at": self.updated_at,
-            "scope": self.scope, "expires_at": self.expires_at,
-            "release_reason": self.release_reason, "released_at": self.released_at,
-            "held_after_release_blocks": self.held_after_release_blocks,
-        }
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> SentAction:
-        fields = {k: row[k] for k in (
-            "action_id", "message_id", "worker_id", "tenant", "session_id", "action_type",
-            "source", "trigger", "payload", "status", "created_at", "updated_at", "reason",
-            "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
-        return cls(**fields, **{k: row.get(k) for k in (
-            "scope", "expires_at", "release_reason", "released_at",
-            "held_after_release_blocks")})
-
-
-def _outcome_columns(outcome: HintOutcome) -> dict[str, Any]:
-    """What a worker's answer sets of its action's record (and store row)."""
-    return {"status": outcome.status.value, "reason": outcome.reason,
-            "requested_blocks": outcome.requested.blocks,
-            "requested_tokens": outcome.requested.tokens,
-            "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens}
 
 
 class HintDispatcher:
@@ -157,7 +95,7 @@ class HintDispatcher:
         self._feedback_config = FeedbackConfig()
         # Actions per tenant (None: actions of no tenant) and status they ended in.
         self._status_counts: dict[str | None, dict[str, int]] = {}
-        self._api_times: dict[str, deque[float]] = {}
+        self._api_gate = ApiBudgetGate(self.holdings, workers, self._block_size)
         self._stats_dirty = False
         self._feedback_saved: dict[str, WorkerFeedback] = {}  # what save_learned last wrote
 
@@ -206,7 +144,7 @@ class HintDispatcher:
     # --- sending ------------------------------------------------------------------------
 
     async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],
-                   source: str = "planner",
+                   source: str = PLANNER_SOURCE,
                    chains: Mapping[str, Sequence[int]] | None = None) -> list[SentAction]:
         """Publish ``planned`` (one envelope per worker). ``session_ids`` maps each action's
         scope to the client session id for the record; ``chains`` a session scope to the
@@ -275,56 +213,14 @@ class HintDispatcher:
 
     def api_rate_wait_s(self, tenant: str, actions: int, budget: TenantBudget,
                         now: float) -> float | None:
-        """Seconds until ``actions`` more API actions fit ``tenant``'s per-minute rate
-        (0: they fit now; None: never, more than the rate in one call)."""
-        if actions > budget.max_actions_per_minute:
-            return None
-        times = self._api_times.get(tenant, ())
-        over = len(times) + actions - budget.max_actions_per_minute
-        if over <= 0:
-            return 0.0
-        return max(60.0 - (now - times[over - 1]), 0.0)
+        """:meth:`ApiBudgetGate.rate_wait_s`."""
+        return self._api_gate.rate_wait_s(tenant, actions, budget, now)
 
     def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                            planned: Sequence[PlannedAction], now: float,
                            chain: Sequence[int] = ()) -> str | None:
-        """Why API actions must not be sent (tenant rate and holdings, the worker's
-        advertised budgets), or None; a None answer counts them against the rate.
-        ``chain``: the session's last prompt's block hashes on the worker, so that blocks
-        already held the same way (a shared system prompt) are not counted again."""
-        times = self._api_times.setdefault(tenant, deque())
-        while times and now - times[0] > 60.0:
-            times.popleft()
-        if len(times) + len(planned) > budget.max_actions_per_minute:
-            return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
-                    "per minute")
-        block_size = self._block_size(worker_id)
-        added = {ActionType.PIN.value: [0, 0], ActionType.RETAIN.value: [0, 0]}
-        for action in planned:
-            if (totals := added.get(action.action_type)) is not None:
-                keys = target_keys(action.action_type, action.action.payload, block_size, chain)
-                on_worker, on_tenant = self.holdings.added(worker_id, tenant, action.action_type,
-                                                           action.blocks, keys)
-                totals[0] += on_worker
-                totals[1] += on_tenant
-        pins, retains = added[ActionType.PIN.value], added[ActionType.RETAIN.value]
-        held = self.holdings.tenant(tenant)
-        checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
-                   budget.max_pinned_blocks),
-                  (f"tenant {tenant!r}", "retained", held.retained_blocks, retains[1],
-                   budget.max_retained_blocks)]
-        worker = self._workers.get(worker_id)
-        if worker is not None and worker.status is not None:
-            # Pins only: a worker's retain budget is soft (a higher priority displaces a
-            # lower one, an overflow is clipped), which the planner relies on too.
-            checks.append((f"worker {worker_id}", "pinned",
-                           self.holdings.worker(worker_id).pinned_blocks, pins[0],
-                           worker.status.budgets.max_pinned_blocks))
-        for who, kind, current, asked, limit in checks:
-            if asked and limit is not None and current + asked > limit:
-                return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
-        times.extend([now] * len(planned))
-        return None
+        """:meth:`ApiBudgetGate.problem`."""
+        return self._api_gate.problem(tenant, budget, worker_id, planned, now, chain)
 
     # --- outcomes -----------------------------------------------------------------------
 
@@ -376,13 +272,13 @@ class HintDispatcher:
             # after this message, does not wait for it. A no-op for a row never stored.
             if self._writer is not None:
                 self._writer.update("hint_actions", (outcome.action_id,), {
-                    "action_id": outcome.action_id, **_outcome_columns(outcome),
+                    "action_id": outcome.action_id, **outcome_columns(outcome),
                     "updated_at": self._clock()})
             return None
         if record.terminal:
             self._metrics.drop("outcome_duplicate")
             return record
-        for column, value in _outcome_columns(outcome).items():
+        for column, value in outcome_columns(outcome).items():
             setattr(record, column, value)
         record.updated_at = self._clock()
         self._save(record)
@@ -390,7 +286,7 @@ class HintDispatcher:
             return record
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
         self.holdings.settle(outcome)
-        if record.source == "planner":  # an agent's actions never steer the planner
+        if record.source == PLANNER_SOURCE:  # an agent's actions never steer the planner
             feedback = self.feedback.get(record.worker_id) or WorkerFeedback(record.worker_id)
             self.feedback[record.worker_id] = apply_outcome(feedback, outcome,
                                                             self._feedback_config)

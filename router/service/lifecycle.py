@@ -52,7 +52,7 @@ from kvhint.router.policy import (
     plan_turn_routed,
     session_chain,
 )
-from kvhint.router.service.hint_dispatch import FAILED, HintDispatcher, SentAction
+from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
@@ -72,10 +72,13 @@ class SessionLifecycle:
                  clock: Callable[[], float] = time.time,
                  on_end: Callable[[str, str], None] | None = None,
                  load_session: Callable[[str, str], Awaitable[dict[str, Any] | None]]
-                 | None = None) -> None:
+                 | None = None,
+                 index_exact: Callable[[str], bool] | None = None) -> None:
         """``on_end(tenant, session_id)``: told of every end (the trace recorder).
         ``load_session(tenant, session_id)``: the session's stored row, or None (the
-        store), asked by :meth:`recall`."""
+        store), asked by :meth:`recall`. ``index_exact(worker_id)``: whether the cluster
+        index's view of the worker is exact now (``KvEventIngestor.view_exact``); None:
+        always (no index feed to ask)."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -85,6 +88,7 @@ class SessionLifecycle:
         self._prefix_retains = SharedPrefixRetains()
         self._on_end = on_end
         self._load_session = load_session
+        self._index_exact = index_exact
 
     async def recall(self, tenant: str, session_id: str) -> None:
         """Before a turn of a session not in memory: when the registry is not complete
@@ -118,8 +122,13 @@ class SessionLifecycle:
                      prediction_exact: bool = True) -> None:
         """``prediction_exact``: the prompt's block hashes are vLLM's own, so
         ``predicted_cached`` is what the worker's cache holds of it (the planner learns
-        from it only then)."""
+        from it only then). It holds only while the index's view of the worker is exact
+        too: routing reads a resyncing worker's view from before its stream's gap, and a
+        silent one's as it was last heard, both estimates the planner must not learn
+        whether next turns read their responses from."""
         now = self._clock()
+        if prediction_exact and self._index_exact is not None:
+            prediction_exact = self._index_exact(worker_id)
         if record.worker_id is not None and record.worker_id != worker_id:
             self._metrics.session_moves.inc()
         record.worker_id = worker_id
@@ -199,7 +208,11 @@ class SessionLifecycle:
         actions = [PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
                                  scope, record.tenant, 0, now + ttl, "end:agent_release")
                    for worker_id in workers]
-        return await self.hints.send(actions, {scope: record.session_id})
+        # The agent's actions, not the planner's: sent as "api" like the claims they end,
+        # so their outcomes never reach the planner's feedback (a worker rejecting an
+        # agent-owned release must not turn Retain off for the planner there) and the
+        # metrics count them with the agent's traffic.
+        return await self.hints.send(actions, {scope: record.session_id}, source=API_SOURCE)
 
     def agent_demoted(self, record: SessionRecord, worker_id: str) -> None:
         """An agent runtime demoted the session on ``worker_id`` through the API (as its

@@ -144,16 +144,6 @@ class RouterRuntime:
                                      stall_s=max(settings.request_timeout_s + 60.0, 1800.0),
                                      on_written=metrics.trace_written.inc)
             log.info("recording traffic as session JSONL under %s", settings.trace_dir)
-        lifecycle = SessionLifecycle(
-            sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
-            on_end=recorder.session_ended if recorder else None,
-            load_session=lambda tenant, sid: _stored_session(engine, metrics, tenant, sid))
-
-        pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
-                            keepalive_s=settings.upstream_keepalive_s)
-        await pool.start()
-        models = await _discover_models(settings, workers, pool)
-        hasher = await _warm_hasher(models, settings.block_size, settings.model_prompts)
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
                                    config=StreamConfig(
@@ -162,6 +152,18 @@ class RouterRuntime:
                                        # stream holds none of their messages to replay.
                                        forget_dead_after_s=max(
                                            3600.0, settings.events_stream_max_age_s)))
+        lifecycle = SessionLifecycle(
+            sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
+            on_end=recorder.session_ended if recorder else None,
+            load_session=lambda tenant, sid: _stored_session(engine, metrics, tenant, sid),
+            # Without NATS nothing feeds the index: its (empty) view says nothing either way.
+            index_exact=ingestor.view_exact if link is not None else None)
+
+        pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
+                            keepalive_s=settings.upstream_keepalive_s)
+        await pool.start()
+        models = await _discover_models(settings, workers, pool)
+        hasher = await _warm_hasher(models, settings.block_size, settings.model_prompts)
         routing_config = RoutingConfig(
             policy=RoutingPolicy(settings.routing.policy),
             new_session_spread=settings.routing.new_session_spread,

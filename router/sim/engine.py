@@ -4,7 +4,8 @@ Per policy run: N :class:`~kvhint.router.sim.worker.SimWorker` (vLLM's KVCacheMa
 the plugin's PluginCore each), the router's real cluster KV index
 (:class:`kvhint.router.kv_index.InMemoryClusterKvIndex`, fed with the workers' own KV
 events through the index's adapter), the router's real :func:`~kvhint.router.policy.route`
-and, for ``kvhint``, the real hint planner, ledger and outcome feedback. The clock is the
+and, for ``kvhint``, the real hint planner, ledger and outcome feedback
+(:class:`~kvhint.router.sim.hint_loop.HintLoop`). The clock is the
 simulation's; the only randomness is a seeded ``random.Random``.
 
 Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
@@ -42,8 +43,6 @@ from kvhint.router.policy import (
     LearnedStats,
     Overlap,
     PlannedAction,
-    PlannerContext,
-    PlanResult,
     RecentLoad,
     ResponseFinished,
     RouteRequest,
@@ -57,25 +56,19 @@ from kvhint.router.policy import (
     WorkerFeedback,
     WorkerLoad,
     WorkerPlanView,
-    apply_outcome,
-    find_shared_prefixes,
-    next_idle_review,
-    plan_idle,
     plan_response_finished,
     plan_session_end,
-    plan_shared_prefixes,
     plan_turn_routed,
     route,
-    session_chain,
-    target_keys,
 )
 from kvhint.router.sim.config import ENGINES, SimConfig
+from kvhint.router.sim.hint_loop import HintLoop
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
 from kvhint.router.sim.scheduler_worker import SchedulerSimWorker, build_scheduler_worker
 from kvhint.router.sim.tick_grid import grid_ceil, grid_floor, scan_aligned
 from kvhint.router.sim.trace import Trace, TraceRequest, intern_block_ids
 from kvhint.router.sim.worker import Job, SimWorker, build_fast_worker
-from kvhint.schemas import DecodedHints, HintOutcome, evict_rest_supported, parse_action
+from kvhint.schemas import evict_rest_supported
 
 POLICIES = ("round_robin", "session_affinity", "kv_aware", "kvhint")
 __all__ = ["ENGINES", "POLICIES", "SimConfig", "Simulation", "run_policy"]
@@ -88,7 +81,7 @@ _STEP_END, _DECODE_DONE, _PREFILL_DONE, _REVIEW, _SESSION_END, _TICK, _ARRIVAL =
 ProgressFn = Callable[[int, int], None]
 
 
-class Simulation:
+class Simulation(HintLoop):
     """One policy over one trace. Build, then :meth:`run` once."""
 
     def __init__(self, trace: Trace, config: SimConfig, policy: str) -> None:
@@ -190,18 +183,13 @@ class Simulation:
                 index, target, self._scan_tick, tick_s, self.config.planner.shared_prefix_scan_s)
         return max(target, following)
 
-    def _scan_could_act(self) -> bool:
-        """Whether a shared-prefix scan now has any session to count (else it sends
-        nothing, whenever it runs, until an event changes the sessions)."""
-        ctx = self._planner_ctx()
-        return any(session_chain(ctx, session, session.worker_id,
-                                 self._last_hashes.get(key, ())) is not None
-                   for key, session in self.sessions.items())
-
     # -- the loop ---------------------------------------------------------------------------------
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
         heapq.heappush(self._heap, (at, kind, next(self._seq), payload))
+
+    def _push_review(self, at: float, payload: tuple[str, float]) -> None:
+        self._push(at, _REVIEW, payload)
 
     def run(self, progress: ProgressFn | None = None) -> PolicyResult:
         started = time.perf_counter()
@@ -404,129 +392,6 @@ class Simulation:
                 index.apply(BlocksRemoved(worker_id, hashes, TIER_CPU))
             else:
                 index.apply(BlocksStored(worker_id, hashes, None, TIER_CPU))
-
-    # -- planner ------------------------------------------------------------------------------------
-
-    def _planner_ctx(self) -> PlannerContext:
-        views = {}
-        for worker_id, static in self._static_views.items():
-            views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
-                                       feedback=self.feedback[worker_id])
-        return PlannerContext(now=self.now, stats=self.stats, workers=views, rng=self._plan_rng,
-                              config=self.config.planner)
-
-    def _apply_plan(self, result: PlanResult) -> None:
-        if result.session is not None:
-            previous = self.sessions.get(result.session.session_id)
-            self.sessions[result.session.session_id] = result.session
-            self._schedule_review(previous, result.session)
-        for observation in result.observations:
-            self.stats.apply(observation)
-        self._send(result.actions)
-
-    def _schedule_review(self, previous: SessionPlanState | None,
-                         session: SessionPlanState) -> None:
-        review_at = next_idle_review(self.config.planner, session, self.now)
-        if review_at is None:
-            return
-        if previous is not None and previous.gap_opened_at == session.gap_opened_at and (
-            previous.awaiting_return
-        ):
-            return  # a review for this gap is already queued
-        self._push(max(review_at, self.now), _REVIEW, (session.session_id, session.gap_opened_at))
-
-    def _on_review(self, payload: tuple[str, float]) -> None:
-        session_key, opened_at = payload
-        session = self.sessions.get(session_key)
-        if session is None or not session.awaiting_return or session.gap_opened_at != opened_at:
-            return
-        result = plan_idle(self._planner_ctx(), session)
-        self._apply_plan(result)
-        if result.session is not None and result.session.awaiting_return:
-            review_at = next_idle_review(self.config.planner, result.session, self.now)
-            if review_at is not None and review_at > self.now:
-                self._push(review_at, _REVIEW, (session_key, opened_at))
-
-    def _send(self, actions: Sequence[PlannedAction]) -> None:
-        if not actions:
-            return
-        by_worker: dict[str, list[PlannedAction]] = {}
-        for planned in actions:
-            by_worker.setdefault(planned.worker_id, []).append(planned)
-            keys = target_keys(planned.action_type, planned.action.payload,
-                               self.config.block_size, self._last_hashes.get(planned.scope, ()))
-            self.ledger.record(action_id=planned.action.action_id, worker_id=planned.worker_id,
-                               tenant=planned.tenant, scope=planned.scope,
-                               action_type=planned.action_type, blocks=planned.blocks,
-                               expires_at=planned.expires_at, keys=keys)
-            self._planned[planned.action.action_id] = planned
-            self.result.hints[(planned.action_type, "sent")] += 1
-        for worker_id, planned_list in by_worker.items():
-            worker = self.workers[worker_id]
-            message = DecodedHints(f"sim-{next(self._message_ids)}",
-                                   [parse_action(p.action) for p in planned_list])
-            self._on_outcomes(worker.core.apply_hints(message))
-            self._take_releases(worker)
-            worker.sync()
-            # Hints may have released blocks a waiting prompt needs.
-            self._try_start(worker)
-
-    def _on_outcomes(self, outcomes: Sequence[HintOutcome]) -> None:
-        for outcome in outcomes:
-            self.result.hints[(outcome.action_type, outcome.status.value)] += 1
-            if not outcome.status.is_terminal:
-                continue
-            self.ledger.settle(outcome)
-            planned = self._planned.pop(outcome.action_id, None)
-            if planned is not None and (session := self.sessions.get(planned.scope)):
-                self.sessions[planned.scope] = session.settled(outcome)
-            worker_id = outcome.worker_id
-            if worker_id in self.feedback:
-                self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
-
-    def _take_releases(self, worker: SimWorker | SchedulerSimWorker) -> None:
-        """What the worker's holds lost unasked (displaced, relieved), as the live router
-        takes it: holdings shrink and the session's protection covers what is left."""
-        message = worker.core.take_releases()
-        if message is None:
-            return
-        for release in message.releases:
-            self.result.released_blocks[(release.action_type, release.reason.value)] += (
-                release.released.blocks)
-            self.ledger.released(release.action_id, release.held.blocks)
-            session = self.sessions.get(release.session_id) if release.session_id else None
-            if session is not None:
-                self.sessions[release.session_id] = session.holding(release.action_id,
-                                                                    release.held.blocks)
-
-    def _on_tick(self) -> None:
-        self.ledger.expire(self.now)
-        if self.hints_on:
-            self._retain_shared_prefixes()
-        for worker in self.workers.values():
-            outcomes = worker.core.advance()
-            worker.sync()
-            if outcomes:
-                self._on_outcomes(outcomes)
-            self._try_start(worker)
-
-    def _retain_shared_prefixes(self) -> None:
-        """The live lifecycle's scan (router/service/lifecycle.py), on the tick."""
-        config = self.config.planner
-        retains = self._prefix_retains
-        if not retains.scan_due(self.now, config.shared_prefix_scan_s):
-            return
-        self._scan_tick = self._tick_index
-        retains.expire(self.now)
-        ctx = self._planner_ctx()
-        chains = [chain for key, session in self.sessions.items() if (
-            chain := session_chain(ctx, session, session.worker_id,
-                                   self._last_hashes.get(key, ())))]
-        prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
-                                        retains.until)
-        actions = plan_shared_prefixes(ctx, prefixes)
-        self._send(actions)
-        retains.sent(actions)
 
     def _finalize(self) -> None:
         result = self.result

@@ -433,3 +433,60 @@ def test_a_batch_numbered_far_past_the_heartbeat_is_dropped_not_a_gap() -> None:
     assert ing.stats().stream["resyncs_started"] == 0
     assert index.export_state().blocks == {"w0": {"GPU": frozenset({1, 3})}}
     assert ing.live_workers() == ("w0",)
+
+
+def test_a_resync_that_never_finishes_drops_the_stale_view_after_a_bound() -> None:
+    """A gap, then every snapshot request fails while the worker keeps heartbeating (a
+    broken snapshot handler, replies lost). For resync_view_trust_s the view from before
+    the gap keeps answering, marked inexact; past it the view is purged once (counted,
+    announced) and the resync goes on. Before, the pre-gap view answered routing for as
+    long as the snapshots failed, with nothing to say it was stale."""
+    ing, index, clock = make()
+    ing.on_status(status(interval_s=1.0))
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1, 2])))
+    assert ing.view_exact("w0")
+    acts = ing.on_event_message(headers("w0", "e1", 3), batch(remove(1)))
+    assert [type(a) for a in acts] == [RequestSnapshot]
+    assert index.match_prefix([1, 2]).of("w0") == WorkerOverlap(2, 0)  # the best estimate
+    assert not ing.view_exact("w0")
+    purges = []
+    for _ in range(40):
+        clock.now += 1.0
+        ing.on_status(status(last_seq=3, interval_s=1.0))
+        for action in ing.tick():
+            if isinstance(action, RequestSnapshot):
+                ing.on_snapshot_failed("w0", "timeout")
+            elif isinstance(action, WorkerPurgedNotice):
+                purges.append((clock.now, action))
+        if clock.now - 1000.0 <= StreamConfig().resync_view_trust_s:
+            assert index.has_block("w0", 1), clock.now
+    assert [(at, a.reason.split(":")[0]) for at, a in purges] == [
+        (1031.0, "resync stalled for 31.0s (sequence gap")]
+    assert index.match_prefix([1, 2]).of("w0") == WorkerOverlap(0, 0)
+    assert ing.stats().stream["stalled_resync_purges"] == 1
+    assert not ing.view_exact("w0")
+    # The snapshot finally answers: the view is the worker's again, and exact.
+    ing.on_snapshot_page(page("w0", "e1", 3, [(2, None, "GPU")]), 0)
+    assert index.match_prefix([2]).of("w0") == WorkerOverlap(1, 0)
+    assert ing.view_exact("w0") and ing.live_workers() == ("w0",)
+
+
+def test_a_view_is_exact_only_while_its_stream_is_live_and_heard() -> None:
+    """Exact: LIVE and heard within exact_heartbeat_misses intervals. A worker never
+    heard, one joining mid-stream (resyncing) or silent past one and a half heartbeats
+    is not; a silent one is purged at heartbeat_misses, so its stale view never answers
+    longer than that."""
+    ing, index, clock = make()
+    assert not ing.view_exact("w0")
+    ing.on_status(status(interval_s=2.0))
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    assert ing.view_exact("w0")
+    clock.now += 3.0
+    assert ing.view_exact("w0")
+    clock.now += 0.5  # 3.5 s > 1.5 x 2 s: a heartbeat missed
+    assert not ing.view_exact("w0") and index.has_block("w0", 1)
+    clock.now += 3.0  # 6.5 s > 3 x 2 s: dead, purged
+    assert [type(a) for a in ing.tick()] == [WorkerDead]
+    assert not index.has_block("w0", 1) and not ing.view_exact("w0")
+    ing.on_status(status(worker="w1", last_seq=4))  # joined mid-stream: resyncing
+    assert not ing.view_exact("w1")

@@ -14,7 +14,9 @@ from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import (
+    HintOutcome,
     HintOwner,
+    OutcomeStatus,
     PinPayload,
     Subjects,
     Target,
@@ -185,6 +187,35 @@ async def test_an_end_releases_the_agents_claims_on_every_worker_that_holds_some
                 and a.payload.owner is HintOwner.AGENT]
     assert sorted(released) == [("w0", HintOwner.AGENT), ("w1", HintOwner.AGENT)]
     assert hints.holdings.tenant("default").pinned_blocks == 0
+
+
+async def test_the_release_of_an_agents_claims_at_the_end_never_teaches_the_planner() -> None:
+    """The end's release of what an agent runtime holds is the agent's action (source
+    "api", like the claims it ends), not the planner's: a worker that rejects it twice
+    (say, it no longer takes agent-owned claims) must not turn Retain off for the
+    planner there. Before, the release went out as "planner" and two such rejections
+    disabled the planner's Retains on that worker for every tenant."""
+    clock, link, hints, sessions, lifecycle, _ended = build(["w0"])
+    releases = []
+    for number in range(2):
+        record = lifecycle.begin_turn("default", f"s{number}")
+        await lifecycle.routed(record, "w0", 400, 0, ())
+        scope = agent_scope(record.worker_session_id)
+        pin = PinPayload(target=Target(session_id=record.worker_session_id), ttl_s=300.0,
+                         owner=HintOwner.AGENT)
+        await hints.send([PlannedAction("w0", make_action(f"kva-{number}", pin), scope,
+                                        "default", 4, clock.now + 300.0, "api")],
+                         {scope: record.session_id}, source="api")
+        sent = await lifecycle.end(record)
+        releases += [a for a in sent if a.trigger == "end:agent_release"]
+    assert [(a.worker_id, a.source) for a in releases] == [("w0", "api"), ("w0", "api")]
+    for action in releases:
+        hints.on_outcome(HintOutcome(
+            message_id=action.message_id, action_id=action.action_id,
+            action_type="kv.retain", worker_id="w0", status=OutcomeStatus.REJECTED,
+            reason="agent-owned claims not supported", at=clock.now))
+    feedback = hints.feedback.get("w0")
+    assert feedback is None or feedback.allows("kv.retain"), feedback
 
 
 async def test_shared_prefix_retains_keep_to_each_tenants_retain_budget() -> None:

@@ -10,7 +10,7 @@ import time
 
 import msgspec
 
-from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex
+from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex, KvEventIngestor
 from kvhint.router.policy import GapObserved, PlannedAction, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
@@ -38,6 +38,7 @@ from kvhint.schemas import (
     decode_hints,
     make_action,
 )
+from kvhint.schemas.events import EventBatchMeta
 
 TENANT = Tenant("default", None, TenantBudget())
 ACTIONS = {t: ["1.0"] for t in ("kv.pin", "kv.retain", "kv.prefetch", "kv.share")}
@@ -319,6 +320,39 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
     assert hints.stats.completion_reads.finished > 12
     assert hints.stats.completion_read_probability() < 0.5
     assert "kvhint_router_completion_read_probability 0.4" in metrics.render().decode()
+
+
+def test_the_planner_learns_nothing_from_a_prediction_read_off_a_resyncing_index() -> None:
+    """The worker's event stream had a gap: until the snapshot comes, routing reads its
+    view from before the gap (the best estimate), so the prediction is not exact and the
+    planner must not learn from it whether next turns read their responses, however
+    exactly the prompt was hashed. Before, a resyncing (or silent) worker's prediction
+    was reported exact and taught the planner."""
+    registry, metrics, _link, hints, sessions, _lc, _index, _routing = build(["w0"])
+    ingestor = KvEventIngestor(InMemoryClusterKvIndex(), clock=lambda: 1000.0)
+    ingestor.on_status(status("w0"))  # nothing published yet: LIVE
+    lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
+                                 forget_after_s=3600, index_exact=ingestor.view_exact)
+
+    async def two_turns(session: str) -> None:
+        record = lifecycle.begin_turn("default", session)
+        await lifecycle.routed(record, "w0", 400, 0, ())
+        await lifecycle.finished(record, "w0", ResponseObservation(
+            finish_reason="stop", tool_names=[], prompt_tokens=400, completion_tokens=10,
+            cached_tokens=0), session_end=False)
+        record = lifecycle.begin_turn("default", session)
+        await lifecycle.routed(record, "w0", 440, 408, (), prediction_exact=True)
+
+    async def scenario() -> None:
+        await two_turns("live")
+        assert hints.stats.completion_reads.returned == 1  # a LIVE view: learnt
+        learnt = hints.stats.completion_reads.finished
+        ingestor.on_event_batch(EventBatchMeta("w0", "e1", 3), b"")  # seq 1-2 lost
+        assert not ingestor.view_exact("w0")
+        await two_turns("resyncing")
+        assert hints.stats.completion_reads.finished == learnt
+
+    asyncio.run(scenario())
 
 
 def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> None:

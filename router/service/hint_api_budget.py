@@ -1,0 +1,83 @@
+"""What an agent runtime may send through the sessions API: its tenant's rate and
+holdings budgets, and the worker's advertised pin budget.
+
+:class:`ApiBudgetGate` is the dispatcher's (``HintDispatcher.api_rate_wait_s`` and
+``api_budget_problem`` delegate to it). It reads the holdings ledger the dispatcher keeps
+(so an action counts once it is sent, and stops counting when its outcome or TTL says
+so) and keeps only each tenant's send times of the last minute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from kvhint.router.policy import HoldingsLedger, PlannedAction, target_keys
+from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.workers import WorkerRegistry
+from kvhint.schemas import ActionType
+
+
+class ApiBudgetGate:
+    def __init__(self, holdings: HoldingsLedger, workers: WorkerRegistry,
+                 block_size: Callable[[str], int]) -> None:
+        """``holdings``: the dispatcher's ledger (read, never written here);
+        ``block_size(worker_id)``: the worker's block size from its heartbeat."""
+        self._holdings = holdings
+        self._workers = workers
+        self._block_size = block_size
+        self._times: dict[str, deque[float]] = {}
+
+    def rate_wait_s(self, tenant: str, actions: int, budget: TenantBudget,
+                    now: float) -> float | None:
+        """Seconds until ``actions`` more API actions fit ``tenant``'s per-minute rate
+        (0: they fit now; None: never, more than the rate in one call)."""
+        if actions > budget.max_actions_per_minute:
+            return None
+        times = self._times.get(tenant, ())
+        over = len(times) + actions - budget.max_actions_per_minute
+        if over <= 0:
+            return 0.0
+        return max(60.0 - (now - times[over - 1]), 0.0)
+
+    def problem(self, tenant: str, budget: TenantBudget, worker_id: str,
+                planned: Sequence[PlannedAction], now: float,
+                chain: Sequence[int] = ()) -> str | None:
+        """Why API actions must not be sent (tenant rate and holdings, the worker's
+        advertised budgets), or None; a None answer counts them against the rate.
+        ``chain``: the session's last prompt's block hashes on the worker, so that blocks
+        already held the same way (a shared system prompt) are not counted again."""
+        times = self._times.setdefault(tenant, deque())
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if len(times) + len(planned) > budget.max_actions_per_minute:
+            return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
+                    "per minute")
+        block_size = self._block_size(worker_id)
+        added = {ActionType.PIN.value: [0, 0], ActionType.RETAIN.value: [0, 0]}
+        for action in planned:
+            if (totals := added.get(action.action_type)) is not None:
+                keys = target_keys(action.action_type, action.action.payload, block_size, chain)
+                on_worker, on_tenant = self._holdings.added(worker_id, tenant,
+                                                            action.action_type, action.blocks,
+                                                            keys)
+                totals[0] += on_worker
+                totals[1] += on_tenant
+        pins, retains = added[ActionType.PIN.value], added[ActionType.RETAIN.value]
+        held = self._holdings.tenant(tenant)
+        checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
+                   budget.max_pinned_blocks),
+                  (f"tenant {tenant!r}", "retained", held.retained_blocks, retains[1],
+                   budget.max_retained_blocks)]
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.status is not None:
+            # Pins only: a worker's retain budget is soft (a higher priority displaces a
+            # lower one, an overflow is clipped), which the planner relies on too.
+            checks.append((f"worker {worker_id}", "pinned",
+                           self._holdings.worker(worker_id).pinned_blocks, pins[0],
+                           worker.status.budgets.max_pinned_blocks))
+        for who, kind, current, asked, limit in checks:
+            if asked and limit is not None and current + asked > limit:
+                return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
+        times.extend([now] * len(planned))
+        return None

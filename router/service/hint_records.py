@@ -1,0 +1,98 @@
+"""The record of one hint action the router sent, as memory and the store keep it.
+
+A :class:`SentAction` is created when an action is published (or fails to be), updated by
+its worker's outcome and by the worker's later reports of letting its blocks go unasked,
+and saved as one ``hint_actions`` row (:meth:`SentAction.row`, :meth:`SentAction.from_row`
+after a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from kvhint.schemas import HintOutcome, OutcomeStatus
+
+PENDING = "pending"
+EXPIRED = "expired"
+FAILED = "failed"
+# An action with no terminal outcome after this long is marked expired.
+OUTCOME_DEADLINE_S = 120.0
+# Who an action is for (``SentAction.source``, the metrics' ``source`` label). Only the
+# planner's own actions teach the planner (their outcomes feed its per-worker feedback);
+# "api" marks an agent runtime's: what it sent through the sessions API, and the release
+# of those claims when its session ends.
+PLANNER_SOURCE = "planner"
+API_SOURCE = "api"
+
+
+@dataclass(slots=True)
+class SentAction:
+    action_id: str
+    message_id: str
+    worker_id: str
+    tenant: str | None
+    session_id: str | None  # the client's id (without tenant)
+    action_type: str
+    source: str  # PLANNER_SOURCE | API_SOURCE
+    trigger: str
+    payload: dict[str, Any]
+    status: str
+    created_at: float
+    updated_at: float
+    reason: str = ""
+    requested_blocks: int = 0
+    requested_tokens: int = 0
+    applied_blocks: int = 0
+    applied_tokens: int = 0
+    # What a Pin/Retain protects and when its TTL ends (None: older rows, other types).
+    scope: str | None = None
+    expires_at: float | None = None
+    # The worker's latest report of letting blocks of it go unasked (HoldRelease): why,
+    # when, and what it still holds.
+    release_reason: str | None = None
+    released_at: float | None = None
+    held_after_release_blocks: int | None = None
+    waiter: asyncio.Future[SentAction] | None = None
+    # When this router began waiting for the outcome (not stored): the send, or for an
+    # action restored from the store, the restart.
+    waiting_since: float | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.status not in (PENDING, OutcomeStatus.DEFERRED.value)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "action_id": self.action_id, "message_id": self.message_id,
+            "tenant": self.tenant, "session_id": self.session_id,
+            "worker_id": self.worker_id, "action_type": self.action_type,
+            "source": self.source, "trigger": self.trigger, "payload": self.payload,
+            "status": self.status, "reason": self.reason,
+            "requested_blocks": self.requested_blocks,
+            "requested_tokens": self.requested_tokens,
+            "applied_blocks": self.applied_blocks, "applied_tokens": self.applied_tokens,
+            "created_at": self.created_at, "updated_at": self.updated_at,
+            "scope": self.scope, "expires_at": self.expires_at,
+            "release_reason": self.release_reason, "released_at": self.released_at,
+            "held_after_release_blocks": self.held_after_release_blocks,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> SentAction:
+        fields = {k: row[k] for k in (
+            "action_id", "message_id", "worker_id", "tenant", "session_id", "action_type",
+            "source", "trigger", "payload", "status", "created_at", "updated_at", "reason",
+            "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
+        return cls(**fields, **{k: row.get(k) for k in (
+            "scope", "expires_at", "release_reason", "released_at",
+            "held_after_release_blocks")})
+
+
+def outcome_columns(outcome: HintOutcome) -> dict[str, Any]:
+    """What a worker's answer sets of its action's record (and store row)."""
+    return {"status": outcome.status.value, "reason": outcome.reason,
+            "requested_blocks": outcome.requested.blocks,
+            "requested_tokens": outcome.requested.tokens,
+            "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens}

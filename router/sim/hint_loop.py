@@ -1,0 +1,201 @@
+"""The simulation's hint side: the router's real planner, holdings ledger and outcome
+feedback, driven as the live router drives them (router/service/lifecycle.py and
+hint_dispatch.py), with the simulated workers' PluginCore answering at once.
+
+:class:`HintLoop` is a part of :class:`~kvhint.router.sim.engine.Simulation` (a mixin,
+so the event loop and this side share one set of fields and the simulation's results
+stay what they were before the split). Contract with the engine: it owns the fields
+annotated below (``Simulation.__init__`` sets them), pushes idle reviews on the engine's
+heap (``_push_review``) and hands them back to :meth:`HintLoop._on_review`, and calls
+``_try_start`` on a worker after hints may have freed blocks a waiting prompt needs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from kvhint.router.policy import (
+    HoldingsLedger,
+    LearnedStats,
+    PlannedAction,
+    PlannerContext,
+    PlanResult,
+    SessionPlanState,
+    SharedPrefixRetains,
+    WorkerFeedback,
+    WorkerPlanView,
+    apply_outcome,
+    find_shared_prefixes,
+    next_idle_review,
+    plan_idle,
+    plan_shared_prefixes,
+    session_chain,
+    target_keys,
+)
+from kvhint.schemas import DecodedHints, HintOutcome, parse_action
+
+if TYPE_CHECKING:
+    from kvhint.router.sim.config import SimConfig
+    from kvhint.router.sim.results import PolicyResult
+    from kvhint.router.sim.scheduler_worker import SchedulerSimWorker
+    from kvhint.router.sim.worker import SimWorker
+
+class HintLoop:
+    """The planner's half of a :class:`~kvhint.router.sim.engine.Simulation`."""
+
+    # Set by Simulation.__init__ (declared here for the methods below; no class values).
+    now: float
+    config: SimConfig
+    hints_on: bool
+    result: PolicyResult
+    workers: dict[str, SimWorker | SchedulerSimWorker]
+    stats: LearnedStats
+    ledger: HoldingsLedger
+    sessions: dict[str, SessionPlanState]
+    feedback: dict[str, WorkerFeedback]
+    _planned: dict[str, PlannedAction]
+    _last_hashes: dict[str, tuple[int, ...]]
+    _prefix_retains: SharedPrefixRetains
+    _static_views: dict[str, WorkerPlanView]
+    _plan_rng: random.Random
+    _message_ids: Iterator[int]
+    _tick_index: int
+    _scan_tick: int
+
+    def _push_review(self, at: float, payload: tuple[str, float]) -> None:
+        raise NotImplementedError  # the engine's heap: an idle review of (session, gap)
+
+    def _try_start(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        raise NotImplementedError  # the engine's admission
+
+    def _scan_could_act(self) -> bool:
+        """Whether a shared-prefix scan now has any session to count (else it sends
+        nothing, whenever it runs, until an event changes the sessions)."""
+        ctx = self._planner_ctx()
+        return any(session_chain(ctx, session, session.worker_id,
+                                 self._last_hashes.get(key, ())) is not None
+                   for key, session in self.sessions.items())
+
+    def _planner_ctx(self) -> PlannerContext:
+        views = {}
+        for worker_id, static in self._static_views.items():
+            views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
+                                       feedback=self.feedback[worker_id])
+        return PlannerContext(now=self.now, stats=self.stats, workers=views, rng=self._plan_rng,
+                              config=self.config.planner)
+
+    def _apply_plan(self, result: PlanResult) -> None:
+        if result.session is not None:
+            previous = self.sessions.get(result.session.session_id)
+            self.sessions[result.session.session_id] = result.session
+            self._schedule_review(previous, result.session)
+        for observation in result.observations:
+            self.stats.apply(observation)
+        self._send(result.actions)
+
+    def _schedule_review(self, previous: SessionPlanState | None,
+                         session: SessionPlanState) -> None:
+        review_at = next_idle_review(self.config.planner, session, self.now)
+        if review_at is None:
+            return
+        if previous is not None and previous.gap_opened_at == session.gap_opened_at and (
+            previous.awaiting_return
+        ):
+            return  # a review for this gap is already queued
+        self._push_review(max(review_at, self.now), (session.session_id, session.gap_opened_at))
+
+    def _on_review(self, payload: tuple[str, float]) -> None:
+        session_key, opened_at = payload
+        session = self.sessions.get(session_key)
+        if session is None or not session.awaiting_return or session.gap_opened_at != opened_at:
+            return
+        result = plan_idle(self._planner_ctx(), session)
+        self._apply_plan(result)
+        if result.session is not None and result.session.awaiting_return:
+            review_at = next_idle_review(self.config.planner, result.session, self.now)
+            if review_at is not None and review_at > self.now:
+                self._push_review(review_at, (session_key, opened_at))
+
+    def _send(self, actions: Sequence[PlannedAction]) -> None:
+        if not actions:
+            return
+        by_worker: dict[str, list[PlannedAction]] = {}
+        for planned in actions:
+            by_worker.setdefault(planned.worker_id, []).append(planned)
+            keys = target_keys(planned.action_type, planned.action.payload,
+                               self.config.block_size, self._last_hashes.get(planned.scope, ()))
+            self.ledger.record(action_id=planned.action.action_id, worker_id=planned.worker_id,
+                               tenant=planned.tenant, scope=planned.scope,
+                               action_type=planned.action_type, blocks=planned.blocks,
+                               expires_at=planned.expires_at, keys=keys)
+            self._planned[planned.action.action_id] = planned
+            self.result.hints[(planned.action_type, "sent")] += 1
+        for worker_id, planned_list in by_worker.items():
+            worker = self.workers[worker_id]
+            message = DecodedHints(f"sim-{next(self._message_ids)}",
+                                   [parse_action(p.action) for p in planned_list])
+            self._on_outcomes(worker.core.apply_hints(message))
+            self._take_releases(worker)
+            worker.sync()
+            # Hints may have released blocks a waiting prompt needs.
+            self._try_start(worker)
+
+    def _on_outcomes(self, outcomes: Sequence[HintOutcome]) -> None:
+        for outcome in outcomes:
+            self.result.hints[(outcome.action_type, outcome.status.value)] += 1
+            if not outcome.status.is_terminal:
+                continue
+            self.ledger.settle(outcome)
+            planned = self._planned.pop(outcome.action_id, None)
+            if planned is not None and (session := self.sessions.get(planned.scope)):
+                self.sessions[planned.scope] = session.settled(outcome)
+            worker_id = outcome.worker_id
+            if worker_id in self.feedback:
+                self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
+
+    def _take_releases(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        """What the worker's holds lost unasked (displaced, relieved), as the live router
+        takes it: holdings shrink and the session's protection covers what is left."""
+        message = worker.core.take_releases()
+        if message is None:
+            return
+        for release in message.releases:
+            self.result.released_blocks[(release.action_type, release.reason.value)] += (
+                release.released.blocks)
+            self.ledger.released(release.action_id, release.held.blocks)
+            session = self.sessions.get(release.session_id) if release.session_id else None
+            if session is not None:
+                self.sessions[release.session_id] = session.holding(release.action_id,
+                                                                    release.held.blocks)
+
+    def _on_tick(self) -> None:
+        self.ledger.expire(self.now)
+        if self.hints_on:
+            self._retain_shared_prefixes()
+        for worker in self.workers.values():
+            outcomes = worker.core.advance()
+            worker.sync()
+            if outcomes:
+                self._on_outcomes(outcomes)
+            self._try_start(worker)
+
+    def _retain_shared_prefixes(self) -> None:
+        """The live lifecycle's scan (router/service/lifecycle.py), on the tick."""
+        config = self.config.planner
+        retains = self._prefix_retains
+        if not retains.scan_due(self.now, config.shared_prefix_scan_s):
+            return
+        self._scan_tick = self._tick_index
+        retains.expire(self.now)
+        ctx = self._planner_ctx()
+        chains = [chain for key, session in self.sessions.items() if (
+            chain := session_chain(ctx, session, session.worker_id,
+                                   self._last_hashes.get(key, ())))]
+        prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
+                                        retains.until)
+        actions = plan_shared_prefixes(ctx, prefixes)
+        self._send(actions)
+        retains.sent(actions)
