@@ -8,7 +8,9 @@ tests/e2e -> e2e. ``make test`` runs all; ``make test-unit`` runs unit only.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Iterator
@@ -46,6 +48,28 @@ def state_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(state_dir: Path) -> Path:
     return build_tiny_model(state_dir / "models" / RECIPE_VERSION)
+
+
+# The processor's own chat template: text a tokenizer-template rendering never has.
+PROCESSOR_TEMPLATE = ("PROCESSOR{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                      "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def processor_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                        ) -> Path:
+    """The tiny model with a multimodal processor (LLaVA's, CLIP image processor) whose
+    chat template differs from the tokenizer's, as many vision-language models ship."""
+    folder = tmp_path_factory.mktemp("processor-model") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+        "crop_size": {"height": 32, "width": 32}, "size": {"shortest_edge": 32}}))
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "LlavaProcessor", "patch_size": 16, "image_token": "<image>",
+        "vision_feature_select_strategy": "default"}))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": PROCESSOR_TEMPLATE}))
+    return folder
 
 
 # --- NATS -----------------------------------------------------------------------------

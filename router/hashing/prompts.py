@@ -31,6 +31,7 @@ from typing import Any
 
 from kvhint.router.hashing.chat_template import TemplateTraits, template_traits
 from kvhint.router.hashing.errors import PromptRenderError, UnsupportedPrompt
+from kvhint.router.hashing.processor_template import processor_chat_template
 
 # vLLM's TEXT_PART_TYPES and the key each keeps its text under.
 _TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
@@ -49,14 +50,18 @@ class PromptRenderer:
     ``AutoTokenizer``). ``chat_template`` overrides the tokenizer's, as the server's
     ``--chat-template`` does; ``default_chat_template_kwargs`` mirrors
     ``--default-chat-template-kwargs``; ``exclude_tools_when_tool_choice_none`` mirrors
-    the server flag of the same name.
+    the server flag of the same name. ``processor_chat_template`` is the model's
+    processor's template (multimodal models), which vLLM prefers to the tokenizer's for a
+    request without tools (``renderers/hf.py`` ``resolve_chat_template``).
     """
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None,
                  default_chat_template_kwargs: Mapping[str, Any] | None = None,
-                 exclude_tools_when_tool_choice_none: bool = False) -> None:
+                 exclude_tools_when_tool_choice_none: bool = False,
+                 processor_chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._chat_template_override = chat_template
+        self._processor_template = processor_chat_template
         self._default_kwargs = dict(default_chat_template_kwargs or {})
         self._exclude_tools_when_none = exclude_tools_when_tool_choice_none
         self._traits: dict[str, TemplateTraits] = {}  # per template text (at most a few)
@@ -70,7 +75,8 @@ class PromptRenderer:
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls(tokenizer, chat_template, default_chat_template_kwargs,
-                   exclude_tools_when_tool_choice_none)
+                   exclude_tools_when_tool_choice_none,
+                   processor_chat_template=processor_chat_template(path))
 
     # --- completions ------------------------------------------------------------------
 
@@ -148,6 +154,12 @@ class PromptRenderer:
         return getattr(self.tokenizer, "_tokenizer", None)
 
     def _resolve_template(self, tools: Any) -> str:
+        """vLLM's order: the server's ``--chat-template``, else the processor's template
+        when the request has no tools (``None``: an empty list counts as tools), else the
+        tokenizer's (its ``tool_use`` variant for a request with tools)."""
+        if (self._chat_template_override is None and tools is None
+                and self._processor_template is not None):
+            return self._processor_template
         try:
             template = self.tokenizer.get_chat_template(
                 self._chat_template_override, tools=tools if tools else None)

@@ -198,3 +198,23 @@ def _vllm_chat_token_ids(model_dir: Path, template: str, body: dict) -> list[int
         chat_template_content_format="auto")
     _conversation, prompts = asyncio.run(online.render_chat(ChatCompletionRequest(**body)))
     return list(prompts[0]["prompt_token_ids"])
+
+
+def test_the_processors_chat_template_renders_requests_without_tools(
+        processor_model_dir: Path, tiny_model_dir: Path) -> None:
+    """vLLM renders a request without tools with the processor's template when the model
+    has one (a vision-language model), with the tokenizer's otherwise; before, the router
+    always used the tokenizer's, and every hash of such a model missed. (Equality with
+    the server's own rendering: tests/e2e/index/test_index_processor_template.py.)"""
+    renderer = PromptRenderer.from_pretrained(processor_model_dir)
+    plain = PromptRenderer.from_pretrained(tiny_model_dir)
+    decode = renderer.tokenizer.decode
+    assert decode(renderer.chat_token_ids(chat())).startswith("PROCESSOR[user]hello")
+    assert plain._processor_template is None  # a text-only model has no processor
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for with_tools in (chat(tools=tools), chat(tools=[])):  # tools, even none: the tokenizer's
+        assert renderer.chat_token_ids(with_tools) == plain.chat_token_ids(with_tools)
+    # The server's --chat-template comes first.
+    templated = PromptRenderer.from_pretrained(processor_model_dir,
+                                               chat_template="{{ messages[0].content }}")
+    assert decode(templated.chat_token_ids(chat())) == "hello"
