@@ -2,14 +2,15 @@
 worker gets.
 
 The router owns three fields of the forwarded body: ``session_id`` (``<tenant>/<client
-id>``), ``cache_salt`` (the tenant's) and ``kv_transfer_params`` (never from a client).
-Everything else passes through untouched, so vLLM validates it and its errors reach the
-client as they are.
+id>``), ``cache_salt`` (the tenant's) and ``kv_transfer_params`` (never from a client);
+and it scopes media ``uuid`` s to the tenant. Everything else passes through untouched, so
+vLLM validates it and its errors reach the client as they are.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +154,8 @@ def parse_inbound(
         body["session_id"] = tenant.worker_session_id(client_session_id)
     if tenant.cache_salt is not None:
         body["cache_salt"] = tenant.cache_salt
+        if endpoint is Endpoint.CHAT:
+            _scope_media_uuids(body["messages"], tenant.cache_salt)
 
     strip_usage = False
     if stream:
@@ -177,6 +180,31 @@ def parse_inbound(
         session_end=_truthy(header_session_end),
         body=body,
     )
+
+
+def _scope_media_uuids(messages: list[dict[str, Any]], salt: str) -> None:
+    """Make every content part's ``uuid`` the tenant's own.
+
+    vLLM 0.32 takes a part's client-given ``uuid`` as its media item's hash, and keys
+    the processor's and the encoder's caches by it alone, not by ``cache_salt``
+    (``multimodal/processing/inputs.py``, ``v1/engine/input_processor.py``); a part may
+    even carry a ``uuid`` and no data, to reuse a cached item. So a tenant naming
+    another's uuid would be answered from that tenant's image, or, sending data with
+    it, would replace what that tenant's next request reads. Each uuid becomes a digest
+    of the tenant's salt and the uuid: one tenant's repeats still hit its cache; no two
+    tenants share an entry."""
+    for number, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict) or part.get("uuid") is None:
+                continue
+            uuid = part["uuid"]
+            if not isinstance(uuid, str):
+                raise BadRequest("a content part's 'uuid' must be a string",
+                                 param=f"messages[{number}].content")
+            part["uuid"] = hashlib.sha256(f"{salt}\x00{uuid}".encode()).hexdigest()
 
 
 def _session_id(body: dict[str, Any], header: str | None) -> str | None:

@@ -97,3 +97,28 @@ def test_a_body_nested_too_deeply_is_a_bad_request() -> None:
         b"[" * 1200 + b"]" * 1200 + b"}"
     with pytest.raises(BadRequest, match="nested too deeply"):
         parse_inbound(Endpoint.CHAT, deep, DEV, None, None)
+
+
+def test_media_uuids_are_scoped_to_the_tenant() -> None:
+    """vLLM keys its multimodal caches by a part's client-given uuid alone (not by the
+    cache salt): two tenants naming the same uuid would share (or overwrite) one image."""
+    def image(uuid: object) -> dict[str, object]:
+        return {"type": "image_url", "image_url": {"url": "http://x/cat.png"}, "uuid": uuid}
+
+    def forwarded_uuids(tenant: Tenant, uuid: object = "img-1") -> list[object]:
+        body = chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"}, image(uuid),
+            {"type": "image_url", "image_url": None, "uuid": uuid}]},
+            {"role": "assistant", "content": "a cat"}])
+        message = parse_inbound(Endpoint.CHAT, body, tenant, None, None).body["messages"][0]
+        assert message["content"][0] == {"type": "text", "text": "what is this?"}
+        return [part["uuid"] for part in message["content"][1:]]
+
+    other = Tenant("other", "salt-other", TenantBudget())
+    mine = forwarded_uuids(ACME)
+    assert mine[0] == mine[1] == forwarded_uuids(ACME)[0] != "img-1"  # repeats still hit
+    assert set(mine).isdisjoint(forwarded_uuids(other))
+    assert forwarded_uuids(DEV) == ["img-1", "img-1"]  # one tenant, nobody to keep apart
+    with pytest.raises(BadRequest, match="'uuid' must be a string") as error:
+        forwarded_uuids(ACME, uuid=7)
+    assert error.value.param == "messages[0].content"
