@@ -54,7 +54,12 @@ class ApiBudgetGate:
             return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
                     "per minute")
         block_size = self._block_size(worker_id)
-        added = {ActionType.PIN.value: [0, 0], ActionType.RETAIN.value: [0, 0]}
+        pins, retains = [0, 0], [0, 0]
+        # A Prefetch holds too: the worker retains what it brought into G1 until the
+        # Prefetch's deadline, and the ledger counts that as retained (before, a tenant
+        # over its retained cap could still Prefetch without limit).
+        added = {ActionType.PIN.value: pins, ActionType.RETAIN.value: retains,
+                 ActionType.PREFETCH.value: retains}
         for action in planned:
             if (totals := added.get(action.action_type)) is not None:
                 keys = target_keys(action.action_type, action.action.payload, block_size, chain)
@@ -63,7 +68,6 @@ class ApiBudgetGate:
                                                             keys)
                 totals[0] += on_worker
                 totals[1] += on_tenant
-        pins, retains = added[ActionType.PIN.value], added[ActionType.RETAIN.value]
         held = self._holdings.tenant(tenant)
         checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
                    budget.max_pinned_blocks),

@@ -30,6 +30,7 @@ from kvhint.schemas import (
     KvHintAction,
     OutcomeStatus,
     PinPayload,
+    PrefetchPayload,
     RetainPayload,
     Subjects,
     Target,
@@ -450,6 +451,11 @@ def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() 
     assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
         "t", TenantBudget(max_retained_blocks=240), "w0",
         [planned(RetainPayload(target=target, priority=50), 8)], time.time())
+    # A Prefetch counts as retained (the worker retains what it brings in until its
+    # deadline): before, a tenant at its retained cap could prefetch without limit.
+    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
+        "t", TenantBudget(max_retained_blocks=240), "w0",
+        [planned(PrefetchPayload(target=target, deadline_s=600), 8)], time.time())
 
 
 def test_api_budgets_count_blocks_already_held_the_same_way_once() -> None:
