@@ -34,7 +34,11 @@ from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.settings import ModelPromptSettings, RouterSettings
+from kvhint.router.service.settings import (
+    DEFAULT_SALT_SECRET,
+    ModelPromptSettings,
+    RouterSettings,
+)
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.router.service.timeline import Timeline
 from kvhint.router.service.trace_recorder import TraceRecorder
@@ -325,6 +329,11 @@ def _announce(settings: RouterSettings, directory: TenantDirectory) -> None:
                     "the admin and hint endpoints are OPEN to anyone who can reach this port.")
         log.warning("Configure tenants[].api_keys and admin_keys for anything but a laptop.")
         log.warning(banner)
+    elif (settings.salt_secret == DEFAULT_SALT_SECRET
+          and any(t.cache_salt is None for t in settings.tenants)):
+        log.warning("salt_secret is the published default: every tenant's derived "
+                    "cache_salt can be computed by anyone who knows its name; set "
+                    "KVHINT_ROUTER_SALT_SECRET to a secret of your own")
     if not settings.nats_url:
         log.warning("no NATS URL: no cluster KV index and no hints; routing by load and "
                     "session affinity only")

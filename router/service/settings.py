@@ -28,6 +28,8 @@ from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.schemas import Subjects, is_valid_worker_id
 
 ENV_PREFIX = "KVHINT_ROUTER_"
+# Published (it is in this file): salts derived from it are secret from nobody.
+DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -214,7 +216,7 @@ class RouterSettings(BaseSettings):
     # KVHINT_ROUTER_ADMIN_KEYS is "key1,key2" (not JSON): NoDecode hands the string
     # to the validator below.
     admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    salt_secret: str = "kvhint-dev-salt-secret"
+    salt_secret: str = DEFAULT_SALT_SECRET
 
     routing: RoutingSettings = RoutingSettings()
     hints: HintSettings = HintSettings()
@@ -286,6 +288,13 @@ class RouterSettings(BaseSettings):
         keys = [k for t in self.tenants for k in (*t.api_keys, *t.admin_keys)] + self.admin_keys
         if len(keys) != len(set(keys)):
             raise ValueError("an API key appears twice (keys identify one tenant or admin)")
+        salted: dict[str, str] = {}
+        for tenant in self.tenants:
+            if tenant.cache_salt is None:
+                continue
+            if (other := salted.setdefault(tenant.cache_salt, tenant.name)) != tenant.name:
+                raise ValueError(f"tenants {other!r} and {tenant.name!r} have the same "
+                                 "cache_salt: they would share each other's cached prompts")
         return self
 
     @property

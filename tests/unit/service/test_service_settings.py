@@ -54,6 +54,8 @@ def test_config_file_under_environment(tmp_path: Path, monkeypatch: pytest.Monke
     {"workers": "w0=http://a:1,w0=http://b:1"},           # duplicate id
     {"tenants": [{"name": "x", "cache_salt": "a/b"}]},    # vLLM rejects '/'
     {"tenants": [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}]},
+    # One salt for two tenants would share their cached prompts.
+    {"tenants": [{"name": "a", "cache_salt": "s"}, {"name": "b", "cache_salt": "s"}]},
     {"unknown_field": 1},
     {"routing": {"new_session_spread": -1}},
     # A misspelt key at any depth is refused, not ignored (an operator who wrote
@@ -166,3 +168,21 @@ def test_a_store_it_cannot_reach_stops_the_router_with_one_line(
     assert err[0].startswith("kvhint router: cannot connect to the store at "
                              f"postgresql+psycopg://kvhint:***@127.0.0.1:{port}/kvhint: ")
     assert "secret" not in err[0]
+
+
+def test_a_published_salt_secret_is_announced_outside_dev_mode(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Tenants' derived salts are HMACs of salt_secret: with the default (published)
+    one, anyone knowing a tenant's name knows its salt."""
+    from kvhint.router.service.runtime import _announce
+
+    def warned(settings: RouterSettings) -> bool:
+        caplog.clear()
+        _announce(settings, TenantDirectory(settings))
+        return any("salt_secret" in r.getMessage() for r in caplog.records)
+
+    tenants = [{"name": "acme", "api_keys": ["k1"]}]
+    assert warned(RouterSettings(tenants=tenants))
+    assert not warned(RouterSettings(tenants=tenants, salt_secret="ours"))
+    assert not warned(RouterSettings(tenants=[{**tenants[0], "cache_salt": "own"}]))
+    assert not warned(RouterSettings())  # dev mode: one tenant, no salt
