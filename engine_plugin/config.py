@@ -55,6 +55,13 @@ class PluginConfig(BaseModel):
     donor_retain_priority: int = Field(60, ge=0, le=100)
     # Prefetch of blocks already in G1: keep them retained at this priority until the deadline.
     prefetch_retain_priority: int = Field(80, ge=0, le=100)
+    # Prefetch work: the most target blocks deferred Prefetches may wait for at once, as a
+    # fraction of the GPU blocks (each waiting Prefetch counts at least one). Every step
+    # re-checks what they wait for, so this bounds that work as the pin and retain budgets
+    # bound holds. A Prefetch past it waits only for its root-most blocks that fit and is
+    # ``clipped``; with no room left it is answered at once (``clipped``, with what is in
+    # G1 already). 0: Prefetches never wait.
+    prefetch_budget_fraction: float = Field(0.25, ge=0.0, le=1.0)
     # A Demote that finds host copies still in flight (vLLM's offloading connector copies
     # asynchronously, and a Demote planned as a response ends can come before the copies
     # of its last blocks finish) is answered ``deferred`` and applied when they finish, or
@@ -81,6 +88,10 @@ class PluginConfig(BaseModel):
     # A hint the engine has not taken after this long (a long prefill step, or an engine
     # that cannot be woken) is answered ``deferred`` at once; its final outcome follows.
     defer_after_s: float = Field(0.02, gt=0.0, le=10.0)
+    # Snapshots kept for their later pages (router replicas paging at once), bounded by
+    # their blocks in all: past it the oldest go first (counted, kvhint:snapshots_dropped),
+    # the latest always stays (without it every page would copy the index again).
+    snapshot_keep_blocks: int = Field(1_000_000, ge=1)
 
     @field_validator("worker_id")
     @classmethod
@@ -117,6 +128,9 @@ class PluginConfig(BaseModel):
 
     def retain_budget_blocks(self, num_blocks: int) -> int:
         return int(self.retain_budget_fraction * num_blocks)
+
+    def prefetch_budget_blocks(self, num_blocks: int) -> int:
+        return int(self.prefetch_budget_fraction * num_blocks)
 
 
 def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:

@@ -133,7 +133,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         mailbox = None
         if config.nats_url:
             mailbox = Mailbox(config.inbound_buffer, config.outcome_buffer,
-                              config.event_buffer_batches)
+                              config.event_buffer_batches,
+                              answered_limit=config.max_remembered_actions)
             if self._waker is not None:
                 mailbox.wake_engine = self._waker
         self.core = PluginCore.attach(kv_cache_manager, config, identity=identity,
@@ -245,6 +246,11 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "retained_kept_in_use_under_pressure": holds.kept_in_use_under_pressure,
             "retained_displaced": holds.displaced,
             "claims_expired": holds.expired_claims,
+            "held_blocks_gone": holds.released_gone,
+            "prefetch_clipped_blocks": ex.prefetch_clipped_blocks,
+            "deferred_dropped": mailbox.counters.deferred_dropped if mailbox else 0,
+            "in_flight_ids_forgotten": mailbox.counters.in_flight_forgotten if mailbox else 0,
+            "snapshots_dropped": tc.snapshots_dropped if tc else 0,
             "index_events": core.index.counters.events,
             "internal_errors": cc.internal_errors,
             "pinned_blocks": core.executor.pinned_blocks,

@@ -202,18 +202,27 @@ class PluginCore:
     def on_engine_events(self, events: list[Any]) -> None:
         """Every KV event the scheduler drains passes here (via the adapter's tee)."""
         index, adapter, log = self.index, self.adapter, self._event_log
+        removed: list[int] = []
+        cleared = False
         for event in adapter.index_events(events):
             index.apply(event)
             if log is not None:
                 log.append(event)
             if isinstance(event, Removed):
                 adapter.forget([k for k in event.hashes if not index.is_resident(k, None)])
+                if event.medium == GPU:
+                    removed.extend(event.hashes)
             elif isinstance(event, Cleared):
                 if event.medium == GPU:
+                    cleared = True
                     adapter.forget_all()  # a host-only block is then unknown until seen again
                 else:
                     adapter.forget([k for k in adapter.known_keys()
                                     if not index.is_resident(k, None)])
+        if removed or cleared:
+            # A held block leaves the cache only by a path other than ours (an eviction
+            # needs a free block): give its hold back so no budget is spent on it.
+            self.executor.holds.release_gone(None if cleared else removed)
         self._apply_pending_hits()
         self.counters.event_batches += 1
         self.counters.events += len(events)
@@ -329,7 +338,8 @@ class PluginCore:
 
     def _handle(self, item: Inbound) -> list[HintOutcome]:
         if item.kind == "hints":
-            outcomes = self.apply_hints(item.data)
+            # Decoded once, by the transport when it came (off this thread).
+            outcomes = self.apply_hints(item.decoded if item.decoded is not None else item.data)
         elif item.kind == "advice":
             outcomes = [self.apply_advice(item.data)]
         elif item.kind == "snapshot":

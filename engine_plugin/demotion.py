@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvhint.engine_plugin.holds import BlockCache, BlockHandle, HoldLedger
+from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
+from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.schemas import HintOwner
 

@@ -43,10 +43,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.demotion import copies_on_their_way, demotable, with_host_copies
-from kvhint.engine_plugin.holds import PIN, BlockCache, BlockHandle, HoldLedger
-from kvhint.engine_plugin.host_tier import HostTier
+from kvhint.engine_plugin.hold_records import GONE, PIN
+from kvhint.engine_plugin.holds import HoldLedger
+from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
+from kvhint.engine_plugin.prefetch import PendingPrefetch, PrefetchMixin
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
@@ -74,16 +77,6 @@ ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, Out
 REJECTED, MISSING = OutcomeStatus.REJECTED, OutcomeStatus.MISSING
 PLANNER, AGENT = HintOwner.PLANNER.value, HintOwner.AGENT.value
 
-NO_HOST_TIER = ("no host tier on this worker (vLLM's offloading connectors need CUDA; the CPU "
-                "backend keeps KV in one tier)")
-@dataclass(slots=True)
-class _PendingPrefetch:
-    message_id: str
-    keys: list[int]
-    requested: Amount
-    deadline: float
-
-
 @dataclass(slots=True)
 class _PendingDemote:
     """A Demote waiting for host copies vLLM's connector is still making."""
@@ -102,9 +95,11 @@ class _PendingDemote:
 class ExecutorCounters:
     outcomes: Counter = field(default_factory=Counter)  # (action_type, status) -> n
     duplicates: int = 0
+    # Target blocks Prefetches did not wait for because the prefetch budget was full.
+    prefetch_clipped_blocks: int = 0
 
 
-class HintExecutor:
+class HintExecutor(PrefetchMixin):
     """Applies hints against a :class:`BlockCache`; see the module docstring."""
 
     def __init__(self, cache: BlockCache, index: SessionPrefixIndex, config: PluginConfig,
@@ -119,7 +114,9 @@ class HintExecutor:
         self.holds = HoldLedger(cache, config.pin_budget_blocks(cache.num_blocks),
                                 config.retain_budget_blocks(cache.num_blocks))
         self.counters = ExecutorCounters()
-        self._pending: dict[str, _PendingPrefetch] = {}
+        self._pending: dict[str, PendingPrefetch] = {}
+        self.max_prefetch_blocks = config.prefetch_budget_blocks(cache.num_blocks)
+        self._prefetch_waiting = 0  # sum of the pending Prefetches' costs
         self._pending_demotes: dict[str, _PendingDemote] = {}
         # Terminal outcomes settled outside advance() (a waiting Demote superseded), for
         # the next advance() to return.
@@ -215,11 +212,15 @@ class HintExecutor:
         return self.holds.release_all()
 
     def take_releases(self) -> list[HoldRelease]:
-        """What accepted Pins and Retains lost unasked since the last call."""
+        """What accepted Pins and Retains lost unasked since the last call. A block vLLM
+        dropped from its cache by another path (``GONE``) goes out as ``reset``: the
+        wire's reasons (schemas v1) have none of its own, and ``reset`` says the same to
+        the router (vLLM invalidated the cached KV; the hold is over)."""
         return [HoldRelease(
             action_id=loss.action_id,
             action_type=(ActionType.PIN if loss.kind == PIN else ActionType.RETAIN).value,
-            session_id=loss.scope, reason=ReleaseReason(loss.reason),
+            session_id=loss.scope,
+            reason=ReleaseReason.RESET if loss.reason == GONE else ReleaseReason(loss.reason),
             released=self._amount(loss.released), held=self._amount(loss.held))
             for loss in self.holds.take_losses()]
 
@@ -427,65 +428,7 @@ class HintExecutor:
             done.append(outcome)
         return done
 
-    # --- prefetch / donor -------------------------------------------------------------------
-
-    def _prefetch(self, message_id: str, action_id: str, payload: PrefetchPayload,
-                  keys: list[int], handles: list[BlockHandle], requested: Amount
-                  ) -> HintOutcome:
-        type_ = ActionType.PREFETCH.value
-        if requested.blocks and len(handles) >= requested.blocks:
-            retained = self._retain_until(action_id, handles, payload.deadline_s)
-            return self._outcome(message_id, action_id, type_, ACCEPTED,
-                                 f"already resident in G1; {retained} of {len(handles)} "
-                                 "blocks retained until the deadline", requested,
-                                 self._amount(len(handles)))
-        self._pending[action_id] = _PendingPrefetch(
-            message_id, keys, requested, self.clock() + payload.deadline_s)
-        if self.host_tier is None:
-            source = f"{NO_HOST_TIER} to load from"
-        else:
-            in_host = sum(1 for k in keys if self.host_tier.contains(k))
-            source = f"{in_host} in the host tier, which vLLM loads only when a request is admitted"
-        return self._outcome(
-            message_id, action_id, type_, DEFERRED,
-            f"{len(handles)} of {requested.blocks} blocks in G1; {source}; the rest arrive "
-            "only with a request, so the final outcome comes then or at the deadline",
-            requested, self._amount(len(handles)))
-
-    def _settle_prefetches(self, now: float) -> list[HintOutcome]:
-        done: list[HintOutcome] = []
-        type_ = ActionType.PREFETCH.value
-        for action_id, pending in list(self._pending.items()):
-            handles = [h for h in map(self.cache.lookup, pending.keys) if h is not None]
-            complete = bool(pending.keys) and len(handles) >= pending.requested.blocks
-            if not complete and now < pending.deadline:
-                continue
-            del self._pending[action_id]
-            if complete:
-                self._retain_until(action_id, handles, pending.deadline - now)
-                outcome = self._outcome(pending.message_id, action_id, type_, ACCEPTED,
-                                        "blocks became resident in G1 before the deadline",
-                                        pending.requested, self._amount(len(handles)))
-            elif handles:
-                outcome = self._outcome(
-                    pending.message_id, action_id, type_, CLIPPED,
-                    f"deadline passed with {len(handles)} of {pending.requested.blocks} "
-                    "blocks in G1", pending.requested, self._amount(len(handles)))
-            else:
-                outcome = self._outcome(pending.message_id, action_id, type_, MISSING,
-                                        "deadline passed with no target block in G1",
-                                        pending.requested)
-            self._remember(("hint", action_id), outcome)
-            done.append(outcome)
-        return done
-
-    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> int:
-        """Retain a Prefetch's blocks until its deadline; returns how many the retain
-        budget took."""
-        if ttl_s <= 0:
-            return 0
-        return self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles,
-                            [], None, PLANNER)
+    # --- donor -------------------------------------------------------------------------------
 
     def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
         def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),

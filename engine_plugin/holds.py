@@ -15,7 +15,8 @@ on its blocks, ending at its expiry:
 
 Blocks a claim loses without its sender asking (displaced by a higher-priority retain, by
 the retain budget when a pin under a retain ends, or by a Demote naming the blocks,
-relieved under memory pressure, given back for a prefix-cache reset) are remembered as
+relieved under memory pressure, given back for a prefix-cache reset, dropped from vLLM's
+cache by another path: :meth:`HoldLedger.release_gone`) are remembered as
 :class:`ClaimLoss` until :meth:`HoldLedger.take_losses`, so the sender can be told; TTL
 expiry and supersession are not (the sender knows of them).
 
@@ -27,96 +28,28 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
-PIN, RETAIN = "pin", "retain"
-DISPLACED, PRESSURE, RESET = "displaced", "pressure", "reset"
+from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
+from kvhint.engine_plugin.hold_records import (
+    DISPLACED,
+    GONE,
+    PIN,
+    PRESSURE,
+    RESET,
+    RETAIN,
+    ClaimLoss,
+    HoldCounters,
+    Claim,
+    Hold,
+)
+
+__all__ = ["DISPLACED", "GONE", "PIN", "PRESSURE", "RESET", "RETAIN", "BlockCache",
+           "BlockHandle", "ClaimLoss", "HoldCounters", "HoldLedger"]
+
 # Entries a lazily-cleaned heap may hold beyond twice its live ones before it is rebuilt.
 _COMPACT_SLACK = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class BlockHandle:
-    """A resident block as the cache port sees it. ``block_id`` is stable while held;
-    ``depth`` is the block's position in its chain (0 = root), for leaf-first release;
-    ``blocks`` are the engine's block objects (one per KV cache group)."""
-
-    key: int
-    block_id: int
-    depth: int
-    blocks: tuple[object, ...]
-
-
-class BlockCache(Protocol):
-    """What the plugin needs from the engine's block pool (scheduler thread only)."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def num_blocks(self) -> int: ...
-
-    def lookup(self, key: int) -> BlockHandle | None:
-        """The block cached under hash ``key`` now, or None when it is not resident."""
-
-    def hold(self, handles: Sequence[BlockHandle]) -> None:
-        """Take one reference on each block (it leaves the free queue)."""
-
-    def release(self, handles: Sequence[BlockHandle]) -> None:
-        """Give the references back; ``handles`` in eviction order (first evicted first)."""
-
-    def evict_first(self, handles: Sequence[BlockHandle]) -> int:
-        """Move these blocks, where free, to the head of the eviction order, deepest
-        first (whatever order they come in); returns how many moved."""
-
-    def in_use(self, handle: BlockHandle) -> bool:
-        """Whether something besides the plugin's hold references the block now (a running
-        request): giving the hold back would not free it."""
-
-
-@dataclass(slots=True)
-class _Hold:
-    handle: BlockHandle
-    pins: dict[str, float] = field(default_factory=dict)  # action id -> expiry
-    retains: dict[str, int] = field(default_factory=dict)  # action id -> priority
-    version: int = 0  # of its live entry in the pressure heap (older entries are stale)
-    touched: int = 0  # sequence number of the latest retain claim (LRU among equals)
-
-
-@dataclass(slots=True)
-class _Claim:
-    kind: str
-    block_ids: set[int]
-    expiry: float
-    scope: str | None  # the session a session-targeted action was about
-    owner: str  # whose claim (HintOwner's value)
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimLoss:
-    """Blocks one claim lost for ``reason`` since the last :meth:`HoldLedger.take_losses`;
-    ``held``: the blocks it still holds (0 once it holds none or has ended)."""
-
-    action_id: str
-    kind: str
-    scope: str | None
-    reason: str
-    released: int
-    held: int
-
-
-@dataclass(slots=True)
-class HoldCounters:
-    released_under_pressure: int = 0
-    # Retained blocks relief passed over because a running request also used them, once
-    # per relief call (an allocation that retries relief counts a block again).
-    kept_in_use_under_pressure: int = 0
-    displaced: int = 0
-    released_on_reset: int = 0
-    expired_claims: int = 0
-    superseded_claims: int = 0
 
 
 class HoldLedger:
@@ -125,8 +58,10 @@ class HoldLedger:
         self.max_pinned = max_pinned
         self.max_retained = max_retained
         self.counters = HoldCounters()
-        self._holds: dict[int, _Hold] = {}
-        self._claims: dict[str, _Claim] = {}
+        self._holds: dict[int, Hold] = {}
+        # Held block ids by block hash, to find the holds a BlockRemoved event names.
+        self._by_key: dict[int, set[int]] = {}
+        self._claims: dict[str, Claim] = {}
         self._by_scope: dict[tuple[str, str], set[str]] = {}  # (scope, owner) -> action ids
         self._pinned = 0
         self._retained = 0
@@ -212,7 +147,7 @@ class HoldLedger:
         for handle in handles:
             hold = self._holds.get(handle.block_id)
             if hold is None:
-                hold = self._holds[handle.block_id] = _Hold(handle)
+                hold = self._new_hold(handle)
                 new_holds.append(handle)
             elif not hold.pins and hold.retains:
                 self._retained -= 1
@@ -249,7 +184,7 @@ class HoldLedger:
         for handle in handles:
             hold = self._holds.get(handle.block_id)
             if hold is None:
-                hold = self._holds[handle.block_id] = _Hold(handle)
+                hold = self._new_hold(handle)
                 new_holds.append(handle)
                 self._retained += 1
             hold.retains[action_id] = priority
@@ -312,7 +247,7 @@ class HoldLedger:
                 self._push_pressure(hold)  # its priority may have dropped
             else:
                 self._retained -= 1
-                del self._holds[handle.block_id]
+                self._forget_hold(handle.block_id)
                 released.append(hold.handle)
         self._release(released)
         return dropped, len(released)
@@ -348,6 +283,7 @@ class HoldLedger:
             if claim.block_ids:
                 self._note_loss(action_id, claim, RESET, len(claim.block_ids))
         self._holds.clear()
+        self._by_key.clear()
         self._claims.clear()
         self._by_scope.clear()
         self._expiry_heap.clear()
@@ -357,7 +293,52 @@ class HoldLedger:
         self._release(handles)
         return len(handles)
 
+    def release_gone(self, keys: Iterable[int] | None = None) -> int:
+        """Give back the holds on blocks that left vLLM's prefix cache by a path other
+        than ours (BlockRemoved for a block we hold: ``evict_blocks`` after a failed KV
+        load; None: check every hold, after an AllBlocksCleared). Their claims lose them
+        as ``GONE`` (reported: the sender's budget no longer holds them); returns how
+        many. A removed hash whose held copy is still cached (vLLM keeps duplicate
+        copies) keeps its hold."""
+        if keys is None:
+            candidates = list(self._holds)
+        else:
+            by_key = self._by_key
+            candidates = [b for k in keys if k in by_key for b in by_key[k]]
+        released: list[BlockHandle] = []
+        for block_id in candidates:
+            hold = self._holds.get(block_id)
+            if hold is None or self.cache.is_cached(hold.handle):
+                continue
+            for action_id in (*hold.pins, *hold.retains):
+                claim = self._claims.get(action_id)
+                if claim is not None and block_id in claim.block_ids:
+                    claim.block_ids.discard(block_id)
+                    self._note_loss(action_id, claim, GONE, 1)
+            if hold.pins:
+                self._pinned -= 1
+            else:
+                self._retained -= 1
+            self._forget_hold(block_id)  # its pressure-heap entries are skipped as stale
+            released.append(hold.handle)
+        self.counters.released_gone += len(released)
+        self._release(released)
+        return len(released)
+
     # --- internals ------------------------------------------------------------------------
+
+    def _new_hold(self, handle: BlockHandle) -> Hold:
+        hold = self._holds[handle.block_id] = Hold(handle)
+        self._by_key.setdefault(handle.key, set()).add(handle.block_id)
+        return hold
+
+    def _forget_hold(self, block_id: int) -> None:
+        hold = self._holds.pop(block_id)
+        ids = self._by_key.get(hold.handle.key)
+        if ids is not None:
+            ids.discard(block_id)
+            if not ids:
+                del self._by_key[hold.handle.key]
 
     def _replace_claim(self, action_id: str) -> None:
         """A claim under an id already claimed replaces it. Ids are meant to be unique and
@@ -381,7 +362,7 @@ class HoldLedger:
 
     def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
                    expiry: float, scope: str | None, owner: str) -> None:
-        self._claims[action_id] = _Claim(kind, {h.block_id for h in handles}, expiry, scope,
+        self._claims[action_id] = Claim(kind, {h.block_id for h in handles}, expiry, scope,
                                          owner)
         if scope is not None:
             self._by_scope.setdefault((scope, owner), set()).add(action_id)
@@ -391,7 +372,7 @@ class HoldLedger:
             self._expiry_heap = [(c.expiry, next(self._seq), a) for a, c in self._claims.items()]
             heapq.heapify(self._expiry_heap)
 
-    def _push_pressure(self, hold: _Hold) -> None:
+    def _push_pressure(self, hold: Hold) -> None:
         # Versions come from the ledger-wide sequence, not a per-hold count: a superseded
         # claim's hold is deleted and a new one made for the same block, and a per-hold
         # count would restart there and match the old hold's stale entries (its old,
@@ -407,7 +388,7 @@ class HoldLedger:
             heapq.heapify(self._pressure_heap)
 
     @staticmethod
-    def _pressure_entry(hold: _Hold) -> tuple[int, int, int, int, int]:
+    def _pressure_entry(hold: Hold) -> tuple[int, int, int, int, int]:
         return (max(hold.retains.values()), hold.touched, -hold.handle.depth,
                 hold.handle.block_id, hold.version)
 
@@ -423,7 +404,7 @@ class HoldLedger:
         self._losses.clear()
         return losses
 
-    def _note_loss(self, action_id: str, claim: _Claim, reason: str, blocks: int) -> None:
+    def _note_loss(self, action_id: str, claim: Claim, reason: str, blocks: int) -> None:
         key = (action_id, reason)
         earlier = self._losses.get(key)
         self._losses[key] = (
@@ -458,7 +439,7 @@ class HoldLedger:
         self._release(released)
         return len(released)
 
-    def _drop_hold(self, hold: _Hold, released: list[BlockHandle], lost_to: str | None) -> None:
+    def _drop_hold(self, hold: Hold, released: list[BlockHandle], lost_to: str | None) -> None:
         """Forget a retain-only hold; its block goes to ``released``. ``lost_to``: the
         reason its claims lost it unasked (None: their sender asked)."""
         block_id = hold.handle.block_id
@@ -470,7 +451,7 @@ class HoldLedger:
                     self._note_loss(action_id, claim, lost_to, 1)
         hold.retains.clear()
         self._retained -= 1
-        del self._holds[block_id]
+        self._forget_hold(block_id)
         released.append(hold.handle)
 
     def _end_claim(self, action_id: str, released: list[BlockHandle],
@@ -506,7 +487,7 @@ class HoldLedger:
                     else:
                         self._retained -= 1
             if not hold.pins and not hold.retains:
-                del self._holds[block_id]
+                self._forget_hold(block_id)
                 released.append(hold.handle)
 
     def _release(self, handles: list[BlockHandle]) -> None:

@@ -15,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+# Why Demote, Share and the load half of Prefetch cannot run on this worker (said in outcomes).
+NO_HOST_TIER = ("no host tier on this worker (vLLM's offloading connectors need CUDA; the CPU "
+                "backend keeps KV in one tier)")
+
 
 class HostTier(Protocol):
     def keep(self, block_hashes: Sequence[int]) -> frozenset[int]:

@@ -1,8 +1,10 @@
 """The boundary between the scheduler thread and the transport (NATS) thread.
 
 Bounded deques in both directions; nothing here blocks. ``deque.append``/``popleft`` are
-atomic in CPython, so each deque has one producer thread and one consumer thread and
-needs no lock. Everything dropped for lack of room is counted.
+atomic in CPython, so the deques need no lock (outcomes have two producers: the scheduler
+thread, and the transport's early ``deferred`` and inbox-full answers; a bound may then
+be passed by one for a moment). What the two threads decide together (taken, answered,
+in flight) is under ``lock``. Everything dropped for lack of room is counted.
 
 - inbound (transport -> scheduler): hints, donor advice, snapshot requests;
 - outbound (scheduler -> transport): outcomes, hold releases, KV event batches (with
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,9 @@ class Inbound:
     # transport answers ``deferred`` under the same lock only while it is not taken, so
     # a deferred always precedes the final outcome on the wire.
     taken: bool = False
+    # The hints message decoded by the transport when it came (None: another kind, or
+    # not decoded), so the scheduler thread does not decode it again.
+    decoded: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +63,13 @@ class SnapshotOut:
 @dataclass(slots=True)
 class MailboxCounters:
     inbound_dropped: int = 0
+    # Outcomes dropped for lack of room, early ``deferred`` ones included (those also
+    # in ``deferred_dropped``).
     outcomes_dropped: int = 0
+    deferred_dropped: int = 0
+    # Action ids forgotten from the in-flight set to keep it bounded (a repeat of one
+    # arriving while the inbox is full is then answered ``rejected``).
+    in_flight_forgotten: int = 0
     releases_dropped: int = 0
     event_batches_dropped: int = 0
     events_dropped: int = 0
@@ -85,11 +96,24 @@ def pop_oldest(queue: deque[Any]) -> Any:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class RepeatAnswers:
+    """How a hints message that found the inbox full is answered, per action id."""
+
+    again: list[HintOutcome]  # answered before: that terminal outcome, sent again
+    in_flight: list[str]  # queued or being applied: its own outcome follows, nothing new
+    new: list[str]  # unknown here: rejected (inbox full)
+
+
 @dataclass
 class Mailbox:
     inbound_limit: int
     outcome_limit: int
     event_batch_limit: int
+    # How many answered action ids (with their terminal outcome) and in-flight ids are
+    # remembered; the connector passes ``max_remembered_actions``, the executor's own
+    # idempotency memory, so the transport knows a repeat for as long as the engine does.
+    answered_limit: int = 10_000
     inbound: deque[Inbound] = field(default_factory=deque)
     outcomes: deque[HintOutcome] = field(default_factory=deque)
     releases: deque[HoldsReleased] = field(default_factory=deque)
@@ -115,24 +139,72 @@ class Mailbox:
     # (wall-clock seconds), so an idle engine is woken for one step to make it.
     status_refresh_at: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Action ids the scheduler thread has given a terminal outcome (the newest
-    # ``outcome_limit``; under ``lock``): the transport's early ``deferred`` for a repeat
-    # must not follow the terminal outcome the repeat will be answered with.
-    answered: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # Action ids the scheduler thread has given a terminal outcome, with that outcome
+    # (the newest ``answered_limit``; under ``lock``). The transport's early ``deferred``
+    # for a repeat must not follow the terminal outcome the repeat will be answered
+    # with, and a repeat that finds the inbox full gets that outcome again, not a
+    # ``rejected`` contradicting it.
+    answered: OrderedDict[str, HintOutcome] = field(default_factory=OrderedDict)
+    # Action ids of hints queued for the scheduler thread and not yet given a terminal
+    # outcome (queued, or applied and ``deferred``; under ``lock``, bounded by
+    # ``answered_limit``): a repeat that finds the inbox full is answered nothing new.
+    in_flight: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     # --- transport side -----------------------------------------------------------------
 
-    def post(self, item: Inbound) -> bool:
+    def post(self, item: Inbound, action_ids: Sequence[str] = ()) -> bool:
         """Queue an inbound message for the scheduler thread and wake the engine if this
-        is the first one waiting; False (counted) when the inbox is full."""
-        if len(self.inbound) >= self.inbound_limit:
-            self.counters.inbound_dropped += 1
-            return False
-        was_empty = not self.inbound
-        self.inbound.append(item)
+        is the first one waiting; False (counted) when the inbox is full. ``action_ids``
+        (a hints message's) are in flight from here until their terminal outcome: noted
+        under the lock before the scheduler thread can take the message."""
+        with self.lock:
+            if len(self.inbound) >= self.inbound_limit:
+                self.counters.inbound_dropped += 1
+                return False
+            in_flight = self.in_flight
+            for action_id in action_ids:
+                if action_id:
+                    in_flight[action_id] = None
+                    in_flight.move_to_end(action_id)
+            while len(in_flight) > self.answered_limit:
+                in_flight.popitem(last=False)
+                self.counters.in_flight_forgotten += 1
+            was_empty = not self.inbound
+            self.inbound.append(item)
         if was_empty:
             self.wake_engine()
         return True
+
+    def repeat_answers(self, action_ids: Sequence[str]) -> RepeatAnswers:
+        """Sort the action ids of a hints message the full inbox turned away: a repeat
+        (redelivery) of an action answered or in flight must get the first copy's answer
+        or nothing new, never a contradicting ``rejected``."""
+        again: list[HintOutcome] = []
+        in_flight: list[str] = []
+        new: list[str] = []
+        with self.lock:
+            for action_id in action_ids:
+                outcome = self.answered.get(action_id) if action_id else None
+                if outcome is not None:
+                    again.append(outcome)
+                elif action_id and action_id in self.in_flight:
+                    in_flight.append(action_id)
+                else:
+                    new.append(action_id)
+        return RepeatAnswers(again, in_flight, new)
+
+    def put_deferred(self, outcomes: list[HintOutcome]) -> list[HintOutcome]:
+        """Queue early ``deferred`` outcomes (transport thread, under ``lock``) within
+        ``outcome_limit``; returns those queued. A deferred is advisory (the terminal
+        outcome follows), so when the queue is full the deferred is what goes, counted,
+        never a terminal outcome already waiting."""
+        room = max(self.outcome_limit - len(self.outcomes), 0)
+        queued, dropped = outcomes[:room], len(outcomes) - room
+        if dropped > 0:
+            self.counters.outcomes_dropped += dropped
+            self.counters.deferred_dropped += dropped
+        self.outcomes.extend(queued)  # the final outcomes can only come after
+        return queued
 
     # --- scheduler side -----------------------------------------------------------------
 
@@ -144,16 +216,22 @@ class Mailbox:
                 item.taken = True
         return item
 
-    def put_outcomes(self, outcomes: list[HintOutcome]) -> None:
+    def put_outcomes(self, outcomes: list[HintOutcome], remember: bool = True) -> None:
+        """Queue outcomes (the oldest queued go when full, counted). ``remember``: the
+        terminal ones are the answers repeats get (False for the transport's inbox-full
+        rejections: transient, a retry under the same id is applied)."""
         if not outcomes:
             return
-        with self.lock:
-            for outcome in outcomes:
-                if outcome.status is not OutcomeStatus.DEFERRED and outcome.action_id:
-                    self.answered[outcome.action_id] = None
-                    self.answered.move_to_end(outcome.action_id)
-            while len(self.answered) > self.outcome_limit:
-                self.answered.popitem(last=False)
+        if remember:
+            with self.lock:
+                answered, in_flight = self.answered, self.in_flight
+                for outcome in outcomes:
+                    if outcome.status is not OutcomeStatus.DEFERRED and outcome.action_id:
+                        answered[outcome.action_id] = outcome
+                        answered.move_to_end(outcome.action_id)
+                        in_flight.pop(outcome.action_id, None)
+                while len(answered) > self.answered_limit:
+                    answered.popitem(last=False)
         for outcome in outcomes:
             if len(self.outcomes) >= self.outcome_limit and pop_oldest(self.outcomes) is not None:
                 with self.lock:

@@ -41,6 +41,17 @@ COUNTERS = {
                                             "relief call."),
     "retained_displaced": "Retained blocks displaced by a higher-priority retain.",
     "claims_expired": "Pin/retain claims that reached their TTL.",
+    "held_blocks_gone": ("Held blocks vLLM dropped from its prefix cache by another path "
+                         "(evict_blocks after a failed KV load); their holds were given "
+                         "back and reported."),
+    "prefetch_clipped_blocks": ("Prefetch target blocks not waited for because the "
+                                "prefetch budget was full (the Prefetch was clipped)."),
+    "deferred_dropped": ("Early 'deferred' outcomes dropped because the outbound buffer "
+                         "was full (also in outcomes_dropped; the final outcome follows)."),
+    "in_flight_ids_forgotten": ("Queued action ids forgotten to bound that memory (a "
+                                "repeat of one that finds the inbox full is rejected)."),
+    "snapshots_dropped": ("Kept snapshots dropped to stay within snapshot_keep_blocks (a "
+                          "router paging one starts over)."),
     "index_events": "KV events applied to the session index.",
     "internal_errors": "Exceptions caught in plugin hooks (the engine kept running).",
 }

@@ -9,8 +9,9 @@ then publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBat
 NATS being down or slow never blocks the engine: the scheduler thread only appends to
 bounded deques; while disconnected, batches wait there (the oldest are dropped, counted,
 when full: the router sees the sequence gap and resyncs from a snapshot), and nats-py
-reconnects on its own. Inbound messages that find the engine's inbox full are answered
-``rejected`` from here.
+reconnects on its own. Inbound hints that find the engine's inbox full are answered
+``rejected`` from here, except repeats of an action already answered (that outcome again)
+or still in flight (nothing new). Snapshot pages: :mod:`.snapshot_pages`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,44 +39,29 @@ from kvhint.engine_plugin.mailbox import (
     peek_advice_id,
     pop_oldest,
 )
-from kvhint.engine_plugin.snapshot_order import ordered_blocks
+from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
     REJECTED_INBOX_FULL,
+    DecodedHints,
     EventBatchMeta,
     HintOutcome,
     OutcomeStatus,
     ParsedAction,
-    SnapshotBlock,
-    SnapshotSession,
     Subjects,
     Usage,
-    WorkerSnapshot,
     WorkerStatus,
     decode_hints,
     decode_snapshot_request,
     encode_outcome,
     encode_releases,
-    encode_snapshot,
     encode_status,
 )
 from kvhint.schemas._codec import WireDecodeError, encode_json
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# Snapshots kept for their later pages: a few routers resyncing at once, each for as long
-# as paging a large index takes.
-_SNAPSHOTS_KEPT = 3
-_SNAPSHOT_KEPT_S = 120.0
-
 _FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
-
-
-@dataclass(slots=True, frozen=True)
-class _KeptSnapshot:
-    snapshot: SnapshotOut
-    blocks: list[tuple[int, int | None, str]]
-    taken_at: float  # monotonic
 
 
 @dataclass(slots=True)
@@ -91,6 +77,13 @@ class TransportCounters:
     publish_errors: int = 0
     inbound_rejected: int = 0
     deferred_at_once: int = 0
+    # Repeats (same action id) that found the inbox full: answered their first copy's
+    # terminal outcome again, or nothing new while the first copy was in flight.
+    repeats_answered_again: int = 0
+    repeats_in_flight: int = 0
+    # Kept snapshots dropped before their time to stay within snapshot_keep_blocks (a
+    # router still paging one starts over from a new snapshot).
+    snapshots_dropped: int = 0
     # Outcomes the transport answered itself (inbox full: rejected; engine busy:
     # deferred), by (action type, status); changed and read under the mailbox's lock.
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -123,11 +116,8 @@ class NatsTransport:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
-        # The latest snapshots by seq (with their ordered blocks and when they were
-        # taken), for the pages after the first: routers paging at once each continue
-        # their own (SnapshotRequest.seq). Before, one was kept, and two routers
-        # resyncing together kept replacing each other's.
-        self._snapshots: OrderedDict[int, _KeptSnapshot] = OrderedDict()
+        # The latest snapshots, for the pages after the first (SnapshotRequest.seq).
+        self.snapshots = KeptSnapshots(config.snapshot_keep_blocks, self.counters)
         self._ready = threading.Event()
 
     @property
@@ -280,7 +270,7 @@ class NatsTransport:
         except WireDecodeError:
             request = None
         if request is not None and request.cursor > 0:
-            kept = self._kept_snapshot(request.seq)
+            kept = self.snapshots.get(request.seq)
             if kept is not None:
                 await self._reply_page(kept.snapshot, kept.blocks, msg.reply, request.cursor,
                                        request.limit)
@@ -288,47 +278,47 @@ class NatsTransport:
         # A first page, or one of a snapshot no longer kept: a new snapshot answers it.
         self._post("snapshot", msg)
 
-    def _kept_snapshot(self, seq: int | None) -> _KeptSnapshot | None:
-        """The kept snapshot of ``seq`` (None: the latest one)."""
-        if seq is None:
-            return next(reversed(self._snapshots.values()), None)
-        return self._snapshots.get(seq)
-
-    def _keep_snapshot(self, snapshot: SnapshotOut) -> list[tuple[int, int | None, str]]:
-        """``snapshot``'s blocks in page order, kept for its later pages. Snapshots of one
-        seq hold the same blocks (only events change the index): ordered once."""
-        kept = self._snapshots.get(snapshot.seq)
-        if kept is None:
-            kept = _KeptSnapshot(snapshot, ordered_blocks(snapshot.raw_blocks),
-                                 time.monotonic())
-        self._snapshots[snapshot.seq] = kept
-        self._snapshots.move_to_end(snapshot.seq)
-        now = time.monotonic()
-        while self._snapshots and (len(self._snapshots) > _SNAPSHOTS_KEPT or now - next(
-                iter(self._snapshots.values())).taken_at > _SNAPSHOT_KEPT_S):
-            self._snapshots.popitem(last=False)
-        return kept.blocks
-
     def _post(self, kind: str, msg: Any) -> None:
         item = Inbound(kind, msg.data, time.monotonic(), msg.reply or None)
-        if self.mailbox.post(item):
+        action_ids: list[str] = []
+        if kind == "hints":
+            item.decoded = decode_hints(msg.data)
+            action_ids = [a.action_id for a in item.decoded.actions]
+        if self.mailbox.post(item, action_ids):
             if kind in ("hints", "advice"):
                 self._loop.call_later(self.config.defer_after_s, self._defer_if_waiting, item)
             return
         self.counters.inbound_rejected += 1
         if kind == "hints":
-            decoded = decode_hints(msg.data)
-            reason = _FULL_INBOX.format(limit=self.mailbox.inbound_limit)
-            targets = [(a.action_id, getattr(a.action_type, "value", a.action_type))
-                       for a in decoded.actions] or [("", "")]
-            self.mailbox.put_outcomes([
-                HintOutcome(message_id=decoded.message_id, action_id=action_id,
-                            action_type=action_type, worker_id=self.worker_id,
-                            status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
-                for action_id, action_type in targets])
-            with self.mailbox.lock:
-                self.counters.outcomes.update(
-                    (action_type, OutcomeStatus.REJECTED.value) for _id, action_type in targets)
+            self._answer_full_inbox(item.decoded)
+
+    def _answer_full_inbox(self, decoded: DecodedHints) -> None:
+        """The inbox is full: reject the message's new actions (transient: the router
+        may retry them). A repeat of an action already answered gets that outcome again
+        and one still queued or being applied gets nothing new (its own outcome
+        follows), so no answer for an id contradicts another."""
+        mailbox = self.mailbox
+        sorted_ids = mailbox.repeat_answers([a.action_id for a in decoded.actions])
+        if sorted_ids.again:
+            mailbox.put_outcomes(sorted_ids.again)
+        self.counters.repeats_answered_again += len(sorted_ids.again)
+        self.counters.repeats_in_flight += len(sorted_ids.in_flight)
+        new = set(sorted_ids.new)
+        targets = [(a.action_id, getattr(a.action_type, "value", a.action_type))
+                   for a in decoded.actions if a.action_id in new]
+        if not decoded.actions:
+            targets = [("", "")]
+        if not targets:
+            return
+        reason = _FULL_INBOX.format(limit=mailbox.inbound_limit)
+        mailbox.put_outcomes([
+            HintOutcome(message_id=decoded.message_id, action_id=action_id,
+                        action_type=action_type, worker_id=self.worker_id,
+                        status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
+            for action_id, action_type in targets], remember=False)
+        with mailbox.lock:
+            self.counters.outcomes.update(
+                (action_type, OutcomeStatus.REJECTED.value) for _id, action_type in targets)
 
     def _defer_if_waiting(self, item: Inbound) -> None:
         """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
@@ -343,7 +333,7 @@ class NatsTransport:
             # A repeat of an action already answered gets that terminal outcome again,
             # and a "deferred" must never follow a terminal outcome.
             outcomes = [o for o in outcomes if o.action_id not in mailbox.answered]
-            mailbox.outcomes.extend(outcomes)  # the final outcomes can only come after
+            outcomes = mailbox.put_deferred(outcomes)
             self.counters.outcomes.update((o.action_type, o.status.value) for o in outcomes)
         self.counters.deferred_at_once += len(outcomes)
         self._notify()
@@ -357,7 +347,7 @@ class NatsTransport:
             return [HintOutcome(message_id=advice_id, action_id=advice_id,
                                 action_type=DONOR_ACTION_TYPE, worker_id=self.worker_id,
                                 status=OutcomeStatus.DEFERRED, reason=reason, at=now)]
-        decoded = decode_hints(item.data)
+        decoded = item.decoded if item.decoded is not None else decode_hints(item.data)
         return [HintOutcome(message_id=decoded.message_id, action_id=a.action_id,
                             action_type=a.action_type.value, worker_id=self.worker_id,
                             status=OutcomeStatus.DEFERRED, reason=reason, at=now)
@@ -421,7 +411,7 @@ class NatsTransport:
                 mailbox.event_batches.appendleft(batch)
                 return await self._publish_failed(exc)
         while (snapshot := pop_oldest(mailbox.snapshots)) is not None:
-            blocks = self._keep_snapshot(snapshot) if snapshot.error is None else []
+            blocks = self.snapshots.keep(snapshot) if snapshot.error is None else []
             await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
                                    snapshot.limit)
         return None
@@ -479,33 +469,14 @@ class NatsTransport:
         if snapshot.error is not None:
             body = encode_json({"error": snapshot.error})
         else:
-            body = self._page(snapshot, blocks, cursor, limit, int(nc.max_payload * 0.9))
+            body = snapshot_page(snapshot, blocks, cursor, limit, int(nc.max_payload * 0.9),
+                                 self.worker_id, self.epoch, self._block_size)
         try:
             await nc.publish(reply_to, body)
             self.counters.snapshot_pages += 1
         except (NatsError, OSError) as exc:
             self.counters.publish_errors += 1
             logger.debug("kvhint: snapshot reply failed: %s", exc)
-
-    def _page(self, snapshot: SnapshotOut, ordered: list[tuple[int, int | None, str]],
-              cursor: int, limit: int, max_bytes: int) -> bytes:
-        """Items are the blocks then the sessions; ``cursor`` indexes that sequence."""
-        total = len(ordered) + len(snapshot.sessions)
-        count = max(1, min(limit, total - cursor))
-        while True:
-            end = min(cursor + count, total)
-            nb = len(ordered)
-            blocks = [SnapshotBlock(*b) for b in ordered[min(cursor, nb):min(end, nb)]]
-            sessions = [SnapshotSession(sid, fronts) for sid, fronts in
-                        snapshot.sessions[max(cursor - nb, 0):max(end - nb, 0)]]
-            body = encode_snapshot(WorkerSnapshot(
-                worker_id=self.worker_id, epoch=self.epoch, seq=snapshot.seq,
-                block_size=self._block_size, blocks=blocks, sessions=sessions,
-                next_cursor=end if end < total else None))
-            if len(body) <= max_bytes or count == 1:
-                return body
-            count = max(1, count // 2)
-
 
 def _noop() -> None:
     return None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.engine_plugin.holds import BlockHandle
+from kvhint.engine_plugin.block_cache import BlockHandle
 from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
 from kvhint.schemas import external_hash_to_int
 
@@ -46,6 +46,11 @@ class VllmCacheAdapter:
         self._hash_block_size = int(self.pool.hash_block_size)
         self._group_ids = self._full_attention_groups(groups)
         self._resolve_hashes = self._hash_resolver()
+        from vllm.v1.core import kv_cache_utils
+
+        # A pool cache key (BlockHashWithGroupId: digest + 4-byte group id) -> its digest.
+        self._entry_digest: Callable[[bytes], bytes] = getattr(
+            kv_cache_utils, "get_block_hash", lambda entry: entry[:-4])
         self._digests: dict[int, bytes] = {}
         # Live requests that mapped each hash: a digest a live request still needs (it
         # may cache that block later, its cursor already past it) is never dropped.
@@ -247,6 +252,18 @@ class VllmCacheAdapter:
     def in_use(self, handle: BlockHandle) -> bool:
         # The plugin's hold is one reference (BlockPool.touch); a running request adds one.
         return any(b.ref_cnt > 1 for b in handle.blocks)
+
+    def is_cached(self, handle: BlockHandle) -> bool:
+        # A cache entry is the block's own hash or one of the extra hashes the pool keeps
+        # for it (``cached_block_hashes_by_block``), each a digest plus a 4-byte group id
+        # (vLLM's BlockHashWithGroupId); evict_blocks and move_block_hashes clear both.
+        extra = getattr(self.pool, "cached_block_hashes_by_block", None) or {}
+        for block in handle.blocks:
+            entries = [block.block_hash, *extra.get(block.block_id, ())]
+            if not any(e is not None and digest_to_int(self._entry_digest(e)) == handle.key
+                       for e in entries):
+                return False
+        return True
 
     def only_held_blocks_in_use(self, handles: Iterable[BlockHandle]) -> bool:
         """True when nothing but these holds keeps blocks in use (so releasing them lets

@@ -389,6 +389,57 @@ async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
         await nc.drain()
 
 
+async def test_a_repeat_that_finds_the_inbox_full_gets_its_first_answer_or_nothing_new(
+        nats_url: str, subject_prefix: str) -> None:
+    """A redelivered hint (same action id) arrives while the inbox is full. Before, the
+    transport answered it ``rejected`` (inbox full) although its first copy was accepted
+    or still queued: the router got two contradicting answers for one id. Now an
+    answered repeat gets the first outcome again and a queued one nothing new."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, inbound_buffer=1, pin_budget_fraction=0.2,
+                    create_events_stream=False) as h:
+            transport = h.connector.transport
+            await until(lambda: transport.connected)
+            turn(h, "s", [1, 2, 3])
+            await nc.publish(subjects.hints("w0"), pin_message("p"))
+            await until(lambda: bool(h.connector.core.mailbox.inbound))
+            h.step()
+            first = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (first.action_id, first.status.value) == ("p", "accepted")
+            # The engine is busy: one message fills the inbox; repeats of both come.
+            await nc.publish(subjects.hints("w0"), pin_message("q"))
+            await until(lambda: bool(h.connector.core.mailbox.inbound))
+            await nc.publish(subjects.hints("w0"), pin_message("p"))  # answered already
+            await nc.publish(subjects.hints("w0"), pin_message("q"))  # still queued
+            await nc.publish(subjects.hints("w0"), pin_message("n"))  # new: rejected
+            got = [decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+                   for _ in range(2)]
+            assert [(o.action_id, o.status.value) for o in got] == [
+                ("p", "accepted"), ("n", "rejected")]
+            assert got[0] == first
+            await asyncio.sleep(0.3)
+            assert outcomes.empty()  # nothing for the queued repeat of "q"
+            h.step()
+            final = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (final.action_id, final.status.value) == ("q", "accepted")
+            assert (transport.counters.repeats_answered_again,
+                    transport.counters.repeats_in_flight) == (1, 1)
+            assert h.connector.core.mailbox.counters.inbound_dropped == 3
+            await asyncio.sleep(0.3)
+            assert outcomes.empty()
+            # A rejected (inbox full) action is transient: its retry is applied.
+            await nc.publish(subjects.hints("w0"), pin_message("n"))
+            await until(lambda: bool(h.connector.core.mailbox.inbound))
+            h.step()
+            retry = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (retry.action_id, retry.status.value) == ("n", "accepted")
+    finally:
+        await nc.drain()
+
+
 async def test_nats_down_never_blocks_the_engine_and_hints_flow_after_it_returns(
         own_nats: NatsServerProcess, subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)

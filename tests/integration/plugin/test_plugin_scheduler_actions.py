@@ -362,6 +362,48 @@ def test_demote_share_and_prefetch_answer_honestly_on_the_cpu_backend() -> None:
     assert hint(h, PrefetchPayload(target=Target(block_hashes=[1])), action_id="pf2") == final
 
 
+def test_prefetches_wait_within_the_prefetch_budget_and_the_excess_is_clipped() -> None:
+    """Deferred Prefetches are re-checked every step until their deadline; before, any
+    number could wait (an unbounded amount of prefetch work per worker). Now they wait
+    for at most ``prefetch_budget_fraction`` of the blocks: one past it waits for its
+    root-most blocks that fit and ends ``clipped``; with no room it is answered at once."""
+    h = sched(prefetch_budget_fraction=0.1)  # 63 blocks: 6 may wait
+    core = h.connector.core
+    executor = core.executor
+    now = [1_000.0]
+    core.use_clock(lambda: now[0])
+    turn(h, "s", [1, 2, 3])
+    resident = core.index.session_blocks("s")
+
+    def prefetch(action_id: str, keys: list[int]) -> HintOutcome:
+        return hint(h, PrefetchPayload(target=Target(block_hashes=keys), deadline_s=5),
+                    action_id=action_id)
+
+    first = prefetch("pf1", [901, 902, 903, 904, 905])
+    assert first.status.value == "deferred" and "budget" not in first.reason
+    part = prefetch("pf2", [resident[0], 911, 912])  # 1 of 3 fits: waits for the root
+    assert part.status.value == "deferred" and "prefetch budget: 1 of 3" in part.reason
+    full = prefetch("pf3", [*resident, 921, 922])  # no room: settled at once
+    assert (full.status.value, full.applied.blocks) == ("clipped", 3)
+    assert "prefetch budget: 0 of 5" in full.reason
+    assert executor.retained_blocks == 3  # what is in G1 is kept until the deadline
+    assert executor.max_prefetch_blocks == 6
+    none = prefetch("pf4", [931, 932])
+    assert (none.status.value, none.applied.blocks) == ("clipped", 0)
+    assert executor.counters.prefetch_clipped_blocks == 2 + 2 + 2
+    assert h.connector._read_stats()["prefetch_clipped_blocks"] == 6
+    assert executor.pending_actions == 2
+    (settled,) = core.advance()  # pf2's one block is in G1
+    assert (settled.action_id, settled.status.value, settled.applied.blocks) == (
+        "pf2", "clipped", 1)
+    assert "prefetch budget" in settled.reason
+    now[0] += 6
+    (ended,) = core.advance()
+    assert (ended.action_id, ended.status.value) == ("pf1", "missing")
+    again = prefetch("pf5", [941, 942])  # the budget is free again
+    assert again.status.value == "deferred" and "budget" not in again.reason
+
+
 def test_expired_hints_are_rejected() -> None:
     h = sched()
     core = h.connector.core

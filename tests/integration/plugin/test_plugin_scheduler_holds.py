@@ -199,3 +199,34 @@ def test_a_pin_ending_under_a_retain_keeps_the_retain_budget() -> None:
     assert (executor.pinned_blocks, executor.retained_blocks) == (0, 6)
     assert _held_blocks(h, "b") == 6  # the higher priority kept
     assert _releases(h) == {("retain-a", "displaced"): (None, 4, 0)}
+
+
+def test_holds_on_blocks_vllm_drops_from_its_cache_are_given_back_and_reported() -> None:
+    """vLLM's ``evict_blocks`` (after a failed KV load) drops blocks from the prefix cache
+    even while they are referenced, so a held block can stop caching anything. Before,
+    the plugin kept holding it until the claim's TTL: a ghost that used the pin or retain
+    budget and the block's memory, and that the router still counted as protected."""
+    h = sched(pin_budget_fraction=0.1)  # 6 pinned
+    core = h.connector.core
+    executor = core.executor
+    turn(h, "s", [1, 2, 3])
+    turn(h, "t", [4, 5])
+    assert hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60), "pin-s").applied.blocks == 3
+    assert hint(h, RetainPayload(target=Target(session_id="t"), priority=50), "ret-t"
+                ).applied.blocks == 2
+    s_keys, t_keys = core.index.session_blocks("s"), core.index.session_blocks("t")
+    lookup = core.adapter.lookup
+    gone = {lookup(s_keys[1]).block_id, lookup(s_keys[2]).block_id, lookup(t_keys[1]).block_id}
+    free = h.block_pool.get_num_free_blocks()
+    h.kv_cache_manager.evict_blocks(gone)
+    h.step()  # the step drains the BlockRemoved events
+    assert (executor.pinned_blocks, executor.retained_blocks) == (1, 1)
+    assert executor.holds.counters.released_gone == 3
+    assert h.connector._read_stats()["held_blocks_gone"] == 3  # kvhint:held_blocks_gone
+    assert h.block_pool.get_num_free_blocks() == free + 3  # the memory is back too
+    assert _releases(h) == {("pin-s", "reset"): ("s", 2, 1), ("ret-t", "reset"): ("t", 1, 1)}
+    # The pin budget is free again for blocks that exist.
+    turn(h, "u", [7, 8, 9, 10, 11])
+    assert hint(h, PinPayload(target=Target(session_id="u"), ttl_s=60)).applied.blocks == 5
+    # A hold whose block is still cached keeps it when another copy's hash is removed.
+    assert executor.holds.release_gone(s_keys[:1]) == 0 and executor.pinned_blocks == 6

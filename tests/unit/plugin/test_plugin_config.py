@@ -12,6 +12,7 @@ def test_defaults_run_without_nats() -> None:
     assert config.nats_url is None and config.nats_servers == []
     assert config.resolved_worker_id(3) == "w3"
     assert config.pin_budget_blocks(1000) == 100  # 10% by default
+    assert config.prefetch_budget_blocks(1000) == 250  # 25% by default
     assert config.subject_prefix == "kvhint"
 
 
@@ -29,6 +30,8 @@ def test_values_from_the_dev_stack_are_accepted() -> None:
     ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
     ({"event_buffer_batches": 0}, "event_buffer_batches"),
     ({"inbound_buffer": "many"}, "inbound_buffer"),
+    ({"prefetch_budget_fraction": 1.5}, "prefetch_budget_fraction"),
+    ({"snapshot_keep_blocks": 0}, "snapshot_keep_blocks"),
     ({"pin_budget": 0.1}, "pin_budget"),  # unknown key (typo) is an error, not ignored
 ])
 def test_bad_values_stop_with_the_key_named(extra: dict, key: str) -> None:

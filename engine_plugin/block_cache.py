@@ -1,0 +1,56 @@
+"""The BlockCache port: what the plugin's hint code needs from the engine's block pool.
+
+The executor and the hold ledger know vLLM only through it; the vLLM adapter
+(:class:`~kvhint.engine_plugin.vllm_adapter.VllmCacheAdapter`) implements it over the real
+BlockPool, so vLLM internals stay in the ``vllm_adapter`` package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHandle:
+    """A resident block as the cache port sees it. ``block_id`` is stable while held;
+    ``depth`` is the block's position in its chain (0 = root), for leaf-first release;
+    ``blocks`` are the engine's block objects (one per KV cache group)."""
+
+    key: int
+    block_id: int
+    depth: int
+    blocks: tuple[object, ...]
+
+
+class BlockCache(Protocol):
+    """What the plugin needs from the engine's block pool (scheduler thread only)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def lookup(self, key: int) -> BlockHandle | None:
+        """The block cached under hash ``key`` now, or None when it is not resident."""
+
+    def hold(self, handles: Sequence[BlockHandle]) -> None:
+        """Take one reference on each block (it leaves the free queue)."""
+
+    def release(self, handles: Sequence[BlockHandle]) -> None:
+        """Give the references back; ``handles`` in eviction order (first evicted first)."""
+
+    def evict_first(self, handles: Sequence[BlockHandle]) -> int:
+        """Move these blocks, where free, to the head of the eviction order, deepest
+        first (whatever order they come in); returns how many moved."""
+
+    def in_use(self, handle: BlockHandle) -> bool:
+        """Whether something besides the plugin's hold references the block now (a running
+        request): giving the hold back would not free it."""
+
+    def is_cached(self, handle: BlockHandle) -> bool:
+        """Whether the block is still in the prefix cache under ``handle.key``. A hold
+        keeps a block's memory, not its cache entry: vLLM can drop the entry while the
+        block is referenced (``evict_blocks``), and the hold then protects nothing."""

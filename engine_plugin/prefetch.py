@@ -1,0 +1,157 @@
+"""Prefetch: have a target's blocks in G1 before they are needed (mixed into the
+:class:`~kvhint.engine_plugin.executor.HintExecutor`).
+
+Blocks already in G1 are ``accepted`` and retained until the deadline. Others arrive only
+with a request (vLLM loads from the host tier only when admitting one), so the Prefetch is
+answered ``deferred`` and waits: every step re-checks its blocks, and it ends when they are
+all in G1 or at its deadline. That waiting is bounded per worker by the prefetch budget
+(``prefetch_budget_fraction`` of the GPU blocks): a Prefetch past it waits only for its
+root-most blocks that fit and ends ``clipped``; with no room it is answered at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
+from kvhint.schemas import (
+    ActionType,
+    Amount,
+    HintOutcome,
+    HintOwner,
+    OutcomeStatus,
+    PrefetchPayload,
+)
+
+if TYPE_CHECKING:
+    from kvhint.engine_plugin.executor import ExecutorCounters
+
+ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
+MISSING = OutcomeStatus.MISSING
+PLANNER = HintOwner.PLANNER.value  # a Prefetch's retain is the planner's
+
+
+@dataclass(slots=True)
+class PendingPrefetch:
+    message_id: str
+    keys: list[int]  # what it waits for: its root-most target blocks the budget took
+    requested: Amount
+    deadline: float
+    clipped: str | None = None  # why it waits for fewer blocks than it named
+
+    @property
+    def cost(self) -> int:
+        """What it takes of the prefetch budget: each step re-checks its keys (one at
+        least, so Prefetches naming nothing are bounded too)."""
+        return max(1, len(self.keys))
+
+
+class PrefetchMixin:
+    """The executor's Prefetch handling; the executor sets these up and supplies the
+    outcome helpers (``_outcome``, ``_amount``, ``_remember``, ``_retain``)."""
+
+    cache: BlockCache
+    config: PluginConfig
+    clock: Callable[[], float]
+    host_tier: HostTier | None
+    counters: ExecutorCounters
+    max_prefetch_blocks: int
+    _pending: dict[str, PendingPrefetch]
+    _prefetch_waiting: int
+    _outcome: Callable[..., HintOutcome]
+    _amount: Callable[[int], Amount]
+    _remember: Callable[[tuple[str, str], HintOutcome], None]
+    _retain: Callable[..., int]
+
+    def _prefetch(self, message_id: str, action_id: str, payload: PrefetchPayload,
+                  keys: list[int], handles: list[BlockHandle], requested: Amount
+                  ) -> HintOutcome:
+        type_ = ActionType.PREFETCH.value
+        if requested.blocks and len(handles) >= requested.blocks:
+            retained = self._retain_until(action_id, handles, payload.deadline_s)
+            return self._outcome(message_id, action_id, type_, ACCEPTED,
+                                 f"already resident in G1; {retained} of {len(handles)} "
+                                 "blocks retained until the deadline", requested,
+                                 self._amount(len(handles)))
+        # Waiting is bounded (prefetch_budget_fraction): root-most blocks first, as a
+        # prefix hit needs them; none left, the Prefetch is settled now with what is in G1.
+        room = self.max_prefetch_blocks - self._prefetch_waiting
+        budget = (f"prefetch budget: {max(room, 0)} of {max(1, len(keys))} blocks may wait "
+                  f"(max_prefetch_blocks={self.max_prefetch_blocks}, "
+                  f"{self._prefetch_waiting} waiting)")
+        if room <= 0:
+            retained = self._retain_until(action_id, handles, payload.deadline_s)
+            self.counters.prefetch_clipped_blocks += requested.blocks - len(handles)
+            return self._outcome(
+                message_id, action_id, type_, CLIPPED,
+                f"{budget}; not waiting: {len(handles)} of {requested.blocks} blocks in G1 "
+                f"({retained} retained until the deadline)", requested,
+                self._amount(len(handles)))
+        clipped = None
+        if len(keys) > room:
+            self.counters.prefetch_clipped_blocks += len(keys) - room
+            keys, clipped = keys[:room], budget
+        pending = PendingPrefetch(message_id, keys, requested,
+                                   self.clock() + payload.deadline_s, clipped)
+        self._pending[action_id] = pending
+        self._prefetch_waiting += pending.cost
+        if self.host_tier is None:
+            source = f"{NO_HOST_TIER} to load from"
+        else:
+            in_host = sum(1 for k in keys if self.host_tier.contains(k))
+            source = f"{in_host} in the host tier, which vLLM loads only when a request is admitted"
+        notes = [f"{len(handles)} of {requested.blocks} blocks in G1; {source}; the rest "
+                 "arrive only with a request, so the final outcome comes then or at the "
+                 "deadline"]
+        if clipped:
+            notes.append(f"{clipped}: waiting for the first {len(keys)}")
+        return self._outcome(message_id, action_id, type_, DEFERRED, "; ".join(notes),
+                             requested, self._amount(len(handles)))
+
+    def _settle_prefetches(self, now: float) -> list[HintOutcome]:
+        done: list[HintOutcome] = []
+        type_ = ActionType.PREFETCH.value
+        for action_id, pending in list(self._pending.items()):
+            handles = [h for h in map(self.cache.lookup, pending.keys) if h is not None]
+            want = len(pending.keys) if pending.clipped else pending.requested.blocks
+            complete = bool(pending.keys) and len(handles) >= want
+            if not complete and now < pending.deadline:
+                continue
+            del self._pending[action_id]
+            self._prefetch_waiting -= pending.cost
+            if complete and pending.clipped is None:
+                self._retain_until(action_id, handles, pending.deadline - now)
+                outcome = self._outcome(pending.message_id, action_id, type_, ACCEPTED,
+                                        "blocks became resident in G1 before the deadline",
+                                        pending.requested, self._amount(len(handles)))
+            elif complete:
+                self._retain_until(action_id, handles, pending.deadline - now)
+                outcome = self._outcome(
+                    pending.message_id, action_id, type_, CLIPPED,
+                    f"the {len(handles)} blocks it waited for became resident in G1 before "
+                    f"the deadline; {pending.clipped}", pending.requested,
+                    self._amount(len(handles)))
+            elif handles:
+                outcome = self._outcome(
+                    pending.message_id, action_id, type_, CLIPPED,
+                    f"deadline passed with {len(handles)} of {pending.requested.blocks} "
+                    "blocks in G1", pending.requested, self._amount(len(handles)))
+            else:
+                outcome = self._outcome(pending.message_id, action_id, type_, MISSING,
+                                        "deadline passed with no target block in G1",
+                                        pending.requested)
+            self._remember(("hint", action_id), outcome)
+            done.append(outcome)
+        return done
+
+    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> int:
+        """Retain a Prefetch's blocks until its deadline; returns how many the retain
+        budget took."""
+        if ttl_s <= 0:
+            return 0
+        return self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles,
+                            [], None, PLANNER)

@@ -1,0 +1,102 @@
+"""Snapshots served in pages: the snapshots kept for their later pages, and one page's
+encoding. Runs on the transport (NATS) thread, off the scheduler thread.
+
+Routers paging at once (replicas resyncing one worker) each continue their own snapshot
+(``SnapshotRequest.seq``): a few are kept, for a while, within a bound on their blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvhint.engine_plugin.mailbox import SnapshotOut
+from kvhint.engine_plugin.snapshot_order import ordered_blocks
+from kvhint.schemas import SnapshotBlock, SnapshotSession, WorkerSnapshot, encode_snapshot
+
+# Snapshots kept for their later pages: a few routers resyncing at once, each for as long
+# as paging a large index takes.
+_SNAPSHOTS_KEPT = 3
+_SNAPSHOT_KEPT_S = 120.0
+
+OrderedBlocks = list[tuple[int, int | None, str]]
+
+
+class SnapshotDropCounter(Protocol):
+    snapshots_dropped: int
+
+
+@dataclass(slots=True, frozen=True)
+class KeptSnapshot:
+    snapshot: SnapshotOut
+    blocks: OrderedBlocks
+    taken_at: float  # monotonic
+
+
+class KeptSnapshots:
+    """The latest snapshots by seq, with their blocks in page order and when taken."""
+
+    def __init__(self, max_blocks: int, counters: SnapshotDropCounter) -> None:
+        self.max_blocks = max_blocks
+        self.counters = counters
+        self._kept: OrderedDict[int, KeptSnapshot] = OrderedDict()
+
+    @property
+    def seqs(self) -> list[int]:
+        """The kept snapshots' seqs, oldest first."""
+        return list(self._kept)
+
+    def get(self, seq: int | None) -> KeptSnapshot | None:
+        """The kept snapshot of ``seq`` (None: the latest one)."""
+        if seq is None:
+            return next(reversed(self._kept.values()), None)
+        return self._kept.get(seq)
+
+    def keep(self, snapshot: SnapshotOut) -> OrderedBlocks:
+        """``snapshot``'s blocks in page order, kept for its later pages. Snapshots of one
+        seq hold the same blocks (only events change the index): ordered once. Kept: the
+        last ``_SNAPSHOTS_KEPT`` for ``_SNAPSHOT_KEPT_S``, and ``snapshot_keep_blocks``
+        blocks in all (a 1M-block index is ~100 MB a copy); past that the oldest go,
+        counted, and the latest always stays (else each of its pages would copy the
+        index again on the scheduler thread)."""
+        kept = self._kept.get(snapshot.seq)
+        if kept is None:
+            kept = KeptSnapshot(snapshot, ordered_blocks(snapshot.raw_blocks),
+                                time.monotonic())
+        self._kept[snapshot.seq] = kept
+        self._kept.move_to_end(snapshot.seq)
+        now = time.monotonic()
+        total = sum(len(k.blocks) for k in self._kept.values())
+        while len(self._kept) > 1:
+            oldest = next(iter(self._kept.values()))
+            over_blocks = total > self.max_blocks
+            if not (over_blocks or len(self._kept) > _SNAPSHOTS_KEPT
+                    or now - oldest.taken_at > _SNAPSHOT_KEPT_S):
+                break
+            self._kept.popitem(last=False)
+            total -= len(oldest.blocks)
+            if over_blocks:
+                self.counters.snapshots_dropped += 1
+        return kept.blocks
+
+
+def snapshot_page(snapshot: SnapshotOut, ordered: OrderedBlocks, cursor: int, limit: int,
+                  max_bytes: int, worker_id: str, epoch: str, block_size: int) -> bytes:
+    """One page, encoded: items are the blocks then the sessions, ``cursor`` indexes that
+    sequence; up to ``limit`` of them, halved until the page fits ``max_bytes``."""
+    total = len(ordered) + len(snapshot.sessions)
+    count = max(1, min(limit, total - cursor))
+    while True:
+        end = min(cursor + count, total)
+        nb = len(ordered)
+        blocks = [SnapshotBlock(*b) for b in ordered[min(cursor, nb):min(end, nb)]]
+        sessions = [SnapshotSession(sid, fronts) for sid, fronts in
+                    snapshot.sessions[max(cursor - nb, 0):max(end - nb, 0)]]
+        body = encode_snapshot(WorkerSnapshot(
+            worker_id=worker_id, epoch=epoch, seq=snapshot.seq, block_size=block_size,
+            blocks=blocks, sessions=sessions, next_cursor=end if end < total else None))
+        if len(body) <= max_bytes or count == 1:
+            return body
+        count = max(1, count // 2)
