@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 WORKER_HEADER = "x-kvhint-worker"
 MAX_ATTEMPTS = 2
+# Requests in a row a worker held past request_timeout_s without sending its headers,
+# after which the prober checks its /health at once (see Forwarder._open).
+SUSPECT_AFTER_TIMEOUTS = 2
 
 
 class _RelayResponse(Response):
@@ -57,7 +60,8 @@ class _RelayResponse(Response):
 
     def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int,
                  headers: dict[str, str],
-                 on_client_gone: Callable[[asyncio.Future[None]], None]) -> None:
+                 on_client_gone: Callable[[asyncio.Future[None]], None],
+                 on_unsent: Callable[[], Awaitable[None]]) -> None:
         # No body attribute: init_headers then sets no Content-Length (chunked transfer).
         self.status_code = status_code
         self.media_type = headers.get("content-type", "text/event-stream")
@@ -65,6 +69,7 @@ class _RelayResponse(Response):
         self.init_headers(headers)
         self._chunks = chunks
         self._on_client_gone = on_client_gone
+        self._on_unsent = on_unsent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -80,7 +85,11 @@ class _RelayResponse(Response):
         finally:
             gone.remove_done_callback(self._on_client_gone)
             gone.cancel()
+            # Closing a generator never started runs none of its code, its accounting
+            # included (cancelled while sending the headers): on_unsent settles it then,
+            # and is a no-op once the relay has accounted.
             await self._chunks.aclose()
+            await self._on_unsent()
 
 
 async def wait_disconnect(receive: Receive) -> None:
@@ -110,6 +119,19 @@ async def _until_open(opening: asyncio.Future[UpstreamResponse],
     else:  # it opened before the cancel took: give its connection back
         late.close()
     raise _ClientGone
+
+
+def _drop_opening(opening: asyncio.Future[UpstreamResponse]) -> None:
+    """Let go of a request to a worker nobody waits for any more: cancel it if it is still
+    on its way, close its response if it opened anyway (now or before the cancel took),
+    and mark a failure as seen (asyncio logs an exception never retrieved)."""
+    def settle(done: asyncio.Future[UpstreamResponse]) -> None:
+        if done.cancelled():
+            return
+        if done.exception() is None:
+            done.result().close()
+    opening.cancel()
+    opening.add_done_callback(settle)
 
 
 def _closes_upstream_when_gone(flight: "_Flight", upstream: UpstreamResponse
@@ -142,6 +164,10 @@ class _Flight:
     first_byte_at: float | None = None  # perf_counter
     client_gone: bool = False
     client_gone_signal: asyncio.Future[None] | None = None
+    # The worker's response once it started (closed if the request ends by an exception).
+    upstream: UpstreamResponse | None = None
+    # _account ran: every way a request ends settles it once, never twice.
+    accounted: bool = False
 
 
 class Forwarder:
@@ -166,6 +192,35 @@ class Forwarder:
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
+        try:
+            return await self._forward(flight)
+        except asyncio.CancelledError:
+            # The handler was cancelled (uvicorn's graceful-shutdown timeout, a caller's
+            # own timeout): nobody gets an answer. The worker's request is closed (vLLM
+            # aborts it), and the worker's slot, its routed load and the session's open
+            # turn are settled here once, as a 499, before the cancellation goes on.
+            await self._abandon(flight, 499)
+            raise
+        except Exception:
+            # A router bug: the app answers 500 (and counts it as an internal error);
+            # the request is still settled, or its worker's slot and the session's
+            # turn would stay open for good.
+            await self._abandon(flight, 500)
+            raise
+
+    async def _abandon(self, flight: _Flight, status: int) -> None:
+        """Settle a request that ends by an exception: close its worker's response if one
+        is open, then account it (a no-op when it was accounted already). Shielded: a
+        second cancellation while the session's turn is being closed does not cut the
+        accounting short (it then finishes on its own)."""
+        if flight.accounted:
+            return
+        if flight.upstream is not None:
+            flight.upstream.close()
+        await asyncio.shield(self._account(flight, status))
+
+    async def _forward(self, flight: _Flight) -> Response:
+        inbound = flight.inbound
         if inbound.client_session_id is not None:
             await self._lifecycle.recall(inbound.tenant.name, inbound.client_session_id)
             flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
@@ -209,43 +264,71 @@ class Forwarder:
         return _error(f"worker unavailable: {last_error.reason}", 502)
 
     async def _open(self, flight: _Flight, worker_id: str, body: bytes) -> UpstreamResponse:
+        """Send the request to ``worker_id``; returns once its response has started.
+
+        Contract: the worker's in-flight slot and its dispatched load are taken here and,
+        on every way out before the worker has the request (_ClientGone, a failure, a
+        cancellation, an error), given back here exactly once, and the request to the
+        worker cancelled (a response that opened anyway is closed). Once the worker has
+        it (:meth:`_took`: headers came, or it timed out holding the request),
+        :meth:`_account` settles them instead."""
         worker = self._workers.get(worker_id)
         assert worker is not None and worker.url is not None and flight.plan is not None
         worker.inflight += 1
         opening = asyncio.ensure_future(
             self._pool.open(worker_id, worker.url + flight.inbound.endpoint.path, body))
-        if flight.plan.deferred and (flight.record is not None or self._recorder is not None):
-            # One candidate: the decision needed no prompt hashes. A session still wants
-            # them (its blocks, the prediction), and so does the trace recorder, computed
-            # while the request is on its way; otherwise a request without a session
-            # skips hashing (and makes no prediction).
-            await asyncio.sleep(0)
-            flight.plan = await self._routing.complete(flight.plan, flight.inbound)
         plan = flight.plan
-        predicted = plan.predicted_for(worker_id)
-        uncached = max(plan.prompt_tokens - predicted, 0)
-        self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
+        uncached = 0
+        dispatched = taken = False
         try:
-            upstream = await _until_open(opening, flight.client_gone_signal)
-        except _ClientGone:
-            worker.inflight -= 1
-            self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size, uncached)
-            raise
-        except UpstreamUnavailable as exc:
-            worker.inflight -= 1
-            self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size, uncached)
-            self._workers.mark_http_failure(worker_id, exc.reason)
-            self._on_worker_down(worker_id)
-            log.warning("worker %s failed before responding: %s", worker_id, exc.reason)
-            raise
-        except UpstreamTimeout as exc:
-            # The worker took the request and may be running it: it stays up, the turn
-            # counts as routed there, and _account (504) gives its in-flight slot back.
-            log.warning("%s", exc)
+            if plan.deferred and (flight.record is not None or self._recorder is not None):
+                # One candidate: the decision needed no prompt hashes. A session still
+                # wants them (its blocks, the prediction), and so does the trace
+                # recorder, computed while the request is on its way; otherwise a
+                # request without a session skips hashing (and makes no prediction).
+                await asyncio.sleep(0)
+                plan = flight.plan = await self._routing.complete(plan, flight.inbound)
+            predicted = plan.predicted_for(worker_id)
+            uncached = max(plan.prompt_tokens - predicted, 0)
+            self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
+            dispatched = True
+            try:
+                upstream = await _until_open(opening, flight.client_gone_signal)
+            except UpstreamUnavailable as exc:
+                self._workers.mark_http_failure(worker_id, exc.reason)
+                self._on_worker_down(worker_id)
+                log.warning("worker %s failed before responding: %s", worker_id, exc.reason)
+                raise
+            except UpstreamTimeout as exc:
+                # The worker took the request and may be running it: it stays up, the
+                # turn counts as routed there, and _account (504) gives its slot back.
+                # Several in a row and no headers in between: a worker that accepts
+                # connections but never answers (a hung server) looks just like this, and
+                # no failure ever marks it down, so the prober checks it now (a slow
+                # worker answers its /health and stays up).
+                log.warning("%s", exc)
+                taken = True
+                silent = self._workers.note_timeout(worker_id)
+                if silent >= SUSPECT_AFTER_TIMEOUTS:
+                    self._on_worker_down(worker_id)
+                await self._took(flight, worker_id, predicted, uncached)
+                raise
+            taken = True
+            flight.upstream = upstream
+            self._workers.note_answered(worker_id)
             await self._took(flight, worker_id, predicted, uncached)
-            raise
-        await self._took(flight, worker_id, predicted, uncached)
-        return upstream
+            return upstream
+        finally:
+            if not taken:
+                # Looked up again: the registry may hold a new state for a worker that
+                # moved meanwhile (it carries the in-flight count over).
+                current = self._workers.get(worker_id)
+                if current is not None:
+                    current.inflight = max(current.inflight - 1, 0)
+                if dispatched:
+                    self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size,
+                                           uncached)
+                _drop_opening(opening)
 
     async def _took(self, flight: _Flight, worker_id: str, predicted: int,
                     uncached: int) -> None:
@@ -289,7 +372,8 @@ class Forwarder:
             await self._account(flight, upstream.status)
             return Response(payload, status_code=upstream.status, headers=headers)
         return _RelayResponse(self._relay(flight, upstream), upstream.status, headers,
-                              _closes_upstream_when_gone(flight, upstream))
+                              _closes_upstream_when_gone(flight, upstream),
+                              lambda: self._abandon(flight, 499))
 
     async def _relay(self, flight: _Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:
@@ -334,6 +418,11 @@ class Forwarder:
             time.perf_counter() - flight.received)
 
     async def _account(self, flight: _Flight, status: int) -> None:
+        """Count the request and settle what it held (the worker's slot and routed load,
+        the session's turn, the trace); runs once per request, the first call wins."""
+        if flight.accounted:
+            return
+        flight.accounted = True
         endpoint = flight.inbound.endpoint.value
         worker_id = flight.worker_id or "none"
         self._metrics.record_request(endpoint, worker_id, status)
@@ -347,8 +436,17 @@ class Forwarder:
                                    flight.prefill_pending)
         observation = flight.observation
         if observation.prompt_tokens is not None and flight.worker_id is not None:
+            predicted = flight.predicted_cached
+            if predicted is not None and _parallel_samples(flight.inbound.body) > 1:
+                # vLLM runs n > 1 as n child requests of one prompt, scheduled together:
+                # the first prefills it, the others hit the blocks it just allocated.
+                # usage counts the prompt once (as the prediction and the dispatched
+                # load do), but its cached_tokens is one child's, often a sibling's hit,
+                # not what the cache held before: not compared with the prediction.
+                self._metrics.drop("cached_prediction_unchecked:parallel_sampling")
+                predicted = None
             self._metrics.record_usage(worker_id, observation.prompt_tokens,
-                                       observation.cached_tokens or 0, flight.predicted_cached)
+                                       observation.cached_tokens or 0, predicted)
         if self._recorder is not None and flight.trace_ticket is not None:
             self._recorder.finished(flight.trace_ticket, *_traced(flight, status))
         if flight.record is not None:
@@ -380,6 +478,17 @@ def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
         finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
         tool_names=tuple(observation.tool_names), end=inbound.session_end,
         itl_ms=itl_ms, ttft_ms=ttft_ms), ""
+
+
+def _parallel_samples(body: dict[str, object]) -> int:
+    """How many sequences the request asks the worker to sample per prompt (``n``, or
+    ``best_of`` where a vLLM still takes it); 1 for anything unreadable."""
+    count = 1
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            count = max(count, value)
+    return count
 
 
 def _error(message: str, status: int) -> Response:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kvhint.schemas import WorkerStatus
@@ -37,6 +37,9 @@ class WorkerState:
     http_up: bool = True
     http_failures: int = 0
     last_http_error: str = ""
+    # Requests in a row it held past request_timeout_s without sending its headers
+    # (reset by any response that starts): see :meth:`WorkerRegistry.note_timeout`.
+    silent_timeouts: int = 0
     # Requests the router has in flight on this worker.
     inflight: int = 0
     status: WorkerStatus | None = None
@@ -111,9 +114,14 @@ class WorkerRegistry:
             # A worker known by its heartbeats moved (a pod rescheduled on another
             # address): route to where it says it is now, and learn its models again.
             # Before, the first address was kept for good. A configured URL wins.
-            worker.url = url
-            worker.http_up, worker.http_failures = True, 0
-            worker.served_models = None
+            # A new state, not the old one changed: whoever still holds the old one
+            # (a model listing of the old address still on its way) writes what it
+            # learnt there onto a state nobody routes by, never onto the new address.
+            # What belongs to the worker, not to its address, carries over (in-flight
+            # requests are settled by id, on this state).
+            worker = replace(worker, url=url, http_up=True, http_failures=0,
+                             last_http_error="", silent_timeouts=0, served_models=None)
+            self._workers[worker_id] = worker
         return worker
 
     def on_heartbeat(self, status: WorkerStatus, now: float | None = None) -> HeartbeatVerdict:
@@ -163,3 +171,20 @@ class WorkerRegistry:
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.http_up = True
+            worker.silent_timeouts = 0
+
+    def note_timeout(self, worker_id: str) -> int:
+        """The worker held a request past request_timeout_s without sending its headers;
+        returns how many in a row. One is a slow worker (a long non-streamed answer);
+        several in a row may be a hung one, which the caller has probed."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return 0
+        worker.silent_timeouts += 1
+        return worker.silent_timeouts
+
+    def note_answered(self, worker_id: str) -> None:
+        """The worker started a response: not hung, whatever timed out before."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.silent_timeouts:
+            worker.silent_timeouts = 0
