@@ -174,7 +174,11 @@ class Forwarder:
     def __init__(self, workers: WorkerRegistry, routing: RoutingService, pool: UpstreamPool,
                  lifecycle: SessionLifecycle, metrics: RouterMetrics,
                  on_worker_down: Callable[[str], None],
-                 recorder: TraceRecorder | None = None) -> None:
+                 recorder: TraceRecorder | None = None,
+                 index_exact: Callable[[str], bool] | None = None) -> None:
+        """``index_exact(worker_id)``: whether the cluster index's view of the worker is
+        exact now (``KvEventIngestor.view_exact``); a prediction read off another view
+        is not checked against the worker's answer. None: no index feed, trust the plan."""
         self._workers = workers
         self._routing = routing
         self._pool = pool
@@ -182,6 +186,7 @@ class Forwarder:
         self._metrics = metrics
         self._on_worker_down = on_worker_down
         self._recorder = recorder
+        self._index_exact = index_exact
 
     async def forward(self, inbound: InboundRequest,
                       client_gone: asyncio.Future[None] | None = None) -> Response:
@@ -339,10 +344,13 @@ class Forwarder:
         worker.requests += 1
         flight.worker_id = worker_id
         flight.uncached = flight.prefill_pending = uncached
-        flight.predicted_cached = predicted if plan.exact else None
+        # The prompt's hashes are vLLM's own (plan.exact) and the index's view of the
+        # worker is current: only then is the prediction what its cache holds.
+        exact = plan.exact and (self._index_exact is None or self._index_exact(worker_id))
+        flight.predicted_cached = predicted if exact else None
         if flight.record is not None:
             await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
-                                         predicted, plan.block_hashes, plan.exact)
+                                         predicted, plan.block_hashes, exact)
 
     async def _respond(self, flight: _Flight, upstream: UpstreamResponse) -> Response:
         headers = dict(upstream.headers)

@@ -182,7 +182,8 @@ class RouterRuntime:
                                  hash_thread_min_tokens=settings.routing.hash_thread_min_tokens)
         prober = HealthProber(workers, pool, settings.health_probe_s)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
-                              on_worker_down=prober.probe_later, recorder=recorder)
+                              on_worker_down=prober.probe_later, recorder=recorder,
+                              index_exact=ingestor.view_exact if link is not None else None)
         runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
                       link=link, models=models, recorder=recorder)

@@ -327,3 +327,38 @@ async def test_pending_hint_outcome_published_during_a_restart_lands(
             assert mine["status"] == "accepted" and mine["applied_blocks"] == 3
     finally:
         await nc.drain()
+
+
+async def test_a_prediction_is_checked_only_while_the_index_view_of_its_worker_is_current(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """The router compares a prediction with the worker's cached tokens (its accuracy
+    metric) only while the cluster index's view of the worker is current: its plugin
+    heard lately, its stream live. Before, a worker whose plugin was never heard (or was
+    resyncing) had its always-empty view's predictions counted as exact."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix)
+    metric = 'kvhint_router_cached_tokens_actual_total{predicted="%s",worker="w0"}'
+
+    async def metrics_text(client: httpx.AsyncClient, url: str) -> str:
+        return (await client.get(f"{url}/metrics")).text
+
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            assert await router.runtime.link.wait_connected(10)
+            await chat(client, router.url, "unheard", "x" * 300)
+            text = await metrics_text(client, router.url)
+            assert metric % "false" in text and metric % "true" not in text
+            await plugin_registered(router.runtime, nc, subjects)
+            for attempt in range(5):  # a chat within 1.5 heartbeats (0.75 s) of one
+                await nc.publish(subjects.status("w0"), status("w0", "e1", 0))
+                await nc.flush()
+                await asyncio.sleep(0.05)
+                await chat(client, router.url, f"heard{attempt}", "y" * 300)
+                if metric % "true" in await metrics_text(client, router.url):
+                    break
+            assert metric % "true" in await metrics_text(client, router.url)
+    finally:
+        await nc.drain()
