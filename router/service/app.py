@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvhint.router.service.admin_api import build_admin_router
 from kvhint.router.service.dashboard import build_dashboard_router
-from kvhint.router.service.forwarding import wait_disconnect
+from kvhint.router.service.relay_response import wait_disconnect
 from kvhint.router.service.inbound import (
     SESSION_END_HEADER,
     SESSION_HEADER,

@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from kvhint.router.policy import FinishReason, NoWorkerAvailable
 from kvhint.router.service.inbound import InboundRequest, openai_error
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation, SseRelay
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRecord
@@ -45,57 +45,6 @@ MAX_ATTEMPTS = 2
 # Requests in a row a worker held past request_timeout_s without sending its headers,
 # after which the prober checks its /health at once (see Forwarder._open).
 SUSPECT_AFTER_TIMEOUTS = 2
-
-
-class _RelayResponse(Response):
-    """A streamed response that forwards each relayed chunk as it comes.
-
-    Starlette's StreamingResponse opens an anyio task group per response on ASGI < 2.4
-    (uvicorn reports 2.3) to notice a client that goes away; one plain task watching
-    ``receive`` does the same for a fraction of the cost. When the client is gone, the
-    watcher's ``on_client_gone`` callback runs at once (it closes the upstream request, so
-    a relay waiting on a silent worker wakes up); when the response ends any way, the
-    relay generator is closed, which runs its accounting.
-    """
-
-    def __init__(self, chunks: AsyncGenerator[bytes, None], status_code: int,
-                 headers: dict[str, str],
-                 on_client_gone: Callable[[asyncio.Future[None]], None],
-                 on_unsent: Callable[[], Awaitable[None]]) -> None:
-        # No body attribute: init_headers then sets no Content-Length (chunked transfer).
-        self.status_code = status_code
-        self.media_type = headers.get("content-type", "text/event-stream")
-        self.background = None
-        self.init_headers(headers)
-        self._chunks = chunks
-        self._on_client_gone = on_client_gone
-        self._on_unsent = on_unsent
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        gone = asyncio.ensure_future(wait_disconnect(receive))
-        gone.add_done_callback(self._on_client_gone)
-        try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async for chunk in self._chunks:
-                if gone.done():
-                    return
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            gone.remove_done_callback(self._on_client_gone)
-            gone.cancel()
-            # Closing a generator never started runs none of its code, its accounting
-            # included (cancelled while sending the headers): on_unsent settles it then,
-            # and is a no-op once the relay has accounted.
-            await self._chunks.aclose()
-            await self._on_unsent()
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Returns when the client disconnects (the request body already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _ClientGone(Exception):
@@ -379,7 +328,7 @@ class Forwarder:
                 flight.observation.observe_json(payload)
             await self._account(flight, upstream.status)
             return Response(payload, status_code=upstream.status, headers=headers)
-        return _RelayResponse(self._relay(flight, upstream), upstream.status, headers,
+        return RelayResponse(self._relay(flight, upstream), upstream.status, headers,
                               _closes_upstream_when_gone(flight, upstream),
                               lambda: self._abandon(flight, 499))
 
