@@ -17,6 +17,8 @@ workers; both call the same functions.
 - :mod:`.session` — :class:`SessionPlanState` (plain data per session) and the events.
 - :mod:`.stats` — :class:`LearnedStats` (tool-gap histograms per tool and depth, return
   probability by depth), persisted by the caller as JSON.
+- :mod:`.tenant_stats` — :class:`TenantStats` (each tenant's own :class:`LearnedStats`;
+  nothing learnt crosses tenants).
 - :mod:`.feedback` — :func:`apply_outcome` -> :class:`WorkerFeedback` (pin ask scale,
   disabled action types).
 - :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets).
@@ -93,11 +95,13 @@ from kvhint.router.policy.stats import (
     is_user_kind,
     user_gap_kind,
 )
+from kvhint.router.policy.tenant_stats import MAX_TENANTS, TenantStats
 
 __all__ = [
     "ALL_ACTIONS",
     "ANY_TOOL",
     "MAX_GAP_KEYS",
+    "MAX_TENANTS",
     "USER_GAP",
     "CompletionReadObserved",
     "DonorCandidate",
@@ -132,6 +136,7 @@ __all__ = [
     "SessionPlanState",
     "SharedPrefix",
     "SharedPrefixRetains",
+    "TenantStats",
     "TurnRouted",
     "WorkerFeedback",
     "WorkerLoad",

@@ -59,7 +59,8 @@ def is_user_kind(kind: str) -> bool:
 STATS_VERSION = 1
 
 # Tool names come from the model's output: a fleet may see any number of them, of any
-# length. Past these bounds a tool's gaps are learnt only under ANY_TOOL (which every
+# length. The bounds are per LearnedStats, i.e. per tenant (tenant_stats.TenantStats), so
+# one tenant's names never use another's room. Past these bounds a tool's gaps are learnt only under ANY_TOOL (which every
 # tool name also feeds, and predictions fall back to), so the statistics, and the store
 # row they are saved in, stay bounded.
 MAX_GAP_KEYS = 4096

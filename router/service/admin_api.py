@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 
-from kvhint.router.policy import agent_scope
+from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
@@ -28,6 +28,9 @@ from kvhint.router.store.reader import (
     query_sessions,
 )
 
+
+# Tools listed per tenant in the overview's learnt figures (its most observed ones).
+_LEARNED_TOOLS_SHOWN = 20
 
 # Names in paths and queries: no control characters (PostgreSQL refuses a NUL, which
 # was a 500), bounded; a bad one is a 422 naming the parameter.
@@ -140,6 +143,25 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
     }
 
 
+def learned_view(stats: LearnedStats, quantile: float) -> dict[str, Any]:
+    """What one tenant's planning predicts from (:class:`LearnedStats`), in figures: the
+    gap not exceeded with probability ``quantile`` (``PlannerConfig.gap_quantile``, what
+    a session's ``gap_predicted_s`` is) for a user turn, any tool and its most observed
+    tools at depth 1, the chance a first turn is followed by another, and of a next turn
+    reading the previous response's KV. A tenant with nothing learnt shows the priors."""
+    tools = sorted(((hist.total, key[:-2]) for key, hist in stats.gaps.items()
+                    if key.endswith("|*") and not key.startswith("@")), reverse=True)
+    return {
+        "user_gap_predicted_s": stats.gap_quantile(USER_GAP, 1, quantile),
+        "tool_gap_predicted_s": stats.gap_quantile(ANY_TOOL, 1, quantile),
+        "tools_gap_predicted_s": {name: stats.gap_quantile(name, 1, quantile)
+                                  for _total, name in tools[:_LEARNED_TOOLS_SHOWN]},
+        "tools_learnt": len(tools),
+        "return_probability_first_turn": stats.return_probability(1),
+        "completion_read_probability": stats.completion_read_probability(),
+    }
+
+
 def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:
     if worker.status is None:
         return None
@@ -240,8 +262,14 @@ def build_admin_router() -> APIRouter:
 def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
     """Everything the dashboard draws, in one call. A tenant admin's holds its tenant's
     sessions and hints only; the fleet's traffic totals and timeline, which are not kept
-    per tenant, are left out (``totals`` None, ``timeline`` empty)."""
+    per tenant, are left out (``totals`` None, ``timeline`` empty).
+
+    ``learned``: what the planner learnt (:func:`learned_view`), per tenant, each
+    tenant's from its own traffic only: a tenant admin's holds its own tenant; a global
+    admin's every tenant the router serves, each apart (there is no fleet-wide figure
+    to show: no tenant plans from one)."""
     scope = principal.tenant.name if principal.tenant is not None else None
+    quantile = runtime.hints.planner_config.gap_quantile
     sessions = _most_recent((r for r in runtime.sessions if scope is None or r.tenant == scope),
                             100)
     # The tenant's own last 50, not its share of the fleet's last 50.
@@ -267,6 +295,8 @@ def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
         "index": ({"distinct_blocks": stats.distinct_blocks, "entries": stats.entries,
                    "sessions": stats.sessions, "workers": stats.workers}
                   if scope is None else None),
+        "learned": {tenant: learned_view(runtime.hints.stats_of(tenant), quantile)
+                    for tenant in ((scope,) if scope is not None else runtime.hints.tenants)},
     }
 
 

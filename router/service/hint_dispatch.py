@@ -5,6 +5,9 @@ builds its frozen context from the workers' heartbeats, the holdings ledger and 
 per-worker outcome feedback; wraps each worker's actions in one ``KvHintsEnvelope`` on
 ``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
 back into holdings, feedback, metrics, the store and any API caller waiting for it.
+The planner's learned statistics are each tenant's own (:class:`TenantStats`): a tenant's
+planning reads, and its observations update, only its tenant's; outcome feedback is
+per worker. Both are saved in ``learned_stats`` (:meth:`HintDispatcher.save_learned`).
 The record of an action is :mod:`.hint_records`; the sessions API's budget check,
 :mod:`.hint_api_budget`. Both are re-exported here, where callers have imported them.
 """
@@ -17,7 +20,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +34,7 @@ from kvhint.router.policy import (
     PlannedAction,
     PlannerConfig,
     PlannerContext,
+    TenantStats,
     WorkerFeedback,
     WorkerPlanView,
     apply_outcome,
@@ -50,6 +54,7 @@ from kvhint.router.service.hint_records import (
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
 from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.tenancy import DEFAULT_TENANT
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
@@ -69,6 +74,14 @@ __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
 log = logging.getLogger(__name__)
 
 _RECENT_KEPT = 2000
+# learned_stats rows: a tenant's statistics are (tenant, STATS_KIND); the pooled row of a
+# router from before they were per tenant is (POOLED_TENANT, STATS_KIND) (no tenant is
+# named "*": TenantConfig's names are letters, digits, "_", "." and "-"); per-worker
+# feedback is (POOLED_TENANT, "feedback:<worker>").
+STATS_KIND = "tool_gaps"
+POOLED_TENANT = "*"
+# The data a pooled row is overwritten with once tenants have taken it (restore()).
+_ADOPTED = "adopted_at"
 
 
 class HintDispatcher:
@@ -76,7 +89,11 @@ class HintDispatcher:
                  writer: StoreWriter | None, metrics: RouterMetrics,
                  planner_config: PlannerConfig, seed: int,
                  budget_of: Callable[[str], TenantBudget | None] = lambda _tenant: None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 tenants: Collection[str] = (DEFAULT_TENANT,)) -> None:
+        """``tenants``: the tenants the router serves (the configured ones and the default
+        tenant); only they learn statistics (any other plans from the priors, its
+        observations dropped and counted: ``learned_stats_unknown_tenant``)."""
         self._link = link
         self._subjects = subjects
         self._workers = workers
@@ -86,7 +103,8 @@ class HintDispatcher:
         self._rng = random.Random(seed)
         self._clock = clock
         self._budget_of = budget_of
-        self.stats = LearnedStats()
+        self._tenants = tuple(tenants)
+        self.learned = TenantStats(frozenset(self._tenants))
         self.holdings = HoldingsLedger()
         self.feedback: dict[str, WorkerFeedback] = {}
         self.pending: dict[str, SentAction] = {}
@@ -96,7 +114,8 @@ class HintDispatcher:
         # Actions per tenant (None: actions of no tenant) and status they ended in.
         self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_gate = ApiBudgetGate(self.holdings, workers, self._block_size)
-        self._stats_dirty = False
+        self._stats_dirty: set[str] = set()  # tenants whose statistics are not saved yet
+        self._pooled_adopted = False  # restore() seeded tenants from a pooled row
         self._feedback_saved: dict[str, WorkerFeedback] = {}  # what save_learned last wrote
 
     # --- planner context ----------------------------------------------------------------
@@ -127,13 +146,26 @@ class HintDispatcher:
             if budget is not None:
                 config = replace(config, tenant_max_pinned_blocks=budget.max_pinned_blocks,
                                  tenant_max_retained_blocks=budget.max_retained_blocks)
-        return PlannerContext(now=now, stats=self.stats, workers=views, rng=self._rng,
-                              config=config, tenant_held=tenant_held)
+        return PlannerContext(now=now, stats=self.learned.of(tenant), workers=views,
+                              rng=self._rng, config=config, tenant_held=tenant_held)
 
-    def observe(self, observations: Iterable[Observation]) -> None:
+    def stats_of(self, tenant: str | None) -> LearnedStats:
+        """What ``tenant``'s planning predicts from (read only; the priors for a tenant
+        with nothing learnt yet, or for None)."""
+        return self.learned.of(tenant)
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        return self._tenants
+
+    def observe(self, observations: Iterable[Observation], tenant: str | None) -> None:
+        """Fold the planner's observations of a session of ``tenant`` into that tenant's
+        statistics only."""
         for observation in observations:
-            self.stats.apply(observation)
-            self._stats_dirty = True
+            if tenant is not None and self.learned.apply(tenant, observation):
+                self._stats_dirty.add(tenant)
+            else:
+                self._metrics.drop("learned_stats_unknown_tenant")
 
     def reset_worker(self, worker_id: str) -> None:
         """A new engine epoch: forget what the old engine taught us about this worker, and
@@ -338,19 +370,28 @@ class HintDispatcher:
             self._writer.upsert("hint_actions", (record.action_id,), record.row())
 
     def save_learned(self, now: float) -> None:
+        """Queue a row per tenant whose statistics changed since saved ((tenant,
+        ``tool_gaps``)), and per worker whose feedback did. After :meth:`restore` seeded
+        tenants from a pooled row, that row is overwritten, in the same batch as the
+        seeded tenants' rows, by a marker saying it was taken (see :meth:`restore`)."""
         if self._writer is None:
             return
-        if self._stats_dirty:
-            self._writer.upsert("learned_stats", ("*", "tool_gaps"), {
-                "tenant": "*", "kind": "tool_gaps", "data": self.stats.to_dict(),
+        for tenant in sorted(self._stats_dirty):
+            self._writer.upsert("learned_stats", (tenant, STATS_KIND), {
+                "tenant": tenant, "kind": STATS_KIND,
+                "data": self.learned.of(tenant).to_dict(), "updated_at": now})
+        self._stats_dirty.clear()
+        if self._pooled_adopted:
+            self._writer.upsert("learned_stats", (POOLED_TENANT, STATS_KIND), {
+                "tenant": POOLED_TENANT, "kind": STATS_KIND, "data": {_ADOPTED: now},
                 "updated_at": now})
-            self._stats_dirty = False
+            self._pooled_adopted = False
         for worker_id, feedback in self.feedback.items():
             if self._feedback_saved.get(worker_id) is feedback:
                 continue  # unchanged since saved (feedback is replaced, never mutated)
-            self._writer.upsert("learned_stats", ("*", f"feedback:{worker_id}"), {
-                "tenant": "*", "kind": f"feedback:{worker_id}", "data": feedback.to_dict(),
-                "updated_at": now})
+            self._writer.upsert("learned_stats", (POOLED_TENANT, f"feedback:{worker_id}"), {
+                "tenant": POOLED_TENANT, "kind": f"feedback:{worker_id}",
+                "data": feedback.to_dict(), "updated_at": now})
             self._feedback_saved[worker_id] = feedback
 
     def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]],
@@ -358,11 +399,27 @@ class HintDispatcher:
         """State from the store after a restart: learned statistics and feedback, actions
         still waiting for an outcome, and the Pins/Retains workers still hold (``held``:
         answered, TTL not over, oldest first), so budgets count them again. A pending
-        Pin/Retain is held at what it asked for until its outcome settles it."""
+        Pin/Retain is held at what it asked for until its outcome settles it.
+
+        Learned statistics: each tenant's row ((tenant, ``tool_gaps``)) is its own; the
+        row of a tenant no longer served is left in the store, unused (counted,
+        ``learned_stats_unknown_tenant``). Upgrade from a router that kept one pooled row
+        for all tenants ((``*``, ``tool_gaps``)): every served tenant without a row of its
+        own starts from a copy of the pooled statistics, so the upgrade loses nothing;
+        :meth:`save_learned` then writes those tenants' rows and overwrites the pooled
+        one with ``{"adopted_at": <time>}`` in the same batch, so it is taken once (a
+        tenant configured later starts from the priors, not from other tenants'
+        pre-upgrade traffic). A router stopped before that batch is written takes the
+        pooled row again at its next start: nothing is lost either way."""
+        pooled: LearnedStats | None = None
         for row in learned:
             try:
-                if row["kind"] == "tool_gaps":
-                    self.stats = LearnedStats.from_dict(row["data"])
+                if row["kind"] == STATS_KIND and row["tenant"] == POOLED_TENANT:
+                    if _ADOPTED not in row["data"]:
+                        pooled = LearnedStats.from_dict(row["data"])
+                elif row["kind"] == STATS_KIND:
+                    if not self.learned.put(row["tenant"], LearnedStats.from_dict(row["data"])):
+                        self._metrics.drop("learned_stats_unknown_tenant")
                 elif row["kind"].startswith("feedback:"):
                     feedback = WorkerFeedback.from_dict(row["data"])
                     self.feedback[feedback.worker_id] = feedback
@@ -370,6 +427,9 @@ class HintDispatcher:
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring stored %s: %s", row.get("kind"), exc)
                 self._metrics.drop("learned_stats_unreadable")
+        if pooled is not None:
+            self._stats_dirty.update(self.learned.seed(pooled, self._tenants))
+            self._pooled_adopted = True
         for row in held:
             record = SentAction.from_row(row)
             blocks = record.held_after_release_blocks

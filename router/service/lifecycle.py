@@ -294,10 +294,19 @@ class SessionLifecycle:
         if not self._prefix_retains.scan_due(now, config.shared_prefix_scan_s):
             return
         self._prefix_retains.expire(now)
-        context = self.hints.context(now)
-        chains = [chain for record in self.sessions if record.state != ENDED and (
-            chain := session_chain(context, record.plan, record.worker_id,
-                                   record.last_block_hashes))]
+        # Each session is valued from its own tenant's statistics.
+        contexts: dict[str, PlannerContext] = {}
+        chains = []
+        for record in self.sessions:
+            if record.state == ENDED:
+                continue
+            context = contexts.get(record.tenant)
+            if context is None:
+                context = contexts[record.tenant] = self.hints.context(now, record.tenant)
+            chain = session_chain(context, record.plan, record.worker_id,
+                                  record.last_block_hashes)
+            if chain is not None:
+                chains.append(chain)
         prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
                                         self._prefix_retains.until)
         # Each tenant's prefixes are planned against its own budget (the scan's context
@@ -314,7 +323,7 @@ class SessionLifecycle:
     async def _apply(self, record: SessionRecord, result: PlanResult) -> list[SentAction]:
         if result.session is not None:
             record.plan = result.session
-        self.hints.observe(result.observations)
+        self.hints.observe(result.observations, record.tenant)  # its tenant's statistics only
         if self._hints_enabled and result.actions:
             sent = await self.hints.send(
                 result.actions, {record.worker_session_id: record.session_id},

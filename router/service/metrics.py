@@ -35,8 +35,10 @@ class StateSample:
     # The index ingestor's counters (batches applied, gaps, duplicates, drops...).
     ingest: dict[str, int] = field(default_factory=dict)
     # The planner's learnt share of next turns that read the previous response's KV
-    # (below one half, protections cover prompts only; policy.coverage.protected_tokens).
-    completion_read_probability: float = 1.0
+    # (below one half, protections cover prompts only; policy.coverage.protected_tokens),
+    # per tenant: each tenant learns its own (policy.tenant_stats). The router's tenants
+    # are configured, so the label's values are bounded.
+    completion_read_probability: dict[str, float] = field(default_factory=dict)
 
 
 class _StateCollector(Collector):
@@ -72,10 +74,13 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvhint_router_hints_pending",
                                 "Hint actions sent and awaiting a terminal outcome",
                                 value=s.pending_hints)
-        yield GaugeMetricFamily("kvhint_router_completion_read_probability",
-                                "Learnt share of next turns that read the previous "
-                                "response's KV (below 0.5 the planner protects prompts "
-                                "only)", value=s.completion_read_probability)
+        reads = GaugeMetricFamily("kvhint_router_completion_read_probability",
+                                  "Learnt share of next turns that read the previous "
+                                  "response's KV, per tenant (below 0.5 the planner "
+                                  "protects that tenant's prompts only)", labels=["tenant"])
+        for tenant, probability in sorted(s.completion_read_probability.items()):
+            reads.add_metric([tenant], probability)
+        yield reads
         yield GaugeMetricFamily("kvhint_router_store_queue",
                                 "Store writes waiting for the next batch", value=s.store_queue)
         ingest = CounterMetricFamily("kvhint_router_index_ingest",

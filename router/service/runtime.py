@@ -132,7 +132,8 @@ class RouterRuntime:
         # (the store and the workers' idempotency memory still hold the old ones: a worker
         # would answer a new action with an old outcome), not between replicas.
         hints = HintDispatcher(link, subjects, workers, writer, metrics, PlannerConfig(),
-                               seed=secrets.randbits(64), budget_of=directory.budget)
+                               seed=secrets.randbits(64), budget_of=directory.budget,
+                               tenants=[tenant.name for tenant in directory.tenants])
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
         sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
         # Complete only when the store held nothing older than what was loaded.
@@ -308,7 +309,9 @@ class RouterRuntime:
             pending_hints=len(self.hints.pending),
             store_queue=self.writer.queued,
             ingest=_ingest_counters(self.ingestor),
-            completion_read_probability=self.hints.stats.completion_read_probability(),
+            completion_read_probability={
+                tenant: self.hints.stats_of(tenant).completion_read_probability()
+                for tenant in self.hints.tenants},
         )
 
 

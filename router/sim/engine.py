@@ -40,7 +40,6 @@ from kvhint.router.kv_index import (
 from kvhint.router.policy import (
     FinishReason,
     HoldingsLedger,
-    LearnedStats,
     Overlap,
     PlannedAction,
     RecentLoad,
@@ -52,6 +51,7 @@ from kvhint.router.policy import (
     SessionPlacement,
     SessionPlanState,
     SharedPrefixRetains,
+    TenantStats,
     TurnRouted,
     WorkerFeedback,
     WorkerLoad,
@@ -102,7 +102,8 @@ class Simulation(HintLoop):
         self._routing = replace(config.routing, policy=RoutingPolicy(policy))
         self._route_rng = random.Random(f"{config.seed}:route")
         self._plan_rng = random.Random(f"{config.seed}:plan")
-        self.stats = LearnedStats()
+        # Each tenant of the trace learns its own statistics, as in the live router.
+        self.learned = TenantStats(frozenset(r.tenant for r in trace.requests))
         self.ledger = HoldingsLedger()
         self.sessions: dict[str, SessionPlanState] = {}
         self.placements: dict[str, tuple[str, int]] = {}  # session -> (worker, turns)
@@ -254,8 +255,9 @@ class Simulation(HintLoop):
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
                                request.input_length, self.now,
                                decision.predicted_cached_tokens)
-            self._apply_plan(plan_turn_routed(self._planner_ctx(), self.sessions.get(session_key),
-                                              event))
+            self._apply_plan(plan_turn_routed(self._planner_ctx(request.tenant),
+                                              self.sessions.get(session_key), event),
+                             request.tenant)
         job = Job(request, session_key, vllm_request, hashes, decision.worker_id,
                   decision.predicted_cached_tokens, predicted_computed, self.now)
         worker.enqueue(job)
@@ -346,7 +348,8 @@ class Simulation(HintLoop):
                 event = ResponseFinished(job.session_key, FinishReason.parse(request.finish_reason),
                                          request.input_length, request.output_length, self.now,
                                          request.tool_names)
-                self._apply_plan(plan_response_finished(self._planner_ctx(), state, event))
+                self._apply_plan(plan_response_finished(self._planner_ctx(state.tenant), state,
+                                                        event), state.tenant)
                 if request.end:
                     self._on_session_end(job.session_key)
                 elif request.end_at_s is not None:  # ended later, through the sessions API
@@ -355,8 +358,8 @@ class Simulation(HintLoop):
     def _on_session_end(self, session_key: str) -> None:
         state = self.sessions.get(session_key)
         if state is not None:
-            self._apply_plan(plan_session_end(self._planner_ctx(), state,
-                                              SessionEnded(session_key, self.now)))
+            self._apply_plan(plan_session_end(self._planner_ctx(state.tenant), state,
+                                              SessionEnded(session_key, self.now)), state.tenant)
 
     def _record_admission(self, job: Job) -> None:
         result = self.result

@@ -1,6 +1,8 @@
 """The simulation's hint side: the router's real planner, holdings ledger and outcome
 feedback, driven as the live router drives them (router/service/lifecycle.py and
-hint_dispatch.py), with the simulated workers' PluginCore answering at once.
+hint_dispatch.py), with the simulated workers' PluginCore answering at once. Learned
+statistics are per tenant as there (:class:`TenantStats`, the trace's tenants): a trace
+of one tenant plans exactly as with one :class:`LearnedStats`.
 
 :class:`HintLoop` is a part of :class:`~kvhint.router.sim.engine.Simulation` (a mixin,
 so the event loop and this side share one set of fields and the simulation's results
@@ -19,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from kvhint.router.policy import (
     HoldingsLedger,
-    LearnedStats,
     PlannedAction,
     PlannerContext,
     PlanResult,
+    SessionChain,
     SessionPlanState,
     SharedPrefixRetains,
+    TenantStats,
     WorkerFeedback,
     WorkerPlanView,
     apply_outcome,
@@ -52,7 +55,7 @@ class HintLoop:
     hints_on: bool
     result: PolicyResult
     workers: dict[str, SimWorker | SchedulerSimWorker]
-    stats: LearnedStats
+    learned: TenantStats
     ledger: HoldingsLedger
     sessions: dict[str, SessionPlanState]
     feedback: dict[str, WorkerFeedback]
@@ -74,26 +77,38 @@ class HintLoop:
     def _scan_could_act(self) -> bool:
         """Whether a shared-prefix scan now has any session to count (else it sends
         nothing, whenever it runs, until an event changes the sessions)."""
-        ctx = self._planner_ctx()
-        return any(session_chain(ctx, session, session.worker_id,
-                                 self._last_hashes.get(key, ())) is not None
-                   for key, session in self.sessions.items())
+        return any(True for _ in self._chains())
 
-    def _planner_ctx(self) -> PlannerContext:
+    def _chains(self) -> Iterator[SessionChain]:
+        """The sessions' shared-prefix scan input, each valued from its tenant's
+        statistics (the live lifecycle's _retain_shared_prefixes does the same)."""
+        contexts: dict[str, PlannerContext] = {}
+        for key, session in self.sessions.items():
+            ctx = contexts.get(session.tenant)
+            if ctx is None:
+                ctx = contexts[session.tenant] = self._planner_ctx(session.tenant)
+            chain = session_chain(ctx, session, session.worker_id,
+                                  self._last_hashes.get(key, ()))
+            if chain is not None:
+                yield chain
+
+    def _planner_ctx(self, tenant: str | None) -> PlannerContext:
+        """The planner's view for a session of ``tenant`` (its statistics only)."""
         views = {}
         for worker_id, static in self._static_views.items():
             views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
                                        feedback=self.feedback[worker_id])
-        return PlannerContext(now=self.now, stats=self.stats, workers=views, rng=self._plan_rng,
-                              config=self.config.planner)
+        return PlannerContext(now=self.now, stats=self.learned.of(tenant), workers=views,
+                              rng=self._plan_rng, config=self.config.planner)
 
-    def _apply_plan(self, result: PlanResult) -> None:
+    def _apply_plan(self, result: PlanResult, tenant: str) -> None:
         if result.session is not None:
             previous = self.sessions.get(result.session.session_id)
             self.sessions[result.session.session_id] = result.session
             self._schedule_review(previous, result.session)
         for observation in result.observations:
-            self.stats.apply(observation)
+            # Every tenant of the trace learns (Simulation.__init__): never refused.
+            self.learned.apply(tenant, observation)
         self._send(result.actions)
 
     def _schedule_review(self, previous: SessionPlanState | None,
@@ -112,8 +127,8 @@ class HintLoop:
         session = self.sessions.get(session_key)
         if session is None or not session.awaiting_return or session.gap_opened_at != opened_at:
             return
-        result = plan_idle(self._planner_ctx(), session)
-        self._apply_plan(result)
+        result = plan_idle(self._planner_ctx(session.tenant), session)
+        self._apply_plan(result, session.tenant)
         if result.session is not None and result.session.awaiting_return:
             review_at = next_idle_review(self.config.planner, result.session, self.now)
             if review_at is not None and review_at > self.now:
@@ -190,12 +205,9 @@ class HintLoop:
             return
         self._scan_tick = self._tick_index
         retains.expire(self.now)
-        ctx = self._planner_ctx()
-        chains = [chain for key, session in self.sessions.items() if (
-            chain := session_chain(ctx, session, session.worker_id,
-                                   self._last_hashes.get(key, ())))]
-        prefixes = find_shared_prefixes(chains, config.shared_prefix_min_sessions,
+        prefixes = find_shared_prefixes(list(self._chains()), config.shared_prefix_min_sessions,
                                         retains.until)
-        actions = plan_shared_prefixes(ctx, prefixes)
+        # No tenant budgets in the simulator: one context (statistics unread) plans all.
+        actions = plan_shared_prefixes(self._planner_ctx(None), prefixes)
         self._send(actions)
         retains.sent(actions)

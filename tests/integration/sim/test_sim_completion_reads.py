@@ -45,9 +45,9 @@ def test_next_turns_that_skip_the_response_make_protections_cover_prompts_only(
     sim = _run(path, None)
     # 16 next turns found their previous prompt cached and nothing of the response
     # (counts decay by 0.999 per observation).
-    assert sim.stats.completion_reads.finished == pytest.approx(16, abs=0.2)
-    assert sim.stats.completion_reads.returned == 0
-    assert sim.stats.completion_read_probability() < 0.5
+    assert sim.learned.of("default").completion_reads.finished == pytest.approx(16, abs=0.2)
+    assert sim.learned.of("default").completion_reads.returned == 0
+    assert sim.learned.of("default").completion_read_probability() < 0.5
     # After turn 2 a session's chain is 198 + 40 = 238 tokens, 7 full blocks: the last
     # session's retain covers the 6 prompt blocks only.
     last = sim.sessions["default/s15"].protection
@@ -55,7 +55,7 @@ def test_next_turns_that_skip_the_response_make_protections_cover_prompts_only(
     # Control: after the first two sessions (two observations against the prior's ten)
     # the retain still covers the response's block too.
     early = _run(path, 4)
-    assert early.stats.completion_read_probability() > 0.5
+    assert early.learned.of("default").completion_read_probability() > 0.5
     second = early.sessions["default/s1"].protection
     assert second is not None and second.blocks == 7
 

@@ -47,7 +47,8 @@ def build(workers: list[str], forget_after_s: float = 3600.0,
     link = RecordingLink()
     hints = HintDispatcher(link, Subjects("t"), registry, None, metrics,
                            config or PlannerConfig(), seed=1, clock=clock,
-                           budget_of=lambda tenant: budget if tenant == "acme" else None)
+                           budget_of=lambda tenant: budget if tenant == "acme" else None,
+                           tenants=("default", "acme", "other"))
     sessions = SessionRegistry(None, max_sessions=100)
     ended: list[tuple[str, str]] = []
     lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
@@ -136,7 +137,7 @@ async def test_idle_sessions_are_reviewed_on_the_planners_schedule_then_abandone
     assert sessions.get("default", "s1") is record  # ended now, forgotten an hour later
     assert hints.holdings.worker("w0").retained_blocks == 0
     # Its non-return was learnt (a return observation the planner folds in).
-    assert hints.stats.returns, hints.stats.returns
+    assert hints.stats_of("default").returns, hints.stats_of("default").returns
 
 
 async def test_a_session_awaiting_its_return_outlives_a_short_forget_time() -> None:
@@ -152,7 +153,7 @@ async def test_a_session_awaiting_its_return_outlives_a_short_forget_time() -> N
         clock.now += 7.0  # 700 s: past the forget time and the return window
         await lifecycle.tick()
     assert sessions.get("default", "s1") is record and not record.plan.ended
-    assert hints.stats.returns
+    assert hints.stats_of("default").returns
     for _ in range(100):
         clock.now += 7.0
         await lifecycle.tick()
@@ -169,7 +170,7 @@ async def test_an_end_releases_the_agents_claims_on_every_worker_that_holds_some
     session's current worker. Before, w0's pin counted against the tenant's budget until
     its TTL."""
     clock, link, hints, sessions, lifecycle, _ended = build(["w0", "w1"])
-    hints.observe([GapObserved("search", 1, 2.0)] * 20)
+    hints.observe([GapObserved("search", 1, 2.0)] * 20, "default")
     record = lifecycle.begin_turn("default", "s1")
     await lifecycle.routed(record, "w1", 400, 0, ())
     scope = agent_scope(record.worker_session_id)

@@ -160,7 +160,7 @@ def test_tool_gap_pins_and_outcomes_feed_back() -> None:
     registry, metrics, link, hints, sessions, lifecycle, _index, _routing = build(["w0"])
 
     # The router has learned that "search" answers in about two seconds.
-    hints.observe([GapObserved("search", 1, 2.0)] * 20)
+    hints.observe([GapObserved("search", 1, 2.0)] * 20, "default")
     seen_kinds: list[str] = []
 
     async def scenario() -> None:
@@ -298,7 +298,8 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
     router hashed the prompt as vLLM does); the gauge shows what it learnt."""
     _registry, metrics, _link, hints, _sessions, lifecycle, _index, _routing = build(["w0"])
     metrics.bind_state(lambda: StateSample(
-        completion_read_probability=hints.stats.completion_read_probability()))
+        completion_read_probability={
+            "default": hints.stats_of("default").completion_read_probability()}))
 
     async def two_turns(session: str, predicted: int, exact: bool) -> None:
         record = lifecycle.begin_turn("default", session)
@@ -311,16 +312,17 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
 
     async def scenario() -> None:
         await two_turns("estimated", 400, exact=False)
-        assert hints.stats.completion_reads.finished == 0
+        assert hints.stats_of("default").completion_reads.finished == 0
         await two_turns("read", 408, exact=True)
-        assert hints.stats.completion_reads.returned == 1
+        assert hints.stats_of("default").completion_reads.returned == 1
         for n in range(12):
             await two_turns(f"skipped{n}", 400, exact=True)
 
     asyncio.run(scenario())
-    assert hints.stats.completion_reads.finished > 12
-    assert hints.stats.completion_read_probability() < 0.5
-    assert "kvhint_router_completion_read_probability 0.4" in metrics.render().decode()
+    assert hints.stats_of("default").completion_reads.finished > 12
+    assert hints.stats_of("default").completion_read_probability() < 0.5
+    assert ('kvhint_router_completion_read_probability{tenant="default"} 0.4'
+            in metrics.render().decode())
 
 
 def test_the_planner_learns_nothing_from_a_prediction_read_off_a_resyncing_index() -> None:
@@ -346,12 +348,12 @@ def test_the_planner_learns_nothing_from_a_prediction_read_off_a_resyncing_index
 
     async def scenario() -> None:
         await two_turns("live")
-        assert hints.stats.completion_reads.returned == 1  # a LIVE view: learnt
-        learnt = hints.stats.completion_reads.finished
+        assert hints.stats_of("default").completion_reads.returned == 1  # a LIVE view: learnt
+        learnt = hints.stats_of("default").completion_reads.finished
         ingestor.on_event_batch(EventBatchMeta("w0", "e1", 3), b"")  # seq 1-2 lost
         assert not ingestor.view_exact("w0")
         await two_turns("resyncing")
-        assert hints.stats.completion_reads.finished == learnt
+        assert hints.stats_of("default").completion_reads.finished == learnt
 
     asyncio.run(scenario())
 
