@@ -8,8 +8,6 @@ import dataclasses
 import json
 import time
 
-import msgspec
-
 from kvhint.router.kv_index import BlocksStored, InMemoryClusterKvIndex, KvEventIngestor
 from kvhint.router.policy import GapObserved, PlannedAction, PlannerConfig, RoutingConfig
 from kvhint.router.service.hint_dispatch import HintDispatcher
@@ -19,7 +17,6 @@ from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.sessions_api import _target_blocks
 from kvhint.router.service.settings import RoutingSettings, TenantBudget
 from kvhint.router.service.tenancy import Tenant
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
@@ -27,11 +24,8 @@ from kvhint.schemas import (
     Amount,
     Budgets,
     HintOutcome,
-    KvHintAction,
     OutcomeStatus,
     PinPayload,
-    PrefetchPayload,
-    RetainPayload,
     Subjects,
     Target,
     Usage,
@@ -86,46 +80,6 @@ def build(workers: list[str], budget: TenantBudget | None = None):
 def _plan(routing: RoutingService, inbound: InboundRequest, session_worker: str | None,
           session_turns: int) -> RoutePlan:
     return asyncio.run(routing.plan(inbound, session_worker, session_turns))
-
-
-def test_heartbeat_verdicts() -> None:
-    registry = WorkerRegistry([("w0", "http://a")])
-    assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.FIRST
-    assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.SAME_EPOCH
-    assert registry.on_heartbeat(status("w0", "e2")) is HeartbeatVerdict.NEW_EPOCH
-    registry.mark_http_failure("w0", "refused")
-    assert registry.routable() == []
-    registry.mark_http_ok("w0")
-    assert [w.worker_id for w in registry.routable()] == ["w0"]
-
-
-def test_a_worker_known_by_its_heartbeats_is_routed_where_it_says_it_is_now() -> None:
-    """A pod rescheduled on another address keeps its worker id: its heartbeats' http_url
-    wins over the one first heard (before, that one was kept for good: a worker marked
-    down there was probed there forever). A configured URL is never replaced."""
-    registry = WorkerRegistry([("w0", "http://configured")])
-    for worker, url in (("w0", "http://elsewhere"), ("w1", "http://old"),
-                        ("w1", "http://new")):
-        registry.on_heartbeat(msgspec.structs.replace(status(worker), http_url=url))
-        if url == "http://old":
-            registry.mark_http_failure("w1", "refused")
-            registry.get("w1").served_models = frozenset({"tiny"})
-    assert registry.get("w0").url == "http://configured"
-    moved = registry.get("w1")
-    assert (moved.url, moved.http_up, moved.served_models) == ("http://new", True, None)
-
-
-def test_a_worker_known_by_its_heartbeats_and_silent_for_long_is_forgotten() -> None:
-    """A pod gone for good: before, it stayed listed, probed and alerting for the router's
-    life. A configured worker, or one with a request in flight, stays."""
-    registry = WorkerRegistry([("w0", "http://configured")])
-    for worker in ("w0", "w1", "w2"):
-        registry.on_heartbeat(msgspec.structs.replace(status(worker),
-                                                      http_url=f"http://{worker}"), now=0.0)
-    registry.get("w2").inflight = 1
-    assert registry.forget_silent(now=3000.0, after_s=3600.0) == []
-    assert registry.forget_silent(now=3601.0, after_s=3600.0) == ["w1"]
-    assert sorted(w.worker_id for w in registry.all()) == ["w0", "w2"]
 
 
 def test_single_worker_is_decided_without_hashing_then_completed() -> None:
@@ -426,96 +380,6 @@ def test_a_retry_reuses_the_prompt_hashes_of_the_failed_attempt() -> None:
     assert calls == ["m"]
     assert (retry.block_hashes, retry.prompt_tokens, retry.exact) == (tuple(range(1, 11)), 40,
                                                                      True)
-
-
-def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() -> None:
-    """A worker's retain budget is soft (it displaces or clips): an API Retain is not
-    refused by the worker's retained count, as the planner's are not. Pins are: their
-    budget is hard."""
-    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
-    for n in range(30):  # 30 retains of 8 blocks: 240 held, the worker's budget 200
-        hints.holdings.record(action_id=f"r{n}", worker_id="w0", tenant="t", scope=f"t/s{n}",
-                              action_type="kv.retain", blocks=8, expires_at=1e12)
-    hints.holdings.record(action_id="p", worker_id="w0", tenant="t", scope="t/p",
-                          action_type="kv.pin", blocks=48, expires_at=1e12)
-
-    def planned(payload: object, blocks: int) -> PlannedAction:
-        return PlannedAction("w0", make_action(f"kva-{blocks}", payload), "t/x", "t", blocks,
-                             1e12, "api")
-
-    budget = TenantBudget(max_pinned_blocks=1000, max_retained_blocks=1000)
-    target = Target(session_id="t/x")
-    assert hints.api_budget_problem("t", budget, "w0", [planned(
-        RetainPayload(target=target, priority=50), 8)], time.time()) is None
-    assert hints.api_budget_problem("t", budget, "w0", [planned(
-        PinPayload(target=target, ttl_s=30), 8)], time.time()) == (
-        "worker w0 would hold 56 pinned blocks (limit 50)")
-    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
-        "t", TenantBudget(max_retained_blocks=240), "w0",
-        [planned(RetainPayload(target=target, priority=50), 8)], time.time())
-    # A Prefetch counts as retained (the worker retains what it brings in until its
-    # deadline): before, a tenant at its retained cap could prefetch without limit.
-    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
-        "t", TenantBudget(max_retained_blocks=240), "w0",
-        [planned(PrefetchPayload(target=target, deadline_s=600), 8)], time.time())
-
-
-def test_api_budgets_count_blocks_already_held_the_same_way_once() -> None:
-    """Two agents pin their sessions, which share a 30-block system prompt: the second
-    pin adds its own 5 blocks to what the tenant and the worker hold pinned, not 35 (it
-    was refused with a 429 under a cap the worker's real count fits). A Retain over
-    pinned blocks adds nothing to the retained count either."""
-    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])  # worker: 50 pinnable
-    system = list(range(1000, 1030))
-    first, second = [*system, *range(1, 6)], [*system, *range(11, 16)]
-    hints.holdings.record(action_id="p1", worker_id="w0", tenant="t", scope="agent:t/a",
-                          action_type="kv.pin", blocks=35, expires_at=1e12, keys=first)
-    assert hints.holdings.tenant("t").pinned_blocks == 35
-
-    def planned(payload: object, blocks: int) -> PlannedAction:
-        return PlannedAction("w0", make_action("kva-b", payload), "agent:t/b", "t", blocks,
-                             1e12, "api")
-
-    budget = TenantBudget(max_pinned_blocks=40, max_retained_blocks=5)
-    pin = planned(PinPayload(target=Target(session_id="t/b"), ttl_s=30), 35)
-    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), second) is None
-    # Without the chain the router cannot name the blocks: all 35 count.
-    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time()) == (
-        "tenant 't' would hold 70 pinned blocks (limit 40)")
-    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), [
-        *system[:25], *range(100, 110)]) == (  # shares 25 of the 30: 10 more
-        "tenant 't' would hold 45 pinned blocks (limit 40)")
-    retain = planned(RetainPayload(target=Target(session_id="t/b", prefix_tokens=30 * 4),
-                                   priority=50), 30)
-    assert hints.api_budget_problem("t", budget, "w0", [retain], time.time(), second) is None
-
-
-def test_a_tenant_without_a_budget_of_its_own_is_bounded_by_the_workers_only() -> None:
-    """The default tenant budget caps no holds: with a fixed cap (it was 16,384 retained
-    blocks) the planner stopped retaining for a tenant long before a GPU fleet's retain
-    budgets filled, and the simulator, which has no tenant caps, planned another fleet."""
-    budget = TenantBudget()
-    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"], budget)
-    hints.holdings.record(action_id="r", worker_id="w0", tenant="t", scope="t/s",
-                          action_type="kv.retain", blocks=100_000, expires_at=1e12)
-    assert (budget.max_pinned_blocks, budget.max_retained_blocks) == (None, None)
-    action = PlannedAction("w0", make_action("kva-r", RetainPayload(
-        target=Target(session_id="t/x"), priority=50)), "t/x", "t", 8, 1e12, "api")
-    assert hints.api_budget_problem("t", budget, "w0", [action], time.time()) is None
-    config = hints.context(tenant="t").config
-    assert (config.tenant_max_pinned_blocks, config.tenant_max_retained_blocks) == (None, None)
-
-
-def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
-    """Counted against budgets until the worker answers: a prefix of the session's chain,
-    or the named blocks, not the session's whole chain (10 blocks here)."""
-    def action(target: dict) -> KvHintAction:
-        return KvHintAction("kva-x", "kv.retain", "1.0", {"target": target, "priority": 50})
-
-    assert _target_blocks(action({"session_id": "t/s"}), 10, 16) == 10
-    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
-    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
-    assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
 
 
 def test_tool_schemas_count_toward_hashing_a_prompt_off_the_event_loop() -> None:

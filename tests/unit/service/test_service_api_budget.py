@@ -1,0 +1,110 @@
+"""The sessions API's budget gate: what an agent runtime's hints may hold, per tenant and
+per worker, with the real dispatcher and holdings ledger."""
+
+from __future__ import annotations
+
+import time
+
+from kvhint.router.policy import PlannedAction
+from kvhint.router.service.sessions_api import _target_blocks
+from kvhint.router.service.settings import TenantBudget
+from kvhint.schemas import (
+    KvHintAction,
+    PinPayload,
+    PrefetchPayload,
+    RetainPayload,
+    Target,
+    make_action,
+)
+
+from test_service_planning import build
+
+
+def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() -> None:
+    """A worker's retain budget is soft (it displaces or clips): an API Retain is not
+    refused by the worker's retained count, as the planner's are not. Pins are: their
+    budget is hard."""
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
+    for n in range(30):  # 30 retains of 8 blocks: 240 held, the worker's budget 200
+        hints.holdings.record(action_id=f"r{n}", worker_id="w0", tenant="t", scope=f"t/s{n}",
+                              action_type="kv.retain", blocks=8, expires_at=1e12)
+    hints.holdings.record(action_id="p", worker_id="w0", tenant="t", scope="t/p",
+                          action_type="kv.pin", blocks=48, expires_at=1e12)
+
+    def planned(payload: object, blocks: int) -> PlannedAction:
+        return PlannedAction("w0", make_action(f"kva-{blocks}", payload), "t/x", "t", blocks,
+                             1e12, "api")
+
+    budget = TenantBudget(max_pinned_blocks=1000, max_retained_blocks=1000)
+    target = Target(session_id="t/x")
+    assert hints.api_budget_problem("t", budget, "w0", [planned(
+        RetainPayload(target=target, priority=50), 8)], time.time()) is None
+    assert hints.api_budget_problem("t", budget, "w0", [planned(
+        PinPayload(target=target, ttl_s=30), 8)], time.time()) == (
+        "worker w0 would hold 56 pinned blocks (limit 50)")
+    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
+        "t", TenantBudget(max_retained_blocks=240), "w0",
+        [planned(RetainPayload(target=target, priority=50), 8)], time.time())
+    # A Prefetch counts as retained (the worker retains what it brings in until its
+    # deadline): before, a tenant at its retained cap could prefetch without limit.
+    assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
+        "t", TenantBudget(max_retained_blocks=240), "w0",
+        [planned(PrefetchPayload(target=target, deadline_s=600), 8)], time.time())
+
+
+def test_api_budgets_count_blocks_already_held_the_same_way_once() -> None:
+    """Two agents pin their sessions, which share a 30-block system prompt: the second
+    pin adds its own 5 blocks to what the tenant and the worker hold pinned, not 35 (it
+    was refused with a 429 under a cap the worker's real count fits). A Retain over
+    pinned blocks adds nothing to the retained count either."""
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])  # worker: 50 pinnable
+    system = list(range(1000, 1030))
+    first, second = [*system, *range(1, 6)], [*system, *range(11, 16)]
+    hints.holdings.record(action_id="p1", worker_id="w0", tenant="t", scope="agent:t/a",
+                          action_type="kv.pin", blocks=35, expires_at=1e12, keys=first)
+    assert hints.holdings.tenant("t").pinned_blocks == 35
+
+    def planned(payload: object, blocks: int) -> PlannedAction:
+        return PlannedAction("w0", make_action("kva-b", payload), "agent:t/b", "t", blocks,
+                             1e12, "api")
+
+    budget = TenantBudget(max_pinned_blocks=40, max_retained_blocks=5)
+    pin = planned(PinPayload(target=Target(session_id="t/b"), ttl_s=30), 35)
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), second) is None
+    # Without the chain the router cannot name the blocks: all 35 count.
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time()) == (
+        "tenant 't' would hold 70 pinned blocks (limit 40)")
+    assert hints.api_budget_problem("t", budget, "w0", [pin], time.time(), [
+        *system[:25], *range(100, 110)]) == (  # shares 25 of the 30: 10 more
+        "tenant 't' would hold 45 pinned blocks (limit 40)")
+    retain = planned(RetainPayload(target=Target(session_id="t/b", prefix_tokens=30 * 4),
+                                   priority=50), 30)
+    assert hints.api_budget_problem("t", budget, "w0", [retain], time.time(), second) is None
+
+
+def test_a_tenant_without_a_budget_of_its_own_is_bounded_by_the_workers_only() -> None:
+    """The default tenant budget caps no holds: with a fixed cap (it was 16,384 retained
+    blocks) the planner stopped retaining for a tenant long before a GPU fleet's retain
+    budgets filled, and the simulator, which has no tenant caps, planned another fleet."""
+    budget = TenantBudget()
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"], budget)
+    hints.holdings.record(action_id="r", worker_id="w0", tenant="t", scope="t/s",
+                          action_type="kv.retain", blocks=100_000, expires_at=1e12)
+    assert (budget.max_pinned_blocks, budget.max_retained_blocks) == (None, None)
+    action = PlannedAction("w0", make_action("kva-r", RetainPayload(
+        target=Target(session_id="t/x"), priority=50)), "t/x", "t", 8, 1e12, "api")
+    assert hints.api_budget_problem("t", budget, "w0", [action], time.time()) is None
+    config = hints.context(tenant="t").config
+    assert (config.tenant_max_pinned_blocks, config.tenant_max_retained_blocks) == (None, None)
+
+
+def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
+    """Counted against budgets until the worker answers: a prefix of the session's chain,
+    or the named blocks, not the session's whole chain (10 blocks here)."""
+    def action(target: dict) -> KvHintAction:
+        return KvHintAction("kva-x", "kv.retain", "1.0", {"target": target, "priority": 50})
+
+    assert _target_blocks(action({"session_id": "t/s"}), 10, 16) == 10
+    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
+    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
+    assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
