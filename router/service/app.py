@@ -127,7 +127,7 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         return _error(exc.message, exc.status, error_type="authentication_error")
     except BadRequest as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
-        return _error(exc.message, exc.status, exc.param)
+        return _error(exc.message, exc.status, exc.param, exc.error_type)
     # Watches for the client leaving until the response starts (a worker still busy
     # before its first byte); a streamed response then watches for itself.
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
@@ -138,8 +138,15 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
 
 
 async def _models(request: Request) -> Response:
-    """The union of the workers' /v1/models (by model id)."""
+    """The union of the workers' /v1/models (by model id), as far as the caller's key may
+    use them: a client key is required as for inference (outside dev mode)."""
     runtime = runtime_of(request)
+    headers = request.headers
+    try:
+        tenant = runtime.directory.client(
+            api_key_from_headers(headers.get("authorization"), headers.get("x-api-key")))
+    except AuthError as exc:
+        return _error(exc.message, exc.status, error_type="authentication_error")
     workers = [w for w in runtime.workers.routable() if w.url]
     if not workers:
         return _error("no worker available", 503)
@@ -147,12 +154,14 @@ async def _models(request: Request) -> Response:
         *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0) for w in workers),
         return_exceptions=True)
     merged: dict[str, Any] = {}
+    answered = False
     for result in results:
         if isinstance(result, dict):
+            answered = True
             for item in result.get("data", []):
-                if isinstance(item, dict) and "id" in item:
+                if isinstance(item, dict) and "id" in item and tenant.may_use(str(item["id"])):
                     merged.setdefault(item["id"], item)
-    if not merged:
+    if not answered:
         return _error("no worker answered /v1/models", 502)
     return JSONResponse({"object": "list", "data": list(merged.values())})
 

@@ -66,11 +66,13 @@ class Endpoint(str, enum.Enum):
 class BadRequest(Exception):
     """A client error the router answers itself (400 unless said), OpenAI-style."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.error_type = error_type
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,16 @@ def parse_inbound(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
+    if tenant.models is not None:
+        # A tenant limited to some models names one (a worker would otherwise answer
+        # with its default model, whichever that is); another is not there for it, in
+        # the words vLLM uses for a model it does not serve.
+        if model is None:
+            raise BadRequest("'model' is required: name one of the models your key may use",
+                             param="model")
+        if not tenant.may_use(model):
+            raise BadRequest(f"The model `{model}` does not exist.", param="model",
+                             status=404, error_type="NotFoundError")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise BadRequest("'stream' must be a boolean", param="stream")

@@ -78,6 +78,9 @@ class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     # tenants never share KV. None: derived from the tenant name and ``salt_secret``.
     cache_salt: str | None = None
     budget: TenantBudget = TenantBudget()
+    # The models (served names, LoRA adapters included) this tenant may use and see in
+    # /v1/models; None: every model the workers serve.
+    models: list[str] | None = None
 
     @field_validator("name")
     @classmethod

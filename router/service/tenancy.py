@@ -24,6 +24,11 @@ class Tenant:
     # None only in dev mode: requests then hash exactly as a direct call to vLLM would.
     cache_salt: str | None
     budget: TenantBudget
+    # What it may use (served model names; None: every model).
+    models: frozenset[str] | None = None
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     def worker_session_id(self, client_session_id: str) -> str:
         """The id workers see; hints target it (BRIEF: ``<tenant>/<client session id>``)."""
@@ -56,7 +61,8 @@ class TenantDirectory:
         self._admin_keys: dict[str, Tenant | None] = {key: None for key in settings.admin_keys}
         for config in settings.tenants:
             salt = config.cache_salt or derive_salt(settings.salt_secret, config.name)
-            tenant = Tenant(config.name, salt, config.budget)
+            tenant = Tenant(config.name, salt, config.budget,
+                            None if config.models is None else frozenset(config.models))
             self._tenants[tenant.name] = tenant
             for key in config.api_keys:
                 self._client_keys[key] = tenant

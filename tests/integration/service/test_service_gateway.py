@@ -9,6 +9,7 @@ import gc
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -429,3 +430,34 @@ async def test_a_client_that_leaves_right_after_done_was_served(
         assert record.cached_tokens == 64 and record.prompt_tokens == 80
         metrics = (await client.get(f"{router.url}/metrics")).text
         assert 'code="499"' not in metrics
+
+
+async def test_a_tenant_sees_and_uses_only_its_models(tmp_path: Path,
+                                                      stub_workers: list[StubWorker]) -> None:
+    """``tenants[].models``: a tenant's key lists and uses only those (a private LoRA
+    adapter of one tenant is not another's); /v1/models needs a client key, as inference
+    does. Before, anyone reaching the router listed, and every tenant used, every model."""
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], admin_keys=["root"],
+                               tenants=[{"name": "a", "api_keys": ["ka"], "models": ["stub"]},
+                                        {"name": "b", "api_keys": ["kb"], "models": ["x"]},
+                                        {"name": "c", "api_keys": ["kc"]}])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        def listed(key: str) -> Any:
+            return client.get(f"{router.url}/v1/models",
+                              headers={"authorization": f"Bearer {key}"})
+
+        assert (await client.get(f"{router.url}/v1/models")).status_code == 401
+        for key, ids in (("ka", ["stub"]), ("kb", []), ("kc", ["stub"])):
+            response = await listed(key)
+            assert response.status_code == 200
+            assert [m["id"] for m in response.json()["data"]] == ids
+        url = f"{router.url}/v1/chat/completions"
+        refused = await client.post(url, json=CHAT, headers={"authorization": "Bearer kb"})
+        assert refused.status_code == 404
+        assert refused.json()["error"] == {"message": "The model `stub` does not exist.",
+                                           "type": "NotFoundError", "param": "model",
+                                           "code": 404}
+        for key in ("ka", "kc"):
+            served = await client.post(url, json=CHAT, headers={"authorization": f"Bearer {key}"})
+            assert served.status_code == 200
+        assert len(stub_workers[0].received) == 2

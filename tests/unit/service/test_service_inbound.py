@@ -122,3 +122,19 @@ def test_media_uuids_are_scoped_to_the_tenant() -> None:
     with pytest.raises(BadRequest, match="'uuid' must be a string") as error:
         forwarded_uuids(ACME, uuid=7)
     assert error.value.param == "messages[0].content"
+
+
+def test_a_tenant_limited_to_some_models_names_one_of_them() -> None:
+    limited = Tenant("acme", "salt-acme", TenantBudget(), frozenset({"tiny"}))
+    assert parse_inbound(Endpoint.CHAT, chat(), limited, None, None).model == "tiny"
+    with pytest.raises(BadRequest) as other:
+        parse_inbound(Endpoint.CHAT, chat(model="private-lora"), limited, None, None)
+    assert (other.value.status, other.value.param, other.value.error_type) == (
+        404, "model", "NotFoundError")
+    assert other.value.message == "The model `private-lora` does not exist."
+    body = json.dumps({"prompt": "hi"}).encode()
+    with pytest.raises(BadRequest, match="'model' is required") as missing:
+        parse_inbound(Endpoint.COMPLETION, body, limited, None, None)
+    assert missing.value.status == 400
+    # No list: every model, as before.
+    assert parse_inbound(Endpoint.CHAT, chat(model="x"), ACME, None, None).model == "x"
