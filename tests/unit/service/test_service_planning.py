@@ -245,6 +245,20 @@ def test_new_sessions_spread_over_workers_despite_a_shared_prefix_when_configure
     assert [first_turn(f"s{i}") for i in range(4)] == ["w0", "w1", "w0", "w1"]
 
 
+async def two_turns(lifecycle: SessionLifecycle, session: str, predicted: int,
+                    exact: bool) -> None:
+    """A session's first turn (400 prompt tokens, 10 out), then its second routed to the
+    same worker with ``predicted`` of its 440 tokens cached (408: the whole first turn,
+    its response included)."""
+    record = lifecycle.begin_turn("default", session)
+    await lifecycle.routed(record, "w0", 400, 0, ())
+    await lifecycle.finished(record, "w0", ResponseObservation(
+        finish_reason="stop", tool_names=[], prompt_tokens=400, completion_tokens=10,
+        cached_tokens=0), session_end=False)
+    record = lifecycle.begin_turn("default", session)
+    await lifecycle.routed(record, "w0", 440, predicted, (), prediction_exact=exact)
+
+
 def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> None:
     """Block size 4 (the worker's status): a 400-token prompt and a 10-token response
     leave two full blocks of response tokens. The next turn's predicted cached count on
@@ -255,22 +269,13 @@ def test_the_live_lifecycle_learns_whether_next_turns_read_the_response() -> Non
         completion_read_probability={
             "default": hints.stats_of("default").completion_read_probability()}))
 
-    async def two_turns(session: str, predicted: int, exact: bool) -> None:
-        record = lifecycle.begin_turn("default", session)
-        await lifecycle.routed(record, "w0", 400, 0, ())
-        await lifecycle.finished(record, "w0", ResponseObservation(
-            finish_reason="stop", tool_names=[], prompt_tokens=400, completion_tokens=10,
-            cached_tokens=0), session_end=False)
-        record = lifecycle.begin_turn("default", session)
-        await lifecycle.routed(record, "w0", 440, predicted, (), prediction_exact=exact)
-
     async def scenario() -> None:
-        await two_turns("estimated", 400, exact=False)
+        await two_turns(lifecycle, "estimated", 400, exact=False)
         assert hints.stats_of("default").completion_reads.finished == 0
-        await two_turns("read", 408, exact=True)
+        await two_turns(lifecycle, "read", 408, exact=True)
         assert hints.stats_of("default").completion_reads.returned == 1
         for n in range(12):
-            await two_turns(f"skipped{n}", 400, exact=True)
+            await two_turns(lifecycle, f"skipped{n}", 400, exact=True)
 
     asyncio.run(scenario())
     assert hints.stats_of("default").completion_reads.finished > 12
@@ -291,22 +296,13 @@ def test_the_planner_learns_nothing_from_a_prediction_read_off_a_resyncing_index
     lifecycle = SessionLifecycle(sessions, hints, metrics, hints_enabled=True,
                                  forget_after_s=3600, index_exact=ingestor.view_exact)
 
-    async def two_turns(session: str) -> None:
-        record = lifecycle.begin_turn("default", session)
-        await lifecycle.routed(record, "w0", 400, 0, ())
-        await lifecycle.finished(record, "w0", ResponseObservation(
-            finish_reason="stop", tool_names=[], prompt_tokens=400, completion_tokens=10,
-            cached_tokens=0), session_end=False)
-        record = lifecycle.begin_turn("default", session)
-        await lifecycle.routed(record, "w0", 440, 408, (), prediction_exact=True)
-
     async def scenario() -> None:
-        await two_turns("live")
+        await two_turns(lifecycle, "live", 408, exact=True)
         assert hints.stats_of("default").completion_reads.returned == 1  # a LIVE view: learnt
         learnt = hints.stats_of("default").completion_reads.finished
         ingestor.on_event_batch(EventBatchMeta("w0", "e1", 3), b"")  # seq 1-2 lost
         assert not ingestor.view_exact("w0")
-        await two_turns("resyncing")
+        await two_turns(lifecycle, "resyncing", 408, exact=True)
         assert hints.stats_of("default").completion_reads.finished == learnt
 
     asyncio.run(scenario())
