@@ -6,14 +6,20 @@ Alembic migrations build both.
 
 from __future__ import annotations
 
+import logging
 import math
 from importlib.resources import files
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlalchemy.exc import SQLAlchemyError
+
+log = logging.getLogger(__name__)
 
 
 # How long a PostgreSQL connection attempt may take before it fails (libpq's
@@ -83,15 +89,39 @@ def alembic_config(url: str) -> Config:
 _MIGRATION_LOCK = 0x6B7668696E74
 
 
-def migrate(engine: Engine, revision: str = "head") -> None:
-    """Bring the schema to ``revision`` (idempotent). On PostgreSQL, routers starting
-    together (replicas, a rolling deploy) take turns: the first migrates, the others
-    then find the schema current (without the lock, all but one failed on a fresh
-    database with a duplicate-key error)."""
+def migrate(engine: Engine, revision: str = "head") -> bool:
+    """Bring the schema to ``revision`` (idempotent); False when the database is at a
+    revision this code does not know (a newer router migrated it), left as it is.
+
+    On PostgreSQL, routers starting together (replicas, a rolling deploy) take turns: the
+    first migrates, the others then find the schema current (without the lock, all but
+    one failed on a fresh database with a duplicate-key error).
+
+    A newer revision: during a rolling upgrade an older router that restarts (or a
+    rollback) finds the database migrated ahead of it. Alembic would refuse ("can't
+    locate revision") and the router would crash-loop; it runs on the newer schema
+    instead, which works because migrations only add (nullable columns, new tables) and
+    drop nothing a release before still reads (migrations/README.md)."""
     config = alembic_config(engine.url.render_as_string(hide_password=False))
+    scripts = ScriptDirectory.from_config(config)
     with engine.begin() as connection:
         if engine.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
                                {"key": _MIGRATION_LOCK})
+        unknown = [head for head in MigrationContext.configure(connection).get_current_heads()
+                   if not _known_revision(scripts, head)]
+        if unknown:
+            log.warning("the store is at schema revision %s, newer than this router's (%s): "
+                        "running on it without migrating", ", ".join(unknown),
+                        ", ".join(scripts.get_heads()))
+            return False
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
+    return True
+
+
+def _known_revision(scripts: ScriptDirectory, revision: str) -> bool:
+    try:
+        return scripts.get_revision(revision) is not None
+    except CommandError:  # alembic's "Can't locate revision"
+        return False

@@ -11,7 +11,7 @@ import time
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import Base, HintActionRow
@@ -30,6 +30,36 @@ def test_migrations_build_exactly_the_models(database_url: str) -> None:
         with engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
+    finally:
+        engine.dispose()
+
+
+def test_a_database_a_newer_router_migrated_is_used_as_it_is(
+        database_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """During a rolling upgrade (or a rollback) an older router restarts on a database a
+    newer one migrated ahead. Before, alembic refused the unknown revision and the router
+    crash-looped; now it runs on the newer schema (migrations only add)."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        with engine.begin() as conn:  # what a router with a revision 0099 leaves
+            conn.execute(text("UPDATE alembic_version SET version_num = '0099'"))
+        assert migrate(engine) is False
+        assert any("newer than this router's" in r.getMessage() for r in caplog.records)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0099"
+        now = time.time()
+
+        async def write() -> None:
+            writer = StoreWriter(engine, flush_interval_s=0.01, queue_max=10,
+                                 on_drop=lambda what, n: None)
+            writer.start()
+            writer.upsert("sessions", ("acme", "s1"), _session("s1", now, 1))
+            await writer.close()
+
+        asyncio.run(write())
+        state = load_recovery(engine, active_since=now - 60, max_sessions=10)
+        assert [s["turns"] for s in state.sessions] == [1]
     finally:
         engine.dispose()
 
