@@ -74,14 +74,18 @@ __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
 log = logging.getLogger(__name__)
 
 _RECENT_KEPT = 2000
-# learned_stats rows: a tenant's statistics are (tenant, STATS_KIND); the pooled row of a
-# router from before they were per tenant is (POOLED_TENANT, STATS_KIND) (no tenant is
-# named "*": TenantConfig's names are letters, digits, "_", "." and "-"); per-worker
-# feedback is (POOLED_TENANT, "feedback:<worker>").
-STATS_KIND = "tool_gaps"
+# learned_stats rows. A tenant's statistics: (tenant, TENANT_STATS_KIND). Routers from
+# before statistics were per tenant kept one pooled row, (POOLED_TENANT, POOLED_KIND), and
+# read every row of that kind as it: a kind of its own keeps them from taking a tenant's
+# row for everyone while old and new routers share the store (a rolling upgrade, a
+# rollback). That the pooled row was taken is a row of its own too,
+# (POOLED_TENANT, ADOPTED_KIND), which no older router writes over. No tenant is named
+# "*" (TenantConfig's names are letters, digits, "_", "." and "-"). Per-worker feedback:
+# (POOLED_TENANT, "feedback:<worker>").
+TENANT_STATS_KIND = "tenant_gaps"
+POOLED_KIND = "tool_gaps"
+ADOPTED_KIND = "tool_gaps_adopted"
 POOLED_TENANT = "*"
-# The data a pooled row is overwritten with once tenants have taken it (restore()).
-_ADOPTED = "adopted_at"
 
 
 class HintDispatcher:
@@ -377,13 +381,13 @@ class HintDispatcher:
         if self._writer is None:
             return
         for tenant in sorted(self._stats_dirty):
-            self._writer.upsert("learned_stats", (tenant, STATS_KIND), {
-                "tenant": tenant, "kind": STATS_KIND,
+            self._writer.upsert("learned_stats", (tenant, TENANT_STATS_KIND), {
+                "tenant": tenant, "kind": TENANT_STATS_KIND,
                 "data": self.learned.of(tenant).to_dict(), "updated_at": now})
         self._stats_dirty.clear()
         if self._pooled_adopted:
-            self._writer.upsert("learned_stats", (POOLED_TENANT, STATS_KIND), {
-                "tenant": POOLED_TENANT, "kind": STATS_KIND, "data": {_ADOPTED: now},
+            self._writer.upsert("learned_stats", (POOLED_TENANT, ADOPTED_KIND), {
+                "tenant": POOLED_TENANT, "kind": ADOPTED_KIND, "data": {"adopted_at": now},
                 "updated_at": now})
             self._pooled_adopted = False
         for worker_id, feedback in self.feedback.items():
@@ -401,23 +405,27 @@ class HintDispatcher:
         answered, TTL not over, oldest first), so budgets count them again. A pending
         Pin/Retain is held at what it asked for until its outcome settles it.
 
-        Learned statistics: each tenant's row ((tenant, ``tool_gaps``)) is its own; the
+        Learned statistics: each tenant's row ((tenant, ``tenant_gaps``)) is its own; the
         row of a tenant no longer served is left in the store, unused (counted,
         ``learned_stats_unknown_tenant``). Upgrade from a router that kept one pooled row
         for all tenants ((``*``, ``tool_gaps``)): every served tenant without a row of its
         own starts from a copy of the pooled statistics, so the upgrade loses nothing;
-        :meth:`save_learned` then writes those tenants' rows and overwrites the pooled
-        one with ``{"adopted_at": <time>}`` in the same batch, so it is taken once (a
-        tenant configured later starts from the priors, not from other tenants'
-        pre-upgrade traffic). A router stopped before that batch is written takes the
-        pooled row again at its next start: nothing is lost either way."""
+        :meth:`save_learned` then writes those tenants' rows and, in the same batch, the
+        row (``*``, ``tool_gaps_adopted``) saying the pooled one was taken. From then on
+        the pooled row is never read again (a tenant configured later starts from the
+        priors, not from other tenants' pre-upgrade traffic), whatever an older router
+        sharing the store during the rollout still writes into it. A router stopped
+        before that batch is written takes the pooled row again at its next start:
+        nothing is lost either way."""
         pooled: LearnedStats | None = None
+        adopted = any(row.get("kind") == ADOPTED_KIND and row.get("tenant") == POOLED_TENANT
+                      for row in learned)
         for row in learned:
             try:
-                if row["kind"] == STATS_KIND and row["tenant"] == POOLED_TENANT:
-                    if _ADOPTED not in row["data"]:
+                if row["kind"] == POOLED_KIND and row["tenant"] == POOLED_TENANT:
+                    if not adopted:
                         pooled = LearnedStats.from_dict(row["data"])
-                elif row["kind"] == STATS_KIND:
+                elif row["kind"] == TENANT_STATS_KIND:
                     if not self.learned.put(row["tenant"], LearnedStats.from_dict(row["data"])):
                         self._metrics.drop("learned_stats_unknown_tenant")
                 elif row["kind"].startswith("feedback:"):

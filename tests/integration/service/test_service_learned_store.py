@@ -48,15 +48,16 @@ def test_an_upgrade_takes_the_pooled_row_as_every_tenants_start_once(
     tenant a's own (60 s). After the upgrade, default and b start from copies of the
     pooled statistics, a keeps its own; their rows are written and the pooled row marked
     taken, so after the next restart they keep what they learnt and a tenant configured
-    later (c) starts from the priors, not from the other tenants' old traffic."""
+    later (c) starts from the priors, not from the other tenants' old traffic, whatever
+    an older router sharing the store still writes into the pooled row."""
     engine = create_store_engine(database_url)
     try:
         migrate(engine)
         pooled, own = _learnt(2.0), _learnt(60.0)
         with engine.begin() as conn:
-            for tenant, stats in (("*", pooled), ("a", own)):
+            for tenant, kind, stats in (("*", "tool_gaps", pooled), ("a", "tenant_gaps", own)):
                 conn.execute(LearnedStatsRow.__table__.insert().values(
-                    tenant=tenant, kind="tool_gaps", data=stats.to_dict(), updated_at=NOW))
+                    tenant=tenant, kind=kind, data=stats.to_dict(), updated_at=NOW))
         expect_pooled = pooled.gap_quantile("search", 1, Q)
         expect_own = own.gap_quantile("search", 1, Q)
         assert expect_pooled < 5.0 < 40.0 < expect_own
@@ -75,10 +76,20 @@ def test_an_upgrade_takes_the_pooled_row_as_every_tenants_start_once(
 
         asyncio.run(upgrade())
         rows = _rows(engine)
-        assert rows[("*", "tool_gaps")] == {"adopted_at": NOW + 1}
+        # The pooled row is left as it is (an older router sharing the store during the
+        # rollout reads it, and only it, as its statistics); that it was taken is a row
+        # of its own, which no older router writes over.
+        assert rows[("*", "tool_gaps")] == pooled.to_dict()
+        assert rows[("*", "tool_gaps_adopted")] == {"adopted_at": NOW + 1}
         assert {key for key in rows if key[0] != "*"} == {
-            ("default", "tool_gaps"), ("a", "tool_gaps"), ("b", "tool_gaps")}
-        assert rows[("a", "tool_gaps")] == own.to_dict()  # unchanged, not rewritten
+            ("default", "tenant_gaps"), ("a", "tenant_gaps"), ("b", "tenant_gaps")}
+        assert rows[("a", "tenant_gaps")] == own.to_dict()  # unchanged, not rewritten
+        # An older router still running saves its pooled statistics (b's traffic, say).
+        with engine.begin() as conn:
+            conn.execute(LearnedStatsRow.__table__.update().where(
+                LearnedStatsRow.tenant == "*", LearnedStatsRow.kind == "tool_gaps").values(
+                data=_learnt(900.0).to_dict()))
+        rows = _rows(engine)
 
         async def next_restart() -> None:
             hints, writer = _restarted(engine, ("default", "a", "b", "c"))

@@ -159,7 +159,7 @@ def test_save_writes_one_row_per_tenant_that_learnt(tenant: str) -> None:
                            RouterMetrics(), PlannerConfig(), seed=1, tenants=("a", "b"))
     hints.observe([GapObserved("search", 1, 2.0)] * 3, tenant)
     hints.save_learned(START)
-    assert [key for key, _values in rows] == [(tenant, "tool_gaps")]
+    assert [key for key, _values in rows] == [(tenant, "tenant_gaps")]
     assert LearnedStats.from_dict(rows[0][1]["data"]).gaps
     hints.save_learned(START + 1)  # unchanged: not written again
     assert len(rows) == 1
