@@ -251,6 +251,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "deferred_dropped": mailbox.counters.deferred_dropped if mailbox else 0,
             "in_flight_ids_forgotten": mailbox.counters.in_flight_forgotten if mailbox else 0,
             "snapshots_dropped": tc.snapshots_dropped if tc else 0,
+            "stream_create_failures": tc.stream_create_failures if tc else 0,
             "index_events": core.index.counters.events,
             "internal_errors": cc.internal_errors,
             "pinned_blocks": core.executor.pinned_blocks,

@@ -52,6 +52,8 @@ COUNTERS = {
                                 "repeat of one that finds the inbox full is rejected)."),
     "snapshots_dropped": ("Kept snapshots dropped to stay within snapshot_keep_blocks (a "
                           "router paging one starts over)."),
+    "stream_create_failures": ("The events stream was missing and could not be created: "
+                               "batches went out as plain messages, not kept for replay."),
     "index_events": "KV events applied to the session index.",
     "internal_errors": "Exceptions caught in plugin hooks (the engine kept running).",
 }

@@ -84,6 +84,9 @@ class TransportCounters:
     # Kept snapshots dropped before their time to stay within snapshot_keep_blocks (a
     # router still paging one starts over from a new snapshot).
     snapshots_dropped: int = 0
+    # The events stream was missing and could not be created (nor had anyone else made
+    # it meanwhile): batches go out as plain NATS messages, not kept for replay.
+    stream_create_failures: int = 0
     # Outcomes the transport answered itself (inbox full: rejected; engine busy:
     # deferred), by (action type, status); changed and read under the mailbox's lock.
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -253,8 +256,23 @@ class NatsTransport:
                 storage=StorageType.FILE, max_age=self.config.events_stream_max_age_s,
                 max_bytes=self.config.events_stream_max_bytes, discard=DiscardPolicy.OLD))
             logger.info("kvhint: created JetStream stream %s", name)
+            return
         except (NatsError, asyncio.TimeoutError) as exc:
-            logger.warning("kvhint: could not create stream %s: %s", name, exc)
+            create_error: BaseException = exc
+        # The router (or another worker) may have created it between our lookup and our
+        # create: JetStream answers 10058 ("already in use with a different
+        # configuration") when its limits differ from ours. The stream exists then, and
+        # is the one to use (its owner's limits stand; the router reconciles them).
+        try:
+            await js.stream_info(name)
+        except (NatsError, asyncio.TimeoutError):
+            self.counters.stream_create_failures += 1
+            logger.warning("kvhint: could not create stream %s: %s; events go out as plain "
+                           "NATS messages (captured once the router creates it)", name,
+                           create_error)
+            return
+        logger.info("kvhint: JetStream stream %s was created meanwhile by the router or "
+                    "another worker (%s): using it", name, create_error)
 
     # --- inbound --------------------------------------------------------------------------------
 

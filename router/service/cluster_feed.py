@@ -15,6 +15,12 @@
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
   ingestor asks (gap, epoch change, joined mid-stream, missed tail).
 
+Where JetStream fails at set-up (disabled, out of storage, a stream of another name
+holding the subjects) events, outcomes and releases flow on plain subscriptions meanwhile
+(``replay`` False, counted as ``drops{what="jetstream_unavailable"}`` per failed try) and
+:meth:`ClusterFeed.tick` tries again with backoff until it works; then the consumers take
+over from the streams' ends and the plain subscriptions are drained.
+
 The ingestor (``kvhint.router.kv_index``) decides; this module only performs its actions.
 """
 
@@ -24,10 +30,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from kvhint.router.kv_index import (
@@ -42,6 +50,7 @@ from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import (
     NatsLink,
+    StreamCheck,
     outcomes_stream_name,
     releases_stream_name,
 )
@@ -65,6 +74,18 @@ log = logging.getLogger(__name__)
 OUTCOMES_CURSOR = "outcomes_stream_seq"
 RELEASES_CURSOR = "releases_stream_seq"
 
+# Backoff of JetStream set-up retries after a failure (first, then doubled up to the cap).
+JETSTREAM_RETRY_S = 2.0
+JETSTREAM_RETRY_MAX_S = 60.0
+
+
+def _stream_metadata(msg: Msg) -> Msg.Metadata | None:
+    """A JetStream delivery's metadata; None for a plain subscription's message (nats-py
+    raises on ``msg.metadata`` without a JetStream ack subject)."""
+    if not (msg.reply or "").startswith("$JS.ACK."):
+        return None
+    return msg.metadata
+
 
 class _StreamCursor:
     """Where a replayed stream's consumer stands, kept in the store's ``cursors`` table:
@@ -83,9 +104,10 @@ class _StreamCursor:
         return None if self.seq is None else self.seq + 1
 
     def handled(self, msg: Msg) -> None:
-        if msg.metadata is None:
+        metadata = _stream_metadata(msg)
+        if metadata is None:
             return
-        self.seq = msg.metadata.sequence.stream
+        self.seq = metadata.sequence.stream
         if self._writer is not None:
             self._writer.upsert("cursors", (self.name,), {
                 "name": self.name, "value": self.seq, "updated_at": self._wall()})
@@ -98,7 +120,8 @@ class ClusterFeed:
                  snapshot_timeout_s: float,
                  on_hint_outcome: Callable[[SentAction, HintOutcome], None],
                  on_hold_released: Callable[[HoldRelease], None],
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 jetstream_retry_s: float = JETSTREAM_RETRY_S) -> None:
         self._link = link
         self._subjects = link.subjects
         self.ingestor = ingestor
@@ -113,40 +136,141 @@ class ClusterFeed:
         self._tasks: set[asyncio.Task[None]] = set()
         self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
         self.releases = _StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
-        # False when JetStream failed and the feed runs on plain subscriptions.
+        # False while JetStream set-up fails and the feed runs on plain subscriptions;
+        # tick() retries it (jetstream_error says why it last failed).
         self.replay = True
+        self.jetstream_error = ""
+        self._plain: list[Subscription] = []
+        self._retry_first_s = jetstream_retry_s
+        self._retry_delay_s = jetstream_retry_s
+        self._retry_at = 0.0
+        self._retrying = False
 
     async def on_connected(self) -> None:
-        """Streams and subscriptions; NatsLink calls this once per (re)established link."""
+        """Streams and subscriptions; NatsLink calls this once per (re)established link
+        (nats-py's own reconnects keep the subscriptions and do not call it)."""
         subjects = self._subjects
         await self._link.subscribe(subjects.all_of("status"), self._on_status)
+        self._plain = []
         try:
-            await self._link.ensure_streams()
-            await self._link.subscribe_stream(subjects.all_of("events"), subjects.events_stream,
-                                              self._on_events, start_seq=1)
-            await self._link.subscribe_stream(subjects.all_of("outcomes"),
-                                              outcomes_stream_name(subjects), self._on_outcome,
-                                              start_seq=self.outcomes.start_seq())
-            await self._link.subscribe_stream(subjects.all_of("releases"),
-                                              releases_stream_name(subjects), self._on_releases,
-                                              start_seq=self.releases.start_seq())
+            await self._set_up_jetstream(events_start=1,
+                                         outcomes_start=self.outcomes.start_seq(),
+                                         releases_start=self.releases.start_seq())
         except (NatsError, asyncio.TimeoutError) as exc:
-            # No JetStream (disabled, out of storage): live messages still flow on plain
-            # subscriptions; what a restart misses is resynced from snapshots instead of
-            # replayed, and outcomes sent while the router is down are lost (counted).
-            log.error("JetStream unavailable (%r): events and outcomes without replay", exc)
-            self._metrics.drop("jetstream_unavailable")
-            self.replay = False
-            await self._link.subscribe(subjects.all_of("events"), self._on_events)
-            await self._link.subscribe(subjects.all_of("outcomes"), self._on_outcome)
-            await self._link.subscribe(subjects.all_of("releases"), self._on_releases)
+            # No JetStream (disabled, out of storage, the subjects held by a stream of
+            # another name): live messages still flow on plain subscriptions; what is
+            # missed meanwhile is resynced from snapshots instead of replayed, and
+            # outcomes sent while the router is down are lost. tick() tries again.
+            self._jetstream_failed(exc)
+            self._plain = [
+                await self._link.subscribe(subjects.all_of("events"), self._on_events),
+                await self._link.subscribe(subjects.all_of("outcomes"), self._on_outcome),
+                await self._link.subscribe(subjects.all_of("releases"), self._on_releases)]
+            return
+        self.replay = True
+
+    async def _set_up_jetstream(self, events_start: int | None, outcomes_start: int | None,
+                                releases_start: int | None) -> None:
+        """Streams, then one ordered consumer each; all or nothing (a consumer made before
+        a later one failed is ended, so no subject is taken both ways for good)."""
+        subjects = self._subjects
+        checks = await self._link.ensure_streams()
+        self._note_streams(checks)
+        made: list[Subscription] = []
+        try:
+            for subject, stream, handler, start in (
+                    (subjects.all_of("events"), subjects.events_stream, self._on_events,
+                     events_start),
+                    (subjects.all_of("outcomes"), outcomes_stream_name(subjects),
+                     self._on_outcome, outcomes_start),
+                    (subjects.all_of("releases"), releases_stream_name(subjects),
+                     self._on_releases, releases_start)):
+                made.append(await self._link.subscribe_stream(subject, stream, handler,
+                                                              start_seq=start))
+        except (NatsError, asyncio.TimeoutError):
+            for sub in made:
+                try:
+                    await self._link.unsubscribe(sub)
+                except NatsError as cleanup:
+                    # Left, it only duplicates what the plain subscription delivers
+                    # (the ingestor and the dispatcher drop repeats, counted).
+                    log.warning("ending a JetStream consumer after a failed set-up: %r",
+                                cleanup)
+            raise
+
+    def _note_streams(self, checks: dict[str, StreamCheck]) -> None:
+        """Count stream fields left unlike the settings (ensure_streams warned), and let
+        the ingestor keep a dead worker as long as the events stream really keeps its
+        messages (forget_dead_after_s came from the settings; the stream an operator or
+        another router made may keep them longer)."""
+        for check in checks.values():
+            if check.kept:
+                self._metrics.drop("stream_setting_not_applied", len(check.kept))
+        events = checks.get(self._subjects.events_stream)
+        max_age = events.config.max_age if events is not None else None
+        config = self.ingestor.config
+        # 0/None: no age limit (only max_bytes bounds it): no age to follow.
+        if max_age and max_age > config.forget_dead_after_s:
+            log.info("events stream keeps messages %.0fs: dead workers are forgotten after "
+                     "that (not %.0fs)", max_age, config.forget_dead_after_s)
+            self.ingestor.config = replace(config, forget_dead_after_s=float(max_age))
+
+    def _jetstream_failed(self, exc: BaseException) -> None:
+        self._metrics.drop("jetstream_unavailable")
+        # nats-py's API errors' repr() is empty ("BadRequestError()"); str() has the code.
+        self.jetstream_error = f"{type(exc).__name__}: {exc}"
+        self._retry_at = time.monotonic() + self._retry_delay_s
+        if self.replay:
+            log.error("JetStream unavailable (%s): events and outcomes without replay; "
+                      "retrying every %.0f-%.0fs", self.jetstream_error, self._retry_first_s,
+                      JETSTREAM_RETRY_MAX_S)
+        else:
+            log.warning("JetStream still unavailable (%s); next try in %.0fs",
+                        self.jetstream_error, self._retry_delay_s)
+        self._retry_delay_s = min(self._retry_delay_s * 2, JETSTREAM_RETRY_MAX_S)
+        self.replay = False
+
+    async def _retry_jetstream(self) -> None:
+        """Hand the plain subscriptions over to JetStream consumers. Each consumer starts
+        after the stream's last sequence read *before* it is made, and the plain
+        subscriptions are drained only after: nothing published in between is lost; what
+        was published in that one round trip may arrive twice (the ingestor drops repeated
+        batches, the dispatcher repeated outcomes, both counted)."""
+        try:
+            try:
+                await self._link.ensure_streams()
+                starts = []
+                for name in (self._subjects.events_stream,
+                             outcomes_stream_name(self._subjects),
+                             releases_stream_name(self._subjects)):
+                    info = await self._link.js.stream_info(name)
+                    starts.append(info.state.last_seq + 1)
+                await self._set_up_jetstream(*starts)
+            except (NatsError, asyncio.TimeoutError, RuntimeError) as exc:
+                # RuntimeError: the link went down meanwhile ("NATS not connected").
+                self._jetstream_failed(exc)
+                return
+            plain, self._plain = self._plain, []
+            for sub in plain:
+                try:
+                    await self._link.unsubscribe(sub, drain=True)
+                except NatsError as exc:
+                    log.warning("draining a plain subscription after JetStream came back: "
+                                "%r", exc)
+            self.replay = True
+            self.jetstream_error = ""
+            self._retry_delay_s = self._retry_first_s
+            log.info("JetStream set up: events, outcomes and releases replay again")
+        finally:
+            self._retrying = False
 
     # --- messages -----------------------------------------------------------------------
 
     async def _on_events(self, msg: Msg) -> None:
         actions = self.ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
-        if self.replay and msg.metadata is not None and msg.metadata.timestamp is not None:
-            lag = self._wall() - msg.metadata.timestamp.timestamp()
+        metadata = _stream_metadata(msg)
+        if metadata is not None and metadata.timestamp is not None:
+            lag = self._wall() - metadata.timestamp.timestamp()
             self._metrics.event_lag.observe(max(lag, 0.0))
         self._perform(actions)
 
@@ -172,8 +296,7 @@ class ClusterFeed:
         self._perform(actions)
 
     async def _on_outcome(self, msg: Msg) -> None:
-        if self.replay:
-            self.outcomes.handled(msg)
+        self.outcomes.handled(msg)  # only a JetStream delivery moves the cursor
         try:
             outcome = decode_outcome(msg.data)
         except WireDecodeError as exc:
@@ -186,8 +309,7 @@ class ClusterFeed:
             self._on_hint_outcome(sent, outcome)
 
     async def _on_releases(self, msg: Msg) -> None:
-        if self.replay:
-            self.releases.handled(msg)
+        self.releases.handled(msg)  # only a JetStream delivery moves the cursor
         try:
             message = decode_releases(msg.data)
         except WireDecodeError as exc:
@@ -199,6 +321,10 @@ class ClusterFeed:
             self._on_hold_released(release)
 
     def tick(self) -> None:
+        if (not self.replay and not self._retrying and self._link.connected
+                and time.monotonic() >= self._retry_at):
+            self._retrying = True
+            self._spawn(self._retry_jetstream())
         self._perform(self.ingestor.tick())
         # As long as the ingestor keeps a dead worker's stream (to refuse its replayed
         # history), then gone from the registry too.

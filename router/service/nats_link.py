@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,68 @@ class StreamLimits:
     releases_max_age_s: float = 24 * 3600.0
 
 
+# JetStream's "stream name already in use with a different configuration": add_stream of
+# a name that exists (another router or a worker's plugin created it first, with other
+# limits; the same config is accepted as a no-op).
+STREAM_NAME_IN_USE = 10058
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCheck:
+    """What :meth:`NatsLink.ensure_streams` found for one stream.
+
+    ``applied``: fields the stream had differently and now has as wanted (limits raised);
+    ``kept``: fields still different from the wanted config (warned about, never changed
+    by the router: see :meth:`NatsLink.ensure_streams`); ``config``: the stream's config
+    as it stands afterwards (what replay really keeps, e.g. its ``max_age``)."""
+
+    name: str
+    created: bool
+    applied: tuple[str, ...]
+    kept: tuple[str, ...]
+    config: api.StreamConfig
+
+
+def _limit(value: float | None, unlimited: float) -> float:
+    """A stream limit for comparison: JetStream's "no limit" (max_bytes -1, max_age 0)
+    is the largest."""
+    if value is None or value == unlimited or value < 0:
+        return math.inf
+    return float(value)
+
+
+def _differences(have: api.StreamConfig, want: api.StreamConfig
+                 ) -> tuple[dict[str, object], list[str]]:
+    """(fields to raise to the wanted value, fields that differ and are left alone).
+
+    Raising max_bytes/max_age only keeps messages longer: safe, and what an operator who
+    raised the settings expects. Lowering them would delete history a worker's plugin or
+    another router (another version, other settings) still replays from; were both
+    directions applied, two routers with different settings would reconfigure the stream
+    back and forth at each start. Subjects, storage, retention and discard are the
+    stream's identity or semantics (JetStream refuses to change storage; other subjects
+    can overlap another stream or orphan what was captured): an operator's choice."""
+    raise_to: dict[str, object] = {}
+    kept: list[str] = []
+    for field, unlimited in (("max_bytes", -1.0), ("max_age", 0.0)):
+        have_v = _limit(getattr(have, field), unlimited)
+        want_v = _limit(getattr(want, field), unlimited)
+        if math.isclose(have_v, want_v, rel_tol=0.0, abs_tol=1e-3) or have_v == want_v:
+            continue
+        if want_v > have_v:
+            raise_to[field] = getattr(want, field)
+        else:
+            kept.append(field)
+    if sorted(have.subjects or []) != sorted(want.subjects or []):
+        kept.append("subjects")
+    for field in ("storage", "retention", "discard"):
+        have_v, want_v = getattr(have, field), getattr(want, field)
+        # None: the server's default (a plugin's create leaves retention out: limits).
+        if want_v is not None and have_v is not None and have_v != want_v:
+            kept.append(field)
+    return raise_to, kept
+
+
 async def remove_streams(url: str, subjects: Subjects) -> None:
     """Delete the router's streams of ``subjects`` (tests and benchmarks make throwaway
     prefixes; a shared NATS would otherwise keep their reserved storage)."""
@@ -74,6 +137,8 @@ class NatsLink:
         self._js: JetStreamContext | None = None
         self._connect_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
+        # The last ensure_streams' findings, by stream name (empty before one succeeded).
+        self.streams: dict[str, StreamCheck] = {}
         # True while the link closes its own client: that disconnect is not a fault.
         self._closing = False
         self.last_error = ""
@@ -145,10 +210,19 @@ class NatsLink:
     async def _reconnected_cb(self) -> None:
         log.info("NATS reconnected")
 
-    async def ensure_streams(self) -> None:
-        """Create the events, outcomes and releases streams when missing (never
-        reconfigure one an operator made)."""
+    async def ensure_streams(self) -> dict[str, StreamCheck]:
+        """Make the events, outcomes and releases streams fit the settings: create each
+        when missing; on one that exists (an operator's, an older router's, the plugin's)
+        raise max_bytes/max_age to the settings where they are lower, and warn naming
+        every field still different (lower limits than it has, other subjects, storage,
+        retention, discard are left as they are; :func:`_differences` says why).
+
+        A create that loses the race to another router or a plugin (JetStream answers
+        10058 when the configs differ) reads the stream that won and goes on as above.
+        Raises NatsError/TimeoutError only where JetStream itself fails (the caller then
+        runs without replay and tries again later)."""
         limits = self._limits
+        checks: dict[str, StreamCheck] = {}
         for name, subject, max_age, max_bytes in (
             (self.subjects.events_stream, self.subjects.all_of("events"),
              limits.events_max_age_s, limits.events_max_bytes),
@@ -157,13 +231,63 @@ class NatsLink:
             (releases_stream_name(self.subjects), self.subjects.all_of("releases"),
              limits.releases_max_age_s, limits.releases_max_bytes),
         ):
+            want = api.StreamConfig(
+                name=name, subjects=[subject], storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD,
+                max_age=max_age, max_bytes=max_bytes)
+            checks[name] = await self._ensure_stream(want)
+        self.streams = checks
+        return checks
+
+    async def _ensure_stream(self, want: api.StreamConfig) -> StreamCheck:
+        name = want.name
+        assert name is not None
+        try:
+            info = await self.js.stream_info(name)
+        except NotFoundError:
             try:
-                await self.js.stream_info(name)
-            except NotFoundError:
-                await self.js.add_stream(api.StreamConfig(
-                    name=name, subjects=[subject], storage=api.StorageType.FILE,
-                    retention=api.RetentionPolicy.LIMITS, discard=api.DiscardPolicy.OLD,
-                    max_age=max_age, max_bytes=max_bytes))
+                info = await self.js.add_stream(want)
+                log.info("JetStream stream %s created", name)
+                return StreamCheck(name, True, (), (), info.config)
+            except NatsError as exc:
+                # Lost the create race (another router or a plugin made it between our
+                # lookup and our create): take the stream that won and check it below.
+                # Where it still does not exist, the create really failed.
+                try:
+                    info = await self.js.stream_info(name)
+                except NotFoundError:
+                    raise exc from None
+                log.info("JetStream stream %s was created meanwhile by another router or "
+                         "a worker's plugin (%s): using it", name, exc)
+        return await self._reconcile(info.config, want)
+
+    async def _reconcile(self, have: api.StreamConfig, want: api.StreamConfig
+                         ) -> StreamCheck:
+        name = want.name
+        assert name is not None
+        raise_to, kept = _differences(have, want)
+        applied: list[str] = []
+        notes: list[str] = []
+        config = have
+        if raise_to:
+            try:
+                info = await self.js.update_stream(have.evolve(**raise_to))
+            except (NatsError, asyncio.TimeoutError) as exc:
+                # E.g. the server or account cannot reserve the larger max_bytes: the
+                # stream keeps working with its old limits.
+                kept.extend(raise_to)
+                notes.append(f"raising {', '.join(raise_to)} failed: {exc!r}")
+            else:
+                config = info.config
+                applied.extend(raise_to)
+        if applied or kept:
+            parts = [f"{field} {getattr(have, field)!r} -> {getattr(want, field)!r} applied"
+                     for field in applied]
+            parts += [f"{field} is {getattr(have, field)!r}, settings want "
+                      f"{getattr(want, field)!r}: kept" for field in kept]
+            log.warning("JetStream stream %s differs from the router's settings: %s%s", name,
+                        "; ".join(parts), "".join(f" ({note})" for note in notes))
+        return StreamCheck(name, False, tuple(applied), tuple(kept), config)
 
     async def subscribe(self, subject: str, handler: Handler) -> Subscription:
         if self._nc is None:
@@ -171,6 +295,16 @@ class NatsLink:
         sub = await self._nc.subscribe(subject, cb=handler)
         self._subscriptions.append(sub)
         return sub
+
+    async def unsubscribe(self, sub: Subscription, drain: bool = False) -> None:
+        """End ``sub``; with ``drain`` the messages the server sent before it learned of
+        the unsubscribe are still handled (none is lost in a hand-over)."""
+        if sub in self._subscriptions:
+            self._subscriptions.remove(sub)
+        if drain:
+            await sub.drain()
+        else:
+            await sub.unsubscribe()
 
     async def subscribe_stream(self, subject: str, stream: str, handler: Handler,
                                start_seq: int | None) -> Subscription:

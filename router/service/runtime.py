@@ -155,6 +155,9 @@ class RouterRuntime:
                                        heartbeat_misses=settings.heartbeat_misses,
                                        # Dead workers are forgotten once the events
                                        # stream holds none of their messages to replay.
+                                       # The settings' age is a floor: ClusterFeed raises
+                                       # it to the stream's real max_age once it has
+                                       # seen the stream (one made with a longer age).
                                        forget_dead_after_s=max(
                                            3600.0, settings.events_stream_max_age_s)))
         lifecycle = SessionLifecycle(

@@ -16,8 +16,13 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
 
 from kvhint.engine_plugin import core as core_module
+from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.mailbox import Mailbox
+from kvhint.engine_plugin.transport import NatsTransport
 from kvhint.engine_plugin.metrics import HINTS_KEY
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
@@ -508,6 +513,65 @@ def test_without_nats_url_the_index_runs_and_nothing_is_queued() -> None:
     turn(h, "s", [1, 2])
     assert h.connector.transport is None and h.connector.core.mailbox is None
     assert len(h.connector.core.index.session_blocks("s")) == 2
+
+
+class _RouterCreatesFirst:
+    """The plugin's JetStream context, except that its first lookup of the missing events
+    stream lets the router create it (with other limits) before answering NotFound: the
+    create race between a router and a plugin, on cue, against the real server."""
+
+    def __init__(self, js: Any, router_create: Callable[[], Any]) -> None:
+        self._js = js
+        self._router_create: Callable[[], Any] | None = router_create
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._js, name)
+
+    async def stream_info(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await self._js.stream_info(name, *args, **kwargs)
+        except NotFoundError:
+            create, self._router_create = self._router_create, None
+            if create is not None:
+                await create()
+            raise
+
+
+async def test_a_stream_the_router_creates_meanwhile_is_used_not_reported_failed(
+        nats_url: str, subject_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger=LOGGER_NAME)
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    config = PluginConfig(worker_id="w0", nats_url=nats_url, subject_prefix=subject_prefix,
+                          events_stream_max_bytes=16 << 20)
+    transport = NatsTransport(config, "w0", "e", Mailbox(8, 8, 8), status_of=None,
+                              encode_events=None, block_size=BS)  # type: ignore[arg-type]
+
+    async def router_create() -> None:
+        await js.add_stream(StreamConfig(
+            name=subjects.events_stream, subjects=[subjects.all_of("events")],
+            storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
+            discard=DiscardPolicy.OLD, max_age=600, max_bytes=8 << 20))
+
+    class _Nc:
+        def jetstream(self) -> Any:
+            return _RouterCreatesFirst(js, router_create)
+
+    try:
+        await transport._ensure_stream(_Nc())
+        # The plugin's create got 10058; the router's stream stands and is used.
+        assert (await js.stream_info(subjects.events_stream)).config.max_bytes == 8 << 20
+        messages = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME]
+        # Without the fix: "could not create stream ...: 10058" (a false alarm).
+        assert not any("could not create" in m for m in messages), messages
+        assert any("created meanwhile" in m for m in messages), messages
+        assert transport.counters.stream_create_failures == 0
+    finally:
+        try:
+            await js.delete_stream(subjects.events_stream)
+        finally:
+            await nc.drain()
 
 
 @pytest.fixture(autouse=True)
