@@ -61,6 +61,7 @@ from kvhint.engine_plugin.metrics import (
     KvHintConnectorStats,
     KvHintPromMetrics,
     StatsTracker,
+    hint_counts_by_label,
 )
 from kvhint.engine_plugin.transport import NatsTransport, TransportCounters
 from kvhint.engine_plugin.vllm_adapter import (
@@ -306,4 +307,4 @@ def _hint_counts(executor_outcomes: Mapping[tuple[str, str], int],
     counts = Counter(executor_outcomes)
     if transport is not None and mailbox is not None:
         counts.update(transport.outcomes_seen(mailbox.lock))
-    return {f"{a}|{s}": n for (a, s), n in counts.items()}
+    return hint_counts_by_label(counts)  # action types from the wire: bounded labels

@@ -25,6 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvhint.schemas.advice import DONOR_ACTION_TYPE
+from kvhint.schemas.hints import ActionType
+
 # Cumulative counters -> Prometheus counter (name without _total; the client adds it).
 COUNTERS = {
     "events_published": "Events published to NATS.",
@@ -65,12 +68,37 @@ GAUGES = {
     "nats_connected": "1 when the plugin is connected to NATS.",
 }
 HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
+# The ``action`` label of kvhint:hints_total. An action's type comes from the wire (any
+# string a sender wrote), so the label takes only the types this contract defines,
+# "unknown" for an action that could not be identified at all, and "other" for the rest:
+# one bad or newer sender must not grow /metrics without bound. The outcome itself still
+# carries the real type.
+KNOWN_HINT_ACTIONS = frozenset({*(t.value for t in ActionType), DONOR_ACTION_TYPE})
+UNIDENTIFIED_ACTION_LABEL = "unknown"
+OTHER_ACTION_LABEL = "other"
 LATENCY_KEY = "apply_latency_s"  # [seconds, ...]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
 PREFIX = "kvhint:"
 HINTS_METRIC = f"{PREFIX}hints"
 LATENCY_METRIC = f"{PREFIX}hint_apply_seconds"
+
+
+def hint_action_label(action_type: str) -> str:
+    """The bounded ``action`` label for an outcome of ``action_type`` (see above)."""
+    if action_type in KNOWN_HINT_ACTIONS:
+        return action_type
+    return OTHER_ACTION_LABEL if action_type else UNIDENTIFIED_ACTION_LABEL
+
+
+def hint_counts_by_label(counts: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """``{(action_type, status): n}`` -> the HINTS_KEY form ``{"<label>|<status>": n}``,
+    with unknown action types folded together (:func:`hint_action_label`)."""
+    out: dict[str, int] = {}
+    for (action_type, status), n in counts.items():
+        key = f"{hint_action_label(action_type)}|{status}"
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 def exposed_names() -> set[str]:
@@ -153,7 +181,7 @@ class KvHintPromMetrics(KVConnectorPromMetrics):
             elif key == HINTS_KEY:
                 for label, n in value.items():
                     action, _, status = label.partition("|")
-                    self._hints.labels(*labels, action or "unknown", status).inc(n)
+                    self._hints.labels(*labels, hint_action_label(action), status).inc(n)
             elif key == LATENCY_KEY:
                 histogram = self._latency.labels(*labels)
                 for seconds in value:

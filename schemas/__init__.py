@@ -52,8 +52,10 @@ from kvhint.schemas.outcomes import (
     decode_outcome,
     encode_outcome,
     is_transient_rejection,
+    is_unknown_status,
 )
 from kvhint.schemas.releases import (
+    DecodedReleases,
     HoldRelease,
     HoldsReleased,
     ReleaseReason,
@@ -86,6 +88,7 @@ __all__ = [
     "REJECTED_EXPIRED",
     "REJECTED_INBOX_FULL",
     "is_transient_rejection",
+    "is_unknown_status",
     "ACTION_VERSION",
     "EVICT_REST_VERSION",
     "OWNER_VERSION",
@@ -100,6 +103,7 @@ __all__ = [
     "Budgets",
     "DecodedEventBatch",
     "DecodedHints",
+    "DecodedReleases",
     "DemotePayload",
     "DonorAdvice",
     "EventBatchDecoder",

@@ -7,6 +7,13 @@ blocks are still resident, may retain them for ``ttl_s``, and answers with a
 ``action_id`` is ``advice_id``: accepted (all resident), clipped (some), missing (none),
 rejected (malformed or another namespace). Non-identical KV is never reported as an exact
 prefix hit.
+
+Versioning: like the hints envelope, a receiver ignores fields it does not know, so a
+newer router may add a field to DonorAdvice and older plugins still act on the advice
+(before, they rejected all of it as malformed). A field added later must therefore be
+safe to ignore: what an older plugin must not act on without understanding it needs a
+new message version (a new subject version, see :mod:`kvhint.schemas.subjects`), not
+just a new field.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from kvhint.schemas._codec import U64_MAX, decode_json, encode_json
 DONOR_ACTION_TYPE = "kv.donor"
 
 
-class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
     advice_id: str
     # The session the advice is for (the recipient of the placement).
     session_id: str

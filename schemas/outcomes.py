@@ -4,6 +4,16 @@ A ``deferred`` may precede the terminal one (accepted, clipped, rejected, missin
 Actions are idempotent by ``action_id``: a duplicate is answered with the first outcome.
 Donor advice (see :mod:`kvhint.schemas.advice`) is answered with the same type, its
 ``action_type`` set to ``kv.donor``.
+
+Rolling upgrades: a ``status`` this version does not know (a newer plugin's) decodes as
+a terminal ``rejected`` outcome whose reason opens with ``unknown status '<status>'``
+(then the worker's own reason), its figures kept (:func:`decode_outcome`). Terminal,
+because a receiver that waits for a status it cannot read waits until the action
+expires; ``rejected``, because the router then holds nothing for the action (it may
+undercount a worker's budget use, which the worker enforces itself, never overcount
+it); and a transient rejection (:func:`is_transient_rejection`), because a status it
+cannot read says nothing of what the worker supports. Known statuses decode as before.
+A newer plugin may still send ``deferred`` before any terminal status, and only those.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvhint.schemas._codec import decode_json, encode_json
+from kvhint.schemas._codec import WireDecodeError, decode_json, encode_json
 
 NonNegative = Annotated[int, Meta(ge=0)]
 
@@ -36,10 +46,19 @@ class OutcomeStatus(str, enum.Enum):
 # them (kvhint.router.policy.feedback).
 REJECTED_EXPIRED = "expired:"
 REJECTED_INBOX_FULL = "worker inbox full"
+# A receiver's reading of a status it does not know (see the module docstring).
+REJECTED_UNKNOWN_STATUS = "unknown status"
 
 
 def is_transient_rejection(reason: str) -> bool:
-    return reason.startswith((REJECTED_EXPIRED, REJECTED_INBOX_FULL))
+    return reason.startswith((REJECTED_EXPIRED, REJECTED_INBOX_FULL, REJECTED_UNKNOWN_STATUS))
+
+
+def is_unknown_status(outcome: HintOutcome) -> bool:
+    """Whether ``outcome`` is a receiver's reading of a status it did not know (for
+    counting them)."""
+    return (outcome.status is OutcomeStatus.REJECTED
+            and outcome.reason.startswith(REJECTED_UNKNOWN_STATUS))
 
 
 class Amount(msgspec.Struct, frozen=True):
@@ -71,5 +90,39 @@ def encode_outcome(outcome: HintOutcome) -> bytes:
     return encode_json(outcome)
 
 
+class _LooseOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    """:class:`HintOutcome` with any status string: the fallback of :func:`decode_outcome`."""
+
+    message_id: str
+    action_id: str
+    action_type: str = ""
+    worker_id: str
+    status: str
+    reason: str = ""
+    requested: Amount = Amount()
+    applied: Amount = Amount()
+    at: float
+
+
+_KNOWN_STATUSES = frozenset(s.value for s in OutcomeStatus)
+
+
 def decode_outcome(data: bytes | str) -> HintOutcome:
-    return decode_json(data, HintOutcome, "hint outcome")
+    """Decode one outcome; an unknown ``status`` becomes a terminal, transient
+    ``rejected`` (module docstring). Raises :class:`WireDecodeError` for anything else
+    that is malformed."""
+    try:
+        return decode_json(data, HintOutcome, "hint outcome")
+    except WireDecodeError:
+        # Read again with any status: this error names what is wrong besides the status
+        # (the strict one may name only the status).
+        loose = decode_json(data, _LooseOutcome, "hint outcome")
+        if loose.status in _KNOWN_STATUSES:
+            raise  # the status was not the problem
+    reason = f"{REJECTED_UNKNOWN_STATUS} {loose.status!r}"
+    return HintOutcome(
+        message_id=loose.message_id, action_id=loose.action_id,
+        action_type=loose.action_type, worker_id=loose.worker_id,
+        status=OutcomeStatus.REJECTED,
+        reason=f"{reason}: {loose.reason}" if loose.reason else reason,
+        requested=loose.requested, applied=loose.applied, at=loose.at)

@@ -16,15 +16,25 @@ One message per scheduler step with at least one release. ``held`` is what the a
 still holds on this worker after the release (0: nothing; the action is over). Releases
 travel on their own subject, so they may reach the router before the outcome of the
 action they release; a receiver applies ``held`` as an upper bound on that outcome.
+
+Rolling upgrades: a receiver decodes each release on its own (:func:`decode_releases`),
+so one release it cannot read never costs it the others (the router marks its stream
+cursor before decoding: a release lost here is never replayed, and the budgets it frees
+stay overcounted until their TTLs). A ``reason`` this version does not know (a newer
+plugin's) is read as ``other`` with the release's figures kept; a release that is
+unreadable otherwise is dropped and reported in :attr:`DecodedReleases.unreadable` for
+the receiver to count.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
-from kvhint.schemas._codec import decode_json, encode_json
+from kvhint.schemas._codec import WireDecodeError, convert, decode_json, encode_json
 from kvhint.schemas.outcomes import Amount
 
 
@@ -32,6 +42,10 @@ class ReleaseReason(str, enum.Enum):
     DISPLACED = "displaced"
     PRESSURE = "pressure"
     RESET = "reset"
+    # What a receiver reads for a reason it does not know (a newer plugin's): the
+    # release still counts; only why is unknown. A plugin of this version never sends it.
+    # Values stay within 16 characters (the router stores them in a String(16) column).
+    OTHER = "other"
 
 
 class HoldRelease(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,5 +70,47 @@ def encode_releases(message: HoldsReleased) -> bytes:
     return encode_json(message)
 
 
-def decode_releases(data: bytes | str) -> HoldsReleased:
-    return decode_json(data, HoldsReleased, "hold releases")
+class _LooseReleases(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    releases: list[Any]
+    at: float
+
+
+_KNOWN_REASONS = frozenset(r.value for r in ReleaseReason)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedReleases:
+    """What a receiver made of one hold-releases message: ``releases`` holds every
+    release it could read (an unknown reason read as ``other``); ``unreadable`` says, per
+    release it had to drop, why (the receiver counts them)."""
+
+    worker_id: str
+    releases: list[HoldRelease]
+    at: float
+    unreadable: tuple[str, ...] = ()
+
+    @property
+    def unknown_reasons(self) -> int:
+        """Releases kept with a reason this version does not know."""
+        return sum(1 for r in self.releases if r.reason is ReleaseReason.OTHER)
+
+
+def decode_releases(data: bytes | str) -> DecodedReleases:
+    """Decode one hold-releases message leniently, release by release. Raises
+    :class:`WireDecodeError` only when the message as a whole is unusable (not JSON, no
+    worker_id, at or releases list)."""
+    message = decode_json(data, _LooseReleases, "hold releases")
+    releases: list[HoldRelease] = []
+    unreadable: list[str] = []
+    for index, raw in enumerate(message.releases):
+        # An unknown (or missing, or unreadable) reason costs only the reason: the
+        # figures are what keeps the receiver's budgets true.
+        if isinstance(raw, dict) and not (isinstance(raw.get("reason"), str)
+                                          and raw["reason"] in _KNOWN_REASONS):
+            raw = {**raw, "reason": ReleaseReason.OTHER.value}
+        try:
+            releases.append(convert(raw, HoldRelease, f"releases[{index}]"))
+        except WireDecodeError as exc:
+            unreadable.append(str(exc))
+    return DecodedReleases(message.worker_id, releases, message.at, tuple(unreadable))

@@ -109,15 +109,28 @@ class SessionPlanState:
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> SessionPlanState:
         """From :meth:`to_dict`'s form. Fields this version does not know (a newer
-        router wrote them, and the store outlived it) are left out, so a rolled-back
-        router keeps the rest of the plan instead of starting the session afresh."""
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in data.items() if k in known}
+        router wrote them, and the store outlived it) are left out, at the top level and
+        inside ``protection``, so a rolled-back router keeps the rest of the plan instead
+        of starting the session afresh. A protection that is still unreadable (a field
+        this version needs is missing) is left out alone: the planner then believes the
+        session holds nothing and its next review asks again, which is safe.
+        Raises TypeError only when the top level lacks what this version needs."""
+        raw = _known_fields(cls, data)
         protection = raw.pop("protection", None)
         state = cls(**raw)  # type: ignore[arg-type]
-        if protection is not None:
-            state = replace(state, protection=Protection(**protection))  # type: ignore[arg-type]
+        if isinstance(protection, dict):
+            try:
+                kept = Protection(**_known_fields(Protection, protection))  # type: ignore[arg-type]
+            except TypeError:
+                return state
+            state = replace(state, protection=kept)
         return state
+
+
+def _known_fields(cls: type, data: dict[str, object]) -> dict[str, object]:
+    """``data`` without the keys that are no field of the dataclass ``cls``."""
+    known = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in known}
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,6 +67,7 @@ from kvhint.schemas import (
     decode_snapshot,
     decode_status,
     encode_snapshot_request,
+    is_unknown_status,
 )
 
 log = logging.getLogger(__name__)
@@ -303,6 +304,10 @@ class ClusterFeed:
             log.warning("malformed outcome on %s: %s", msg.subject, exc)
             self._metrics.drop("outcome_malformed")
             return
+        if is_unknown_status(outcome):
+            # A newer plugin's status, read as a terminal rejection (schemas.outcomes).
+            log.warning("outcome on %s: %s", msg.subject, outcome.reason)
+            self._metrics.drop("outcome_unknown_status")
         outcome = self._hints.effective(outcome)
         sent = self._hints.on_outcome(outcome)
         if sent is not None:
@@ -316,6 +321,11 @@ class ClusterFeed:
             log.warning("malformed hold releases on %s: %s", msg.subject, exc)
             self._metrics.drop("releases_malformed")
             return
+        if message.unreadable:
+            # The rest of the message is applied (before, one bad entry lost them all).
+            log.warning("hold releases on %s: %d unreadable dropped (%s)", msg.subject,
+                        len(message.unreadable), "; ".join(message.unreadable))
+            self._metrics.drop("release_unreadable", len(message.unreadable))
         for release in message.releases:
             self._hints.on_release(release)
             self._on_hold_released(release)

@@ -162,7 +162,10 @@ def test_wrong_protocol_version_rejects_every_action_by_id() -> None:
 def test_typed_decoders_raise_wire_decode_error() -> None:
     with pytest.raises(s.WireDecodeError, match="invalid hint outcome.*status"):
         s.decode_outcome(b'{"message_id":"m","action_id":"a","worker_id":"w",'
-                         b'"status":"maybe","at":1}')
+                         b'"status":7,"at":1}')
+    with pytest.raises(s.WireDecodeError, match=r"invalid hint outcome.*applied\.blocks"):
+        s.decode_outcome(b'{"message_id":"m","action_id":"a","worker_id":"w",'
+                         b'"status":"maybe","applied":{"blocks":-1},"at":1}')
     with pytest.raises(s.WireDecodeError, match="worker status"):
         s.decode_status(b'{"worker_id": 5}')
     # An empty epoch is malformed: before, it was taken for an engine restart.
@@ -184,12 +187,99 @@ def test_typed_decoders_raise_wire_decode_error() -> None:
     with pytest.raises(s.WireDecodeError, match="limit"):
         s.decode_snapshot_request(b'{"limit": 0}')
     assert s.decode_snapshot_request(b"") == s.SnapshotRequest()
-    with pytest.raises(s.WireDecodeError, match=r"invalid hold releases.*releases\[0\]\.reason"):
-        s.decode_releases(b'{"worker_id":"w","at":1,"releases":[{"action_id":"a",'
-                          b'"action_type":"kv.retain","reason":"bored","released":{},'
-                          b'"held":{}}]}')
     with pytest.raises(s.WireDecodeError, match="hold releases is not valid JSON"):
         s.decode_releases(b"{")
+    with pytest.raises(s.WireDecodeError, match=r"invalid hold releases.*\$\.releases"):
+        s.decode_releases(b'{"worker_id":"w","at":1,"releases":{}}')
+
+
+def _release(action_id: str, reason: object, released: object = None) -> dict:
+    entry = {"action_id": action_id, "action_type": "kv.retain", "session_id": "t/s",
+             "released": {"blocks": 2, "tokens": 64} if released is None else released,
+             "held": {"blocks": 1, "tokens": 32}}
+    if reason is not None:
+        entry["reason"] = reason
+    return entry
+
+
+def _releases(*entries: object) -> bytes:
+    return json.dumps({"worker_id": "w0", "at": 1.5, "releases": list(entries)}).encode()
+
+
+def test_a_release_with_an_unknown_reason_keeps_its_figures_and_spares_the_others() -> None:
+    """Rolling upgrade: a newer plugin's reason. Before, the whole message was malformed
+    ("Invalid enum value 'tier_moved'") and the known release beside it was lost too."""
+    decoded = s.decode_releases(_releases(_release("p1", "pressure"),
+                                          _release("p2", "tier_moved"),
+                                          _release("p3", None),
+                                          _release("p4", ["pressure"])))
+    assert (decoded.worker_id, decoded.at, decoded.unreadable) == ("w0", 1.5, ())
+    assert [(r.action_id, r.reason, r.released, r.held) for r in decoded.releases] == [
+        ("p1", s.ReleaseReason.PRESSURE, s.Amount(2, 64), s.Amount(1, 32)),
+        ("p2", s.ReleaseReason.OTHER, s.Amount(2, 64), s.Amount(1, 32)),
+        ("p3", s.ReleaseReason.OTHER, s.Amount(2, 64), s.Amount(1, 32)),
+        ("p4", s.ReleaseReason.OTHER, s.Amount(2, 64), s.Amount(1, 32))]
+    assert decoded.unknown_reasons == 3
+    # The router stores the reason in a String(16) column.
+    assert all(len(r.value) <= 16 for r in s.ReleaseReason)
+
+
+def test_an_unreadable_release_is_dropped_and_reported_the_rest_kept() -> None:
+    decoded = s.decode_releases(_releases(_release("p1", "displaced"),
+                                          _release("bad", "pressure", {"blocks": -3}),
+                                          "not a release", {"reason": "reset"}))
+    assert [r.action_id for r in decoded.releases] == ["p1"]
+    assert len(decoded.unreadable) == 3
+    assert "releases[1]" in decoded.unreadable[0] and "released.blocks" in decoded.unreadable[0]
+    assert "releases[2]" in decoded.unreadable[1]
+    assert "action_id" in decoded.unreadable[2]
+
+
+def test_what_a_plugin_sends_in_releases_reads_back_unchanged() -> None:
+    message = s.HoldsReleased(worker_id="w0", at=2.0, releases=[
+        s.HoldRelease(action_id=f"a{n}", action_type="kv.pin", reason=reason,
+                      released=s.Amount(n + 1, 32), held=s.Amount())
+        for n, reason in enumerate(r for r in s.ReleaseReason if r is not s.ReleaseReason.OTHER)])
+    decoded = s.decode_releases(s.encode_releases(message))
+    assert (decoded.worker_id, decoded.releases, decoded.at, decoded.unreadable) == (
+        "w0", message.releases, 2.0, ())
+
+
+def _outcome(status: str, reason: str = "") -> bytes:
+    return json.dumps({"message_id": "m", "action_id": "a", "action_type": "kv.pin",
+                       "worker_id": "w0", "status": status, "reason": reason,
+                       "requested": {"blocks": 4, "tokens": 128},
+                       "applied": {"blocks": 2, "tokens": 64}, "at": 3.0}).encode()
+
+
+def test_an_unknown_outcome_status_is_a_terminal_transient_rejection() -> None:
+    """Rolling upgrade: a newer plugin's terminal status. Before, the outcome was
+    malformed and the router waited for the action to expire (120 s)."""
+    outcome = s.decode_outcome(_outcome("superseded", "a newer pin took its blocks"))
+    assert outcome.status is s.OutcomeStatus.REJECTED and outcome.status.is_terminal
+    assert outcome.reason == "unknown status 'superseded': a newer pin took its blocks"
+    assert s.is_unknown_status(outcome) and s.is_transient_rejection(outcome.reason)
+    assert (outcome.action_id, outcome.action_type, outcome.worker_id, outcome.requested,
+            outcome.applied, outcome.at) == ("a", "kv.pin", "w0", s.Amount(4, 128),
+                                             s.Amount(2, 64), 3.0)
+    assert s.decode_outcome(_outcome("")).reason == "unknown status ''"
+    # Known statuses decode as before.
+    for status in s.OutcomeStatus:
+        known = s.decode_outcome(_outcome(status.value, "why"))
+        assert known.status is status and known.reason == "why"
+        assert not s.is_unknown_status(known)
+
+
+def test_donor_advice_from_a_newer_router_keeps_working() -> None:
+    """DonorAdvice has no version of its own: like the hints envelope, a receiver ignores
+    the fields it does not know. Before, an older plugin rejected the whole advice."""
+    advice = s.DonorAdvice(advice_id="adv", session_id="t/s", namespace="ns",
+                           donor_block_hashes=[1, 2], similarity=0.5, at=1.0)
+    newer = {**msgspec.to_builtins(advice), "donor_tier": "host", "ranking": [0.9, 0.4]}
+    assert s.decode_advice(json.dumps(newer).encode()) == advice
+    # Known fields are still checked.
+    with pytest.raises(s.WireDecodeError, match="similarity"):
+        s.decode_advice(json.dumps({**newer, "similarity": 2.0}).encode())
 
 
 def test_donor_advice_problems() -> None:

@@ -8,6 +8,7 @@ test_service_feed.py; tests/e2e/service runs the real plugin)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -337,5 +338,62 @@ async def test_sessions_sharing_a_system_prompt_hold_its_blocks_once(
                                   asked["a"], 0, ReleaseReason.DISPLACED)
             await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks
                         == asked["b"])
+    finally:
+        await nc.drain()
+
+
+async def test_a_newer_plugins_releases_and_outcomes_are_read_as_far_as_they_can_be(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A rolling upgrade: a newer plugin sends a release reason and an outcome status
+    this router does not know, next to an entry it cannot read at all. The known parts
+    are applied (before, one unknown reason lost the whole message and the budgets stayed
+    overcounted; an unknown status left its action pending for 120 s), and what could not
+    be read is counted."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    held: list[tuple[str, str, str, str | None]] = []
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - remembers, answers when told
+        decoded = decode_hints(msg.data)
+        held.extend((decoded.message_id, a.action_id, a.action_type.value,
+                     a.payload.target.session_id) for a in decoded.actions)
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = _settings_without_ticks(tmp_path, stub_workers[0], nats_url, subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            await plugin_registered(runtime, nc, subjects)
+            await chat(client, router.url, "agent", "x" * 400)
+            await until(lambda: len(held) >= 1)
+            message_id, action_id, action_type, session = held.pop()
+            await publish_accepted(nc, subjects, message_id, action_id, action_type, 4)
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 4)
+            release = {"action_id": action_id, "action_type": action_type,
+                       "session_id": session, "reason": "tier_moved",
+                       "released": {"blocks": 3, "tokens": 96},
+                       "held": {"blocks": 1, "tokens": 32}}
+            await nc.publish(subjects.releases("w0"), msgspec.json.encode({
+                "worker_id": "w0", "at": time.time(),
+                "releases": [{"action_id": 7}, release]}))
+            await until(lambda: runtime.hints.holdings.worker("w0").retained_blocks == 1)
+            # A newer status for the API's pin: settled at once, holding nothing.
+            response = asyncio.ensure_future(client.post(
+                f"{router.url}/v1/sessions/agent/hints",
+                json={"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 30}}]}))
+            await until(lambda: any(a[2] == "kv.pin" for a in held))
+            pin = next(a for a in held if a[2] == "kv.pin")
+            await nc.publish(subjects.outcomes("w0"), msgspec.json.encode({
+                "message_id": pin[0], "action_id": pin[1], "action_type": "kv.pin",
+                "worker_id": "w0", "status": "superseded", "at": time.time()}))
+            answer = (await response).json()["actions"][0]
+            assert answer["status"] == "rejected"
+            assert answer["reason"].startswith("unknown status 'superseded'")
+            assert runtime.hints.holdings.worker("w0").pinned_blocks == 0
+            text = (await client.get(f"{router.url}/metrics")).text
+            assert 'kvhint_router_drops_total{what="release_unreadable"} 1.0' in text
+            assert 'kvhint_router_drops_total{what="outcome_unknown_status"} 1.0' in text
+            assert 'what="releases_malformed"' not in text
     finally:
         await nc.drain()
