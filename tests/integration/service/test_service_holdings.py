@@ -32,6 +32,21 @@ from kvhint.schemas import ReleaseReason, Subjects, decode_hints
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
 
+async def remembering_plugin(nc, subjects: Subjects  # noqa: ANN001 - a NATS client
+                             ) -> list[tuple[str, str, str, str | None]]:
+    """w0's plugin, played: it remembers every action it is sent (message id, action id,
+    type, target session) and answers only when the test publishes an answer."""
+    held: list[tuple[str, str, str, str | None]] = []
+
+    async def plugin(msg) -> None:  # noqa: ANN001
+        decoded = decode_hints(msg.data)
+        held.extend((decoded.message_id, a.action_id, a.action_type.value,
+                     a.payload.target.session_id) for a in decoded.actions)
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    return held
+
+
 def _settings_without_ticks(tmp_path: Path, stub: StubWorker, nats_url: str,
                             subject_prefix: str) -> object:
     """No planner tick in the test's time: a tick re-protects a session whose hold was
@@ -53,14 +68,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
     subjects = Subjects(subject_prefix)
     stub = stub_workers[0]
     nc = await nats.connect(nats_url)
-    held: list[tuple[str, str, str, str | None]] = []
-
-    async def plugin(msg) -> None:  # noqa: ANN001 - remembers, answers when told
-        decoded = decode_hints(msg.data)
-        held.extend((decoded.message_id, a.action_id, a.action_type.value,
-                     a.payload.target.session_id) for a in decoded.actions)
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    held = await remembering_plugin(nc, subjects)
     settings = _settings_without_ticks(tmp_path, stub, nats_url, subject_prefix)
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
@@ -352,14 +360,7 @@ async def test_a_newer_plugins_releases_and_outcomes_are_read_as_far_as_they_can
     be read is counted."""
     subjects = Subjects(subject_prefix)
     nc = await nats.connect(nats_url)
-    held: list[tuple[str, str, str, str | None]] = []
-
-    async def plugin(msg) -> None:  # noqa: ANN001 - remembers, answers when told
-        decoded = decode_hints(msg.data)
-        held.extend((decoded.message_id, a.action_id, a.action_type.value,
-                     a.payload.target.session_id) for a in decoded.actions)
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    held = await remembering_plugin(nc, subjects)
     settings = _settings_without_ticks(tmp_path, stub_workers[0], nats_url, subject_prefix)
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
