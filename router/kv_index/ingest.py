@@ -11,7 +11,7 @@ Typical wiring (the service owns NATS)::
     # events.<w> (core NATS or a JetStream consumer):
     actions = ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
     # status.<w>:
-    actions = ingestor.on_status_message(msg.data)
+    actions = ingestor.on_status_message(msg.data, subject=msg.subject)
     # every second or so:
     actions = ingestor.tick()
     # for RequestSnapshot(w, cursor, limit): request snapshot.<w> and then
@@ -100,14 +100,8 @@ class KvEventIngestor:
         except WireDecodeError:
             self._malformed += 1
             return []
-        if subject is not None and self._subjects is not None:
-            try:
-                subject_worker = self._subjects.worker_of(subject)
-            except WireDecodeError:
-                subject_worker = None
-            if subject_worker != meta.worker_id:
-                self._subject_mismatch += 1
-                return []
+        if not self.subject_matches(subject, meta.worker_id):
+            return []
         return self.on_event_batch(meta, payload)
 
     def on_event_batch(self, meta: EventBatchMeta, payload: bytes) -> list[IngestAction]:
@@ -126,13 +120,36 @@ class KvEventIngestor:
             actions += self._apply_payload(stream, payload)
         return actions
 
-    def on_status_message(self, payload: bytes) -> list[IngestAction]:
+    def on_status_message(self, payload: bytes,
+                          subject: str | None = None) -> list[IngestAction]:
         try:
             status = decode_status(payload)
         except WireDecodeError:
-            self._malformed += 1
+            self.note_malformed()
+            return []
+        if not self.subject_matches(subject, status.worker_id):
             return []
         return self.on_status(status)
+
+    def note_malformed(self) -> None:
+        """A message a caller could not decode (counted in ``malformed_messages``)."""
+        self._malformed += 1
+
+    def subject_matches(self, subject: str | None, worker_id: str) -> bool:
+        """Whether a message naming ``worker_id`` came on that worker's own subject (None:
+        not known, taken as it is); a mismatch (a misconfigured or stray publisher
+        speaking for another worker) is counted (``subject_mismatches``) and the message
+        is to be dropped."""
+        if subject is None or self._subjects is None:
+            return True
+        try:
+            subject_worker = self._subjects.worker_of(subject)
+        except WireDecodeError:
+            subject_worker = None
+        if subject_worker != worker_id:
+            self._subject_mismatch += 1
+            return False
+        return True
 
     def on_status(self, status: WorkerStatus) -> list[IngestAction]:
         stream = self._stream(status.worker_id)

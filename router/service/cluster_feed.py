@@ -276,13 +276,16 @@ class ClusterFeed:
         self._perform(actions)
 
     async def _on_status(self, msg: Msg) -> None:
-        actions = self.ingestor.on_status_message(msg.data)
         try:
             status = decode_status(msg.data)
         except WireDecodeError:
-            # The ingestor counted it (malformed_messages).
-            self._perform(actions)
+            self.ingestor.note_malformed()
             return
+        # A heartbeat speaks for the worker of its subject only (as an event batch does):
+        # before, one on w1's subject naming w0 moved w0's epoch, URL and liveness.
+        if not self.ingestor.subject_matches(msg.subject, status.worker_id):
+            return
+        actions = self.ingestor.on_status(status)
         verdict = self._workers.on_heartbeat(status)
         if verdict is HeartbeatVerdict.NEW_EPOCH:
             self._hints.reset_worker(status.worker_id)

@@ -230,6 +230,12 @@ def test_malformed_messages_change_nothing_and_are_counted() -> None:
                          subject="kvhint.v1.events.w1")
     assert index.stats().entries == 0
     assert ing.stats().subject_mismatches == 1
+    # A heartbeat too speaks only for the worker of its subject.
+    assert ing.on_status_message(s.encode_status(status("w0")),
+                                 subject="kvhint.v1.status.w1") == []
+    assert ing.stats().subject_mismatches == 2 and ing.live_workers() == ()
+    ing.on_status_message(s.encode_status(status("w0")), subject="kvhint.v1.status.w0")
+    assert ing.live_workers() == ("w0",)
 
 
 def test_undecodable_batch_in_sequence_forces_resync() -> None:
