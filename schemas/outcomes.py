@@ -24,7 +24,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvhint.schemas._codec import WireDecodeError, decode_json, encode_json
+from kvhint.schemas._codec import WireDecodeError, convert, decode_json, encode_json
 
 NonNegative = Annotated[int, Meta(ge=0)]
 
@@ -90,20 +90,6 @@ def encode_outcome(outcome: HintOutcome) -> bytes:
     return encode_json(outcome)
 
 
-class _LooseOutcome(msgspec.Struct, frozen=True, kw_only=True):
-    """:class:`HintOutcome` with any status string: the fallback of :func:`decode_outcome`."""
-
-    message_id: str
-    action_id: str
-    action_type: str = ""
-    worker_id: str
-    status: str
-    reason: str = ""
-    requested: Amount = Amount()
-    applied: Amount = Amount()
-    at: float
-
-
 _KNOWN_STATUSES = frozenset(s.value for s in OutcomeStatus)
 
 
@@ -114,15 +100,14 @@ def decode_outcome(data: bytes | str) -> HintOutcome:
     try:
         return decode_json(data, HintOutcome, "hint outcome")
     except WireDecodeError:
-        # Read again with any status: this error names what is wrong besides the status
-        # (the strict one may name only the status).
-        loose = decode_json(data, _LooseOutcome, "hint outcome")
-        if loose.status in _KNOWN_STATUSES:
+        raw = decode_json(data, dict, "hint outcome")
+        status = raw.get("status")
+        if not isinstance(status, str) or status in _KNOWN_STATUSES:
             raise  # the status was not the problem
-    reason = f"{REJECTED_UNKNOWN_STATUS} {loose.status!r}"
-    return HintOutcome(
-        message_id=loose.message_id, action_id=loose.action_id,
-        action_type=loose.action_type, worker_id=loose.worker_id,
-        status=OutcomeStatus.REJECTED,
-        reason=f"{reason}: {loose.reason}" if loose.reason else reason,
-        requested=loose.requested, applied=loose.applied, at=loose.at)
+    # Read again as what this version makes of it: any other fault is then named.
+    raw = {**raw, "status": OutcomeStatus.REJECTED.value}
+    reason = f"{REJECTED_UNKNOWN_STATUS} {status!r}"
+    given = raw.get("reason", "")
+    if isinstance(given, str):  # anything else stays, for convert to name
+        raw["reason"] = f"{reason}: {given}" if given else reason
+    return convert(raw, HintOutcome, "hint outcome")

@@ -90,11 +90,6 @@ class DecodedReleases:
     at: float
     unreadable: tuple[str, ...] = ()
 
-    @property
-    def unknown_reasons(self) -> int:
-        """Releases kept with a reason this version does not know."""
-        return sum(1 for r in self.releases if r.reason is ReleaseReason.OTHER)
-
 
 def decode_releases(data: bytes | str) -> DecodedReleases:
     """Decode one hold-releases message leniently, release by release. Raises
