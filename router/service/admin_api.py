@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord
-from kvhint.router.service.tenancy import AuthError, Principal, api_key_from_headers
+from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
 from kvhint.router.store.reader import (
     count_hints_by_status,
     get_session,
@@ -47,8 +47,7 @@ def _path_name() -> Any:
 
 def admin_principal(request: Request) -> Principal:
     runtime: RouterRuntime = request.app.state.runtime
-    key = api_key_from_headers(request.headers.get("authorization"),
-                               request.headers.get("x-api-key"))
+    key = api_key_of(request.headers)
     try:
         return runtime.directory.admin(key)
     except AuthError as exc:

@@ -38,7 +38,7 @@ from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions_api import build_sessions_router
 from kvhint.router.service.settings import RouterSettings
-from kvhint.router.service.tenancy import AuthError, api_key_from_headers
+from kvhint.router.service.tenancy import AuthError, api_key_of
 
 log = logging.getLogger("kvhint.router")
 
@@ -116,8 +116,7 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     runtime = runtime_of(request)
     headers = request.headers
     try:
-        tenant = runtime.directory.client(
-            api_key_from_headers(headers.get("authorization"), headers.get("x-api-key")))
+        tenant = runtime.directory.client(api_key_of(headers))
         body = await read_body_within(request.stream(), headers.get("content-length"),
                                       runtime.settings.max_body_bytes)
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
@@ -141,10 +140,8 @@ async def _models(request: Request) -> Response:
     """The union of the workers' /v1/models (by model id), as far as the caller's key may
     use them: a client key is required as for inference (outside dev mode)."""
     runtime = runtime_of(request)
-    headers = request.headers
     try:
-        tenant = runtime.directory.client(
-            api_key_from_headers(headers.get("authorization"), headers.get("x-api-key")))
+        tenant = runtime.directory.client(api_key_of(request.headers))
     except AuthError as exc:
         return _error(exc.message, exc.status, error_type="authentication_error")
     workers = [w for w in runtime.workers.routable() if w.url]

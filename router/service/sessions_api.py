@@ -33,7 +33,7 @@ from kvhint.router.service.inbound import (
     refusal_headers,
 )
 from kvhint.router.service.runtime import RouterRuntime
-from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_from_headers
+from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
 from kvhint.schemas import (
     ACTION_VERSION,
     EVICT_REST_VERSION,
@@ -84,8 +84,7 @@ def _json_error(message: str, status: int, **extra: Any) -> JSONResponse:
 
 
 def _principal(runtime: RouterRuntime, request: Request) -> Principal:
-    key = api_key_from_headers(request.headers.get("authorization"),
-                               request.headers.get("x-api-key"))
+    key = api_key_of(request.headers)
     return runtime.directory.principal(key)
 
 

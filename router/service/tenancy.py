@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvhint.router.service.settings import RouterSettings, TenantBudget
@@ -115,6 +116,11 @@ class TenantDirectory:
 def derive_salt(secret: str, tenant: str) -> str:
     """A stable per-tenant salt; hex, so it passes vLLM's salt rules."""
     return hmac.new(secret.encode(), tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def api_key_of(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: ``Authorization: Bearer <key>``, else ``X-API-Key``."""
+    return api_key_from_headers(headers.get("authorization"), headers.get("x-api-key"))
 
 
 def api_key_from_headers(authorization: str | None, x_api_key: str | None) -> str | None:
