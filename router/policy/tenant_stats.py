@@ -25,7 +25,7 @@ Plain data, no I/O: the caller applies, persists and restores (one row per tenan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.stats import LearnedStats, Observation
@@ -64,10 +64,6 @@ class TenantStats:
 
     def has_own(self, tenant: str) -> bool:
         return tenant in self._own
-
-    def items(self) -> Iterator[tuple[str, LearnedStats]]:
-        """The tenants with statistics of their own, and those."""
-        return iter(list(self._own.items()))
 
     def learns(self, tenant: str | None) -> bool:
         """Whether ``tenant``'s observations are kept (see the module's bounds)."""

@@ -375,9 +375,9 @@ class HintDispatcher:
 
     def save_learned(self, now: float) -> None:
         """Queue a row per tenant whose statistics changed since saved ((tenant,
-        ``tool_gaps``)), and per worker whose feedback did. After :meth:`restore` seeded
-        tenants from a pooled row, that row is overwritten, in the same batch as the
-        seeded tenants' rows, by a marker saying it was taken (see :meth:`restore`)."""
+        ``tenant_gaps``)), and per worker whose feedback did. After :meth:`restore` seeded
+        tenants from a pooled row, the row saying it was taken ((``*``,
+        ``tool_gaps_adopted``)) goes in the same batch as the seeded tenants' rows."""
         if self._writer is None:
             return
         for tenant in sorted(self._stats_dirty):
