@@ -16,7 +16,7 @@ holdings restored after a restart) count as that holding's own.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,7 @@ class _Held:
     blocks: int
     expires_at: float
     keys: tuple[int, ...]  # named blocks, root first; it covers keys[:blocks]
+    api: bool = False  # an agent runtime's, sent through the router's sessions API
 
     @property
     def slot(self) -> int:
@@ -124,15 +125,16 @@ def _state(refs: list[int]) -> int | None:
 
 
 class _BlockCounts:
-    """Distinct blocks held, pinned and retained, per owner (a worker, or a tenant):
-    per-(owner, block) reference counts by holding type, and running totals per owner
-    that change only when a block's state (pinned / retained / not held) does."""
+    """Distinct blocks held, pinned and retained, per owner (a worker, a tenant, or a
+    tenant's API holdings on one worker): per-(owner, block) reference counts by holding
+    type, and running totals per owner that change only when a block's state (pinned /
+    retained / not held) does."""
 
     def __init__(self) -> None:
-        self._refs: dict[tuple[str, str, int], list[int]] = {}
-        self.totals: dict[str, list[int]] = {}
+        self._refs: dict[tuple[Hashable, str, int], list[int]] = {}
+        self.totals: dict[Hashable, list[int]] = {}
 
-    def named(self, owner: str, worker_id: str, keys: Sequence[int], slot: int,
+    def named(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int,
               sign: int) -> None:
         refs_of, totals = self._refs, self.totals.setdefault(owner, [0, 0])
         for key in keys:
@@ -151,7 +153,7 @@ class _BlockCounts:
                 if after is not None:
                     totals[after] += 1
 
-    def counted(self, owner: str, worker_id: str, keys: Sequence[int], slot: int) -> int:
+    def counted(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int) -> int:
         """How many of ``keys`` a new holding of type ``slot`` would not add to the
         owner's ``slot`` total: already pinned (for a Pin), already held (for a Retain:
         a pinned block stays pinned)."""
@@ -163,10 +165,15 @@ class _BlockCounts:
                 count += 1
         return count
 
-    def own(self, owner: str, blocks: int, slot: int) -> None:
+    def own(self, owner: Hashable, blocks: int, slot: int) -> None:
         """``blocks`` (negative: fewer) that no other holding can share."""
         if blocks:
             self.totals.setdefault(owner, [0, 0])[slot] += blocks
+
+
+def _holdings(counts: _BlockCounts, owner: Hashable) -> Holdings:
+    totals = counts.totals.get(owner)
+    return Holdings(totals[0], totals[1]) if totals else Holdings()
 
 
 class HoldingsLedger:
@@ -181,9 +188,11 @@ class HoldingsLedger:
         self._by_scope: dict[tuple[str, str], str] = {}
         self._workers_of_scope: dict[str, set[str]] = {}
         self._expiry: list[tuple[float, str]] = []
-        # Distinct (pinned, retained) blocks per worker and per tenant.
+        # Distinct (pinned, retained) blocks per worker, per tenant, and per (tenant,
+        # worker) of the API holdings (an agent runtime's share of one worker).
         self._workers = _BlockCounts()
         self._tenants = _BlockCounts()
+        self._api = _BlockCounts()
 
     def record(
         self,
@@ -196,14 +205,16 @@ class HoldingsLedger:
         blocks: int,
         expires_at: float,
         keys: Sequence[int] = (),
+        api: bool = False,
     ) -> None:
-        """Note a sent action. ``keys``: the hashes of the blocks it covers, root first,
-        as far as known (:func:`target_keys`); the rest of its ``blocks`` count as its own.
-        A Demote releases the scope's holding, since the plugin supersedes it the same
-        way; Prefetch and Share leave it (the plugin does too). A Prefetch's own retain
-        (until ``expires_at``, its deadline) is a holding of its own scope,
-        ``prefetch:<scope>``. An action id seen before replaces that holding (ids are
-        meant to be unique; this keeps the scope index whole if one is not)."""
+        """Note a sent action (``api``: an agent runtime's, through the sessions API).
+        ``keys``: the hashes of the blocks it covers, root first, as far as known
+        (:func:`target_keys`); the rest of its ``blocks`` count as its own. A Demote
+        releases the scope's holding, since the plugin supersedes it the same way;
+        Prefetch and Share leave it (the plugin does too). A Prefetch's own retain (until
+        ``expires_at``, its deadline) is a holding of its own scope, ``prefetch:<scope>``.
+        An action id seen before replaces that holding (ids are meant to be unique; this
+        keeps the scope index whole if one is not)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
         if action_type == ActionType.PREFETCH.value:
@@ -215,12 +226,13 @@ class HoldingsLedger:
                 self._drop(old)
             return
         held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,
-                     tuple(keys))
+                     tuple(keys), api)
         # A session's new protection mostly covers its old one's blocks again (the chain
         # grew by a turn): their common named prefix keeps its counts untouched, so a
         # re-protection costs the blocks that changed, not the whole chain.
         kept = 0
-        if old is not None and old.slot == held.slot and old.tenant == held.tenant:
+        if (old is not None and old.slot == held.slot and old.tenant == held.tenant
+                and old.api == held.api):
             kept = _common_prefix(old.named(), held.named())
         if old is not None:
             self._drop(old, kept_named=kept)
@@ -286,25 +298,30 @@ class HoldingsLedger:
         return gone
 
     def added(self, worker_id: str, tenant: str | None, action_type: str, blocks: int,
-              keys: Sequence[int]) -> tuple[int, int]:
-        """(worker, tenant) blocks a new Pin/Retain of ``blocks`` would add to what they
-        hold of its kind: its named ``keys`` (root first) that other holdings already
-        count so (a system prompt every session shares) add nothing; the rest add one
-        each, as :meth:`record` will count them."""
+              keys: Sequence[int]) -> tuple[int, int, int]:
+        """(worker, tenant, tenant's API holdings on the worker) blocks a new API
+        Pin/Retain of ``blocks`` would add to what they hold of its kind: its named
+        ``keys`` (root first) that other holdings already count so (a system prompt every
+        session shares) add nothing; the rest add one each, as :meth:`record` will count
+        them."""
         slot = _PINNED if action_type == ActionType.PIN.value else _RETAINED
         named = tuple(keys[:blocks])
         worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
         if tenant is None:
-            return worker, 0
-        return worker, blocks - self._tenants.counted(tenant, worker_id, named, slot)
+            return worker, 0, 0
+        return (worker, blocks - self._tenants.counted(tenant, worker_id, named, slot),
+                blocks - self._api.counted((tenant, worker_id), worker_id, named, slot))
 
     def worker(self, worker_id: str) -> Holdings:
-        totals = self._workers.totals.get(worker_id)
-        return Holdings(totals[0], totals[1]) if totals else Holdings()
+        return _holdings(self._workers, worker_id)
 
     def tenant(self, tenant: str) -> Holdings:
-        totals = self._tenants.totals.get(tenant)
-        return Holdings(totals[0], totals[1]) if totals else Holdings()
+        return _holdings(self._tenants, tenant)
+
+    def api_on_worker(self, tenant: str, worker_id: str) -> Holdings:
+        """What ``tenant``'s agent runtimes hold on the worker through the sessions API
+        (the planner's holdings for that tenant's sessions are not counted)."""
+        return _holdings(self._api, (tenant, worker_id))
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -333,11 +350,16 @@ class HoldingsLedger:
         self._workers.named(held.worker_id, held.worker_id, keys, held.slot, sign)
         if held.tenant is not None:
             self._tenants.named(held.tenant, held.worker_id, keys, held.slot, sign)
+            if held.api:
+                self._api.named((held.tenant, held.worker_id), held.worker_id, keys,
+                                held.slot, sign)
 
     def _count_own(self, held: _Held, blocks: int) -> None:
         self._workers.own(held.worker_id, blocks, held.slot)
         if held.tenant is not None:
             self._tenants.own(held.tenant, blocks, held.slot)
+            if held.api:
+                self._api.own((held.tenant, held.worker_id), blocks, held.slot)
 
     def _drop(self, held: _Held, kept_named: int = 0) -> None:
         if self._by_id.pop(held.action_id, None) is None:

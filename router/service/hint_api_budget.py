@@ -42,11 +42,12 @@ class ApiBudgetGate:
 
     def problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                 planned: Sequence[PlannedAction], now: float,
-                chain: Sequence[int] = ()) -> str | None:
+                chain: Sequence[int] = (), worker_share: float = 1.0) -> str | None:
         """Why API actions must not be sent (tenant rate and holdings, the worker's
-        advertised budgets), or None; a None answer counts them against the rate.
-        ``chain``: the session's last prompt's block hashes on the worker, so that blocks
-        already held the same way (a shared system prompt) are not counted again."""
+        advertised budgets, the tenant's ``worker_share`` of them), or None; a None
+        answer counts them against the rate. ``chain``: the session's last prompt's block
+        hashes on the worker, so that blocks already held the same way (a shared system
+        prompt) are not counted again."""
         times = self._times.setdefault(tenant, deque())
         while times and now - times[0] > 60.0:
             times.popleft()
@@ -54,7 +55,8 @@ class ApiBudgetGate:
             return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
                     "per minute")
         block_size = self._block_size(worker_id)
-        pins, retains = [0, 0], [0, 0]
+        # Blocks added: on the worker, on the tenant, by the tenant's API on the worker.
+        pins, retains = [0, 0, 0], [0, 0, 0]
         # A Prefetch holds too: the worker retains what it brought into G1 until the
         # Prefetch's deadline, and the ledger counts that as retained (before, a tenant
         # over its retained cap could still Prefetch without limit).
@@ -63,11 +65,9 @@ class ApiBudgetGate:
         for action in planned:
             if (totals := added.get(action.action_type)) is not None:
                 keys = target_keys(action.action_type, action.action.payload, block_size, chain)
-                on_worker, on_tenant = self._holdings.added(worker_id, tenant,
-                                                            action.action_type, action.blocks,
-                                                            keys)
-                totals[0] += on_worker
-                totals[1] += on_tenant
+                for i, blocks in enumerate(self._holdings.added(
+                        worker_id, tenant, action.action_type, action.blocks, keys)):
+                    totals[i] += blocks
         held = self._holdings.tenant(tenant)
         checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
                    budget.max_pinned_blocks),
@@ -80,6 +80,16 @@ class ApiBudgetGate:
             checks.append((f"worker {worker_id}", "pinned",
                            self._holdings.worker(worker_id).pinned_blocks, pins[0],
                            worker.status.budgets.max_pinned_blocks))
+            if worker_share < 1.0:
+                # A worker's budgets are every tenant's: one tenant's agents may take
+                # only its share (retains too: an agent's top priority displaces others).
+                budgets, api_held = worker.status.budgets, self._holdings.api_on_worker(
+                    tenant, worker_id)
+                who = f"tenant {tenant!r} on worker {worker_id} (share {worker_share:g})"
+                checks += [(who, "pinned", api_held.pinned_blocks, pins[2],
+                            int(budgets.max_pinned_blocks * worker_share)),
+                           (who, "retained", api_held.retained_blocks, retains[2],
+                            int(budgets.max_retained_blocks * worker_share))]
         for who, kind, current, asked, limit in checks:
             if asked and limit is not None and current + asked > limit:
                 return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"

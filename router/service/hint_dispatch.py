@@ -219,7 +219,8 @@ class HintDispatcher:
                     self.holdings.record(action_id=record.action_id, worker_id=worker_id,
                                          tenant=action.tenant, scope=action.scope,
                                          action_type=action.action_type, blocks=action.blocks,
-                                         expires_at=action.expires_at, keys=keys)
+                                         expires_at=action.expires_at, keys=keys,
+                                         api=source == API_SOURCE)
                     self.pending[record.action_id] = record
                     self._metrics.hints_sent.labels(action.action_type, source).inc()
                 else:
@@ -254,9 +255,10 @@ class HintDispatcher:
 
     def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                            planned: Sequence[PlannedAction], now: float,
-                           chain: Sequence[int] = ()) -> str | None:
+                           chain: Sequence[int] = (), worker_share: float = 1.0) -> str | None:
         """:meth:`ApiBudgetGate.problem`."""
-        return self._api_gate.problem(tenant, budget, worker_id, planned, now, chain)
+        return self._api_gate.problem(tenant, budget, worker_id, planned, now, chain,
+                                      worker_share)
 
     # --- outcomes -----------------------------------------------------------------------
 
@@ -462,7 +464,8 @@ class HintDispatcher:
             self.holdings.record(action_id=record.action_id, worker_id=record.worker_id,
                                  tenant=record.tenant, scope=record.scope,
                                  action_type=record.action_type, blocks=blocks,
-                                 expires_at=record.expires_at, keys=keys)
+                                 expires_at=record.expires_at, keys=keys,
+                                 api=record.source == API_SOURCE)
 
     def _block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)

@@ -186,7 +186,8 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     if problems:
         return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
-                                            planned, now, record.last_block_hashes)
+                                            planned, now, record.last_block_hashes,
+                                            tenant.worker_share)
     if over is not None:
         response = _json_error(f"over budget; nothing was sent: {over}", 429)
         wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)

@@ -66,6 +66,15 @@ class TenantBudget(BaseModel, frozen=True, extra="forbid"):
     max_retained_blocks: int | None = Field(None, ge=0)
     max_hint_ttl_s: float = Field(600.0, gt=0, le=86_400)
     max_actions_per_minute: int = Field(600, ge=0)
+    # The most of one worker's pin budget, and of its retain budget, that this tenant's
+    # agent runtimes may hold there through the sessions API. A worker's budgets are
+    # shared by every tenant, and an agent's Retain at priority 100 displaces any lower
+    # claim, another tenant's included: without a share, one tenant's agents could take a
+    # worker's whole pin budget, or push every other tenant's protections off it. None:
+    # an equal share, 1 / the number of configured tenants (no limit with one tenant).
+    # The planner's own protections are not counted here: it orders every tenant's
+    # sessions by one value, and a tenant's whole holdings are capped above.
+    max_worker_share: float | None = Field(None, gt=0, le=1)
 
 
 class TenantConfig(BaseModel, frozen=True, extra="forbid"):

@@ -27,6 +27,9 @@ class Tenant:
     budget: TenantBudget
     # What it may use (served model names; None: every model).
     models: frozenset[str] | None = None
+    # The most of one worker's pin and retain budgets its API claims may hold
+    # (``TenantBudget.max_worker_share``, its default resolved).
+    worker_share: float = 1.0
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -60,10 +63,13 @@ class TenantDirectory:
         self._tenants: dict[str, Tenant] = {}
         self._client_keys: dict[str, Tenant] = {}
         self._admin_keys: dict[str, Tenant | None] = {key: None for key in settings.admin_keys}
+        equal_share = 1.0 / max(len(settings.tenants), 1)
         for config in settings.tenants:
             salt = config.cache_salt or derive_salt(settings.salt_secret, config.name)
+            share = config.budget.max_worker_share
             tenant = Tenant(config.name, salt, config.budget,
-                            None if config.models is None else frozenset(config.models))
+                            None if config.models is None else frozenset(config.models),
+                            equal_share if share is None else share)
             self._tenants[tenant.name] = tenant
             for key in config.api_keys:
                 self._client_keys[key] = tenant
@@ -71,7 +77,9 @@ class TenantDirectory:
                 self._admin_keys[key] = tenant
         if DEFAULT_TENANT not in self._tenants:
             salt = None if self.dev_mode else derive_salt(settings.salt_secret, DEFAULT_TENANT)
-            self._tenants[DEFAULT_TENANT] = Tenant(DEFAULT_TENANT, salt, TenantBudget())
+            # A global admin's own traffic: one more tenant's equal share.
+            self._tenants[DEFAULT_TENANT] = Tenant(DEFAULT_TENANT, salt, TenantBudget(),
+                                                   worker_share=equal_share)
 
     @property
     def tenants(self) -> list[Tenant]:

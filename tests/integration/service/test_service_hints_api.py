@@ -290,3 +290,35 @@ async def test_a_call_over_the_tenants_rate_says_when_to_retry(
                                  headers=key)
         assert over.status_code == 429 and "per minute" in over.text
         assert 1 <= int(over.headers["retry-after"]) <= 60
+
+
+async def test_a_tenants_agents_may_hold_only_its_share_of_a_workers_pin_budget(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """w0 may pin 100 blocks; tenant a's share is 0.02 (2 blocks), b's the equal share of
+    two tenants (50). a's second pin is refused (429) while b's goes through, and a's
+    agent holding still counts as a's after a restart of the router (restored from the
+    store). Before, a's agents could pin all 100 blocks, leaving none for b."""
+    pin = {"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]}
+    tenants = [{**TENANTS[0], "budget": {"max_worker_share": 0.02}}, TENANTS[1]]
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=tenants) as (router, client, _):
+        for session in ("s1", "s2"):
+            await _chat(client, router.url, session, "ka")
+        await _chat(client, router.url, "s1", "kb")
+        a, b = {"authorization": "Bearer aa"}, {"authorization": "Bearer bb"}
+        first = await client.post(f"{router.url}/v1/sessions/s1/hints", json=pin, headers=a)
+        assert first.status_code == 200, first.text
+        second = await client.post(f"{router.url}/v1/sessions/s2/hints", json=pin, headers=a)
+        assert second.status_code == 429, second.text
+        message = second.json()["error"]["message"]
+        assert "tenant 'a' on worker w0 (share 0.02) would hold" in message
+        assert "pinned blocks (limit 2)" in message
+        other = await client.post(f"{router.url}/v1/sessions/s1/hints", json=pin, headers=b)
+        assert other.status_code == 200, other.text
+        assert router.runtime.hints.holdings.api_on_worker("a", "w0").pinned_blocks == 2
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=tenants) as (router, _client, _):
+        holdings = router.runtime.hints.holdings
+        assert holdings.api_on_worker("a", "w0").pinned_blocks == 2
+        assert holdings.api_on_worker("b", "w0").pinned_blocks == 2

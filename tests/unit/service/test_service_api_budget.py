@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import time
 
-from kvhint.router.policy import PlannedAction
+import pytest
+
+from kvhint.router.policy import HoldingsLedger, PlannedAction
+from kvhint.router.policy.holdings import Holdings
 from kvhint.router.service.sessions_api import _target_blocks
-from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.settings import RouterSettings, TenantBudget
+from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.schemas import (
     KvHintAction,
     PinPayload,
@@ -108,3 +112,69 @@ def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
     assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
     assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
     assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
+
+
+def test_one_tenants_agents_hold_at_most_their_share_of_a_workers_budgets() -> None:
+    """A worker's pin and retain budgets are every tenant's, and an agent's Retain at
+    priority 100 displaces any lower claim, another tenant's included. Tenant a's agents
+    hold 100 retained and 25 pinned blocks on w0 (budgets 200 and 50): at a share of 0.5
+    a's next claims are refused there, b's are not, and the planner's holdings for a's
+    sessions do not count against a's agents. Before, a's agents could take the whole
+    pin budget, and displace every other tenant's retains, up to a's own caps only."""
+    _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
+    ledger = hints.holdings
+    for n in range(10):
+        ledger.record(action_id=f"r{n}", worker_id="w0", tenant="a", scope=f"agent:a/s{n}",
+                      action_type="kv.retain", blocks=10, expires_at=1e12, api=True)
+    ledger.record(action_id="p", worker_id="w0", tenant="a", scope="agent:a/p",
+                  action_type="kv.pin", blocks=25, expires_at=1e12, api=True)
+    ledger.record(action_id="planned", worker_id="w0", tenant="a", scope="a/q",
+                  action_type="kv.retain", blocks=60, expires_at=1e12)
+    assert ledger.api_on_worker("a", "w0") == Holdings(pinned_blocks=25, retained_blocks=100)
+    assert ledger.tenant("a") == Holdings(pinned_blocks=25, retained_blocks=160)
+
+    def problem(tenant: str, payload: object, share: float) -> str | None:
+        action = PlannedAction("w0", make_action("kva-x", payload), f"agent:{tenant}/x",
+                               tenant, 8, 1e12, "api")
+        return hints.api_budget_problem(tenant, TenantBudget(), "w0", [action], time.time(),
+                                        worker_share=share)
+
+    retain = RetainPayload(target=Target(session_id="a/x"), priority=100)
+    pin = PinPayload(target=Target(session_id="a/x"), ttl_s=30)
+    assert problem("a", retain, 0.5) == (
+        "tenant 'a' on worker w0 (share 0.5) would hold 108 retained blocks (limit 100)")
+    assert problem("a", pin, 0.5) == (
+        "tenant 'a' on worker w0 (share 0.5) would hold 33 pinned blocks (limit 25)")
+    assert problem("b", retain, 0.5) is None
+    assert problem("b", pin, 0.5) is None
+    assert problem("a", retain, 1.0) is None  # one tenant: the worker's budgets only
+    assert problem("a", retain, 0.6) is None  # 108 of 120
+
+
+def test_an_agents_holding_the_planner_replaces_stops_counting_as_the_agents() -> None:
+    """On a worker that does not keep owners apart, an API claim and the planner's share
+    the session's scope: the planner's next protection replaces the agent's, whose blocks
+    then no longer count against the tenant's agent share (the blocks both name are
+    not carried over from one count to the other)."""
+    ledger = HoldingsLedger()
+    chain = list(range(20))
+    ledger.record(action_id="api", worker_id="w0", tenant="a", scope="a/s",
+                  action_type="kv.retain", blocks=20, expires_at=1e12, keys=chain, api=True)
+    assert ledger.api_on_worker("a", "w0").retained_blocks == 20
+    ledger.record(action_id="planner", worker_id="w0", tenant="a", scope="a/s",
+                  action_type="kv.retain", blocks=20, expires_at=1e12, keys=chain)
+    assert ledger.api_on_worker("a", "w0") == Holdings()
+    assert ledger.tenant("a").retained_blocks == ledger.worker("w0").retained_blocks == 20
+
+
+def test_each_configured_tenant_gets_an_equal_share_of_a_worker_unless_it_names_one() -> None:
+    one = TenantDirectory(RouterSettings(tenants=[{"name": "a", "api_keys": ["ka"]}]))
+    assert one.get("a").worker_share == one.get("default").worker_share == 1.0
+    three = TenantDirectory(RouterSettings(tenants=[
+        {"name": "a", "api_keys": ["ka"]}, {"name": "b", "api_keys": ["kb"]},
+        {"name": "c", "api_keys": ["kc"], "budget": {"max_worker_share": 0.8}}]))
+    assert [three.get(n).worker_share for n in ("a", "b", "c", "default")] == [
+        pytest.approx(1 / 3), pytest.approx(1 / 3), 0.8, pytest.approx(1 / 3)]
+    assert TenantDirectory(RouterSettings()).get("default").worker_share == 1.0
+    with pytest.raises(ValueError, match="max_worker_share"):
+        TenantBudget(max_worker_share=1.5)
