@@ -21,7 +21,7 @@ Typical wiring (the service owns NATS)::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from kvhint.router.kv_index.actions import (
     IngestAction,
@@ -191,6 +191,14 @@ class KvEventIngestor:
         if stream is not None:
             stream.on_snapshot_failed(self._clock())
         return []
+
+    def remember_dead_for(self, seconds: float) -> None:
+        """Keep a dead worker's stream state (epoch, retired epochs, counters) for
+        ``seconds`` after it was last heard, instead of ``config.forget_dead_after_s``:
+        as long as the events stream can still replay its messages, so a replayed batch
+        of a forgotten engine is never taken for a new one's. Streams already open read
+        the ingestor's setting at every tick, so it applies to them too."""
+        self.config = replace(self.config, forget_dead_after_s=float(seconds))
 
     def tick(self) -> list[IngestAction]:
         """Call periodically (about once per second): dead workers, snapshot retries and

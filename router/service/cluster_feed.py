@@ -30,7 +30,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -214,7 +213,7 @@ class ClusterFeed:
         if max_age and max_age > config.forget_dead_after_s:
             log.info("events stream keeps messages %.0fs: dead workers are forgotten after "
                      "that (not %.0fs)", max_age, config.forget_dead_after_s)
-            self.ingestor.config = replace(config, forget_dead_after_s=float(max_age))
+            self.ingestor.remember_dead_for(max_age)
 
     def _jetstream_failed(self, exc: BaseException) -> None:
         self._metrics.drop("jetstream_unavailable")

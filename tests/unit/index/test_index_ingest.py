@@ -195,6 +195,24 @@ def test_a_worker_dead_past_the_forget_time_is_forgotten_and_its_counts_kept() -
     assert ing.worker_views()["w0"].epoch == "e2"
 
 
+def test_a_longer_memory_of_dead_workers_applies_to_streams_already_open() -> None:
+    """The router follows the events stream's max_age once it has seen the stream (it
+    may keep messages longer than the settings say): a worker already dead then is kept
+    that long too, so its replayed batches are never taken for a new engine's."""
+    ing, _index, clock = make()
+    ing.on_status(status(interval_s=1.0))
+    clock.now += 4.0
+    assert [type(a) for a in ing.tick()] == [WorkerDead]
+    forget_s = ing.config.forget_dead_after_s
+    ing.remember_dead_for(forget_s * 3)
+    clock.now += forget_s * 2
+    ing.tick()
+    assert "w0" in ing.worker_views()
+    clock.now += forget_s
+    ing.tick()
+    assert ing.worker_views() == {}
+
+
 def test_heartbeat_reveals_lost_trailing_batches() -> None:
     ing, _, clock = make()
     ing.on_status(status(last_seq=0, interval_s=1.0))
