@@ -5,11 +5,17 @@ Synchronous (SQLAlchemy Core); the service runs them in a worker thread.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine, func, select
 
+from kvhint.router.store.legacy_rows import (
+    LEGACY_LOOKBACK_S,
+    with_derived_columns,
+    worker_budgets,
+)
 from kvhint.router.store.models import (
     CursorRow,
     HintActionRow,
@@ -17,6 +23,7 @@ from kvhint.router.store.models import (
     SessionRow,
     WorkerRow,
 )
+from kvhint.schemas import Budgets
 
 NON_TERMINAL = ("pending", "deferred")
 HOLDING_STATUSES = ("accepted", "clipped")
@@ -45,25 +52,51 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
                   now: float | None = None) -> RecoveryState:
     """Sessions active since ``active_since`` (newest first, at most ``max_sessions``),
     actions still waiting for an outcome, the Pins/Retains still held at ``now`` (None:
-    not loaded), learned statistics, workers and cursors."""
+    not loaded), learned statistics, workers and cursors.
+
+    Action rows a router of the store's first schema wrote (``scope`` and ``expires_at``
+    NULL) come back with the two derived from their payload and sent time, as the router
+    writes them now (:mod:`kvhint.router.store.legacy_rows`): they are held, and counted
+    against the budgets, until their TTL really ends."""
     sessions = _rows(engine, select(*SessionRow.__table__.columns)
                      .where(SessionRow.last_activity >= active_since)
                      .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
-    pending = _rows(engine, select(*HintActionRow.__table__.columns)
-                    .where(HintActionRow.status.in_(NON_TERMINAL)))
-    held = [] if now is None else _rows(
-        engine, select(*HintActionRow.__table__.columns)
-        .where(HintActionRow.status.in_(HOLDING_STATUSES),
-               HintActionRow.action_type.in_(HOLDING_TYPES), HintActionRow.expires_at > now)
-        .order_by(HintActionRow.created_at))
-    learned = _rows(engine, select(*LearnedStatsRow.__table__.columns))
     workers = _rows(engine, select(*WorkerRow.__table__.columns))
+    budgets = worker_budgets(workers)
+    pending = [with_derived_columns(row, budgets.get(row["worker_id"]))
+               for row in _rows(engine, select(*HintActionRow.__table__.columns)
+                                .where(HintActionRow.status.in_(NON_TERMINAL)))]
+    held = [] if now is None else _held_actions(engine, now, budgets)
+    learned = _rows(engine, select(*LearnedStatsRow.__table__.columns))
     cursors = {row["name"]: row["value"]
                for row in _rows(engine, select(*CursorRow.__table__.columns))}
     with engine.connect() as conn:
         stored = conn.execute(select(func.count()).select_from(SessionRow)).scalar_one()
     return RecoveryState(sessions, pending, held, learned, workers, cursors,
                          sessions_complete=stored == len(sessions))
+
+
+def _held_actions(engine: Engine, now: float, budgets: Mapping[str, Budgets]
+                  ) -> list[dict[str, Any]]:
+    """Answered Pins/Retains whose TTL is not over at ``now``, oldest first: the rows
+    that say so (a range of the ``expires_at`` index), and those that do not say when
+    they end (written without ``expires_at``, sent within the longest TTL any action
+    may have) whose derived end is after ``now``."""
+    holding = (HintActionRow.status.in_(HOLDING_STATUSES),
+               HintActionRow.action_type.in_(HOLDING_TYPES))
+    live = _rows(engine, select(*HintActionRow.__table__.columns)
+                 .where(*holding, HintActionRow.expires_at > now)
+                 .order_by(HintActionRow.created_at))
+    undated = _rows(engine, select(*HintActionRow.__table__.columns)
+                    .where(*holding, HintActionRow.expires_at.is_(None),
+                           HintActionRow.created_at > now - LEGACY_LOOKBACK_S)
+                    .order_by(HintActionRow.created_at))
+    if not undated:
+        return live
+    derived = [row for row in (with_derived_columns(r, budgets.get(r["worker_id"]))
+                               for r in undated)
+               if row["expires_at"] is not None and row["expires_at"] > now]
+    return sorted(live + derived, key=lambda row: row["created_at"])
 
 
 def query_hints(engine: Engine, status: str | None = None, tenant: str | None = None,
