@@ -33,8 +33,9 @@ Semantics (DESIGN §2, issue 3):
   blocks already in G1 (waiting, ``deferred``, until the deadline for the others). With
   one, Demote lets go first only the GPU copies of blocks whose host copy has finished.
 - blocks an accepted Pin/Retain loses later without the router asking (displaced,
-  relieved under pressure, given back for a prefix-cache reset) are reported by
-  :meth:`take_releases`; TTL expiry and the router's own supersessions are not.
+  relieved under pressure, given back for a prefix-cache reset, gone from vLLM's cache by
+  another path) are reported by :meth:`take_releases`; TTL expiry and the router's own
+  supersessions are not.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.demotion import copies_on_their_way, demotable, with_host_copies
-from kvhint.engine_plugin.hold_records import GONE, PIN
+from kvhint.engine_plugin.hold_records import PIN
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
 from kvhint.engine_plugin.prefetch import PendingPrefetch, PrefetchMixin
@@ -212,15 +213,15 @@ class HintExecutor(PrefetchMixin):
         return self.holds.release_all()
 
     def take_releases(self) -> list[HoldRelease]:
-        """What accepted Pins and Retains lost unasked since the last call. A block vLLM
-        dropped from its cache by another path (``GONE``) goes out as ``reset``: the
-        wire's reasons (schemas v1) have none of its own, and ``reset`` says the same to
-        the router (vLLM invalidated the cached KV; the hold is over)."""
+        """What accepted Pins and Retains lost unasked since the last call, each with the
+        ledger's reason as the wire's (a block vLLM dropped from its cache by another path
+        is ``gone``, HoldsReleased 1.1; a router of an earlier version reads it as
+        ``other``, its figures applied the same)."""
         return [HoldRelease(
             action_id=loss.action_id,
             action_type=(ActionType.PIN if loss.kind == PIN else ActionType.RETAIN).value,
             session_id=loss.scope,
-            reason=ReleaseReason.RESET if loss.reason == GONE else ReleaseReason(loss.reason),
+            reason=ReleaseReason(loss.reason),
             released=self._amount(loss.released), held=self._amount(loss.held))
             for loss in self.holds.take_losses()]
 

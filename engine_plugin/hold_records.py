@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvhint.engine_plugin.block_cache import BlockHandle
 
 PIN, RETAIN = "pin", "retain"
+# Loss reasons. Each is its wire value (schemas.releases.ReleaseReason), sent as is.
 DISPLACED, PRESSURE, RESET = "displaced", "pressure", "reset"
 # vLLM dropped a held block from its prefix cache by another path (evict_blocks after a
 # failed KV load, a cache-entry move): the hold protected nothing any more.

@@ -297,14 +297,17 @@ class HoldLedger:
         """Give back the holds on blocks that left vLLM's prefix cache by a path other
         than ours (BlockRemoved for a block we hold: ``evict_blocks`` after a failed KV
         load; None: check every hold, after an AllBlocksCleared). Their claims lose them
-        as ``GONE`` (reported: the sender's budget no longer holds them); returns how
-        many. A removed hash whose held copy is still cached (vLLM keeps duplicate
-        copies) keeps its hold."""
+        (reported: the sender's budget no longer holds them) as ``GONE``, or as ``RESET``
+        after an AllBlocksCleared: that is vLLM resetting its prefix cache, only one our
+        wrapper did not release for first. Returns how many, all counted in
+        ``released_gone``. A removed hash whose held copy is still cached (vLLM keeps
+        duplicate copies) keeps its hold."""
         if keys is None:
-            candidates = list(self._holds)
+            candidates, reason = list(self._holds), RESET
         else:
             by_key = self._by_key
             candidates = [b for k in keys if k in by_key for b in by_key[k]]
+            reason = GONE
         released: list[BlockHandle] = []
         for block_id in candidates:
             hold = self._holds.get(block_id)
@@ -314,7 +317,7 @@ class HoldLedger:
                 claim = self._claims.get(action_id)
                 if claim is not None and block_id in claim.block_ids:
                     claim.block_ids.discard(block_id)
-                    self._note_loss(action_id, claim, GONE, 1)
+                    self._note_loss(action_id, claim, reason, 1)
             if hold.pins:
                 self._pinned -= 1
             else:

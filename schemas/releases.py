@@ -7,7 +7,10 @@ true:
 
 - ``displaced``: a Retain of higher priority needed the retain budget;
 - ``pressure``: the engine needed the memory for a running request;
-- ``reset``: vLLM reset its prefix cache and every hold was given back.
+- ``reset``: vLLM reset its prefix cache and every hold was given back;
+- ``gone`` (1.1): vLLM dropped held blocks from its prefix cache by another path
+  (``evict_blocks`` after a failed KV load): the hold protected nothing any more and was
+  given back. Before 1.1 a plugin sent these as ``reset``.
 
 Not reported, because the router already knows: TTL expiry, and holds that a newer
 action of the router ended (a newer protection of the same session, a Demote).
@@ -24,6 +27,16 @@ stay overcounted until their TTLs). A ``reason`` this version does not know (a n
 plugin's) is read as ``other`` with the release's figures kept; a release that is
 unreadable otherwise is dropped and reported in :attr:`DecodedReleases.unreadable` for
 the receiver to count.
+
+Versions: the message is 1.0 with ``displaced``, ``pressure`` and ``reset``; 1.1 adds the
+reason ``gone``. A new reason changes neither the subject nor the fields, so the message
+carries no version of its own: what a receiver acts on, the figures, means the same in
+every version, and a receiver of an earlier version reads the new reason as ``other``
+(above), losing only why. The sender, which cannot know its receivers' versions, just
+sends it. A reason a receiver must not apply without understanding it would need a new
+subject version instead (:mod:`kvhint.schemas.subjects`). Each version has its golden
+JSON (``tests/golden/holds_released.json`` 1.0, ``holds_released_v1_1.json`` 1.1); an
+earlier version's stays as it was.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ class ReleaseReason(str, enum.Enum):
     DISPLACED = "displaced"
     PRESSURE = "pressure"
     RESET = "reset"
+    GONE = "gone"  # 1.1
     # What a receiver reads for a reason it does not know (a newer plugin's): the
     # release still counts; only why is unknown. A plugin of this version never sends it.
     # Values stay within 16 characters (the router stores them in a String(16) column).

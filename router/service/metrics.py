@@ -149,8 +149,10 @@ class RouterMetrics:
                                   ["action", "source"], registry=r)
         self.hold_releases = Counter(
             "kvhint_router_hold_released_blocks",
-            "Blocks workers let go of accepted Pins/Retains unasked, by reason (displaced by "
-            "a higher-priority retain, relieved under memory pressure, prefix-cache reset)",
+            "Blocks workers let go of accepted Pins/Retains unasked, by reason (displaced: "
+            "a higher-priority retain; pressure: relieved for memory; reset: a prefix-cache "
+            "reset; gone: vLLM dropped them from its cache by another path; other: a "
+            "reason this router does not know, from a newer plugin)",
             ["action", "reason"], registry=r)
         self.events = Counter("kvhint_router_event_batches", "KV event batches by verdict",
                               ["worker", "verdict"], registry=r)

@@ -107,8 +107,8 @@ class HintActionRow(Base):
     scope: Mapped[str | None] = mapped_column(String(400))
     expires_at: Mapped[float | None] = mapped_column(Float)
     # Set when the worker later reports letting blocks of this accepted Pin/Retain go
-    # unasked (schemas.releases): the latest report's reason (displaced | pressure |
-    # reset), when it came, and the blocks the action still held then (0: none).
+    # unasked (schemas.releases): the latest report's reason (displaced, pressure, reset,
+    # gone or other), when it came, and the blocks the action still held then (0: none).
     release_reason: Mapped[str | None] = mapped_column(String(16))
     released_at: Mapped[float | None] = mapped_column(Float)
     held_after_release_blocks: Mapped[int | None] = mapped_column(Integer)

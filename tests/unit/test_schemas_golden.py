@@ -75,6 +75,12 @@ SAMPLES: dict[str, tuple[object, type]] = {
                       reason=s.ReleaseReason.PRESSURE, released=s.Amount(blocks=2, tokens=64),
                       held=s.Amount()),
     ], at=AT), s.HoldsReleased),
+    # HoldsReleased 1.1: reason gone (the 1.0 message above is unchanged).
+    "holds_released_v1_1": (s.HoldsReleased(worker_id="w0", releases=[
+        s.HoldRelease(action_id="a-pin", action_type="kv.pin", session_id="tenant-a/sess-1",
+                      reason=s.ReleaseReason.GONE, released=s.Amount(blocks=2, tokens=64),
+                      held=s.Amount(blocks=1, tokens=32)),
+    ], at=AT), s.HoldsReleased),
     "donor_advice": (s.DonorAdvice(
         advice_id="adv-1", session_id="tenant-a/sess-9", namespace="tiny|sha256|32|salt:a",
         donor_session_id="tenant-a/sess-3", donor_block_hashes=[1, 2, BIG_HASH],

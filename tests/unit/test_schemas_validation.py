@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from kvhint import schemas as s
+from kvhint.schemas import releases
 from kvhint.schemas.events import EventBatchMeta
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 
 
 def _envelope(actions: list[dict], protocol_version: str = "1", message_id: str = "m") -> bytes:
@@ -243,6 +247,35 @@ def test_what_a_plugin_sends_in_releases_reads_back_unchanged() -> None:
     decoded = s.decode_releases(s.encode_releases(message))
     assert (decoded.worker_id, decoded.releases, decoded.at, decoded.unreadable) == (
         "w0", message.releases, 2.0, ())
+
+
+# What a receiver of HoldsReleased 1.0 knows (OTHER included: what it reads for the rest).
+_REASONS_1_0 = frozenset({"displaced", "pressure", "reset", "other"})
+
+
+def test_this_version_reads_a_1_1_release_as_gone() -> None:
+    """HoldsReleased 1.1 adds ``gone`` (vLLM dropped held blocks by another path; the
+    plugin sent those as ``reset`` before): read as itself, beside the 1.0 reasons."""
+    assert {r.value for r in s.ReleaseReason} == _REASONS_1_0 | {"gone"}
+    decoded = s.decode_releases(_releases(_release("g", "gone"), _release("r", "reset")))
+    assert [(r.action_id, r.reason) for r in decoded.releases] == [
+        ("g", s.ReleaseReason.GONE), ("r", s.ReleaseReason.RESET)]
+    golden = s.decode_releases((GOLDEN / "holds_released_v1_1.json").read_bytes())
+    assert [r.reason for r in golden.releases] == [s.ReleaseReason.GONE]
+    assert golden.unreadable == ()
+
+
+def test_a_1_0_receiver_reads_gone_as_other_and_keeps_its_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rolling upgrade, a 1.1 plugin and a 1.0 router: the router's decode_releases is this
+    one knowing only the 1.0 reasons. It must apply the release (its figures free the
+    worker's and the tenant's budgets) under ``other``, not drop it as unreadable."""
+    monkeypatch.setattr(releases, "_KNOWN_REASONS", _REASONS_1_0)
+    decoded = s.decode_releases((GOLDEN / "holds_released_v1_1.json").read_bytes())
+    assert decoded.unreadable == ()
+    assert [(r.action_id, r.session_id, r.reason, r.released, r.held)
+            for r in decoded.releases] == [
+        ("a-pin", "tenant-a/sess-1", s.ReleaseReason.OTHER, s.Amount(2, 64), s.Amount(1, 32))]
 
 
 def _outcome(status: str, reason: str = "") -> bytes:

@@ -205,7 +205,9 @@ def test_holds_on_blocks_vllm_drops_from_its_cache_are_given_back_and_reported()
     """vLLM's ``evict_blocks`` (after a failed KV load) drops blocks from the prefix cache
     even while they are referenced, so a held block can stop caching anything. Before,
     the plugin kept holding it until the claim's TTL: a ghost that used the pin or retain
-    budget and the block's memory, and that the router still counted as protected."""
+    budget and the block's memory, and that the router still counted as protected. The
+    release's reason is ``gone`` (HoldsReleased 1.1): it was ``reset``, which told the
+    router and its operators that vLLM had reset its prefix cache."""
     h = sched(pin_budget_fraction=0.1)  # 6 pinned
     core = h.connector.core
     executor = core.executor
@@ -224,9 +226,17 @@ def test_holds_on_blocks_vllm_drops_from_its_cache_are_given_back_and_reported()
     assert executor.holds.counters.released_gone == 3
     assert h.connector._read_stats()["held_blocks_gone"] == 3  # kvhint:held_blocks_gone
     assert h.block_pool.get_num_free_blocks() == free + 3  # the memory is back too
-    assert _releases(h) == {("pin-s", "reset"): ("s", 2, 1), ("ret-t", "reset"): ("t", 1, 1)}
+    assert _releases(h) == {("pin-s", "gone"): ("s", 2, 1), ("ret-t", "gone"): ("t", 1, 1)}
     # The pin budget is free again for blocks that exist.
     turn(h, "u", [7, 8, 9, 10, 11])
-    assert hint(h, PinPayload(target=Target(session_id="u"), ttl_s=60)).applied.blocks == 5
+    assert hint(h, PinPayload(target=Target(session_id="u"), ttl_s=60), "pin-u"
+                ).applied.blocks == 5
     # A hold whose block is still cached keeps it when another copy's hash is removed.
     assert executor.holds.release_gone(s_keys[:1]) == 0 and executor.pinned_blocks == 6
+    # Holds found without their blocks after an AllBlocksCleared (every hold checked) were
+    # lost to a prefix-cache reset, one the plugin did not release for first: ``reset``.
+    u_keys = core.index.session_blocks("u")
+    h.kv_cache_manager.evict_blocks({lookup(k).block_id for k in u_keys[3:]})
+    assert executor.holds.release_gone(None) == 2 and executor.pinned_blocks == 4
+    assert executor.holds.counters.released_gone == 5
+    assert _releases(h) == {("pin-u", "reset"): ("u", 2, 3)}

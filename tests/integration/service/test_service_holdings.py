@@ -61,10 +61,10 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
     """A worker accepted the planner's Retain, then lost blocks of it (displaced by a
-    higher-priority retain, relieved under memory pressure): the router must stop
-    believing the session protected by them and stop counting them against the worker's
-    and the tenant's budgets. A release that overtakes its action's outcome (two subjects)
-    caps that outcome."""
+    higher-priority retain, relieved under memory pressure; an API pin also dropped by
+    vLLM by another path): the router must stop believing the session protected by them
+    and stop counting them against the worker's and the tenant's budgets. A release that
+    overtakes its action's outcome (two subjects) caps that outcome."""
     subjects = Subjects(subject_prefix)
     stub = stub_workers[0]
     nc = await nats.connect(nats_url)
@@ -143,6 +143,19 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             metrics = (await client.get(f"{router.url}/metrics")).text
             assert 'kvhint_router_hold_released_blocks_total{action="kv.retain",' \
                    'reason="displaced"} 3.0' in metrics
+            # vLLM dropped the pin's last block by another path (HoldsReleased 1.1 gone,
+            # sent as reset before): applied like any release, counted and stored under
+            # its own reason.
+            await publish_release(nc, subjects, pin_id, pin_type, pin_session, 1, 0,
+                                  ReleaseReason.GONE)
+            await until(lambda: runtime.hints.holdings.worker("w0").pinned_blocks == 0)
+            assert runtime.metrics.hold_releases.labels("kv.pin", "gone")._value.get() == 1
+            assert runtime.metrics.hold_releases.labels("kv.pin", "reset")._value.get() == 2
+            (row,) = [h for h in (await client.get(f"{router.url}/admin/hints", params={
+                "session_id": "agent"})).json()["hints"] if h["action_id"] == pin_id]
+            assert (row["release_reason"], row["held_after_release_blocks"]) == ("gone", 0)
+            assert 'kvhint_router_hold_released_blocks_total{action="kv.pin",' \
+                   'reason="gone"} 1.0' in (await client.get(f"{router.url}/metrics")).text
     finally:
         await nc.drain()
 
