@@ -287,7 +287,7 @@ class HintDispatcher:
             self._metrics.hold_releases.labels(release.action_type, release.reason.value).inc(
                 release.released.blocks)
         else:
-            self._metrics.drop("release_unknown_action")
+            self._metrics.foreign_messages.labels("release").inc()
         held = release.held.blocks
         if record is not None:
             if record.held_after_release_blocks is not None:
@@ -304,10 +304,11 @@ class HintDispatcher:
     def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
         record = self.pending.get(outcome.action_id)
         if record is None:
-            self._metrics.drop("outcome_unknown_action")
-            # Another replica's action (replicas share the outcome stream and its cursor):
-            # its row gets the answer, so that replica, restarted from the shared cursor
-            # after this message, does not wait for it. A no-op for a row never stored.
+            # Another replica's action (replicas share the outcome stream and its cursor),
+            # normal traffic in a fleet of routers, not a drop: its row gets the answer, so
+            # that replica, restarted from the shared cursor after this message, does not
+            # wait for it. A no-op for a row never stored.
+            self._metrics.foreign_messages.labels("outcome").inc()
             if self._writer is not None:
                 self._writer.update("hint_actions", (outcome.action_id,), {
                     "action_id": outcome.action_id, **outcome_columns(outcome),

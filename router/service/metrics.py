@@ -164,6 +164,12 @@ class RouterMetrics:
         self.drops = Counter("kvhint_router_drops",
                              "Anything the router dropped, by what it was", ["what"],
                              registry=r)
+        self.foreign_messages = Counter(
+            "kvhint_router_foreign_hint_messages",
+            "Hint outcomes and hold releases (kind) for actions this router did not send or "
+            "no longer knows: another replica's (every replica hears every worker), or sent "
+            "before this router restarted and settled since. Not drops: the action's stored "
+            "row is still updated, and its own router counts it", ["kind"], registry=r)
         self.trace_written = Counter(
             "kvhint_router_trace_requests_written",
             "Requests the traffic recorder wrote (trace_dir; what it could not: drops_total "

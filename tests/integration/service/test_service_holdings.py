@@ -132,7 +132,7 @@ async def test_blocks_a_worker_lets_go_unasked_leave_the_session_and_the_budgets
             # in this router's metrics, which must count each release once per fleet.
             await publish_release(nc, subjects, "kvh-another-replica", "kv.pin", None, 5, 0,
                                   ReleaseReason.RESET)
-            await until(lambda: runtime.metrics.drops.labels("release_unknown_action")
+            await until(lambda: runtime.metrics.foreign_messages.labels("release")
                         ._value.get() == 1)
             assert runtime.metrics.hold_releases.labels("kv.pin", "reset")._value.get() == 2
             # A malformed report is counted and changes nothing.
