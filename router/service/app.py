@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sqlalchemy.exc import OperationalError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -38,6 +37,7 @@ from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions_api import build_sessions_router
 from kvhint.router.service.settings import RouterSettings
+from kvhint.router.service.store_errors import STORE_ERRORS, StoreReadErrors
 from kvhint.router.service.tenancy import AuthError, api_key_of
 
 log = logging.getLogger("kvhint.router")
@@ -92,7 +92,9 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.include_router(build_sessions_router())
     app.include_router(build_admin_router())
     app.include_router(build_dashboard_router())
-    app.add_exception_handler(OperationalError, _store_unavailable)
+    store_errors = StoreReadErrors()  # a failed store read: 503 if it may pass, else 500
+    for store_error in STORE_ERRORS:
+        app.add_exception_handler(store_error, store_errors)
     app.add_exception_handler(Exception, _internal_error)
     return RouterApp(app)
 
@@ -199,16 +201,6 @@ async def _ready(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     return Response(runtime_of(request).metrics.render(), media_type=CONTENT_TYPE)
-
-
-async def _store_unavailable(request: Request, exc: Exception) -> Response:
-    """A store read the database could not serve (down, unreachable, locked): the
-    client may retry; not the router's bug."""
-    log.warning("store unavailable on %s: %s", request.url.path, exc)
-    runtime = getattr(request.app.state, "runtime", None)
-    if runtime is not None:
-        runtime.metrics.drop("store_read_error")
-    return _error("the router's store cannot be read right now; retry later", 503)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

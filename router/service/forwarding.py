@@ -2,7 +2,10 @@
 
 Retry rule: a worker that fails before it has the request (connection refused or timed
 out, a connection reset before any answer) or answers 502/503/504 is marked down and the
-request goes once to the next-best worker. A worker that has the request but does not
+request goes once to the next-best worker. What a request learns of a worker's address
+(it failed, it held the request without answering, it answered) is recorded on the
+state (address) it was sent to: a worker that moved meanwhile is not marked down at its
+new address, and may take the retry there. A worker that has the request but does not
 answer within ``request_timeout_s`` is slow, not down, and may still be running it: the
 client gets a 504 and the request is not run again elsewhere. Once bytes have reached the
 client, a failure ends the stream with an OpenAI-style error event instead (the SDKs raise
@@ -36,7 +39,7 @@ from kvhint.router.service.upstream import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from kvhint.router.service.workers import WorkerRegistry
+from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +125,14 @@ class _Flight:
 class Forwarder:
     def __init__(self, workers: WorkerRegistry, routing: RoutingService, pool: UpstreamPool,
                  lifecycle: SessionLifecycle, metrics: RouterMetrics,
-                 on_worker_down: Callable[[str], None],
+                 on_worker_down: Callable[[WorkerState], None],
                  recorder: TraceRecorder | None = None,
                  index_exact: Callable[[str], bool] | None = None) -> None:
         """``index_exact(worker_id)``: whether the cluster index's view of the worker is
         exact now (``KvEventIngestor.view_exact``); a prediction read off another view
-        is not checked against the worker's answer. None: no index feed, trust the plan."""
+        is not checked against the worker's answer. None: no index feed, trust the plan.
+        ``on_worker_down(worker)``: the address of ``worker`` (its current state) failed a
+        request, or held several without answering: the prober checks it."""
         self._workers = workers
         self._routing = routing
         self._pool = pool
@@ -194,8 +199,10 @@ class Forwarder:
                 await self._account(flight, 503)
                 return _error(f"no worker available: {exc}", 503)
             worker_id = flight.plan.decision.worker_id
+            worker = self._workers.get(worker_id)
+            assert worker is not None
             try:
-                upstream = await self._open(flight, worker_id, body)
+                upstream = await self._open(flight, worker, body)
             except _ClientGone:
                 await self._account(flight, 499)
                 return Response(status_code=499)
@@ -204,7 +211,10 @@ class Forwarder:
                 return _error(str(exc), 504)
             except UpstreamUnavailable as exc:
                 last_error = exc
-                excluded = excluded | {worker_id}
+                if self._workers.is_current(worker):
+                    excluded = excluded | {worker_id}
+                # else it moved while the request was on its way: its new address may
+                # take the retry
                 if attempt + 1 < MAX_ATTEMPTS:
                     self._metrics.retries.labels(worker_id).inc()
                 continue
@@ -217,17 +227,20 @@ class Forwarder:
                             media_type="application/json")
         return _error(f"worker unavailable: {last_error.reason}", 502)
 
-    async def _open(self, flight: _Flight, worker_id: str, body: bytes) -> UpstreamResponse:
-        """Send the request to ``worker_id``; returns once its response has started.
+    async def _open(self, flight: _Flight, worker: WorkerState, body: bytes
+                    ) -> UpstreamResponse:
+        """Send the request to ``worker``'s address; returns once its response has started.
 
         Contract: the worker's in-flight slot and its dispatched load are taken here and,
         on every way out before the worker has the request (_ClientGone, a failure, a
         cancellation, an error), given back here exactly once, and the request to the
         worker cancelled (a response that opened anyway is closed). Once the worker has
         it (:meth:`_took`: headers came, or it timed out holding the request),
-        :meth:`_account` settles them instead."""
-        worker = self._workers.get(worker_id)
-        assert worker is not None and worker.url is not None and flight.plan is not None
+        :meth:`_account` settles them instead. What the worker's answer (or its failure,
+        or its silence) says of its address is noted on ``worker``, the state the request
+        went to (:meth:`_still_its_address`)."""
+        worker_id = worker.worker_id
+        assert worker.url is not None and flight.plan is not None
         worker.inflight += 1
         opening = asyncio.ensure_future(
             self._pool.open(worker_id, worker.url + flight.inbound.endpoint.path, body))
@@ -249,9 +262,11 @@ class Forwarder:
             try:
                 upstream = await _until_open(opening, flight.client_gone_signal)
             except UpstreamUnavailable as exc:
-                self._workers.mark_http_failure(worker_id, exc.reason)
-                self._on_worker_down(worker_id)
-                log.warning("worker %s failed before responding: %s", worker_id, exc.reason)
+                self._workers.mark_http_failure(worker, exc.reason)
+                if self._still_its_address(worker, "failure"):
+                    self._on_worker_down(worker)
+                    log.warning("worker %s failed before responding: %s", worker_id,
+                                exc.reason)
                 raise
             except UpstreamTimeout as exc:
                 # The worker took the request and may be running it: it stays up, the
@@ -262,14 +277,15 @@ class Forwarder:
                 # worker answers its /health and stays up).
                 log.warning("%s", exc)
                 taken = True
-                silent = self._workers.note_timeout(worker_id)
-                if silent >= SUSPECT_AFTER_TIMEOUTS:
-                    self._on_worker_down(worker_id)
+                silent = self._workers.note_timeout(worker)
+                if (self._still_its_address(worker, "timeout")
+                        and silent >= SUSPECT_AFTER_TIMEOUTS):
+                    self._on_worker_down(worker)
                 await self._took(flight, worker_id, predicted, uncached)
                 raise
             taken = True
             flight.upstream = upstream
-            self._workers.note_answered(worker_id)
+            self._workers.note_answered(worker)
             await self._took(flight, worker_id, predicted, uncached)
             return upstream
         finally:
@@ -284,11 +300,23 @@ class Forwarder:
                                            uncached)
                 _drop_opening(opening)
 
+    def _still_its_address(self, worker: WorkerState, what: str) -> bool:
+        """Whether a failure (``what``) noted on ``worker``'s address concerns the worker
+        now. Not once it has moved (a heartbeat named a new address while the request was
+        on its way): its new address is neither marked down nor probed for what the one
+        it left did; counted."""
+        if self._workers.is_current(worker):
+            return True
+        self._metrics.drop(f"worker_left_address:{what}")
+        log.info("worker %s: %s at %s, an address it has left; its new one is left alone",
+                 worker.worker_id, what, worker.url)
+        return False
+
     async def _took(self, flight: _Flight, worker_id: str, predicted: int,
                     uncached: int) -> None:
         """Worker ``worker_id`` has the request: from now on _account settles it."""
         plan = flight.plan
-        worker = self._workers.get(worker_id)
+        worker = self._workers.get(worker_id)  # the worker's count: by id (workers.py)
         assert plan is not None and worker is not None
         worker.requests += 1
         flight.worker_id = worker_id

@@ -14,7 +14,7 @@ import asyncio
 import logging
 
 from kvhint.router.service.upstream import UpstreamPool
-from kvhint.router.service.workers import WorkerRegistry
+from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -28,39 +28,46 @@ class HealthProber:
         self._period_s = period_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    def probe_later(self, worker_id: str) -> None:
-        """Probe ``worker_id`` until it answers (down), or once now (still up: a suspect).
-        One probe task per worker: a call while one runs adds nothing."""
-        if worker_id not in self._tasks:
-            self._tasks[worker_id] = asyncio.create_task(self._probe(worker_id),
-                                                         name=f"kvhint-probe-{worker_id}")
+    def probe_later(self, worker: WorkerState) -> None:
+        """Probe ``worker`` (the state a request failed or timed out at) until it answers
+        (down), or once now (still up: a suspect). One probe task per worker: a call
+        while one runs adds nothing (that one goes on with the worker's current state)."""
+        if worker.worker_id not in self._tasks:
+            self._tasks[worker.worker_id] = asyncio.create_task(
+                self._probe(worker), name=f"kvhint-probe-{worker.worker_id}")
 
-    async def _probe(self, worker_id: str) -> None:
+    async def _probe(self, worker: WorkerState) -> None:
+        """What a probe finds is noted on the state whose address it asked (a worker that
+        moved meanwhile is not marked down, nor up, at its new address for it); a worker
+        down is then probed at its address of the moment."""
+        worker_id = worker.worker_id
         try:
-            worker = self._workers.get(worker_id)
-            if worker is not None and worker.http_up and worker.url is not None:
-                if await self._answers(worker.url):
-                    worker = self._workers.get(worker_id)
-                    if worker is None or worker.http_up:
-                        return  # slow, not hung: it stays up
-                    # Marked down meanwhile by a failed request: probe it as such.
-                else:
+            if worker.http_up and worker.url is not None and self._workers.is_current(worker):
+                if not await self._answers(worker.url):
                     self._workers.mark_http_failure(
-                        worker_id, f"no answer to /health within {PROBE_TIMEOUT_S:g} s "
+                        worker, f"no answer to /health within {PROBE_TIMEOUT_S:g} s "
                         "after requests timed out before their headers")
                     log.warning("worker %s holds requests without answering and fails "
-                                "its /health: marked down", worker_id)
+                                "its /health at %s: marked down%s", worker_id, worker.url,
+                                "" if self._workers.is_current(worker) else
+                                " (an address it has left since)")
+                # Slow, not hung, it stays up; unless marked down meanwhile by a failed
+                # request, then probed as such.
             while True:
+                worker = self._workers.get(worker_id)
+                if worker is None or worker.url is None or worker.http_up:
+                    return  # gone, or up (back, or moved to a new address)
                 await asyncio.sleep(self._period_s)
                 worker = self._workers.get(worker_id)
-                if worker is None or worker.url is None:
+                if worker is None or worker.url is None or worker.http_up:
                     return
-                if worker.http_up:
-                    return  # back meanwhile (moved to a new address)
                 if await self._answers(worker.url):
-                    self._workers.mark_http_ok(worker_id)
-                    log.info("worker %s answers /health again", worker_id)
-                    return
+                    self._workers.mark_http_ok(worker)
+                    if self._workers.is_current(worker):
+                        log.info("worker %s answers /health again", worker_id)
+                        return
+                    log.info("worker %s answers /health at %s, an address it has left "
+                             "since: its new one is probed", worker_id, worker.url)
         finally:
             self._tasks.pop(worker_id, None)
 

@@ -9,6 +9,13 @@ Two independent kinds of liveness:
   are purged then) and no hints go to it meanwhile. Plain vLLM workers (no plugin) never
   heartbeat and still serve.
 
+A worker that moves (its heartbeat names a new ``http_url``) gets a new
+:class:`WorkerState`. What a request or a probe learns of an *address* (it failed, it
+timed out, it answered) is recorded on the state it used, never on whatever the registry
+holds under the worker's id by then: a failure at the address a worker has left says
+nothing of its new one. What belongs to the *worker* (requests in flight and served,
+its heartbeat, its plugin) carries over to the new state and is settled by id.
+
 All state lives on the event loop thread; nothing here does I/O.
 """
 
@@ -160,31 +167,30 @@ class WorkerRegistry:
             return None
         return self._workers.get(worker_id)
 
-    def mark_http_failure(self, worker_id: str, reason: str) -> None:
-        worker = self._workers.get(worker_id)
-        if worker is not None:
-            worker.http_up = False
-            worker.http_failures += 1
-            worker.last_http_error = reason
+    def is_current(self, worker: WorkerState) -> bool:
+        """Whether ``worker`` is still its worker's state: False once the worker moved (a
+        new address, a new state) or was forgotten."""
+        return self._workers.get(worker.worker_id) is worker
 
-    def mark_http_ok(self, worker_id: str) -> None:
-        worker = self._workers.get(worker_id)
-        if worker is not None:
-            worker.http_up = True
-            worker.silent_timeouts = 0
+    # What a request or a probe learnt of an address, recorded on the state it used
+    # (module doc): the caller asks :meth:`is_current` before acting on the worker.
 
-    def note_timeout(self, worker_id: str) -> int:
+    def mark_http_failure(self, worker: WorkerState, reason: str) -> None:
+        worker.http_up = False
+        worker.http_failures += 1
+        worker.last_http_error = reason
+
+    def mark_http_ok(self, worker: WorkerState) -> None:
+        worker.http_up = True
+        worker.silent_timeouts = 0
+
+    def note_timeout(self, worker: WorkerState) -> int:
         """The worker held a request past request_timeout_s without sending its headers;
         returns how many in a row. One is a slow worker (a long non-streamed answer);
         several in a row may be a hung one, which the caller has probed."""
-        worker = self._workers.get(worker_id)
-        if worker is None:
-            return 0
         worker.silent_timeouts += 1
         return worker.silent_timeouts
 
-    def note_answered(self, worker_id: str) -> None:
+    def note_answered(self, worker: WorkerState) -> None:
         """The worker started a response: not hung, whatever timed out before."""
-        worker = self._workers.get(worker_id)
-        if worker is not None and worker.silent_timeouts:
-            worker.silent_timeouts = 0
+        worker.silent_timeouts = 0

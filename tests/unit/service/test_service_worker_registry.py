@@ -14,9 +14,9 @@ def test_heartbeat_verdicts() -> None:
     assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.FIRST
     assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.SAME_EPOCH
     assert registry.on_heartbeat(status("w0", "e2")) is HeartbeatVerdict.NEW_EPOCH
-    registry.mark_http_failure("w0", "refused")
+    registry.mark_http_failure(registry.get("w0"), "refused")
     assert registry.routable() == []
-    registry.mark_http_ok("w0")
+    registry.mark_http_ok(registry.get("w0"))
     assert [w.worker_id for w in registry.routable()] == ["w0"]
 
 
@@ -29,7 +29,7 @@ def test_a_worker_known_by_its_heartbeats_is_routed_where_it_says_it_is_now() ->
                         ("w1", "http://new")):
         registry.on_heartbeat(msgspec.structs.replace(status(worker), http_url=url))
         if url == "http://old":
-            registry.mark_http_failure("w1", "refused")
+            registry.mark_http_failure(registry.get("w1"), "refused")
             registry.get("w1").served_models = frozenset({"tiny"})
     assert registry.get("w0").url == "http://configured"
     moved = registry.get("w1")

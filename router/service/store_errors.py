@@ -1,0 +1,134 @@
+"""A store read the database failed: for now (transient) or for good (permanent).
+
+The admin API reads the store on request (hint history, sessions no longer in memory).
+When the database fails such a read, the answer tells the caller whether to retry:
+
+- transient, 503 "retry later": the database is unreachable or went away (connection
+  refused, lost, timed out), is busy or locked, short of resources or shutting down;
+- permanent, 500: the database answers but cannot serve the read as the router asks it:
+  a table or column missing (SQLite "no such table", PostgreSQL 42P01: a schema not
+  migrated, dropped, restored from elsewhere), a file that is not a database or is
+  corrupt, access refused. A retry gets the same answer until an operator fixes the
+  store. Each distinct cause is logged once (with the statement); every one is counted.
+
+Before, every OperationalError was a 503, and SQLite raises its "no such table" as one:
+a missing schema invited clients to retry for good. (PostgreSQL's, a ProgrammingError,
+was a 500 counted as the router's internal error, with a traceback each time.)
+
+SQLAlchemy wraps the driver's exception (``.orig``): sqlite3 gives its result code
+(``sqlite_errorcode``, Python 3.11+; its message before), psycopg its SQLSTATE
+(``sqlstate``; psycopg2 ``pgcode``; None for a connection that failed before the
+server answered, e.g. refused). For a driver not known here: SQLAlchemy's own verdict
+(``connection_invalidated``: the connection dropped), then the DB-API class
+(OperationalError transient, as before, the others permanent).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from dataclasses import dataclass
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvhint.router.service.inbound import openai_error
+
+log = logging.getLogger(__name__)
+
+# The exceptions create_app hands to StoreReadErrors: any error the database driver
+# raised, and the connection pool's own timeout (every connection busy: transient).
+STORE_ERRORS = (DBAPIError, PoolTimeoutError)
+
+# SQLite primary result codes of a condition that passes: ABORT (rolled back), BUSY,
+# LOCKED, NOMEM, INTERRUPT, IOERR, FULL, CANTOPEN (a volume not there yet), PROTOCOL,
+# SCHEMA (changed while prepared: prepared again). SQLITE_ERROR (1: no such table or
+# column), CORRUPT, NOTADB, PERM, READONLY, AUTH... do not.
+_SQLITE_TRANSIENT_CODES = frozenset({4, 5, 6, 7, 9, 10, 13, 14, 15, 17})
+# The same, by message, where sqlite3 gives no code (Python 3.10).
+_SQLITE_TRANSIENT_MESSAGES = ("database is locked", "database table is locked",
+                              "disk i/o error", "unable to open database file",
+                              "database or disk is full", "interrupted",
+                              "database schema has changed")
+# SQLSTATE classes of a condition that passes: 08 connection exception, 40 transaction
+# rollback (serialization failure, deadlock), 53 insufficient resources (too many
+# connections, out of memory or disk), 57 operator intervention (statement timeout,
+# server shutting down or starting), 58 system error (I/O).
+_PG_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+_PG_TRANSIENT_STATES = frozenset({"55P03", "55006"})  # lock not available, object in use
+_PG_PERMANENT_STATES = frozenset({"57P04"})  # database dropped
+# Distinct permanent causes remembered as logged (a bound: the causes are few).
+_MAX_LOGGED_CAUSES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFailure:
+    transient: bool
+    # The driver's exception, one line: "sqlite3.OperationalError: no such table: x".
+    cause: str
+
+
+def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
+    """Whether the failed read may succeed if retried, and why it failed."""
+    if isinstance(exc, PoolTimeoutError):
+        return StoreFailure(True, f"connection pool: {_first_line(exc)}")
+    orig = exc.orig
+    cause = f"{type(orig).__module__}.{type(orig).__name__}: {_first_line(orig)}"
+    if exc.connection_invalidated:
+        return StoreFailure(True, cause)
+    if isinstance(orig, sqlite3.Error):
+        code = getattr(orig, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return StoreFailure((code & 0xFF) in _SQLITE_TRANSIENT_CODES, cause)
+        message = str(orig).lower()
+        return StoreFailure(any(m in message for m in _SQLITE_TRANSIENT_MESSAGES), cause)
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if isinstance(sqlstate, str) and len(sqlstate) == 5:
+        transient = sqlstate not in _PG_PERMANENT_STATES and (
+            sqlstate[:2] in _PG_TRANSIENT_CLASSES or sqlstate in _PG_TRANSIENT_STATES)
+        return StoreFailure(transient, cause)
+    return StoreFailure(isinstance(exc, OperationalError), cause)
+
+
+class StoreReadErrors:
+    """The app's exception handler for :data:`STORE_ERRORS` (one per app: it remembers
+    the permanent causes it has logged)."""
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    async def __call__(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, STORE_ERRORS)
+        failure = classify(exc)
+        runtime = getattr(request.app.state, "runtime", None)
+        path = request.url.path
+        if failure.transient:
+            log.warning("store unavailable on %s: %s", path, failure.cause)
+            if runtime is not None:
+                runtime.metrics.drop("store_read_error")
+            return _error("the router's store cannot be read right now; retry later", 503)
+        if runtime is not None:
+            runtime.metrics.drop("store_read_error:permanent")
+        if failure.cause not in self._logged:
+            if len(self._logged) < _MAX_LOGGED_CAUSES:
+                self._logged.add(failure.cause)
+            statement = " ".join(str(getattr(exc, "statement", "") or "").split())[:300]
+            log.error("store read on %s failed, and will until the store is fixed: %s "
+                      "(statement: %s). Logged once; each one is counted as "
+                      "drops{what=\"store_read_error:permanent\"}", path, failure.cause,
+                      statement or "-")
+        return _error(f"the router's store cannot serve this read ({failure.cause}); "
+                      "retrying will not help until the store is fixed (its schema "
+                      "migrated, its database restored)", 500)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
+
+
+def _error(message: str, status: int) -> Response:
+    return Response(openai_error(message, status), status_code=status,
+                    media_type="application/json")
