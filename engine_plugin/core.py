@@ -129,9 +129,12 @@ class PluginCore:
         core.adapter.install(
             core.guarded("take_events", core.on_engine_events),
             core.guarded("reset_prefix_cache", core.before_reset),
-            core.guarded("allocate_slots", core.executor.relieve_pressure, default=0),
-            core.guarded("allocate_slots", core.observe_admission),
-            core.guarded("allocate_slots", lambda: core.executor.retained_blocks, default=0))
+            core.guarded("allocate_slots:relieve_pressure", core.executor.relieve_pressure,
+                         default=0),
+            core.guarded("allocate_slots:observe_admission", core.observe_admission),
+            core.guarded("allocate_slots:releasable",
+                         lambda: core.executor.retained_blocks, default=0),
+            core.guard)
         if core.adapter.events_enabled_by_plugin:
             logger.info("kvhint: KV cache events were off; the plugin turned them on in the "
                         "block pool (vLLM publishes them nowhere without --kv-events-config)")

@@ -108,8 +108,13 @@ class VllmCacheAdapter:
                 before_reset: Callable[[], None],
                 relieve_pressure: Callable[[int], int],
                 on_hit: Callable[[Any, int], None],
-                releasable: Callable[[], int]) -> None:
-        """Shadow manager methods on the instance (see the module docstring)."""
+                releasable: Callable[[], int],
+                guard: Callable[..., Any]) -> None:
+        """Shadow manager methods on the instance (see the module docstring). The
+        callbacks are the plugin's, already guarded; ``guard(hook, fn, *args)`` runs this
+        adapter's own bookkeeping the same way (``PluginCore.guard``: an error is logged
+        and counted, never raised into vLLM), and always after vLLM's own method, so a
+        plugin error can never keep a request's blocks from being allocated or freed."""
         manager, pool = self.manager, self.pool
         if not pool.enable_kv_cache_events:
             pool.enable_kv_cache_events = True
@@ -128,7 +133,7 @@ class VllmCacheAdapter:
             self._installed["pop_blocks_for_free"] = pop_blocks_for_free
         hit_position = _positional_index(allocate_slots, "num_new_computed_tokens")
         block_size = self._block_size
-        map_request = self._map_request
+        map_request, forget_request = self._map_request, self.forget_request
 
         def tee_take_events() -> list[Any]:
             events = take_events()
@@ -155,7 +160,7 @@ class VllmCacheAdapter:
                     chunk *= 2
                 if blocks is None:
                     return None
-            map_request(request)
+            guard("allocate_slots:map_request", map_request, request)
             hit = kwargs.get("num_new_computed_tokens", 0)
             if not hit and hit_position is not None and len(args) > hit_position:
                 hit = args[hit_position]
@@ -164,16 +169,14 @@ class VllmCacheAdapter:
             return blocks
 
         def free_mapping_last_hashes(request: Any) -> None:
-            map_request(request)
-            free(request)
-            self._forget_request(request)
+            free(request)  # freed blocks stay cached: the request's hashes still resolve
+            guard("free:forget_request", forget_request, request)
 
         def pop_blocks_mapping_last_hashes(request: Any) -> Any:
             # The blocks stay out of the pool until the scheduler frees them, but what was
             # cached stays cached and what was not never will be: forget as free() does.
-            map_request(request)
             blocks = pop_blocks_for_free(request)
-            self._forget_request(request)
+            guard("pop_blocks_for_free:forget_request", forget_request, request)
             return blocks
 
         manager.take_events = tee_take_events

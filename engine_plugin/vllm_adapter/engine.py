@@ -77,12 +77,21 @@ def find_engine_waker() -> Callable[[], None] | None:
     wakeup = getattr(EngineCoreRequestType, "WAKEUP", None)
     if wakeup is None:
         return None
-    engine = find_on_stack(lambda owner: type(owner).__name__.startswith("EngineCore")
+    engine = find_on_stack(lambda owner: _is_engine_core(owner)
                            and hasattr(getattr(owner, "input_queue", None), "put_nowait"))
     if engine is None:
         return None
     queue, message = engine.input_queue, (wakeup, None)
     return lambda: queue.put_nowait(message)
+
+
+def _is_engine_core(owner: Any) -> bool:
+    """Whether ``owner`` is one of vLLM's engine cores: by its class or a base's
+    (``DPEngineCoreProc``, ``DPMoEEngineCoreActor``: one per data-parallel rank, each a
+    subclass of ``EngineCore``; before, only a class named ``EngineCore*`` was found, and
+    an idle data-parallel rank applied hints only at its next request)."""
+    return any(cls.__name__ == "EngineCore" and cls.__module__.startswith("vllm.")
+               for cls in type(owner).__mro__)
 
 
 def find_on_stack(predicate: Callable[[Any], bool]) -> Any | None:
