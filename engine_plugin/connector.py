@@ -52,9 +52,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhint.engine_plugin.config import KV_ROLE, LOGGER_NAME, PluginConfig, load_plugin_config
-from kvhint.engine_plugin.core import EngineIdentity, PluginCore
+from kvhint.engine_plugin.core import CoreCounters, EngineIdentity, PluginCore
+from kvhint.engine_plugin.counter_exports import read_counters
+from kvhint.engine_plugin.executor import ExecutorCounters
+from kvhint.engine_plugin.hold_records import HoldCounters
 from kvhint.engine_plugin.host_tier import HostTier
-from kvhint.engine_plugin.mailbox import Mailbox
+from kvhint.engine_plugin.mailbox import Mailbox, MailboxCounters
 from kvhint.engine_plugin.metrics import (
     HINTS_KEY,
     LATENCY_KEY,
@@ -63,7 +66,9 @@ from kvhint.engine_plugin.metrics import (
     StatsTracker,
     hint_counts_by_label,
 )
-from kvhint.engine_plugin.transport import NatsTransport, TransportCounters
+from kvhint.engine_plugin.session_index import IndexCounters
+from kvhint.engine_plugin.transport import NatsTransport
+from kvhint.engine_plugin.transport_counters import TransportCounters
 from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
     OffloadingHostTier,
@@ -235,26 +240,12 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         mailbox = core.mailbox
         tc = self.transport.counters if self.transport is not None else None
         latencies, cc.apply_latencies_s = cc.apply_latencies_s, []
-        out: dict[str, Any] = {
-            "outcomes_dropped": mailbox.counters.outcomes_dropped if mailbox else 0,
-            "events_dropped": mailbox.counters.events_dropped if mailbox else 0,
-            "inbound_dropped": mailbox.counters.inbound_dropped if mailbox else 0,
-            "events_published": tc.events_published if tc else 0,
-            "outcomes_published": tc.outcomes_published if tc else 0,
-            "releases_published": tc.releases_published if tc else 0,
-            "releases_dropped": mailbox.counters.releases_dropped if mailbox else 0,
-            "retained_released_under_pressure": holds.released_under_pressure,
-            "retained_kept_in_use_under_pressure": holds.kept_in_use_under_pressure,
-            "retained_displaced": holds.displaced,
-            "claims_expired": holds.expired_claims,
-            "held_blocks_gone": holds.released_gone,
-            "prefetch_clipped_blocks": ex.prefetch_clipped_blocks,
-            "deferred_dropped": mailbox.counters.deferred_dropped if mailbox else 0,
-            "in_flight_ids_forgotten": mailbox.counters.in_flight_forgotten if mailbox else 0,
-            "snapshots_dropped": tc.snapshots_dropped if tc else 0,
-            "stream_create_failures": tc.stream_create_failures if tc else 0,
-            "index_events": core.index.counters.events,
-            "internal_errors": cc.internal_errors,
+        # Every exported counter, from the table that a test holds to the dataclasses.
+        out = read_counters({
+            CoreCounters: cc, ExecutorCounters: ex, HoldCounters: holds,
+            IndexCounters: core.index.counters,
+            MailboxCounters: mailbox.counters if mailbox else None, TransportCounters: tc})
+        out.update({
             "pinned_blocks": core.executor.pinned_blocks,
             "retained_blocks": core.executor.retained_blocks,
             "index_blocks": len(core.index),
@@ -262,7 +253,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "nats_connected": int(self.transport is not None and self.transport.connected),
             HINTS_KEY: _hint_counts(ex.outcomes, tc, mailbox),
             LATENCY_KEY: latencies,
-        }
+        })
         return out
 
     # --- vLLM's metrics plumbing (front-end process) --------------------------------------------

@@ -50,6 +50,8 @@ logger = logging.getLogger(LOGGER_NAME)
 # Inbound messages handled per scheduler step, so a flood of hints cannot stall a step.
 MAX_INBOUND_PER_STEP = 64
 STATUS_REFRESH_S = 0.25
+# Apply-latency samples kept between two connector-stats readings; the rest are counted.
+MAX_LATENCY_SAMPLES = 10_000
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class CoreCounters:
     advice_messages: int = 0
     snapshot_requests: int = 0
     internal_errors: int = 0
+    # Latency samples not kept because an interval already held MAX_LATENCY_SAMPLES
+    # (kvhint:hint_apply_seconds then counts fewer outcomes than there were).
+    latency_samples_dropped: int = 0
     # Seconds from a message's arrival at the transport to its outcomes (in the engine).
     apply_latencies_s: list[float] = field(default_factory=list)
 
@@ -351,8 +356,10 @@ class PluginCore:
         else:
             raise ValueError(f"unknown inbound kind {item.kind!r}")
         latencies = self.counters.apply_latencies_s
-        if len(latencies) < 10_000:
+        if len(latencies) < MAX_LATENCY_SAMPLES:
             latencies.append(time.monotonic() - item.received_at)
+        else:
+            self.counters.latency_samples_dropped += 1
         return outcomes
 
     def _snapshot(self, item: Inbound) -> None:

@@ -96,6 +96,9 @@ class _PendingDemote:
 class ExecutorCounters:
     outcomes: Counter = field(default_factory=Counter)  # (action_type, status) -> n
     duplicates: int = 0
+    # Answered action ids forgotten to bound the idempotency memory
+    # (max_remembered_actions): a repeat of one is applied again.
+    remembered_forgotten: int = 0
     # Target blocks Prefetches did not wait for because the prefetch budget was full.
     prefetch_clipped_blocks: int = 0
 
@@ -478,3 +481,4 @@ class HintExecutor(PrefetchMixin):
         self._memory.move_to_end(key)
         while len(self._memory) > self.config.max_remembered_actions:
             self._memory.popitem(last=False)
+            self.counters.remembered_forgotten += 1

@@ -70,6 +70,9 @@ class MailboxCounters:
     # Action ids forgotten from the in-flight set to keep it bounded (a repeat of one
     # arriving while the inbox is full is then answered ``rejected``).
     in_flight_forgotten: int = 0
+    # Answered action ids forgotten to bound that memory (a repeat of one arriving while
+    # the inbox is full is then answered ``rejected``, not its first outcome again).
+    answered_forgotten: int = 0
     releases_dropped: int = 0
     event_batches_dropped: int = 0
     events_dropped: int = 0
@@ -232,6 +235,7 @@ class Mailbox:
                         in_flight.pop(outcome.action_id, None)
                 while len(answered) > self.answered_limit:
                     answered.popitem(last=False)
+                    self.counters.answered_forgotten += 1
         for outcome in outcomes:
             if len(self.outcomes) >= self.outcome_limit and pop_oldest(self.outcomes) is not None:
                 with self.lock:

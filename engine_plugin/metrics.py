@@ -15,6 +15,7 @@ changed).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,8 +26,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.schemas.advice import DONOR_ACTION_TYPE
 from kvhint.schemas.hints import ActionType
+
+logger = logging.getLogger(LOGGER_NAME)
 
 # Cumulative counters -> Prometheus counter (name without _total; the client adds it).
 COUNTERS = {
@@ -34,7 +38,8 @@ COUNTERS = {
     "events_dropped": "Events dropped (buffer full or oversized batch); the router resyncs.",
     "outcomes_published": "Hint outcomes published to NATS.",
     "outcomes_dropped": "Hint outcomes dropped because the outbound buffer was full.",
-    "inbound_dropped": "Hint/advice messages rejected because the engine inbox was full.",
+    "inbound_dropped": ("Inbound messages (hints, donor advice, snapshot requests) rejected "
+                        "because the engine inbox was full."),
     "releases_published": ("Hold-release reports published to NATS (accepted Pins/Retains "
                            "that later lost blocks unasked)."),
     "releases_dropped": "Hold-release reports dropped because the outbound buffer was full.",
@@ -57,8 +62,51 @@ COUNTERS = {
                           "router paging one starts over)."),
     "stream_create_failures": ("The events stream was missing and could not be created: "
                                "batches went out as plain messages, not kept for replay."),
+    "snapshots_evicted": ("Kept snapshots let go by their count (3) or age (120 s) bound (a "
+                          "router still paging one starts over)."),
+    "snapshot_requests_unanswered": ("Snapshot requests dropped unanswered: no reply "
+                                     "subject, or no NATS connection."),
+    "jetstream_unavailable": ("JetStream did not answer for the events stream (not enabled, "
+                              "or timed out): batches went out as plain messages, not kept "
+                              "for replay."),
     "index_events": "KV events applied to the session index.",
+    "index_sessions_evicted": ("Sessions the session index forgot to stay within its "
+                               "session bound (least recently used first): a hint naming "
+                               "one finds no blocks."),
+    "index_frontiers_dropped": ("Session branch tips the session index forgot to stay "
+                                "within its per-session bound (oldest first): hints for the "
+                                "session no longer cover that branch."),
+    "index_unknown_removed": ("Block-removed events for blocks the session index did not "
+                              "hold resident (ignored)."),
+    "index_unknown_hits": ("Prefix hits on chains the session index did not hold resident "
+                           "(ignored: the session gains no frontier)."),
+    "held_released_on_reset": ("Held blocks given back for a prefix-cache reset (reported "
+                               "on releases as reset)."),
+    "hint_duplicates": ("Hints and donor advice repeating an answered action id: answered "
+                        "the remembered outcome, not applied again."),
+    "applied_ids_forgotten": ("Answered action ids the executor forgot to stay within "
+                              "max_remembered_actions (a later repeat of one is applied "
+                              "again)."),
+    "answered_ids_forgotten": ("Answered action ids the transport forgot to stay within "
+                               "max_remembered_actions (a repeat of one that finds the "
+                               "inbox full is rejected, not answered its outcome again)."),
+    "hint_apply_samples_dropped": ("Apply-latency samples not recorded (past 10,000 in one "
+                                   "stats interval): hint_apply_seconds counts fewer "
+                                   "outcomes by this many."),
     "internal_errors": "Exceptions caught in plugin hooks (the engine kept running).",
+}
+# Cumulative counters with one bounded label: key -> (label, its values, documentation).
+# The plugin reads them as {"<value>": n}; a value outside the list (another plugin
+# build's) is shown as OTHER_LABEL, so /metrics stays bounded.
+OTHER_LABEL = "other"
+LABELLED_COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "publish_errors": ("what", ("queued", "heartbeat", "snapshot_reply", OTHER_LABEL),
+                       "Publishes NATS refused, by what: a queued outcome, release report "
+                       "or event batch is put back and retried; a heartbeat or a snapshot "
+                       "page is lost."),
+    "nats_errors": ("kind", ("slow_consumer", OTHER_LABEL),
+                    "NATS client errors by kind; slow_consumer: the client discarded an "
+                    "inbound hint, advice or snapshot request."),
 }
 GAUGES = {
     "pinned_blocks": "Blocks pinned by hints.",
@@ -75,7 +123,7 @@ HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
 # carries the real type.
 KNOWN_HINT_ACTIONS = frozenset({*(t.value for t in ActionType), DONOR_ACTION_TYPE})
 UNIDENTIFIED_ACTION_LABEL = "unknown"
-OTHER_ACTION_LABEL = "other"
+OTHER_ACTION_LABEL = OTHER_LABEL
 LATENCY_KEY = "apply_latency_s"  # [seconds, ...]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
@@ -104,7 +152,8 @@ def hint_counts_by_label(counts: Mapping[tuple[str, str], int]) -> dict[str, int
 def exposed_names() -> set[str]:
     """Every series name the plugin's metrics show on vLLM's ``/metrics`` (what a
     dashboard or alert may query)."""
-    names = {f"{PREFIX}{key}_total" for key in COUNTERS} | {f"{PREFIX}{key}" for key in GAUGES}
+    names = {f"{PREFIX}{key}_total" for key in (*COUNTERS, *LABELLED_COUNTERS)}
+    names |= {f"{PREFIX}{key}" for key in GAUGES}
     names.add(f"{HINTS_METRIC}_total")
     names.update(f"{LATENCY_METRIC}{suffix}" for suffix in ("_bucket", "_sum", "_count"))
     return names
@@ -125,12 +174,12 @@ class KvHintConnectorStats(KVConnectorStats):
         for key, value in theirs.items():
             if key in GAUGES:
                 mine[key] = value
-            elif key == HINTS_KEY:
-                hints = mine.setdefault(HINTS_KEY, {})
+            elif isinstance(value, dict):  # hints, labelled counters (another build's too)
+                counts = mine.setdefault(key, {})
                 for label, n in value.items():
-                    hints[label] = hints.get(label, 0) + n
-            elif key == LATENCY_KEY:
-                mine.setdefault(LATENCY_KEY, []).extend(value)
+                    counts[label] = counts.get(label, 0) + n
+            elif isinstance(value, list):  # latencies
+                mine.setdefault(key, []).extend(value)
             else:
                 mine[key] = mine.get(key, 0) + value
         return self
@@ -138,8 +187,8 @@ class KvHintConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for key, value in self.data.items():
-            if key == HINTS_KEY:
-                out["hints"] = sum(value.values())
+            if isinstance(value, dict):  # hints, labelled counters
+                out[key] = sum(value.values())
             elif key == LATENCY_KEY:
                 if value:
                     ordered = sorted(value)
@@ -162,6 +211,11 @@ class KvHintPromMetrics(KVConnectorPromMetrics):
             key: self._gauge_cls(name=f"{PREFIX}{key}", documentation=doc,
                                  labelnames=labelnames, multiprocess_mode="mostrecent")
             for key, doc in GAUGES.items()}
+        self._labelled = {
+            key: (self._counter_cls(name=f"{PREFIX}{key}", documentation=doc,
+                                    labelnames=[*labelnames, label]), frozenset(values))
+            for key, (label, values, doc) in LABELLED_COUNTERS.items()}
+        self._unknown_keys: set[str] = set()
         self._hints = self._counter_cls(
             name=HINTS_METRIC, documentation="Hint outcomes by action type and status.",
             labelnames=[*labelnames, "action", "status"])
@@ -182,10 +236,22 @@ class KvHintPromMetrics(KVConnectorPromMetrics):
                 for label, n in value.items():
                     action, _, status = label.partition("|")
                     self._hints.labels(*labels, hint_action_label(action), status).inc(n)
+            elif key in self._labelled:
+                counter, values = self._labelled[key]
+                for label, n in value.items():
+                    if n:
+                        counter.labels(*labels, label if label in values else OTHER_LABEL).inc(n)
             elif key == LATENCY_KEY:
                 histogram = self._latency.labels(*labels)
                 for seconds in value:
                     histogram.observe(seconds)
+            elif key not in self._unknown_keys:
+                # Another plugin build's stats (newer, in the engine): said once, never
+                # silently ignored.
+                self._unknown_keys.add(key)
+                logger.warning("kvhint: connector stats carry %r, which this build does not "
+                               "export on /metrics (the engine runs another kvhint version?)",
+                               key)
 
 
 @dataclass
@@ -225,11 +291,12 @@ class StatsTracker:
         for key in GAUGES:
             if key in current and current[key] != sent.get(key):
                 delta[key] = current[key]
-        hints_now, hints_sent = current.get(HINTS_KEY, {}), sent.get(HINTS_KEY, {})
-        hints = {k: v - hints_sent.get(k, 0) for k, v in hints_now.items()
-                 if v != hints_sent.get(k, 0)}
-        if hints:
-            delta[HINTS_KEY] = hints
+        for key in (HINTS_KEY, *LABELLED_COUNTERS):
+            now_counts, sent_counts = current.get(key, {}), sent.get(key, {})
+            counts = {k: v - sent_counts.get(k, 0) for k, v in now_counts.items()
+                      if v != sent_counts.get(k, 0)}
+            if counts:
+                delta[key] = counts
         latencies = current.pop(LATENCY_KEY, [])
         if latencies:
             delta[LATENCY_KEY] = latencies

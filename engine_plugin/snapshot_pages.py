@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +26,8 @@ OrderedBlocks = list[tuple[int, int | None, str]]
 
 
 class SnapshotDropCounter(Protocol):
-    snapshots_dropped: int
+    snapshots_dropped: int  # let go over snapshot_keep_blocks
+    snapshots_evicted: int  # let go by the count or age bound
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,9 +40,11 @@ class KeptSnapshot:
 class KeptSnapshots:
     """The latest snapshots by seq, with their blocks in page order and when taken."""
 
-    def __init__(self, max_blocks: int, counters: SnapshotDropCounter) -> None:
+    def __init__(self, max_blocks: int, counters: SnapshotDropCounter,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_blocks = max_blocks
         self.counters = counters
+        self.clock = clock
         self._kept: OrderedDict[int, KeptSnapshot] = OrderedDict()
 
     @property
@@ -60,14 +64,15 @@ class KeptSnapshots:
         last ``_SNAPSHOTS_KEPT`` for ``_SNAPSHOT_KEPT_S``, and ``snapshot_keep_blocks``
         blocks in all (a 1M-block index is ~100 MB a copy); past that the oldest go,
         counted, and the latest always stays (else each of its pages would copy the
-        index again on the scheduler thread)."""
+        index again on the scheduler thread). Every snapshot let go is counted: over the
+        block bound in ``snapshots_dropped``, by count or age in ``snapshots_evicted``
+        (a router still paging it starts over)."""
         kept = self._kept.get(snapshot.seq)
         if kept is None:
-            kept = KeptSnapshot(snapshot, ordered_blocks(snapshot.raw_blocks),
-                                time.monotonic())
+            kept = KeptSnapshot(snapshot, ordered_blocks(snapshot.raw_blocks), self.clock())
         self._kept[snapshot.seq] = kept
         self._kept.move_to_end(snapshot.seq)
-        now = time.monotonic()
+        now = self.clock()
         total = sum(len(k.blocks) for k in self._kept.values())
         while len(self._kept) > 1:
             oldest = next(iter(self._kept.values()))
@@ -79,6 +84,8 @@ class KeptSnapshots:
             total -= len(oldest.blocks)
             if over_blocks:
                 self.counters.snapshots_dropped += 1
+            else:
+                self.counters.snapshots_evicted += 1
         return kept.blocks
 
 

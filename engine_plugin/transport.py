@@ -20,9 +20,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import nats
@@ -40,6 +39,7 @@ from kvhint.engine_plugin.mailbox import (
     pop_oldest,
 )
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
+from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
     REJECTED_INBOX_FULL,
@@ -64,38 +64,6 @@ logger = logging.getLogger(LOGGER_NAME)
 _FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
 
 
-@dataclass(slots=True)
-class TransportCounters:
-    connects: int = 0
-    disconnects: int = 0
-    event_batches_published: int = 0
-    events_published: int = 0
-    outcomes_published: int = 0
-    releases_published: int = 0
-    heartbeats_published: int = 0
-    snapshot_pages: int = 0
-    publish_errors: int = 0
-    inbound_rejected: int = 0
-    deferred_at_once: int = 0
-    # Repeats (same action id) that found the inbox full: answered their first copy's
-    # terminal outcome again, or nothing new while the first copy was in flight.
-    repeats_answered_again: int = 0
-    repeats_in_flight: int = 0
-    # Kept snapshots dropped before their time to stay within snapshot_keep_blocks (a
-    # router still paging one starts over from a new snapshot).
-    snapshots_dropped: int = 0
-    # The events stream was missing and could not be created (nor had anyone else made
-    # it meanwhile): batches go out as plain NATS messages, not kept for replay.
-    stream_create_failures: int = 0
-    # Outcomes the transport answered itself (inbox full: rejected; engine busy:
-    # deferred), by (action type, status); changed and read under the mailbox's lock.
-    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
-
-    def outcomes_seen(self, lock: threading.Lock) -> dict[tuple[str, str], int]:
-        with lock:
-            return dict(self.outcomes)
-
-
 class NatsTransport:
     """Owns the NATS connection and its thread. ``status_of(usage, seq)`` builds the
     heartbeat from the figures the scheduler thread last left in the mailbox;
@@ -114,6 +82,7 @@ class NatsTransport:
         self._encode_events = encode_events
         self._block_size = block_size
         self.counters = TransportCounters()
+        self._nats_errors = NatsErrorLog(self.counters)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -216,7 +185,7 @@ class NatsTransport:
         return None
 
     async def _on_error(self, exc: Exception) -> None:
-        logger.debug("kvhint: NATS error: %s", exc)
+        self._nats_errors.note(exc)  # counted; a slow consumer's message is lost
 
     async def _on_disconnected(self) -> None:
         self.counters.disconnects += 1
@@ -247,6 +216,7 @@ class NatsTransport:
         except NotFoundError:
             pass
         except (NatsError, asyncio.TimeoutError) as exc:
+            self.counters.jetstream_unavailable += 1
             logger.warning("kvhint: JetStream not available (%s); events go out as plain "
                            "NATS messages", exc)
             return
@@ -283,6 +253,9 @@ class NatsTransport:
         self._post("advice", msg)
 
     async def _on_snapshot(self, msg: Any) -> None:
+        if not msg.reply:  # a plain publish: no page could reach anyone, copy nothing
+            self.counters.snapshot_requests_unanswered += 1
+            return
         try:
             request = decode_snapshot_request(msg.data)
         except WireDecodeError:
@@ -450,7 +423,7 @@ class NatsTransport:
         return published, True
 
     async def _publish_failed(self, exc: Exception) -> None:
-        self.counters.publish_errors += 1
+        self.counters.queued_publish_errors += 1  # the item went back: retried
         logger.debug("kvhint: publish failed (%s); will retry", exc)
         await asyncio.sleep(0.05)
 
@@ -476,13 +449,14 @@ class NatsTransport:
             await nc.publish(self.subjects.status(self.worker_id), encode_status(beat))
             self.counters.heartbeats_published += 1
         except (NatsError, OSError) as exc:
-            self.counters.publish_errors += 1
+            self.counters.heartbeat_publish_errors += 1  # lost: the next one follows
             logger.debug("kvhint: heartbeat failed: %s", exc)
 
     async def _reply_page(self, snapshot: SnapshotOut, blocks: list[tuple[int, int | None, str]],
                           reply_to: str | None, cursor: int, limit: int) -> None:
         nc = self._nc
         if not reply_to or nc is None:
+            self.counters.snapshot_requests_unanswered += 1
             return
         if snapshot.error is not None:
             body = encode_json({"error": snapshot.error})
@@ -493,7 +467,7 @@ class NatsTransport:
             await nc.publish(reply_to, body)
             self.counters.snapshot_pages += 1
         except (NatsError, OSError) as exc:
-            self.counters.publish_errors += 1
+            self.counters.snapshot_reply_errors += 1  # lost: the router's request times out
             logger.debug("kvhint: snapshot reply failed: %s", exc)
 
 def _noop() -> None:

@@ -7,6 +7,7 @@ and memory pressure, and the releases reported of them, are in test_plugin_sched
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -21,11 +22,14 @@ from scheduler_fixtures import (
     turn_hit,
 )
 
+from kvhint.engine_plugin.core import MAX_LATENCY_SAMPLES
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
     build_scheduler,
 )
+from kvhint.engine_plugin.mailbox import Inbound
+from kvhint.engine_plugin.metrics import COUNTERS, LABELLED_COUNTERS, LATENCY_KEY
 from kvhint.schemas import (
     DemotePayload,
     HintOutcome,
@@ -234,6 +238,37 @@ def test_duplicate_action_ids_answer_the_same_outcome() -> None:
     assert second == first
     assert h.block_pool.get_num_free_blocks() == free
     assert h.connector.core.executor.counters.duplicates == 1
+    assert h.connector._read_stats()["hint_duplicates"] == 1  # kvhint:hint_duplicates
+
+
+def test_the_idempotency_memory_is_bounded_and_what_it_forgets_is_counted() -> None:
+    """Past max_remembered_actions the oldest answered id is forgotten (a repeat of it
+    is then applied again); before, uncounted."""
+    h = sched(pin_budget_fraction=0.2, max_remembered_actions=2)
+    turn(h, "s", [1, 2, 3])
+    for action_id in ("r1", "r2", "r3"):
+        hint(h, PinPayload(target=Target(session_id="s"), ttl_s=60), action_id=action_id)
+    stats = h.connector._read_stats()
+    assert stats["applied_ids_forgotten"] == 1  # kvhint:applied_ids_forgotten
+    assert stats["hint_duplicates"] == 0
+    # Every plugin counter is read, with or without NATS.
+    assert set(COUNTERS) | set(LABELLED_COUNTERS) <= set(stats)
+
+
+def test_latency_samples_past_the_interval_bound_are_counted() -> None:
+    """Samples past MAX_LATENCY_SAMPLES in one stats interval were discarded uncounted,
+    so kvhint:hint_apply_seconds undercounted without saying so."""
+    h = sched()
+    core = h.connector.core
+    core.counters.apply_latencies_s = [0.001] * MAX_LATENCY_SAMPLES
+    advice = b'{"advice_id": "d1"}'  # rejected (malformed), still timed
+    core._handle(Inbound("advice", advice, time.monotonic()))
+    stats = h.connector._read_stats()
+    assert stats["hint_apply_samples_dropped"] == 1
+    assert len(stats[LATENCY_KEY]) == MAX_LATENCY_SAMPLES
+    core._handle(Inbound("advice", advice, time.monotonic()))  # a new interval: kept
+    stats = h.connector._read_stats()
+    assert stats["hint_apply_samples_dropped"] == 1 and len(stats[LATENCY_KEY]) == 1
 
 
 def test_prefix_cache_reset_works_with_pins_held() -> None:
@@ -250,6 +285,7 @@ def test_prefix_cache_reset_works_with_pins_held() -> None:
     # Idle: the pins are all that stands in the way; they are released and the reset works.
     assert h.scheduler.reset_prefix_cache() is True
     assert h.connector.core.executor.pinned_blocks == 0
+    assert h.connector._read_stats()["held_released_on_reset"] == 3
     assert cached_tokens(h, [1, 2, 3]) == 0
     turn(h, "s", [1, 2, 3])  # the step drains AllBlocksCleared into the index
     assert h.connector.core.index.session_blocks("s") == \

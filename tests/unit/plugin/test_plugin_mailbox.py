@@ -101,6 +101,7 @@ def test_answered_and_in_flight_ids_stay_bounded_and_forgetting_is_counted() -> 
     assert mailbox.counters.in_flight_forgotten == 2
     mailbox.put_outcomes([_answer(f"q{i}") for i in range(5)])
     assert list(mailbox.answered) == ["q2", "q3", "q4"] and not mailbox.in_flight
+    assert mailbox.counters.answered_forgotten == 2  # kvhint:answered_ids_forgotten
     answers = mailbox.repeat_answers(["q4", "q0", "new"])
     assert [o.action_id for o in answers.again] == ["q4"] and answers.new == ["q0", "new"]
 

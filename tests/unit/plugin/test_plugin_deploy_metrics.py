@@ -1,0 +1,57 @@
+"""The plugin's drop counters are graphed and the worst alerted on (deploy/): a drop that
+is counted but on no panel is as good as silent."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from kvhint.engine_plugin.metrics import COUNTERS, LABELLED_COUNTERS, exposed_names
+
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
+_PLUGIN_METRIC = re.compile(r"\bkvhint:[a-z_]+")
+
+# Plugin counters that count no loss, with where they are read instead; every other
+# counter belongs on the "Plugin drops" panel.
+NOT_DROPS = {
+    "events_published": "throughput",
+    "outcomes_published": "throughput",
+    "releases_published": "throughput",
+    "index_events": "throughput",
+    "retained_released_under_pressure": "the retain policy at work: its own panel",
+    "retained_kept_in_use_under_pressure": "the retain policy at work: its own panel",
+    "retained_displaced": "the retain policy at work: its own panel",
+    "claims_expired": "TTLs reached as asked: the retain panel",
+    "hint_duplicates": "repeats answered their first outcome: nothing lost",
+}
+
+
+def _queried(expr: str) -> set[str]:
+    return set(_PLUGIN_METRIC.findall(expr))
+
+
+def test_every_plugin_drop_counter_is_on_the_plugin_drops_panel() -> None:
+    """Before, only kvhint:releases_dropped_total of them was graphed."""
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"].startswith("Plugin drops")]
+    used = set().union(*(_queried(t["expr"]) for t in panel["targets"]))
+    drops = {f"kvhint:{key}_total" for key in (*COUNTERS, *LABELLED_COUNTERS)
+             if key not in NOT_DROPS}
+    assert set(NOT_DROPS) <= set(COUNTERS)
+    assert drops <= used, f"not graphed: {sorted(drops - used)}"
+    assert used <= exposed_names()
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_the_plugin_alert_watches_dropped_events_inbound_and_internal_errors() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    plugin_rules = [rule for group in rules["groups"] for rule in group["rules"]
+                    if _queried(rule["expr"])]
+    watched = set().union(*(_queried(rule["expr"]) for rule in plugin_rules))
+    assert {"kvhint:events_dropped_total", "kvhint:inbound_dropped_total",
+            "kvhint:internal_errors_total"} <= watched
+    assert watched <= exposed_names()
