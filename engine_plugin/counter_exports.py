@@ -4,7 +4,8 @@ Every field of every ``*Counters`` dataclass of the plugin is either in :data:`E
 (read by :func:`read_counters` into the connector stats, see :mod:`.metrics`) or in
 :data:`NOT_EXPORTED` with the reason; a test holds the two to the dataclasses, so a
 counter added later cannot be left out of /metrics unnoticed ("no silent drops: all
-that is dropped is counted and visible").
+that is dropped is counted and visible"). One field feeds one series, but those in
+:data:`SHARED_SERIES`.
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ EXPORTS: dict[type, dict[str, Export]] = {
         "snapshot_requests_unanswered": Export("snapshot_requests_unanswered"),
         "stream_create_failures": Export("stream_create_failures"),
         "jetstream_unavailable": Export("jetstream_unavailable"),
+        "internal_errors": Export("internal_errors"),
     },
 }
+# Series fed by more than one field (summed): exceptions caught in the plugin's hooks
+# and in the NATS transport's publisher are one alert and one panel line.
+SHARED_SERIES: frozenset[Export] = frozenset({Export("internal_errors")})
 
 # Counted, not exported on their own: field -> why. None of these is a drop.
 NOT_EXPORTED: dict[type, dict[str, str]] = {

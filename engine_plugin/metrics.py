@@ -93,7 +93,8 @@ COUNTERS = {
     "hint_apply_samples_dropped": ("Apply-latency samples not recorded (past 10,000 in one "
                                    "stats interval): hint_apply_seconds counts fewer "
                                    "outcomes by this many."),
-    "internal_errors": "Exceptions caught in plugin hooks (the engine kept running).",
+    "internal_errors": ("Exceptions caught in plugin hooks (the engine kept running) or "
+                        "in the NATS transport's publisher (it went on)."),
 }
 # Cumulative counters with one bounded label: key -> (label, its values, documentation).
 # The plugin reads them as {"<value>": n}; a value outside the list (another plugin

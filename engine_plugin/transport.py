@@ -1,15 +1,18 @@
 """NATS transport: an asyncio loop in a daemon thread, talking to the engine only through
 the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
 
-Lifetimes live in :meth:`NatsTransport._main`: connect (retrying forever with backoff),
-subscribe to hints, advice and snapshot requests, ensure the JetStream events stream,
-then publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBatch`` with
-``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
+Lifetimes live in :meth:`NatsTransport._main`: connect (retrying until stopped:
+:mod:`.transport_connect`), subscribe to hints, advice and snapshot requests, ensure the
+JetStream events stream, then publish outcomes, hold releases, event batches (vLLM's
+msgpack ``KVEventBatch`` with ``EventBatchMeta`` headers) and the status heartbeat until
+stopped, then drain.
 
 NATS being down or slow never blocks the engine: the scheduler thread only appends to
 bounded deques; while disconnected, batches wait there (the oldest are dropped, counted,
 when full: the router sees the sequence gap and resyncs from a snapshot), and nats-py
-reconnects on its own. Inbound hints that find the engine's inbox full are answered
+reconnects on its own (the publisher waits meanwhile, never spinning). An exception in
+one round of the publisher (a bug) is logged, counted (``kvhint:internal_errors``), and
+the publisher goes on. Inbound hints that find the engine's inbox full are answered
 ``rejected`` from here, except repeats of an action already answered (that outcome again)
 or still in flight (nothing new). Snapshot pages: :mod:`.snapshot_pages`.
 """
@@ -24,7 +27,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import nats
 from nats.errors import Error as NatsError
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
@@ -39,6 +41,7 @@ from kvhint.engine_plugin.mailbox import (
     pop_oldest,
 )
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
+from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
 from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
@@ -62,6 +65,8 @@ from kvhint.schemas._codec import WireDecodeError, encode_json
 logger = logging.getLogger(LOGGER_NAME)
 
 _FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
+# The publisher's pause after an unexpected exception in one of its rounds.
+ROUND_ERROR_PAUSE_S = 0.5
 
 
 class NatsTransport:
@@ -88,6 +93,9 @@ class NatsTransport:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
+        self._next_beat = 0.0
+        # The due engine deadlines already woken for: each is woken for once.
+        self._woken_for: frozenset[float] = frozenset()
         # The latest snapshots, for the pages after the first (SnapshotRequest.seq).
         self.snapshots = KeptSnapshots(config.snapshot_keep_blocks, self.counters)
         self._ready = threading.Event()
@@ -109,12 +117,17 @@ class NatsTransport:
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(stop.set)
+                loop.call_soon_threadsafe(self._set_stop)
             except RuntimeError:  # loop already closed
                 pass
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._thread = None
+
+    def _set_stop(self) -> None:
+        for event in (self._stop, self._wake):  # the publisher waits on the wake one
+            if event is not None:
+                event.set()
 
     def _notify(self) -> None:
         """Called from the scheduler thread when something was queued outbound."""
@@ -159,35 +172,24 @@ class NatsTransport:
                 await nc.close()
 
     async def _connect(self) -> Any:
-        delay = 0.25
         servers = self.config.nats_servers
-        while not self._stop.is_set():
-            try:
-                nc = await nats.connect(
-                    servers=servers, name=f"kvhint-plugin-{self.worker_id}",
-                    allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                    connect_timeout=2, ping_interval=5, max_outstanding_pings=2,
-                    error_cb=self._on_error, disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected)
-                self.counters.connects += 1
-                logger.info("kvhint: connected to NATS %s as worker %s", nc.connected_url.netloc
-                            if nc.connected_url else servers, self.worker_id)
-                return nc
-            except (NatsError, OSError, asyncio.TimeoutError) as exc:
-                if delay == 0.25:
-                    logger.warning("kvhint: NATS %s unreachable (%s); retrying in the "
-                                   "background, the engine runs meanwhile", servers, exc)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
-                delay = min(delay * 2, 5.0)
-        return None
+        nc = await connect_until_stopped(self._stop, servers, dict(
+            name=f"kvhint-plugin-{self.worker_id}", allow_reconnect=True,
+            max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
+            ping_interval=5, max_outstanding_pings=2, error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected))
+        if nc is not None:
+            self.counters.connects += 1
+            logger.info("kvhint: connected to NATS %s as worker %s", nc.connected_url.netloc
+                        if nc.connected_url else servers, self.worker_id)
+        return nc
 
     async def _on_error(self, exc: Exception) -> None:
         self._nats_errors.note(exc)  # counted; a slow consumer's message is lost
 
     async def _on_disconnected(self) -> None:
+        if self._nc is None:  # a first attempt given up (closed): never connected
+            return
         self.counters.disconnects += 1
         if self._stop is not None and self._stop.is_set():
             return
@@ -347,65 +349,87 @@ class NatsTransport:
     # --- outbound -------------------------------------------------------------------------------
 
     async def _publish_loop(self, nc: Any) -> None:
-        interval = self.config.heartbeat_interval_s
-        next_beat = 0.0
         while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + interval
-                await self._heartbeat(nc)
-            self._maybe_wake_for_deadline()
-            if nc.is_connected:
-                await self._flush_outbound(nc)
-            self._wake.clear()
-            if self.mailbox.outcomes or self.mailbox.releases or self.mailbox.snapshots or (
-                    self.mailbox.event_batches and nc.is_connected):
+            try:
+                again = await self._publish_round(nc)
+            except Exception:  # a bug in one round (an encoder, a snapshot page) must not
+                # end the thread for good; NATS and socket errors are handled where raised
+                self._round_failed()
+                await wait_or_stop(self._stop, ROUND_ERROR_PAUSE_S)
+                continue
+            if again:
                 continue
             try:
-                await asyncio.wait_for(self._wake.wait(),
-                                       timeout=max(0.01, min(next_beat - time.monotonic(),
-                                                             0.5)))
+                await asyncio.wait_for(self._wake.wait(), timeout=max(
+                    0.01, min(self._next_beat - time.monotonic(), 0.5)))
             except asyncio.TimeoutError:
                 pass
-            if self._stop.is_set():
-                break
         if nc.is_connected:
             await self._flush_outbound(nc)
 
+    async def _publish_round(self, nc: Any) -> bool:
+        """The heartbeat when due, the engine woken when a deadline is, the queues
+        flushed while connected. Whether to go again at once: only when connected, this
+        round published and more is queued; else the publisher waits (a reconnect, new
+        work and stop wake it). Looping on while NATS was down never yielded: nats-py's
+        reconnect and stop() never ran, and the engine's thread fought for the GIL."""
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_interval_s
+            await self._heartbeat(nc)
+        self._maybe_wake_for_deadline()
+        flushed = await self._flush_outbound(nc) if nc.is_connected else 0
+        self._wake.clear()
+        mailbox = self.mailbox
+        return bool(flushed and nc.is_connected and (
+            mailbox.outcomes or mailbox.releases or mailbox.snapshots or mailbox.event_batches))
+
+    def _round_failed(self) -> None:
+        self.counters.internal_errors += 1
+        first = self.counters.internal_errors == 1  # the later ones: counted, at DEBUG
+        logger.log(logging.ERROR if first else logging.DEBUG, "kvhint: unexpected error in "
+                   "the NATS transport's publisher (what it was publishing may be lost); it "
+                   "goes on (kvhint:internal_errors)", exc_info=True)
+
     def _maybe_wake_for_deadline(self) -> None:
+        """Wake an idle engine for a step once per deadline it left that is due."""
         now = time.time()
         mailbox = self.mailbox
-        due = [t for t in (mailbox.next_deadline, mailbox.stats_flush_at,
-                           mailbox.status_refresh_at) if t is not None and now >= t]
-        if due:
+        due = frozenset(t for t in (mailbox.next_deadline, mailbox.stats_flush_at,
+                                    mailbox.status_refresh_at) if t is not None and now >= t)
+        if due - self._woken_for:
             mailbox.wake_engine()
+        self._woken_for = due
 
-    async def _flush_outbound(self, nc: Any) -> None:
-        """Publish what is queued. Items are taken before publishing and put back at the
-        head on failure, so a drop by the scheduler thread (full buffer) never makes us
-        skip an item unpublished and uncounted."""
+    async def _flush_outbound(self, nc: Any) -> int:
+        """Publish what is queued; returns how many items left the queues. Items are taken
+        before publishing and put back at the head on failure, so a drop by the scheduler
+        thread (full buffer) never makes us skip an item unpublished and uncounted."""
         mailbox = self.mailbox
         published, ok = await self._publish_queue(
             nc, mailbox.outcomes, self.subjects.outcomes(self.worker_id), encode_outcome)
         self.counters.outcomes_published += published
-        if not ok:
-            return None
-        published, ok = await self._publish_queue(
-            nc, mailbox.releases, self.subjects.releases(self.worker_id), encode_releases)
-        self.counters.releases_published += published
-        if not ok:
-            return None
-        while nc.is_connected and (batch := pop_oldest(mailbox.event_batches)) is not None:
+        taken = published
+        if ok:
+            published, ok = await self._publish_queue(
+                nc, mailbox.releases, self.subjects.releases(self.worker_id), encode_releases)
+            self.counters.releases_published += published
+            taken += published
+        batches = mailbox.event_batches
+        while ok and nc.is_connected and (batch := pop_oldest(batches)) is not None:
             try:
                 await self._publish_batch(nc, batch)
+                taken += 1
             except (NatsError, OSError) as exc:
-                mailbox.event_batches.appendleft(batch)
-                return await self._publish_failed(exc)
-        while (snapshot := pop_oldest(mailbox.snapshots)) is not None:
+                batches.appendleft(batch)
+                await self._publish_failed(exc)
+                ok = False
+        while ok and (snapshot := pop_oldest(mailbox.snapshots)) is not None:
             blocks = self.snapshots.keep(snapshot) if snapshot.error is None else []
             await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
                                    snapshot.limit)
-        return None
+            taken += 1
+        return taken
 
     async def _publish_queue(self, nc: Any, queue: deque[Any], subject: str,
                              encode: Callable[[Any], bytes]) -> tuple[int, bool]:

@@ -66,6 +66,9 @@ class TransportCounters:
     # JetStream did not answer whether the events stream exists (not enabled on the
     # server, or timed out): batches go out as plain NATS messages, not kept for replay.
     jetstream_unavailable: int = 0
+    # Exceptions other than NATS or socket errors caught in a round of the publisher (a
+    # bug: what it was publishing may be lost; the publisher goes on after a pause).
+    internal_errors: int = 0
     # Outcomes the transport answered itself (inbox full: rejected; engine busy:
     # deferred), by (action type, status); changed and read under the mailbox's lock.
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)

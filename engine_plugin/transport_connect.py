@@ -1,0 +1,86 @@
+"""The transport's first connection to NATS: attempts bounded in time, cancelled by stop.
+
+nats-py's ``connect`` with ``max_reconnect_attempts=-1`` (what the transport wants once
+connected: reconnect for as long as the engine runs) also retries the first connect
+forever, inside the call: with NATS down at the engine's start the plugin's own backoff
+and its "unreachable" warning never ran, and ``stop()`` could not interrupt the call (the
+transport thread outlived the engine's shutdown). Here each attempt is a task given
+:data:`CONNECT_ATTEMPT_S` (nats-py retries within it), cancelled and its client closed
+when that time passes or stop fires; between attempts the plugin backs off, interruptibly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from kvhint.engine_plugin.config import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
+
+# Long enough for two of the transport's 2 s connect timeouts: a reachable server
+# answers within one.
+CONNECT_ATTEMPT_S = 5.0
+FIRST_BACKOFF_S = 0.25
+MAX_BACKOFF_S = 5.0
+
+
+async def connect_until_stopped(stop: asyncio.Event, servers: Sequence[str],
+                                options: dict[str, Any]) -> Client | None:
+    """A connected client, or None once ``stop`` is set. ``options``: nats-py's connect
+    keyword arguments, but ``servers``."""
+    delay = FIRST_BACKOFF_S
+    while not stop.is_set():
+        nc = Client()
+        error = await _attempt(nc, stop, servers, options)
+        if error is None:
+            return nc
+        await _close_quietly(nc)
+        if stop.is_set():
+            break
+        if delay == FIRST_BACKOFF_S:
+            logger.warning("kvhint: NATS %s unreachable (%s); retrying in the background, "
+                           "the engine runs meanwhile", list(servers), error)
+        await wait_or_stop(stop, delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
+    return None
+
+
+async def _attempt(nc: Client, stop: asyncio.Event, servers: Sequence[str],
+                   options: dict[str, Any]) -> BaseException | str | None:
+    """None when ``nc`` connected, else why not."""
+    attempt = asyncio.ensure_future(nc.connect(servers=list(servers), **options))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({attempt, stopped}, timeout=CONNECT_ATTEMPT_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not attempt.done():
+        attempt.cancel()
+        await asyncio.gather(attempt, return_exceptions=True)  # its CancelledError
+        return "stopped" if stop.is_set() else f"no connection within {CONNECT_ATTEMPT_S:g}s"
+    error = attempt.exception()
+    if error is not None and not isinstance(error, (NatsError, OSError, asyncio.TimeoutError)):
+        raise error  # not a connection failure: a bug, for the thread's own handler
+    return error
+
+
+async def _close_quietly(nc: Client) -> None:
+    try:
+        await nc.close()
+    except (NatsError, OSError, asyncio.TimeoutError) as exc:  # a client never connected
+        logger.debug("kvhint: closing an unconnected NATS client: %s", exc)
+
+
+async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> None:
+    """Sleep ``timeout_s``, or less when ``stop`` is set meanwhile."""
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        pass

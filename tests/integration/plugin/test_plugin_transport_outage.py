@@ -1,0 +1,202 @@
+"""The plugin's NATS transport through outages, with real NATS servers stopped and started
+again: NATS dropping while something is queued, NATS down at the engine's start, and a
+bug in one round of the publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import StorageType, StreamConfig
+
+from kvhint.engine_plugin import transport_connect
+from kvhint.engine_plugin.config import LOGGER_NAME
+from kvhint.engine_plugin.headless import (
+    HeadlessScheduler,
+    HeadlessSchedulerSpec,
+    build_scheduler,
+    tokens_for_block_ids,
+)
+from kvhint.engine_plugin.transport import NatsTransport
+from kvhint.router.devstack.nats_server import NatsServerProcess
+from kvhint.schemas import HintOutcome, OutcomeStatus, Subjects, decode_outcome
+
+BS = 32
+
+
+@contextmanager
+def plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessScheduler]:
+    config = {"worker_id": "w0", "nats_url": nats_url, "subject_prefix": prefix,
+              "heartbeat_interval_s": 0.2, "defer_after_s": 5.0,
+              "create_events_stream": False, **extra}
+    h = build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config=config))
+    try:
+        yield h
+    finally:
+        h.connector.shutdown()
+
+
+@contextmanager
+def plugin_records() -> Iterator[list[logging.LogRecord]]:
+    """The plugin's WARNING-and-up log records (vLLM's loggers do not propagate to the
+    root, so caplog does not see them)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger(LOGGER_NAME)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def outcome(action_id: str) -> HintOutcome:
+    return HintOutcome(message_id=f"m-{action_id}", action_id=action_id, action_type="kv.pin",
+                       worker_id="w0", status=OutcomeStatus.ACCEPTED, at=time.time())
+
+
+def stop_timed(transport: NatsTransport) -> tuple[float, threading.Thread]:
+    thread = transport._thread
+    assert thread is not None
+    started = time.monotonic()
+    transport.stop()
+    return time.monotonic() - started, thread
+
+
+async def test_an_outage_with_an_outcome_queued_costs_no_cpu_and_the_outcome_follows(
+        own_nats: NatsServerProcess, subject_prefix: str) -> None:
+    """Before, NATS dropping while anything was queued (an outcome, a release, a
+    snapshot) made the publisher loop without ever awaiting: a core burnt, the idle
+    engine was woken on every lap (1.4M WAKEUPs in 2 s), nats-py's reconnect never ran
+    (the outcome was never delivered) and stop() timed out leaving the thread alive."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(own_nats.url)
+    # A stream keeps the outcome whenever the plugin publishes it after the restart; a
+    # plain subscriber might not have reconnected by then.
+    stream = f"OUTCOMES_{subject_prefix.replace('.', '_')}"
+    await nc.jetstream().add_stream(StreamConfig(
+        name=stream, subjects=[subjects.outcomes("w0")], storage=StorageType.FILE))
+    await nc.drain()
+    with plugin(own_nats.url, subject_prefix) as h:
+        transport = h.connector.transport
+        mailbox = h.connector.core.mailbox
+        wakes: list[float] = []
+        mailbox.wake_engine = lambda: wakes.append(time.monotonic())  # vLLM's WAKEUP put
+        await until(lambda: transport.connected)
+        thread = transport._thread
+        own_nats.stop()
+        await until(lambda: not transport.connected)
+        mailbox.put_outcomes([outcome("during-outage")])  # a step settles a hint
+        # An idle engine whose last step skipped a status refresh: one wake-up is asked.
+        mailbox.status_refresh_at = time.time() - 1
+        cpu = thread_cpu_s(thread)
+        await asyncio.sleep(1.5)
+        assert thread_cpu_s(thread) - cpu < 0.3  # was all of a core
+        assert len(wakes) == 1
+        assert mailbox.outcomes  # waiting for NATS
+        own_nats.start()
+        await until(lambda: transport.connected, timeout_s=20)
+        await until(lambda: not mailbox.outcomes)
+        nc = await nats.connect(own_nats.url)
+        try:
+            stored = await nc.jetstream().get_msg(stream, seq=1)
+            assert decode_outcome(stored.data).action_id == "during-outage"
+            await nc.jetstream().delete_stream(stream)
+        finally:
+            await nc.drain()
+        # Down again with an outcome queued: the engine's shutdown is not held up.
+        own_nats.stop()
+        await until(lambda: not transport.connected)
+        mailbox.put_outcomes([outcome("at-shutdown")])
+        await asyncio.sleep(0.3)
+        elapsed, thread = stop_timed(transport)
+        assert elapsed < 1.5 and not thread.is_alive()
+
+
+async def test_nats_down_at_start_stops_at_once_warns_and_connects_when_it_comes_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, nats-py retried the first connect forever inside the call: stop() could
+    not interrupt it (5 s, then the thread outlived the engine) and the plugin's
+    "unreachable" warning and backoff never ran."""
+    server = NatsServerProcess(store_dir=tmp_path / "store", log_path=tmp_path / "nats.log")
+    try:
+        with plugin(server.url, "kvhinttest.down") as h:  # nothing listens on the port
+            await asyncio.sleep(1.0)  # inside the first attempt (CONNECT_ATTEMPT_S = 5)
+            elapsed, thread = stop_timed(h.connector.transport)
+            assert elapsed < 1.0 and not thread.is_alive()
+        monkeypatch.setattr(transport_connect, "CONNECT_ATTEMPT_S", 0.5)
+        with plugin_records() as records, plugin(server.url, "kvhinttest.down") as h:
+            transport = h.connector.transport
+            await until(lambda: any("unreachable" in r.getMessage() for r in records))
+            assert transport.counters.disconnects == 0  # attempts given up: no disconnect
+            server.start()
+            await until(lambda: transport.connected, timeout_s=15)
+            assert transport.counters.connects == 1
+    finally:
+        server.close()
+
+
+async def test_a_bug_in_one_publisher_round_is_counted_and_the_transport_goes_on(
+        nats_url: str, subject_prefix: str) -> None:
+    """Before, any exception but a NATS or socket error ended the transport thread for
+    good (only nats_connected going to 0 said so). Nothing the plugin can receive makes
+    the publisher raise anything else today: the guard is for bugs, so one is injected,
+    an event encoder failing twice."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        events = await nc.subscribe(subjects.events("w0"))
+        with plugin_records() as records, plugin(nats_url, subject_prefix) as h:
+            transport = h.connector.transport
+            await until(lambda: transport.connected)
+            encode, failures = transport._encode_events, [2]
+
+            def faulty(ts: float, batch: list[Any]) -> bytes:
+                if failures[0] > 0:
+                    failures[0] -= 1
+                    raise RuntimeError("injected encoder bug")
+                return encode(ts, batch)
+
+            transport._encode_events = faulty  # type: ignore[method-assign]
+            for i, session in enumerate(("a", "b", "c")):
+                h.run(h.make_request(tokens_for_block_ids([10 * i + 1], BS) + [3] * 5,
+                                     session_id=session))
+                await until(lambda: not h.connector.core.mailbox.event_batches)
+            await events.next_msg(timeout=5)  # the third batch
+            assert transport._thread is not None and transport._thread.is_alive()
+            assert transport.counters.internal_errors == 2
+            assert h.connector._read_stats()["internal_errors"] == 2
+            errors = [r for r in records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1 and errors[0].exc_info is not None  # once, traceback
+            assert "injected encoder bug" in str(errors[0].exc_info[1])
+    finally:
+        await nc.drain()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_nats_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("ERROR", logger="nats")
