@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.service.runtime import RouterRuntime
-from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.sessions import SessionRecord, SessionState
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
 from kvhint.router.store.reader import (
     count_hints_by_status,
@@ -175,7 +175,7 @@ def build_admin_router() -> APIRouter:
 
     @router.get("/sessions")
     async def list_sessions(request: Request, tenant: str | None = _query_name(),
-                            state: str | None = _query_name(),
+                            state: SessionState | None = None,
                             source: Literal["memory", "store"] = "memory",
                             limit: int = Query(100, ge=1, le=10_000),
                             principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
@@ -306,13 +306,13 @@ def _most_recent(records: Iterable[SessionRecord], limit: int) -> list[SessionRe
 
 
 def _fleet_totals(runtime: RouterRuntime) -> dict[str, Any]:
-    totals = runtime.metrics.totals
-    prompt = sum(t.prompt_tokens for t in totals.values())
-    cached = sum(t.cached_tokens for t in totals.values())
-    return {"requests": sum(t.requests for t in totals.values()),
-            "errors": sum(t.errors for t in totals.values()),
+    # Forgotten workers' totals too (``retired``): the fleet's never go back.
+    totals = [*runtime.metrics.totals.values(), runtime.metrics.retired]
+    prompt = sum(t.prompt_tokens for t in totals)
+    cached = sum(t.cached_tokens for t in totals)
+    return {"requests": sum(t.requests for t in totals),
+            "errors": sum(t.errors for t in totals),
             "prompt_tokens": prompt, "cached_tokens": cached,
-            "predicted_cached_tokens": sum(t.predicted_cached_tokens for t in totals.values()),
-            "actual_cached_of_predicted": sum(t.actual_cached_of_predicted
-                                              for t in totals.values()),
+            "predicted_cached_tokens": sum(t.predicted_cached_tokens for t in totals),
+            "actual_cached_of_predicted": sum(t.actual_cached_of_predicted for t in totals),
             "cached_share": cached / prompt if prompt else None}

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
@@ -129,6 +129,11 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     except BadRequest as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return _error(exc.message, exc.status, exc.param, exc.error_type)
+    except ClientDisconnect:
+        # Gone before its body was whole: nothing to forward, nobody to answer; a 499
+        # like any client that leaves (forwarding.py), not an error of the router's.
+        runtime.metrics.record_request(endpoint.value, "none", 499)
+        return Response(status_code=499)
     # Watches for the client leaving until the response starts (a worker still busy
     # before its first byte); a streamed response then watches for itself.
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
@@ -180,13 +185,15 @@ async def _health(request: Request) -> Response:
 
 async def _ready(request: Request) -> Response:
     """Readiness, not liveness (``/health``): 200 once some worker the router would route
-    to has answered it over HTTP (listed its models or taken a request), else 503 with
-    the reason. A router that can only answer 503 "no worker available" is kept out of
-    a load balancer's rotation by this, and not restarted; NATS is not required, as
-    routing goes on without the KV events (on stale overlaps)."""
+    to has answered it over HTTP at its current address (listed its models, started a
+    response, answered a /health probe: ``WorkerState.answered``), else 503 with the
+    reason. A worker that moved has answered nowhere yet at its new address. A router
+    that can only answer 503 "no worker available" is kept out of a load balancer's
+    rotation by this, and not restarted; NATS is not required, as routing goes on
+    without the KV events (on stale overlaps)."""
     workers = runtime_of(request).workers.all()
     routable = [w for w in workers if w.routable]
-    answered = [w for w in routable if w.served_models is not None or w.requests > 0]
+    answered = [w for w in routable if w.answered]
     if answered:
         return JSONResponse({"status": "ready", "ready_workers": len(answered)})
     if not workers:

@@ -344,6 +344,7 @@ class ClusterFeed:
                                                      self.ingestor.config.forget_dead_after_s):
             log.info("worker %s silent for over %.0fs: forgotten", worker_id,
                      self.ingestor.config.forget_dead_after_s)
+            self._metrics.forget_worker(worker_id)
 
     # --- ingestor actions ---------------------------------------------------------------
 

@@ -420,6 +420,8 @@ class Forwarder:
             self._routing.finished(flight.worker_id, plan.prompt_tokens, plan.block_size,
                                    flight.prefill_pending)
         observation = flight.observation
+        if flight.worker_id is not None and (lost := observation.usage_lost(status)):
+            self._metrics.drop(lost)
         if observation.prompt_tokens is not None and flight.worker_id is not None:
             predicted = flight.predicted_cached
             if predicted is not None and _parallel_samples(flight.inbound.body) > 1:

@@ -20,6 +20,27 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
+# kvhint_router_nats_errors_total{kind}: a bounded set (nats_link.NatsLink reports these).
+NATS_ERROR_KINDS = ("connect", "setup", "client")
+# kvhint_router_hint_api_rejections_total{reason}: a bounded set (sessions_api.py).
+HINT_API_REJECTIONS = (
+    "bad_request",      # 400: the body or the session id does not parse
+    "too_large",        # 413: the body is over max_body_bytes
+    "unauthorized",     # 401: no key, or a key the router does not know
+    "forbidden",        # 403: not an admin key, or another tenant's
+    "unknown_session",  # 404: no such session (or tenant)
+    "unknown_worker",   # 404: worker_id names no worker
+    "conflict",         # 409: an action id still pending; a session with no worker yet
+    "invalid_action",   # 422: an action (or the number of actions) the router refuses
+    "over_rate",        # 429: over the tenant's API actions per minute
+    "over_budget",      # 429: over a tenant's, a worker's or the tenant's share's budget
+    "no_plugin",        # 503: the worker runs no kvhint plugin, or it is silent
+    "client_gone",      # 499: the client left while sending its body
+)
+# Series per worker a forgotten worker's id is removed from (RouterMetrics.forget_worker).
+_PER_WORKER = ("requests", "retries", "broken_streams", "prompt_tokens", "cached_predicted",
+               "cached_actual", "resyncs")
+
 
 @dataclass(frozen=True, slots=True)
 class StateSample:
@@ -109,6 +130,8 @@ class TrafficTotals:
 class RouterMetrics:
     def __init__(self) -> None:
         self.totals: dict[str, TrafficTotals] = {}
+        # The totals of workers forgotten since the start (forget_worker).
+        self.retired = TrafficTotals()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvhint_router_requests", "Inference requests by outcome",
@@ -152,10 +175,9 @@ class RouterMetrics:
             "Blocks workers let go of accepted Pins/Retains unasked, by reason (displaced: "
             "a higher-priority retain; pressure: relieved for memory; reset: a prefix-cache "
             "reset; gone: vLLM dropped them from its cache by another path; other: a "
-            "reason this router does not know, from a newer plugin)",
+            "reason this router does not know, from a newer plugin) and action (the type "
+            "the router sent; other: a type it does not know, on a restored holding)",
             ["action", "reason"], registry=r)
-        self.events = Counter("kvhint_router_event_batches", "KV event batches by verdict",
-                              ["worker", "verdict"], registry=r)
         self.event_lag = Histogram("kvhint_router_event_lag_seconds",
                                    "Event batch timestamp to router ingestion",
                                    buckets=_LAG_BUCKETS, registry=r)
@@ -164,6 +186,21 @@ class RouterMetrics:
         self.drops = Counter("kvhint_router_drops",
                              "Anything the router dropped, by what it was", ["what"],
                              registry=r)
+        self.nats_errors = Counter(
+            "kvhint_router_nats_errors",
+            "NATS failures that lost no message by themselves, by kind (connect: a try "
+            "to connect or reconnect failed; setup: streams or subscriptions could not be "
+            "set up once connected; client: another error the NATS client reported, e.g. "
+            "a stale connection, a server's -ERR). Messages lost are drops: drops_total "
+            "what=nats_slow_consumer, hint_unsent", ["kind"], registry=r)
+        for kind in NATS_ERROR_KINDS:
+            self.nats_errors.labels(kind)
+        self.hint_api_rejections = Counter(
+            "kvhint_router_hint_api_rejections",
+            "POST /v1/sessions/{id}/hints calls answered with an error (nothing sent), by "
+            "reason", ["reason"], registry=r)
+        for reason in HINT_API_REJECTIONS:
+            self.hint_api_rejections.labels(reason)
         self.foreign_messages = Counter(
             "kvhint_router_foreign_hint_messages",
             "Hint outcomes and hold releases (kind) for actions this router did not send or "
@@ -209,8 +246,39 @@ class RouterMetrics:
             totals.predicted_cached_tokens += predicted
             totals.actual_cached_of_predicted += cached
 
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker the registry forgot (heard only by heartbeats, silent for good):
+        its series go, so ids of pods long gone do not pile up in every scrape (the
+        gauges the collector reads go with the registry's and the index's entries). Its
+        traffic totals are kept, summed apart (``retired``), so fleet totals never go
+        back."""
+        for name in _PER_WORKER:
+            metric = getattr(self, name)
+            position = metric._labelnames.index("worker")  # as built
+            for labels in _label_sets(metric):
+                if labels[position] == worker_id:
+                    metric.remove(*labels)
+        totals = self.totals.pop(worker_id, None)
+        if totals is not None:
+            retired = self.retired
+            retired.requests += totals.requests
+            retired.errors += totals.errors
+            retired.prompt_tokens += totals.prompt_tokens
+            retired.cached_tokens += totals.cached_tokens
+            retired.predicted_cached_tokens += totals.predicted_cached_tokens
+            retired.actual_cached_of_predicted += totals.actual_cached_of_predicted
+
     def drop(self, what: str, count: int = 1) -> None:
         self.drops.labels(what).inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _label_sets(metric: Counter) -> set[tuple[str, ...]]:
+    """The label values of every series ``metric`` has, in its label names' order (what
+    ``remove`` takes), read from its samples (``remove_by_labels`` needs
+    prometheus_client 0.23; the project allows 0.20)."""
+    names = metric._labelnames  # the names it was built with, in order
+    return {tuple(sample.labels[name] for name in names)
+            for family in metric.collect() for sample in family.samples}

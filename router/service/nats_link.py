@@ -16,6 +16,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import NoServersError, SlowConsumerError
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
@@ -124,14 +125,29 @@ async def remove_streams(url: str, subjects: Subjects) -> None:
         await nc.close()
 
 
+# How often a burst of slow-consumer losses is logged (each lost message is counted).
+SLOW_CONSUMER_LOG_S = 10.0
+# What the client reports when it could not reach a server (refused, unreachable, timed
+# out): on_error's kind "connect".
+_CONNECT_ERRORS = (OSError, asyncio.TimeoutError, NoServersError)
+
+
 class NatsLink:
     def __init__(self, url: str, subjects: Subjects, on_error: Callable[[str], None],
-                 limits: StreamLimits = StreamLimits(), retry_s: float = 2.0) -> None:
+                 on_lost: Callable[[int], None], limits: StreamLimits = StreamLimits(),
+                 retry_s: float = 2.0) -> None:
+        """``on_error(kind)``: a failure that lost no message by itself, ``kind`` one of
+        ``metrics.NATS_ERROR_KINDS`` (connect, setup, client). ``on_lost(count)``:
+        inbound messages the NATS client discarded (a slow consumer: nats-py reports
+        each). A failed :meth:`publish` is neither: its caller counts what it lost."""
         self.url = url
         self.subjects = subjects
         self._limits = limits
         self._on_connected: Callable[[], Awaitable[None]] | None = None
         self._on_error = on_error
+        self._on_lost = on_lost
+        self._lost_unlogged = 0
+        self._lost_logged_at = -math.inf
         self._retry_s = retry_s
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
@@ -176,7 +192,7 @@ class NatsLink:
                     reconnected_cb=self._reconnected_cb,
                 )
             except (NatsError, OSError, asyncio.TimeoutError) as exc:
-                self._note_error(f"connect to {self.url} failed: {exc!r}")
+                self._note_error("connect", f"connect to {self.url} failed: {exc!r}")
                 await asyncio.sleep(self._retry_s)
                 continue
             self._nc = nc
@@ -187,19 +203,38 @@ class NatsLink:
                     await self._on_connected()
             except (NatsError, asyncio.TimeoutError) as exc:
                 # Streams or subscriptions failed (JetStream still starting?): retry.
-                self._note_error(f"NATS setup failed: {exc!r}")
+                self._note_error("setup", f"NATS setup failed: {exc!r}")
                 await self._close_client()
                 await asyncio.sleep(self._retry_s)
                 continue
             return
 
-    def _note_error(self, message: str) -> None:
+    def _note_error(self, kind: str, message: str) -> None:
         self.last_error = message
-        self._on_error(message)
+        self._on_error(kind)
         log.warning("%s", message)
 
     async def _error_cb(self, exc: Exception) -> None:
-        self._note_error(f"NATS error: {exc!r}")
+        if isinstance(exc, SlowConsumerError):
+            self._lost(exc)
+            return
+        # nats-py reports here every failed try to connect or reconnect (it retries on
+        # its own), as well as a dropped connection or a server's -ERR.
+        kind = "connect" if isinstance(exc, _CONNECT_ERRORS) else "client"
+        self._note_error(kind, f"NATS error: {exc!r}")
+
+    def _lost(self, exc: SlowConsumerError) -> None:
+        """One inbound message the client discarded (its subscription's pending limits
+        were full): counted each, logged at most every SLOW_CONSUMER_LOG_S."""
+        self._on_lost(1)
+        self._lost_unlogged += 1
+        self.last_error = f"NATS slow consumer: {exc}"
+        now = asyncio.get_running_loop().time()
+        if now - self._lost_logged_at >= SLOW_CONSUMER_LOG_S:
+            log.warning("NATS slow consumer: %d message(s) discarded since the last "
+                        "report, the last on %s", self._lost_unlogged, exc.subject)
+            self._lost_unlogged = 0
+            self._lost_logged_at = now
 
     async def _disconnected_cb(self) -> None:
         if self._closing:
@@ -332,7 +367,9 @@ class NatsLink:
         try:
             await self._nc.publish(subject, payload)
         except NatsError as exc:
-            self._note_error(f"publish on {subject} failed: {exc!r}")
+            # Counted by the caller, as what it lost (once: not a NATS error too).
+            self.last_error = f"publish on {subject} failed: {exc!r}"
+            log.warning("%s", self.last_error)
             return False
         return True
 

@@ -47,6 +47,8 @@ class _Usage(msgspec.Struct):
 class _Body(msgspec.Struct):
     choices: list[_Choice] = []
     usage: _Usage | None = None
+    # vLLM's error event in a stream that had started (status 200): no usage follows.
+    error: object = None
 
 
 _body_decoder = msgspec.json.Decoder(_Body)
@@ -62,6 +64,8 @@ class ResponseObservation:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     malformed_chunks: int = 0
+    # The worker answered with an error (an ``error`` object) instead of a completion.
+    errored: bool = False
 
     def observe_json(self, payload: bytes) -> bool:
         """Take one response body or chunk; True when it is a usage-only chunk."""
@@ -70,6 +74,8 @@ class ResponseObservation:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.malformed_chunks += 1
             return False
+        if body.error is not None:
+            self.errored = True
         for choice in body.choices:
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
@@ -85,6 +91,21 @@ class ResponseObservation:
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
             return not body.choices
         return False
+
+    def usage_lost(self, status: int) -> str | None:
+        """What of a worker's successful response (``status``) the router lost, as a
+        drop's name: ``response_unparsable``, a body or event it could not read (what
+        it said, its usage perhaps, is not counted nor planned from);
+        ``response_usage_missing``, no usage in a response read whole (streams always
+        ask for it: inbound.py), so its tokens are not counted nor its session's turn
+        planned. None for an error status or error event, which has no usage."""
+        if not 200 <= status < 300:
+            return None
+        if self.malformed_chunks:
+            return "response_unparsable"
+        if self.prompt_tokens is None and not self.errored:
+            return "response_usage_missing"
+        return None
 
     def finish(self) -> FinishReason:
         """How the response ended, for the planner: a response that called tools ends in

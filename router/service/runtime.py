@@ -23,7 +23,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
-from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, StreamConfig
+from kvhint.router.kv_index import (
+    IndexStats,
+    InMemoryClusterKvIndex,
+    KvEventIngestor,
+    StreamConfig,
+)
 from kvhint.router.policy import PlannerConfig, RoutingConfig, RoutingPolicy
 from kvhint.router.service.cluster_feed import OUTCOMES_CURSOR, RELEASES_CURSOR, ClusterFeed
 from kvhint.router.service.forwarding import Forwarder
@@ -127,7 +132,8 @@ class RouterRuntime:
                                   settings.releases_stream_max_bytes,
                                   settings.releases_stream_max_age_s)
             link = NatsLink(settings.nats_url, subjects, limits=limits,
-                            on_error=lambda _m: metrics.drop("nats_error"))
+                            on_error=lambda kind: metrics.nats_errors.labels(kind).inc(),
+                            on_lost=lambda count: metrics.drop("nats_slow_consumer", count))
         # Hint action ids come from this seed and must never repeat: not after a restart
         # (the store and the workers' idempotency memory still hold the old ones: a worker
         # would answer a new action with an old outcome), not between replicas.
@@ -311,20 +317,30 @@ class RouterRuntime:
             worker_inflight={w.worker_id: w.inflight for w in self.workers.all()},
             pending_hints=len(self.hints.pending),
             store_queue=self.writer.queued,
-            ingest=_ingest_counters(self.ingestor),
+            ingest=_ingest_counters(self.ingestor, stats),
             completion_read_probability={
                 tenant: self.hints.stats_of(tenant).completion_read_probability()
                 for tenant in self.hints.tenants},
         )
 
 
-def _ingest_counters(ingestor: KvEventIngestor) -> dict[str, int]:
+# The cluster index's own counters (IndexStats), exported as index_<name>: what its bounds
+# dropped (sessions evicted past MAX_SESSIONS_IN_MEMORY, a session's frontiers past its
+# cap) and the events it found nothing to do for (a block stored twice, one removed that
+# it did not hold).
+_INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missing_removes",
+                   "cleared_workers", "purged_workers", "snapshots_loaded",
+                   "sessions_evicted", "frontiers_dropped")
+
+
+def _ingest_counters(ingestor: KvEventIngestor, index: IndexStats) -> dict[str, int]:
     stats = ingestor.stats()
     counters: dict[str, int] = {f"stream_{k}": v for k, v in stats.stream.items()}
     counters.update({f"adapter_{k}": v for k, v in stats.adapter.items()})
     counters["malformed_messages"] = stats.malformed_messages
     counters["subject_mismatches"] = stats.subject_mismatches
     counters["unknown_worker_pages"] = stats.unknown_worker_pages
+    counters.update({f"index_{name}": getattr(index, name) for name in _INDEX_COUNTERS})
     return counters
 
 

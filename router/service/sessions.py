@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any
+from typing import Any, Literal
 
 from kvhint.router.policy.session import SessionPlanState
 from kvhint.router.store.writer import StoreWriter
@@ -21,6 +21,8 @@ from kvhint.router.store.writer import StoreWriter
 ACTIVE = "active"
 TOOL_GAP = "tool_gap"
 ENDED = "ended"
+# Every state a session is in (the admin API refuses any other with a 422).
+SessionState = Literal["active", "tool_gap", "ended"]
 _MAX_GAPS_KEPT = 32
 # How far past the least recently opened session eviction looks for an ended one.
 _EVICTION_LOOKAHEAD = 64

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from kvhint.router.policy import PlannedAction, agent_scope
 from kvhint.router.service.inbound import (
@@ -83,6 +84,30 @@ def _json_error(message: str, status: int, **extra: Any) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=refusal_headers(status))
 
 
+class _Rejected(Exception):
+    """A hints call refused (nothing sent): answered and counted in one place,
+    :func:`_rejection`, under ``reason`` (one of ``metrics.HINT_API_REJECTIONS``)."""
+
+    def __init__(self, reason: str, message: str, status: int,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.status = reason, message, status
+        self.headers, self.extra = headers or {}, extra
+
+
+_AUTH_REASONS = {401: "unauthorized", 403: "forbidden"}
+_BAD_REQUEST_REASONS = {413: "too_large"}
+
+
+def _rejection(runtime: RouterRuntime, rejected: _Rejected) -> Response:
+    runtime.metrics.hint_api_rejections.labels(rejected.reason).inc()
+    if rejected.status == 499:  # the client is gone: nobody reads an answer
+        return Response(status_code=499)
+    response = _json_error(rejected.message, rejected.status, **rejected.extra)
+    response.headers.update(rejected.headers)
+    return response
+
+
 def _principal(runtime: RouterRuntime, request: Request) -> Principal:
     key = api_key_of(request.headers)
     return runtime.directory.principal(key)
@@ -120,52 +145,72 @@ def build_sessions_router() -> APIRouter:
 
     @router.post("/v1/sessions/{session_id:path}/hints")
     async def send_hints(session_id: str, request: Request,
-                         tenant: str | None = Query(None)) -> JSONResponse:
+                         tenant: str | None = Query(None)) -> Response:
         runtime: RouterRuntime = request.app.state.runtime
         try:
-            check_session_id(session_id)
-            principal = _principal(runtime, request)
-            if not principal.is_admin:
-                raise AuthError(403, "sending hints needs an admin key")
-            tenant_name = _tenant_for(principal, tenant)
-            body = await read_body_within(request.stream(), request.headers.get("content-length"),
-                                          runtime.settings.max_body_bytes)
-            hint_request = msgspec.json.decode(body, type=HintRequest)
-        except AuthError as exc:
-            return _json_error(exc.message, exc.status)
-        except BadRequest as exc:
-            return _json_error(exc.message, exc.status)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return _json_error(f"invalid hints request: {exc}", 400)
-        return await _send_hints(runtime, principal, tenant_name, session_id, hint_request)
+            principal, tenant_name, hint_request = await _read_call(
+                runtime, request, session_id, tenant)
+            return await _send_hints(runtime, principal, tenant_name, session_id,
+                                     hint_request)
+        except _Rejected as rejected:
+            return _rejection(runtime, rejected)
 
     return router
+
+
+async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
+                     tenant: str | None) -> tuple[Principal, str, HintRequest]:
+    """Who calls, for which tenant, and what it asks; or :class:`_Rejected`."""
+    try:
+        check_session_id(session_id)
+        principal = _principal(runtime, request)
+        if not principal.is_admin:
+            raise AuthError(403, "sending hints needs an admin key")
+        tenant_name = _tenant_for(principal, tenant)
+        body = await read_body_within(request.stream(), request.headers.get("content-length"),
+                                      runtime.settings.max_body_bytes)
+        return principal, tenant_name, msgspec.json.decode(body, type=HintRequest)
+    except AuthError as exc:
+        raise _Rejected(_AUTH_REASONS.get(exc.status, "forbidden"), exc.message,
+                        exc.status) from None
+    except BadRequest as exc:
+        raise _Rejected(_BAD_REQUEST_REASONS.get(exc.status, "bad_request"), exc.message,
+                        exc.status) from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _Rejected("bad_request", f"invalid hints request: {exc}", 400) from None
+    except ClientDisconnect:
+        raise _Rejected("client_gone", "the client left while sending its body",
+                        499) from None
 
 
 async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name: str,
                       session_id: str, hint_request: HintRequest) -> JSONResponse:
     tenant = runtime.directory.get(tenant_name)
     if tenant is None:
-        return _json_error(f"unknown tenant {tenant_name!r}", 404)
+        raise _Rejected("unknown_session", f"unknown tenant {tenant_name!r}", 404)
     await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
     record = runtime.sessions.get(tenant_name, session_id)
     if record is None:
-        return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
+        raise _Rejected("unknown_session",
+                        f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
     if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
-        return _json_error(f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
+        raise _Rejected("invalid_action", f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
     action_ids, id_problems = _action_ids(hint_request.actions, tenant_name, runtime)
     if id_problems:
-        status = 409 if all(p["reason"].endswith(_STILL_PENDING) for p in id_problems) else 422
-        return _json_error("invalid action ids; nothing was sent", status, actions=id_problems)
+        if all(p["reason"].endswith(_STILL_PENDING) for p in id_problems):
+            raise _Rejected("conflict", "invalid action ids; nothing was sent", 409,
+                            actions=id_problems)
+        raise _Rejected("invalid_action", "invalid action ids; nothing was sent", 422,
+                        actions=id_problems)
     worker_id = hint_request.worker_id or record.worker_id
     if worker_id is None:
-        return _json_error("the session has no worker yet (send a turn first, or name "
-                           "worker_id)", 409)
+        raise _Rejected("conflict", "the session has no worker yet (send a turn first, or "
+                        "name worker_id)", 409)
     if worker_id not in runtime.workers and worker_id != record.worker_id:
-        return _json_error(f"unknown worker {worker_id!r}", 404)
+        raise _Rejected("unknown_worker", f"unknown worker {worker_id!r}", 404)
     worker = await runtime.workers.wait_heard(worker_id, _heartbeat_wait_s(runtime))
     if worker is None or worker.status is None:
-        return _no_plugin(runtime, worker_id)
+        raise _no_plugin(runtime, worker_id)
     worker_sid = record.worker_session_id
     now = time.time()
     blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)
@@ -184,16 +229,18 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                                      _target_blocks(action, blocks, worker.status.block_size),
                                      now + _held_for_s(payload, worker.status.budgets), "api"))
     if problems:
-        return _json_error("invalid hint actions; nothing was sent", 422, actions=problems)
+        raise _Rejected("invalid_action", "invalid hint actions; nothing was sent", 422,
+                        actions=problems)
     over = runtime.hints.api_budget_problem(tenant_name, tenant.budget, worker.worker_id,
                                             planned, now, record.last_block_hashes,
                                             tenant.worker_share)
     if over is not None:
-        response = _json_error(f"over budget; nothing was sent: {over}", 429)
+        # Over the per-minute rate: when a retry fits (None: never, too many in one
+        # call); 0, the rate has room: a budget (budgets have no time).
         wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)
-        if wait_s:  # over the per-minute rate: when a retry fits (budgets have no time)
-            response.headers["retry-after"] = str(math.ceil(wait_s))
-        return response
+        raise _Rejected("over_budget" if wait_s == 0 else "over_rate",
+                        f"over budget; nothing was sent: {over}", 429,
+                        {"retry-after": str(math.ceil(wait_s))} if wait_s else None)
     scopes = {action.scope for action in planned}
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))
@@ -251,7 +298,7 @@ def _heartbeat_wait_s(runtime: RouterRuntime) -> float:
     return max(started - time.time(), 0.0)
 
 
-def _no_plugin(runtime: RouterRuntime, worker_id: str) -> JSONResponse:
+def _no_plugin(runtime: RouterRuntime, worker_id: str) -> _Rejected:
     """503 for a worker with no live plugin, with when to ask again: its heartbeat interval
     where one was heard, else the plugin's default (2 s)."""
     worker = runtime.workers.get(worker_id)
@@ -261,9 +308,8 @@ def _no_plugin(runtime: RouterRuntime, worker_id: str) -> JSONResponse:
     else:
         message = f"worker {worker_id}'s kvhint plugin is silent (missed heartbeats)"
     interval = worker.status.interval_s if worker is not None and worker.status else 2.0
-    response = _json_error(message, 503)
-    response.headers["Retry-After"] = str(max(math.ceil(interval), 1))
-    return response
+    return _Rejected("no_plugin", message, 503,
+                     {"Retry-After": str(max(math.ceil(interval), 1))})
 
 
 def _scope(action: KvHintAction, worker_sid: str) -> str:

@@ -47,6 +47,9 @@ class Timeline:
                hint_counts: dict[str, int]) -> TimelinePoint:
         by_worker: dict[str, tuple[int, int]] = {}
         sums = TrafficTotals()
+        # A worker forgotten (RouterMetrics.forget_worker) is forgotten here too: one of
+        # that id heard again starts from nothing, not from below its old totals.
+        self._last = {worker: last for worker, last in self._last.items() if worker in totals}
         for worker, current in totals.items():
             last = self._last.get(worker, TrafficTotals())
             delta = TrafficTotals(

@@ -58,10 +58,18 @@ class WorkerState:
     # it has answered once.
     served_models: frozenset[str] | None = None
     added_at: float = field(default_factory=time.monotonic)
+    # A response has started, or /health answered, at this address (a move resets it,
+    # with served_models: ``requests`` is the worker's, from any address).
+    http_answered: bool = False
 
     @property
     def routable(self) -> bool:
         return self.url is not None and self.http_up
+
+    @property
+    def answered(self) -> bool:
+        """It has answered over HTTP at its current address (``/ready``)."""
+        return self.http_answered or self.served_models is not None
 
     def may_serve(self, model: str) -> bool:
         return self.served_models is None or model in self.served_models
@@ -127,7 +135,8 @@ class WorkerRegistry:
             # What belongs to the worker, not to its address, carries over (in-flight
             # requests are settled by id, on this state).
             worker = replace(worker, url=url, http_up=True, http_failures=0,
-                             last_http_error="", silent_timeouts=0, served_models=None)
+                             last_http_error="", silent_timeouts=0, served_models=None,
+                             http_answered=False)
             self._workers[worker_id] = worker
         return worker
 
@@ -181,8 +190,10 @@ class WorkerRegistry:
         worker.last_http_error = reason
 
     def mark_http_ok(self, worker: WorkerState) -> None:
+        """Its /health answered."""
         worker.http_up = True
         worker.silent_timeouts = 0
+        worker.http_answered = True
 
     def note_timeout(self, worker: WorkerState) -> int:
         """The worker held a request past request_timeout_s without sending its headers;
@@ -194,3 +205,4 @@ class WorkerRegistry:
     def note_answered(self, worker: WorkerState) -> None:
         """The worker started a response: not hung, whatever timed out before."""
         worker.silent_timeouts = 0
+        worker.http_answered = True

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.service.app import RouterApp, create_app
@@ -70,7 +72,8 @@ class StubWorker:
     """An OpenAI-shaped HTTP server whose behaviour a test sets per request."""
 
     port: int = field(default_factory=free_port)
-    # "ok" | "status:<code>" | "die_mid_stream" | "slow_stream"
+    # "ok" | "status:<code>" | "die_mid_stream" | "slow_stream" | "no_usage" (a 200 without
+    # usage, streamed or not) | "unparsable" (a 200 whose body, or an event, is not JSON)
     mode: str = "ok"
     finish_reason: str = "stop"
     tool_names: list[str] = field(default_factory=list)
@@ -157,7 +160,14 @@ class StubWorker:
             code = int(self.mode.split(":")[1])
             return web.json_response({"error": {"message": f"stub says {code}", "code": code}},
                                      status=code)
+        if self.mode == "unparsable" and not body.get("stream"):
+            return web.Response(text="{not json", content_type="application/json")
         if not body.get("stream"):
+            if self.mode == "no_usage":
+                return web.json_response({
+                    "id": "x", "object": "chat.completion", "model": "stub",
+                    "choices": [{"index": 0, "message": self._message(),
+                                 "finish_reason": self.finish_reason}]})
             return web.json_response({
                 "id": "x", "object": "chat.completion", "model": "stub",
                 "choices": [{"index": 0, "message": self._message(),
@@ -169,6 +179,8 @@ class StubWorker:
         chunks = [{"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
                   {"choices": [{"index": 0, "delta": {"content": "!"},
                                 "finish_reason": self.finish_reason}]}]
+        if self.mode == "unparsable":
+            await response.write(b"data: {not json\n\n")
         for number, chunk in enumerate(chunks):
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             if self.mode == "die_mid_stream":
@@ -178,7 +190,7 @@ class StubWorker:
             if number == 0 and self.chunk_gap_s:
                 await asyncio.sleep(self.chunk_gap_s)
         options = body.get("stream_options") or {}
-        if options.get("include_usage"):
+        if options.get("include_usage") and self.mode != "no_usage":
             await response.write(b"data: " + json.dumps(
                 {"choices": [], "usage": usage(self.prompt_tokens, 32, 2)}).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -186,6 +198,18 @@ class StubWorker:
             await asyncio.sleep(self.linger_after_done_s)
         await response.write_eof()
         return response
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[tuple[str, frozenset], float]:
+    """The router's /metrics: (sample name, its labels as items) -> value."""
+    text = (await client.get(f"{url}/metrics")).text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def sample(samples: dict[tuple[str, frozenset], float], name: str, **labels: str
+           ) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
 
 
 @pytest.fixture

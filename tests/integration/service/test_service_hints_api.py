@@ -22,8 +22,9 @@ import httpx
 import nats
 import pytest
 
-from conftest import StubWorker, router_settings, running_router
+from conftest import StubWorker, router_settings, running_router, scrape
 from feed_helpers import plugin_registered, until
+from kvhint.router.service.metrics import HINT_API_REJECTIONS
 from kvhint.schemas import (
     Amount,
     HintOutcome,
@@ -261,12 +262,20 @@ async def test_admin_parameters_are_checked_before_any_store_read(
                 ("/admin/hints", {"worker_id": "w\x00"}, "worker_id"),
                 ("/admin/sessions", {"state": "\x00", "source": "store"}, "state"),
                 ("/admin/sessions", {"source": "bogus"}, "source"),
+                # Not a session state: before, an empty list (a typo looked like "none").
+                ("/admin/sessions", {"state": "bogus"}, "state"),
+                ("/admin/sessions", {"state": "Active", "source": "store"}, "state"),
                 ("/admin/sessions/a/x%00y", {}, "session_id"),
                 ("/admin/workers/w%01", {}, "worker_id")):
             response = await client.get(f"{router.url}{path}", params=params, headers=root)
             assert response.status_code == 422, (path, params, response.text)
             assert name in response.text
         assert "internal_error" not in router.runtime.metrics.render().decode()
+        for state in ("active", "tool_gap", "ended"):
+            for source in ("memory", "store"):
+                listed = await client.get(f"{router.url}/admin/sessions", headers=root,
+                                          params={"state": state, "source": source})
+                assert listed.status_code == 200, (state, source, listed.text)
 
 
 
@@ -322,3 +331,53 @@ async def test_a_tenants_agents_may_hold_only_its_share_of_a_workers_pin_budget(
         holdings = router.runtime.hints.holdings
         assert holdings.api_on_worker("a", "w0").pinned_blocks == 2
         assert holdings.api_on_worker("b", "w0").pinned_blocks == 2
+
+
+async def test_every_refused_hints_call_is_counted_by_reason(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A hints call refused (nothing sent) counts in hint_api_rejections_total under one
+    of a fixed set of reasons; before, none was counted anywhere."""
+    tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
+                "budget": {"max_actions_per_minute": 3, "max_pinned_blocks": 2}}]
+    pin = {"actions": [{"action_type": "kv.pin", "payload": {"ttl_s": 300}}]}
+    retain_r = {"wait_s": 0, "actions": [{"action_type": "kv.retain", "action_id": "r",
+                                          "payload": {}}]}
+    retain = {"wait_s": 0, "actions": [{"action_type": "kv.retain", "payload": {}}]}
+    admin = {"authorization": "Bearer aa"}
+    async with router_with_plugin(tmp_path, nats_url, subject_prefix, stub_workers,
+                                  tenants=tenants, hints={"api_heartbeat_wait_s": 0},
+                                  max_body_bytes=4096) as (router, client, plugin):
+        for session in ("s1", "s2"):
+            await _chat(client, router.url, session, "ka")
+        router.runtime.workers.ensure("w-silent", stub_workers[1].url)  # no plugin
+        expected: dict[str, int] = {}
+
+        async def call(reason: str | None, code: int, session: str = "s1",
+                       **request: Any) -> None:
+            response = await client.post(f"{router.url}/v1/sessions/{session}/hints",
+                                         **request)
+            assert response.status_code == code, (reason, response.text)
+            if reason is not None:
+                expected[reason] = expected.get(reason, 0) + 1
+
+        await call("bad_request", 400, content=b"{not json", headers=admin)
+        await call("too_large", 413, content=b" " * 5000, headers=admin)
+        await call("unauthorized", 401, json=pin)
+        await call("forbidden", 403, json=pin, headers={"authorization": "Bearer ka"})
+        await call("unknown_session", 404, "nope", json=pin, headers=admin)
+        await call("unknown_worker", 404, json={**pin, "worker_id": "w-none"}, headers=admin)
+        await call("invalid_action", 422, json={"actions": []}, headers=admin)
+        await call("no_plugin", 503, json={**pin, "worker_id": "w-silent"}, headers=admin)
+        await call(None, 200, json=pin, headers=admin)  # 2 blocks pinned: the cap
+        await call("over_budget", 429, "s2", json=pin, headers=admin)
+        plugin.answer = False  # actions stay pending
+        await call(None, 202, json=retain_r, headers=admin)
+        await call("conflict", 409, json=retain_r, headers=admin)
+        await call(None, 202, json=retain, headers=admin)  # the third this minute
+        await call("over_rate", 429, json=retain, headers=admin)
+        samples = await scrape(client, router.url)
+        counted = {dict(labels)["reason"]: value for (name, labels), value in samples.items()
+                   if name == "kvhint_router_hint_api_rejections_total"}
+        assert {reason: value for reason, value in counted.items() if value} == expected
+        assert set(counted) == set(HINT_API_REJECTIONS)  # every reason, at 0 if unused

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
+import httpx
+import nats
 import pytest
 
-from kvhint.router.devstack.nats_server import NatsServerProcess
+from conftest import router_settings, running_router, sample, scrape
+from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
 from kvhint.router.service.nats_link import NatsLink
 from kvhint.schemas import Subjects
 
@@ -16,7 +20,8 @@ LOGGER = "kvhint.router.service.nats_link"
 
 
 async def _connected_link(url: str, errors: list[str]) -> NatsLink:
-    link = NatsLink(url, Subjects("kvhinttest.link"), on_error=errors.append, retry_s=0.1)
+    link = NatsLink(url, Subjects("kvhinttest.link"), on_error=errors.append,
+                    on_lost=lambda _count: None, retry_s=0.1)
 
     async def nothing() -> None:
         return None
@@ -53,3 +58,66 @@ async def test_a_lost_server_warns_and_the_links_own_close_does_not(
         assert await link.wait_connected(10.0)
     finally:
         await link.close()
+
+
+async def test_lost_messages_are_told_apart_from_errors_that_lost_none(
+        nats_url: str, subject_prefix: str) -> None:
+    """Before, every NATS error was one drop, ``nats_error``: a refused connect, a
+    failed setup and messages the client discarded alike, and a failed hint publish
+    was counted twice (with the caller's ``hint_unsent``). Now messages the client
+    discards (a slow consumer) are reported one by one as lost; a failed publish is left
+    to its caller; errors that lose nothing have a kind."""
+    errors: list[str] = []
+    lost: list[int] = []
+    link = NatsLink(nats_url, Subjects(subject_prefix), on_error=errors.append,
+                    on_lost=lost.append, retry_s=0.1)
+
+    async def nothing() -> None:
+        return None
+
+    link.start(nothing)
+    assert await link.wait_connected(10.0)
+    release = asyncio.Event()
+    handled: list[bytes] = []
+
+    async def stuck(msg) -> None:  # noqa: ANN001
+        handled.append(msg.data)
+        await release.wait()
+
+    publisher = await nats.connect(nats_url)
+    try:
+        subject = f"{subject_prefix}.slow"
+        # A subscription that holds one message waiting: the rest are discarded.
+        await link._nc.subscribe(subject, cb=stuck, pending_msgs_limit=1)
+        await link._nc.flush()
+        for n in range(10):
+            await publisher.publish(subject, str(n).encode())
+        await publisher.flush()
+        for _ in range(100):
+            if sum(lost) >= 8:
+                break
+            await asyncio.sleep(0.05)
+        assert sum(lost) >= 8 and len(handled) + sum(lost) <= 10  # at most one waiting
+        assert errors == []
+        # Over the server's max_payload: refused by the client, not sent.
+        assert not await link.publish(f"{subject_prefix}.big", b"x" * (8 << 20))
+        assert errors == []
+    finally:
+        release.set()
+        await publisher.close()
+        await link.close()
+
+
+async def test_a_refused_connect_is_a_nats_error_of_its_kind_not_a_drop(
+        tmp_path: Path) -> None:
+    settings = router_settings(tmp_path, [], nats_url=f"nats://127.0.0.1:{free_port()}")
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for _ in range(100):
+            samples = await scrape(client, router.url)
+            if sample(samples, "kvhint_router_nats_errors_total", kind="connect"):
+                break
+            await asyncio.sleep(0.1)
+        assert sample(samples, "kvhint_router_nats_errors_total", kind="connect") >= 1
+        assert sample(samples, "kvhint_router_nats_errors_total", kind="setup") == 0
+        assert not [labels for name, labels in samples
+                    if name == "kvhint_router_drops_total" and ("what", "nats_error") in labels]

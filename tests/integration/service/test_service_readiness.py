@@ -44,3 +44,30 @@ async def test_not_ready_with_no_worker_known(tmp_path: Path) -> None:
         ready = await client.get(f"{router.url}/ready")
         assert ready.status_code == 503
         assert ready.json()["reason"] == "no worker configured or heard from yet"
+
+
+async def test_a_worker_that_moved_is_not_ready_until_it_answers_at_its_new_address(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A worker learnt from its heartbeats served a request, then moved (a new pod
+    address). Before, its request count (the worker's, carried over) made the router
+    ready at an address that had never answered; now readiness is per address."""
+    moved_to = stub_workers[1]
+    await moved_to.stop()  # nothing answers there yet
+    settings = router_settings(tmp_path, [])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        workers = router.runtime.workers
+        workers.ensure("w0", stub_workers[0].url)  # as a heartbeat would
+        assert (await client.get(f"{router.url}/ready")).status_code == 503
+        served = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert served.status_code == 200, served.text
+        assert (await client.get(f"{router.url}/ready")).status_code == 200
+        workers.ensure("w0", moved_to.url)  # its next heartbeat names a new address
+        assert workers.get("w0").requests == 1
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["reason"] == "no worker has answered yet"
+        # It answers there: its next response makes the router ready again.
+        await moved_to.start()
+        served = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert served.status_code == 200, served.text
+        assert (await client.get(f"{router.url}/ready")).status_code == 200

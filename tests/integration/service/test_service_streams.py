@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
 
 async def _link(url: str, subjects: Subjects, **limits: Any) -> NatsLink:
-    link = NatsLink(url, subjects, on_error=lambda _m: None,
+    link = NatsLink(url, subjects, on_error=lambda _kind: None, on_lost=lambda _count: None,
                     limits=StreamLimits(**{**SMALL, **limits}), retry_s=0.1)
 
     async def nothing() -> None:

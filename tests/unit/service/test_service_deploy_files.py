@@ -116,3 +116,34 @@ def test_the_router_deployment_probes_real_paths(tmp_path: Path) -> None:
     settings = RouterSettings(database_url=f"sqlite:///{tmp_path / 'r.db'}", nats_url=None)
     paths = {getattr(route, "path", None) for route in create_app(settings).api.routes}
     assert set(probes.values()) <= paths
+
+
+# What the router's index ingestion counts that is throughput or bookkeeping, not a loss:
+# every other kvhint_router_index_ingest_total{what} is on the dashboard's Drops panel.
+_INGEST_THROUGHPUT = {
+    "stream_batches_applied", "stream_buffered", "stream_covered_by_snapshot",
+    "stream_epoch_changes", "stream_resyncs_started", "stream_resyncs_completed",
+    "stream_snapshot_pages", "stream_deaths", "adapter_batches", "adapter_events",
+    "index_stored_blocks", "index_removed_blocks", "index_cleared_workers",
+    "index_purged_workers", "index_snapshots_loaded"}
+
+
+def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
+    """Before, the panel's filter left out subject mismatches, implausible sequence
+    numbers, ignored snapshot pages, missing batches, gaps, snapshot failures, stalled
+    resyncs and events of other KV groups: messages or batches dropped, on no panel."""
+    from kvhint.router.kv_index.ingest import KvEventIngestor
+    from kvhint.router.kv_index.memory import InMemoryClusterKvIndex
+    from kvhint.router.service.runtime import _ingest_counters
+
+    index = InMemoryClusterKvIndex()
+    names = set(_ingest_counters(KvEventIngestor(index, clock=lambda: 0.0), index.stats()))
+    assert _INGEST_THROUGHPUT <= names, sorted(_INGEST_THROUGHPUT - names)
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    (drops,) = [p for p in dashboard["panels"] if p["title"].startswith("Drops")]
+    (expr,) = [t["expr"] for t in drops["targets"] if "index_ingest" in t["expr"]]
+    pattern = re.search(r'what=~\\?"(.+?)\\?"', expr).group(1).replace("\\\\", "\\")
+    shown = {name for name in names if re.fullmatch(pattern, name)}
+    assert shown == names - _INGEST_THROUGHPUT, (
+        f"losses not on the panel: {sorted(names - _INGEST_THROUGHPUT - shown)}; "
+        f"throughput on it: {sorted(shown & _INGEST_THROUGHPUT)}")

@@ -47,3 +47,21 @@ def test_a_worker_known_by_its_heartbeats_and_silent_for_long_is_forgotten() -> 
     assert registry.forget_silent(now=3000.0, after_s=3600.0) == []
     assert registry.forget_silent(now=3601.0, after_s=3600.0) == ["w1"]
     assert sorted(w.worker_id for w in registry.all()) == ["w0", "w2"]
+
+
+def test_an_answer_counts_for_the_address_it_came_from_only() -> None:
+    """``answered`` (what /ready reads): a response that started or a /health answer at
+    the worker's address; a move to a new address starts it over (its request count,
+    the worker's, carries over)."""
+    registry = WorkerRegistry([])
+    registry.on_heartbeat(msgspec.structs.replace(status("w1"), http_url="http://old"))
+    old = registry.get("w1")
+    assert not old.answered
+    registry.note_answered(old)
+    old.requests = 3
+    assert old.answered
+    registry.on_heartbeat(msgspec.structs.replace(status("w1"), http_url="http://new"))
+    new = registry.get("w1")
+    assert new is not old and new.requests == 3 and not new.answered
+    registry.mark_http_ok(new)  # its /health answered
+    assert new.answered
