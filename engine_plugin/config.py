@@ -77,6 +77,11 @@ class PluginConfig(BaseModel):
     # Transport.
     heartbeat_interval_s: float = Field(2.0, gt=0.0, le=300.0)
     event_buffer_batches: int = Field(10_000, ge=1)
+    # ...and at most this many bytes (estimated: a BlockStored carries its block's token
+    # ids, ~48 bytes each held): while NATS is down, 10,000 batches of 8k-token prefills
+    # would hold ~4.4 GB. Past either bound the oldest batches are dropped (counted,
+    # kvhint:events_dropped; the router resyncs). At least 1 MiB (a step's batch).
+    event_buffer_bytes: int = Field(256 << 20, ge=1 << 20)
     outcome_buffer: int = Field(10_000, ge=1)
     inbound_buffer: int = Field(10_000, ge=1)
     # Create the JetStream events stream when it does not exist yet.

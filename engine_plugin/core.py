@@ -17,6 +17,13 @@ from typing import Any
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
+from kvhint.engine_plugin.inbound_checks import (
+    INTERNAL_ERROR_REASON,
+    rejected,
+    too_many_hashes,
+    type_name,
+    within_pool,
+)
 from kvhint.engine_plugin.index_events import GPU, Cleared, Hit, IndexEvent, Removed
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
@@ -34,7 +41,9 @@ from kvhint.schemas import (
     DonorAdvice,
     HintOutcome,
     HoldsReleased,
+    InvalidAction,
     OutcomeStatus,
+    ParsedAction,
     Usage,
     WireDecodeError,
     WorkerStatus,
@@ -47,8 +56,12 @@ from kvhint.schemas.hints import SUPPORTED_VERSIONS
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# Inbound messages handled per scheduler step, so a flood of hints cannot stall a step.
+# Inbound messages handled per scheduler step, so a flood of hints cannot stall a step;
+# and their bytes (the work grows with the block hashes named: 64 1 MB messages took
+# ~280 ms in one step, one takes ~5-10 ms). A step takes messages until either is spent
+# (at least one); the rest wait for the next step (the engine runs one for them).
 MAX_INBOUND_PER_STEP = 64
+MAX_INBOUND_BYTES_PER_STEP = 256 << 10
 STATUS_REFRESH_S = 0.25
 # Apply-latency samples kept between two connector-stats readings; the rest are counted.
 MAX_LATENCY_SAMPLES = 10_000
@@ -116,6 +129,8 @@ class PluginCore:
         self._step_snapshot: tuple[Any, Any] | None = None
         self._event_log: list[IndexEvent] | None = None
         self._errors_logged: set[str] = set()
+        if mailbox is not None and mailbox.event_bytes_limit is None:
+            mailbox.event_bytes_limit = config.event_buffer_bytes
 
     @classmethod
     def attach(cls, kv_cache_manager: Any, config: PluginConfig | None = None, *,
@@ -154,12 +169,16 @@ class PluginCore:
         try:
             return fn(*args)
         except Exception:  # a plugin bug must never take the engine down
-            self.counters.internal_errors += 1
-            if hook not in self._errors_logged:
-                self._errors_logged.add(hook)
-                logger.exception("kvhint: error in %s (logged once; the engine continues as "
-                                 "plain vLLM)", hook)
+            self._internal_error(hook)
             return default
+
+    def _internal_error(self, hook: str) -> None:
+        """Count the exception being handled, and log it once per hook with its traceback."""
+        self.counters.internal_errors += 1
+        if hook not in self._errors_logged:
+            self._errors_logged.add(hook)
+            logger.exception("kvhint: error in %s (logged once; the engine continues as "
+                             "plain vLLM)", hook)
 
     def guarded(self, hook: str, fn: Callable[..., Any], default: Any = None
                 ) -> Callable[..., Any]:
@@ -208,7 +227,21 @@ class PluginCore:
         self._apply_pending_hits()
 
     def on_engine_events(self, events: list[Any]) -> None:
-        """Every KV event the scheduler drains passes here (via the adapter's tee)."""
+        """Every KV event the scheduler drains passes here (via the adapter's tee). The
+        batch is published under the next sequence number even when the index update
+        fails (a plugin bug: the exception goes on to the hook's guard, which counts it):
+        the router mirrors vLLM's events, not this index, and a batch never published
+        would leave no sequence gap to make it resync."""
+        try:
+            self._index_engine_events(events)
+        finally:
+            self.counters.event_batches += 1
+            self.counters.events += len(events)
+            if self.mailbox is not None:
+                self.event_seq += 1
+                self.mailbox.put_events(EventBatchOut(self.event_seq, time.time(), events))
+
+    def _index_engine_events(self, events: list[Any]) -> None:
         index, adapter, log = self.index, self.adapter, self._event_log
         removed: list[int] = []
         cleared = False
@@ -232,11 +265,6 @@ class PluginCore:
             # needs a free block): give its hold back so no budget is spent on it.
             self.executor.holds.release_gone(None if cleared else removed)
         self._apply_pending_hits()
-        self.counters.event_batches += 1
-        self.counters.events += len(events)
-        if self.mailbox is not None:
-            self.event_seq += 1
-            self.mailbox.put_events(EventBatchOut(self.event_seq, time.time(), events))
 
     def before_reset(self) -> None:
         """vLLM is about to reset its prefix cache: release our holds if they are all
@@ -261,9 +289,22 @@ class PluginCore:
     # --- hints --------------------------------------------------------------------------------
 
     def apply_hints(self, message: bytes | str | DecodedHints) -> list[HintOutcome]:
+        """One outcome per action; an action the plugin fails on (a bug: counted, logged
+        once) is answered ``rejected`` (REJECTED_INTERNAL_ERROR) and the others go on."""
         decoded = message if isinstance(message, DecodedHints) else decode_hints(message)
         self.counters.hint_messages += 1
-        return self.executor.apply(decoded)
+        if not decoded.actions:
+            return self.executor.apply(decoded)
+        return [self._submit(decoded.message_id, action) for action in decoded.actions]
+
+    def _submit(self, message_id: str, action: ParsedAction | InvalidAction) -> HintOutcome:
+        try:
+            return self.executor.submit(message_id,
+                                        within_pool(action, self.adapter.num_blocks))
+        except Exception:  # one action's bug must not cost the others their outcomes
+            self._internal_error("apply_hints")
+            return self._rejected(message_id, action.action_id, type_name(action),
+                                  INTERNAL_ERROR_REASON)
 
     def apply_advice(self, advice: bytes | str | DonorAdvice) -> HintOutcome:
         self.counters.advice_messages += 1
@@ -271,7 +312,10 @@ class PluginCore:
             try:
                 advice = decode_advice(advice)
             except WireDecodeError as exc:
-                return self._rejected_advice(advice, str(exc))
+                return self._rejected_advice(peek_advice_id(advice), str(exc))
+        problem = too_many_hashes(advice.donor_block_hashes, self.adapter.num_blocks, "advice")
+        if problem is not None:
+            return self._rejected_advice(advice.advice_id, problem)
         return self.executor.advise(advice, self.cache_namespace)
 
     def advance(self) -> list[HintOutcome]:
@@ -293,14 +337,16 @@ class PluginCore:
         if self.mailbox is not None and (message := self.take_releases()) is not None:
             self.mailbox.put_releases(message)
 
-    def _rejected_advice(self, data: bytes | str, reason: str) -> HintOutcome:
-        advice_id = peek_advice_id(data)
-        outcome = HintOutcome(message_id=advice_id, action_id=advice_id,
-                              action_type=DONOR_ACTION_TYPE,
-                              worker_id=self.identity.worker_id,
-                              status=OutcomeStatus.REJECTED, reason=reason, at=self.clock())
-        self.executor.counters.outcomes[(DONOR_ACTION_TYPE, "rejected")] += 1
-        return outcome
+    def _rejected_advice(self, advice_id: str, reason: str) -> HintOutcome:
+        return self._rejected(advice_id, advice_id, DONOR_ACTION_TYPE, reason)
+
+    def _rejected(self, message_id: str, action_id: str, action_type: str, reason: str
+                  ) -> HintOutcome:
+        """A ``rejected`` outcome the executor did not make (not remembered: a repeat is
+        applied), counted with the executor's."""
+        self.executor.counters.count(action_type, OutcomeStatus.REJECTED)
+        return rejected(self.identity.worker_id, message_id, action_id, action_type, reason,
+                        self.clock())
 
     # --- the engine loop (connector) ------------------------------------------------------------
 
@@ -310,11 +356,13 @@ class PluginCore:
         mailbox = self.mailbox
         if mailbox is not None:
             mailbox.last_engine_activity = time.monotonic()
-            handled = 0
+            handled = spent = 0
             self._step_snapshot = None
-            while handled < MAX_INBOUND_PER_STEP and (item := mailbox.take()) is not None:
+            while (handled < MAX_INBOUND_PER_STEP and spent < MAX_INBOUND_BYTES_PER_STEP
+                   and (item := mailbox.take()) is not None):
                 handled += 1
-                mailbox.put_outcomes(self._handle(item))
+                spent += len(item.data)
+                mailbox.put_outcomes(self._handle_one(item))
             self._step_snapshot = None
         outcomes = self.executor.advance()
         if mailbox is None:
@@ -343,6 +391,26 @@ class PluginCore:
         """Hand the transport the figures its heartbeat reports (scheduler thread)."""
         if self.mailbox is not None:
             self.mailbox.status = {"usage": self.status_usage(), "seq": self.event_seq}
+
+    def _handle_one(self, item: Inbound) -> list[HintOutcome]:
+        """``item``'s outcomes; when the plugin fails on it (a bug: counted, logged once),
+        its actions are answered ``rejected`` (REJECTED_INTERNAL_ERROR) and the step goes
+        on (later messages, TTLs, releases, status)."""
+        try:
+            return self._handle(item)
+        except Exception:  # one message's bug must not skip the rest of the step
+            self._internal_error(f"pump:{item.kind}")
+        if item.kind == "snapshot":
+            assert self.mailbox is not None
+            self.mailbox.put_snapshot(SnapshotOut(self.event_seq, [], [], item.reply_to, -1, 0,
+                                                  error=INTERNAL_ERROR_REASON))
+            return []
+        if item.kind == "advice":
+            advice_id = peek_advice_id(item.data)
+            return [self._rejected_advice(advice_id, INTERNAL_ERROR_REASON)]
+        decoded = item.decoded if item.decoded is not None else decode_hints(item.data)
+        return [self._rejected(decoded.message_id, a.action_id, type_name(a),
+                               INTERNAL_ERROR_REASON) for a in decoded.actions]
 
     def _handle(self, item: Inbound) -> list[HintOutcome]:
         if item.kind == "hints":

@@ -50,6 +50,7 @@ from kvhint.engine_plugin.demotion import copies_on_their_way, demotable, with_h
 from kvhint.engine_plugin.hold_records import PIN
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
+from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.prefetch import PendingPrefetch, PrefetchMixin
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.schemas import (
@@ -94,13 +95,17 @@ class _PendingDemote:
 
 @dataclass(slots=True)
 class ExecutorCounters:
-    outcomes: Counter = field(default_factory=Counter)  # (action_type, status) -> n
+    # (counted_action_type(action_type), status) -> n: bounded, whatever types come.
+    outcomes: Counter = field(default_factory=Counter)
     duplicates: int = 0
     # Answered action ids forgotten to bound the idempotency memory
     # (max_remembered_actions): a repeat of one is applied again.
     remembered_forgotten: int = 0
     # Target blocks Prefetches did not wait for because the prefetch budget was full.
     prefetch_clipped_blocks: int = 0
+
+    def count(self, action_type: str, status: OutcomeStatus) -> None:
+        self.outcomes[(counted_action_type(action_type), status.value)] += 1
 
 
 class HintExecutor(PrefetchMixin):
@@ -156,7 +161,7 @@ class HintExecutor(PrefetchMixin):
             reason = (f"malformed hints message: {decoded.error}" if decoded.error
                       else "hints message has no actions")
             outcome = self._outcome(decoded.message_id, "", "", REJECTED, reason)
-            self.counters.outcomes[("", REJECTED.value)] += 1
+            self.counters.count("", REJECTED)
             return [outcome]
         return [self.submit(decoded.message_id, action) for action in decoded.actions]
 
@@ -474,7 +479,7 @@ class HintExecutor(PrefetchMixin):
                            requested=requested, applied=applied, at=self.clock())
 
     def _remember(self, key: tuple[str, str], outcome: HintOutcome) -> None:
-        self.counters.outcomes[(outcome.action_type, outcome.status.value)] += 1
+        self.counters.count(outcome.action_type, outcome.status)
         if not key[1]:
             return
         self._memory[key] = outcome

@@ -16,12 +16,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 
 from kvhint.schemas import HintOutcome, HoldsReleased, OutcomeStatus
+from kvhint.schemas._codec import HOSTILE_INPUT_ERRORS
 
 
 @dataclass(slots=True)
@@ -39,11 +40,36 @@ class Inbound:
     decoded: Any = None
 
 
+# What a drained vLLM event holds in memory, estimated high: the event with its lists and
+# parent hash (~250 bytes), and each token id and block hash in them (an int object and
+# its list slot: 36-44 bytes); extra keys (LoRA, multimodal, cache salt: rare) are counted
+# at the same rate. A BlockStored carries its block's token ids, so a batch of an 8k-token
+# prefill holds ~0.45 MB (estimated ~0.6 MB).
+EVENT_BYTES = 320
+EVENT_ITEM_BYTES = 48
+
+
+def event_batch_bytes(events: Sequence[Any]) -> int:
+    """The memory ``events`` hold, estimated (above): what bounds the batches waiting for
+    the transport (``event_buffer_bytes``)."""
+    items = 0
+    for event in events:
+        items += (len(getattr(event, "token_ids", None) or ())
+                  + len(getattr(event, "block_hashes", None) or ())
+                  + len(getattr(event, "extra_keys", None) or ()))
+    return EVENT_BYTES * len(events) + EVENT_ITEM_BYTES * items
+
+
 @dataclass(frozen=True, slots=True)
 class EventBatchOut:
     seq: int
     ts: float
     events: list[Any]  # vLLM event objects; encoded on the transport thread
+    # Set by Mailbox.put_events: the batch's estimated size (event_batch_bytes), and the
+    # sizes of every batch put up to and including this one, so the size of what waits
+    # is read from the two ends of the queue (Mailbox.queued_event_bytes).
+    nbytes: int = 0
+    upto: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +112,7 @@ def peek_advice_id(data: bytes | str) -> str:
     """The ``advice_id`` of a (possibly malformed) advice message, or ""."""
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, *HOSTILE_INPUT_ERRORS):  # not JSON, nested too deeply
         return ""
     return str(raw.get("advice_id", "")) if isinstance(raw, dict) else ""
 
@@ -113,6 +139,10 @@ class Mailbox:
     inbound_limit: int
     outcome_limit: int
     event_batch_limit: int
+    # The most the waiting event batches may hold, by event_batch_bytes (each BlockStored
+    # carries its token ids: a count alone held GBs through a NATS outage). None: set by
+    # the PluginCore given this mailbox, from its config's ``event_buffer_bytes``.
+    event_bytes_limit: int | None = None
     # How many answered action ids (with their terminal outcome) and in-flight ids are
     # remembered; the connector passes ``max_remembered_actions``, the executor's own
     # idempotency memory, so the transport knows a repeat for as long as the engine does.
@@ -152,6 +182,8 @@ class Mailbox:
     # outcome (queued, or applied and ``deferred``; under ``lock``, bounded by
     # ``answered_limit``): a repeat that finds the inbox full is answered nothing new.
     in_flight: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # The sizes of all event batches ever put (scheduler thread; EventBatchOut.upto).
+    event_bytes_put: int = 0
 
     # --- transport side -----------------------------------------------------------------
 
@@ -252,12 +284,37 @@ class Mailbox:
         self.notify_transport()
 
     def put_events(self, batch: EventBatchOut) -> None:
-        if len(self.event_batches) >= self.event_batch_limit:
-            dropped = pop_oldest(self.event_batches)
-            if dropped is not None:  # None: the transport drained it meanwhile
-                self.drop_event_batch(dropped)
-        self.event_batches.append(batch)
+        """Queue a batch within ``event_batch_limit`` batches and ``event_bytes_limit``
+        bytes: the oldest go first, counted (the router sees the sequence gap and takes a
+        snapshot); a batch past the byte bound by itself is dropped, counted."""
+        queue, byte_limit = self.event_batches, self.event_bytes_limit
+        if byte_limit is not None:
+            nbytes = event_batch_bytes(batch.events)
+            self.event_bytes_put += nbytes
+            batch = replace(batch, nbytes=nbytes, upto=self.event_bytes_put)
+            if nbytes > byte_limit:
+                self.drop_event_batch(batch)
+                return
+        while len(queue) >= self.event_batch_limit or (
+                byte_limit is not None and self.queued_event_bytes() + batch.nbytes > byte_limit):
+            dropped = pop_oldest(queue)
+            if dropped is None:  # the transport drained it meanwhile
+                break
+            self.drop_event_batch(dropped)
+        queue.append(batch)
         self.notify_transport()
+
+    def queued_event_bytes(self) -> int:
+        """What the waiting event batches hold (event_batch_bytes; the batch the transport
+        is publishing is not counted). Read from the queue's two ends: batches leave only
+        from the head, oldest first, and one the transport fails to publish goes back
+        there; one taken by the transport between the two reads is counted still."""
+        queue = self.event_batches
+        try:
+            first, last = queue[0], queue[-1]
+        except IndexError:  # empty, or emptied by the transport meanwhile
+            return 0
+        return last.upto - first.upto + first.nbytes
 
     def put_snapshot(self, snapshot: SnapshotOut) -> None:
         self.snapshots.append(snapshot)

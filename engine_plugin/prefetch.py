@@ -71,6 +71,11 @@ class PrefetchMixin:
                   keys: list[int], handles: list[BlockHandle], requested: Amount
                   ) -> HintOutcome:
         type_ = ActionType.PREFETCH.value
+        if (earlier := self._pending.pop(action_id, None)) is not None:
+            # A repeat of a Prefetch still waiting, which the idempotency memory forgot:
+            # applied again (as any forgotten repeat), it replaces the first copy, whose
+            # share of the budget is given back (before, it was lost for good).
+            self._prefetch_waiting -= earlier.cost
         if requested.blocks and len(handles) >= requested.blocks:
             retained = self._retain_until(action_id, handles, payload.deadline_s)
             return self._outcome(message_id, action_id, type_, ACCEPTED,

@@ -40,6 +40,7 @@ from kvhint.engine_plugin.mailbox import (
     peek_advice_id,
     pop_oldest,
 )
+from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
 from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
@@ -310,8 +311,8 @@ class NatsTransport:
                         status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
             for action_id, action_type in targets], remember=False)
         with mailbox.lock:
-            self.counters.outcomes.update(
-                (action_type, OutcomeStatus.REJECTED.value) for _id, action_type in targets)
+            self.counters.outcomes.update((counted_action_type(t), OutcomeStatus.REJECTED.value)
+                                          for _id, t in targets)
 
     def _defer_if_waiting(self, item: Inbound) -> None:
         """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
@@ -327,7 +328,8 @@ class NatsTransport:
             # and a "deferred" must never follow a terminal outcome.
             outcomes = [o for o in outcomes if o.action_id not in mailbox.answered]
             outcomes = mailbox.put_deferred(outcomes)
-            self.counters.outcomes.update((o.action_type, o.status.value) for o in outcomes)
+            self.counters.outcomes.update((counted_action_type(o.action_type), o.status.value)
+                                          for o in outcomes)
         self.counters.deferred_at_once += len(outcomes)
         self._notify()
 

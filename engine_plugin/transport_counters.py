@@ -70,7 +70,8 @@ class TransportCounters:
     # bug: what it was publishing may be lost; the publisher goes on after a pause).
     internal_errors: int = 0
     # Outcomes the transport answered itself (inbox full: rejected; engine busy:
-    # deferred), by (action type, status); changed and read under the mailbox's lock.
+    # deferred), by (action type, status): the type bounded (outcome_counts: one from the
+    # wire may be any string); changed and read under the mailbox's lock.
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     def outcomes_seen(self, lock: threading.Lock) -> dict[tuple[str, str], int]:

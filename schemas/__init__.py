@@ -46,6 +46,7 @@ from kvhint.schemas.hints import (
 from kvhint.schemas.outcomes import (
     REJECTED_EXPIRED,
     REJECTED_INBOX_FULL,
+    REJECTED_INTERNAL_ERROR,
     Amount,
     HintOutcome,
     OutcomeStatus,
@@ -87,6 +88,7 @@ from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 __all__ = [
     "REJECTED_EXPIRED",
     "REJECTED_INBOX_FULL",
+    "REJECTED_INTERNAL_ERROR",
     "is_transient_rejection",
     "is_unknown_status",
     "ACTION_VERSION",

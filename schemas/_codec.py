@@ -26,6 +26,13 @@ class WireDecodeError(ValueError):
     """A message could not be decoded into its wire type; the text says where and why."""
 
 
+# What else msgspec raises on hostile input, beyond its own errors: RecursionError for
+# nesting deeper than the interpreter's limit (valid JSON of a few KB), UnicodeEncodeError
+# for a ``str`` holding lone surrogates, TypeError for input that is not bytes or str.
+# All are the sender's fault: the receiver must answer them like any malformed message.
+HOSTILE_INPUT_ERRORS: tuple[type[Exception], ...] = (RecursionError, ValueError, TypeError)
+
+
 def decode_json(data: bytes | str, type_: type[T], what: str) -> T:
     try:
         return msgspec.json.decode(data, type=type_)
@@ -33,12 +40,20 @@ def decode_json(data: bytes | str, type_: type[T], what: str) -> T:
         raise WireDecodeError(f"invalid {what}: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise WireDecodeError(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise WireDecodeError(f"{what} is nested too deeply: {exc}") from exc
+    except HOSTILE_INPUT_ERRORS as exc:
+        raise WireDecodeError(f"{what} could not be decoded: {exc}") from exc
 
 
 def convert(obj: Any, type_: type[T], what: str) -> T:
     try:
         return msgspec.convert(obj, type=type_)
     except msgspec.ValidationError as exc:
+        raise WireDecodeError(f"invalid {what}: {exc}") from exc
+    except RecursionError as exc:
+        raise WireDecodeError(f"{what} is nested too deeply: {exc}") from exc
+    except HOSTILE_INPUT_ERRORS as exc:
         raise WireDecodeError(f"invalid {what}: {exc}") from exc
 
 

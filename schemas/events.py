@@ -20,7 +20,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from kvhint.schemas._codec import U64_MAX, WireDecodeError
+from kvhint.schemas._codec import HOSTILE_INPUT_ERRORS, U64_MAX, WireDecodeError
 from kvhint.schemas.status import epoch_problem
 
 MEDIUM_GPU = "GPU"
@@ -116,9 +116,11 @@ def _decode_lenient(strict: msgspec.msgpack.Decoder, loose: msgspec.msgpack.Deco
         return batch.ts, batch.events, batch.data_parallel_rank, 0
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass
+    except HOSTILE_INPUT_ERRORS as exc:  # nested too deeply, not bytes
+        raise WireDecodeError(f"invalid KV event batch: {exc}") from exc
     try:
         lenient = loose.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, *HOSTILE_INPUT_ERRORS) as exc:
         raise WireDecodeError(f"invalid KV event batch: {exc}") from exc
     events: list[Any] = []
     unknown = 0

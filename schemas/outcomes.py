@@ -46,12 +46,16 @@ class OutcomeStatus(str, enum.Enum):
 # them (kvhint.router.policy.feedback).
 REJECTED_EXPIRED = "expired:"
 REJECTED_INBOX_FULL = "worker inbox full"
+# The worker failed on the action itself (a plugin bug, logged and counted there): it
+# says nothing of what the worker supports, and a retry may be applied.
+REJECTED_INTERNAL_ERROR = "internal error"
 # A receiver's reading of a status it does not know (see the module docstring).
 REJECTED_UNKNOWN_STATUS = "unknown status"
 
 
 def is_transient_rejection(reason: str) -> bool:
-    return reason.startswith((REJECTED_EXPIRED, REJECTED_INBOX_FULL, REJECTED_UNKNOWN_STATUS))
+    return reason.startswith((REJECTED_EXPIRED, REJECTED_INBOX_FULL, REJECTED_INTERNAL_ERROR,
+                              REJECTED_UNKNOWN_STATUS))
 
 
 def is_unknown_status(outcome: HintOutcome) -> bool:

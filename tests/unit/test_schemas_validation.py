@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
 from kvhint import schemas as s
 from kvhint.schemas import releases
-from kvhint.schemas.events import EventBatchMeta
+from kvhint.schemas.events import EventBatchMeta, EventSummaryDecoder
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 
@@ -354,3 +355,58 @@ def test_external_hash_to_int_matches_vllm_rule() -> None:
     digest = bytes(range(32))
     assert s.external_hash_to_int(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
     assert s.external_hash_to_int(12) == 12
+
+
+# --- hostile input: every decoder answers with WireDecodeError -----------------------------
+
+_DEEP = "[" * 5000 + "]" * 5000  # valid JSON; msgspec raises RecursionError decoding it
+
+
+@pytest.mark.parametrize("decode", [
+    s.decode_advice, s.decode_snapshot_request, s.decode_outcome, s.decode_releases,
+    s.decode_status, s.decode_snapshot])
+@pytest.mark.parametrize("data", [
+    ('{"x": ' + _DEEP + "}").encode(),  # deeply nested (an unknown field, or anywhere)
+    '{"x": "\ud800"}',  # a str with a lone surrogate (UnicodeEncodeError)
+    12,  # not bytes or str at all (TypeError)
+], ids=["deep", "surrogate", "not-bytes"])
+def test_hostile_input_is_a_wire_error_in_every_decoder(decode: Any, data: Any) -> None:
+    """Before, msgspec's RecursionError (and the others) escaped the decoders: a receiver
+    that catches WireDecodeError (the plugin's pump, the router's feeds) was left with an
+    exception it did not expect."""
+    with pytest.raises(s.WireDecodeError):
+        decode(data)
+
+
+def test_a_deeply_nested_hints_message_is_unusable_not_an_exception() -> None:
+    decoded = s.decode_hints(b'{"protocol_version": "1", "message_id": "m", "actions": '
+                             + _DEEP.encode() + b"}")
+    assert decoded.error is not None and "nested too deeply" in decoded.error
+    assert decoded.actions == []
+    nested = json.loads("[" * 500 + "]" * 500)  # within the limit: a normal rejection
+    (action,) = s.decode_hints(_envelope([_action("kv.pin", {"target": {"x": nested}})])).actions
+    assert isinstance(action, s.InvalidAction) and action.action_id == "a1"
+
+
+def test_a_deeply_nested_event_batch_is_a_wire_error_and_the_router_resyncs() -> None:
+    """The router's feed of a plugin's events: a batch it cannot decode makes it resync
+    that worker (before, the RecursionError escaped the ingestor), and a heartbeat it
+    cannot decode is counted as malformed."""
+    deep = b"\x93" + msgspec.msgpack.encode(1.0) + b"\x91" * 5000 + b"\x90" + b"\xc0"
+    for decoder in (s.EventBatchDecoder(), EventSummaryDecoder()):
+        with pytest.raises(s.WireDecodeError, match="invalid KV event batch"):
+            decoder.decode(deep)
+    from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, RequestSnapshot
+
+    ingestor = KvEventIngestor(InMemoryClusterKvIndex(), lambda: 1000.0)
+    ok = s.encode_event_batch(s.KVEventBatch(ts=1.0, events=[s.BlockRemoved(
+        block_hashes=[1], medium="GPU")]))
+    ingestor.on_event_message(EventBatchMeta("w0", "e1", 1).to_headers(), ok)
+    actions = ingestor.on_event_message(EventBatchMeta("w0", "e1", 2).to_headers(), deep)
+    assert [type(a) for a in actions] == [RequestSnapshot]
+    assert ingestor.on_status_message(('{"x": ' + _DEEP + "}").encode()) == []
+    assert ingestor.stats().malformed_messages == 1
+
+
+def test_an_internal_error_is_a_transient_rejection() -> None:
+    assert s.is_transient_rejection(f"{s.REJECTED_INTERNAL_ERROR} in the kvhint plugin")

@@ -8,6 +8,7 @@ the latency benchmark).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -390,6 +391,33 @@ async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
             # kvhint:hints_total counts the rejections the transport answered too.
             hints = h.connector._read_stats()[HINTS_KEY]
             assert hints == {"kv.pin|rejected": 2, "kv.pin|missing": 1}
+    finally:
+        await nc.drain()
+
+
+async def test_made_up_action_types_turned_away_by_a_full_inbox_count_under_one_key(
+        nats_url: str, subject_prefix: str) -> None:
+    """The transport counts the rejections it answers by action type; a type from the wire
+    may be any string. Before, each made-up type added a counter key for good (memory in
+    the engine, and a fold of them all at every stats read on the scheduler thread)."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, inbound_buffer=1,
+                    create_events_stream=False) as h:
+            await until(lambda: h.connector.transport.connected)
+            await nc.publish(subjects.hints("w0"), pin_message("f0"))  # fills the inbox
+            for i in range(20):
+                await nc.publish(subjects.hints("w0"), json.dumps({
+                    "protocol_version": "1", "message_id": f"m{i}", "actions": [{
+                        "action_id": f"x{i}", "action_type": f"kv.made-up-{i}",
+                        "action_version": "1.0", "payload": {}}]}).encode())
+            for _ in range(20):
+                await asyncio.wait_for(outcomes.get(), 5)
+            transport = h.connector.transport
+            seen = transport.counters.outcomes_seen(h.connector.core.mailbox.lock)
+            assert seen == {("other", "rejected"): 20}
     finally:
         await nc.drain()
 

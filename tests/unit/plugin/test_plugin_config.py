@@ -14,6 +14,7 @@ def test_defaults_run_without_nats() -> None:
     assert config.pin_budget_blocks(1000) == 100  # 10% by default
     assert config.prefetch_budget_blocks(1000) == 250  # 25% by default
     assert config.subject_prefix == "kvhint"
+    assert config.event_buffer_bytes == 256 << 20
 
 
 def test_values_from_the_dev_stack_are_accepted() -> None:
@@ -29,6 +30,7 @@ def test_values_from_the_dev_stack_are_accepted() -> None:
     ({"max_pin_ttl_s": 0}, "max_pin_ttl_s"),
     ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
     ({"event_buffer_batches": 0}, "event_buffer_batches"),
+    ({"event_buffer_bytes": 1000}, "event_buffer_bytes"),  # less than a step's batch
     ({"inbound_buffer": "many"}, "inbound_buffer"),
     ({"prefetch_budget_fraction": 1.5}, "prefetch_budget_fraction"),
     ({"snapshot_keep_blocks": 0}, "snapshot_keep_blocks"),

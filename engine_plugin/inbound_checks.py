@@ -1,0 +1,49 @@
+"""Checks the core makes on inbound actions before the executor works on them, and the
+``rejected`` outcomes it answers itself (no vLLM, no state: PluginCore calls these)."""
+
+from __future__ import annotations
+
+from kvhint.schemas import (
+    REJECTED_INTERNAL_ERROR,
+    HintOutcome,
+    InvalidAction,
+    OutcomeStatus,
+    ParsedAction,
+)
+
+# The reason of an action the plugin failed on (a bug, counted as kvhint:internal_errors
+# and logged once): transient for the router (schemas.is_transient_rejection).
+INTERNAL_ERROR_REASON = (f"{REJECTED_INTERNAL_ERROR} in the kvhint plugin (logged in the "
+                         "engine); this action may be sent again")
+
+
+def type_name(action: ParsedAction | InvalidAction) -> str:
+    return action.action_type.value if isinstance(action, ParsedAction) else action.action_type
+
+
+def too_many_hashes(hashes: list[int] | None, limit: int, what: str) -> str | None:
+    """Why naming ``hashes`` is refused on a pool of ``limit`` blocks, or None: more
+    cannot be resident, and each is looked up on the scheduler thread (a 1 MB message
+    names ~45k)."""
+    if hashes is None or len(hashes) <= limit:
+        return None
+    return (f"invalid payload: {what} names {len(hashes)} block hashes, more than the "
+            f"{limit} blocks of this worker's GPU cache (more cannot be resident)")
+
+
+def within_pool(action: ParsedAction | InvalidAction, limit: int
+                ) -> ParsedAction | InvalidAction:
+    """``action``, or an InvalidAction (answered ``rejected``) when its target names more
+    block hashes than the pool has blocks (:func:`too_many_hashes`)."""
+    if isinstance(action, ParsedAction):
+        problem = too_many_hashes(action.payload.target.block_hashes, limit, "target")
+        if problem is not None:
+            return InvalidAction(action.action_id, action.action_type.value, problem)
+    return action
+
+
+def rejected(worker_id: str, message_id: str, action_id: str, action_type: str, reason: str,
+             at: float) -> HintOutcome:
+    return HintOutcome(message_id=message_id, action_id=action_id, action_type=action_type,
+                       worker_id=worker_id, status=OutcomeStatus.REJECTED, reason=reason,
+                       at=at)
