@@ -18,6 +18,7 @@ import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
+from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord, SessionState
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
@@ -235,7 +236,7 @@ def build_admin_router() -> APIRouter:
         return worker_view(request.app.state.runtime, worker_id, principal)
 
     @router.get("/hints")
-    async def list_hints(request: Request, status: str | None = _query_name(),
+    async def list_hints(request: Request, status: HintStatus | None = None,
                          tenant: str | None = _query_name(),
                          session_id: str | None = _query_name(),
                          worker_id: str | None = _query_name(),

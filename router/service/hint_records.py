@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvhint.schemas import HintOutcome, OutcomeStatus
 
 PENDING = "pending"
 EXPIRED = "expired"
 FAILED = "failed"
+# Every status a stored action can have: the router's own three and the workers' answers.
+HintStatus = Literal["pending", "expired", "failed", "accepted", "clipped", "deferred",
+                     "rejected", "missing"]
 # An action with no terminal outcome after this long is marked expired.
 OUTCOME_DEADLINE_S = 120.0
 # Who an action is for (``SentAction.source``, the metrics' ``source`` label). Only the

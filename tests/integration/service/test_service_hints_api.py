@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import typing
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 
 from conftest import StubWorker, router_settings, running_router, scrape
 from feed_helpers import plugin_registered, until
+from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.metrics import HINT_API_REJECTIONS
 from kvhint.schemas import (
     Amount,
@@ -265,12 +267,17 @@ async def test_admin_parameters_are_checked_before_any_store_read(
                 # Not a session state: before, an empty list (a typo looked like "none").
                 ("/admin/sessions", {"state": "bogus"}, "state"),
                 ("/admin/sessions", {"state": "Active", "source": "store"}, "state"),
+                ("/admin/hints", {"status": "acepted"}, "status"),
                 ("/admin/sessions/a/x%00y", {}, "session_id"),
                 ("/admin/workers/w%01", {}, "worker_id")):
             response = await client.get(f"{router.url}{path}", params=params, headers=root)
             assert response.status_code == 422, (path, params, response.text)
             assert name in response.text
         assert "internal_error" not in router.runtime.metrics.render().decode()
+        for status in typing.get_args(HintStatus):
+            listed = await client.get(f"{router.url}/admin/hints", headers=root,
+                                      params={"status": status})
+            assert listed.status_code == 200, (status, listed.text)
         for state in ("active", "tool_gap", "ended"):
             for source in ("memory", "store"):
                 listed = await client.get(f"{router.url}/admin/sessions", headers=root,

@@ -98,3 +98,11 @@ def test_what_a_successful_response_lost_is_named() -> None:
 
 def test_the_session_states_the_admin_api_takes_are_the_registrys() -> None:
     assert set(typing.get_args(SessionState)) == {ACTIVE, TOOL_GAP, ENDED}
+
+
+def test_the_hint_status_filter_admits_every_status_an_action_can_have() -> None:
+    from kvhint.router.service.hint_records import EXPIRED, FAILED, PENDING, HintStatus
+    from kvhint.schemas import OutcomeStatus
+
+    assert set(typing.get_args(HintStatus)) == {PENDING, EXPIRED, FAILED,
+                                                 *(s.value for s in OutcomeStatus)}
