@@ -448,9 +448,11 @@ class PluginCore:
                                               request.cursor, request.limit))
 
     def has_pending_work(self) -> bool:
-        """Whether the engine should run a step even with no request (a hint is waiting,
-        or a TTL / deadline is due)."""
-        if self.mailbox is not None and self.mailbox.inbound:
+        """Whether the engine should run a step even with no request: a hint waits, a TTL
+        or deadline is due, or a status refresh a busy step skipped (woken for it)."""
+        mailbox = self.mailbox
+        if mailbox is not None and (mailbox.inbound or time.time() >= (
+                mailbox.status_refresh_at or float("inf"))):
             return True
         deadline = self.executor.next_deadline()
         return deadline is not None and self.clock() >= deadline
