@@ -54,6 +54,22 @@ def sched(num_blocks: int = 64, **extra: Any) -> HeadlessScheduler:
         connector_extra_config=config))
 
 
+@contextmanager
+def nats_plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessScheduler]:
+    """A headless scheduler whose plugin talks to NATS at ``nats_url`` as worker w0 (a
+    heartbeat every 0.2 s), shut down on exit. The tests step the engine by hand, slower
+    than a real one: no ``deferred`` answers unless asked (``defer_after_s``)."""
+    config = {"worker_id": "w0", "nats_url": nats_url, "subject_prefix": prefix,
+              "heartbeat_interval_s": 0.2, "defer_after_s": 5.0, **extra}
+    h = build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config=config))
+    try:
+        yield h
+    finally:
+        h.connector.shutdown()
+
+
 def prompt(block_ids: list[int], tail: int = 5) -> list[int]:
     return tokens_for_block_ids(block_ids, BS) + [3] * tail
 

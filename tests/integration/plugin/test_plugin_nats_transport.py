@@ -11,8 +11,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -32,6 +31,7 @@ from kvhint.engine_plugin.headless import (
     tokens_for_block_ids,
 )
 from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
+from scheduler_fixtures import nats_plugin as plugin
 from kvhint.schemas import (
     EventBatchDecoder,
     EventBatchMeta,
@@ -51,20 +51,6 @@ from kvhint.schemas import (
 )
 
 BS = 32
-
-
-@contextmanager
-def plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessScheduler]:
-    # The test steps the engine by hand, slower than a real one: no deferred unless asked.
-    config = {"worker_id": "w0", "nats_url": nats_url, "subject_prefix": prefix,
-              "heartbeat_interval_s": 0.2, "defer_after_s": 5.0, **extra}
-    h = build_scheduler(HeadlessSchedulerSpec(
-        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
-        connector_extra_config=config))
-    try:
-        yield h
-    finally:
-        h.connector.shutdown()
 
 
 def turn(h: HeadlessScheduler, session: str, ids: list[int]) -> None:

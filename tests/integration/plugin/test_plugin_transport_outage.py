@@ -19,31 +19,17 @@ from nats.js.api import StorageType, StreamConfig
 
 from kvhint.engine_plugin import transport_connect
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.engine_plugin.headless import (
-    HeadlessScheduler,
-    HeadlessSchedulerSpec,
-    build_scheduler,
-    tokens_for_block_ids,
-)
+from kvhint.engine_plugin.headless import tokens_for_block_ids
 from kvhint.engine_plugin.transport import NatsTransport
 from kvhint.router.devstack.nats_server import NatsServerProcess
+from scheduler_fixtures import nats_plugin
 from kvhint.schemas import HintOutcome, OutcomeStatus, Subjects, decode_outcome
 
 BS = 32
 
 
-@contextmanager
-def plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessScheduler]:
-    config = {"worker_id": "w0", "nats_url": nats_url, "subject_prefix": prefix,
-              "heartbeat_interval_s": 0.2, "defer_after_s": 5.0,
-              "create_events_stream": False, **extra}
-    h = build_scheduler(HeadlessSchedulerSpec(
-        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
-        connector_extra_config=config))
-    try:
-        yield h
-    finally:
-        h.connector.shutdown()
+def plugin(nats_url: str, prefix: str, **extra: Any) -> Any:
+    return nats_plugin(nats_url, prefix, create_events_stream=False, **extra)
 
 
 @contextmanager
