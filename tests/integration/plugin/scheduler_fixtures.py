@@ -70,6 +70,18 @@ def nats_plugin(nats_url: str, prefix: str, **extra: Any) -> Iterator[HeadlessSc
         h.connector.shutdown()
 
 
+def empty_blocks_first(pool: Any) -> int:
+    """How many free blocks that hold nothing lead ``pool``'s (vLLM's BlockPool) free
+    queue: an allocation takes them before any cached block, and the plugin never puts
+    cached blocks before them (they cost no hit when taken). A test that wants pressure
+    on cached blocks asks for this many blocks more."""
+    queue = pool.free_block_queue
+    count, block = 0, queue.fake_free_list_head.next_free_block
+    while block is not queue.fake_free_list_tail and block.block_hash is None:
+        count, block = count + 1, block.next_free_block
+    return count
+
+
 def prompt(block_ids: list[int], tail: int = 5) -> list[int]:
     return tokens_for_block_ids(block_ids, BS) + [3] * tail
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from scheduler_fixtures import plugin_log_lines
+from scheduler_fixtures import empty_blocks_first, plugin_log_lines
 
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
@@ -103,9 +103,10 @@ def test_demote_lets_the_gpu_copy_go_first_and_the_next_turn_loads_from_the_host
     outcome = hint(h, DemotePayload(target=Target(session_id="new")))
     assert (outcome.status.value, outcome.applied.blocks) == ("accepted", 4)
     assert plugin(h).core.executor.retained_blocks == 0  # the demote superseded the retain
-    # One more request takes its blocks from the head of the free queue: the demoted
-    # (most recent) session goes before the older one, which plain LRU would evict first.
-    turn(h, None, [100, 101, 102, 103])
+    # One more request takes its blocks from the head of the free queue, past the empty
+    # ones: the demoted (most recent) session goes before the older one, which plain LRU
+    # would evict first.
+    turn(h, None, list(range(100, 103 + empty_blocks_first(h.block_pool))))
     assert g1_tokens(h, [5, 6, 7, 8]) == 0
     assert g1_tokens(h, [1, 2, 3, 4]) == 4 * BS
     # The demoted session is still served from vLLM's host tier: its next turn computes
@@ -194,8 +195,8 @@ def test_a_demote_waits_for_copies_in_flight_then_lets_go() -> None:
     assert (done.action_id, done.status.value, done.applied.blocks) == (
         outcome.action_id, "accepted", 4)
     assert core.executor.pending_actions == 0
-    # It let the GPU copies go first, as any Demote.
-    turn(h, None, [100, 101, 102, 103])
+    # It let the GPU copies go first, as any Demote (past the empty blocks).
+    turn(h, None, list(range(100, 103 + empty_blocks_first(h.block_pool))))
     assert g1_tokens(h, [1, 2, 3, 4]) == 0
     assert turn(h, "s", [1, 2, 3, 4, 9]) == BS + 5  # served from the host tier
 
@@ -243,7 +244,8 @@ def test_demote_keeps_the_part_above_a_block_the_host_tier_lost() -> None:
     assert [core.index.is_resident(k, "CPU") for k in keys] == [False, False, True, True]
     outcome = hint(h, DemotePayload(target=Target(session_id="s")))
     assert (outcome.status.value, outcome.applied.blocks) == ("clipped", 2)
-    turn(h, None, [400, 401])  # takes the two demoted blocks off the head of the queue
+    # Takes the empty blocks, then the two demoted ones off the head of the queue.
+    turn(h, None, list(range(400, 401 + empty_blocks_first(h.block_pool))))
     assert g1_tokens(h, [1, 2, 3, 4]) == 2 * BS
     # G1 serves blocks 1-2 and the host tier 3-4: nothing of the session is recomputed.
     assert turn(h, "s", [1, 2, 3, 4, 5]) == BS + 5
@@ -253,7 +255,7 @@ def test_prefetch_of_a_demoted_session_waits_for_its_request_then_succeeds() -> 
     h = sched()
     turn(h, "s", [1, 2, 3])
     assert hint(h, DemotePayload(target=Target(session_id="s"))).status.value == "accepted"
-    turn(h, None, [100, 101, 102])
+    turn(h, None, list(range(100, 102 + empty_blocks_first(h.block_pool))))
     core = plugin(h).core
     assert core.index.has_session("s")  # its blocks are resident in G2 only
     assert not any(core.index.is_resident(k) for k in core.index.session_blocks("s"))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from scheduler_fixtures import empty_blocks_first
 
 from kvhint.engine_plugin.config import PluginConfigError
 from kvhint.engine_plugin.core import PluginCore
@@ -226,11 +227,13 @@ def test_demote_with_a_host_tier_puts_gpu_copies_first_in_line() -> None:
     assert tier.stored == set(core.index.session_blocks("new"))
     assert core.executor.retained_blocks == 0  # the demote superseded the retain
     assert "kv.demote" in core.supported_actions()
-    # The demoted (most recent) session is now evicted before the older one.
-    filler = hc.make_request(tokens_for_block_ids([100, 101, 102], BS) + [4])
+    # The demoted (most recent) session is now evicted before the older one: past the
+    # free blocks that hold nothing, the 3 demoted ones come off the head first.
+    empty = empty_blocks_first(hc.block_pool)
+    filler = hc.make_request(tokens_for_block_ids(list(range(100, 102 + empty)), BS) + [4])
     free = hc.num_free_blocks
-    hc.admit(filler)  # takes 4 blocks: 3 demoted ones come off the head first
-    assert hc.num_free_blocks == free - 4
+    hc.admit(filler)
+    assert hc.num_free_blocks == free - empty - 3
     core.sync()
     assert not core.index.session_blocks("new") or len(core.index.session_blocks("new")) < 3
     assert len(core.index.session_blocks("old")) == 3

@@ -14,6 +14,7 @@ import pytest
 from scheduler_fixtures import (
     BS,
     cached_tokens,
+    empty_blocks_first,
     flood,
     hint,
     prompt,
@@ -149,11 +150,26 @@ def test_released_session_is_evicted_before_older_untouched_sessions() -> None:
     outcome = hint(h, RetainPayload(target=Target(session_id="ended"), priority=0, ttl_s=1))
     assert outcome.status.value == "accepted"
     assert "3 free blocks only this session used now go first" in outcome.reason, outcome.reason
-    # Three more blocks of pressure: exactly what "ended" alone gave up.
-    turn(h, "new", list(range(600, 600 + h.block_pool.get_num_free_blocks() - 14 + 3)))
+    # The empty blocks and three more of pressure: exactly what "ended" alone gave up.
+    turn(h, "new", list(range(600, 602 + empty_blocks_first(h.block_pool))))
     assert cached_tokens(h, [1, 2, 20, 21, 22]) == 2 * BS
     assert cached_tokens(h, [40, 41, 42, 43]) == 4 * BS
     assert cached_tokens(h, [1, 2, 30, 31]) == 4 * BS
+
+
+def test_a_release_never_gives_up_cached_blocks_while_empty_ones_are_free() -> None:
+    """Released blocks go first among the *cached* free blocks, behind those that hold
+    nothing: with room left, a new request takes the empty ones and the released session
+    stays cached. Before, they went to the very head of vLLM's free queue and the next
+    allocation evicted them with empty blocks still free (kvhint lost hits plain LRU
+    kept whenever the pool was not full)."""
+    h = sched()
+    turn(h, "ended", [1, 2, 3])
+    outcome = hint(h, RetainPayload(target=Target(session_id="ended"), priority=0, ttl_s=1))
+    assert "3 free blocks only this session used now go first" in outcome.reason
+    assert empty_blocks_first(h.block_pool) > 10
+    turn(h, "new", list(range(600, 608)))
+    assert cached_tokens(h, [1, 2, 3]) == 3 * BS
 
 
 def test_a_newer_session_hint_supersedes_the_older_one() -> None:
