@@ -13,9 +13,11 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from kvhint.router.service.settings import RouterSettings
 
 
@@ -74,10 +76,21 @@ def serve(settings: RouterSettings) -> int:
     if problem := store_unreachable(settings.database_url, settings.store_connect_timeout_s):
         print(f"kvhint router: {problem}", file=sys.stderr)
         return 1
-    app = create_app(settings)
-    # uvloop + httptools when installed (they are with uvicorn[standard] / vLLM): the
-    # proxy's added latency is a benchmark target.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, loop="auto", http="auto", timeout_keep_alive=60,
-                proxy_headers=False, server_header=False)
+    uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()
     return 0
+
+
+def uvicorn_config(app: Any, settings: RouterSettings) -> uvicorn.Config:
+    """How the router's HTTP server runs. uvloop when installed; h11, not httptools,
+    for its bound on a request's headers (httptools buffers headers of any size: the
+    fix vLLM made for GHSA-rxc4-3w6r-4v47)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=False, loop="auto", http="h11",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.http_keep_alive_s,
+        timeout_graceful_shutdown=settings.http_shutdown_grace_s,
+        limit_concurrency=settings.http_max_concurrency,
+        proxy_headers=False, server_header=False)

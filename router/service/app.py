@@ -80,8 +80,10 @@ def create_app(settings: RouterSettings) -> RouterApp:
         finally:
             await runtime.stop()
 
+    docs = settings.api_docs  # off by default: swagger-ui comes from a CDN
     app = FastAPI(title="kvhint router", version="0.1.0", lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     # Also known to FastAPI (a GET gets 405, not 404); POSTs never reach these.
     app.router.add_route("/v1/chat/completions", _chat, methods=["POST"])
     app.router.add_route("/v1/completions", _completions, methods=["POST"])

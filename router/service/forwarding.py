@@ -440,7 +440,7 @@ class Forwarder:
             ok = 200 <= status < 300 and observation.prompt_tokens is not None
             await self._lifecycle.finished(flight.record, flight.worker_id or "",
                                            observation if ok else None,
-                                           flight.inbound.session_end)
+                                           flight.inbound.session_end, 200 <= status < 300)
 
 
 def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:

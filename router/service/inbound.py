@@ -89,6 +89,9 @@ class InboundRequest:
     session_end: bool
     # The body to forward (already carrying session_id and cache_salt).
     body: dict[str, Any]
+    # Bytes of the body as received: bounds the prompt's tokens from above whatever its
+    # shape (what decides where, and whether, it is hashed: routing_service.py).
+    raw_size: int = 0
 
     @property
     def worker_session_id(self) -> str | None:
@@ -191,6 +194,7 @@ def parse_inbound(
         strip_usage_chunk=strip_usage,
         session_end=_truthy(header_session_end),
         body=body,
+        raw_size=len(raw_body),
     )
 
 

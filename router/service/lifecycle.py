@@ -55,7 +55,14 @@ from kvhint.router.policy import (
 from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
-from kvhint.router.service.sessions import ACTIVE, ENDED, TOOL_GAP, SessionRecord, SessionRegistry
+from kvhint.router.service.sessions import (
+    ACTIVE,
+    ENDED,
+    MAX_GAPS_KEPT,
+    TOOL_GAP,
+    SessionRecord,
+    SessionRegistry,
+)
 from kvhint.schemas import (
     HintOutcome,
     HintOwner,
@@ -73,12 +80,14 @@ class SessionLifecycle:
                  on_end: Callable[[str, str], None] | None = None,
                  load_session: Callable[[str, str], Awaitable[dict[str, Any] | None]]
                  | None = None,
-                 index_exact: Callable[[str], bool] | None = None) -> None:
+                 index_exact: Callable[[str], bool] | None = None,
+                 max_prompt_blocks: int | None = None) -> None:
         """``on_end(tenant, session_id)``: told of every end (the trace recorder).
         ``load_session(tenant, session_id)``: the session's stored row, or None (the
         store), asked by :meth:`recall`. ``index_exact(worker_id)``: whether the cluster
         index's view of the worker is exact now (``KvEventIngestor.view_exact``); None:
-        always (no index feed to ask)."""
+        always (no index feed to ask). ``max_prompt_blocks``: the most block hashes a
+        session keeps of its last prompt (the longest prompt the workers take)."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -89,6 +98,7 @@ class SessionLifecycle:
         self._on_end = on_end
         self._load_session = load_session
         self._index_exact = index_exact
+        self._max_prompt_blocks = max_prompt_blocks
 
     async def recall(self, tenant: str, session_id: str) -> None:
         """Before a turn of a session not in memory: when the registry is not complete
@@ -110,6 +120,7 @@ class SessionLifecycle:
             record.gaps.append({"tools": gap.get("tools", []),
                                 "seconds": round(now - gap.get("started_at", now), 3),
                                 "depth": record.turns})
+            del record.gaps[:-MAX_GAPS_KEPT]  # the stored row keeps as many
             record.open_gap = None
         record.state = ACTIVE
         record.ended_at = None
@@ -134,7 +145,7 @@ class SessionLifecycle:
         record.worker_id = worker_id
         record.turns += 1
         record.predicted_cached_tokens += predicted_cached
-        record.last_block_hashes = block_hashes
+        record.last_block_hashes = block_hashes[:self._max_prompt_blocks]
         if record.state == ENDED:  # ended while this turn was on its way: plan nothing
             self.sessions.save(record)
             return
@@ -145,8 +156,15 @@ class SessionLifecycle:
         self.sessions.save(record)
 
     async def finished(self, record: SessionRecord, worker_id: str,
-                       observation: ResponseObservation | None, session_end: bool) -> None:
+                       observation: ResponseObservation | None, session_end: bool,
+                       answered: bool = True) -> None:
+        """``answered``: the worker took the prompt (2xx); a refused one's block hashes
+        are not kept (the session keeps those of its last answered prompt)."""
         now = self._clock()
+        if answered:
+            record.answered_block_hashes = record.last_block_hashes
+        else:
+            record.last_block_hashes = record.answered_block_hashes
         record.inflight = max(record.inflight - 1, 0)
         record.last_activity = now
         if observation is not None and observation.prompt_tokens is not None:

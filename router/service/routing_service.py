@@ -4,10 +4,14 @@ body, the index and the load bookkeeping are in memory.
 
 Hashing a long prompt is tens of milliseconds of tokenizer work (63k tokens: ~45 ms); on
 the event loop it would stall every other request's stream for that long. A prompt
-estimated at ``hash_thread_min_tokens`` or more is hashed on ``hash_executor`` (the
-runtime's one hashing thread; the Rust tokenizer releases the GIL while it encodes, see
-``PromptRenderer._encode``, and ``RequestHasher`` is thread-safe); shorter ones inline,
-where a thread hop would cost more than it saves. The index, the loads and ``route()``
+estimated at ``hash_thread_min_tokens`` or more, or whose body is over
+``hash_inline_max_bytes`` (text in fields the estimate does not count, or a million empty
+messages, renders to many tokens: a body has about as many bytes as its prompt has tokens,
+or more), is hashed on ``hash_executor`` (the runtime's one hashing thread; the Rust
+tokenizer releases the GIL while it encodes, see ``PromptRenderer._encode``, and
+``RequestHasher`` is thread-safe); shorter ones inline, where a thread hop would cost more
+than it saves. A prompt surely longer than ``max_prompt_tokens`` (the workers refuse it) is
+not hashed at all: routed without hashes, counted. The index, the loads and ``route()``
 stay on the loop.
 
 Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
@@ -52,6 +56,9 @@ RECENT_HALF_LIFE_S = 120.0
 # Rough tokens-per-character when the prompt cannot be tokenized (unknown model).
 log = logging.getLogger(__name__)
 _CHARS_PER_TOKEN = 4
+# A prompt has at least one token per this many body bytes (JSON-escaped text runs about
+# 3-6 bytes a token): a body over ``max_prompt_tokens`` times this is surely too long.
+_MAX_BYTES_PER_TOKEN = 8
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -96,6 +103,8 @@ class RoutingService:
     # Long prompts are hashed here, off the event loop (None: always inline).
     hash_executor: Executor | None = None
     hash_thread_min_tokens: int = RoutingSettings.model_fields["hash_thread_min_tokens"].default
+    hash_inline_max_bytes: int = RoutingSettings.model_fields["hash_inline_max_bytes"].default
+    max_prompt_tokens: int = RoutingSettings.model_fields["max_prompt_tokens"].default
     _rng: random.Random = field(init=False)
     _loads: dict[str, _Load] = field(default_factory=dict)
     _seq: int = 0
@@ -182,11 +191,13 @@ class RoutingService:
         body: dict[str, Any] = inbound.body
         if "model" not in body and self.default_model is not None:
             body = {**body, "model": self.default_model}
+        if self._surely_too_long(inbound):
+            self.metrics.drop("prompt_hashing:over_max_length")
+            return None
         config = self._hash_config(candidates)  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
-            if (self.hash_executor is not None
-                    and _estimate_tokens(inbound) >= self.hash_thread_min_tokens):
+            if self.hash_executor is not None and not self.hash_inline(inbound):
                 hashes = await asyncio.get_running_loop().run_in_executor(
                     self.hash_executor, _hash_body, hasher, inbound.endpoint, body, config)
             else:
@@ -199,7 +210,24 @@ class RoutingService:
             self.metrics.drop("prompt_hashing:internal_error")
             return None
         self.metrics.hashing.observe(time.perf_counter() - started)
+        if hashes is not None and hashes.num_tokens > self.max_prompt_tokens:
+            self.metrics.drop("prompt_hashing:over_max_length")
+            return None
         return hashes
+
+    def hash_inline(self, inbound: InboundRequest) -> bool:
+        """Whether ``inbound`` is short enough to hash on the event loop: a small body
+        (bytes bound its tokens whatever its shape) whose estimate is under the threshold."""
+        return (inbound.raw_size <= self.hash_inline_max_bytes
+                and _estimate_tokens(inbound) < self.hash_thread_min_tokens)
+
+    def _surely_too_long(self, inbound: InboundRequest) -> bool:
+        """Longer than the workers take whatever the tokenizer says: not worth hashing."""
+        limit = self.max_prompt_tokens
+        if inbound.raw_size > limit * _MAX_BYTES_PER_TOKEN:
+            return True
+        messages = inbound.messages
+        return isinstance(messages, list) and len(messages) > limit  # >= 1 token each
 
     def _hash_config(self, candidates: Sequence[WorkerState]) -> HashConfig:
         """How the workers that may take the request hash blocks (block size, seed):
@@ -277,6 +305,7 @@ def _estimate_tokens(inbound: InboundRequest) -> int:
         chars = 0
         for message in inbound.messages or ():
             chars += len(str(message.get("content") or ""))
+            chars += len(str(message.get("role") or ""))
             if message.get("tool_calls"):
                 chars += len(_json_encode(message["tool_calls"]))
         for key in ("tools", "documents"):

@@ -170,6 +170,7 @@ class RouterRuntime:
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
             load_session=lambda tenant, sid: _stored_session(engine, metrics, tenant, sid),
+            max_prompt_blocks=-(-settings.routing.max_prompt_tokens // settings.block_size),
             # Without NATS nothing feeds the index: its (empty) view says nothing either way.
             index_exact=ingestor.view_exact if link is not None else None)
 
@@ -189,7 +190,9 @@ class RouterRuntime:
                                  seed=settings.routing.seed,
                                  default_model=next(iter(models), None),
                                  hash_executor=hash_executor,
-                                 hash_thread_min_tokens=settings.routing.hash_thread_min_tokens)
+                                 hash_thread_min_tokens=settings.routing.hash_thread_min_tokens,
+                                 hash_inline_max_bytes=settings.routing.hash_inline_max_bytes,
+                                 max_prompt_tokens=settings.routing.max_prompt_tokens)
         prober = HealthProber(workers, pool, settings.health_probe_s)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later, recorder=recorder,

@@ -23,7 +23,7 @@ TOOL_GAP = "tool_gap"
 ENDED = "ended"
 # Every state a session is in (the admin API refuses any other with a 422).
 SessionState = Literal["active", "tool_gap", "ended"]
-_MAX_GAPS_KEPT = 32
+MAX_GAPS_KEPT = 32  # closed tool gaps a session keeps (in memory and stored)
 # How far past the least recently opened session eviction looks for an ended one.
 _EVICTION_LOOKAHEAD = 64
 _STATE_OF = attrgetter("state")
@@ -51,6 +51,9 @@ class SessionRecord:
     # Block hashes of the last routed prompt (memory only): what the admin API checks
     # against the index for "resident blocks per tier".
     last_block_hashes: tuple[int, ...] = ()
+    # The hashes of the last prompt a worker answered (2xx): what last_block_hashes goes
+    # back to when a turn is refused (memory only; usually the same tuple).
+    answered_block_hashes: tuple[int, ...] = ()
     # When plan_idle last reviewed the session (memory only): the next review is due at
     # next_idle_review(config, plan, max(this, the gap's opening)).
     idle_reviewed_at: float | None = None
@@ -74,7 +77,7 @@ class SessionRecord:
             "ended_at": self.ended_at,
             "state": self.state,
             "open_gap": self.open_gap,
-            "tool_gap_stats": {"gaps": self.gaps[-_MAX_GAPS_KEPT:]},
+            "tool_gap_stats": {"gaps": self.gaps[-MAX_GAPS_KEPT:]},
             "plan": self.plan.to_dict(),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

@@ -178,6 +178,8 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
                         exc.status) from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _Rejected("bad_request", f"invalid hints request: {exc}", 400) from None
+    except RecursionError:  # msgspec gives up around 1,000 levels of nesting
+        raise _Rejected("bad_request", "hints request is nested too deeply", 400) from None
     except ClientDisconnect:
         raise _Rejected("client_gone", "the client left while sending its body",
                         499) from None

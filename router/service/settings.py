@@ -127,6 +127,15 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # every other request's stream for tens of ms); shorter ones inline, where the thread
     # hop costs more than it saves. 0: every prompt on the thread.
     hash_thread_min_tokens: int = Field(2048, ge=0)
+    # A body over this many bytes is always hashed on the thread, whatever its estimate
+    # (text in odd fields or a million empty messages renders to many more tokens than
+    # the estimate counts; a body has at least about as many bytes as its prompt tokens).
+    hash_inline_max_bytes: int = Field(8192, ge=0)
+    # The longest prompt (tokens) the workers take: set it to the models' --max-model-len.
+    # Longer prompts are routed without prefix hashes (vLLM refuses them anyway; counted
+    # as prompt_hashing:over_max_length), and a session keeps at most this many tokens
+    # of block hashes.
+    max_prompt_tokens: int = Field(131072, ge=1)
     # How long (s) an ended or idle session stays in memory before it is forgotten.
     session_forget_s: float = Field(3600.0, gt=0)
     seed: int = 0
@@ -254,7 +263,20 @@ class RouterSettings(BaseSettings):
     # Worker HTTP health probe period (s) for workers marked down.
     health_probe_s: float = Field(2.0, gt=0)
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # The client-facing HTTP server (h11: httptools bounds no header's size). A request
+    # line plus headers over this many bytes is refused and its connection closed.
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    # How long an idle client connection is kept open between requests (s).
+    http_keep_alive_s: float = Field(60.0, gt=0)
+    # On shutdown, connections still open after this long (s) are closed (a client that
+    # never finishes its request would otherwise hold the shutdown forever).
+    http_shutdown_grace_s: float = Field(30.0, gt=0)
+    # Connections and requests at once; over it a request is answered 503. None: no cap.
+    http_max_concurrency: int | None = Field(10_000, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # Serve /docs, /redoc and /openapi.json (swagger-ui and redoc load from a CDN, on the
+    # origin where the dashboard keeps its admin key): off unless asked for.
+    api_docs: bool = False
 
     @field_validator("workers", mode="before")
     @classmethod

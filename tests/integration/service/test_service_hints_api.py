@@ -369,6 +369,9 @@ async def test_every_refused_hints_call_is_counted_by_reason(
                 expected[reason] = expected.get(reason, 0) + 1
 
         await call("bad_request", 400, content=b"{not json", headers=admin)
+        deep = b"[" * 1500 + b"1" + b"]" * 1500  # msgspec's RecursionError: was a 500
+        await call("bad_request", 400, content=b'{"actions": [{"action_type": "kv.pin", '
+                   b'"payload": {"x": ' + deep + b"}}]}", headers=admin)
         await call("too_large", 413, content=b" " * 5000, headers=admin)
         await call("unauthorized", 401, json=pin)
         await call("forbidden", 403, json=pin, headers={"authorization": "Bearer ka"})
