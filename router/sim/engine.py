@@ -10,10 +10,15 @@ simulation's; the only randomness is a seeded ``random.Random``.
 
 Events, in time order (ties: arrival order of scheduling): a request *arrives* (route,
 plan the turn, queue it), a *prefill ends* (first token; the next queued prompt is
-admitted), a *response ends* (free, plan the gap), an idle *review* (plan_idle), a
-*session end* through the sessions API (a trace's end line), and a periodic *tick*
-(plugin TTL expiry, the outcome feedback of deferred actions and, as the live router's
-tick does, the shared-prefix scan). With the ``scheduler`` engine
+admitted), a *response ends* (free, plan the gap), a worker's *hold deadline* (its
+plugin's next claim expiry or deferred action's deadline: live, the plugin advances at
+every engine step, so a hold ends at its TTL and a prompt it kept out is admitted then),
+an idle *review* (plan_idle), a *session end* through the sessions API (a trace's end
+line), and a periodic *tick* (the router's ledger expiry, plugin expiry and deferred
+outcomes again, and, as the live router's tick does, the shared-prefix scan). ``route()``
+sees the router's own load figures, kept as the live RoutingService keeps them:
+``active_blocks`` is the prompt blocks of every request routed to the worker and not yet
+ended (queued ones included, decode blocks not counted). With the ``scheduler`` engine
 (:class:`~kvhint.router.sim.scheduler_worker.SchedulerSimWorker`) a *step ends* instead
 of prefills and decodes: first tokens out, responses ended, the next step scheduled.
 """
@@ -75,7 +80,8 @@ __all__ = ["ENGINES", "POLICIES", "SimConfig", "Simulation", "run_policy"]
 U64_MASK = (1 << 64) - 1
 
 # Event kinds, ordered for equal times: work that frees capacity first.
-_STEP_END, _DECODE_DONE, _PREFILL_DONE, _REVIEW, _SESSION_END, _TICK, _ARRIVAL = range(7)
+(_STEP_END, _DECODE_DONE, _PREFILL_DONE, _HOLD_DEADLINE, _REVIEW, _SESSION_END, _TICK,
+ _ARRIVAL) = range(8)
 
 
 ProgressFn = Callable[[int, int], None]
@@ -115,7 +121,13 @@ class Simulation(HintLoop):
         # Per worker: computed prompt tokens routed there and new sessions placed there,
         # decayed, kept exactly as the live router's RoutingService keeps them.
         self._recent: dict[str, RecentLoad] = {}
+        # Per worker: the router's active_blocks, kept as RoutingService keeps it
+        # (dispatched / finished): the prompt blocks of every request routed there and not
+        # yet ended, queued ones included, decode blocks not counted.
+        self._routed_blocks: dict[str, int] = {}
         self._heap: list[tuple[float, int, int, Any]] = []
+        # Per worker: the time of the earliest hold-deadline event on the heap.
+        self._deadline_at: dict[str, float] = {}
         # Ticks run on a grid: tick k at k * tick_s (k >= 1). The index of the tick being
         # handled, and of one at which the unskipped schedule runs a shared-prefix scan
         # (the first tick does: SharedPrefixRetains starts due); see _next_tick.
@@ -147,6 +159,7 @@ class Simulation(HintLoop):
                 host_tier=worker.host is not None,
                 evict_rest_first=evict_rest_supported(core.supported_actions()))
             self._recent[worker_id] = RecentLoad(config.recent_half_life_s)
+            self._routed_blocks[worker_id] = 0
             self.result.computed_by_worker[worker_id] = 0
 
     def _clock(self) -> float:
@@ -184,6 +197,29 @@ class Simulation(HintLoop):
                 index, target, self._scan_tick, tick_s, self.config.planner.shared_prefix_scan_s)
         return max(target, following)
 
+    # -- hold deadlines ---------------------------------------------------------------------------
+
+    def _arm_deadline(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        """Wake the worker when its plugin next has work of its own (a hold's TTL, a
+        Prefetch's or a waiting Demote's deadline): live, the plugin advances at every
+        engine step, so a hold ends at its TTL, not at the simulation's next tick."""
+        deadline = worker.core.executor.next_deadline()
+        if deadline is None or not math.isfinite(deadline):
+            return
+        armed = self._deadline_at.get(worker.worker_id)
+        if armed is not None and armed <= deadline:
+            return
+        at = max(deadline, self.now)
+        self._deadline_at[worker.worker_id] = at
+        self._push(at, _HOLD_DEADLINE, worker.worker_id)
+
+    def _on_hold_deadline(self, worker_id: str) -> None:
+        if self._deadline_at.get(worker_id, math.inf) <= self.now:
+            del self._deadline_at[worker_id]
+        worker = self.workers[worker_id]
+        self._advance_worker(worker)
+        self._arm_deadline(worker)
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _push(self, at: float, kind: int, payload: Any) -> None:
@@ -205,6 +241,7 @@ class Simulation(HintLoop):
             _DECODE_DONE: self._on_decode_done,
             _PREFILL_DONE: self._on_prefill_done,
             _REVIEW: self._on_review,
+            _HOLD_DEADLINE: self._on_hold_deadline,
             _SESSION_END: self._on_session_end,
         }
         heap = self._heap
@@ -260,8 +297,20 @@ class Simulation(HintLoop):
                              request.tenant)
         job = Job(request, session_key, vllm_request, hashes, decision.worker_id,
                   decision.predicted_cached_tokens, predicted_computed, self.now)
+        self._routed_blocks[decision.worker_id] += self._prompt_blocks(job)
         worker.enqueue(job)
+        self._take_dropped(worker)
         self._try_start(worker)
+
+    def _prompt_blocks(self, job: Job) -> int:
+        return -(-job.request.input_length // self.config.block_size)
+
+    def _take_dropped(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        """Requests the worker refused end for the router (RoutingService.finished)."""
+        if worker.dropped:
+            for job in worker.dropped:
+                self._routed_blocks[worker.worker_id] -= self._prompt_blocks(job)
+            worker.dropped.clear()
 
     def _route(self, request: TraceRequest, session_key: str, hashes: tuple[int, ...]):
         overlaps: dict[str, Overlap] = {}
@@ -274,7 +323,7 @@ class Simulation(HintLoop):
             recent = self._recent[w.worker_id]
             recent.decay_to(self.now)
             loads.append(WorkerLoad(w.worker_id, active_requests=w.active_requests,
-                                    active_blocks=w.active_blocks,
+                                    active_blocks=self._routed_blocks[w.worker_id],
                                     pending_prefill_tokens=w.pending_prefill_tokens,
                                     recent_prefill_tokens=recent.prefill_tokens,
                                     recent_sessions=recent.sessions))
@@ -295,6 +344,7 @@ class Simulation(HintLoop):
             return
         started = worker.start_prefill(self.now)
         self._take_releases(worker)  # the allocation may have relieved retained blocks
+        self._take_dropped(worker)
         if started is None:
             return
         job, done_at = started
@@ -340,6 +390,7 @@ class Simulation(HintLoop):
     def _response_ended(self, job: Job) -> None:
         """The response is out and its request freed: the planner's turn."""
         request = job.request
+        self._routed_blocks[job.worker_id] -= self._prompt_blocks(job)
         if request.output_length > 1:
             self.result.itls_s.append((self.now - job.first_token_s) / (request.output_length - 1))
         if self.hints_on:

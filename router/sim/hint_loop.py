@@ -9,7 +9,9 @@ so the event loop and this side share one set of fields and the simulation's res
 stay what they were before the split). Contract with the engine: it owns the fields
 annotated below (``Simulation.__init__`` sets them), pushes idle reviews on the engine's
 heap (``_push_review``) and hands them back to :meth:`HintLoop._on_review`, and calls
-``_try_start`` on a worker after hints may have freed blocks a waiting prompt needs.
+``_try_start`` on a worker after hints may have freed blocks a waiting prompt needs, and
+``_arm_deadline`` after hints, so the engine wakes the worker at its plugin's next
+deadline (a hold's TTL).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class HintLoop:
 
     def _try_start(self, worker: SimWorker | SchedulerSimWorker) -> None:
         raise NotImplementedError  # the engine's admission
+
+    def _arm_deadline(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        raise NotImplementedError  # the engine's wake-up at the worker's next hold deadline
 
     def _scan_could_act(self) -> bool:
         """Whether a shared-prefix scan now has any session to count (else it sends
@@ -155,6 +160,7 @@ class HintLoop:
             self._on_outcomes(worker.core.apply_hints(message))
             self._take_releases(worker)
             worker.sync()
+            self._arm_deadline(worker)
             # Hints may have released blocks a waiting prompt needs.
             self._try_start(worker)
 
@@ -191,11 +197,16 @@ class HintLoop:
         if self.hints_on:
             self._retain_shared_prefixes()
         for worker in self.workers.values():
-            outcomes = worker.core.advance()
-            worker.sync()
-            if outcomes:
-                self._on_outcomes(outcomes)
-            self._try_start(worker)
+            self._advance_worker(worker)
+
+    def _advance_worker(self, worker: SimWorker | SchedulerSimWorker) -> None:
+        """The plugin's TTL expiry and deferred outcomes at ``now``, then admission (an
+        ended hold may leave room for a waiting prompt)."""
+        outcomes = worker.core.advance()
+        worker.sync()
+        if outcomes:
+            self._on_outcomes(outcomes)
+        self._try_start(worker)
 
     def _retain_shared_prefixes(self) -> None:
         """The live lifecycle's scan (router/service/lifecycle.py), on the tick."""

@@ -96,17 +96,13 @@ class SchedulerSimWorker:
         self.jobs: dict[str, Job] = {}
         self.counters = WorkerCounters()
         self.pending_prefill_tokens = 0
+        # Jobs refused since the engine last took them (the router hears of their end).
+        self.dropped: list[Job] = []
         self._in_step: Any = None  # the SchedulerOutput of the step in flight
 
     @property
     def active_requests(self) -> int:
         return len(self.jobs)
-
-    @property
-    def active_blocks(self) -> int:
-        """Blocks the running requests occupy (the router's load signal)."""
-        size = self.block_size
-        return sum(-(-r.num_computed_tokens // size) for r in self.engine.scheduler.running)
 
     def make_request(self, prompt_token_ids: list[int], session_key: str,
                      output_tokens: int) -> Any:
@@ -121,6 +117,7 @@ class SchedulerSimWorker:
         request = job.request
         if request.input_length + max(request.output_length, 1) > self.max_model_len:
             self.counters.dropped_too_large += 1
+            self.dropped.append(job)
             return
         self.jobs[job.vllm_request.request_id] = job
         self.pending_prefill_tokens += job.predicted_computed_tokens
@@ -132,23 +129,32 @@ class SchedulerSimWorker:
         if self._in_step is not None or not self.jobs:
             return None
         scheduler = self.engine.scheduler
-        out = scheduler.schedule()
-        self.counters.preemptions += len(out.preempted_req_ids)
-        admitted = []
+        admitted: list[Job] = []
+        retried = False
         prefill_tokens = host_tokens = 0
-        for request_id, tokens in out.num_scheduled_tokens.items():
-            if tokens > 1:  # a prompt chunk (or a preempted request's recompute)
-                prefill_tokens += tokens
-            job = self.jobs[request_id]
-            if not job.admitted:
-                self._admit(job, now)
-                admitted.append(job)
-                host_tokens += job.g2_hit_tokens
-        self._sync()
-        if out.total_num_scheduled_tokens == 0:
+        while True:
+            out = scheduler.schedule()
+            self.counters.preemptions += len(out.preempted_req_ids)
+            for request_id, tokens in out.num_scheduled_tokens.items():
+                if tokens > 1:  # a prompt chunk (or a preempted request's recompute)
+                    prefill_tokens += tokens
+                job = self.jobs[request_id]
+                if not job.admitted:
+                    self._admit(job, now)
+                    admitted.append(job)
+                    host_tokens += job.g2_hit_tokens
+            self._sync()
+            if out.total_num_scheduled_tokens:
+                break
+            self.engine.complete(out)
+            if not retried and scheduler.finished_recving_kv_req_ids:
+                # A host load vLLM started in this schedule() finished at its end (the
+                # loads are reported done at once): its request runs in the next step,
+                # now, not at the simulation's next tick.
+                retried = True
+                continue
             # Nothing fits (holds or running requests fill the pool): wait for a kick.
             self.counters.admission_waits += 1
-            self.engine.complete(out)
             return None
         self._in_step = out
         return self.timing.step_s(prefill_tokens, host_tokens), admitted

@@ -11,11 +11,14 @@ beside it, and KV held from admission until the response ends.
 Approximations (the same for every policy): a request's decode tokens are allocated in
 one step when its prefill ends; they are unique tokens, so they are never reused (trace
 blocks name prompts only); when the pool cannot hold the next prompt, the queue waits for
-a running request to finish (no preemption).
+a running request to finish or a hold to end (no preemption). A request is dropped only
+when vLLM would refuse it (prompt plus output longer than the pool, max_model_len), or
+when nothing can ever make room (nothing running, no hold with a finite end).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,7 +116,8 @@ class SimWorker:
         self.decoding: dict[str, Job] = {}
         self.counters = WorkerCounters()
         self.pending_prefill_tokens = 0
-        self.active_blocks = 0
+        # Jobs dropped since the engine last took them (the router hears of their end).
+        self.dropped: list[Job] = []
         # The headless manager is built with max_model_len = the whole pool.
         self.max_model_len = int(cache.manager.max_model_len)
 
@@ -140,18 +144,18 @@ class SimWorker:
         if job.request.input_length + job.request.output_length > self.max_model_len:
             # vLLM refuses such a request outright (longer than max_model_len).
             self.queue.popleft()
-            self.pending_prefill_tokens -= job.predicted_computed_tokens
-            self.counters.dropped_too_large += 1
+            self._dropped(job)
             return self.start_prefill(now)
         hit = self.cache.admit(job.vllm_request)
         if hit is None:
-            if not self.decoding:
-                # Nothing will ever free: the prompt cannot fit this pool (with holds).
+            if not self.decoding and not self._holds_will_end():
+                # Nothing will ever free: no running request, no hold with an end.
                 self.queue.popleft()
-                self.pending_prefill_tokens -= job.predicted_computed_tokens
-                self.counters.dropped_too_large += 1
+                self._dropped(job)
                 self._sync()
                 return self.start_prefill(now)
+            # Wait for a running request to end or a hold to expire (the engine retries
+            # on each event: a response's end, the next hold deadline, a hint, a tick).
             self.counters.admission_waits += 1
             self._sync()
             return None
@@ -173,8 +177,17 @@ class SimWorker:
         self._sync()
         self.counters.admit(job, now, hit, host_tokens)
         self.prefilling = job
-        self.active_blocks += -(-prompt // block_size)
         return job, now + self.timing.prefill_s(computed, host_tokens)
+
+    def _holds_will_end(self) -> bool:
+        """Whether the plugin holds blocks it will let go of at a known time."""
+        deadline = self.core.executor.next_deadline()
+        return deadline is not None and math.isfinite(deadline)
+
+    def _dropped(self, job: Job) -> None:
+        self.pending_prefill_tokens -= job.predicted_computed_tokens
+        self.counters.dropped_too_large += 1
+        self.dropped.append(job)
 
     def finish_prefill(self, now: float) -> tuple[Job, float]:
         """The prefill ended: first token out; decode until the returned time."""
@@ -193,9 +206,6 @@ class SimWorker:
                 self.counters.decode_alloc_failures += 1
             else:
                 request.num_computed_tokens = request.num_tokens
-                self.active_blocks += -(-(job.request.input_length + output) //
-                                        self.cache.block_size) - -(-job.request.input_length //
-                                                                   self.cache.block_size)
             self._sync()
         self.decoding[job.vllm_request.request_id] = job
         return job, now + self.timing.decode_s(output)
@@ -203,9 +213,7 @@ class SimWorker:
     def finish(self, job: Job) -> None:
         """The response ended: vLLM frees the request's blocks (cached ones stay)."""
         del self.decoding[job.vllm_request.request_id]
-        request = job.vllm_request
-        self.active_blocks -= -(-request.num_computed_tokens // self.cache.block_size)
-        self.cache.finish(request)
+        self.cache.finish(job.vllm_request)
         self._sync()
 
     def sync(self) -> None:
