@@ -27,8 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.schemas.advice import DONOR_ACTION_TYPE
-from kvhint.schemas.hints import ActionType
+from kvhint.engine_plugin.outcome_counts import OTHER_ACTION_TYPE, counted_action_type
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -99,7 +98,7 @@ COUNTERS = {
 # Cumulative counters with one bounded label: key -> (label, its values, documentation).
 # The plugin reads them as {"<value>": n}; a value outside the list (another plugin
 # build's) is shown as OTHER_LABEL, so /metrics stays bounded.
-OTHER_LABEL = "other"
+OTHER_LABEL = OTHER_ACTION_TYPE
 LABELLED_COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "publish_errors": ("what", ("queued", "heartbeat", "snapshot_reply", OTHER_LABEL),
                        "Publishes NATS refused, by what: a queued outcome, release report "
@@ -119,12 +118,11 @@ GAUGES = {
 HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
 # The ``action`` label of kvhint:hints_total. An action's type comes from the wire (any
 # string a sender wrote), so the label takes only the types this contract defines,
-# "unknown" for an action that could not be identified at all, and "other" for the rest:
-# one bad or newer sender must not grow /metrics without bound. The outcome itself still
-# carries the real type.
-KNOWN_HINT_ACTIONS = frozenset({*(t.value for t in ActionType), DONOR_ACTION_TYPE})
+# "unknown" for an action that could not be identified at all, and "other" for the rest
+# (outcome_counts.counted_action_type, which keys the counts as they are made): one bad
+# or newer sender must not grow /metrics without bound. The outcome itself still carries
+# the real type.
 UNIDENTIFIED_ACTION_LABEL = "unknown"
-OTHER_ACTION_LABEL = OTHER_LABEL
 LATENCY_KEY = "apply_latency_s"  # [seconds, ...]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    2.5, 5.0)
@@ -135,9 +133,7 @@ LATENCY_METRIC = f"{PREFIX}hint_apply_seconds"
 
 def hint_action_label(action_type: str) -> str:
     """The bounded ``action`` label for an outcome of ``action_type`` (see above)."""
-    if action_type in KNOWN_HINT_ACTIONS:
-        return action_type
-    return OTHER_ACTION_LABEL if action_type else UNIDENTIFIED_ACTION_LABEL
+    return counted_action_type(action_type) if action_type else UNIDENTIFIED_ACTION_LABEL
 
 
 def hint_counts_by_label(counts: Mapping[tuple[str, str], int]) -> dict[str, int]:
