@@ -108,7 +108,7 @@ class KvEventIngestor:
         """Same, with the headers already parsed."""
         stream = self._streams.get(meta.worker_id) or self._stream(meta.worker_id)
         was_alive = stream.phase is StreamPhase.LIVE or stream.phase is StreamPhase.RESYNCING
-        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock())
+        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock(), len(payload))
         if was_alive and decision.purge_reason is None and decision.resync_reason is None:
             # The hot path: an in-order batch (or a dropped one) of a known worker.
             if decision.verdict is BatchVerdict.APPLY:
@@ -172,7 +172,7 @@ class KvEventIngestor:
         outcome, pages = stream.on_snapshot_page(page.epoch, page.seq,
                                                  answered if answered is not None else -1,
                                                  page.next_cursor, page, self._clock())
-        if outcome == "ignored":
+        if outcome in ("ignored", "invalid"):  # "invalid": retried from tick()
             return []
         if outcome in ("more", "restart"):
             return [self._request_page(stream, "snapshot continues" if outcome == "more"
@@ -265,9 +265,9 @@ class KvEventIngestor:
 
     def _forget_stream(self, stream: WorkerStream[bytes]) -> None:
         del self._streams[stream.worker_id]
+        stream.forget()  # first: it counts the batches its buffer drops
         for name, value in _as_dict(stream.counters).items():
             self._forgotten_counters[name] += value
-        stream.forget()
 
     def _stream(self, worker_id: str) -> WorkerStream[bytes]:
         stream = self._streams.get(worker_id)

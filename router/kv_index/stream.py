@@ -66,6 +66,11 @@ class StreamConfig:
     heartbeat_misses: float = 3.0
     default_interval_s: float = 2.0
     max_buffered_batches: int = 10_000
+    # The buffer's payload bytes are bounded too: a vLLM batch carries the token ids of
+    # every block it stores, so the batch bound alone let a resyncing worker hold
+    # gigabytes (10,000 batches of up to NATS's 1 MiB). Past either bound a batch is
+    # dropped (counted as overflow) and the resync notices the hole it leaves.
+    max_buffered_bytes: int = 128 << 20
     snapshot_page_limit: int = 20_000
     snapshot_retry_s: float = 1.0
     snapshot_timeout_s: float = 10.0
@@ -121,6 +126,8 @@ class StreamCounters:
     resyncs_completed: int = 0
     snapshot_pages: int = 0
     snapshot_pages_ignored: int = 0
+    # Pages refused for a next cursor not past their own (the snapshot is retried).
+    snapshot_pages_invalid: int = 0
     snapshot_failures: int = 0
     deaths: int = 0
     stale_status: int = 0
@@ -146,6 +153,7 @@ class _Resync(Generic[T]):
 class _Buffered(Generic[T]):
     seq: int
     item: T
+    size: int = 0
 
 
 class WorkerStream(Generic[T]):
@@ -165,13 +173,15 @@ class WorkerStream(Generic[T]):
         self._retired: deque[str] = deque(maxlen=config.max_retired_epochs)
         self._buffer: list[_Buffered[T]] = []
         self._buffered_max_seq = 0
+        self._buffered_bytes = 0
         self._resync: _Resync[T] | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
         self._reported_seq: int | None = None  # this epoch's last heartbeat's last_event_seq
 
     # --- observations -------------------------------------------------------------
 
-    def on_batch(self, epoch: str, seq: int, item: T, now: float) -> Decision:
+    def on_batch(self, epoch: str, seq: int, item: T, now: float, size: int = 0) -> Decision:
+        """A batch; ``size`` is what buffering ``item`` costs (its payload's bytes)."""
         if self._is_stale(epoch):
             self.counters.stale_epoch += 1
             return Decision(BatchVerdict.STALE_EPOCH)
@@ -182,13 +192,13 @@ class WorkerStream(Generic[T]):
         self.last_heard = now
         purge = self._observe_epoch(epoch)
         if self.phase is StreamPhase.RESYNCING:
-            return self._buffer_batch(seq, item, purge)
+            return self._buffer_batch(seq, item, purge, size)
         if self.phase is not StreamPhase.LIVE:  # first batch of this epoch
             if seq == 1:
                 self.phase = StreamPhase.LIVE
             else:
                 return self._begin_resync(seq, item, purge,
-                                          f"joined mid-stream at seq {seq}", now)
+                                          f"joined mid-stream at seq {seq}", now, size)
         if seq <= self.applied_seq:
             self.counters.duplicates += 1
             return Decision(BatchVerdict.DUPLICATE, purge)
@@ -202,7 +212,7 @@ class WorkerStream(Generic[T]):
         self.counters.missing_batches += seq - self.applied_seq - 1
         return self._begin_resync(seq, item, purge,
                                   f"sequence gap: expected {self.applied_seq + 1}, got {seq}",
-                                  now)
+                                  now, size)
 
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
                   status: object | None = None) -> Decision:
@@ -284,7 +294,12 @@ class WorkerStream(Generic[T]):
 
     def on_snapshot_page(self, epoch: str, seq: int, cursor: int, next_cursor: int | None,
                          page: object, now: float) -> tuple[str, list[object] | None]:
-        """Returns ("ignored"|"restart"|"more"|"done", pages when done).
+        """Returns ("ignored"|"invalid"|"restart"|"more"|"done", pages when done).
+
+        "invalid": the page names a next cursor not past its own; paging it on would ask
+        for the same pages for ever, keeping each copy. The pages so far are dropped and
+        the snapshot is retried from cursor 0 after ``snapshot_retry_s`` (from
+        :meth:`tick`), as after a failed request.
 
         "restart": the page is of another snapshot than the pages before it (another
         epoch, or another ``seq``: a late reply to an earlier request, or the worker
@@ -301,6 +316,12 @@ class WorkerStream(Generic[T]):
             return "ignored", None
         self.counters.snapshot_pages += 1
         resync.awaiting_since = None
+        if next_cursor is not None and next_cursor <= cursor:
+            self.counters.snapshot_pages_invalid += 1
+            self.counters.snapshot_failures += 1
+            resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
+            resync.retry_at = now + self.config.snapshot_retry_s
+            return "invalid", None
         if resync.page_epoch is not None and (epoch != resync.page_epoch
                                               or seq != resync.base_seq):
             resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
@@ -334,6 +355,7 @@ class WorkerStream(Generic[T]):
         buffered = sorted(self._buffer, key=lambda b: b.seq)
         self._buffer.clear()
         self._buffered_max_seq = 0
+        self._buffered_bytes = 0
         for i, entry in enumerate(buffered):
             if entry.seq <= self.applied_seq:
                 self.counters.covered_by_snapshot += 1
@@ -347,6 +369,7 @@ class WorkerStream(Generic[T]):
                                               f"{self.applied_seq + 1}, got {entry.seq}", now)
                 self._buffer = rest
                 self._buffered_max_seq = rest[-1].seq
+                self._buffered_bytes = sum(b.size for b in rest)
                 return ready, decision
             self.applied_seq = entry.seq
             self.counters.batches_applied += 1
@@ -415,33 +438,37 @@ class WorkerStream(Generic[T]):
         self.counters.stale_epoch += len(self._buffer)
         self._buffer.clear()
         self._buffered_max_seq = 0
+        self._buffered_bytes = 0
         self._resync = None
         self._behind = None
         self.phase = StreamPhase.NEW
 
     def _begin_resync(self, seq: int | None, item: T | None, purge: str | None,
-                      reason: str, now: float) -> Decision:
+                      reason: str, now: float, size: int = 0) -> Decision:
         self.phase = StreamPhase.RESYNCING
         self._resync = _Resync(reason, now)
         self._behind = None
         self.counters.resyncs_started += 1
         verdict = None
         if seq is not None:
-            verdict = self._push(seq, item)
+            verdict = self._push(seq, item, size)
         return Decision(verdict, purge, reason)
 
-    def _buffer_batch(self, seq: int, item: T, purge: str | None) -> Decision:
+    def _buffer_batch(self, seq: int, item: T, purge: str | None, size: int) -> Decision:
         if seq <= self.applied_seq or seq <= self._buffered_max_seq and any(
                 b.seq == seq for b in self._buffer):
             self.counters.duplicates += 1
             return Decision(BatchVerdict.DUPLICATE, purge)
-        return Decision(self._push(seq, item), purge)
+        return Decision(self._push(seq, item, size), purge)
 
-    def _push(self, seq: int, item: T | None) -> BatchVerdict:
-        if len(self._buffer) >= self.config.max_buffered_batches:
+    def _push(self, seq: int, item: T | None, size: int) -> BatchVerdict:
+        # One batch is always taken, however large: the buffer must be able to progress.
+        if len(self._buffer) >= self.config.max_buffered_batches or (
+                self._buffer and self._buffered_bytes + size > self.config.max_buffered_bytes):
             self.counters.overflow_dropped += 1
             return BatchVerdict.OVERFLOW
-        self._buffer.append(_Buffered(seq, item))  # type: ignore[arg-type]
+        self._buffer.append(_Buffered(seq, item, size))  # type: ignore[arg-type]
+        self._buffered_bytes += size
         self._buffered_max_seq = max(self._buffered_max_seq, seq)
         self.counters.buffered += 1
         return BatchVerdict.BUFFERED
