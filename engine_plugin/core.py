@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.core_status import StatusMixin
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.inbound_checks import (
     INTERNAL_ERROR_REASON,
+    decode_hints_safely,
     rejected,
     too_many_hashes,
     type_name,
@@ -36,7 +38,6 @@ from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.engine_plugin.vllm_adapter import VllmCacheAdapter
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
-    Budgets,
     DecodedHints,
     DonorAdvice,
     HintOutcome,
@@ -44,15 +45,11 @@ from kvhint.schemas import (
     InvalidAction,
     OutcomeStatus,
     ParsedAction,
-    Usage,
     WireDecodeError,
-    WorkerStatus,
     decode_advice,
-    decode_hints,
     decode_snapshot_request,
     new_epoch,
 )
-from kvhint.schemas.hints import SUPPORTED_VERSIONS
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -62,7 +59,6 @@ logger = logging.getLogger(LOGGER_NAME)
 # (at least one); the rest wait for the next step (the engine runs one for them).
 MAX_INBOUND_PER_STEP = 64
 MAX_INBOUND_BYTES_PER_STEP = 256 << 10
-STATUS_REFRESH_S = 0.25
 # Apply-latency samples kept between two connector-stats readings; the rest are counted.
 MAX_LATENCY_SAMPLES = 10_000
 
@@ -102,8 +98,9 @@ class CoreCounters:
     apply_latencies_s: list[float] = field(default_factory=list)
 
 
-class PluginCore:
-    """See the module docstring. Construct with :meth:`attach`."""
+class PluginCore(StatusMixin):
+    """See the module docstring. Construct with :meth:`attach`; its status (heartbeat
+    figures): :mod:`.core_status`."""
 
     def __init__(self, adapter: VllmCacheAdapter, config: PluginConfig,
                  identity: EngineIdentity, clock: Callable[[], float],
@@ -291,11 +288,20 @@ class PluginCore:
     def apply_hints(self, message: bytes | str | DecodedHints) -> list[HintOutcome]:
         """One outcome per action; an action the plugin fails on (a bug: counted, logged
         once) is answered ``rejected`` (REJECTED_INTERNAL_ERROR) and the others go on."""
-        decoded = message if isinstance(message, DecodedHints) else decode_hints(message)
+        decoded = message if isinstance(message, DecodedHints) else self._decode_hints(message)
         self.counters.hint_messages += 1
         if not decoded.actions:
             return self.executor.apply(decoded)
         return [self._submit(decoded.message_id, action) for action in decoded.actions]
+
+    def _decode_hints(self, data: bytes | str) -> DecodedHints:
+        """``data`` decoded (the transport does it off this thread; an in-process caller
+        may not have): a decoder that raises (a bug: counted, logged once) leaves a
+        message answered ``rejected`` with the reason, as a malformed one is."""
+        decoded, failure = decode_hints_safely(data)
+        if failure is not None:
+            self._internal_error("decode_hints")
+        return decoded
 
     def _submit(self, message_id: str, action: ParsedAction | InvalidAction) -> HintOutcome:
         try:
@@ -307,6 +313,8 @@ class PluginCore:
                                   INTERNAL_ERROR_REASON)
 
     def apply_advice(self, advice: bytes | str | DonorAdvice) -> HintOutcome:
+        """One ``kv.donor`` outcome. The transport decodes advice off this thread (and
+        answers a malformed one itself); bytes are for in-process callers."""
         self.counters.advice_messages += 1
         if not isinstance(advice, DonorAdvice):
             try:
@@ -374,23 +382,8 @@ class PluginCore:
             # After the outcomes they may follow; a step's relief (allocations come before
             # this hook) goes out in the same step.
             self._post_releases()
-            now = time.monotonic()
             mailbox.next_deadline = self.executor.next_deadline()
-            since = now - self._status_at
-            if since >= STATUS_REFRESH_S:
-                self._status_at = now
-                self.refresh_status()
-                mailbox.status_refresh_at = None
-            else:
-                # Skipped to spare the step; an engine that now goes idle would leave the
-                # heartbeat reporting these figures' predecessors for good (a pin applied
-                # in this step, missing). The transport wakes it for one step then.
-                mailbox.status_refresh_at = time.time() + STATUS_REFRESH_S - since
-
-    def refresh_status(self) -> None:
-        """Hand the transport the figures its heartbeat reports (scheduler thread)."""
-        if self.mailbox is not None:
-            self.mailbox.status = {"usage": self.status_usage(), "seq": self.event_seq}
+            self._refresh_status_in_step(mailbox)
 
     def _handle_one(self, item: Inbound) -> list[HintOutcome]:
         """``item``'s outcomes; when the plugin fails on it (a bug: counted, logged once),
@@ -406,18 +399,28 @@ class PluginCore:
                                                   error=INTERNAL_ERROR_REASON))
             return []
         if item.kind == "advice":
-            advice_id = peek_advice_id(item.data)
+            advice_id = (item.decoded.advice_id if isinstance(item.decoded, DonorAdvice)
+                         else peek_advice_id(item.data))
             return [self._rejected_advice(advice_id, INTERNAL_ERROR_REASON)]
-        decoded = item.decoded if item.decoded is not None else decode_hints(item.data)
+        if item.kind != "hints":
+            return []
+        decoded = item.decoded if item.decoded is not None else self._decode_hints(item.data)
+        if not decoded.actions:  # one answer for the message, as for any naming none
+            return [self._rejected(decoded.message_id, "", "", INTERNAL_ERROR_REASON)]
         return [self._rejected(decoded.message_id, a.action_id, type_name(a),
                                INTERNAL_ERROR_REASON) for a in decoded.actions]
 
     def _handle(self, item: Inbound) -> list[HintOutcome]:
         if item.kind == "hints":
-            # Decoded once, by the transport when it came (off this thread).
-            outcomes = self.apply_hints(item.decoded if item.decoded is not None else item.data)
+            # Decoded once, by the transport when it came (off this thread); kept on the
+            # item, so a failure below does not decode it again.
+            if item.decoded is None:
+                item.decoded = self._decode_hints(item.data)
+            outcomes = self.apply_hints(item.decoded)
         elif item.kind == "advice":
-            outcomes = [self.apply_advice(item.data)]
+            # Decoded by the transport too (one it cannot decode it answers itself).
+            outcomes = [self.apply_advice(item.decoded if item.decoded is not None
+                                          else item.data)]
         elif item.kind == "snapshot":
             self._snapshot(item)
             return []
@@ -456,44 +459,3 @@ class PluginCore:
             return True
         deadline = self.executor.next_deadline()
         return deadline is not None and self.clock() >= deadline
-
-    # --- status ---------------------------------------------------------------------------------
-
-    def budgets(self) -> Budgets:
-        return Budgets(max_pinned_blocks=self.executor.max_pinned_blocks,
-                       max_pin_ttl_s=self.config.max_pin_ttl_s,
-                       max_retained_blocks=self.executor.max_retained_blocks,
-                       max_retain_ttl_s=self.config.max_retain_ttl_s)
-
-    def status_usage(self) -> Usage:
-        adapter = self.adapter
-        total = adapter.num_blocks
-        free = adapter.num_free_blocks
-        return Usage(gpu_blocks_total=total, gpu_blocks_free=free,
-                     kv_usage=round(1.0 - free / total, 6) if total else 0.0,
-                     pinned_blocks=self.executor.pinned_blocks,
-                     retained_blocks=self.executor.retained_blocks,
-                     indexed_blocks=len(self.index), sessions=self.index.num_sessions,
-                     active_requests=adapter.num_live_requests,
-                     pending_hints=(len(self.mailbox.inbound) if self.mailbox else 0)
-                     + self.executor.pending_actions)
-
-    def worker_status(self, usage: Usage | None = None, interval_s: float | None = None
-                      ) -> WorkerStatus:
-        ident = self.identity
-        return WorkerStatus(
-            worker_id=ident.worker_id, epoch=ident.epoch, model=ident.model,
-            cache_namespace=self.cache_namespace, block_size=self.adapter.block_size,
-            hash_algo=ident.hash_algo, none_hash_seed=ident.none_hash_seed,
-            data_parallel_rank=ident.data_parallel_rank,
-            supported_actions=self.supported_actions(),
-            host_tier=self.executor.host_tier is not None, budgets=self.budgets(),
-            usage=usage or self.status_usage(), last_event_seq=self.event_seq,
-            interval_s=interval_s or self.config.heartbeat_interval_s, at=time.time(),
-            http_url=self.config.http_url)
-
-    def supported_actions(self) -> dict[str, list[str]]:
-        """What this worker applies (Demote and Share need a host tier)."""
-        skip = {"kv.share"} if self.executor.host_tier is not None else {"kv.share", "kv.demote"}
-        return {action: list(versions) for action, versions in SUPPORTED_VERSIONS.items()
-                if action not in skip}

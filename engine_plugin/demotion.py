@@ -3,18 +3,37 @@
 The executor supersedes the claims a Demote replaces, then asks :func:`demotable` which
 of the target's resident blocks it may touch and :func:`with_host_copies` which of those
 may let their GPU copy go first. Nothing here changes a ledger, a tier or the pool.
+A Demote that waits for host copies is kept as a :class:`PendingDemote`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import HostTier
-from kvhint.schemas import HintOwner
+from kvhint.schemas import HintOutcome, HintOwner, ParsedAction
 
 PLANNER, AGENT = HintOwner.PLANNER.value, HintOwner.AGENT.value
+
+
+@dataclass(slots=True)
+class PendingDemote:
+    """A Demote waiting for host copies vLLM's connector is still making, until
+    ``deadline`` (clock seconds): set when it first came, ``demote_copy_wait_s`` later,
+    and never moved by a repeat of it (same id, or a new id for the same target)."""
+
+    message_id: str
+    action: ParsedAction
+    deadline: float
+    deferred: HintOutcome  # its first outcome: what a repeat of it is answered
+
+    @property
+    def scope(self) -> tuple[str | None, str]:
+        payload = self.action.payload
+        return payload.target.session_id, payload.owner.value
 
 
 def demotable(holds: HoldLedger, handles: Sequence[BlockHandle], owner: str,

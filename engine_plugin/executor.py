@@ -25,7 +25,10 @@ Semantics (DESIGN §2, issue 3):
   runtime asked for: an agent's Pin outlives the planner's next Retain or release. An
   agent's Demote supersedes the planner's claims too; a session's Demote lets go no block
   another claim holds (another session's, a shared prefix's, an agent's under a
-  planner's Demote): :mod:`.demotion`.
+  planner's Demote): :mod:`.demotion`. A Demote waiting for host copies ends by its
+  deadline, set when it first came; a repeat never moves it (the same id, even once
+  forgotten by the memory, is a duplicate; a new id for the same session target
+  supersedes the waiting one and keeps its deadline).
 - pins are clipped to a block budget and a max TTL; retains to their own budget, where a
   higher-priority retain displaces lower-priority retained blocks.
 - Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
@@ -46,7 +49,12 @@ from dataclasses import dataclass, field
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
-from kvhint.engine_plugin.demotion import copies_on_their_way, demotable, with_host_copies
+from kvhint.engine_plugin.demotion import (
+    PendingDemote,
+    copies_on_their_way,
+    demotable,
+    with_host_copies,
+)
 from kvhint.engine_plugin.hold_records import PIN
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
@@ -78,20 +86,6 @@ from kvhint.schemas import (
 ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
 REJECTED, MISSING = OutcomeStatus.REJECTED, OutcomeStatus.MISSING
 PLANNER, AGENT = HintOwner.PLANNER.value, HintOwner.AGENT.value
-
-@dataclass(slots=True)
-class _PendingDemote:
-    """A Demote waiting for host copies vLLM's connector is still making."""
-
-    message_id: str
-    action: ParsedAction
-    deadline: float
-
-    @property
-    def scope(self) -> tuple[str | None, str]:
-        payload = self.action.payload
-        return payload.target.session_id, payload.owner.value
-
 
 @dataclass(slots=True)
 class ExecutorCounters:
@@ -126,7 +120,7 @@ class HintExecutor(PrefetchMixin):
         self._pending: dict[str, PendingPrefetch] = {}
         self.max_prefetch_blocks = config.prefetch_budget_blocks(cache.num_blocks)
         self._prefetch_waiting = 0  # sum of the pending Prefetches' costs
-        self._pending_demotes: dict[str, _PendingDemote] = {}
+        self._pending_demotes: dict[str, PendingDemote] = {}
         # Terminal outcomes settled outside advance() (a waiting Demote superseded), for
         # the next advance() to return.
         self._settled: list[HintOutcome] = []
@@ -172,6 +166,12 @@ class HintExecutor(PrefetchMixin):
             self.counters.duplicates += 1
             self._memory.move_to_end(key)
             return self._memory[key]
+        if (waiting := self._pending_demotes.get(action.action_id)) is not None:
+            # A Demote still waiting for copies that the memory forgot: a duplicate all
+            # the same (applied again, it would restart its wait: a sender re-sending it
+            # would keep it waiting for good).
+            self.counters.duplicates += 1
+            return waiting.deferred
         if isinstance(action, InvalidAction):
             outcome = self._outcome(message_id, action.action_id, action.action_type,
                                     REJECTED, action.reason)
@@ -273,15 +273,21 @@ class HintExecutor(PrefetchMixin):
         if len(handles) < requested_blocks:
             notes.append(f"{len(handles)} of {requested_blocks} target blocks resident")
         owner = payload.owner.value
-        if scope is not None:
-            self._supersede_waiting_demotes(scope, owner, action_id)
+        superseded = (self._supersede_waiting_demotes(scope, owner, action_id)
+                      if scope is not None else [])
         if isinstance(payload, DemotePayload):
             if may_wait and (wait := self._copies_to_wait_for(handles, owner, scope)):
-                deadline = self.clock() + self.config.demote_copy_wait_s
-                self._pending_demotes[action_id] = _PendingDemote(message_id, action, deadline)
-                return answer(DEFERRED, f"{wait} of {len(handles)} resident blocks have a "
-                              "host copy vLLM's connector is still making; waiting up to "
-                              f"{self.config.demote_copy_wait_s:g}s for them", requested)
+                # A Demote that replaces a waiting one of the same target (a repeat under
+                # a new id) keeps the earlier deadline: re-sending never postpones it.
+                deadline = min([self.clock() + self.config.demote_copy_wait_s]
+                               + [p.deadline for p in superseded
+                                  if p.action.payload.target == payload.target])
+                deferred = answer(DEFERRED, f"{wait} of {len(handles)} resident blocks have "
+                                  "a host copy vLLM's connector is still making; waiting up "
+                                  f"to {deadline - self.clock():.3g}s for them", requested)
+                self._pending_demotes[action_id] = PendingDemote(message_id, action,
+                                                                  deadline, deferred)
+                return deferred
             return self._demote(answer, scope, owner, handles, requested, notes)
         if scope is not None:
             self.holds.supersede(scope, owner)
@@ -406,10 +412,12 @@ class HintExecutor(PrefetchMixin):
         return copies_on_their_way(self.host_tier, self.cache,
                                    demotable(self.holds, handles, owner, scope))
 
-    def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str) -> None:
+    def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str
+                                   ) -> list[PendingDemote]:
         """A newer session-targeted action of the same owner (the session's next turn came:
         a new protection) ends a Demote of that session still waiting for copies,
-        unapplied; applied later, it would undo the newer action."""
+        unapplied; applied later, it would undo the newer action. Returns those ended."""
+        ended: list[PendingDemote] = []
         for action_id, pending in list(self._pending_demotes.items()):
             if action_id == by or pending.scope != (session_id, owner):
                 continue
@@ -420,6 +428,8 @@ class HintExecutor(PrefetchMixin):
                 "changed")
             self._remember(("hint", action_id), outcome)
             self._settled.append(outcome)
+            ended.append(pending)
+        return ended
 
     def _settle_demotes(self, now: float) -> list[HintOutcome]:
         """Apply the waiting Demotes whose copies are done or whose deadline came."""

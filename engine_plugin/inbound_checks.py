@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from kvhint.schemas import (
     REJECTED_INTERNAL_ERROR,
+    DecodedHints,
     HintOutcome,
     InvalidAction,
     OutcomeStatus,
     ParsedAction,
+    decode_hints,
 )
 
 # The reason of an action the plugin failed on (a bug, counted as kvhint:internal_errors
@@ -47,3 +49,17 @@ def rejected(worker_id: str, message_id: str, action_id: str, action_type: str, 
     return HintOutcome(message_id=message_id, action_id=action_id, action_type=action_type,
                        worker_id=worker_id, status=OutcomeStatus.REJECTED, reason=reason,
                        at=at)
+
+
+def decode_hints_safely(data: bytes | str) -> tuple[DecodedHints, Exception | None]:
+    """``data`` decoded, and None; the transport (off the scheduler thread) and the core
+    (a message posted undecoded) both decode through here. ``decode_hints`` answers any
+    bad input in what it returns, a malformed envelope as a message naming no action
+    (answered ``rejected``, "malformed hints message: ..."); should it raise all the same
+    (a bug, for the caller to count), the message is answered the same way, with what
+    was raised as the reason, and the exception is returned."""
+    try:
+        return decode_hints(data), None
+    except Exception as exc:  # the decoder's bug must not cost the message its answer
+        reason = f"could not be decoded ({type(exc).__name__}: {exc}); not applied"
+        return DecodedHints(message_id="", actions=[], error=reason), exc

@@ -2,19 +2,21 @@
 the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
 
 Lifetimes live in :meth:`NatsTransport._main`: connect (retrying until stopped:
-:mod:`.transport_connect`), subscribe to hints, advice and snapshot requests, ensure the
-JetStream events stream, then publish outcomes, hold releases, event batches (vLLM's
-msgpack ``KVEventBatch`` with ``EventBatchMeta`` headers) and the status heartbeat until
-stopped, then drain.
+:mod:`.transport_connect`), then the publisher's loop: subscribe to hints, advice and
+snapshot requests and ensure the JetStream events stream (:mod:`.transport_setup`), then
+publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBatch`` with
+``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
 
 NATS being down or slow never blocks the engine: the scheduler thread only appends to
 bounded deques; while disconnected, batches wait there (the oldest are dropped, counted,
 when full: the router sees the sequence gap and resyncs from a snapshot), and nats-py
 reconnects on its own (the publisher waits meanwhile, never spinning). An exception in
-one round of the publisher (a bug) is logged, counted (``kvhint:internal_errors``), and
-the publisher goes on. Inbound hints that find the engine's inbox full are answered
-``rejected`` from here, except repeats of an action already answered (that outcome again)
-or still in flight (nothing new). Snapshot pages: :mod:`.snapshot_pages`.
+one round of the publisher or in its setup (a bug) is logged, counted
+(``kvhint:internal_errors``), and the publisher goes on (the setup is tried again); stop
+cancels a setup step in progress. Inbound hints and advice are decoded here, off the
+scheduler thread; advice that cannot be decoded, and hints that find the engine's inbox
+full, are answered ``rejected`` from here (:mod:`.transport_inbound`). Snapshot pages:
+:mod:`.snapshot_pages`.
 """
 
 from __future__ import annotations
@@ -28,34 +30,33 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.errors import Error as NatsError
-from nats.js.api import DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.inbound_checks import decode_hints_safely
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
     Inbound,
     Mailbox,
     SnapshotOut,
-    peek_advice_id,
     pop_oldest,
 )
 from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
 from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
+from kvhint.engine_plugin.transport_inbound import (
+    FULL_INBOX_REASON,
+    answer_full_inbox,
+    decode_advice_or_reject,
+    decoder_failed,
+    deferred_outcomes,
+)
+from kvhint.engine_plugin.transport_setup import ensure_events_stream, until_stopped
 from kvhint.schemas import (
-    DONOR_ACTION_TYPE,
-    REJECTED_INBOX_FULL,
-    DecodedHints,
     EventBatchMeta,
-    HintOutcome,
-    OutcomeStatus,
-    ParsedAction,
     Subjects,
     Usage,
     WorkerStatus,
-    decode_hints,
     decode_snapshot_request,
     encode_outcome,
     encode_releases,
@@ -65,8 +66,8 @@ from kvhint.schemas._codec import WireDecodeError, encode_json
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_FULL_INBOX = REJECTED_INBOX_FULL + " ({limit} messages waiting for the scheduler); not applied"
-# The publisher's pause after an unexpected exception in one of its rounds.
+_FULL_INBOX = FULL_INBOX_REASON  # where the router's tests take it from
+# The publisher's pause after an unexpected exception in one of its rounds (or its setup).
 ROUND_ERROR_PAUSE_S = 0.5
 
 
@@ -94,6 +95,9 @@ class NatsTransport:
         self._stop: asyncio.Event | None = None
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
+        # The setup done on the connection (the publisher's loop retries the rest).
+        self._subscribed: set[str] = set()
+        self._set_up_done = False
         self._next_beat = 0.0
         # The due engine deadlines already woken for: each is woken for once.
         self._woken_for: frozenset[float] = frozenset()
@@ -162,8 +166,6 @@ class NatsTransport:
             return
         self._nc = nc
         try:
-            await self._subscribe(nc)
-            await self._ensure_stream(nc)
             await self._publish_loop(nc)
         finally:
             self.mailbox.notify_transport = _noop
@@ -201,51 +203,22 @@ class NatsTransport:
         logger.info("kvhint: reconnected to NATS")
         self._notify()
 
-    async def _subscribe(self, nc: Any) -> None:
-        subjects, worker = self.subjects, self.worker_id
-        await nc.subscribe(subjects.hints(worker), cb=self._on_hints)
-        await nc.subscribe(subjects.advice(worker), cb=self._on_advice)
-        await nc.subscribe(subjects.snapshot(worker), cb=self._on_snapshot)
+    async def _set_up(self, nc: Any) -> None:
+        """Subscribe (each subject once, whatever failed before), then ensure the events
+        stream. Run by the publisher's loop (:mod:`.transport_setup`): retried after an
+        exception, cancelled by stop."""
+        worker = self.worker_id
+        for subject, cb in ((self.subjects.hints(worker), self._on_hints),
+                            (self.subjects.advice(worker), self._on_advice),
+                            (self.subjects.snapshot(worker), self._on_snapshot)):
+            if subject not in self._subscribed:
+                await nc.subscribe(subject, cb=cb)
+                self._subscribed.add(subject)
+        await self._ensure_stream(nc)
+        self._set_up_done = True
 
     async def _ensure_stream(self, nc: Any) -> None:
-        """Create the events stream when missing (the router creates the same one)."""
-        if not self.config.create_events_stream:
-            return
-        js = nc.jetstream()
-        name = self.subjects.events_stream
-        try:
-            await js.stream_info(name)
-            return
-        except NotFoundError:
-            pass
-        except (NatsError, asyncio.TimeoutError) as exc:
-            self.counters.jetstream_unavailable += 1
-            logger.warning("kvhint: JetStream not available (%s); events go out as plain "
-                           "NATS messages", exc)
-            return
-        try:
-            await js.add_stream(StreamConfig(
-                name=name, subjects=[self.subjects.all_of("events")],
-                storage=StorageType.FILE, max_age=self.config.events_stream_max_age_s,
-                max_bytes=self.config.events_stream_max_bytes, discard=DiscardPolicy.OLD))
-            logger.info("kvhint: created JetStream stream %s", name)
-            return
-        except (NatsError, asyncio.TimeoutError) as exc:
-            create_error: BaseException = exc
-        # The router (or another worker) may have created it between our lookup and our
-        # create: JetStream answers 10058 ("already in use with a different
-        # configuration") when its limits differ from ours. The stream exists then, and
-        # is the one to use (its owner's limits stand; the router reconciles them).
-        try:
-            await js.stream_info(name)
-        except (NatsError, asyncio.TimeoutError):
-            self.counters.stream_create_failures += 1
-            logger.warning("kvhint: could not create stream %s: %s; events go out as plain "
-                           "NATS messages (captured once the router creates it)", name,
-                           create_error)
-            return
-        logger.info("kvhint: JetStream stream %s was created meanwhile by the router or "
-                    "another worker (%s): using it", name, create_error)
+        await ensure_events_stream(nc, self.config, self.subjects, self.counters)
 
     # --- inbound --------------------------------------------------------------------------------
 
@@ -273,46 +246,27 @@ class NatsTransport:
         self._post("snapshot", msg)
 
     def _post(self, kind: str, msg: Any) -> None:
+        """Decode hints and advice here, off the scheduler thread, and queue them for it;
+        malformed advice is answered ``rejected`` here (nothing for the engine to do)."""
         item = Inbound(kind, msg.data, time.monotonic(), msg.reply or None)
         action_ids: list[str] = []
         if kind == "hints":
-            item.decoded = decode_hints(msg.data)
+            item.decoded, failure = decode_hints_safely(msg.data)
+            if failure is not None:  # answered rejected by the engine, in order
+                decoder_failed(self.counters, failure)
             action_ids = [a.action_id for a in item.decoded.actions]
+        elif kind == "advice":
+            item.decoded = decode_advice_or_reject(msg.data, self.mailbox, self.counters,
+                                                   self.worker_id)
+            if item.decoded is None:
+                return
         if self.mailbox.post(item, action_ids):
             if kind in ("hints", "advice"):
                 self._loop.call_later(self.config.defer_after_s, self._defer_if_waiting, item)
             return
         self.counters.inbound_rejected += 1
         if kind == "hints":
-            self._answer_full_inbox(item.decoded)
-
-    def _answer_full_inbox(self, decoded: DecodedHints) -> None:
-        """The inbox is full: reject the message's new actions (transient: the router
-        may retry them). A repeat of an action already answered gets that outcome again
-        and one still queued or being applied gets nothing new (its own outcome
-        follows), so no answer for an id contradicts another."""
-        mailbox = self.mailbox
-        sorted_ids = mailbox.repeat_answers([a.action_id for a in decoded.actions])
-        if sorted_ids.again:
-            mailbox.put_outcomes(sorted_ids.again)
-        self.counters.repeats_answered_again += len(sorted_ids.again)
-        self.counters.repeats_in_flight += len(sorted_ids.in_flight)
-        new = set(sorted_ids.new)
-        targets = [(a.action_id, getattr(a.action_type, "value", a.action_type))
-                   for a in decoded.actions if a.action_id in new]
-        if not decoded.actions:
-            targets = [("", "")]
-        if not targets:
-            return
-        reason = _FULL_INBOX.format(limit=mailbox.inbound_limit)
-        mailbox.put_outcomes([
-            HintOutcome(message_id=decoded.message_id, action_id=action_id,
-                        action_type=action_type, worker_id=self.worker_id,
-                        status=OutcomeStatus.REJECTED, reason=reason, at=time.time())
-            for action_id, action_type in targets], remember=False)
-        with mailbox.lock:
-            self.counters.outcomes.update((counted_action_type(t), OutcomeStatus.REJECTED.value)
-                                          for _id, t in targets)
+            answer_full_inbox(self.mailbox, self.counters, self.worker_id, item.decoded)
 
     def _defer_if_waiting(self, item: Inbound) -> None:
         """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
@@ -320,7 +274,7 @@ class NatsTransport:
         if item.taken:
             return
         mailbox = self.mailbox
-        outcomes = self._deferred_outcomes(item)
+        outcomes = deferred_outcomes(item, self.worker_id, self.config.defer_after_s)
         with mailbox.lock:  # the scheduler marks items taken under the same lock
             if item.taken:
                 return
@@ -333,29 +287,18 @@ class NatsTransport:
         self.counters.deferred_at_once += len(outcomes)
         self._notify()
 
-    def _deferred_outcomes(self, item: Inbound) -> list[HintOutcome]:
-        reason = (f"not applied yet: the engine has not reached its next scheduler step "
-                  f"within {self.config.defer_after_s:g}s; the final outcome follows")
-        now = time.time()
-        if item.kind == "advice":
-            advice_id = peek_advice_id(item.data)
-            return [HintOutcome(message_id=advice_id, action_id=advice_id,
-                                action_type=DONOR_ACTION_TYPE, worker_id=self.worker_id,
-                                status=OutcomeStatus.DEFERRED, reason=reason, at=now)]
-        decoded = item.decoded if item.decoded is not None else decode_hints(item.data)
-        return [HintOutcome(message_id=decoded.message_id, action_id=a.action_id,
-                            action_type=a.action_type.value, worker_id=self.worker_id,
-                            status=OutcomeStatus.DEFERRED, reason=reason, at=now)
-                for a in decoded.actions if isinstance(a, ParsedAction)]
-
     # --- outbound -------------------------------------------------------------------------------
 
     async def _publish_loop(self, nc: Any) -> None:
         while not self._stop.is_set():
             try:
+                if not self._set_up_done:  # until it all went through once
+                    await until_stopped(self._stop, self._set_up(nc))
+                    continue
                 again = await self._publish_round(nc)
-            except Exception:  # a bug in one round (an encoder, a snapshot page) must not
-                # end the thread for good; NATS and socket errors are handled where raised
+            except Exception:  # a bug in one round (an encoder, a snapshot page) or in the
+                # setup must not end the thread for good; NATS and socket errors are
+                # handled where raised (a failed subscribe: retried here)
                 self._round_failed()
                 await wait_or_stop(self._stop, ROUND_ERROR_PAUSE_S)
                 continue

@@ -38,10 +38,10 @@ BS = 32
 _ids = itertools.count(1)
 
 
-def sched(host_blocks: int = 40) -> HeadlessScheduler:
+def sched(host_blocks: int = 40, **extra: Any) -> HeadlessScheduler:
     return build_scheduler(HeadlessSchedulerSpec(
         block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
-        connector_extra_config={"worker_id": "w0"}, host_blocks=host_blocks))
+        connector_extra_config={"worker_id": "w0", **extra}, host_blocks=host_blocks))
 
 
 def plugin(h: HeadlessScheduler) -> Any:
@@ -229,6 +229,46 @@ def test_a_waiting_demote_ends_at_its_deadline_or_when_superseded() -> None:
     assert "0 of 4 resident blocks demoted" in late.reason
     turn(h, None, [100, 101, 102, 103])
     assert g1_tokens(h, [1, 2, 3, 4]) == 4 * BS
+
+
+def test_a_repeated_demote_never_postpones_the_waiting_ones_deadline() -> None:
+    """A Demote waits for host copies at most demote_copy_wait_s (2 s) from when it
+    came. Before, a repeat re-set that wait: the same id once the idempotency memory
+    (max_remembered_actions) had forgotten it replaced the waiting copy, and a new id
+    for the same target superseded it with a wait of its own, so a sender re-sending
+    its Demote kept it waiting for good. Now the forgotten repeat is a duplicate (its
+    first outcome again) and a new id for the same target keeps the first deadline."""
+    h = sched(max_remembered_actions=1)
+    core = plugin(h).core
+    now = [1000.0]
+    core.use_clock(lambda: now[0])
+    turn(h, "s", [1, 2])
+    h.complete_offloads = False  # the copies of blocks 3 and 4 never finish
+    turn(h, "s", [1, 2, 3, 4])
+    demote = DemotePayload(target=Target(session_id="s"))
+    first = hint(h, demote, action_id="d1")
+    assert first.status.value == "deferred"
+    now[0] += 1.5
+    hint(h, PinPayload(target=Target(block_hashes=[12345]), ttl_s=5))  # d1 forgotten
+    assert core.executor.counters.remembered_forgotten == 1
+    assert hint(h, demote, action_id="d1") == first
+    assert core.executor.pending_actions == 1
+    now[0] += 0.6  # 2.1 s after d1 came
+    (late,) = core.advance()
+    assert (late.action_id, late.status.value) == ("d1", "rejected"), late.reason
+    assert core.executor.pending_actions == 0
+    # A new id for the same target while one waits: it takes the place of the waiting
+    # one (superseded) but not a wait of its own.
+    assert hint(h, demote, action_id="d2").status.value == "deferred"
+    now[0] += 1.5
+    again = hint(h, demote, action_id="d3")
+    assert again.status.value == "deferred" and "waiting up to 0.5s" in again.reason
+    (superseded,) = core.advance()
+    assert (superseded.action_id, superseded.status.value) == ("d2", "rejected")
+    now[0] += 0.6  # 2.1 s after d2 came
+    (late,) = core.advance()
+    assert (late.action_id, late.status.value) == ("d3", "rejected"), late.reason
+    assert "0 of 4 resident blocks demoted" in late.reason
 
 
 def test_demote_keeps_the_part_above_a_block_the_host_tier_lost() -> None:

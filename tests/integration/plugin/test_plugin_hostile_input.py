@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from kvhint.engine_plugin import core as core_module
+from kvhint.engine_plugin import inbound_checks
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.core import MAX_INBOUND_PER_STEP, PluginCore
 from kvhint.engine_plugin.headless import HeadlessCache, build_kv_cache_manager
@@ -153,6 +155,37 @@ def test_a_message_the_plugin_fails_on_is_answered_and_the_rest_of_the_step_runs
     assert mailbox.status["usage"].pinned_blocks == 0  # the status refresh ran
     assert core.counters.internal_errors == 2
     assert core.executor.counters.outcomes[("kv.donor", "rejected")] == 1
+
+
+def test_a_hints_message_the_decoder_fails_on_is_answered_rejected_in_its_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message posted undecoded (the transport decodes them; an in-process caller may
+    not) is decoded by the core. Before, when that decode raised (a decoder bug:
+    injected, nothing a sender sends does it), the core's fallback decoded it again to
+    answer it: the exception left pump() for the hook's guard, the message got no answer
+    and the rest of the step was skipped. Now it is answered rejected with the reason,
+    as a malformed message is, and counted once as an internal error."""
+    cache, core, mailbox = _plugin()
+    keys = _cached(cache, core, "s", 1000)
+    broken = _hints(("x", "kv.pin", {"target": {"block_hashes": keys}}), message_id="broken")
+
+    def decode(data: bytes | str) -> Any:
+        if data == broken:
+            raise RuntimeError("injected decoder bug")
+        return decode_hints(data)
+
+    for module in (core_module, inbound_checks):  # wherever the plugin takes it from
+        monkeypatch.setattr(module, "decode_hints", decode, raising=False)
+    mailbox.post(Inbound("hints", broken, 0.0))
+    _post_hints(mailbox, _hints(("ok", "kv.pin", {"target": {"block_hashes": keys}})))
+    core.pump()
+    outcomes = list(mailbox.outcomes)
+    assert [(o.action_id, o.status.value) for o in outcomes] == [
+        ("", "rejected"), ("ok", "accepted")]
+    assert outcomes[0].reason == ("malformed hints message: could not be decoded "
+                                  "(RuntimeError: injected decoder bug); not applied")
+    assert core.counters.internal_errors == 1
+    assert not mailbox.inbound and "usage" in mailbox.status  # the step went on
 
 
 # --- work per scheduler step ----------------------------------------------------------------

@@ -20,6 +20,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import NotFoundError
 
 from kvhint.engine_plugin import core as core_module
+from kvhint.engine_plugin import core_status
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.mailbox import Mailbox
 from kvhint.engine_plugin.transport import NatsTransport
@@ -33,6 +34,7 @@ from kvhint.engine_plugin.headless import (
 from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
 from scheduler_fixtures import nats_plugin as plugin
 from kvhint.schemas import (
+    DonorAdvice,
     EventBatchDecoder,
     EventBatchMeta,
     KvHintsEnvelope,
@@ -45,6 +47,7 @@ from kvhint.schemas import (
     decode_releases,
     decode_snapshot,
     decode_status,
+    encode_advice,
     encode_hints,
     encode_snapshot_request,
     make_action,
@@ -321,7 +324,7 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
     reporting the figures before it for good: a pin that step applied was missing (the
     e2e pin test saw 0 pinned blocks now and then). The transport now wakes the idle
     engine for one step when the skipped refresh falls due."""
-    monkeypatch.setattr(core_module, "STATUS_REFRESH_S", 1.0)
+    monkeypatch.setattr(core_status, "STATUS_REFRESH_S", 1.0)
     subjects = Subjects(subject_prefix)
     nc = await nats.connect(nats_url)
     try:
@@ -350,6 +353,48 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
             while beat.usage.pinned_blocks != 3 and time.monotonic() < deadline:
                 beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
             assert beat.usage.pinned_blocks == 3
+    finally:
+        await nc.drain()
+
+
+async def test_donor_advice_is_decoded_off_the_scheduler_thread_and_bad_advice_answered(
+        nats_url: str, subject_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hints were decoded by the transport when they came, donor advice by the scheduler
+    thread (a 1 MB advice names ~45k hashes). Now the transport decodes advice too: the
+    engine's inbox holds it decoded and the scheduler thread decodes nothing, and an
+    advice that cannot be decoded is answered rejected (with the reason, counted in
+    hints_total) by the transport, without waiting for an engine step."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
+            core = h.connector.core
+            await until(lambda: h.connector.transport.connected)
+            turn(h, "s", [1, 2])
+            advice = DonorAdvice(advice_id="d1", session_id="t", namespace=core.cache_namespace,
+                                 donor_block_hashes=core.index.session_blocks("s"),
+                                 similarity=0.9, at=time.time())
+            await nc.publish(subjects.advice("w0"), b'{"advice_id": "bad", "similarity": 7}')
+            await nc.publish(subjects.advice("w0"), encode_advice(advice))
+            bad = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (bad.action_id, bad.action_type, bad.status.value) == (
+                "bad", "kv.donor", "rejected")
+            assert "invalid donor advice" in bad.reason
+            await until(lambda: bool(core.mailbox.inbound))
+            (item,) = core.mailbox.inbound  # the bad one never reached the engine
+            assert item.decoded == advice
+
+            def not_on_the_scheduler_thread(data: Any) -> DonorAdvice:
+                raise AssertionError("donor advice decoded on the scheduler thread")
+
+            monkeypatch.setattr(core_module, "decode_advice", not_on_the_scheduler_thread)
+            h.step()
+            good = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
+            assert (good.action_id, good.status.value) == ("d1", "accepted"), good.reason
+            assert core.counters.internal_errors == 0
+            assert h.connector._read_stats()[HINTS_KEY] == {
+                "kv.donor|rejected": 1, "kv.donor|accepted": 1}
     finally:
         await nc.drain()
 

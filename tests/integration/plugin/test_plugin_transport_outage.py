@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,13 +18,29 @@ import nats
 import pytest
 from nats.js.api import StorageType, StreamConfig
 
+from kvhint.engine_plugin import transport as transport_module
 from kvhint.engine_plugin import transport_connect
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.headless import tokens_for_block_ids
 from kvhint.engine_plugin.transport import NatsTransport
-from kvhint.router.devstack.nats_server import NatsServerProcess
+from kvhint.router.devstack.nats_server import (
+    NatsServerProcess,
+    free_port,
+    nats_answers,
+    nats_server_binary,
+)
 from scheduler_fixtures import nats_plugin
-from kvhint.schemas import HintOutcome, OutcomeStatus, Subjects, decode_outcome
+from kvhint.schemas import (
+    HintOutcome,
+    KvHintsEnvelope,
+    OutcomeStatus,
+    PinPayload,
+    Subjects,
+    Target,
+    decode_outcome,
+    encode_hints,
+    make_action,
+)
 
 BS = 32
 
@@ -179,6 +196,85 @@ async def test_a_bug_in_one_publisher_round_is_counted_and_the_transport_goes_on
             errors = [r for r in records if r.levelno >= logging.ERROR]
             assert len(errors) == 1 and errors[0].exc_info is not None  # once, traceback
             assert "injected encoder bug" in str(errors[0].exc_info[1])
+    finally:
+        await nc.drain()
+
+
+@contextmanager
+def nats_without_jetstream() -> Iterator[str]:
+    """A real nats-server without JetStream (NatsServerProcess always enables it): a
+    JetStream request there is answered by whoever subscribes to its subject, or not."""
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        while not nats_answers(url, timeout_s=0.5):
+            assert proc.poll() is None and time.monotonic() < deadline, "no nats-server"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_stop_cancels_a_stream_lookup_jetstream_does_not_answer(
+        subject_prefix: str) -> None:
+    """The events stream is looked up once connected; JetStream's stream_info waits up
+    to 5 s for an answer. Before, that lookup ran outside anything stop() could cut
+    short: stop() waited its whole 5 s and returned with the thread still alive."""
+    with nats_without_jetstream() as url:
+        nc = await nats.connect(url)
+        try:
+            lookups = await nc.subscribe("$JS.API.STREAM.INFO.>")  # and never answers
+            await nc.flush()  # on the server before the plugin (built blocking) asks
+            with nats_plugin(url, subject_prefix, create_events_stream=True) as h:
+                await lookups.next_msg(timeout=10)  # the plugin waits for the answer now
+                await asyncio.sleep(0.3)
+                elapsed, thread = stop_timed(h.connector.transport)
+                assert elapsed < 1.5 and not thread.is_alive()
+        finally:
+            await nc.drain()
+
+
+async def test_a_bug_in_the_transports_setup_is_counted_and_the_setup_retried(
+        nats_url: str, subject_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Subscribing and the events stream's setup ran before the publisher's protected
+    loop: any exception there but a NATS error (a bug: one is injected) ended the
+    transport thread for good, the engine running on without NATS. Now it is counted
+    and logged like a failed publisher round, and the setup is tried again (each
+    subscription made once) until it goes through."""
+    ensure, failures = transport_module.ensure_events_stream, [1]
+
+    async def faulty(*args: Any) -> None:
+        if failures[0] > 0:
+            failures[0] -= 1
+            raise RuntimeError("injected setup bug")
+        await ensure(*args)
+
+    monkeypatch.setattr(transport_module, "ensure_events_stream", faulty)
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        outcomes = await nc.subscribe(subjects.outcomes("w0"))
+        with plugin_records() as records, plugin(nats_url, subject_prefix) as h:
+            transport = h.connector.transport
+            await until(lambda: transport.counters.heartbeats_published > 0)
+            assert transport._thread is not None and transport._thread.is_alive()
+            assert transport.counters.internal_errors == 1
+            errors = [r for r in records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1 and "injected setup bug" in str(errors[0].exc_info[1])
+            await nc.publish(subjects.hints("w0"), encode_hints(KvHintsEnvelope(
+                protocol_version="1", message_id="m1", actions=[make_action(
+                    "p1", PinPayload(target=Target(session_id="s"), ttl_s=5))])))
+            mailbox = h.connector.core.mailbox
+            await until(lambda: bool(mailbox.inbound))
+            await asyncio.sleep(0.2)
+            assert len(mailbox.inbound) == 1  # subscribed once, not once per try
+            h.step()
+            answer = decode_outcome((await outcomes.next_msg(timeout=5)).data)
+            assert (answer.action_id, answer.status.value) == ("p1", "missing")
     finally:
         await nc.drain()
 

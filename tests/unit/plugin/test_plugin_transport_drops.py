@@ -14,6 +14,7 @@ import pytest
 from nats.errors import Error as NatsError
 from nats.errors import SlowConsumerError
 
+from kvhint.engine_plugin import inbound_checks
 from kvhint.engine_plugin import transport as transport_module
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.counter_exports import EXPORTS, read_counters
@@ -135,6 +136,30 @@ def test_jetstream_not_answering_is_counted() -> None:
     asyncio.run(transport._ensure_stream(_RefusingNats()))
     assert _exported(transport.counters)["jetstream_unavailable"] == 1
     assert transport.counters.stream_create_failures == 0
+
+
+def test_a_hints_message_the_decoder_fails_on_is_queued_to_be_answered_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, an exception from the hints decoder (a bug: injected) left the transport's
+    subscription callback: the message was lost, counted only as a NATS error, and never
+    answered. Now it goes to the engine as a malformed message (answered rejected with
+    the reason, in order with the others), the failure counted as an internal error."""
+    def broken(data: Any) -> Any:
+        raise RuntimeError("injected decoder bug")
+
+    monkeypatch.setattr(inbound_checks, "decode_hints", broken)
+    mailbox = Mailbox(inbound_limit=4, outcome_limit=4, event_batch_limit=4)
+    transport = _transport(mailbox)
+
+    async def run() -> None:
+        transport._loop = asyncio.get_running_loop()
+        transport._post("hints", SimpleNamespace(data=b'{"message_id": "m"}', reply=""))
+
+    asyncio.run(run())
+    (item,) = mailbox.inbound
+    assert item.decoded.actions == [] and item.decoded.error is not None
+    assert "could not be decoded (RuntimeError: injected decoder bug)" in item.decoded.error
+    assert _exported(transport.counters)["internal_errors"] == 1
 
 
 def _snapshot(seq: int) -> SnapshotOut:
