@@ -238,11 +238,6 @@ class RecentLoad:
         self.decay_to(now)
         self.sessions += 1.0
 
-    def seen_at(self, now: float) -> tuple[float, float]:
-        """``(prefill_tokens, sessions)`` decayed to ``now``, leaving the state as it is."""
-        factor = decay_recent(1.0, now - self.at, self.half_life_s)
-        return self.prefill_tokens * factor, self.sessions * factor
-
 
 def route(ctx: RoutingContext, request: RouteRequest, rng: random.Random) -> RouteDecision:
     """Choose a worker for ``request``; raises :class:`NoWorkerAvailable` when none is

@@ -36,7 +36,6 @@ from kvhint.router.hashing import HashConfig, HashingError, PromptHashes, Reques
 from kvhint.router.kv_index.protocol import ClusterKvIndex
 from kvhint.router.policy import (
     Overlap,
-    RecentLoad,
     RouteDecision,
     RouteRequest,
     WorkerScore,
@@ -47,6 +46,7 @@ from kvhint.router.policy import (
     WorkerLoad,
     route,
 )
+from kvhint.router.policy.routed_load import RoutedLoads
 from kvhint.router.service.inbound import Endpoint, InboundRequest
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.settings import RoutingSettings
@@ -83,13 +83,6 @@ class RoutePlan:
 
 
 @dataclass(slots=True)
-class _Load:
-    recent: RecentLoad
-    pending_prefill: int = 0
-    active_blocks: int = 0
-
-
-@dataclass(slots=True)
 class RoutingService:
     workers: WorkerRegistry
     metrics: RouterMetrics
@@ -106,7 +99,9 @@ class RoutingService:
     hash_inline_max_bytes: int = RoutingSettings.model_fields["hash_inline_max_bytes"].default
     max_prompt_tokens: int = RoutingSettings.model_fields["max_prompt_tokens"].default
     _rng: random.Random = field(init=False)
-    _loads: dict[str, _Load] = field(default_factory=dict)
+    # The load figures route() sees, from what was routed (policy/routed_load.py: the
+    # simulator keeps the same).
+    _loads: RoutedLoads = field(default_factory=lambda: RoutedLoads(RECENT_HALF_LIFE_S))
     _seq: int = 0
 
     def __post_init__(self) -> None:
@@ -162,7 +157,7 @@ class RoutingService:
         self.metrics.decision.observe(time.perf_counter() - started)
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
-            self._load(decision.worker_id, now).recent.add_session(now)
+            self._loads.session_placed(decision.worker_id, now)
         return RoutePlan(decision, prompt_tokens, block_hashes, block_size, exact)
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
@@ -238,51 +233,29 @@ class RoutingService:
         return HashConfig(block_size=self.default_block_size)
 
     def _worker_load(self, worker: WorkerState, now: float, exclude: frozenset[str]) -> WorkerLoad:
-        load = self._loads.get(worker.worker_id)
-        recent = sessions = 0.0
-        pending = active_blocks = 0
-        if load is not None:
-            recent, sessions = load.recent.seen_at(now)
-            pending, active_blocks = load.pending_prefill, load.active_blocks
-        return WorkerLoad(
-            worker_id=worker.worker_id,
+        return self._loads.worker_load(
+            worker.worker_id, now,
             healthy=worker.routable and worker.worker_id not in exclude,
-            active_requests=worker.inflight,
-            active_blocks=active_blocks,
-            pending_prefill_tokens=pending,
-            recent_prefill_tokens=recent,
-            recent_sessions=sessions,
-        )
+            active_requests=worker.inflight)
 
     # --- bookkeeping the proxy reports --------------------------------------------------
 
     def dispatched(self, worker_id: str, uncached_tokens: int, prompt_tokens: int,
                    block_size: int) -> None:
         """A request with ``uncached_tokens`` to prefill went to ``worker_id``."""
-        now = self.clock()
-        load = self._load(worker_id, now)
-        load.recent.add_prefill(now, uncached_tokens)
-        load.pending_prefill += uncached_tokens
-        load.active_blocks += -(-prompt_tokens // max(block_size, 1))
+        self._loads.dispatched(worker_id, self.clock(), uncached_tokens, prompt_tokens,
+                               block_size)
 
-    def _load(self, worker_id: str, now: float) -> _Load:
-        load = self._loads.get(worker_id)
-        if load is None:
-            load = self._loads[worker_id] = _Load(RecentLoad(RECENT_HALF_LIFE_S, at=now))
-        return load
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker gone for good (the registry forgot it): its load figures go too."""
+        self._loads.forget(worker_id)
 
     def first_byte(self, worker_id: str, uncached_tokens: int) -> None:
-        load = self._loads.get(worker_id)
-        if load is not None:
-            load.pending_prefill = max(load.pending_prefill - uncached_tokens, 0)
+        self._loads.first_token(worker_id, uncached_tokens)
 
     def finished(self, worker_id: str, prompt_tokens: int, block_size: int,
                  prefill_pending: int) -> None:
-        load = self._loads.get(worker_id)
-        if load is not None:
-            load.pending_prefill = max(load.pending_prefill - prefill_pending, 0)
-            blocks = -(-prompt_tokens // max(block_size, 1))
-            load.active_blocks = max(load.active_blocks - blocks, 0)
+        self._loads.finished(worker_id, prompt_tokens, block_size, prefill_pending)
 
 
 def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any],

@@ -15,8 +15,11 @@ plugin's next claim expiry or deferred action's deadline: live, the plugin advan
 every engine step, so a hold ends at its TTL and a prompt it kept out is admitted then),
 an idle *review* (plan_idle), a *session end* through the sessions API (a trace's end
 line), and a periodic *tick* (the router's ledger expiry, plugin expiry and deferred
-outcomes again, and, as the live router's tick does, the shared-prefix scan). ``route()``
-sees the router's own load figures, kept as the live RoutingService keeps them:
+outcomes again, and, as the live router's tick does, the shared-prefix scan; the ledger
+also expires at each hold deadline). ``route()``
+sees the router's own load figures, kept by the live RoutingService's own bookkeeping
+(:class:`~kvhint.router.policy.routed_load.RoutedLoads`): dispatched at routing, the
+prefill cleared at the first token, ended at the response's end or a refusal.
 ``active_blocks`` is the prompt blocks of every request routed to the worker and not yet
 ended (queued ones included, decode blocks not counted). With the ``scheduler`` engine
 (:class:`~kvhint.router.sim.scheduler_worker.SchedulerSimWorker`) a *step ends* instead
@@ -47,7 +50,6 @@ from kvhint.router.policy import (
     HoldingsLedger,
     Overlap,
     PlannedAction,
-    RecentLoad,
     ResponseFinished,
     RouteRequest,
     RoutingContext,
@@ -59,13 +61,13 @@ from kvhint.router.policy import (
     TenantStats,
     TurnRouted,
     WorkerFeedback,
-    WorkerLoad,
     WorkerPlanView,
     plan_response_finished,
     plan_session_end,
     plan_turn_routed,
     route,
 )
+from kvhint.router.policy.routed_load import RoutedLoads
 from kvhint.router.sim.config import ENGINES, SimConfig
 from kvhint.router.sim.hint_loop import HintLoop
 from kvhint.router.sim.results import PolicyResult, RequestRecord, TimelinePoint
@@ -118,13 +120,9 @@ class Simulation(HintLoop):
         # Per session: the block hashes of its last routed prompt (shared-prefix scans).
         self._last_hashes: dict[str, tuple[int, ...]] = {}
         self._prefix_retains = SharedPrefixRetains()
-        # Per worker: computed prompt tokens routed there and new sessions placed there,
-        # decayed, kept exactly as the live router's RoutingService keeps them.
-        self._recent: dict[str, RecentLoad] = {}
-        # Per worker: the router's active_blocks, kept as RoutingService keeps it
-        # (dispatched / finished): the prompt blocks of every request routed there and not
-        # yet ended, queued ones included, decode blocks not counted.
-        self._routed_blocks: dict[str, int] = {}
+        # Per worker: the router's load figures (recent prefill and sessions, pending
+        # prefill, active blocks), the live RoutingService's own bookkeeping.
+        self.loads = RoutedLoads(config.recent_half_life_s)
         self._heap: list[tuple[float, int, int, Any]] = []
         # Per worker: the time of the earliest hold-deadline event on the heap.
         self._deadline_at: dict[str, float] = {}
@@ -158,8 +156,6 @@ class Simulation(HintLoop):
                 supported_actions=frozenset(core.supported_actions()),
                 host_tier=worker.host is not None,
                 evict_rest_first=evict_rest_supported(core.supported_actions()))
-            self._recent[worker_id] = RecentLoad(config.recent_half_life_s)
-            self._routed_blocks[worker_id] = 0
             self.result.computed_by_worker[worker_id] = 0
 
     def _clock(self) -> float:
@@ -216,6 +212,10 @@ class Simulation(HintLoop):
     def _on_hold_deadline(self, worker_id: str) -> None:
         if self._deadline_at.get(worker_id, math.inf) <= self.now:
             del self._deadline_at[worker_id]
+        # The router's ledger lets go of the holds that end now, with the plugin: live,
+        # it expires them at its tick (hints.tick_s, 1 s); at the simulation's (tick_s,
+        # 5 s) the planner saw a worker's budget taken for up to 5 s by holds that ended.
+        self.ledger.expire(self.now)
         worker = self.workers[worker_id]
         self._advance_worker(worker)
         self._arm_deadline(worker)
@@ -279,11 +279,11 @@ class Simulation(HintLoop):
         decision = self._route(request, session_key, hashes)
         worker = self.workers[decision.worker_id]
         predicted_computed = request.input_length - decision.predicted_cached_tokens
-        recent = self._recent[decision.worker_id]
-        recent.add_prefill(self.now, predicted_computed)
+        self.loads.dispatched(decision.worker_id, self.now, predicted_computed,
+                              request.input_length, self.config.block_size)
         placement = self.placements.get(session_key)
         if placement is None:
-            recent.add_session(self.now)
+            self.loads.session_placed(decision.worker_id, self.now)
         elif placement[0] != decision.worker_id:
             self.result.moved_turns += 1
         self.placements[session_key] = (decision.worker_id, placement[1] + 1 if placement else 1)
@@ -297,19 +297,16 @@ class Simulation(HintLoop):
                              request.tenant)
         job = Job(request, session_key, vllm_request, hashes, decision.worker_id,
                   decision.predicted_cached_tokens, predicted_computed, self.now)
-        self._routed_blocks[decision.worker_id] += self._prompt_blocks(job)
         worker.enqueue(job)
         self._take_dropped(worker)
         self._try_start(worker)
-
-    def _prompt_blocks(self, job: Job) -> int:
-        return -(-job.request.input_length // self.config.block_size)
 
     def _take_dropped(self, worker: SimWorker | SchedulerSimWorker) -> None:
         """Requests the worker refused end for the router (RoutingService.finished)."""
         if worker.dropped:
             for job in worker.dropped:
-                self._routed_blocks[worker.worker_id] -= self._prompt_blocks(job)
+                self.loads.finished(worker.worker_id, job.request.input_length,
+                                    self.config.block_size, job.predicted_computed_tokens)
             worker.dropped.clear()
 
     def _route(self, request: TraceRequest, session_key: str, hashes: tuple[int, ...]):
@@ -318,15 +315,9 @@ class Simulation(HintLoop):
             match = self.index.match_prefix(hashes)
             overlaps = {w: Overlap(o.gpu_blocks, o.external_blocks)
                         for w, o in match.workers.items()}
-        loads = []
-        for w in self.workers.values():
-            recent = self._recent[w.worker_id]
-            recent.decay_to(self.now)
-            loads.append(WorkerLoad(w.worker_id, active_requests=w.active_requests,
-                                    active_blocks=self._routed_blocks[w.worker_id],
-                                    pending_prefill_tokens=w.pending_prefill_tokens,
-                                    recent_prefill_tokens=recent.prefill_tokens,
-                                    recent_sessions=recent.sessions))
+        loads = [self.loads.worker_load(w.worker_id, self.now, healthy=True,
+                                        active_requests=w.active_requests)
+                 for w in self.workers.values()]
         placement = self.placements.get(session_key)
         ctx = RoutingContext(
             workers=tuple(loads), config=self._routing,
@@ -354,6 +345,7 @@ class Simulation(HintLoop):
     def _on_prefill_done(self, worker_id: str) -> None:
         worker = self.workers[worker_id]
         job, done_at = worker.finish_prefill(self.now)
+        self.loads.first_token(worker_id, job.predicted_computed_tokens)
         self.result.ttfts_s.append(self.now - job.arrival_s)
         if not job.decode_allocated:
             self.result.decode_alloc_failures += 1
@@ -382,6 +374,7 @@ class Simulation(HintLoop):
         assert isinstance(worker, SchedulerSimWorker)
         ended = worker.end_step(self.now)
         for job in ended.first_tokens:
+            self.loads.first_token(worker_id, job.predicted_computed_tokens)
             self.result.ttfts_s.append(self.now - job.arrival_s)
         for job in ended.finished:
             self._response_ended(job)
@@ -390,7 +383,7 @@ class Simulation(HintLoop):
     def _response_ended(self, job: Job) -> None:
         """The response is out and its request freed: the planner's turn."""
         request = job.request
-        self._routed_blocks[job.worker_id] -= self._prompt_blocks(job)
+        self.loads.finished(job.worker_id, request.input_length, self.config.block_size, 0)
         if request.output_length > 1:
             self.result.itls_s.append((self.now - job.first_token_s) / (request.output_length - 1))
         if self.hints_on:

@@ -95,7 +95,6 @@ class SchedulerSimWorker:
         self.block_size = int(engine.vllm_config.cache_config.block_size)
         self.jobs: dict[str, Job] = {}
         self.counters = WorkerCounters()
-        self.pending_prefill_tokens = 0
         # Jobs refused since the engine last took them (the router hears of their end).
         self.dropped: list[Job] = []
         self._in_step: Any = None  # the SchedulerOutput of the step in flight
@@ -120,7 +119,6 @@ class SchedulerSimWorker:
             self.dropped.append(job)
             return
         self.jobs[job.vllm_request.request_id] = job
-        self.pending_prefill_tokens += job.predicted_computed_tokens
         self.engine.add(job.vllm_request)
 
     def begin_step(self, now: float) -> tuple[float, list[Job]] | None:
@@ -182,7 +180,6 @@ class SchedulerSimWorker:
                 if output.new_token_ids and not job.first_token_out:
                     job.first_token_out = True
                     job.first_token_s = now
-                    self.pending_prefill_tokens -= job.predicted_computed_tokens
                     ended.first_tokens.append(job)
                 if output.finish_reason is not None:
                     del self.jobs[output.request_id]

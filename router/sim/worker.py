@@ -115,7 +115,6 @@ class SimWorker:
         self.prefilling: Job | None = None
         self.decoding: dict[str, Job] = {}
         self.counters = WorkerCounters()
-        self.pending_prefill_tokens = 0
         # Jobs dropped since the engine last took them (the router hears of their end).
         self.dropped: list[Job] = []
         # The headless manager is built with max_model_len = the whole pool.
@@ -133,7 +132,6 @@ class SimWorker:
 
     def enqueue(self, job: Job) -> None:
         self.queue.append(job)
-        self.pending_prefill_tokens += job.predicted_computed_tokens
 
     def start_prefill(self, now: float) -> tuple[Job, float] | None:
         """Admit the head of the queue if the prefill slot is free and its KV fits;
@@ -185,7 +183,6 @@ class SimWorker:
         return deadline is not None and math.isfinite(deadline)
 
     def _dropped(self, job: Job) -> None:
-        self.pending_prefill_tokens -= job.predicted_computed_tokens
         self.counters.dropped_too_large += 1
         self.dropped.append(job)
 
@@ -194,7 +191,6 @@ class SimWorker:
         job = self.prefilling
         assert job is not None, "finish_prefill without a prefill"
         self.prefilling = None
-        self.pending_prefill_tokens -= job.predicted_computed_tokens
         job.first_token_s = now
         output = job.request.output_length
         if output > 0:

@@ -86,6 +86,33 @@ def test_a_pin_ends_at_its_ttl_not_at_the_next_tick(tmp_path: Path) -> None:
     assert b.start_s == pytest.approx(pin_end)
 
 
+class _LedgerWatch(_PinWatch):
+    """Notes, at each hold deadline, what the router's ledger counts pinned on w0."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pinned_after_deadline: list[tuple[float, int]] = []
+
+    def _on_hold_deadline(self, worker_id: str) -> None:
+        super()._on_hold_deadline(worker_id)
+        self.pinned_after_deadline.append((self.now, self.ledger.worker("w0").pinned_blocks))
+
+
+def test_the_routers_ledger_lets_go_of_a_pin_when_it_ends_not_at_the_next_tick(
+        tmp_path: Path) -> None:
+    """The plugin ends a's pin at its TTL; before, the router's ledger (what the planner
+    counts of the worker's pin budget) kept it until the simulation's next tick, up to
+    tick_s (5 s) later; live, the router's 1 s tick lets it go."""
+    trace = load_trace(_write(tmp_path, _pin_rows()), block_size=32)
+    sim = _LedgerWatch(trace, SimConfig(workers=1, gpu_blocks=10, block_size=32,
+                                        plugin={"pin_budget_fraction": 0.5}), "kvhint")
+    sim.run()
+    pin_end = sim.pin_expiries["default/a"]
+    assert pin_end % sim.config.tick_s > 1e-6  # off the tick grid
+    at_end = [pinned for at, pinned in sim.pinned_after_deadline if at == pin_end]
+    assert at_end == [0]
+
+
 @pytest.mark.parametrize("engine", ["fast", "scheduler"])
 def test_route_sees_the_routers_active_blocks(tmp_path: Path, monkeypatch,
                                               engine: str) -> None:
@@ -111,7 +138,8 @@ def test_route_sees_the_routers_active_blocks(tmp_path: Path, monkeypatch,
     result = sim.run()
     assert seen == [0, 3, 6, 9, 12, 15]
     assert result.dropped_requests == 1
-    assert sim._routed_blocks == {"w0": 0}
+    settled = sim.loads.get("w0")
+    assert (settled.active_blocks, settled.pending_prefill) == (0, 0)
 
 
 def test_scheduler_engine_runs_a_host_load_at_once_not_at_the_next_tick(

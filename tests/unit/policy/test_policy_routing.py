@@ -159,13 +159,13 @@ def test_cached_tokens_follow_vllms_cap_of_prompt_minus_one() -> None:
     assert decay_recent(100.0, 120.0, 120.0) == pytest.approx(50.0)
 
 
-def test_recent_load_halves_both_counts_per_half_life_and_reads_without_changing() -> None:
+def test_recent_load_halves_both_counts_per_half_life() -> None:
     """The bookkeeping the router and the simulator share for ``WorkerLoad``."""
     load = RecentLoad(half_life_s=10.0, at=100.0)
     load.add_prefill(100.0, 800)
     load.add_session(100.0)
-    assert load.seen_at(110.0) == pytest.approx((400.0, 0.5))
-    assert (load.prefill_tokens, load.sessions, load.at) == (800.0, 1.0, 100.0)  # unchanged
+    load.decay_to(110.0)
+    assert (load.prefill_tokens, load.sessions, load.at) == pytest.approx((400.0, 0.5, 110.0))
     load.add_prefill(120.0, 100)  # decays to 120 s first: 800 / 4 + 100
     assert (load.prefill_tokens, load.sessions, load.at) == pytest.approx((300.0, 0.25, 120.0))
 
