@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvhint.schemas import Subjects, is_valid_worker_id
+from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
 
 # Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
@@ -112,7 +113,8 @@ class PluginConfig(BaseModel):
             return None
         for part in value.split(","):
             if not _URL_RE.match(part.strip()):
-                raise ValueError(f"{part.strip()!r} is not a nats:// (or tls/ws/wss) URL")
+                raise ValueError(f"{loggable_nats_url(part)!r} is not a nats:// (or "
+                                 "tls/ws/wss) URL")
         return value
 
     @field_validator("subject_prefix")
@@ -123,7 +125,7 @@ class PluginConfig(BaseModel):
 
     @property
     def nats_servers(self) -> list[str]:
-        return [p.strip() for p in self.nats_url.split(",")] if self.nats_url else []
+        return nats_servers(self.nats_url)
 
     def resolved_worker_id(self, data_parallel_rank: int) -> str:
         return self.worker_id or f"w{data_parallel_rank}"
@@ -146,7 +148,8 @@ def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:
         problems = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"]) or "(config)"
-            problems.append(f"kv_connector_extra_config[{key!r}]: {err['msg']}"
-                            f" (got {err.get('input')!r})")
+            # A nats_url may carry a password: its message shows the loggable form.
+            got = "" if key == "nats_url" else f" (got {err.get('input')!r})"
+            problems.append(f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}")
         raise PluginConfigError("kvhint engine plugin: invalid config: "
                                 + "; ".join(problems)) from None

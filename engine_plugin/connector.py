@@ -79,6 +79,7 @@ from kvhint.engine_plugin.vllm_adapter import (
     register_connector_name,
 )
 from kvhint.schemas import Usage, WorkerStatus
+from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -163,7 +164,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             lambda ts, events: encoder.encode(ts, events, rank), self.core.adapter.block_size)
         self.transport.start()
         logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
-                    identity.worker_id, identity.epoch, config.nats_url, config.subject_prefix)
+                    identity.worker_id, identity.epoch, loggable_nats_url(config.nats_url),
+                    config.subject_prefix)
 
     def _find_host_tier(self, adapter: VllmCacheAdapter) -> HostTier | None:
         tier, source = OffloadingHostTier.find(self, adapter)

@@ -63,6 +63,7 @@ from kvhint.schemas import (
     encode_status,
 )
 from kvhint.schemas._codec import WireDecodeError, encode_json
+from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -183,8 +184,9 @@ class NatsTransport:
             disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected))
         if nc is not None:
             self.counters.connects += 1
-            logger.info("kvhint: connected to NATS %s as worker %s", nc.connected_url.netloc
-                        if nc.connected_url else servers, self.worker_id)
+            logger.info("kvhint: connected to NATS %s as worker %s", loggable_nats_url(
+                nc.connected_url.geturl() if nc.connected_url else ",".join(servers)),
+                self.worker_id)
         return nc
 
     async def _on_error(self, exc: Exception) -> None:

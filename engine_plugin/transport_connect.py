@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from kvhint.engine_plugin.config import LOGGER_NAME
+from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -45,7 +46,7 @@ async def connect_until_stopped(stop: asyncio.Event, servers: Sequence[str],
             break
         if delay == FIRST_BACKOFF_S:
             logger.warning("kvhint: NATS %s unreachable (%s); retrying in the background, "
-                           "the engine runs meanwhile", list(servers), error)
+                           "the engine runs meanwhile", loggable_nats_url(",".join(servers)), error)
         await wait_or_stop(stop, delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
     return None

@@ -38,8 +38,10 @@ def _run(args: argparse.Namespace) -> int:
     import yaml
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
+    from sqlalchemy.engine import make_url
 
     from kvhint.router.service.settings import RouterSettings
+    from kvhint.schemas.nats_address import loggable_nats_url
 
     overrides: dict[str, object] = {}
     if args.config is not None:
@@ -60,6 +62,10 @@ def _run(args: argparse.Namespace) -> int:
             tenant["api_keys"] = ["***"] * len(tenant["api_keys"])
             tenant["admin_keys"] = ["***"] * len(tenant["admin_keys"])
         shown["salt_secret"] = "***"
+        # Credentials in either URL are as secret as the keys above.
+        shown["nats_url"] = settings.nats_url and loggable_nats_url(settings.nats_url)
+        shown["database_url"] = make_url(settings.database_url).render_as_string(
+            hide_password=True)
         print(json.dumps(shown, indent=2))
         return 0
     return serve(settings)

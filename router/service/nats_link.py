@@ -21,6 +21,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from kvhint.schemas import Subjects
+from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _differences(have: api.StreamConfig, want: api.StreamConfig
 async def remove_streams(url: str, subjects: Subjects) -> None:
     """Delete the router's streams of ``subjects`` (tests and benchmarks make throwaway
     prefixes; a shared NATS would otherwise keep their reserved storage)."""
-    nc = await nats.connect(servers=[url], connect_timeout=2)
+    nc = await nats.connect(servers=nats_servers(url), connect_timeout=2)
     try:
         js = nc.jetstream()
         for name in (subjects.events_stream, outcomes_stream_name(subjects),
@@ -186,18 +187,19 @@ class NatsLink:
         while True:
             try:
                 nc = await nats.connect(
-                    servers=[self.url], name="kvhint-router", connect_timeout=2,
+                    servers=nats_servers(self.url), name="kvhint-router", connect_timeout=2,
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=1,
                     error_cb=self._error_cb, disconnected_cb=self._disconnected_cb,
                     reconnected_cb=self._reconnected_cb,
                 )
             except (NatsError, OSError, asyncio.TimeoutError) as exc:
-                self._note_error("connect", f"connect to {self.url} failed: {exc!r}")
+                self._note_error("connect", f"connect to {loggable_nats_url(self.url)} failed: "
+                                            f"{exc!r}")
                 await asyncio.sleep(self._retry_s)
                 continue
             self._nc = nc
             self._js = nc.jetstream()
-            log.info("NATS connected: %s", self.url)
+            log.info("NATS connected: %s", loggable_nats_url(self.url))
             try:
                 if self._on_connected is not None:
                     await self._on_connected()

@@ -44,3 +44,17 @@ def test_bad_prefixes_are_refused(prefix: str) -> None:
 def test_unknown_kind() -> None:
     with pytest.raises(ValueError):
         Subjects().all_of("gossip")
+
+
+def test_a_nats_url_reaches_logs_without_its_credentials() -> None:
+    from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
+
+    url = "nats://router:s3cret@nats-a:4222, tls://t0ken@[::1]:4223,nats://plain:4222"
+    assert nats_servers(url) == ["nats://router:s3cret@nats-a:4222", "tls://t0ken@[::1]:4223",
+                                 "nats://plain:4222"]
+    shown = loggable_nats_url(url)
+    assert shown == "nats://***@nats-a:4222,tls://***@[::1]:4223,nats://plain:4222"
+    assert "s3cret" not in shown and "t0ken" not in shown
+    # A part that does not parse is hidden whole: it may be a secret.
+    assert loggable_nats_url("nats://u:p@h:99999") == "***"
+    assert loggable_nats_url(None) == "" and nats_servers("") == []

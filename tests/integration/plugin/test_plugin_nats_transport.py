@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -636,3 +637,23 @@ async def test_a_stream_the_router_creates_meanwhile_is_used_not_reported_failed
 @pytest.fixture(autouse=True)
 def _quiet_nats_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("ERROR", logger="nats")
+
+
+async def test_a_nats_url_with_credentials_reaches_no_log_line(
+        nats_url: str, subject_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """README: NATS credentials go in ``nats_url``. Neither the engine's start-up line, the
+    unreachable-server warning nor the connected line may show them (vLLM's log is
+    often shipped off the worker)."""
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    refused = f"nats://w0:n4ts-pw@127.0.0.1:{free_port()}"
+    with_password = nats_url.replace("nats://", "nats://w0:n4ts-pw@")
+    with plugin(f"{refused},{with_password}", subject_prefix,
+                create_events_stream=False) as h:
+        for _ in range(200):
+            if any("connected to NATS" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        del h
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "connected to NATS nats://***@127.0.0.1" in logged
+    assert "n4ts-pw" not in logged

@@ -121,3 +121,18 @@ async def test_a_refused_connect_is_a_nats_error_of_its_kind_not_a_drop(
         assert sample(samples, "kvhint_router_nats_errors_total", kind="setup") == 0
         assert not [labels for name, labels in samples
                     if name == "kvhint_router_drops_total" and ("what", "nats_error") in labels]
+
+
+async def test_a_nats_url_with_credentials_reaches_no_log_line(
+        own_nats: NatsServerProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """A password in ``nats_url`` (README: credentials go in the URL) is not logged; a
+    comma-separated list is served (its first server refuses: the link goes on to the
+    next), as the plugin serves it."""
+    caplog.set_level(logging.INFO, logger="kvhint.router")
+    refused = f"nats://router:n4ts-pw@127.0.0.1:{free_port()}"
+    own = own_nats.url.replace("nats://", "nats://router:n4ts-pw@")
+    link = await _connected_link(f"{refused}, {own}", [])
+    await link.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "NATS connected: nats://***@127.0.0.1" in logged
+    assert "n4ts-pw" not in logged

@@ -46,3 +46,10 @@ def test_config_is_frozen() -> None:
     config = PluginConfig()
     with pytest.raises(ValueError):
         config.worker_id = "x"  # type: ignore[misc]
+
+
+def test_a_bad_nats_url_is_named_without_its_password() -> None:
+    with pytest.raises(PluginConfigError) as err:
+        load_plugin_config({"nats_url": "nats://w0:n4ts-pw@nats:4222,http://w0:n4ts-pw@x"})
+    assert "kv_connector_extra_config['nats_url']" in str(err.value)
+    assert "http://***@x" in str(err.value) and "n4ts-pw" not in str(err.value)

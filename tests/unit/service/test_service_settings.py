@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,18 @@ def test_a_published_salt_secret_is_announced_outside_dev_mode(
     assert not warned(RouterSettings(tenants=tenants, salt_secret="ours"))
     assert not warned(RouterSettings(tenants=[{**tenants[0], "cache_salt": "own"}]))
     assert not warned(RouterSettings())  # dev mode: one tenant, no salt
+
+
+def test_check_config_shows_no_credentials_of_the_nats_and_store_urls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvhint.router.cli import main
+
+    config = tmp_path / "router.yaml"
+    config.write_text("nats_url: nats://router:n4ts-pw@nats:4222\n"
+                      "database_url: postgresql+psycopg://kvhint:db-pw@pg:5432/kvhint\n")
+    assert main(["router", "--config", str(config), "--check-config"]) == 0
+    out = capsys.readouterr().out
+    assert "n4ts-pw" not in out and "db-pw" not in out
+    shown = json.loads(out)
+    assert shown["nats_url"] == "nats://***@nats:4222"
+    assert shown["database_url"] == "postgresql+psycopg://kvhint:***@pg:5432/kvhint"
