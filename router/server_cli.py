@@ -89,12 +89,24 @@ def serve(settings: RouterSettings) -> int:
 def uvicorn_config(app: Any, settings: RouterSettings) -> uvicorn.Config:
     """How the router's HTTP server runs. uvloop when installed; h11, not httptools,
     for its bound on a request's headers (httptools buffers headers of any size: the
-    fix vLLM made for GHSA-rxc4-3w6r-4v47)."""
+    fix vLLM made for GHSA-rxc4-3w6r-4v47), with deadlines for slow clients
+    (``client_deadlines.py``; plain h11, logged as an error, where uvicorn lacks the
+    hooks they need)."""
     import uvicorn
 
+    from kvhint.router.service.client_deadlines import deadline_protocol
+
+    def timed_out(phase: str) -> None:
+        # The runtime (and its metrics) exists once the app's lifespan has started it.
+        runtime = getattr(getattr(app, "state", None), "runtime", None)
+        if runtime is not None:
+            runtime.metrics.client_timeouts.labels(phase).inc()
+
+    protocol = deadline_protocol(settings.http_header_timeout_s, settings.http_body_timeout_s,
+                                 timed_out)
     return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=False, loop="auto", http="h11",
+        access_log=False, loop="auto", http=protocol or "h11",
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.http_keep_alive_s,
         timeout_graceful_shutdown=settings.http_shutdown_grace_s,

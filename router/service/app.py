@@ -27,6 +27,7 @@ from kvhint.router.service.inbound import (
     SESSION_END_HEADER,
     SESSION_HEADER,
     BadRequest,
+    BodyTimeout,
     Endpoint,
     openai_error,
     parse_inbound,
@@ -35,6 +36,7 @@ from kvhint.router.service.inbound import (
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.sampling import check_parallel_samples
 from kvhint.router.service.sessions_api import build_sessions_router
 from kvhint.router.service.settings import RouterSettings
 from kvhint.router.service.store_errors import STORE_ERRORS, StoreReadErrors
@@ -81,9 +83,12 @@ def create_app(settings: RouterSettings) -> RouterApp:
             await runtime.stop()
 
     docs = settings.api_docs  # off by default: swagger-ui comes from a CDN
+    # redirect_slashes off: Starlette built its trailing-slash redirect's absolute URL
+    # from the request's Host header, so a forged Host sent clients to another origin.
+    # No route needs a second spelling: a path with a stray "/" is a 404.
     app = FastAPI(title="kvhint router", version="0.1.0", lifespan=lifespan,
                   docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
-                  openapi_url="/openapi.json" if docs else None)
+                  openapi_url="/openapi.json" if docs else None, redirect_slashes=False)
     # Also known to FastAPI (a GET gets 405, not 404); POSTs never reach these.
     app.router.add_route("/v1/chat/completions", _chat, methods=["POST"])
     app.router.add_route("/v1/completions", _completions, methods=["POST"])
@@ -122,13 +127,17 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     try:
         tenant = runtime.directory.client(api_key_of(headers))
         body = await read_body_within(request.stream(), headers.get("content-length"),
-                                      runtime.settings.max_body_bytes)
+                                      runtime.settings.max_body_bytes,
+                                      runtime.settings.http_body_timeout_s)
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
                                 headers.get(SESSION_END_HEADER))
+        check_parallel_samples(inbound.body, runtime.settings.routing.max_n)
     except AuthError as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return _error(exc.message, exc.status, error_type="authentication_error")
     except BadRequest as exc:
+        if isinstance(exc, BodyTimeout):
+            runtime.metrics.client_timeouts.labels("body").inc()
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return _error(exc.message, exc.status, exc.param, exc.error_type)
     except ClientDisconnect:
@@ -157,7 +166,8 @@ async def _models(request: Request) -> Response:
     if not workers:
         return _error("no worker available", 503)
     results = await asyncio.gather(
-        *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0) for w in workers),
+        *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0, worker_id=w.worker_id)
+          for w in workers),
         return_exceptions=True)
     merged: dict[str, Any] = {}
     answered = False

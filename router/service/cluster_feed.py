@@ -120,6 +120,7 @@ class ClusterFeed:
                  snapshot_timeout_s: float,
                  on_hint_outcome: Callable[[SentAction, HintOutcome], None],
                  on_hold_released: Callable[[HoldRelease], None],
+                 on_worker_forgotten: Callable[[str], None] | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  jetstream_retry_s: float = JETSTREAM_RETRY_S) -> None:
         self._link = link
@@ -129,6 +130,8 @@ class ClusterFeed:
         self._hints = hints
         self._on_hint_outcome = on_hint_outcome
         self._on_hold_released = on_hold_released
+        # A worker forgotten (silent past forget_dead_after_s): what others keep of it goes.
+        self._on_worker_forgotten = on_worker_forgotten
         self._metrics = metrics
         self._writer = writer
         self._snapshot_timeout_s = snapshot_timeout_s
@@ -345,6 +348,9 @@ class ClusterFeed:
             log.info("worker %s silent for over %.0fs: forgotten", worker_id,
                      self.ingestor.config.forget_dead_after_s)
             self._metrics.forget_worker(worker_id)
+            self._hints.forget_worker(worker_id)
+            if self._on_worker_forgotten is not None:
+                self._on_worker_forgotten(worker_id)
 
     # --- ingestor actions ---------------------------------------------------------------
 

@@ -30,7 +30,9 @@ from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation, SseRelay
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
+from kvhint.router.service.sampling import parallel_samples
 from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
 from kvhint.router.service.upstream import (
     UpstreamBroken,
@@ -120,6 +122,8 @@ class _Flight:
     upstream: UpstreamResponse | None = None
     # _account ran: every way a request ends settles it once, never twice.
     accounted: bool = False
+    # It holds one of its tenant's max_in_flight slots (given back by _account).
+    tenant_slot: bool = False
 
 
 class Forwarder:
@@ -141,13 +145,20 @@ class Forwarder:
         self._on_worker_down = on_worker_down
         self._recorder = recorder
         self._index_exact = index_exact
+        # Each tenant's requests in flight, against its max_in_flight.
+        self.slots = TenantSlots(metrics)
 
     async def forward(self, inbound: InboundRequest,
                       client_gone: asyncio.Future[None] | None = None) -> Response:
         """``client_gone``: done when the client disconnects before the response to it
         starts (a streamed response then watches its own); the request to the worker, or
         the worker's response, is then closed at once, not when it finishes."""
+        # Admitted here; the slot is given back in _account, which every way a request
+        # ends runs once (answered, failed, client gone, a stream's end, a cancellation).
+        if (refusal := self.slots.take(inbound)) is not None:
+            return refusal
         flight = _Flight(inbound, None, None, time.perf_counter())
+        flight.tenant_slot = inbound.tenant.max_in_flight is not None
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -262,7 +273,7 @@ class Forwarder:
             try:
                 upstream = await _until_open(opening, flight.client_gone_signal)
             except UpstreamUnavailable as exc:
-                self._workers.mark_http_failure(worker, exc.reason)
+                worker.mark_http_failure(exc.reason)
                 if self._still_its_address(worker, "failure"):
                     self._on_worker_down(worker)
                     log.warning("worker %s failed before responding: %s", worker_id,
@@ -277,7 +288,7 @@ class Forwarder:
                 # worker answers its /health and stays up).
                 log.warning("%s", exc)
                 taken = True
-                silent = self._workers.note_timeout(worker)
+                silent = worker.note_timeout()
                 if (self._still_its_address(worker, "timeout")
                         and silent >= SUSPECT_AFTER_TIMEOUTS):
                     self._on_worker_down(worker)
@@ -285,7 +296,7 @@ class Forwarder:
                 raise
             taken = True
             flight.upstream = upstream
-            self._workers.note_answered(worker)
+            worker.note_answered()
             await self._took(flight, worker_id, predicted, uncached)
             return upstream
         finally:
@@ -408,6 +419,9 @@ class Forwarder:
         if flight.accounted:
             return
         flight.accounted = True
+        if flight.tenant_slot:
+            flight.tenant_slot = False
+            self.slots.give_back(flight.inbound.tenant.name)
         endpoint = flight.inbound.endpoint.value
         worker_id = flight.worker_id or "none"
         self._metrics.record_request(endpoint, worker_id, status)
@@ -424,7 +438,7 @@ class Forwarder:
             self._metrics.drop(lost)
         if observation.prompt_tokens is not None and flight.worker_id is not None:
             predicted = flight.predicted_cached
-            if predicted is not None and _parallel_samples(flight.inbound.body) > 1:
+            if predicted is not None and parallel_samples(flight.inbound.body) > 1:
                 # vLLM runs n > 1 as n child requests of one prompt, scheduled together:
                 # the first prefills it, the others hit the blocks it just allocated.
                 # usage counts the prompt once (as the prediction and the dispatched
@@ -452,7 +466,8 @@ def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
         return None, "trace_unhashed"
     finish = observation.finish()
     inbound = flight.inbound
-    output = observation.completion_tokens or 0
+    # One completion's (n > 1: n decode side by side; a session continues one of them).
+    output = observation.completion_tokens_per_choice
     itl_ms = ttft_ms = None
     if inbound.stream and flight.first_byte_at is not None:
         ttft_ms = (flight.first_byte_at - flight.received) * 1000.0
@@ -465,17 +480,6 @@ def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
         finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
         tool_names=tuple(observation.tool_names), end=inbound.session_end,
         itl_ms=itl_ms, ttft_ms=ttft_ms), ""
-
-
-def _parallel_samples(body: dict[str, object]) -> int:
-    """How many sequences the request asks the worker to sample per prompt (``n``, or
-    ``best_of`` where a vLLM still takes it); 1 for anything unreadable."""
-    count = 1
-    for key in ("n", "best_of"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            count = max(count, value)
-    return count
 
 
 def _error(message: str, status: int) -> Response:

@@ -6,13 +6,19 @@ row held past ``request_timeout_s`` without a status line) is probed at once ins
 hung server that accepts connections and never answers fails that probe too, is marked
 down and probed like any other worker down; a slow worker that is alive answers
 ``/health`` (vLLM's answers while the engine is busy) and stays up.
+
+Every probe is counted, ``kvhint_router_health_probes_total{worker, outcome}`` (outcome
+``answered``: a 200 within PROBE_TIMEOUT_S; ``failed``: anything else), and timed,
+``kvhint_router_health_probe_seconds`` (no worker label: one histogram for the fleet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
@@ -22,9 +28,11 @@ PROBE_TIMEOUT_S = 2.0
 
 
 class HealthProber:
-    def __init__(self, workers: WorkerRegistry, pool: UpstreamPool, period_s: float) -> None:
+    def __init__(self, workers: WorkerRegistry, pool: UpstreamPool, period_s: float,
+                 metrics: RouterMetrics) -> None:
         self._workers = workers
         self._pool = pool
+        self._metrics = metrics
         self._period_s = period_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -43,9 +51,9 @@ class HealthProber:
         worker_id = worker.worker_id
         try:
             if worker.http_up and worker.url is not None and self._workers.is_current(worker):
-                if not await self._answers(worker.url):
-                    self._workers.mark_http_failure(
-                        worker, f"no answer to /health within {PROBE_TIMEOUT_S:g} s "
+                if not await self._answers(worker_id, worker.url):
+                    worker.mark_http_failure(
+                        f"no answer to /health within {PROBE_TIMEOUT_S:g} s "
                         "after requests timed out before their headers")
                     log.warning("worker %s holds requests without answering and fails "
                                 "its /health at %s: marked down%s", worker_id, worker.url,
@@ -61,8 +69,8 @@ class HealthProber:
                 worker = self._workers.get(worker_id)
                 if worker is None or worker.url is None or worker.http_up:
                     return
-                if await self._answers(worker.url):
-                    self._workers.mark_http_ok(worker)
+                if await self._answers(worker_id, worker.url):
+                    worker.mark_http_ok()
                     if self._workers.is_current(worker):
                         log.info("worker %s answers /health again", worker_id)
                         return
@@ -71,8 +79,12 @@ class HealthProber:
         finally:
             self._tasks.pop(worker_id, None)
 
-    async def _answers(self, url: str) -> bool:
-        return await self._pool.get_ok(url + "/health", timeout_s=PROBE_TIMEOUT_S)
+    async def _answers(self, worker_id: str, url: str) -> bool:
+        started = time.perf_counter()
+        answered = await self._pool.get_ok(url + "/health", timeout_s=PROBE_TIMEOUT_S,
+                                           worker_id=worker_id)
+        self._metrics.record_probe(worker_id, answered, time.perf_counter() - started)
+        return answered
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -180,6 +180,16 @@ class HintDispatcher:
         self.feedback[worker_id] = WorkerFeedback(worker_id)
         self.holdings.forget_worker(worker_id)
 
+    def forget_worker(self, worker_id: str) -> None:
+        """The registry forgot the worker (heard only by its heartbeats, silent for good):
+        what it taught the planner, and what it held, go from memory. Before, its
+        feedback stayed for the router's life, one entry per pod ever seen. Its stored
+        feedback row stays; a worker heard again under its id starts afresh here (a new
+        engine, as after :meth:`reset_worker`)."""
+        self.feedback.pop(worker_id, None)
+        self._feedback_saved.pop(worker_id, None)
+        self.holdings.forget_worker(worker_id)
+
     # --- sending ------------------------------------------------------------------------
 
     async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],

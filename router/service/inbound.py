@@ -9,6 +9,7 @@ vLLM validates it and its errors reach the client as they are.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 from collections.abc import AsyncIterator
@@ -32,26 +33,36 @@ _json_decoder = msgspec.json.Decoder()
 
 
 async def read_body_within(chunks: AsyncIterator[bytes], declared_length: str | None,
-                           limit: int) -> bytes:
+                           limit: int, timeout_s: float | None = None) -> bytes:
     """The whole request body, or :class:`BadRequest` 413 as soon as it is known to be over
     ``limit`` bytes: from its ``Content-Length`` before reading, or while reading a chunked
-    body. The router never holds more than ``limit`` bytes of one body."""
+    body. The router never holds more than ``limit`` bytes of one body. A body not all in
+    within ``timeout_s`` (None: no bound) is :class:`BodyTimeout` (408): a client that
+    stops sending must not hold the handler and its connection forever."""
     too_large = BadRequest(f"request body is larger than {limit} bytes", status=413)
     if declared_length is not None and declared_length.isdigit() and int(declared_length) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in chunks:
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+
+    async def read() -> None:
+        async for chunk in chunks:
+            body.extend(chunk)
+            if len(body) > limit:
+                raise too_large
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)  # (asyncio.timeout: Python 3.11+)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"request body not received within {timeout_s:g} s "
+                          f"({len(body)} bytes arrived)") from None
     return bytes(body)
 
 
 def refusal_headers(status: int) -> dict[str, str] | None:
-    """Headers for an error answer: a 413 closes the connection, because the rest of the
-    body is still unread and a keep-alive connection would have the server read (and
-    discard) all of it, and let the client go on sending."""
-    return {"connection": "close"} if status == 413 else None
+    """Headers for an error answer: a 413 or 408 closes the connection, because the rest
+    of the body is still unread and a keep-alive connection would have the server read
+    (and discard) all of it, and let the client go on sending."""
+    return {"connection": "close"} if status in (408, 413) else None
 
 
 class Endpoint(str, enum.Enum):
@@ -73,6 +84,14 @@ class BadRequest(Exception):
         self.param = param
         self.status = status
         self.error_type = error_type
+
+
+class BodyTimeout(BadRequest):
+    """408: the request body did not all arrive within ``http_body_timeout_s`` (callers
+    count it as ``client_timeouts_total{phase="body"}``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=408)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,9 +179,10 @@ class SessionLifecycle:
                 record.state = TOOL_GAP
                 record.open_gap = {"tools": sorted(set(observation.tool_names)),
                                    "started_at": now, "worker_id": worker_id}
+            # One completion's tokens (n > 1: the session continues one of them).
             event = ResponseFinished(
                 record.worker_session_id, reason, observation.prompt_tokens,
-                observation.completion_tokens or 0, now,
+                observation.completion_tokens_per_choice, now,
                 tuple(sorted(set(observation.tool_names))))
             await self._apply(record, plan_response_finished(
                 self.hints.context(now, record.tenant), record.plan, event))

@@ -26,6 +26,7 @@ NATS_ERROR_KINDS = ("connect", "setup", "client")
 HINT_API_REJECTIONS = (
     "bad_request",      # 400: the body or the session id does not parse
     "too_large",        # 413: the body is over max_body_bytes
+    "body_timeout",     # 408: the body did not all arrive within http_body_timeout_s
     "unauthorized",     # 401: no key, or a key the router does not know
     "forbidden",        # 403: not an admin key, or another tenant's
     "unknown_session",  # 404: no such session (or tenant)
@@ -37,9 +38,30 @@ HINT_API_REJECTIONS = (
     "no_plugin",        # 503: the worker runs no kvhint plugin, or it is silent
     "client_gone",      # 499: the client left while sending its body
 )
-# Series per worker a forgotten worker's id is removed from (RouterMetrics.forget_worker).
-_PER_WORKER = ("requests", "retries", "broken_streams", "prompt_tokens", "cached_predicted",
-               "cached_actual", "resyncs")
+# kvhint_router_client_timeouts_total{phase} (service/client_deadlines.py, inbound.py).
+CLIENT_TIMEOUT_PHASES = ("headers", "body")
+# kvhint_router_gateway_rejections_total{tenant, reason}: inference requests the router
+# refused itself before any worker had them, by reason (a bounded set; forwarding.py).
+GATEWAY_REJECTIONS = (
+    "over_in_flight",  # 429: the tenant's max_in_flight requests are in flight already
+)
+# kvhint_router_health_probes_total{worker, outcome} (health.py): a bounded set.
+HEALTH_PROBE_OUTCOMES = ("answered", "failed")
+_PROBE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+# The metrics with a ``worker`` label (attribute -> its label names, in order): each is
+# declared with these names, and RouterMetrics.forget_worker removes a forgotten
+# worker's series by them (kept here, not read back from prometheus_client's private
+# ``_labelnames``; ``remove_by_labels`` is not in every version the project allows).
+_PER_WORKER: dict[str, tuple[str, ...]] = {
+    "requests": ("endpoint", "worker", "code"),
+    "retries": ("worker",),
+    "broken_streams": ("worker",),
+    "prompt_tokens": ("worker",),
+    "cached_predicted": ("worker",),
+    "cached_actual": ("worker", "predicted"),
+    "resyncs": ("worker", "reason", "result"),
+    "health_probes": ("worker", "outcome"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +157,13 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvhint_router_requests", "Inference requests by outcome",
-                                ["endpoint", "worker", "code"], registry=r)
+                                _PER_WORKER["requests"], registry=r)
         self.retries = Counter("kvhint_router_retries",
-                               "Requests retried on the next-best worker", ["worker"],
-                               registry=r)
+                               "Requests retried on the next-best worker",
+                               _PER_WORKER["retries"], registry=r)
         self.broken_streams = Counter("kvhint_router_broken_responses",
                                       "Responses that failed after bytes were sent",
-                                      ["worker"], registry=r)
+                                      _PER_WORKER["broken_streams"], registry=r)
         self.ttfb = Histogram("kvhint_router_time_to_first_byte_seconds",
                               "Router receive to first response byte from the worker",
                               ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
@@ -156,16 +178,16 @@ class RouterMetrics:
                                  "prompt's wait for the hashing thread included)",
                                  buckets=_DECISION_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvhint_router_prompt_tokens",
-                                     "Prompt tokens the workers reported", ["worker"],
-                                     registry=r)
+                                     "Prompt tokens the workers reported",
+                                     _PER_WORKER["prompt_tokens"], registry=r)
         self.cached_predicted = Counter("kvhint_router_cached_tokens_predicted",
                                         "Cached prompt tokens the router predicted",
-                                        ["worker"], registry=r)
+                                        _PER_WORKER["cached_predicted"], registry=r)
         self.cached_actual = Counter("kvhint_router_cached_tokens_actual",
                                      "Cached prompt tokens the worker reported "
                                      "(usage.prompt_tokens_details.cached_tokens); "
                                      "predicted=true: requests the router predicted for",
-                                     ["worker", "predicted"], registry=r)
+                                     _PER_WORKER["cached_actual"], registry=r)
         self.hints = Counter("kvhint_router_hints", "Hint actions by type and outcome",
                              ["action", "outcome", "source"], registry=r)
         self.hints_sent = Counter("kvhint_router_hints_sent", "Hint actions sent",
@@ -182,7 +204,15 @@ class RouterMetrics:
                                    "Event batch timestamp to router ingestion",
                                    buckets=_LAG_BUCKETS, registry=r)
         self.resyncs = Counter("kvhint_router_resyncs", "Worker resyncs by reason and result",
-                               ["worker", "reason", "result"], registry=r)
+                               _PER_WORKER["resyncs"], registry=r)
+        self.health_probes = Counter(
+            "kvhint_router_health_probes",
+            "/health probes of workers marked down or suspected hung, by outcome (answered: "
+            "200 in time; failed: an error, a timeout or another status)",
+            _PER_WORKER["health_probes"], registry=r)
+        self.health_probe_seconds = Histogram(
+            "kvhint_router_health_probe_seconds", "Time a /health probe took (its timeout "
+            "included)", buckets=_PROBE_BUCKETS, registry=r)
         self.drops = Counter("kvhint_router_drops",
                              "Anything the router dropped, by what it was", ["what"],
                              registry=r)
@@ -214,6 +244,23 @@ class RouterMetrics:
         self.store_pruned = Counter("kvhint_router_store_pruned_rows",
                                     "History rows deleted from the store past "
                                     "store_retention_s, by table", ["table"], registry=r)
+        self.client_timeouts = Counter(
+            "kvhint_router_client_timeouts",
+            "Client connections closed for sending a request too slowly, by phase "
+            "(headers: not all in within http_header_timeout_s; body: not all in within "
+            "http_body_timeout_s, answered 408)", ["phase"], registry=r)
+        for phase in CLIENT_TIMEOUT_PHASES:
+            self.client_timeouts.labels(phase)
+        # Tenant labels: the configured tenants and ``default`` (bounded).
+        self.sessions_evicted = Counter(
+            "kvhint_router_sessions_evicted",
+            "Sessions evicted from memory past their tenant's max_sessions (or the "
+            "router's bound), by tenant; each stays in the store", ["tenant"], registry=r)
+        self.gateway_rejections = Counter(
+            "kvhint_router_gateway_rejections",
+            "Inference requests the router refused before any worker had them, by tenant "
+            "and reason (over_in_flight: past the tenant's max_in_flight)",
+            ["tenant", "reason"], registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)
@@ -252,10 +299,10 @@ class RouterMetrics:
         gauges the collector reads go with the registry's and the index's entries). Its
         traffic totals are kept, summed apart (``retired``), so fleet totals never go
         back."""
-        for name in _PER_WORKER:
+        for name, label_names in _PER_WORKER.items():
             metric = getattr(self, name)
-            position = metric._labelnames.index("worker")  # as built
-            for labels in _label_sets(metric):
+            position = label_names.index("worker")
+            for labels in _label_sets(metric, label_names):
                 if labels[position] == worker_id:
                     metric.remove(*labels)
         totals = self.totals.pop(worker_id, None)
@@ -268,6 +315,11 @@ class RouterMetrics:
             retired.predicted_cached_tokens += totals.predicted_cached_tokens
             retired.actual_cached_of_predicted += totals.actual_cached_of_predicted
 
+    def record_probe(self, worker: str, answered: bool, seconds: float) -> None:
+        """One /health probe of ``worker`` (health.py)."""
+        self.health_probes.labels(worker, "answered" if answered else "failed").inc()
+        self.health_probe_seconds.observe(seconds)
+
     def drop(self, what: str, count: int = 1) -> None:
         self.drops.labels(what).inc(count)
 
@@ -275,10 +327,8 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
 
-def _label_sets(metric: Counter) -> set[tuple[str, ...]]:
-    """The label values of every series ``metric`` has, in its label names' order (what
-    ``remove`` takes), read from its samples (``remove_by_labels`` needs
-    prometheus_client 0.23; the project allows 0.20)."""
-    names = metric._labelnames  # the names it was built with, in order
+def _label_sets(metric: Counter, names: tuple[str, ...]) -> set[tuple[str, ...]]:
+    """The label values of every series ``metric`` (declared with label ``names``) has, in
+    that order (what ``remove`` takes), read from its samples (public API only)."""
     return {tuple(sample.labels[name] for name in names)
             for family in metric.collect() for sample in family.samples}

@@ -29,6 +29,7 @@ class _Message(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
+    index: int = 0
     finish_reason: str | None = None
     message: _Message | None = None
     delta: _Message | None = None
@@ -66,6 +67,9 @@ class ResponseObservation:
     malformed_chunks: int = 0
     # The worker answered with an error (an ``error`` object) instead of a completion.
     errored: bool = False
+    # Completions in the response (``n`` > 1: several; highest choice index seen + 1).
+    # Every choice of a stream ends in an event with its finish_reason, which is read.
+    choices: int = 0
 
     def observe_json(self, payload: bytes) -> bool:
         """Take one response body or chunk; True when it is a usage-only chunk."""
@@ -77,6 +81,7 @@ class ResponseObservation:
         if body.error is not None:
             self.errored = True
         for choice in body.choices:
+            self.choices = max(self.choices, choice.index + 1)
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
             message = choice.message or choice.delta
@@ -91,6 +96,15 @@ class ResponseObservation:
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
             return not body.choices
         return False
+
+    @property
+    def completion_tokens_per_choice(self) -> int:
+        """The tokens of one completion: usage counts every choice's (``n`` > 1), but a
+        session continues at most one of them, so its next prompt, what the planner
+        protects and what the trace replays grow by one completion, not by ``n``. The
+        mean, rounded up (usage does not say each choice's own)."""
+        total = self.completion_tokens or 0
+        return -(-total // self.choices) if self.choices > 1 else total
 
     def usage_lost(self, status: int) -> str | None:
         """What of a worker's successful response (``status``) the router lost, as a

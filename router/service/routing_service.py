@@ -7,11 +7,12 @@ the event loop it would stall every other request's stream for that long. A prom
 estimated at ``hash_thread_min_tokens`` or more, or whose body is over
 ``hash_inline_max_bytes`` (text in fields the estimate does not count, or a million empty
 messages, renders to many tokens: a body has about as many bytes as its prompt has tokens,
-or more), is hashed on ``hash_executor`` (the runtime's one hashing thread; the Rust
-tokenizer releases the GIL while it encodes, see ``PromptRenderer._encode``, and
-``RequestHasher`` is thread-safe); shorter ones inline, where a thread hop would cost more
-than it saves. A prompt surely longer than ``max_prompt_tokens`` (the workers refuse it) is
-not hashed at all: routed without hashes, counted. The index, the loads and ``route()``
+or more), is hashed on ``hash_executor`` (the runtime's hashing threads, fair across
+tenants: ``hash_queue.py``; the Rust tokenizer releases the GIL while it encodes, see
+``PromptRenderer._encode``, and ``RequestHasher`` is thread-safe); shorter ones inline,
+where a thread hop would cost more than it saves. A prompt surely longer than
+``max_prompt_tokens`` (the workers refuse it) is not hashed at all: routed without
+hashes, counted. The index, the loads and ``route()``
 stay on the loop.
 
 Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
@@ -47,6 +48,7 @@ from kvhint.router.policy import (
     route,
 )
 from kvhint.router.policy.routed_load import RoutedLoads
+from kvhint.router.service.hash_queue import FairHashQueue, TenantQueueFull
 from kvhint.router.service.inbound import Endpoint, InboundRequest
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.settings import RoutingSettings
@@ -93,8 +95,9 @@ class RoutingService:
     seed: int = 0
     clock: Callable[[], float] = time.monotonic
     default_model: str | None = None
-    # Long prompts are hashed here, off the event loop (None: always inline).
-    hash_executor: Executor | None = None
+    # Long prompts are hashed here, off the event loop (None: always inline); the
+    # runtime's is a FairHashQueue (per-tenant queues), any Executor also works (FIFO).
+    hash_executor: FairHashQueue | Executor | None = None
     hash_thread_min_tokens: int = RoutingSettings.model_fields["hash_thread_min_tokens"].default
     hash_inline_max_bytes: int = RoutingSettings.model_fields["hash_inline_max_bytes"].default
     max_prompt_tokens: int = RoutingSettings.model_fields["max_prompt_tokens"].default
@@ -192,11 +195,22 @@ class RoutingService:
         config = self._hash_config(candidates)  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
-            if self.hash_executor is not None and not self.hash_inline(inbound):
+            executor = self.hash_executor
+            if isinstance(executor, FairHashQueue) and not self.hash_inline(inbound):
+                # In the tenant's own queue: another tenant's burst delays it by about
+                # one job, not the burst (hash_queue.py).
+                hashes = await asyncio.wrap_future(executor.submit(
+                    inbound.tenant.name, _hash_body, hasher, inbound.endpoint, body, config))
+            elif executor is not None and not self.hash_inline(inbound):
                 hashes = await asyncio.get_running_loop().run_in_executor(
-                    self.hash_executor, _hash_body, hasher, inbound.endpoint, body, config)
+                    executor, _hash_body, hasher, inbound.endpoint, body, config)
             else:
                 hashes = _hash_body(hasher, inbound.endpoint, body, config)
+        except TenantQueueFull:
+            # Over hash_queue_per_tenant waiting: routed without hashes, like a prompt
+            # over the max length, rather than a backlog without bound.
+            self.metrics.drop("prompt_hashing:tenant_queue_full")
+            return None
         except HashingError as exc:
             self.metrics.drop(f"prompt_hashing:{type(exc).__name__}")
             return None

@@ -2,9 +2,9 @@
 down in reverse order. Nothing here exists at import time.
 
 Start order: metrics -> store (migrate, recover) -> workers, sessions, hints -> upstream
-HTTP pool -> tokenizer discovery -> index + ingestor + the prompt-hashing thread -> NATS
+HTTP pool -> tokenizer discovery -> index + ingestor + the prompt-hashing threads -> NATS
 (background connect) -> periodic loops. Stop: loops -> trace file -> NATS drain -> HTTP
-pool -> hashing thread -> last store flush -> engine.
+pool -> hashing threads -> last store flush -> engine.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import gc
 import logging
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +31,11 @@ from kvhint.router.kv_index import (
 from kvhint.router.policy import PlannerConfig, RoutingConfig, RoutingPolicy
 from kvhint.router.service.cluster_feed import OUTCOMES_CURSOR, RELEASES_CURSOR, ClusterFeed
 from kvhint.router.service.forwarding import Forwarder
+from kvhint.router.service.hash_queue import FairHashQueue
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.lifecycle import SessionLifecycle
-from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics, StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.sessions import SessionRegistry
@@ -141,7 +141,16 @@ class RouterRuntime:
                                seed=secrets.randbits(64), budget_of=directory.budget,
                                tenants=[tenant.name for tenant in directory.tenants])
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
-        sessions = SessionRegistry(writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop)
+        # Each tenant's own bound too (TenantConfig.max_sessions): one tenant's churn of
+        # new session ids evicts only its own.
+        sessions = SessionRegistry(
+            writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop,
+            tenant_cap=lambda name: directory.session_cap(name, MAX_SESSIONS_IN_MEMORY),
+            on_evict=lambda name: metrics.sessions_evicted.labels(name).inc())
+        for tenant in directory.tenants:
+            metrics.sessions_evicted.labels(tenant.name)
+            for reason in GATEWAY_REJECTIONS:
+                metrics.gateway_rejections.labels(tenant.name, reason)
         # Complete only when the store held nothing older than what was loaded.
         restored = sessions.restore(recovery.sessions, complete=recovery.sessions_complete)
         recorder = None
@@ -153,7 +162,9 @@ class RouterRuntime:
             # as stalled (counted), so one lost request cannot hold the file back longer.
             recorder = TraceRecorder(settings.trace_dir, metrics.drop,
                                      stall_s=max(settings.request_timeout_s + 60.0, 1800.0),
-                                     on_written=metrics.trace_written.inc)
+                                     on_written=metrics.trace_written.inc,
+                                     max_bytes=settings.trace_max_bytes,
+                                     keep_files=settings.trace_keep_files)
             log.info("recording traffic as session JSONL under %s", settings.trace_dir)
         index = InMemoryClusterKvIndex(max_sessions=MAX_SESSIONS_IN_MEMORY)
         ingestor = KvEventIngestor(index, clock=time.monotonic, subjects=subjects,
@@ -175,6 +186,8 @@ class RouterRuntime:
             index_exact=ingestor.view_exact if link is not None else None)
 
         pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
+                            settings.worker_api_key,
+                            {w.id: w.api_key for w in settings.workers if w.api_key is not None},
                             keepalive_s=settings.upstream_keepalive_s)
         await pool.start()
         models = await _discover_models(settings, workers, pool)
@@ -183,8 +196,10 @@ class RouterRuntime:
             policy=RoutingPolicy(settings.routing.policy),
             new_session_spread=settings.routing.new_session_spread,
             balance_floor_tokens=settings.routing.balance_floor_tokens)
-        # One thread hashes long prompts off the event loop (routing_service.py).
-        hash_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+        # Threads hash long prompts off the event loop (routing_service.py), serving the
+        # tenants' queues in turn (hash_queue.py).
+        hash_executor = FairHashQueue(settings.routing.hash_threads,
+                                      settings.routing.hash_queue_per_tenant)
         routing = RoutingService(workers, metrics, routing_config, hasher,
                                  default_block_size=settings.block_size, index=index,
                                  seed=settings.routing.seed,
@@ -193,7 +208,7 @@ class RouterRuntime:
                                  hash_thread_min_tokens=settings.routing.hash_thread_min_tokens,
                                  hash_inline_max_bytes=settings.routing.hash_inline_max_bytes,
                                  max_prompt_tokens=settings.routing.max_prompt_tokens)
-        prober = HealthProber(workers, pool, settings.health_probe_s)
+        prober = HealthProber(workers, pool, settings.health_probe_s, metrics)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later, recorder=recorder,
                               index_exact=ingestor.view_exact if link is not None else None)
@@ -216,7 +231,8 @@ class RouterRuntime:
                                        releases_last_seq=recovery.cursors.get(RELEASES_CURSOR),
                                        snapshot_timeout_s=5.0,
                                        on_hint_outcome=lifecycle.on_hint_outcome,
-                                       on_hold_released=lifecycle.on_hold_released)
+                                       on_hold_released=lifecycle.on_hold_released,
+                                       on_worker_forgotten=routing.forget_worker)
             link.start(runtime.feed.on_connected)
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
@@ -418,7 +434,7 @@ async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,
     which routing keeps requests to."""
     models: dict[str, str] = {}
     for worker in workers.routable():
-        listing = await _listed_models(pool, worker.url or "")
+        listing = await _listed_models(pool, worker.worker_id, worker.url or "")
         if listing is None:
             continue
         worker.served_models = frozenset(item["id"] for item in listing)
@@ -433,11 +449,13 @@ async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,
     return models
 
 
-async def _listed_models(pool: UpstreamPool, url: str) -> list[dict[str, Any]] | None:
-    """The entries of ``url``'s /v1/models that name a model, or None when it did not
-    answer one."""
+async def _listed_models(pool: UpstreamPool, worker_id: str, url: str
+                         ) -> list[dict[str, Any]] | None:
+    """The entries of ``url``'s /v1/models (worker ``worker_id``: its key goes with it)
+    that name a model, or None when it did not answer one."""
     try:
-        listing: Any = await pool.get_json(url + "/v1/models", timeout_s=5.0)
+        listing: Any = await pool.get_json(url + "/v1/models", timeout_s=5.0,
+                                           worker_id=worker_id)
     except Exception as exc:  # noqa: BLE001 - any failure just means "not known yet"
         log.warning("could not list models at %s: %r", url, exc)
         return None

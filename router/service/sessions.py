@@ -113,13 +113,28 @@ class SessionRecord:
 
 
 class SessionRegistry:
+    """Sessions in memory, bounded twice: ``max_sessions`` in all, and per tenant by
+    ``tenant_cap(tenant)`` (None: the global bound only). A tenant at its own cap makes
+    room among its own sessions only, so one tenant's churn of new session ids never
+    evicts another's; the global bound, reachable only when the tenants' caps add up to
+    more than it, takes from the tenant holding the most sessions. What is evicted stays
+    in the store (:meth:`adopt` brings it back); each eviction is counted, as a drop and
+    per tenant (``on_evict``)."""
+
     def __init__(self, writer: StoreWriter | None, max_sessions: int,
-                 on_drop: Callable[[str, int], None] | None = None) -> None:
+                 on_drop: Callable[[str, int], None] | None = None,
+                 tenant_cap: Callable[[str], int | None] | None = None,
+                 on_evict: Callable[[str], None] | None = None) -> None:
         # In opening order (least recently opened first): eviction takes from the front.
         self._sessions: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
+        # The same records per tenant, in the same order: a tenant's eviction scans only
+        # its own sessions.
+        self._by_tenant: dict[str, OrderedDict[tuple[str, str], SessionRecord]] = {}
         self._writer = writer
         self._max = max_sessions
         self._on_drop = on_drop
+        self._tenant_cap = tenant_cap
+        self._on_evict = on_evict
         # False once a session may be in the store and not in memory (one was forgotten
         # or evicted, or the restore left some out): a session opened then is looked up
         # in the store first (:meth:`adopt`), so its first save does not overwrite its
@@ -149,6 +164,7 @@ class SessionRegistry:
                                              SessionPlanState(f"{tenant}/{session_id}", tenant)))
         else:
             self._sessions.move_to_end(key)
+            self._by_tenant[tenant].move_to_end(key)
         return record
 
     def save(self, record: SessionRecord) -> None:
@@ -156,15 +172,22 @@ class SessionRegistry:
             self._writer.upsert("sessions", record.key, record.row())
 
     def forget(self, record: SessionRecord) -> None:
-        if self._sessions.pop(record.key, None) is not None:
+        if self._pop(record.key) is not None:
             self.complete = False
+
+    def count(self, tenant: str) -> int:
+        """Sessions of ``tenant`` in memory."""
+        return len(self._by_tenant.get(tenant, ()))
 
     def restore(self, rows: list[dict[str, Any]], complete: bool = True) -> int:
         """``complete``: ``rows`` are every session the store holds worth keeping (False
         when the load was cut at the registry's bound)."""
         for record in sorted(map(SessionRecord.from_row, rows), key=lambda r: r.last_activity):
-            self._sessions[record.key] = record
+            self._put(record)
         self.complete = self.complete and complete
+        # A tenant's cap may be lower than at the last run: trim to it (least recent first).
+        for tenant in list(self._by_tenant):
+            self._make_room(tenant, 0)
         return len(rows)
 
     def adopt(self, row: dict[str, Any]) -> SessionRecord:
@@ -176,27 +199,54 @@ class SessionRegistry:
 
     def _add(self, record: SessionRecord) -> SessionRecord:
         """Put ``record`` in memory as the most recently opened, making room first."""
-        if len(self._sessions) >= self._max:
-            self._evict_oldest()
-        self._sessions[record.key] = record
+        self._make_room(record.tenant, 1)
+        self._put(record)
         return record
+
+    def _put(self, record: SessionRecord) -> None:
+        self._sessions[record.key] = record
+        self._by_tenant.setdefault(record.tenant, OrderedDict())[record.key] = record
+
+    def _pop(self, key: tuple[str, str]) -> SessionRecord | None:
+        record = self._sessions.pop(key, None)
+        if record is not None:
+            own = self._by_tenant[key[0]]
+            del own[key]
+            if not own:
+                del self._by_tenant[key[0]]
+        return record
+
+    def _make_room(self, tenant: str, adding: int) -> None:
+        """Evict until ``adding`` more sessions of ``tenant`` fit its cap and the global
+        bound (or nothing more can go: every candidate has a turn in flight)."""
+        cap = self._tenant_cap(tenant) if self._tenant_cap is not None else None
+        if cap is not None:
+            while self.count(tenant) + adding > cap and self._evict_oldest(tenant):
+                pass
+        while len(self._sessions) + adding > self._max:
+            # Over the global bound only: the largest tenant gives one up (it may be
+            # this one); a tenant whose sessions all have turns in flight is passed over.
+            by_size = sorted(self._by_tenant, key=self.count, reverse=True)
+            if not any(self._evict_oldest(name) for name in by_size):
+                return
 
     def counts_by_state(self, tenant: str | None = None) -> dict[str, int]:
         """Sessions in memory per state; only ``tenant``'s when given."""
-        records: Iterable[SessionRecord] = self._sessions.values()
-        if tenant is not None:
-            records = (r for r in records if r.tenant == tenant)
+        records: Iterable[SessionRecord] = (
+            self._sessions.values() if tenant is None
+            else self._by_tenant.get(tenant, {}).values())
         # Counted in C: every /metrics scrape and dashboard poll walks every session.
         return {ACTIVE: 0, TOOL_GAP: 0, ENDED: 0, **Counter(map(_STATE_OF, records))}
 
-    def _evict_oldest(self) -> None:
-        """Forget an ended session among the ``_EVICTION_LOOKAHEAD`` least recently
-        opened, else the least recently opened one with no turn in flight (a turn in
-        flight would finish into a record nobody reviews). The store keeps it; only
-        memory is bounded, at a bounded cost per new session (the registry is kept in
-        opening order, not scanned whole)."""
+    def _evict_oldest(self, tenant: str) -> bool:
+        """Forget an ended session of ``tenant`` among its ``_EVICTION_LOOKAHEAD`` least
+        recently opened, else its least recently opened one with no turn in flight (a turn
+        in flight would finish into a record nobody reviews); False when it has none to
+        give up (every session with a turn in flight: go over the bound for now). The
+        store keeps it; only memory is bounded, at a bounded cost per new session (each
+        tenant's sessions are kept in opening order, not scanned whole)."""
         victim = None
-        for seen, record in enumerate(self._sessions.values()):
+        for seen, record in enumerate(self._by_tenant.get(tenant, {}).values()):
             if record.state == ENDED:
                 victim = record
                 break
@@ -205,8 +255,11 @@ class SessionRegistry:
             if seen >= _EVICTION_LOOKAHEAD and victim is not None:
                 break
         if victim is None:
-            return  # every session has a turn in flight: go over the bound for now
-        self._sessions.pop(victim.key, None)
+            return False
+        self._pop(victim.key)
         self.complete = False
         if self._on_drop is not None:
             self._on_drop("session_evicted_from_memory", 1)
+        if self._on_evict is not None:
+            self._on_evict(tenant)
+        return True

@@ -96,7 +96,7 @@ class _Rejected(Exception):
 
 
 _AUTH_REASONS = {401: "unauthorized", 403: "forbidden"}
-_BAD_REQUEST_REASONS = {413: "too_large"}
+_BAD_REQUEST_REASONS = {413: "too_large", 408: "body_timeout"}
 
 
 def _rejection(runtime: RouterRuntime, rejected: _Rejected) -> Response:
@@ -168,12 +168,15 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
             raise AuthError(403, "sending hints needs an admin key")
         tenant_name = _tenant_for(principal, tenant)
         body = await read_body_within(request.stream(), request.headers.get("content-length"),
-                                      runtime.settings.max_body_bytes)
+                                      runtime.settings.max_body_bytes,
+                                      runtime.settings.http_body_timeout_s)
         return principal, tenant_name, msgspec.json.decode(body, type=HintRequest)
     except AuthError as exc:
         raise _Rejected(_AUTH_REASONS.get(exc.status, "forbidden"), exc.message,
                         exc.status) from None
     except BadRequest as exc:
+        if exc.status == 408:  # BodyTimeout
+            runtime.metrics.client_timeouts.labels("body").inc()
         raise _Rejected(_BAD_REQUEST_REASONS.get(exc.status, "bad_request"), exc.message,
                         exc.status) from None
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -4,7 +4,8 @@ environment variables (``KVHINT_ROUTER_PORT``, ``KVHINT_ROUTER_WORKERS``,
 ``KVHINT_ROUTER_NATS_URL``, ``KVHINT_ROUTER_DATABASE_URL``).
 
 ``KVHINT_ROUTER_WORKERS`` is ``"w0=http://127.0.0.1:8001,w1=http://127.0.0.1:8002"``; in a
-config file ``workers`` is a list of ``{id, url}`` (or the same string).
+config file ``workers`` is a list of ``{id, url}`` (``api_key`` too: see WorkerConfig),
+or the same string.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -38,6 +39,9 @@ _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
     id: str
     url: str
+    # The key this worker's vLLM requires (its --api-key), sent as Authorization: Bearer
+    # on every request the router makes to it; None: RouterSettings.worker_api_key.
+    api_key: SecretStr | None = None
 
     @field_validator("id")
     @classmethod
@@ -90,6 +94,14 @@ class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     # The models (served names, LoRA adapters included) this tenant may use and see in
     # /v1/models; None: every model the workers serve.
     models: list[str] | None = None
+    # Sessions of this tenant the router keeps in memory; past it, the tenant's own least
+    # recently active one is evicted (it stays in the store and comes back with its next
+    # turn), never another tenant's. None: an equal share of the router's 200,000, 1 /
+    # the number of configured tenants (all of it with one tenant).
+    max_sessions: int | None = Field(None, ge=1)
+    # Inference requests of this tenant in flight at once; one more is answered 429 with
+    # Retry-After. None: no cap of the tenant's own (http_max_concurrency bounds all).
+    max_in_flight: int | None = Field(None, ge=1)
 
     @field_validator("name")
     @classmethod
@@ -131,6 +143,13 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # (text in odd fields or a million empty messages renders to many more tokens than
     # the estimate counts; a body has at least about as many bytes as its prompt tokens).
     hash_inline_max_bytes: int = Field(8192, ge=0)
+    # Threads hashing long prompts, and the most hash jobs one tenant may have waiting
+    # for them. The threads serve the tenants' queues in turn (service/hash_queue.py):
+    # one tenant's burst of long prompts delays another's by about one job, not the
+    # burst. A job over the bound is routed without prompt hashes (counted as
+    # drops_total{what="prompt_hashing:tenant_queue_full"}).
+    hash_threads: int = Field(1, ge=1, le=64)
+    hash_queue_per_tenant: int = Field(64, ge=1)
     # The longest prompt (tokens) the workers take: set it to the models' --max-model-len.
     # Longer prompts are routed without prefix hashes (vLLM refuses them anyway; counted
     # as prompt_hashing:over_max_length), and a session keeps at most this many tokens
@@ -138,6 +157,10 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     max_prompt_tokens: int = Field(131072, ge=1)
     # How long (s) an ended or idle session stays in memory before it is forgotten.
     session_forget_s: float = Field(3600.0, gt=0)
+    # The most sequences one request may ask to sample (``n``, or ``best_of``); more is a
+    # 400. Each is a sequence decoding on the worker beside every other tenant's, and a
+    # session continues at most one of them (response_scan.py).
+    max_n: int = Field(16, ge=1)
     seed: int = 0
 
     @field_validator("policy")
@@ -198,6 +221,10 @@ class RouterSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     workers: Annotated[list[WorkerConfig], NoDecode] = Field(default_factory=list)
+    # The key for workers with no api_key of their own (those learnt from heartbeats
+    # too): vLLM's --api-key. Never logged nor shown (SecretStr); a client's own key is
+    # never sent to a worker in its place.
+    worker_api_key: SecretStr | None = None
 
     # NATS with JetStream; None runs without the cluster feed (routing by load and
     # session affinity only, no hints), said loudly at start.
@@ -244,6 +271,11 @@ class RouterSettings(BaseSettings):
     # Record the traffic served as session JSONL for `kvhint sim run` (block hashes and
     # lengths, no text; trace_recorder.py): one file per start in this directory. None: off.
     trace_dir: Path | None = None
+    # A trace file past this many bytes is rotated (<file>.jsonl -> <file>.jsonl.1 ...),
+    # keeping trace_keep_files rotated files of this start; the oldest is deleted
+    # (its requests counted, drops_total{what="trace_rotated_out"}). None: no cap.
+    trace_max_bytes: int | None = Field(1 << 30, gt=0)
+    trace_keep_files: int = Field(4, ge=1)
 
     # A worker that does not accept the connection in this long is down: the request
     # goes to the next-best worker.
@@ -268,6 +300,16 @@ class RouterSettings(BaseSettings):
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     # How long an idle client connection is kept open between requests (s).
     http_keep_alive_s: float = Field(60.0, gt=0)
+    # A connection whose request line and headers are not all in this long after it
+    # opened (or after a keep-alive request's first byte) is closed: slowloris clients
+    # would otherwise hold connections (and http_max_concurrency slots) forever.
+    # Counted as kvhint_router_client_timeouts_total{phase="headers"}.
+    http_header_timeout_s: float = Field(10.0, gt=0)
+    # A request body not all in this long after its headers is answered 408 and its
+    # connection closed (also the rest of a body the router answered without reading:
+    # an auth error). Counted as client_timeouts_total{phase="body"}. A body of
+    # max_body_bytes needs at least max_body_bytes / this bytes per second.
+    http_body_timeout_s: float = Field(60.0, gt=0)
     # On shutdown, connections still open after this long (s) are closed (a client that
     # never finishes its request would otherwise hold the shutdown forever).
     http_shutdown_grace_s: float = Field(30.0, gt=0)

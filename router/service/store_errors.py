@@ -10,6 +10,9 @@ When the database fails such a read, the answer tells the caller whether to retr
   migrated, dropped, restored from elsewhere), a file that is not a database or is
   corrupt, access refused. A retry gets the same answer until an operator fixes the
   store. Each distinct cause is logged once (with the statement); every one is counted.
+  So is a connection the server refuses for the router's configuration (a role or
+  database that does not exist, authentication failed, no pg_hba.conf entry): the 500
+  names the cause and says the store's settings (``database_url``) need fixing.
 
 Before, every OperationalError was a 503, and SQLite raises its "no such table" as one:
 a missing schema invited clients to retry for good. (PostgreSQL's, a ProgrammingError,
@@ -18,14 +21,20 @@ was a 500 counted as the router's internal error, with a traceback each time.)
 SQLAlchemy wraps the driver's exception (``.orig``): sqlite3 gives its result code
 (``sqlite_errorcode``, Python 3.11+; its message before), psycopg its SQLSTATE
 (``sqlstate``; psycopg2 ``pgcode``; None for a connection that failed before the
-server answered, e.g. refused). For a driver not known here: SQLAlchemy's own verdict
-(``connection_invalidated``: the connection dropped), then the DB-API class
+server answered, e.g. refused, and for one the server refused at its start: libpq keeps
+no SQLSTATE for those). A connection refused at its start is told by libpq's message:
+the server's FATAL message for a configuration error (below), anything else (refused,
+timed out, the server starting up or shutting down, too many clients) transient as
+before. Those messages are the server's, in its ``lc_messages`` language: one in
+another language is transient, as before. For a driver not known here: SQLAlchemy's
+own verdict (``connection_invalidated``: the connection dropped), then the DB-API class
 (OperationalError transient, as before, the others permanent).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 from dataclasses import dataclass
 
@@ -59,6 +68,16 @@ _SQLITE_TRANSIENT_MESSAGES = ("database is locked", "database table is locked",
 _PG_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
 _PG_TRANSIENT_STATES = frozenset({"55P03", "55006"})  # lock not available, object in use
 _PG_PERMANENT_STATES = frozenset({"57P04"})  # database dropped
+# libpq's message (lower case) for a connection the server refused for the router's
+# configuration, which no retry fixes: 28P01/28000 (authentication failed for the
+# method the server asks, a role that does not exist or may not log in, no pg_hba.conf
+# entry), 3D000 (no such database), 42501 (no CONNECT privilege), 55000 (the database
+# does not accept connections), and libpq's own "no password supplied".
+_PG_CONNECT_CONFIG_ERRORS = re.compile(
+    r"authentication failed for user|no pg_hba\.conf entry|role \".*\" does not exist"
+    r"|is not permitted to log in|database \".*\" does not exist"
+    r"|permission denied for database|is not currently accepting connections"
+    r"|no password supplied")
 # Distinct permanent causes remembered as logged (a bound: the causes are few).
 _MAX_LOGGED_CAUSES = 256
 
@@ -68,6 +87,9 @@ class StoreFailure:
     transient: bool
     # The driver's exception, one line: "sqlite3.OperationalError: no such table: x".
     cause: str
+    # Permanent because the server refused the router's connection settings (role,
+    # password, database): the fix is in the configuration, not in the store's data.
+    config: bool = False
 
 
 def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
@@ -89,6 +111,8 @@ def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
         transient = sqlstate not in _PG_PERMANENT_STATES and (
             sqlstate[:2] in _PG_TRANSIENT_CLASSES or sqlstate in _PG_TRANSIENT_STATES)
         return StoreFailure(transient, cause)
+    if _PG_CONNECT_CONFIG_ERRORS.search(str(orig).lower()):
+        return StoreFailure(False, cause, config=True)
     return StoreFailure(isinstance(exc, OperationalError), cause)
 
 
@@ -119,6 +143,11 @@ class StoreReadErrors:
                       "(statement: %s). Logged once; each one is counted as "
                       "drops{what=\"store_read_error:permanent\"}", path, failure.cause,
                       statement or "-")
+        if failure.config:
+            return _error(f"the router's store refuses its connection ({failure.cause}); "
+                          "retrying will not help until the router's database_url (its "
+                          "role, password or database) or the server's access rules are "
+                          "fixed", 500)
         return _error(f"the router's store cannot serve this read ({failure.cause}); "
                       "retrying will not help until the store is fixed (its schema "
                       "migrated, its database restored)", 500)

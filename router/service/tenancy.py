@@ -30,6 +30,8 @@ class Tenant:
     # The most of one worker's pin and retain budgets its API claims may hold
     # (``TenantBudget.max_worker_share``, its default resolved).
     worker_share: float = 1.0
+    # Its requests in flight at once (``TenantConfig.max_in_flight``; None: no cap).
+    max_in_flight: int | None = None
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -63,13 +65,15 @@ class TenantDirectory:
         self._tenants: dict[str, Tenant] = {}
         self._client_keys: dict[str, Tenant] = {}
         self._admin_keys: dict[str, Tenant | None] = {key: None for key in settings.admin_keys}
+        self._configured = len(settings.tenants)
+        self._max_sessions = {t.name: t.max_sessions for t in settings.tenants}
         equal_share = 1.0 / max(len(settings.tenants), 1)
         for config in settings.tenants:
             salt = config.cache_salt or derive_salt(settings.salt_secret, config.name)
             share = config.budget.max_worker_share
             tenant = Tenant(config.name, salt, config.budget,
                             None if config.models is None else frozenset(config.models),
-                            equal_share if share is None else share)
+                            equal_share if share is None else share, config.max_in_flight)
             self._tenants[tenant.name] = tenant
             for key in config.api_keys:
                 self._client_keys[key] = tenant
@@ -87,6 +91,14 @@ class TenantDirectory:
 
     def get(self, name: str) -> Tenant | None:
         return self._tenants.get(name)
+
+    def session_cap(self, name: str, total: int) -> int:
+        """The most sessions of tenant ``name`` kept in memory, of the router's ``total``:
+        its ``max_sessions``, else an equal share (1 / the configured tenants). A tenant
+        not configured (``default``, or one removed since its sessions were stored) gets
+        an equal share too."""
+        cap = self._max_sessions.get(name)
+        return cap if cap is not None else max(total // max(self._configured, 1), 1)
 
     def budget(self, name: str) -> TenantBudget | None:
         tenant = self._tenants.get(name)

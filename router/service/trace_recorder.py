@@ -36,6 +36,19 @@ Contracts:
   line, ``{"timestamp", "session_id", "tenant", "end": true}``, at the time the end came
   (the simulator ends the session then); an end the session's own request carried
   (``X-Session-End``) is on that request's line instead.
+- bounded memory: what the recorder remembers per session (its id in the file, ended or
+  not, restarts) is kept for the ``max_sessions`` most recently written sessions; one
+  forgotten is counted, ``trace_session_evicted``. A forgotten session that comes back
+  (told by a fixed-size bitmap of forgotten keys: no false negatives) continues under a
+  fresh id, ``<id>~e<n>``, so it never continues an id the file may have ended; an end
+  through the API for it writes no end line.
+- bounded disk (``max_bytes``): once the file holds ``max_bytes`` or more, the next line
+  starts a new one under the same name, the full one renamed ``<name>.jsonl.1`` (older
+  ones shifted to ``.2`` ...; ``keep_files`` kept, the oldest deleted, its requests
+  counted, ``trace_rotated_out``). A file passes ``max_bytes`` by at most one line. Every
+  file loads on its own: a session's end line is written only into the file that holds
+  one of its requests (an end through the API for a session whose lines are all in an
+  earlier file is not written).
 """
 
 from __future__ import annotations
@@ -44,13 +57,18 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 FILE_PREFIX = "kvhint-trace-"
+MAX_SESSIONS = 100_000
+# Bits of the filter of forgotten sessions (1 MiB): a returning session's bit is set, a
+# new one's is set only by a collision (it then gets a fresh id it did not need).
+_FORGOTTEN_BITS = 1 << 23
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +97,26 @@ class _SessionEnded:
     key: tuple[str, str]
 
 
+@dataclass(slots=True)
+class _Track:
+    """What the recorder remembers of one (tenant, client session id)."""
+
+    base: str  # the id its lines carry, before any ~<n> restart suffix
+    restarts: int = 0  # times a reused id started over after an end
+    ended: bool = False  # ended since its last line: its next line starts over
+    # Open (not ended), with a line in the current file: the id that line carries.
+    written_id: str | None = None
+
+
+@dataclass(slots=True)
+class _Part:
+    """Lines bound for one file; ``rotate``: the file before them is full."""
+
+    rotate: bool
+    lines: list[str] = field(default_factory=list)
+    requests: int = 0  # of ``lines`` (the rest are end lines)
+
+
 class TraceRecorder:
     """Single event loop; file writes happen on one thread of the recorder's own, in the
     order they were asked for (a flush cancelled at shutdown still lands before the last).
@@ -90,7 +128,9 @@ class TraceRecorder:
     def __init__(self, directory: Path, drop: Callable[[str, int], None], stall_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time,
-                 on_written: Callable[[int], None] = lambda _n: None) -> None:
+                 on_written: Callable[[int], None] = lambda _n: None,
+                 max_sessions: int = MAX_SESSIONS, max_bytes: int | None = None,
+                 keep_files: int = 4) -> None:
         self.directory = directory
         self._drop = drop
         self._on_written = on_written
@@ -102,17 +142,21 @@ class TraceRecorder:
         self._emitted = 0
         self._arrivals: dict[int, float] = {}
         self._finished: dict[int, TracedRequest | _SessionEnded | None] = {}
-        self._lines: list[str] = []
-        self._request_lines = 0  # of ``_lines`` (the rest are end lines)
+        self._parts: list[_Part] = [_Part(rotate=False)]  # the last takes new lines
+        self._max_bytes = max_bytes
+        self._keep_files = keep_files
+        self._part_bytes = 0  # of the current file, written or waiting (lines are ASCII)
+        # Thread side: requests in the open file, and in each rotated one (.1 first).
+        self._file_requests = 0
+        self._rotated_requests: list[int] = []
         self._block_size: int | None = None
         self._file: IO[bytes] | None = None
         self.path: Path | None = None
-        # Sessions ended since their last line; (tenant, id) -> times a reused id started
-        # over (its lines are "<id>~<n + 1>"). Both hold ended sessions only.
-        self._ended: set[tuple[str, str]] = set()
-        self._restarts: dict[tuple[str, str], int] = {}
-        # Sessions with a line written and no end yet: (tenant, id) -> the id in the file.
-        self._open: dict[tuple[str, str], str] = {}
+        # (tenant, id) -> its track, least recently written first (evicted from the front).
+        self._tracks: OrderedDict[tuple[str, str], _Track] = OrderedDict()
+        self._max_sessions = max_sessions
+        self._forgotten = bytearray(_FORGOTTEN_BITS // 8)
+        self._fresh_ids = 0
         self._partial_ids = 0
         self._written = 0
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-trace")
@@ -187,30 +231,63 @@ class TraceRecorder:
             request = self._finished.pop(ticket)
             arrived = self._arrivals.pop(ticket)
             self._emitted += 1
+            if self._max_bytes is not None and self._part_bytes >= self._max_bytes:
+                self._new_file()  # before the line: its end line needs the file it is in
             if isinstance(request, _SessionEnded):
-                self._ended.add(request.key)
-                if (written_id := self._open.pop(request.key, None)) is not None:
-                    self._lines.append(self._end_line(arrived, request.key[0], written_id))
+                track = self._track(request.key)
+                track.ended = True
+                if (written_id := track.written_id) is not None:
+                    track.written_id = None
+                    self._add(self._end_line(arrived, request.key[0], written_id), False)
             elif request is not None:
-                self._lines.append(self._line(ticket, arrived, request))
-                self._request_lines += 1
+                self._add(self._line(ticket, arrived, request), True)
+
+    def _add(self, line: str, request: bool) -> None:
+        part = self._parts[-1]
+        part.lines.append(line)
+        part.requests += request
+        self._part_bytes += len(line)  # json.dumps writes ASCII: one byte a character
+
+    def _new_file(self) -> None:
+        """The lines from here go to a new file: no session has a line in it yet."""
+        self._parts.append(_Part(rotate=True))
+        self._part_bytes = 0
+        for track in self._tracks.values():
+            track.written_id = None
+
+    def _track(self, key: tuple[str, str]) -> _Track:
+        """The session's track, the most recently used now (made, evicting the least
+        recently used past ``max_sessions``, when it has none)."""
+        track = self._tracks.get(key)
+        if track is not None:
+            self._tracks.move_to_end(key)
+            return track
+        base = key[1].replace("~", "~~")
+        bit = hash(key) % _FORGOTTEN_BITS
+        if self._forgotten[bit >> 3] & (1 << (bit & 7)):
+            # Maybe forgotten earlier: its id may have ended in the file.
+            self._fresh_ids += 1
+            base = f"{base}~e{self._fresh_ids}"
+        track = self._tracks[key] = _Track(base)
+        while len(self._tracks) > self._max_sessions:
+            old_key, _old = self._tracks.popitem(last=False)
+            bit = hash(old_key) % _FORGOTTEN_BITS
+            self._forgotten[bit >> 3] |= 1 << (bit & 7)
+            self._drop("trace_session_evicted", 1)
+        return track
 
     def _line(self, ticket: int, arrived: float, request: TracedRequest) -> str:
         if request.session_id is None:
             session_id = f"~r{ticket}"
         else:
-            key = (request.tenant, request.session_id)
-            if key in self._ended:  # ended earlier: this id starts over
-                self._ended.discard(key)
-                self._restarts[key] = self._restarts.get(key, 0) + 1
-            restarts = self._restarts.get(key, 0)
-            own_id = request.session_id.replace("~", "~~")
-            session_id = own_id if not restarts else f"{own_id}~{restarts + 1}"
-            if request.end:
-                self._ended.add(key)
-                self._open.pop(key, None)
-            else:
-                self._open[key] = session_id
+            track = self._track((request.tenant, request.session_id))
+            if track.ended:  # ended earlier: this id starts over
+                track.ended = False
+                track.restarts += 1
+            restarts = track.restarts
+            session_id = track.base if not restarts else f"{track.base}~{restarts + 1}"
+            track.ended = request.end
+            track.written_id = None if request.end else session_id
         full = request.prompt_tokens // request.block_size
         hash_ids = list(request.block_hashes[:full])
         if request.prompt_tokens % request.block_size:
@@ -240,30 +317,47 @@ class TraceRecorder:
         return round((arrived - self._started) * 1000.0, 1)
 
     async def _write(self) -> None:
-        if not self._lines:
+        if not any(part.lines or part.rotate for part in self._parts):
             return
-        lines, self._lines = self._lines, []
-        requests, self._request_lines = self._request_lines, 0
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._io, self._append, lines)
-        except OSError:
-            self._drop("trace_write_error", len(lines))  # end lines too: the end is lost
-            return
-        self._written += requests
-        self._on_written(requests)
+        parts, self._parts = self._parts, [_Part(rotate=False)]
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            if part.rotate and self._file is not None:
+                try:
+                    lost = await loop.run_in_executor(self._io, self._rotate)
+                except OSError as exc:
+                    # Its lines go on into the full file (reopened): nothing is lost.
+                    log.warning("trace file %s could not be rotated: %s", self.path, exc)
+                    lost = 0
+                if lost:
+                    self._drop("trace_rotated_out", lost)
+            if not part.lines:
+                continue
+            try:
+                await loop.run_in_executor(self._io, self._append, part.lines, part.requests)
+            except OSError:
+                # End lines too: the end is lost.
+                self._drop("trace_write_error", len(part.lines))
+                continue
+            self._written += part.requests
+            self._on_written(part.requests)
 
-    def _append(self, lines: list[str]) -> None:
+    def _append(self, lines: list[str], requests: int) -> None:
         if self._file is None:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._started_wall))
-            self.directory.mkdir(parents=True, exist_ok=True)
-            name = f"{FILE_PREFIX}{stamp}-bs{self._block_size}"
-            path, n = self.directory / f"{name}.jsonl", 1
-            while path.exists():  # another router started in the same second
-                n += 1
-                path = self.directory / f"{name}-{n}.jsonl"
-            self.path = path
+            if self.path is None:
+                stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._started_wall))
+                self.directory.mkdir(parents=True, exist_ok=True)
+                name = f"{FILE_PREFIX}{stamp}-bs{self._block_size}"
+                path, n = self.directory / f"{name}.jsonl", 1
+                while path.exists():  # another router started in the same second
+                    n += 1
+                    path = self.directory / f"{name}-{n}.jsonl"
+                self.path = path
+                mode = "xb"
+            else:  # after a rotation (appends, should the rename have failed)
+                mode = "ab"
             # Unbuffered: what write() returns is on disk, so a failed write can be undone.
-            self._file = path.open("xb", buffering=0)
+            self._file = self.path.open(mode, buffering=0)
         data = "".join(lines).encode("utf-8")
         start = self._file.tell()
         try:
@@ -276,6 +370,27 @@ class TraceRecorder:
             self._file.truncate(start)
             self._file.seek(start)
             raise
+        self._file_requests += requests
+
+    def _rotate(self) -> int:
+        """Close the full file and shift it to ``.1`` (``.1`` to ``.2`` ...), deleting the
+        one past ``keep_files``; returns the requests deleted with it. The next append
+        opens a new file under the name."""
+        assert self._file is not None and self.path is not None
+        file, self._file = self._file, None
+        file.close()
+        path = self.path
+        lost = 0
+        if len(self._rotated_requests) >= self._keep_files:
+            Path(f"{path}.{self._keep_files}").unlink(missing_ok=True)
+            lost = sum(self._rotated_requests[self._keep_files - 1:])
+            del self._rotated_requests[self._keep_files - 1:]
+        for n in range(len(self._rotated_requests), 0, -1):
+            Path(f"{path}.{n}").rename(f"{path}.{n + 1}")
+        path.rename(f"{path}.1")
+        self._rotated_requests.insert(0, self._file_requests)
+        self._file_requests = 0
+        return lost
 
 
 def _json_line(row: dict[str, object]) -> str:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+from pydantic import SecretStr
 
 # Statuses that mean "this worker cannot take the request now" (a proxy or the server
 # itself refusing): retried on the next-best worker like a refused connection.
@@ -103,15 +104,30 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
+    """Every request to a worker carries that worker's key (``Authorization: Bearer``,
+    what vLLM's ``--api-key`` requires): its own from ``worker_api_keys`` (by worker id),
+    else ``worker_api_key``, else none. Nothing from a client's request is copied into
+    it, so a tenant's key never reaches a worker. The keys stay SecretStr until a header
+    is built: no repr, log line or error message of the pool shows one."""
+
     def __init__(self, connect_timeout_s: float, request_timeout_s: float,
-                 worker_api_key: str | None = None, *, keepalive_s: float) -> None:
+                 worker_api_key: SecretStr | None = None,
+                 worker_api_keys: Mapping[str, SecretStr] | None = None, *,
+                 keepalive_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._keepalive_s = keepalive_s
         self._base_headers = {"Content-Type": "application/json"}
-        if worker_api_key:
-            self._base_headers["Authorization"] = f"Bearer {worker_api_key}"
+        self._default_key = worker_api_key
+        self._keys = dict(worker_api_keys or {})
         self._session: aiohttp.ClientSession | None = None
+
+    def _headers(self, worker_id: str) -> dict[str, str]:
+        headers = dict(self._base_headers)
+        key = self._keys.get(worker_id, self._default_key)
+        if key is not None and key.get_secret_value():
+            headers["Authorization"] = f"Bearer {key.get_secret_value()}"
+        return headers
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s,
@@ -139,7 +155,7 @@ class UpstreamPool:
 
     async def open(self, worker_id: str, url: str, body: bytes,
                    extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
-        headers = dict(self._base_headers)
+        headers = self._headers(worker_id)
         if extra_headers:
             headers.update(extra_headers)
         try:
@@ -160,17 +176,22 @@ class UpstreamPool:
         return UpstreamResponse(worker_id, response.status, _copy_headers(response), response,
                                 self._request_timeout_s)
 
-    async def get_json(self, url: str, timeout_s: float) -> object:
-        """Small GETs (health probes, /v1/models); raises on any failure."""
+    async def get_json(self, url: str, timeout_s: float, *, worker_id: str) -> object:
+        """Small GETs (/v1/models) to ``worker_id`` (whose key goes with it); raises on
+        any failure. A failed status is raised as an :class:`UpstreamUnavailable`, not
+        aiohttp's error, whose repr shows the request's headers (the key)."""
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                    headers=self._base_headers) as response:
-            response.raise_for_status()
+                                    headers=self._headers(worker_id)) as response:
+            if response.status >= 400:
+                raise UpstreamUnavailable(worker_id, f"HTTP {response.status} from {url}",
+                                          response.status)
             return await response.json(content_type=None)
 
-    async def get_ok(self, url: str, timeout_s: float) -> bool:
+    async def get_ok(self, url: str, timeout_s: float, *, worker_id: str) -> bool:
+        """A health probe of ``worker_id`` (its key goes with it): answered 200?"""
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                        headers=self._base_headers) as response:
+                                        headers=self._headers(worker_id)) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False

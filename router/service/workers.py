@@ -45,7 +45,7 @@ class WorkerState:
     http_failures: int = 0
     last_http_error: str = ""
     # Requests in a row it held past request_timeout_s without sending its headers
-    # (reset by any response that starts): see :meth:`WorkerRegistry.note_timeout`.
+    # (reset by any response that starts): see :meth:`note_timeout`.
     silent_timeouts: int = 0
     # Requests the router has in flight on this worker.
     inflight: int = 0
@@ -73,6 +73,33 @@ class WorkerState:
 
     def may_serve(self, model: str) -> bool:
         return self.served_models is None or model in self.served_models
+
+    # What a request or a probe learnt of an address, recorded on the state it used
+    # (module doc): the caller asks :meth:`WorkerRegistry.is_current` before acting on
+    # the worker. They change this state only: the registry keeps no count of its own.
+
+    def mark_http_failure(self, reason: str) -> None:
+        self.http_up = False
+        self.http_failures += 1
+        self.last_http_error = reason
+
+    def mark_http_ok(self) -> None:
+        """Its /health answered."""
+        self.http_up = True
+        self.silent_timeouts = 0
+        self.http_answered = True
+
+    def note_timeout(self) -> int:
+        """The worker held a request past request_timeout_s without sending its headers;
+        returns how many in a row. One is a slow worker (a long non-streamed answer);
+        several in a row may be a hung one, which the caller has probed."""
+        self.silent_timeouts += 1
+        return self.silent_timeouts
+
+    def note_answered(self) -> None:
+        """The worker started a response: not hung, whatever timed out before."""
+        self.silent_timeouts = 0
+        self.http_answered = True
 
 
 class WorkerRegistry:
@@ -180,29 +207,3 @@ class WorkerRegistry:
         """Whether ``worker`` is still its worker's state: False once the worker moved (a
         new address, a new state) or was forgotten."""
         return self._workers.get(worker.worker_id) is worker
-
-    # What a request or a probe learnt of an address, recorded on the state it used
-    # (module doc): the caller asks :meth:`is_current` before acting on the worker.
-
-    def mark_http_failure(self, worker: WorkerState, reason: str) -> None:
-        worker.http_up = False
-        worker.http_failures += 1
-        worker.last_http_error = reason
-
-    def mark_http_ok(self, worker: WorkerState) -> None:
-        """Its /health answered."""
-        worker.http_up = True
-        worker.silent_timeouts = 0
-        worker.http_answered = True
-
-    def note_timeout(self, worker: WorkerState) -> int:
-        """The worker held a request past request_timeout_s without sending its headers;
-        returns how many in a row. One is a slow worker (a long non-streamed answer);
-        several in a row may be a hung one, which the caller has probed."""
-        worker.silent_timeouts += 1
-        return worker.silent_timeouts
-
-    def note_answered(self, worker: WorkerState) -> None:
-        """The worker started a response: not hung, whatever timed out before."""
-        worker.silent_timeouts = 0
-        worker.http_answered = True

@@ -31,8 +31,9 @@ const element = id => elements[id] ??= {textContent: "", innerHTML: "", classNam
 Date.now = () => Number(browserNow) * 1000;
 const context = vm.createContext({
   document: {getElementById: element},
-  localStorage: {getItem: () => null, setItem: () => {}},
-  location: {search: "", pathname: "/dashboard"},
+  localStorage: {getItem: () => null, setItem: () => {}, removeItem: () => {}},
+  sessionStorage: {getItem: () => null, setItem: () => {}},
+  location: {search: "", hash: "", pathname: "/dashboard"},
   history: {replaceState: () => {}},
   fetch: async () => ({ok: true, json: async () => overview}),
   setInterval: () => 0, URLSearchParams, Date, Math, Object, JSON, Number, String, Set,

@@ -19,6 +19,7 @@ from feed_helpers import status as _status_wire
 from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.service import health
 from kvhint.router.service.health import HealthProber
+from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import decode_status
@@ -175,7 +176,7 @@ async def test_a_suspect_probe_of_the_address_a_worker_left_does_not_mark_its_ne
     pool = UpstreamPool(1.0, 5.0, keepalive_s=1.0)
     await pool.start()
     registry = WorkerRegistry([])
-    prober = HealthProber(registry, pool, period_s=30.0)
+    prober = HealthProber(registry, pool, period_s=30.0, metrics=RouterMetrics())
     try:
         _heard_at(registry, f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}", 0)
         left = registry.get("w")
@@ -207,16 +208,16 @@ async def test_the_address_a_worker_left_answering_its_probe_does_not_bring_its_
     pool = UpstreamPool(1.0, 5.0, keepalive_s=1.0)
     await pool.start()
     registry = WorkerRegistry([])
-    prober = HealthProber(registry, pool, period_s=0.05)
+    prober = HealthProber(registry, pool, period_s=0.05, metrics=RouterMetrics())
     try:
         _heard_at(registry, old.url, 0)
         left = registry.get("w")
-        registry.mark_http_failure(left, "refused")
+        left.mark_http_failure("refused")
         prober.probe_later(left)
         await asyncio.wait_for(old.health_asked.wait(), 5.0)
         _heard_at(registry, f"http://127.0.0.1:{free_port()}", 1)
         moved = registry.get("w")
-        registry.mark_http_failure(moved, "refused")
+        moved.mark_http_failure("refused")
         old.health_gate.set()
         await _until(lambda: left.http_up or moved.http_up)  # the old address answered
         await asyncio.sleep(0.2)  # the prober went on with the new address

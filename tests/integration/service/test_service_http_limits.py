@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.server_cli import uvicorn_config
@@ -24,7 +25,8 @@ async def test_a_request_whose_headers_are_over_the_limit_is_refused(
     settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], host="127.0.0.1",
                                port=port, max_header_bytes=16 * 1024, log_level="warning")
     config = uvicorn_config(create_app(settings), settings)
-    assert config.http == "h11"
+    # h11 (with the slow-client deadlines: test_service_client_timeouts.py).
+    assert isinstance(config.http, type) and issubclass(config.http, H11Protocol)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -147,3 +147,58 @@ def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
     assert shown == names - _INGEST_THROUGHPUT, (
         f"losses not on the panel: {sorted(names - _INGEST_THROUGHPUT - shown)}; "
         f"throughput on it: {sorted(shown & _INGEST_THROUGHPUT)}")
+
+
+def _host_ip(port: str) -> str | None:
+    """The host address a compose short-syntax port binds ("[IP:]HOST:CONTAINER"), with
+    a ``${VAR:-default}`` address read as its default; None: all interfaces."""
+    port = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", port)
+    parts = port.rsplit(":", 2)
+    return parts[0] if len(parts) == 3 else None
+
+
+def test_compose_keeps_nats_and_postgres_private_and_publishes_on_loopback() -> None:
+    """Security review: compose published NATS's 4222 on every interface, without
+    credentials, against README's trust boundary (whoever reaches NATS reads prompts'
+    token ids and steers the caches). NATS and PostgreSQL are published nowhere and sit
+    on internal networks only the router (and, for NATS, the workers) join; every
+    published port binds 127.0.0.1 by default."""
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    for name in ("nats", "postgres"):
+        assert "ports" not in services[name], name
+    networks = compose["networks"]
+    (bus,) = services["nats"]["networks"]
+    (store,) = services["postgres"]["networks"]
+    assert networks[bus]["internal"] is True and networks[store]["internal"] is True
+    on = {net: {name for name, service in services.items()
+                if net in service.get("networks", ["default"])} for net in (bus, store)}
+    assert on[bus] == {"nats", "router", "worker-0", "worker-1"}
+    assert on[store] == {"postgres", "router"}
+    published = {name: service["ports"] for name, service in services.items()
+                 if "ports" in service}
+    assert set(published) == {"router", "prometheus", "grafana"}
+    for name, ports in published.items():
+        for port in ports:
+            assert _host_ip(str(port)) == "127.0.0.1", (name, port)
+    # The workers and the router still reach NATS by its service name.
+    assert RouterSettings(config_file=DEPLOY / "router.yaml").nats_url == "nats://nats:4222"
+
+
+def test_kubernetes_lets_only_the_router_and_the_workers_reach_nats() -> None:
+    docs = [doc for doc in yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "nats.yaml").read_text()) if doc]
+    (policy,) = [doc for doc in docs if doc["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "kvhint-nats"}
+    client_rules = [rule for rule in policy["spec"]["ingress"]
+                    if any(p["port"] == 4222 for p in rule["ports"])]
+    assert len(client_rules) == 1 and "from" in client_rules[0]
+    allowed = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+               for peer in client_rules[0]["from"]}
+    assert allowed == {"kvhint-router", "vllm-worker"}
+    labels = {doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+              for path in ("router.yaml", "vllm-workers.yaml")
+              for doc in yaml.safe_load_all((DEPLOY / "kubernetes" / path).read_text())
+              if doc and doc["kind"] in ("Deployment", "StatefulSet")}
+    assert labels == allowed  # the selectors name pods that exist

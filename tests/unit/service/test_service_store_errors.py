@@ -3,16 +3,23 @@ SQLAlchemy raises them."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import socket
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import OperationalError, ProgrammingError
+from starlette.requests import Request
 
 from kvhint.router.devstack.nats_server import free_port
-from kvhint.router.service.store_errors import STORE_ERRORS, StoreFailure, classify
+from kvhint.router.service.store_errors import (STORE_ERRORS, StoreFailure, StoreReadErrors,
+                                                 classify)
 
 
 def _failure(run: Callable[[], object]) -> StoreFailure:
@@ -65,6 +72,72 @@ def test_a_refused_postgresql_connection_is_transient() -> None:
         assert failure.transient and failure.cause.startswith("psycopg.OperationalError")
     finally:
         engine.dispose()
+
+
+def _postgres(user: str, database: str) -> Engine:
+    """An engine on the test PostgreSQL (127.0.0.1:5432, or KVHINT_TEST_PG_HOST/PORT) as
+    ``user`` on ``database``; the test is skipped when nothing answers there."""
+    pytest.importorskip("psycopg")
+    host = os.environ.get("KVHINT_TEST_PG_HOST", "127.0.0.1")
+    port = int(os.environ.get("KVHINT_TEST_PG_PORT", "5432"))
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        pytest.skip(f"PostgreSQL not reachable on {host}:{port}")
+    return create_engine(f"postgresql+psycopg://{user}@{host}:{port}/{database}",
+                         connect_args={"connect_timeout": 5})
+
+
+@pytest.mark.parametrize(("user", "database", "named"), [
+    ("postgres", "kvhint_no_such_database", 'database "kvhint_no_such_database"'),
+    ("kvhint_no_such_role", os.environ.get("KVHINT_TEST_PG_DB", "test"),
+     'role "kvhint_no_such_role"'),
+])
+def test_a_postgresql_connection_refused_for_its_settings_is_permanent(
+        user: str, database: str, named: str) -> None:
+    """The server refuses the connection at its start (a database or role that does not
+    exist): libpq keeps no SQLSTATE for it, and it was classified transient, a 503
+    "retry later" that no retry fixes. Now permanent, for its configuration, naming the
+    cause."""
+    engine = _postgres(user, database)
+    try:
+        failure = _failure(_select(engine, "SELECT 1"))
+        assert not failure.transient and failure.config
+        assert failure.cause.startswith("psycopg.OperationalError")
+        assert f"{named} does not exist" in failure.cause
+        with pytest.raises(STORE_ERRORS) as raised:
+            _select(engine, "SELECT 1")()
+        request = Request({"type": "http", "method": "GET", "path": "/admin/hints",
+                           "headers": [], "query_string": b"",
+                           "app": SimpleNamespace(state=SimpleNamespace())})
+        response = asyncio.run(StoreReadErrors()(request, raised.value))
+        message = json.loads(response.body)["error"]["message"]
+        assert response.status_code == 500 and f"{named} does not exist" in message
+        assert "database_url" in message and "retrying will not help" in message
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(("message", "transient"), [
+    ('FATAL:  password authentication failed for user "kvhint"', False),
+    ('FATAL:  no pg_hba.conf entry for host "10.0.0.1", user "kvhint", database "k"',
+     False),
+    ("fe_sendauth: no password supplied", False),
+    ("FATAL:  the database system is starting up", True),
+    ("FATAL:  the database system is shutting down", True),
+    ("FATAL:  sorry, too many clients already", True),
+    ("timeout expired", True),
+])
+def test_a_postgresql_connection_refused_at_its_start_is_told_by_its_message(
+        message: str, transient: bool) -> None:
+    """What the test server (trust authentication, running) cannot be made to answer on
+    cue: psycopg's error as it raises it for each, without a SQLSTATE."""
+    psycopg = pytest.importorskip("psycopg")
+    orig = psycopg.OperationalError(
+        f'connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+        f"{message}")
+    failure = classify(OperationalError("SELECT 1", {}, orig))
+    assert failure.transient is transient and failure.config is not transient
 
 
 def test_a_pool_with_every_connection_busy_is_transient(tmp_path: Path) -> None:

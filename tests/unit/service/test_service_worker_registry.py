@@ -14,9 +14,9 @@ def test_heartbeat_verdicts() -> None:
     assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.FIRST
     assert registry.on_heartbeat(status("w0")) is HeartbeatVerdict.SAME_EPOCH
     assert registry.on_heartbeat(status("w0", "e2")) is HeartbeatVerdict.NEW_EPOCH
-    registry.mark_http_failure(registry.get("w0"), "refused")
+    registry.get("w0").mark_http_failure("refused")
     assert registry.routable() == []
-    registry.mark_http_ok(registry.get("w0"))
+    registry.get("w0").mark_http_ok()
     assert [w.worker_id for w in registry.routable()] == ["w0"]
 
 
@@ -29,7 +29,7 @@ def test_a_worker_known_by_its_heartbeats_is_routed_where_it_says_it_is_now() ->
                         ("w1", "http://new")):
         registry.on_heartbeat(msgspec.structs.replace(status(worker), http_url=url))
         if url == "http://old":
-            registry.mark_http_failure(registry.get("w1"), "refused")
+            registry.get("w1").mark_http_failure("refused")
             registry.get("w1").served_models = frozenset({"tiny"})
     assert registry.get("w0").url == "http://configured"
     moved = registry.get("w1")
@@ -57,11 +57,11 @@ def test_an_answer_counts_for_the_address_it_came_from_only() -> None:
     registry.on_heartbeat(msgspec.structs.replace(status("w1"), http_url="http://old"))
     old = registry.get("w1")
     assert not old.answered
-    registry.note_answered(old)
+    old.note_answered()
     old.requests = 3
     assert old.answered
     registry.on_heartbeat(msgspec.structs.replace(status("w1"), http_url="http://new"))
     new = registry.get("w1")
     assert new is not old and new.requests == 3 and not new.answered
-    registry.mark_http_ok(new)  # its /health answered
+    new.mark_http_ok()  # its /health answered
     assert new.answered

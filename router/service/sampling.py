@@ -1,0 +1,39 @@
+"""Parallel sampling (``n`` > 1, or ``best_of``): how many sequences one request asks a
+worker to decode, and the router's bound on it.
+
+vLLM runs ``n`` > 1 as ``n`` child requests of one prompt, scheduled together, and
+answers with ``n`` choices and one usage: the prompt counted once, ``completion_tokens``
+summed over the choices, ``cached_tokens`` one child's. The router accepts it, within
+``routing.max_n``: each sequence decodes on the worker beside every other tenant's, so an
+unbounded ``n`` lets one request take a worker's batch (and one tenant's
+``max_in_flight`` counts requests, not sequences). What the router learns from such a
+response is read per completion (``ResponseObservation.completion_tokens_per_choice``):
+a session continues at most one of them.
+"""
+
+from __future__ import annotations
+
+from kvhint.router.service.inbound import BadRequest
+
+SAMPLING_KEYS = ("n", "best_of")
+
+
+def parallel_samples(body: dict[str, object]) -> int:
+    """How many sequences the request asks the worker to sample per prompt (``n``, or
+    ``best_of`` where a vLLM still takes it); 1 for anything unreadable."""
+    count = 1
+    for key in SAMPLING_KEYS:
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            count = max(count, value)
+    return count
+
+
+def check_parallel_samples(body: dict[str, object], max_n: int) -> None:
+    """Raises :class:`BadRequest` (400, naming the field) for a request that asks for more
+    than ``max_n`` sequences; anything else (a value vLLM refuses) is left to vLLM."""
+    for key in SAMPLING_KEYS:
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
+            raise BadRequest(f"{key}={value} is over this router's limit of {max_n} "
+                             "sequences per request (routing.max_n)", param=key)

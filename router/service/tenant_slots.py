@@ -1,0 +1,50 @@
+"""Each tenant's requests in flight, against its ``max_in_flight`` (``TenantConfig``).
+
+Contract: :meth:`TenantSlots.take` admits a request (taking one of its tenant's slots when
+the tenant has a cap) or answers the 429 itself, counted; the forwarder gives an admitted
+request's slot back exactly once, in its accounting, which every way a request ends runs
+(answered, failed, a stream's end, a client gone, a cancellation). Single event loop.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import Response
+
+from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.metrics import RouterMetrics
+
+RETRY_AFTER_S = 1
+
+
+class TenantSlots:
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._metrics = metrics
+        # Tenant name -> requests in flight (tenants with a max_in_flight only: bounded).
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        """Requests of ``tenant`` in flight, counted for its max_in_flight (0 without)."""
+        return self._held.get(tenant, 0)
+
+    def take(self, inbound: InboundRequest) -> Response | None:
+        """None: admitted (a slot taken if its tenant has a cap; give it back with
+        :meth:`give_back`). Else the 429 to answer: nothing was sent, nothing of the
+        session changed; counted."""
+        tenant = inbound.tenant
+        limit = tenant.max_in_flight
+        if limit is None:
+            return None
+        held = self._held.get(tenant.name, 0)
+        if held < limit:
+            self._held[tenant.name] = held + 1
+            return None
+        self._metrics.gateway_rejections.labels(tenant.name, "over_in_flight").inc()
+        self._metrics.record_request(inbound.endpoint.value, "none", 429)
+        return Response(openai_error(
+            f"tenant {tenant.name!r} has {limit} requests in flight, its max_in_flight: "
+            "retry once one finishes", 429, error_type="rate_limit_error"),
+            status_code=429, media_type="application/json",
+            headers={"retry-after": str(RETRY_AFTER_S)})
+
+    def give_back(self, tenant: str) -> None:
+        self._held[tenant] = max(self._held.get(tenant, 0) - 1, 0)
