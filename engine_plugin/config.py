@@ -36,7 +36,10 @@ class PluginConfigError(ValueError):
 class PluginConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Identity. One worker id per data-parallel rank; `None` = "w<dp rank>".
+    # Identity. One data-parallel rank: this id as it is. One of several ranks (vLLM's
+    # --data-parallel-size > 1 gives every rank this same config): "<worker_id>-dp<rank>",
+    # so each rank, with its own KV cache, is its own worker (resolved_worker_id).
+    # `None` = "w<dp rank>".
     worker_id: str | None = None
     # NATS server(s), comma-separated. Absent: the index and metrics run, nothing is
     # published or received (said once in the log).
@@ -127,8 +130,27 @@ class PluginConfig(BaseModel):
     def nats_servers(self) -> list[str]:
         return nats_servers(self.nats_url)
 
-    def resolved_worker_id(self, data_parallel_rank: int) -> str:
-        return self.worker_id or f"w{data_parallel_rank}"
+    def resolved_worker_id(self, data_parallel_rank: int, several_ranks: bool = False) -> str:
+        """The worker id of data-parallel rank ``data_parallel_rank`` (the global rank).
+
+        Contract: every rank of one engine gets a distinct id, and an engine of one rank
+        (``several_ranks`` False) keeps ``worker_id`` exactly as configured. vLLM hands
+        every rank of ``--data-parallel-size N`` the same kv_connector_extra_config, and
+        two ranks under one id would publish one worker's events, status and outcomes
+        from two caches (the router keeps the newer epoch's and drops the other's).
+        Raises PluginConfigError when ``worker_id`` leaves no room for the suffix."""
+        if self.worker_id is None:
+            return f"w{data_parallel_rank}"
+        if not several_ranks:
+            return self.worker_id
+        resolved = f"{self.worker_id}-dp{data_parallel_rank}"
+        if not is_valid_worker_id(resolved):
+            raise PluginConfigError(
+                f"kvhint engine plugin: invalid config: kv_connector_extra_config"
+                f"['worker_id']: data-parallel rank {data_parallel_rank} would be "
+                f"{resolved[:40]!r}... ({len(resolved)} characters, at most 128): "
+                "shorten the worker id")
+        return resolved
 
     def pin_budget_blocks(self, num_blocks: int) -> int:
         return int(self.pin_budget_fraction * num_blocks)

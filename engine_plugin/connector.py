@@ -13,8 +13,11 @@ it changes. ``kv_both`` still works; the plugin says so in its log.
 
 Only the SCHEDULER-role instance (in EngineCore, one per data-parallel rank) does
 anything: it binds :class:`~kvhint.engine_plugin.core.PluginCore` to the KVCacheManager,
-forwards vLLM's hooks to it, and runs the NATS transport in its own thread. The WORKER-role
-instance moves no data and is a no-op.
+forwards vLLM's hooks to it, and runs the NATS transport in its own thread. Each rank of
+``--data-parallel-size N`` is a worker of its own, ``<worker_id>-dp<rank>``
+(:meth:`~kvhint.engine_plugin.config.PluginConfig.resolved_worker_id`), whose heartbeat
+names the ``X-data-parallel-rank`` that reaches it (``WorkerStatus.http_dp_rank``). The
+WORKER-role instance moves no data and is a no-op.
 
 Host tier (Demote): configure vLLM's OffloadingConnector beside the plugin (CUDA only)::
 
@@ -43,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -78,6 +82,7 @@ from kvhint.engine_plugin.vllm_adapter import (
     none_hash_seed,
     register_connector_name,
 )
+from kvhint.engine_plugin.vllm_adapter.data_parallel import data_parallel_place
 from kvhint.schemas import Usage, WorkerStatus
 from kvhint.schemas.nats_address import loggable_nats_url
 
@@ -100,6 +105,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = StatsTracker(self._read_stats)
         self._waker = None
         self._host_tier: OffloadingHostTier | None = None
+        # What the heartbeat says reaches this engine through its API server (bind time).
+        self._http_dp_rank: int | None = None
         if role == KVConnectorRole.SCHEDULER:
             # Only while EngineCore is being built is it on the call stack.
             self._waker = find_engine_waker() if self.plugin_config.wake_idle_engine else None
@@ -128,15 +135,25 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         if self.core is not None:
             return
         config = self.plugin_config
-        parallel = self._vllm_config.parallel_config
-        rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        # Each DP rank is an EngineCore of its own with its own cache: its own worker id,
+        # and the X-data-parallel-rank header the router sends to reach it (heartbeat).
+        place = data_parallel_place(self._vllm_config)
+        rank = place.rank
+        self._http_dp_rank = place.http_rank
         model_config = self._vllm_config.model_config
         hash_algo = str(self._vllm_config.cache_config.prefix_caching_hash_algo)
         identity = EngineIdentity(
-            worker_id=config.resolved_worker_id(rank),
+            worker_id=config.resolved_worker_id(rank, place.several),
             model=str(getattr(model_config, "served_model_name", None) or model_config.model),
             hash_algo=hash_algo, none_hash_seed=none_hash_seed(hash_algo),
             data_parallel_rank=rank)
+        if place.several:
+            logger.info("kvhint: data-parallel rank %d (%s): worker id %s (configured %s), "
+                        "reached with X-data-parallel-rank %s", rank, place.how,
+                        identity.worker_id, config.worker_id,
+                        "not needed" if place.http_rank is None else place.http_rank)
+        else:
+            logger.info("kvhint: worker id %s", identity.worker_id)
         mailbox = None
         if config.nats_url:
             mailbox = Mailbox(config.inbound_buffer, config.outcome_buffer,
@@ -181,7 +198,9 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
     def _status_of(self, usage: Usage | None, seq: int) -> WorkerStatus:
         assert self.core is not None
         status = self.core.worker_status(usage=usage)
-        return msgspec.structs.replace(status, last_event_seq=seq)
+        # Without a header to send the field stays off the wire (an older router's form).
+        http_dp_rank = UNSET if self._http_dp_rank is None else self._http_dp_rank
+        return msgspec.structs.replace(status, last_event_seq=seq, http_dp_rank=http_dp_rank)
 
     # --- scheduler hooks ---------------------------------------------------------------------
 

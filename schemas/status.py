@@ -3,6 +3,17 @@
 Sent every ``interval_s``; the router treats a worker as gone after a few missed beats
 and resyncs when ``epoch`` changes. Everything the router needs to compute vLLM-compatible
 block hashes for this worker is here (``block_size``, ``hash_algo``, ``none_hash_seed``).
+
+Versions: 1.0 is the message without ``http_dp_rank``; 1.1 adds ``http_dp_rank``, the
+``X-data-parallel-rank`` header value that reaches this worker (one data-parallel rank of a
+vLLM server, each rank a worker of its own) through the OpenAI server at its address.
+Absent or null: send no header (the server fronts this engine only). The field is off the
+wire when the plugin has no header to ask for, so a single-rank worker sends the 1.0 form
+byte for byte; a 1.0 router ignores the field (unknown fields are ignored) and reaches
+every rank of such a server through vLLM's own balancing, as before; a 1.1 router reads
+a 1.0 plugin's status as "no header". No new subject or action version: what a receiver
+does without the field is what it did before. Each version has its golden JSON
+(``tests/golden/worker_status.json`` 1.0, ``worker_status_v1_1.json`` 1.1).
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import uuid
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from kvhint.schemas._codec import decode_json, encode_json
 
@@ -96,6 +107,15 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Where the router reaches this worker's OpenAI server (a worker known only by its
     # heartbeat can then be routed to). None: the router must have it from its config.
     http_url: str | None = None
+    # 1.1: the X-data-parallel-rank value that reaches this engine through that server
+    # (module doc). UNSET (off the wire) or None: no header.
+    http_dp_rank: Annotated[int, Meta(ge=0)] | None | UnsetType = UNSET
+
+    @property
+    def data_parallel_header(self) -> int | None:
+        """The X-data-parallel-rank to send this worker's requests with, or None."""
+        rank = self.http_dp_rank
+        return rank if isinstance(rank, int) else None
 
 
 def encode_status(status: WorkerStatus) -> bytes:

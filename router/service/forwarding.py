@@ -2,14 +2,15 @@
 
 Retry rule: a worker that fails before it has the request (connection refused or timed
 out, a connection reset before any answer) or answers 502/503/504 is marked down and the
-request goes once to the next-best worker. What a request learns of a worker's address
-(it failed, it held the request without answering, it answered) is recorded on the
-state (address) it was sent to: a worker that moved meanwhile is not marked down at its
-new address, and may take the retry there. A worker that has the request but does not
-answer within ``request_timeout_s`` is slow, not down, and may still be running it: the
-client gets a 504 and the request is not run again elsewhere. Once bytes have reached the
-client, a failure ends the stream with an OpenAI-style error event instead (the SDKs raise
-it as an ``APIError``).
+request goes once to the next-best worker; an address that takes no connection at all
+marks the other workers there (a vLLM server's other data-parallel ranks) down too. What a
+request learns of a worker's address (it failed, it held the request without answering,
+it answered) is recorded on the state (address) it was sent to: a worker that moved
+meanwhile is not marked down at its new address, and may take the retry there. A worker
+that has the request but does not answer within ``request_timeout_s`` is slow, not down,
+and may still be running it: the client gets a 504 and the request is not run again
+elsewhere. Once bytes have reached the client, a failure ends the stream with an
+OpenAI-style error event instead (the SDKs raise it as an ``APIError``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
 from kvhint.router.service.upstream import (
+    DATA_PARALLEL_RANK_HEADER,
     UpstreamBroken,
     UpstreamPool,
     UpstreamResponse,
@@ -253,8 +255,13 @@ class Forwarder:
         worker_id = worker.worker_id
         assert worker.url is not None and flight.plan is not None
         worker.inflight += 1
-        opening = asyncio.ensure_future(
-            self._pool.open(worker_id, worker.url + flight.inbound.endpoint.path, body))
+        # One data-parallel rank of a vLLM server (its heartbeat names the rank): vLLM's
+        # header sends it to that engine, whose cache the plan counted on; without it vLLM
+        # balances across its ranks. No client header is ever passed on (upstream.py).
+        dp_rank = worker.status.data_parallel_header if worker.status is not None else None
+        opening = asyncio.ensure_future(self._pool.open(
+            worker_id, worker.url + flight.inbound.endpoint.path, body,
+            None if dp_rank is None else {DATA_PARALLEL_RANK_HEADER: str(dp_rank)}))
         plan = flight.plan
         uncached = 0
         dispatched = taken = False
@@ -278,6 +285,8 @@ class Forwarder:
                     self._on_worker_down(worker)
                     log.warning("worker %s failed before responding: %s", worker_id,
                                 exc.reason)
+                    if exc.unreachable:
+                        self._address_down(worker, exc.reason)
                 raise
             except UpstreamTimeout as exc:
                 # The worker took the request and may be running it: it stays up, the
@@ -310,6 +319,17 @@ class Forwarder:
                     self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size,
                                            uncached)
                 _drop_opening(opening)
+
+    def _address_down(self, worker: WorkerState, reason: str) -> None:
+        """``worker``'s address took no connection: the other workers there (the other
+        data-parallel ranks of its vLLM server) are marked down and probed each on its
+        own too, so the retry goes elsewhere, not to a rank of the same dead server."""
+        for sibling in self._workers.at_address(worker.url or ""):
+            if sibling is not worker and sibling.http_up:
+                sibling.mark_http_failure(f"{reason} (at worker {worker.worker_id})")
+                self._on_worker_down(sibling)
+                log.warning("worker %s: its address failed worker %s's request: marked "
+                            "down too", sibling.worker_id, worker.worker_id)
 
     def _still_its_address(self, worker: WorkerState, what: str) -> bool:
         """Whether a failure (``what``) noted on ``worker``'s address concerns the worker

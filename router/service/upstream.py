@@ -28,6 +28,12 @@ from pydantic import SecretStr
 # itself refusing): retried on the next-best worker like a refused connection.
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
+# vLLM's header that picks one data-parallel rank (engine) of a server: the router sends
+# it to a worker whose heartbeat names one (WorkerStatus.http_dp_rank); a client's never
+# reaches a worker (no client header does), so no client can steer a request off the
+# rank the router chose, or onto a rank the router did not.
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
 # Never copied from a worker's response to the client.
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
@@ -36,15 +42,18 @@ _HOP_BY_HOP = frozenset({
 
 
 class UpstreamUnavailable(Exception):
-    """The worker could not be reached or refused before the response started."""
+    """The worker could not be reached or refused before the response started.
+    ``unreachable``: no connection to its address could be made at all (refused, or not
+    accepted within the connect timeout): a fact of the address, not of the request."""
 
     def __init__(self, worker_id: str, reason: str, status: int | None = None,
-                 body: bytes = b"") -> None:
+                 body: bytes = b"", *, unreachable: bool = False) -> None:
         super().__init__(f"worker {worker_id}: {reason}")
         self.worker_id = worker_id
         self.reason = reason
         self.status = status
         self.body = body
+        self.unreachable = unreachable
 
 
 class UpstreamTimeout(Exception):
@@ -163,7 +172,9 @@ class UpstreamPool:
         except aiohttp.SocketTimeoutError as exc:  # sent; a connect timeout is not one
             raise UpstreamTimeout(worker_id, self._request_timeout_s) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}") from exc
+            raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}", unreachable=(
+                isinstance(exc, (aiohttp.ClientConnectorError,
+                                 aiohttp.ConnectionTimeoutError)))) from exc
         if response.status in RETRYABLE_STATUSES:
             try:
                 error_body = await response.read()

@@ -124,6 +124,14 @@ class WorkerRegistry:
     def routable(self) -> list[WorkerState]:
         return [w for w in self._workers.values() if w.routable]
 
+    def at_address(self, url: str) -> list[WorkerState]:
+        """The workers whose current address is ``url``. Several is normal: each
+        data-parallel rank of one vLLM server is a worker id of its own at the server's URL
+        (told apart by the X-data-parallel-rank its heartbeat names). Moves, failures and
+        probes stay per worker id; only a request that could not connect to the address at
+        all marks the others there down with it (forwarding.py)."""
+        return [w for w in self._workers.values() if w.url == url]
+
     def forget_silent(self, now: float, after_s: float) -> list[str]:
         """Forget the workers known only by their heartbeats (not configured) that have
         said nothing for ``after_s`` (monotonic ``now``) and have nothing in flight: a pod

@@ -98,6 +98,18 @@ SAMPLES: dict[str, tuple[object, type]] = {
                       pinned_blocks=10, retained_blocks=20, indexed_blocks=400, sessions=7,
                       active_requests=2, pending_hints=1),
         last_event_seq=42, interval_s=1.0, at=AT), s.WorkerStatus),
+    # WorkerStatus 1.1: http_dp_rank, rank 1 of a vLLM server's data-parallel ranks (the
+    # 1.0 status above, which a single-rank worker still sends, is unchanged).
+    "worker_status_v1_1": (s.WorkerStatus(
+        worker_id="gpu-0-dp1", epoch="e-5f2c", model="tiny", cache_namespace="tiny|sha256|32",
+        block_size=32, hash_algo="sha256", none_hash_seed="vllm-none-hash",
+        data_parallel_rank=1, supported_actions={"kv.retain": ["1.0"], "kv.pin": ["1.0"]},
+        host_tier=False,
+        budgets=s.Budgets(max_pinned_blocks=51, max_pin_ttl_s=600.0, max_retained_blocks=256,
+                          max_retain_ttl_s=3600.0),
+        usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
+        last_event_seq=42, interval_s=1.0, at=AT, http_url="http://gpu-0:8000",
+        http_dp_rank=1), s.WorkerStatus),
     "snapshot_request": (s.SnapshotRequest(cursor=2000, limit=1000, seq=41), s.SnapshotRequest),
     "worker_snapshot": (s.WorkerSnapshot(
         worker_id="w0", epoch="e-5f2c", seq=42, block_size=32,
@@ -142,3 +154,17 @@ def test_every_exported_message_has_a_golden() -> None:
     payloads = {s.RetainPayload, s.PinPayload, s.DemotePayload, s.PrefetchPayload,
                 s.SharePayload}  # inside hints_envelope
     assert set(MESSAGES.values()) <= covered | payloads
+
+
+def test_worker_status_1_0_and_1_1_say_which_data_parallel_header_to_send() -> None:
+    """A 1.0 status (an older plugin's, or a single-rank worker's) asks for no
+    X-data-parallel-rank header; 1.1 names the rank; null is read as no header."""
+    old = s.decode_status((GOLDEN / "worker_status.json").read_bytes())
+    new = s.decode_status((GOLDEN / "worker_status_v1_1.json").read_bytes())
+    assert old.data_parallel_header is None and new.data_parallel_header == 1
+    nulled = msgspec.json.decode((GOLDEN / "worker_status_v1_1.json").read_bytes())
+    nulled["http_dp_rank"] = None
+    assert s.decode_status(msgspec.json.encode(nulled)).data_parallel_header is None
+    nulled["http_dp_rank"] = -1
+    with pytest.raises(s.WireDecodeError):
+        s.decode_status(msgspec.json.encode(nulled))
