@@ -1,7 +1,8 @@
 """The one place that touches vLLM internals (KVCacheManager, BlockPool, Request, events,
 connectors): :mod:`.cache` (the block cache port and the tees), :mod:`.offloading` (the
 host tier over vLLM's OffloadingConnector), :mod:`.engine` (wake-up, registration, role, event
-encoding).
+encoding), :mod:`.data_parallel` (which data-parallel rank an EngineCore is, read from its
+config at bind time).
 
 Everything here runs on the scheduler thread, apart from the registration (every vLLM
 process) and the encoder (the NATS thread). It detects features instead of checking

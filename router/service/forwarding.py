@@ -35,6 +35,7 @@ from kvhint.router.service.sampling import parallel_samples
 from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
+from kvhint.router.service.upstream_opening import ClientGone, drop_opening, until_open
 from kvhint.router.service.upstream import (
     DATA_PARALLEL_RANK_HEADER,
     UpstreamBroken,
@@ -52,42 +53,6 @@ MAX_ATTEMPTS = 2
 # Requests in a row a worker held past request_timeout_s without sending its headers,
 # after which the prober checks its /health at once (see Forwarder._open).
 SUSPECT_AFTER_TIMEOUTS = 2
-
-
-class _ClientGone(Exception):
-    """The client of a non-streamed request left before its worker answered."""
-
-
-async def _until_open(opening: asyncio.Future[UpstreamResponse],
-                      client_gone: asyncio.Future[None] | None) -> UpstreamResponse:
-    """The worker's response once it starts, or :class:`_ClientGone` (the request to the
-    worker cancelled) if the client leaves first."""
-    if client_gone is None:
-        return await opening
-    await asyncio.wait((opening, client_gone), return_when=asyncio.FIRST_COMPLETED)
-    if opening.done() or client_gone.cancelled():
-        return await opening
-    opening.cancel()
-    try:
-        late = await opening
-    except (asyncio.CancelledError, UpstreamUnavailable, UpstreamTimeout):
-        pass
-    else:  # it opened before the cancel took: give its connection back
-        late.close()
-    raise _ClientGone
-
-
-def _drop_opening(opening: asyncio.Future[UpstreamResponse]) -> None:
-    """Let go of a request to a worker nobody waits for any more: cancel it if it is still
-    on its way, close its response if it opened anyway (now or before the cancel took),
-    and mark a failure as seen (asyncio logs an exception never retrieved)."""
-    def settle(done: asyncio.Future[UpstreamResponse]) -> None:
-        if done.cancelled():
-            return
-        if done.exception() is None:
-            done.result().close()
-    opening.cancel()
-    opening.add_done_callback(settle)
 
 
 def _closes_upstream_when_gone(flight: "_Flight", upstream: UpstreamResponse
@@ -216,7 +181,7 @@ class Forwarder:
             assert worker is not None
             try:
                 upstream = await self._open(flight, worker, body)
-            except _ClientGone:
+            except ClientGone:
                 await self._account(flight, 499)
                 return Response(status_code=499)
             except UpstreamTimeout as exc:
@@ -245,7 +210,7 @@ class Forwarder:
         """Send the request to ``worker``'s address; returns once its response has started.
 
         Contract: the worker's in-flight slot and its dispatched load are taken here and,
-        on every way out before the worker has the request (_ClientGone, a failure, a
+        on every way out before the worker has the request (ClientGone, a failure, a
         cancellation, an error), given back here exactly once, and the request to the
         worker cancelled (a response that opened anyway is closed). Once the worker has
         it (:meth:`_took`: headers came, or it timed out holding the request),
@@ -278,7 +243,7 @@ class Forwarder:
             self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
             dispatched = True
             try:
-                upstream = await _until_open(opening, flight.client_gone_signal)
+                upstream = await until_open(opening, flight.client_gone_signal)
             except UpstreamUnavailable as exc:
                 worker.mark_http_failure(exc.reason)
                 if self._still_its_address(worker, "failure"):
@@ -318,7 +283,7 @@ class Forwarder:
                 if dispatched:
                     self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size,
                                            uncached)
-                _drop_opening(opening)
+                drop_opening(opening)
 
     def _address_down(self, worker: WorkerState, reason: str) -> None:
         """``worker``'s address took no connection: the other workers there (the other

@@ -10,7 +10,6 @@ through the API outliving the planner's next protection, then one worker stopped
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 import uuid
