@@ -175,6 +175,14 @@ class UpstreamPool:
             raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}", unreachable=(
                 isinstance(exc, (aiohttp.ClientConnectorError,
                                  aiohttp.ConnectionTimeoutError)))) from exc
+        if response.status == 401:
+            # No client credential is ever sent to a worker: its 401 refuses the router's
+            # own key (vLLM's --api-key against worker_api_key / workers[].api_key).
+            # Passed through, it told the client its own key was wrong; it is the
+            # worker that cannot serve, like one that is down: the next-best takes it.
+            response.release()
+            raise UpstreamUnavailable(worker_id, "HTTP 401: the worker refused the "
+                                      "router's worker API key")
         if response.status in RETRYABLE_STATUSES:
             try:
                 error_body = await response.read()

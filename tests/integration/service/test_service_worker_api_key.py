@@ -148,7 +148,8 @@ async def test_a_clients_key_is_not_sent_to_a_worker(
 async def test_a_worker_refusing_the_key_is_logged_without_it(
         tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A wrong key: discovery's failure is logged, and the log names no key (aiohttp's
-    error repr carries the request's headers)."""
+    error repr carries the request's headers). The worker's 401 is not passed to the
+    client (it would read as its own key refused): the worker is down for it, a 502."""
     caplog.set_level(logging.DEBUG)
     worker = KeyedWorker(model_root=str(tiny_model_dir), key="the-right-one")
     await worker.start()
@@ -158,9 +159,33 @@ async def test_a_worker_refusing_the_key_is_logged_without_it(
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             assert router.runtime.workers.get("w0").served_models is None
             response = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
-            assert response.status_code == 401  # the worker's answer, passed through
+            assert response.status_code == 502, response.text
+            assert "refused the router's worker API key" in response.json()["error"]["message"]
+            assert not router.runtime.workers.get("w0").http_up
         assert worker.seen and {a for _, a in worker.seen} == {"Bearer a-wrong-secret"}
         assert "could not list models" in caplog.text and "401" in caplog.text
         assert "a-wrong-secret" not in caplog.text
     finally:
         await worker.stop()
+
+
+async def test_a_request_a_worker_refuses_for_the_routers_key_goes_to_the_next_best(
+        tmp_path: Path, keyed: list[KeyedWorker]) -> None:
+    """One worker's key misconfigured: its 401 is the worker failing, as a 503 is: marked
+    down and the request retried on another worker, whose answer the client gets."""
+    w0, w1 = keyed
+    settings = keyed_settings(
+        tmp_path, [{"id": "w0", "url": w0.url, "api_key": "a-wrong-secret"},
+                   {"id": "w1", "url": w1.url}], worker_api_key="fleet-secret")
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        answered = []
+        for number in range(10):  # until one went to w0 first (new sessions spread)
+            response = await client.post(f"{router.url}/v1/chat/completions",
+                                         json={**CHAT, "session_id": f"s{number}"})
+            assert response.status_code == 200, response.text
+            answered.append(response.headers["x-kvhint-worker"])
+            if any(path == "/v1/chat/completions" for path, _ in w0.seen):
+                break
+        assert not router.runtime.workers.get("w0").http_up
+    assert any(path == "/v1/chat/completions" for path, _ in w0.seen)
+    assert set(answered) == {"w1"}
