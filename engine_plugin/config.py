@@ -6,11 +6,19 @@ unknown keys are errors too, so a typo does not silently fall back to a default.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvhint.schemas import Subjects, is_valid_worker_id
 from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
@@ -44,6 +52,9 @@ class PluginConfig(BaseModel):
     # NATS server(s), comma-separated. Absent: the index and metrics run, nothing is
     # published or received (said once in the log).
     nats_url: str | None = None
+    # The name of an environment variable holding nats_url instead (read at start-up):
+    # vLLM logs --kv-transfer-config, so credentials in nats_url reach its log.
+    nats_url_env: str | None = None
     subject_prefix: str = "kvhint"
     # Where operators reach this worker over HTTP (put in the heartbeat), if known.
     http_url: str | None = None
@@ -109,6 +120,21 @@ class PluginConfig(BaseModel):
             raise ValueError("use 1-128 letters, digits, '_' or '-' (a NATS subject token)")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nats_url_from_env(cls, data: Any) -> Any:
+        """``nats_url_env``: nats_url is that variable's value (then checked as one)."""
+        if not isinstance(data, dict) or data.get("nats_url_env") is None:
+            return data
+        name = data["nats_url_env"]
+        if data.get("nats_url") is not None:
+            raise ValueError("set nats_url or nats_url_env, not both")
+        value = os.environ.get(name) if isinstance(name, str) else None
+        if not value:
+            raise ValueError(f"nats_url_env names {name!r}, an environment variable that "
+                             "is not set (or empty) in vLLM's environment")
+        return {**data, "nats_url": value}
+
     @field_validator("nats_url")
     @classmethod
     def _check_nats_url(cls, value: str | None) -> str | None:
@@ -170,8 +196,10 @@ def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:
         problems = []
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"]) or "(config)"
-            # A nats_url may carry a password: its message shows the loggable form.
-            got = "" if key == "nats_url" else f" (got {err.get('input')!r})"
+            # A nats_url may carry a password: its message shows the loggable form (and
+            # the whole config, the input of a config-level error, is not echoed).
+            got = ("" if key in ("nats_url", "(config)")
+                   else f" (got {err.get('input')!r})")
             problems.append(f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}")
         raise PluginConfigError("kvhint engine plugin: invalid config: "
                                 + "; ".join(problems)) from None

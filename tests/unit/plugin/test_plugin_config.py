@@ -53,3 +53,30 @@ def test_a_bad_nats_url_is_named_without_its_password() -> None:
         load_plugin_config({"nats_url": "nats://w0:n4ts-pw@nats:4222,http://w0:n4ts-pw@x"})
     assert "kv_connector_extra_config['nats_url']" in str(err.value)
     assert "http://***@x" in str(err.value) and "n4ts-pw" not in str(err.value)
+
+
+def test_nats_url_may_come_from_an_environment_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM logs --kv-transfer-config: nats_url_env keeps the credentials out of it."""
+    monkeypatch.delenv("KVHINT_TEST_UNSET", raising=False)
+    monkeypatch.setenv("KVHINT_TEST_NATS_URL", "nats://w0:n4ts-pw@nats:4222")
+    config = load_plugin_config({"nats_url_env": "KVHINT_TEST_NATS_URL"})
+    assert config.nats_servers == ["nats://w0:n4ts-pw@nats:4222"]
+    monkeypatch.setenv("KVHINT_TEST_NATS_URL", "http://w0:n4ts-pw@nats:4222")
+    for extra, says in (
+            ({"nats_url_env": "KVHINT_TEST_NATS_URL"}, "http://***@nats:4222"),
+            ({"nats_url_env": "KVHINT_TEST_UNSET"}, "'KVHINT_TEST_UNSET'"),
+            ({"nats_url_env": "KVHINT_TEST_NATS_URL", "nats_url": "nats://x:1"}, "not both")):
+        with pytest.raises(PluginConfigError) as err:
+            load_plugin_config(extra)
+        assert says in str(err.value) and "n4ts-pw" not in str(err.value)
+
+
+def test_the_readme_names_every_key_of_the_extra_config() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    listing = readme[readme.index("Everything in `kv_connector_extra_config` is validated"):]
+    listing = listing[:listing.index("\n\n")]
+    missing = [key for key in PluginConfig.model_fields if f"`{key}`" not in listing]
+    assert not missing, f"README's extra-config list lacks {missing}"
