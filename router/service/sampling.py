@@ -18,22 +18,22 @@ from kvhint.router.service.inbound import BadRequest
 SAMPLING_KEYS = ("n", "best_of")
 
 
+def _asked(body: dict[str, object]) -> dict[str, int]:
+    """The sampling keys the body sets to an integer (a bool is not one), by key."""
+    return {key: value for key in SAMPLING_KEYS
+            if isinstance(value := body.get(key), int) and not isinstance(value, bool)}
+
+
 def parallel_samples(body: dict[str, object]) -> int:
     """How many sequences the request asks the worker to sample per prompt (``n``, or
     ``best_of`` where a vLLM still takes it); 1 for anything unreadable."""
-    count = 1
-    for key in SAMPLING_KEYS:
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            count = max(count, value)
-    return count
+    return max([1, *_asked(body).values()])
 
 
 def check_parallel_samples(body: dict[str, object], max_n: int) -> None:
     """Raises :class:`BadRequest` (400, naming the field) for a request that asks for more
     than ``max_n`` sequences; anything else (a value vLLM refuses) is left to vLLM."""
-    for key in SAMPLING_KEYS:
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > max_n:
+    for key, value in _asked(body).items():
+        if value > max_n:
             raise BadRequest(f"{key}={value} is over this router's limit of {max_n} "
                              "sequences per request (routing.max_n)", param=key)

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 from kvhint.router.policy import PlannedAction, agent_scope
 from kvhint.router.service.inbound import (
     BadRequest,
+    BodyTimeout,
     check_session_id,
     openai_error,
     read_body_within,
@@ -175,7 +176,7 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
         raise _Rejected(_AUTH_REASONS.get(exc.status, "forbidden"), exc.message,
                         exc.status) from None
     except BadRequest as exc:
-        if exc.status == 408:  # BodyTimeout
+        if isinstance(exc, BodyTimeout):
             runtime.metrics.client_timeouts.labels("body").inc()
         raise _Rejected(_BAD_REQUEST_REASONS.get(exc.status, "bad_request"), exc.message,
                         exc.status) from None
