@@ -89,7 +89,7 @@ class _Flight:
     upstream: UpstreamResponse | None = None
     # _account ran: every way a request ends settles it once, never twice.
     accounted: bool = False
-    # It holds one of its tenant's max_in_flight slots (given back by _account).
+    # It holds one of its tenant's in-flight slots (given back by _account).
     tenant_slot: bool = False
 
 
@@ -125,7 +125,7 @@ class Forwarder:
         if (refusal := self.slots.take(inbound)) is not None:
             return refusal
         flight = _Flight(inbound, None, None, time.perf_counter())
-        flight.tenant_slot = inbound.tenant.max_in_flight is not None
+        flight.tenant_slot = True
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()

@@ -7,6 +7,12 @@ hung server that accepts connections and never answers fails that probe too, is 
 down and probed like any other worker down; a slow worker that is alive answers
 ``/health`` (vLLM's answers while the engine is busy) and stays up.
 
+A probe that fails at the address (no connection, or no answer in time:
+``ProbeResult.address_failed``) marks every other worker still up at that address down
+too, each then probed back on its own: the data-parallel ranks of one vLLM server share
+its URL and its one API server, so a hung or dead server is every rank's. A status other
+than 200 is the probed worker's alone.
+
 Every probe is counted, ``kvhint_router_health_probes_total{worker, outcome}`` (outcome
 ``answered``: a 200 within PROBE_TIMEOUT_S; ``failed``: anything else), and timed,
 ``kvhint_router_health_probe_seconds`` (no worker label: one histogram for the fleet).
@@ -19,7 +25,7 @@ import logging
 import time
 
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.upstream import UpstreamPool
+from kvhint.router.service.upstream import ProbeResult, UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 log = logging.getLogger(__name__)
@@ -51,14 +57,17 @@ class HealthProber:
         worker_id = worker.worker_id
         try:
             if worker.http_up and worker.url is not None and self._workers.is_current(worker):
-                if not await self._answers(worker_id, worker.url):
+                url = worker.url
+                result = await self._ask(worker_id, url)
+                if not result.ok:
                     worker.mark_http_failure(
-                        f"no answer to /health within {PROBE_TIMEOUT_S:g} s "
-                        "after requests timed out before their headers")
+                        f"{result.reason} after requests timed out before their headers")
                     log.warning("worker %s holds requests without answering and fails "
-                                "its /health at %s: marked down%s", worker_id, worker.url,
-                                "" if self._workers.is_current(worker) else
+                                "its /health at %s (%s): marked down%s", worker_id, url,
+                                result.reason, "" if self._workers.is_current(worker) else
                                 " (an address it has left since)")
+                    if result.address_failed:
+                        self._address_down(url, worker_id, result.reason)
                 # Slow, not hung, it stays up; unless marked down meanwhile by a failed
                 # request, then probed as such.
             while True:
@@ -69,22 +78,37 @@ class HealthProber:
                 worker = self._workers.get(worker_id)
                 if worker is None or worker.url is None or worker.http_up:
                     return
-                if await self._answers(worker_id, worker.url):
-                    worker.mark_http_ok()
-                    if self._workers.is_current(worker):
-                        log.info("worker %s answers /health again", worker_id)
-                        return
-                    log.info("worker %s answers /health at %s, an address it has left "
-                             "since: its new one is probed", worker_id, worker.url)
+                result = await self._ask(worker_id, worker.url)
+                if not result.ok:
+                    if result.address_failed:
+                        self._address_down(worker.url, worker_id, result.reason)
+                    continue
+                worker.mark_http_ok()
+                if self._workers.is_current(worker):
+                    log.info("worker %s answers /health again", worker_id)
+                    return
+                log.info("worker %s answers /health at %s, an address it has left "
+                         "since: its new one is probed", worker_id, worker.url)
         finally:
             self._tasks.pop(worker_id, None)
 
-    async def _answers(self, worker_id: str, url: str) -> bool:
+    def _address_down(self, url: str, worker_id: str, reason: str) -> None:
+        """``url`` failed ``worker_id``'s probe at the address: the other workers still up
+        there are marked down and probed, each on its own (it comes back when its own
+        probe answers)."""
+        for sibling in self._workers.at_address(url):
+            if sibling.worker_id != worker_id and sibling.http_up:
+                sibling.mark_http_failure(f"{reason} (at worker {worker_id})")
+                self.probe_later(sibling)
+                log.warning("worker %s: its address %s failed worker %s's /health (%s): "
+                            "marked down too", sibling.worker_id, url, worker_id, reason)
+
+    async def _ask(self, worker_id: str, url: str) -> ProbeResult:
         started = time.perf_counter()
-        answered = await self._pool.get_ok(url + "/health", timeout_s=PROBE_TIMEOUT_S,
-                                           worker_id=worker_id)
-        self._metrics.record_probe(worker_id, answered, time.perf_counter() - started)
-        return answered
+        result = await self._pool.probe(url + "/health", timeout_s=PROBE_TIMEOUT_S,
+                                        worker_id=worker_id)
+        self._metrics.record_probe(worker_id, result.ok, time.perf_counter() - started)
+        return result
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -86,6 +86,7 @@ _ACTION_TYPES = frozenset(a.value for a in ActionType)
 # "*" (TenantConfig's names are letters, digits, "_", "." and "-"). Per-worker feedback:
 # (POOLED_TENANT, "feedback:<worker>").
 TENANT_STATS_KIND = "tenant_gaps"
+_FEEDBACK_PREFIX = "feedback:"
 POOLED_KIND = "tool_gaps"
 ADOPTED_KIND = "tool_gaps_adopted"
 POOLED_TENANT = "*"
@@ -182,13 +183,18 @@ class HintDispatcher:
 
     def forget_worker(self, worker_id: str) -> None:
         """The registry forgot the worker (heard only by its heartbeats, silent for good):
-        what it taught the planner, and what it held, go from memory. Before, its
-        feedback stayed for the router's life, one entry per pod ever seen. Its stored
-        feedback row stays; a worker heard again under its id starts afresh here (a new
-        engine, as after :meth:`reset_worker`)."""
+        what it taught the planner, and what it held, go from memory, and its stored
+        feedback row from the store (before, the row stayed and a restarted router read
+        it back). A worker heard again under its id starts afresh (a new engine, as
+        after :meth:`reset_worker`)."""
         self.feedback.pop(worker_id, None)
         self._feedback_saved.pop(worker_id, None)
         self.holdings.forget_worker(worker_id)
+        self._delete_feedback_row(worker_id)
+
+    def _delete_feedback_row(self, worker_id: str) -> None:
+        if self._writer is not None:
+            self._writer.delete("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)))
 
     # --- sending ------------------------------------------------------------------------
 
@@ -413,8 +419,8 @@ class HintDispatcher:
         for worker_id, feedback in self.feedback.items():
             if self._feedback_saved.get(worker_id) is feedback:
                 continue  # unchanged since saved (feedback is replaced, never mutated)
-            self._writer.upsert("learned_stats", (POOLED_TENANT, f"feedback:{worker_id}"), {
-                "tenant": POOLED_TENANT, "kind": f"feedback:{worker_id}",
+            self._writer.upsert("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)), {
+                "tenant": POOLED_TENANT, "kind": _feedback_kind(worker_id),
                 "data": feedback.to_dict(), "updated_at": now})
             self._feedback_saved[worker_id] = feedback
 
@@ -436,7 +442,11 @@ class HintDispatcher:
         priors, not from other tenants' pre-upgrade traffic), whatever an older router
         sharing the store during the rollout still writes into it. A router stopped
         before that batch is written takes the pooled row again at its next start:
-        nothing is lost either way."""
+        nothing is lost either way.
+
+        Feedback: a worker's row is read back if the registry (filled before this is
+        called) holds the worker; the row of one it does not (dropped from the config, or
+        silent too long to be restored) is deleted, as :meth:`forget_worker` does."""
         pooled: LearnedStats | None = None
         adopted = any(row.get("kind") == ADOPTED_KIND and row.get("tenant") == POOLED_TENANT
                       for row in learned)
@@ -448,7 +458,11 @@ class HintDispatcher:
                 elif row["kind"] == TENANT_STATS_KIND:
                     if not self.learned.put(row["tenant"], LearnedStats.from_dict(row["data"])):
                         self._metrics.drop("learned_stats_unknown_tenant")
-                elif row["kind"].startswith("feedback:"):
+                elif row["kind"].startswith(_FEEDBACK_PREFIX):
+                    worker_id = row["kind"][len(_FEEDBACK_PREFIX):]
+                    if worker_id not in self._workers:
+                        self._delete_feedback_row(worker_id)
+                        continue
                     feedback = WorkerFeedback.from_dict(row["data"])
                     self.feedback[feedback.worker_id] = feedback
                     self._feedback_saved[feedback.worker_id] = feedback
@@ -488,3 +502,8 @@ class HintDispatcher:
     def _block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)
         return worker.status.block_size if worker is not None and worker.status else 1
+
+
+def _feedback_kind(worker_id: str) -> str:
+    """The ``kind`` of ``worker_id``'s feedback row (tenant ``POOLED_TENANT``)."""
+    return f"{_FEEDBACK_PREFIX}{worker_id}"

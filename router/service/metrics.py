@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -261,6 +261,11 @@ class RouterMetrics:
             "Inference requests the router refused before any worker had them, by tenant "
             "and reason (over_in_flight: past the tenant's max_in_flight)",
             ["tenant", "reason"], registry=r)
+        self.tenant_in_flight = Gauge(
+            "kvhint_router_tenant_in_flight",
+            "Inference requests of the tenant in flight (admitted, not yet ended), as its "
+            "max_in_flight counts them; kept for tenants without one too",
+            ["tenant"], registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)

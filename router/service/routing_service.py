@@ -27,7 +27,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -95,9 +94,10 @@ class RoutingService:
     seed: int = 0
     clock: Callable[[], float] = time.monotonic
     default_model: str | None = None
-    # Long prompts are hashed here, off the event loop (None: always inline); the
-    # runtime's is a FairHashQueue (per-tenant queues), any Executor also works (FIFO).
-    hash_executor: FairHashQueue | Executor | None = None
+    # Long prompts are hashed here, off the event loop, in their tenant's own queue
+    # (hash_queue.py); None: always inline. Only a FairHashQueue: it is what the runtime
+    # runs, so tests and benchmarks measure that, not a FIFO executor of their own.
+    hash_executor: FairHashQueue | None = None
     hash_thread_min_tokens: int = RoutingSettings.model_fields["hash_thread_min_tokens"].default
     hash_inline_max_bytes: int = RoutingSettings.model_fields["hash_inline_max_bytes"].default
     max_prompt_tokens: int = RoutingSettings.model_fields["max_prompt_tokens"].default
@@ -108,6 +108,12 @@ class RoutingService:
     _seq: int = 0
 
     def __post_init__(self) -> None:
+        if self.hash_executor is not None and not isinstance(self.hash_executor,
+                                                             FairHashQueue):
+            # Its submit takes the tenant first: any other executor would fail every
+            # long prompt's hashing (routed unhashed) instead of refusing here.
+            raise TypeError("RoutingService.hash_executor must be a FairHashQueue, not "
+                            f"{type(self.hash_executor).__name__}")
         self._rng = random.Random(self.seed)
 
     # --- the decision -------------------------------------------------------------------
@@ -195,15 +201,12 @@ class RoutingService:
         config = self._hash_config(candidates)  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
-            executor = self.hash_executor
-            if isinstance(executor, FairHashQueue) and not self.hash_inline(inbound):
+            queue = self.hash_executor
+            if queue is not None and not self.hash_inline(inbound):
                 # In the tenant's own queue: another tenant's burst delays it by about
                 # one job, not the burst (hash_queue.py).
-                hashes = await asyncio.wrap_future(executor.submit(
+                hashes = await asyncio.wrap_future(queue.submit(
                     inbound.tenant.name, _hash_body, hasher, inbound.endpoint, body, config))
-            elif executor is not None and not self.hash_inline(inbound):
-                hashes = await asyncio.get_running_loop().run_in_executor(
-                    executor, _hash_body, hasher, inbound.endpoint, body, config)
             else:
                 hashes = _hash_body(hasher, inbound.endpoint, body, config)
         except TenantQueueFull:

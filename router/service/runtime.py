@@ -149,6 +149,7 @@ class RouterRuntime:
             on_evict=lambda name: metrics.sessions_evicted.labels(name).inc())
         for tenant in directory.tenants:
             metrics.sessions_evicted.labels(tenant.name)
+            metrics.tenant_in_flight.labels(tenant.name)
             for reason in GATEWAY_REJECTIONS:
                 metrics.gateway_rejections.labels(tenant.name, reason)
         # Complete only when the store held nothing older than what was loaded.

@@ -65,9 +65,10 @@ class TenantDirectory:
         self._tenants: dict[str, Tenant] = {}
         self._client_keys: dict[str, Tenant] = {}
         self._admin_keys: dict[str, Tenant | None] = {key: None for key in settings.admin_keys}
-        self._configured = len(settings.tenants)
+        # The tenants an equal share divides among (see _equal_share).
+        self._sharing = max(len(settings.tenants), 1)
         self._max_sessions = {t.name: t.max_sessions for t in settings.tenants}
-        equal_share = 1.0 / max(len(settings.tenants), 1)
+        equal_share = self._equal_share(1.0)
         for config in settings.tenants:
             salt = config.cache_salt or derive_salt(settings.salt_secret, config.name)
             share = config.budget.max_worker_share
@@ -98,7 +99,15 @@ class TenantDirectory:
         not configured (``default``, or one removed since its sessions were stored) gets
         an equal share too."""
         cap = self._max_sessions.get(name)
-        return cap if cap is not None else max(total // max(self._configured, 1), 1)
+        return cap if cap is not None else max(int(self._equal_share(total)), 1)
+
+    def _equal_share(self, whole: float) -> float:
+        """A tenant's equal share of ``whole``: 1 / the configured tenants (all of it with
+        none or one). The one rule behind a tenant's default share of each worker's
+        budgets (``max_worker_share``) and of the sessions in memory (``max_sessions``);
+        ``default`` when not configured (a global admin's own traffic) gets one too.
+        (``int`` of a share of a count is its floor division: exact below 2**52.)"""
+        return whole / self._sharing
 
     def budget(self, name: str) -> TenantBudget | None:
         tenant = self._tenants.get(name)

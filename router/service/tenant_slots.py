@@ -1,9 +1,12 @@
 """Each tenant's requests in flight, against its ``max_in_flight`` (``TenantConfig``).
 
-Contract: :meth:`TenantSlots.take` admits a request (taking one of its tenant's slots when
-the tenant has a cap) or answers the 429 itself, counted; the forwarder gives an admitted
-request's slot back exactly once, in its accounting, which every way a request ends runs
-(answered, failed, a stream's end, a client gone, a cancellation). Single event loop.
+Contract: :meth:`TenantSlots.take` admits a request (taking one of its tenant's slots,
+whether the tenant has a cap or not) or answers the 429 itself, counted; the forwarder
+gives an admitted request's slot back exactly once, in its accounting, which every way a
+request ends runs (answered, failed, a stream's end, a client gone, a cancellation).
+What is held is exported as it changes, ``kvhint_router_tenant_in_flight{tenant}``: the
+very count the cap is checked against. Tenants are the configured ones and ``default``
+(bounded). Single event loop.
 """
 
 from __future__ import annotations
@@ -19,24 +22,21 @@ RETRY_AFTER_S = 1
 class TenantSlots:
     def __init__(self, metrics: RouterMetrics) -> None:
         self._metrics = metrics
-        # Tenant name -> requests in flight (tenants with a max_in_flight only: bounded).
+        # Tenant name -> requests in flight (the configured tenants and default: bounded).
         self._held: dict[str, int] = {}
 
     def held(self, tenant: str) -> int:
-        """Requests of ``tenant`` in flight, counted for its max_in_flight (0 without)."""
+        """Requests of ``tenant`` in flight (admitted, not given back yet)."""
         return self._held.get(tenant, 0)
 
     def take(self, inbound: InboundRequest) -> Response | None:
-        """None: admitted (a slot taken if its tenant has a cap; give it back with
-        :meth:`give_back`). Else the 429 to answer: nothing was sent, nothing of the
-        session changed; counted."""
+        """None: admitted (a slot taken; give it back with :meth:`give_back`). Else the
+        429 to answer: nothing was sent, nothing of the session changed; counted."""
         tenant = inbound.tenant
         limit = tenant.max_in_flight
-        if limit is None:
-            return None
         held = self._held.get(tenant.name, 0)
-        if held < limit:
-            self._held[tenant.name] = held + 1
+        if limit is None or held < limit:
+            self._set(tenant.name, held + 1)
             return None
         self._metrics.gateway_rejections.labels(tenant.name, "over_in_flight").inc()
         self._metrics.record_request(inbound.endpoint.value, "none", 429)
@@ -47,4 +47,8 @@ class TenantSlots:
             headers={"retry-after": str(RETRY_AFTER_S)})
 
     def give_back(self, tenant: str) -> None:
-        self._held[tenant] = max(self._held.get(tenant, 0) - 1, 0)
+        self._set(tenant, max(self._held.get(tenant, 0) - 1, 0))
+
+    def _set(self, tenant: str, held: int) -> None:
+        self._held[tenant] = held
+        self._metrics.tenant_in_flight.labels(tenant).set(held)

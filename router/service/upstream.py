@@ -76,6 +76,19 @@ class UpstreamBroken(Exception):
         self.timed_out = timed_out
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What one ``/health`` probe found. ``address_failed``: the failure is a fact of the
+    address, not of the worker id probed: no connection could be made, or nothing
+    answered in time (a hung server). Every worker at that address shares it (the
+    data-parallel ranks of one vLLM server share its one API server). A status other
+    than 200, or an error after the server answered, is the probed worker's own."""
+
+    ok: bool
+    reason: str = ""
+    address_failed: bool = False
+
+
 @dataclass(slots=True)
 class UpstreamResponse:
     worker_id: str
@@ -206,14 +219,23 @@ class UpstreamPool:
                                           response.status)
             return await response.json(content_type=None)
 
-    async def get_ok(self, url: str, timeout_s: float, *, worker_id: str) -> bool:
-        """A health probe of ``worker_id`` (its key goes with it): answered 200?"""
+    async def probe(self, url: str, timeout_s: float, *, worker_id: str) -> ProbeResult:
+        """A health probe of ``worker_id`` (its key goes with it): answered 200, or why
+        not, and whether that is a fact of the address (:class:`ProbeResult`)."""
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                         headers=self._headers(worker_id)) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
+                if response.status == 200:
+                    return ProbeResult(True)
+                return ProbeResult(False, f"/health answered HTTP {response.status}")
+        except asyncio.TimeoutError:  # aiohttp's timeouts are asyncio.TimeoutErrors too
+            return ProbeResult(False, f"no answer to /health within {timeout_s:g} s",
+                               address_failed=True)
+        except aiohttp.ClientConnectorError as exc:
+            return ProbeResult(False, f"cannot connect: {type(exc).__name__}: {exc}",
+                               address_failed=True)
+        except (aiohttp.ClientError, OSError) as exc:
+            return ProbeResult(False, f"/health failed: {type(exc).__name__}: {exc}")
 
 
 def _copy_headers(response: aiohttp.ClientResponse) -> dict[str, str]:

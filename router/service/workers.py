@@ -129,7 +129,8 @@ class WorkerRegistry:
         data-parallel rank of one vLLM server is a worker id of its own at the server's URL
         (told apart by the X-data-parallel-rank its heartbeat names). Moves, failures and
         probes stay per worker id; only a request that could not connect to the address at
-        all marks the others there down with it (forwarding.py)."""
+        all (forwarding.py), or a /health probe that could not connect or got no answer
+        in time (health.py), marks the others there down with it."""
         return [w for w in self._workers.values() if w.url == url]
 
     def forget_silent(self, now: float, after_s: float) -> list[str]:

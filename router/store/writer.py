@@ -11,6 +11,11 @@ counted (``on_drop``), never silently. If the database refuses the batch's *data
 too long for its column, a constraint, a value that cannot be serialised), the rows are written one transaction each and
 those it refuses are dropped and counted (``store_row_rejected``): one bad row must not
 hold every later write back forever.
+
+A row may also be queued for deletion (:meth:`StoreWriter.delete`), in the same queue and
+order as the writes: a delete replaces what was queued for its row (none of it is
+written), a whole-row write (upsert) queued after it writes the row again, and an update
+queued after it finds no row.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, update
+from sqlalchemy import Engine, bindparam, delete, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
@@ -54,6 +59,7 @@ def _is_row_error(exc: Exception) -> bool:
     return isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)
 UPSERT = "upsert"
 UPDATE = "update"
+DELETE = "delete"
 
 
 class StoreWriter:
@@ -88,13 +94,25 @@ class StoreWriter:
         """Queue an update of some columns of a row that exists (or is queued)."""
         self._queue(UPDATE, table, key, values)
 
+    def delete(self, table: str, key: tuple[Any, ...]) -> None:
+        """Queue the deletion of a row (``key``: its primary key, in the table's column
+        order); a no-op for a row that does not exist. What was queued for the row
+        before is not written."""
+        primary = [c.name for c in TABLES[table].__table__.primary_key.columns]
+        if len(primary) != len(key):
+            raise ValueError(f"{table}: a key of {len(primary)} columns, not {key!r}")
+        self._queue(DELETE, table, key, dict(zip(primary, key)))
+
     def _queue(self, kind: str, table: str, key: tuple[Any, ...], values: dict[str, Any]) -> None:
         row_key = (table, key)
         current = self._pending.get(row_key)
         if current is not None:
-            current[1].update(values)
-            if kind == UPSERT:
-                current[0] = UPSERT
+            if DELETE in (kind, current[0]):
+                current[0], current[1] = _merged(current[0], current[1], kind, values)
+            else:  # the common case, in place: a busy row's columns merge (later wins)
+                current[1].update(values)
+                if kind == UPSERT:
+                    current[0] = UPSERT
             return
         if len(self._pending) >= self._queue_max:
             self._on_drop("store_write", 1)
@@ -184,10 +202,7 @@ class StoreWriter:
         for row_key, (kind, values) in batch.items():
             newer = self._pending.get(row_key)
             if newer is not None:
-                merged = dict(values)
-                merged.update(newer[1])
-                self._pending[row_key] = [UPSERT if UPSERT in (kind, newer[0]) else UPDATE,
-                                          merged]
+                self._pending[row_key] = list(_merged(kind, values, newer[0], newer[1]))
             elif len(self._pending) < self._queue_max:
                 self._pending[row_key] = [kind, values]
             else:
@@ -209,6 +224,11 @@ class StoreWriter:
                 model = TABLES[table]
                 table_obj = model.__table__
                 primary = [c.name for c in table_obj.primary_key.columns]
+                if kind == DELETE:
+                    conn.execute(delete(table_obj).where(
+                        *(table_obj.c[p] == bindparam(f"pk_{p}") for p in primary)),
+                        [{f"pk_{p}": r[p] for p in primary} for r in rows])
+                    continue
                 if kind == UPDATE:
                     statement = (update(table_obj)
                                  .where(*(table_obj.c[p] == bindparam(f"pk_{p}") for p in primary))
@@ -225,3 +245,16 @@ class StoreWriter:
                 else:
                     statement = statement.on_conflict_do_nothing(index_elements=primary)
                 conn.execute(statement, rows)
+
+
+def _merged(kind: str, values: dict[str, Any], later_kind: str,
+            later: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One queued entry for a row from an earlier one and a later one, as if written in
+    turn: a later delete wins whatever came before; a later whole row (upsert) writes
+    the row again after a delete; a later update of a deleted row finds none (the delete
+    stays); otherwise the columns merge, later values winning, an upsert if either is."""
+    if later_kind == DELETE:
+        return DELETE, dict(later)
+    if kind == DELETE:
+        return (UPSERT, {**values, **later}) if later_kind == UPSERT else (DELETE, values)
+    return (UPSERT if UPSERT in (kind, later_kind) else UPDATE), {**values, **later}

@@ -31,13 +31,13 @@ import json
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.hashing import ModelTokenizerSource, RequestHasher
 from kvhint.router.policy import RoutingConfig
+from kvhint.router.service.hash_queue import FairHashQueue
 from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.routing_service import RoutingService
@@ -148,7 +148,7 @@ def main() -> None:
         registry.on_heartbeat(_status(worker))
     inline = RoutingService(registry, RouterMetrics(), RoutingConfig(), hasher,
                             default_block_size=16)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+    executor = FairHashQueue(threads=1)  # what the runtime hashes on
     services = {"inline": inline, "off_loop": replace(inline, hash_executor=executor)}
     long_prompts = [_chat(args.long_words, salt) for salt in range(4)]
     short_prompts = [_chat(40, salt) for salt in range(16)]

@@ -202,3 +202,57 @@ def test_kubernetes_lets_only_the_router_and_the_workers_reach_nats() -> None:
               for doc in yaml.safe_load_all((DEPLOY / "kubernetes" / path).read_text())
               if doc and doc["kind"] in ("Deployment", "StatefulSet")}
     assert labels == allowed  # the selectors name pods that exist
+
+
+def _interpolated(text: str, env: dict[str, str]) -> str:
+    """``text`` with compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` filled
+    from ``env`` (a ``:-`` default where ``env`` lacks the variable)."""
+    def value(match: re.Match[str]) -> str:
+        name, form, rest = match.group(1), match.group(2), match.group(3)
+        if env.get(name):
+            return env[name]
+        assert form == ":-", f"compose needs {name} set"
+        return rest
+    return re.sub(r"\$\{([A-Z_]+)(?:(:[-?])([^}]*))?\}", value, text)
+
+
+def _kv_transfer_configs(service: dict) -> list[dict]:
+    return [json.loads(arg.split("=", 1)[1]) for arg in service.get("command") or []
+            if isinstance(arg, str) and arg.startswith("--kv-transfer-config=")]
+
+
+@pytest.mark.parametrize("password", ["pw-from-env_1.x", None])
+def test_compose_nats_requires_a_password_kept_out_of_kv_transfer_config(
+        password: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security review: compose's NATS took any client. Now it requires user kvhint and
+    KVHINT_NATS_PASSWORD (its documented default when unset, in .env.example too); the
+    router gets the URL with them in its environment, over router.yaml's, and each worker
+    in the variable its plugin's nats_url_env names: vLLM logs --kv-transfer-config, and
+    no service's holds a NATS URL, let alone a password."""
+    from kvhint.engine_plugin.config import load_plugin_config
+
+    env = {"KVHINT_ADMIN_KEY": "adm"} | ({"KVHINT_NATS_PASSWORD": password} if password else {})
+    text = (DEPLOY / "compose.yaml").read_text()
+    services = yaml.safe_load(_interpolated(text, env))["services"]
+    command = services["nats"]["command"]
+    user, secret = command[command.index("--user") + 1], command[command.index("--pass") + 1]
+    documented = re.search(r"^KVHINT_NATS_PASSWORD=(\S+)$",
+                           (DEPLOY / ".env.example").read_text(), re.M).group(1)
+    assert user == "kvhint" and secret == (password or documented) == (
+        password or "change-me-nats")
+    url = f"nats://{user}:{secret}@nats:4222"
+
+    workers = 0
+    for name, service in services.items():
+        for config in _kv_transfer_configs(service):
+            extra = config["kv_connector_extra_config"]
+            assert secret not in json.dumps(config) and "nats_url" not in extra, name
+            variable = extra["nats_url_env"]
+            assert service["environment"][variable] == url, name
+            monkeypatch.setenv(variable, service["environment"][variable])
+            assert load_plugin_config(extra).nats_url == url  # what the plugin connects to
+            workers += 1
+    assert workers == 2
+    for variable, value in services["router"]["environment"].items():
+        monkeypatch.setenv(variable, value)
+    assert RouterSettings(config_file=DEPLOY / "router.yaml").nats_url == url

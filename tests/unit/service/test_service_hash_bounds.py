@@ -9,9 +9,9 @@ import asyncio
 import dataclasses
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from kvhint.router.hashing import PromptHashes
+from kvhint.router.service.hash_queue import FairHashQueue
 from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
 
 from tests.unit.service.test_service_planning import TENANT, build
@@ -32,7 +32,7 @@ def _chat(messages: list[dict]) -> InboundRequest:
     return parse_inbound(Endpoint.CHAT, json.dumps(body).encode(), TENANT, "s", None)
 
 
-def _routing(hasher: _Hasher, executor: ThreadPoolExecutor, **fields):
+def _routing(hasher: _Hasher, executor: FairHashQueue, **fields):
     _registry, metrics, _l, _h, _s, _lc, _index, routing = build(["w0", "w1"])
     return metrics, dataclasses.replace(routing, hasher=hasher, hash_executor=executor,
                                         **fields)
@@ -40,7 +40,7 @@ def _routing(hasher: _Hasher, executor: ThreadPoolExecutor, **fields):
 
 def test_text_outside_content_and_many_empty_messages_are_hashed_on_the_thread() -> None:
     hasher = _Hasher()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+    executor = FairHashQueue(threads=1)
     _metrics, routing = _routing(hasher, executor)
     long_role = _chat([{"role": "u" * 20_000, "content": ""}])
     empties = _chat([{"role": "u", "content": ""}] * 2_000)
@@ -57,7 +57,7 @@ def test_text_outside_content_and_many_empty_messages_are_hashed_on_the_thread()
 
 def test_a_prompt_surely_over_the_max_length_is_not_hashed_and_is_counted() -> None:
     hasher = _Hasher()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+    executor = FairHashQueue(threads=1)
     metrics, routing = _routing(hasher, executor, max_prompt_tokens=1000)
     too_many = _chat([{"role": "u", "content": ""}] * 1001)  # >= 1 token per message
     too_big = _chat([{"role": "user", "content": "x" * 9000}])  # > 8 bytes per token

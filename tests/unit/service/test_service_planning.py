@@ -315,9 +315,9 @@ def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> No
     ``hash_thread_min_tokens`` (estimated) and above, hashing runs on the executor; a
     hashing error there is still counted and the request routed without hashes."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
     from kvhint.router.hashing import PromptHashes, PromptRenderError
+    from kvhint.router.service.hash_queue import FairHashQueue
 
     threads: list[str] = []
 
@@ -329,7 +329,7 @@ def test_long_prompts_are_hashed_on_the_hashing_thread_short_ones_inline() -> No
             return PromptHashes(tuple(range(40)), tuple(range(1, 11)), 4)
 
     _registry, metrics, _l, _h, _s, _lc, _index, routing = build(["w0", "w1"])
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvhint-hash")
+    executor = FairHashQueue(threads=1)
     routing = dataclasses.replace(routing, hasher=Hasher(), hash_executor=executor,
                                   hash_thread_min_tokens=1000)
 
