@@ -75,6 +75,7 @@ from kvhint.engine_plugin.transport import NatsTransport
 from kvhint.engine_plugin.transport_counters import TransportCounters
 from kvhint.engine_plugin.vllm_adapter import (
     EventBatchEncoder,
+    HostTierReset,
     OffloadingHostTier,
     VllmCacheAdapter,
     consumer_role_of,
@@ -105,6 +106,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = StatsTracker(self._read_stats)
         self._waker = None
         self._host_tier: OffloadingHostTier | None = None
+        self._host_reset: HostTierReset | None = None  # with a host tier (bind time)
         # What the heartbeat says reaches this engine through its API server (bind time).
         self._http_dp_rank: int | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -166,6 +168,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host_tier is not None:
             self._host_tier.tee_events(self.core.guarded("take_events",
                                                          self.core.on_engine_events))
+            self._host_reset = HostTierReset()
         self.core.refresh_status()
         if mailbox is None:
             logger.info("kvhint: no nats_url in kv_connector_extra_config: the session index "
@@ -233,6 +236,23 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> tuple[()]:
         return ()  # the plugin adds no events of its own to vLLM's stream
+
+    def reset_cache(self) -> bool | None:
+        """vLLM resets its connectors' caches (``reset_prefix_cache(reset_connector=True)``,
+        e.g. ``POST /reset_prefix_cache?reset_external=true``, or a pause that clears the
+        cache): the OffloadingConnector beside the plugin empties its host tier without an
+        event. The plugin drops that tier from its index and publishes the reset to the
+        router (:mod:`~kvhint.engine_plugin.vllm_adapter.connector_reset`), in order with
+        the batches before it.
+
+        Returns True once done; None with no host tier (nothing of the plugin's to reset)
+        or when the plugin failed on it (logged once, counted in internal_errors). Never
+        False: vLLM reads it as a failed reset, and a pause that clears the cache then
+        raises (``EngineCore._reset_caches``), which plain vLLM would not."""
+        core, reset = self.core, self._host_reset
+        if core is None or reset is None:
+            return None
+        return core.guard("reset_cache", core.on_host_tier_reset, reset.events)
 
     def get_kv_connector_stats(self) -> KvHintConnectorStats | None:
         if self.core is None:

@@ -26,7 +26,7 @@ from kvhint.engine_plugin.inbound_checks import (
     type_name,
     within_pool,
 )
-from kvhint.engine_plugin.index_events import GPU, Cleared, Hit, IndexEvent, Removed
+from kvhint.engine_plugin.index_events import CPU, GPU, Cleared, Hit, IndexEvent, Removed
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
     Inbound,
@@ -271,6 +271,18 @@ class PluginCore(StatusMixin):
             released = self.executor.release_all()
             logger.info("kvhint: released %d held blocks for a prefix-cache reset", released)
             self._post_releases()  # the engine may be idle: no step would post them soon
+
+    def on_host_tier_reset(self, events_for: Callable[[bool | None, list[int], str],
+                                                  list[Any]]) -> bool:
+        """vLLM reset its connectors' caches and the host tier's CPU copies with them,
+        announcing nothing. Publishes what drops them from the router's view and, applied
+        to this index like any batch, from the plugin's (``events_for``: the vLLM adapter's
+        ``HostTierReset.events``, which says how). Returns True (the hook's guard turns a
+        plugin error into None)."""
+        events = events_for(self.adapter.take_reset_result(), self.index.copies_in(CPU), CPU)
+        if events:
+            self.on_engine_events(events)
+        return True
 
     def _apply_pending_hits(self) -> None:
         if self._pending_hits:

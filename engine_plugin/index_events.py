@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GPU = "GPU"
+# The host tier's medium (vLLM's MEDIUM_CPU: its OffloadingConnector's, HiSparse's pool).
+CPU = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,9 @@ class Removed:
 
 @dataclass(frozen=True, slots=True)
 class Cleared:
-    """Every block of ``medium`` is gone (vLLM's AllBlocksCleared: the GPU prefix cache)."""
+    """Every block of ``medium`` is gone. vLLM's AllBlocksCleared names no medium: the
+    first of a run of them is the GPU prefix cache's, each further one the CPU tier's (the
+    router reads them so, and the vLLM adapter maps them the same way)."""
 
     medium: str = GPU
 

@@ -323,9 +323,15 @@ class SessionPrefixIndex:
             return []
         return self.chain(fronts[-1].key)[:num_blocks]
 
+    def copies_in(self, medium: str) -> list[int]:
+        """Every hash resident in ``medium`` (not GPU), once per copy the index counts."""
+        return [node.key for node in self._nodes.values() if node.other
+                for _ in range(node.other.get(medium, 0))]
+
     def snapshot_blocks(self) -> list[tuple[int, int | None, str]]:
-        """``(hash, parent, medium)`` per tier a block is resident in, parents listed
-        before children. Parent-only (non-resident) nodes are not listed."""
+        """``(hash, parent, medium)`` once for GPU residency and once per copy in each
+        other tier (:func:`~.snapshot_order.ordered_blocks`), parents listed before
+        children. Parent-only (non-resident) nodes are not listed."""
         return ordered_blocks(self.snapshot_raw())
 
     def snapshot_raw(self) -> list[RawNode]:

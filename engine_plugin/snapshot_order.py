@@ -13,8 +13,16 @@ RawNode = tuple[int, int | None, int, dict[str, int] | None]
 
 
 def ordered_blocks(raw: Iterable[RawNode]) -> list[tuple[int, int | None, str]]:
-    """``(hash, parent, medium)`` for each tier a node is resident in, parents before
-    children (by depth); parent-only nodes are left out but still order their children."""
+    """``(hash, parent, medium)`` rows, parents before children (by depth); parent-only
+    nodes are left out but still order their children.
+
+    A GPU-resident node is listed once: the router keeps one GPU bit per hash and reads a
+    repeat as a duplicate store. A node in another tier is listed once per copy the index
+    counts there: those tiers are reference-counted (vLLM's offloading connector announces
+    a hash once per chunk holding it, and removes it as often), and the router reads a
+    hash listed twice in such a tier as two references (``SnapshotLoaded``), so a router
+    resyncing from this snapshot holds the same counts as one that followed the stream,
+    and the same later removals leave the block held, or drop it, on both."""
     nodes = {key: (parent, gpu, other) for key, parent, gpu, other in raw}
     depth: dict[int, int] = {}
     for start in nodes:
@@ -32,6 +40,5 @@ def ordered_blocks(raw: Iterable[RawNode]) -> list[tuple[int, int | None, str]]:
         if gpu:
             out.append((key, parent, GPU))
         for medium, copies in sorted((other or {}).items()):
-            if copies:
-                out.append((key, parent, medium))
+            out.extend([(key, parent, medium)] * copies)
     return out

@@ -1,8 +1,9 @@
 """The one place that touches vLLM internals (KVCacheManager, BlockPool, Request, events,
 connectors): :mod:`.cache` (the block cache port and the tees), :mod:`.offloading` (the
-host tier over vLLM's OffloadingConnector), :mod:`.engine` (wake-up, registration, role, event
-encoding), :mod:`.data_parallel` (which data-parallel rank an EngineCore is, read from its
-config at bind time).
+host tier over vLLM's OffloadingConnector), :mod:`.connector_reset` (what the plugin
+publishes when vLLM's connector reset empties that host tier, which vLLM announces with no
+event), :mod:`.engine` (wake-up, registration, role, event encoding), :mod:`.data_parallel`
+(which data-parallel rank an EngineCore is, read from its config at bind time).
 
 Everything here runs on the scheduler thread, apart from the registration (every vLLM
 process) and the encoder (the NATS thread). It detects features instead of checking
@@ -13,7 +14,9 @@ What it does to the engine (all reversible, nothing patched at class level):
 - tees ``kv_cache_manager.take_events()`` so the plugin sees every KV event the scheduler
   drains (the list is returned unchanged, so vLLM's own publisher sees the same events);
 - wraps ``kv_cache_manager.reset_prefix_cache()`` so the plugin's held blocks are released
-  first when that is what stands between vLLM and a successful reset;
+  first when that is what stands between vLLM and a successful reset, and notes whether
+  the reset succeeded (the connector's ``reset_cache``, which vLLM calls next when it
+  resets the connectors too, publishes the host tier's reset accordingly);
 - wraps ``kv_cache_manager.allocate_slots()``: when vLLM cannot allocate, retained (soft)
   blocks are released, lowest priority first, and the allocation is retried, so a retain
   never causes a preemption or a failed admission that plain vLLM would not have. A
@@ -60,6 +63,7 @@ from kvhint.engine_plugin.vllm_adapter.cache import (
     VllmFeatureMissing,
     digest_to_int,
 )
+from kvhint.engine_plugin.vllm_adapter.connector_reset import HostTierReset
 from kvhint.engine_plugin.vllm_adapter.engine import (
     EventBatchEncoder,
     consumer_role_of,
@@ -72,6 +76,7 @@ from kvhint.engine_plugin.vllm_adapter.offloading import OffloadingHostTier
 __all__ = [
     "U64_MASK",
     "EventBatchEncoder",
+    "HostTierReset",
     "OffloadingHostTier",
     "VllmCacheAdapter",
     "VllmFeatureMissing",

@@ -9,7 +9,7 @@ from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.block_cache import BlockHandle
-from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
+from kvhint.engine_plugin.index_events import CPU, GPU, Cleared, IndexEvent, Removed, Stored
 from kvhint.schemas import external_hash_to_int
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -58,6 +58,8 @@ class VllmCacheAdapter:
         self._mapped: dict[str, int] = {}  # live request id -> block hashes already mapped
         self._installed: dict[str, Any] = {}
         self.events_enabled_by_plugin = False
+        # What the last reset_prefix_cache() returned, until take_reset_result() reads it.
+        self._reset_result: bool | None = None
 
     # --- feature detection ------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ class VllmCacheAdapter:
         map_request, forget_request = self._map_request, self.forget_request
 
         def tee_take_events() -> list[Any]:
+            self._reset_result = None  # a step passed: no connector reset follows it
             events = take_events()
             if events:
                 on_events(list(events))
@@ -143,7 +146,11 @@ class VllmCacheAdapter:
 
         def reset_releasing_holds() -> bool:
             before_reset()
-            return reset_prefix_cache()
+            succeeded = reset_prefix_cache()
+            # Read by the connector's reset_cache, which vLLM's Scheduler.reset_prefix_cache
+            # calls right after this one when it resets the connectors too.
+            self._reset_result = bool(succeeded)
+            return succeeded
 
         def allocate_slots_releasing_retained(request: Any, num_new_tokens: int,
                                               *args: Any, **kwargs: Any) -> Any:
@@ -185,6 +192,13 @@ class VllmCacheAdapter:
         manager.free = free_mapping_last_hashes
         if pop_blocks_for_free is not None:
             manager.pop_blocks_for_free = pop_blocks_mapping_last_hashes
+
+    def take_reset_result(self) -> bool | None:
+        """Whether the last ``reset_prefix_cache()`` reset the GPU pool (its
+        AllBlocksCleared then waits in the pool's event queue); None: no reset since the
+        last call."""
+        result, self._reset_result = self._reset_result, None
+        return result
 
     def uninstall(self) -> None:
         for name, original in self._installed.items():
@@ -374,7 +388,16 @@ class VllmCacheAdapter:
 
     @staticmethod
     def index_events(events: Iterable[Any]) -> list[IndexEvent]:
-        """vLLM KV events -> the index's domain events (unknown kinds are skipped)."""
+        """vLLM KV events -> the index's domain events (unknown kinds are skipped).
+
+        vLLM's AllBlocksCleared names no medium; vLLM 0.32 emits one per pool that
+        ``reset_prefix_cache`` resets, into one queue: the GPU pool's, then with HiSparse
+        its host pool's (CPU). The first of a run of clears is the GPU tier's, each further
+        one the CPU tier's, as the router reads the same batch
+        (``kvhint.router.kv_index.adapter``): the plugin's index and the router's view of
+        this worker stay one function of the published stream. The plugin publishes such
+        a pair itself when vLLM's connector reset drops the host tier
+        (:mod:`.connector_reset`)."""
         out: list[IndexEvent] = []
         for event in events:
             name = type(event).__name__
@@ -388,7 +411,10 @@ class VllmCacheAdapter:
                 out.append(Removed(tuple(external_hash_to_int(h) for h in event.block_hashes),
                                    event.medium or GPU))
             elif name == "AllBlocksCleared":
-                out.append(Cleared(getattr(event, "medium", None) or GPU))
+                medium = getattr(event, "medium", None)
+                if medium is None:
+                    medium = CPU if out and isinstance(out[-1], Cleared) else GPU
+                out.append(Cleared(medium))
         return out
 
 

@@ -8,6 +8,13 @@ merged into a single ``BlocksRemoved``; no per-block objects.
 Dropped on purpose, and counted in :class:`AdapterCounters`: events of a KV-cache group
 other than the first (``group_idx > 0``: hybrid models repeat each hash per group, and the
 first group decides prefix hits for full attention) and event types we do not know.
+
+``AllBlocksCleared`` names no medium. In vLLM 0.32 only ``BlockPool.reset_prefix_cache``
+emits it, once per pool that ``KVCacheCoordinator.reset_prefix_cache`` resets, into the
+one event queue: the GPU pool, and with HiSparse its host pool too (medium CPU, which
+shares the GPU pool's queue). So the first clear of a run of clears clears the GPU tier
+and each further one the CPU tier. (Two resets of a GPU-only engine with no step between
+them, an idle engine, read the same way: the CPU tier's view is lost, a false miss.)
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvhint.router.kv_index.events import (
+    TIER_CPU,
+    TIER_GPU,
+    TIER_OTHER,
     TIERS,
     AllBlocksCleared,
     BlocksRemoved,
@@ -65,10 +75,14 @@ class EventBatchAdapter:
     Reuse one instance (it keeps the msgspec decoder, a small cache and the counters).
     """
 
+    # Medium spellings remembered besides TIERS' own (a publisher inventing a new medium
+    # per event must not grow the cache without bound).
+    _MAX_LEARNT_MEDIUMS = 32
+
     def __init__(self) -> None:
         self._decoder = wire.EventSummaryDecoder()
         self.counters = AdapterCounters()
-        self._tiers: dict[str | None, str] = {None: TIERS[0], **{t: t for t in TIERS}}
+        self._tiers: dict[str | None, str] = {None: TIER_GPU, **{t: t for t in TIERS}}
         self._kinds = dict(_KINDS)
 
     def decode(self, worker_id: str, payload: bytes) -> list[IndexEvent]:
@@ -110,7 +124,10 @@ class EventBatchAdapter:
                 out.append(BlocksRemoved(worker_id, removed, removed_tier))
                 removed = []
             if kind == _CLEARED:
-                out.append(AllBlocksCleared(worker_id))
+                # The first of a run of clears is the GPU pool's, the next ones another
+                # pool's: HiSparse's host pool (module doc).
+                again = bool(out) and type(out[-1]) is AllBlocksCleared
+                out.append(AllBlocksCleared(worker_id, TIER_CPU if again else TIER_GPU))
                 continue
             if ev.group_idx:  # type: ignore[attr-defined]
                 self.counters.other_group_events += 1
@@ -136,8 +153,15 @@ class EventBatchAdapter:
         return kind
 
     def _tier(self, medium: str | None) -> str:
-        self.counters.unknown_medium_events += 1
-        return tier_of_medium(medium)
+        """A medium not spelt as in TIERS: another case of a known one ("cpu", as
+        vLLM's Mooncake store connector sends) is that tier; only one that is none of
+        them is counted unknown (kept under OTHER)."""
+        tier = tier_of_medium(medium)
+        if tier == TIER_OTHER and (medium or "").upper() != TIER_OTHER:
+            self.counters.unknown_medium_events += 1
+        elif len(self._tiers) < len(TIERS) + 1 + self._MAX_LEARNT_MEDIUMS:
+            self._tiers[medium] = tier
+        return tier
 
 
 def snapshot_to_event(pages: Sequence[WorkerSnapshot]) -> SnapshotLoaded:

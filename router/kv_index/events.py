@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Tiers are vLLM's ``medium`` strings. ``None`` from vLLM means the GPU pool.
+# Tiers are vLLM's ``medium`` strings, compared without case: vLLM's own are upper case
+# ("GPU", "CPU", "STORAGE", vllm.distributed.kv_events.MEDIUM_*), but its Mooncake store
+# connector publishes "cpu". ``None`` from vLLM means the GPU pool.
 TIER_GPU = "GPU"
 TIER_CPU = "CPU"
 TIER_STORAGE = "STORAGE"
@@ -27,16 +29,16 @@ TIERS: tuple[str, ...] = (TIER_GPU, TIER_CPU, TIER_STORAGE, TIER_OTHER)
 
 
 def index_tier(tier: str) -> str:
-    """``tier`` as the index keeps it: one of TIERS, anything else under OTHER."""
+    """``tier`` as the index keeps it: one of TIERS (any case), anything else OTHER."""
+    if tier in TIERS:
+        return tier
+    tier = tier.upper()
     return tier if tier in TIERS else TIER_OTHER
 
 
 def tier_of_medium(medium: str | None) -> str:
     """vLLM ``medium`` -> index tier: ``None`` is GPU, unknown strings are ``OTHER``."""
-    if medium is None:
-        return TIER_GPU
-    medium = medium.upper()
-    return medium if medium in TIERS else TIER_OTHER
+    return TIER_GPU if medium is None else index_tier(medium)
 
 
 @dataclass(slots=True)
@@ -68,10 +70,15 @@ class BlocksRemoved:
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """The worker's prefix cache was reset (vLLM ``AllBlocksCleared``): every tier is
-    dropped, since the event names no medium and a false miss is cheaper than a false hit."""
+    """Every block of the worker's ``tier`` is gone: vLLM's ``AllBlocksCleared``, which
+    names no medium and comes from ``BlockPool.reset_prefix_cache``, the GPU pool's
+    (vLLM 0.32). Other tiers keep their blocks: the offloading connector's host tier is
+    reset by ``reset_cache`` (only with ``reset_connector``) and announces no event at
+    all. The adapter maps a second clear of one batch to the CPU tier (HiSparse's host
+    pool, see :mod:`.adapter`)."""
 
     worker_id: str
+    tier: str = TIER_GPU
 
 
 @dataclass(frozen=True, slots=True)

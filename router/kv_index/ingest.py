@@ -8,8 +8,9 @@ injected. Everything dropped is counted (:meth:`KvEventIngestor.stats`).
 Typical wiring (the service owns NATS)::
 
     ingestor = KvEventIngestor(InMemoryClusterKvIndex(), clock=time.monotonic)
-    # events.<w> (core NATS or a JetStream consumer):
-    actions = ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
+    # events.<w> (core NATS or a JetStream consumer; age_s from JetStream's timestamp):
+    actions = ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject,
+                                        age_s=seconds_since_published)
     # status.<w>:
     actions = ingestor.on_status_message(msg.data, subject=msg.subject)
     # every second or so:
@@ -93,8 +94,13 @@ class KvEventIngestor:
     # --- messages -------------------------------------------------------------------
 
     def on_event_message(self, headers: Mapping[str, str] | None, payload: bytes,
-                         subject: str | None = None) -> list[IngestAction]:
-        """One ``events.<w>`` message: NATS headers (worker, epoch, seq) + vLLM msgpack."""
+                         subject: str | None = None, age_s: float | None = None
+                         ) -> list[IngestAction]:
+        """One ``events.<w>`` message: NATS headers (worker, epoch, seq) + vLLM msgpack.
+        ``age_s``: seconds since it was published (JetStream's timestamp), None when not
+        known (a plain subscription: live). One older than the worker's liveness window
+        is a replay of the stream's history: applied, but no proof the worker is alive
+        (:mod:`.stream`)."""
         try:
             meta = EventBatchMeta.from_headers(dict(headers) if headers else None)
         except WireDecodeError:
@@ -102,13 +108,15 @@ class KvEventIngestor:
             return []
         if not self.subject_matches(subject, meta.worker_id):
             return []
-        return self.on_event_batch(meta, payload)
+        return self.on_event_batch(meta, payload, age_s)
 
-    def on_event_batch(self, meta: EventBatchMeta, payload: bytes) -> list[IngestAction]:
+    def on_event_batch(self, meta: EventBatchMeta, payload: bytes,
+                       age_s: float | None = None) -> list[IngestAction]:
         """Same, with the headers already parsed."""
         stream = self._streams.get(meta.worker_id) or self._stream(meta.worker_id)
-        was_alive = stream.phase is StreamPhase.LIVE or stream.phase is StreamPhase.RESYNCING
-        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock(), len(payload))
+        was_alive = stream.alive
+        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock(), len(payload),
+                                   age_s)
         if was_alive and decision.purge_reason is None and decision.resync_reason is None:
             # The hot path: an in-order batch (or a dropped one) of a known worker.
             if decision.verdict is BatchVerdict.APPLY:
@@ -153,7 +161,7 @@ class KvEventIngestor:
 
     def on_status(self, status: WorkerStatus) -> list[IngestAction]:
         stream = self._stream(status.worker_id)
-        was_alive = stream.phase not in (StreamPhase.NEW, StreamPhase.DEAD)
+        was_alive = stream.alive
         decision = stream.on_status(status.epoch, status.last_event_seq, status.interval_s,
                                     self._clock(), status)
         return self._alive_actions(stream, was_alive) + self._carry_out(stream, decision)
@@ -167,23 +175,30 @@ class KvEventIngestor:
         if stream is None:
             self._unknown_pages += 1
             return []
+        was_alive = stream.alive  # a reply is heard live: it proves a replayed worker alive
         awaited = stream.resync_cursor
         answered = awaited if cursor is None else cursor
         outcome, pages = stream.on_snapshot_page(page.epoch, page.seq,
                                                  answered if answered is not None else -1,
                                                  page.next_cursor, page, self._clock())
+        actions = self._alive_actions(stream, was_alive)
         if outcome in ("ignored", "invalid"):  # "invalid": retried from tick()
-            return []
+            return actions
         if outcome in ("more", "restart"):
-            return [self._request_page(stream, "snapshot continues" if outcome == "more"
-                                       else "another snapshot's page; restarting")]
+            return actions + [self._request_page(
+                stream, "snapshot continues" if outcome == "more"
+                else "another snapshot's page; restarting")]
         assert pages is not None
-        self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
         ready, decision = stream.finish_resync(self._clock())
-        actions: list[IngestAction] = []
+        # A snapshot of a newer epoch: the old engine's view is purged (and noticed) first,
+        # as for a live batch's new epoch; then the snapshot, then what was buffered.
+        actions += self._carry_out(stream, replace(decision, resync_reason=None))
+        self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
         for payload in ready:
             actions += self._apply_payload(stream, payload)
-        return actions + self._carry_out(stream, decision)
+        if decision.resync_reason:  # a hole after the snapshot
+            actions.append(self._request_page(stream, decision.resync_reason))
+        return actions
 
     def on_snapshot_failed(self, worker_id: str, reason: str = "") -> list[IngestAction]:
         """The snapshot request failed or timed out; it is retried from :meth:`tick`."""
@@ -206,7 +221,7 @@ class KvEventIngestor:
         now = self._clock()
         actions: list[IngestAction] = []
         for stream in list(self._streams.values()):
-            was_heard = stream.last_heard
+            was_heard = stream.silent_since
             if stream.phase is StreamPhase.DEAD and (
                     was_heard is None or now - was_heard > self.config.forget_dead_after_s):
                 self._forget_stream(stream)
@@ -277,9 +292,9 @@ class KvEventIngestor:
 
     def _alive_actions(self, stream: WorkerStream[bytes], was_alive: bool) -> list[IngestAction]:
         """A worker that came alive with this message; none for a message its stream
-        dropped (a stale epoch's leaves a dead worker dead)."""
-        if was_alive or stream.epoch is None or stream.phase in (StreamPhase.NEW,
-                                                                 StreamPhase.DEAD):
+        dropped (a stale epoch's leaves a dead worker dead) or a replayed batch (no proof
+        the worker runs now)."""
+        if was_alive or stream.epoch is None or not stream.alive:
             return []
         return [WorkerAlive(stream.worker_id, stream.epoch)]
 

@@ -7,19 +7,25 @@ work per worker that drops out, independent of the index size (but not of its me
 latency: at 1M blocks a lookup is a cache miss or two).
 Each slot also keeps the set of its hashes, so purging a worker costs its own blocks only.
 
+Reference-counted tiers (all but GPU, see :mod:`.protocol`) keep the references past the
+first in ``_refs``, by bit position, only for the hashes that have some: the common case (a
+hash announced once) costs nothing more.
+
 Invariants: a hash is a key iff its mask is non-zero; ``hash in _slot_hashes[s]`` iff
 some tier bit of slot ``s`` is set in its mask; ``_tier_counts[s][t]`` is the number of
-masks with bit ``s*4+t`` set.
+masks with bit ``s*4+t`` set; ``_refs[s*4+t]`` is non-empty and names only hashes whose
+bit ``s*4+t`` is set (``t`` never GPU).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 
 from kvhint.router.kv_index.events import (
+    TIER_GPU,
     TIER_OTHER,
     TIERS,
     AllBlocksCleared,
@@ -41,11 +47,16 @@ from kvhint.router.kv_index.sessions import SessionTable
 _BITS = 4
 _TIER_BIT = {tier: i for i, tier in enumerate(TIERS)}
 _OTHER_BIT = _TIER_BIT[TIER_OTHER]
+_GPU_BIT = _TIER_BIT[TIER_GPU]
 
 
 def _tier_bit(tier: str) -> int:
-    """A tier outside TIERS is kept under OTHER, as the adapter keeps unknown mediums."""
-    return _TIER_BIT.get(tier, _OTHER_BIT)
+    """A tier's bit, its name taken in any case; one outside TIERS is kept under OTHER, as
+    the adapter keeps unknown mediums."""
+    bit = _TIER_BIT.get(tier)
+    return bit if bit is not None else _TIER_BIT.get(tier.upper(), _OTHER_BIT)
+
+
 _SLOT_ALL = (1 << _BITS) - 1
 
 
@@ -63,6 +74,10 @@ class InMemoryClusterKvIndex:
         # (autoscaling, restarts under new ids) keeps its masks as wide as it is large.
         self._free_slots: list[int] = []
         self._sessions = SessionTable(max_sessions, max_frontiers)
+        # bit position (slot * 4 + tier) -> hash -> references beyond the first.
+        self._refs: dict[int, dict[int, int]] = {}
+        self._repeat_stores = 0
+        self._repeat_removes = 0
         self._stored = 0
         self._removed = 0
         self._duplicates = 0
@@ -129,9 +144,11 @@ class InMemoryClusterKvIndex:
             added = len(own) - before
             self._tier_counts[slot][tier] += added
             self._stored += added
-            self._duplicates += len(hashes) - added
+            if added != len(hashes):
+                self._repeats_in_run(slot, tier, hashes)
             return
         slot_all = _SLOT_ALL << (slot * _BITS)
+        counted = tier != _GPU_BIT
         added = dup = 0
         for h in hashes:
             m = masks.get(h)
@@ -141,7 +158,12 @@ class InMemoryClusterKvIndex:
                 added += 1
                 continue
             if m & bit:
-                dup += 1
+                if counted:
+                    refs = self._refs.setdefault(slot * _BITS + tier, {})
+                    refs[h] = refs.get(h, 0) + 1
+                    self._repeat_stores += 1
+                else:
+                    dup += 1
                 continue
             masks[h] = m | bit
             added += 1
@@ -150,6 +172,19 @@ class InMemoryClusterKvIndex:
         self._tier_counts[slot][tier] += added
         self._stored += added
         self._duplicates += dup
+
+    def _repeats_in_run(self, slot: int, tier: int, hashes: Sequence[int]) -> None:
+        """A fresh run that names a hash more than once: GPU keeps one (the rest counted
+        as duplicates), a reference-counted tier one reference per mention."""
+        extra = [(h, n - 1) for h, n in Counter(hashes).items() if n > 1]
+        total = sum(n for _, n in extra)
+        if tier == _GPU_BIT:
+            self._duplicates += total
+            return
+        refs = self._refs.setdefault(slot * _BITS + tier, {})
+        for h, n in extra:
+            refs[h] = refs.get(h, 0) + n
+        self._repeat_stores += total
 
     def _on_removed(self, event: BlocksRemoved) -> None:
         hashes = event.block_hashes
@@ -161,8 +196,10 @@ class InMemoryClusterKvIndex:
         bit = 1 << (slot * _BITS + tier)
         masks = self._masks
         own = self._slot_hashes[slot]
+        refs = self._refs.get(slot * _BITS + tier)
         only_here = all(map(bit.__eq__, map(masks.get, hashes, repeat(0))))
-        if only_here and len(set(hashes)) == len(hashes):
+        if only_here and len(set(hashes)) == len(hashes) and not (
+                refs and any(map(refs.__contains__, hashes))):
             # The common case, all in C: each hash held by this worker in this tier only.
             deque(map(masks.__delitem__, hashes), maxlen=0)
             own.difference_update(hashes)
@@ -175,6 +212,15 @@ class InMemoryClusterKvIndex:
             m = masks.get(h, 0)
             if not m & bit:
                 missing += 1
+                continue
+            if refs and h in refs:  # another reference holds it
+                if refs[h] > 1:
+                    refs[h] -= 1
+                else:
+                    del refs[h]
+                    if not refs:
+                        del self._refs[slot * _BITS + tier]
+                self._repeat_removes += 1
                 continue
             m ^= bit
             if m:
@@ -193,6 +239,8 @@ class InMemoryClusterKvIndex:
         slot = self._slot_of.get(worker_id)
         if slot is None:
             return
+        for tier in range(_BITS):
+            self._refs.pop(slot * _BITS + tier, None)
         keep = ~(_SLOT_ALL << (slot * _BITS))
         masks = self._masks
         for h in self._slot_hashes[slot]:
@@ -206,7 +254,26 @@ class InMemoryClusterKvIndex:
 
     def _on_cleared(self, event: AllBlocksCleared) -> None:
         self._cleared += 1
-        self._drop_worker(event.worker_id)
+        slot = self._slot_of.get(event.worker_id)
+        if slot is not None:
+            tier = _tier_bit(event.tier)
+            self._refs.pop(slot * _BITS + tier, None)
+            bit = 1 << (slot * _BITS + tier)
+            slot_all = _SLOT_ALL << (slot * _BITS)
+            masks = self._masks
+            own = self._slot_hashes[slot]
+            for h in [h for h in own if masks[h] & bit]:
+                m = masks[h] ^ bit
+                if m:
+                    masks[h] = m
+                else:
+                    del masks[h]
+                if not m & slot_all:
+                    own.discard(h)
+            self._tier_counts[slot][tier] = 0
+            if own:  # blocks left in another tier: the sessions' placements may use them
+                return
+        self._sessions.drop_worker(event.worker_id)
 
     def _on_purged(self, event: WorkerPurged) -> None:
         self._purged += 1
@@ -220,14 +287,12 @@ class InMemoryClusterKvIndex:
         self._snapshots += 1
         self._drop_worker(event.worker_id)
         slot = self._slot(event.worker_id)
-        by_tier: dict[int, dict[int, None]] = {}
+        by_tier: dict[int, list[int]] = {}
         for block in event.blocks:
-            listed = by_tier.setdefault(_tier_bit(block.tier), {})
-            if block.block_hash in listed:  # listed twice: counted like a duplicate store
-                self._duplicates += 1
-            listed[block.block_hash] = None
+            by_tier.setdefault(_tier_bit(block.tier), []).append(block.block_hash)
         for tier, hashes in by_tier.items():
-            self._store(slot, tier, list(hashes))
+            # Listed twice: in GPU counted like a duplicate store, elsewhere a reference.
+            self._store(slot, tier, hashes)
         self._sessions.load(event.worker_id, event.sessions)
 
     # --- reads ----------------------------------------------------------------------
@@ -352,7 +417,8 @@ class InMemoryClusterKvIndex:
             duplicate_stores=self._duplicates, missing_removes=self._missing,
             cleared_workers=self._cleared, purged_workers=self._purged,
             snapshots_loaded=self._snapshots, sessions_evicted=self._sessions.evicted,
-            frontiers_dropped=self._sessions.frontiers_dropped)
+            frontiers_dropped=self._sessions.frontiers_dropped,
+            repeat_stores=self._repeat_stores, repeat_removes=self._repeat_removes)
 
     def export_state(self) -> IndexState:
         blocks: dict[str, dict[str, set[int]]] = {}
@@ -367,7 +433,11 @@ class InMemoryClusterKvIndex:
                             per_tier.setdefault(t, set()).add(h)
                 m >>= _BITS
                 slot += 1
+        refs: dict[str, dict[str, dict[int, int]]] = {}
+        for position, held in self._refs.items():
+            worker = self._worker_of[position // _BITS]
+            refs.setdefault(worker, {})[TIERS[position % _BITS]] = dict(held)
         return IndexState(
             blocks={w: {t: frozenset(s) for t, s in tiers.items()}
                     for w, tiers in blocks.items()},
-            sessions=self._sessions.export())
+            sessions=self._sessions.export(), refs=refs)

@@ -1,4 +1,5 @@
-"""The obvious cluster KV index: a set of hashes per (worker, tier).
+"""The obvious cluster KV index: hash -> reference count per (worker, tier) (GPU counts are
+always 1: a set).
 
 It is the reference the shared test suite checks :class:`InMemoryClusterKvIndex` against
 and the baseline of the index benchmarks: lookups ask every worker's sets block by block,
@@ -33,34 +34,41 @@ from kvhint.router.kv_index.sessions import SessionTable
 
 class NaiveClusterKvIndex:
     def __init__(self, max_sessions: int = 100_000, max_frontiers: int = 4) -> None:
-        self._blocks: dict[str, dict[str, set[int]]] = {}
+        self._blocks: dict[str, dict[str, dict[int, int]]] = {}
         self._sessions = SessionTable(max_sessions, max_frontiers)
         self._counters = dict.fromkeys(
-            ("stored", "removed", "duplicates", "missing", "cleared", "purged", "snapshots"), 0)
+            ("stored", "removed", "duplicates", "missing", "cleared", "purged", "snapshots",
+             "repeat_stores", "repeat_removes"), 0)
 
     def apply(self, event: IndexEvent) -> None:
         c = self._counters
         if isinstance(event, BlocksStored):
-            tier_set = self._tier_set(event.worker_id, event.tier)
             for h in event.block_hashes:
-                if h in tier_set:
-                    c["duplicates"] += 1
-                else:
-                    tier_set.add(h)
-                    c["stored"] += 1
+                self._store(event.worker_id, event.tier, h)
             if event.session_id is not None and event.block_hashes:
                 self._sessions.stored(event.session_id, event.worker_id, event.parent_hash,
                                       event.block_hashes[-1])
         elif isinstance(event, BlocksRemoved):
-            tier_set = self._blocks.get(event.worker_id, {}).get(index_tier(event.tier), set())
+            counts = self._blocks.get(event.worker_id, {}).get(index_tier(event.tier), {})
             for h in event.block_hashes:
-                if h in tier_set:
-                    tier_set.discard(h)
+                n = counts.get(h, 0)
+                if n > 1:
+                    counts[h] = n - 1
+                    c["repeat_removes"] += 1
+                elif n:
+                    del counts[h]
                     c["removed"] += 1
                 else:
                     c["missing"] += 1
-        elif isinstance(event, AllBlocksCleared | WorkerPurged):
-            c["cleared" if isinstance(event, AllBlocksCleared) else "purged"] += 1
+        elif isinstance(event, AllBlocksCleared):
+            c["cleared"] += 1
+            tiers = self._blocks.get(event.worker_id, {})
+            tiers.pop(index_tier(event.tier), None)
+            if not any(tiers.values()):
+                self._blocks.pop(event.worker_id, None)
+                self._sessions.drop_worker(event.worker_id)
+        elif isinstance(event, WorkerPurged):
+            c["purged"] += 1
             self._blocks.pop(event.worker_id, None)
             self._sessions.drop_worker(event.worker_id)
         elif isinstance(event, SnapshotLoaded):
@@ -68,27 +76,32 @@ class NaiveClusterKvIndex:
             self._blocks.pop(event.worker_id, None)
             self._sessions.drop_worker(event.worker_id)
             for block in event.blocks:
-                tier_set = self._tier_set(event.worker_id, block.tier)
-                if block.block_hash in tier_set:
-                    c["duplicates"] += 1
-                else:
-                    tier_set.add(block.block_hash)
-                    c["stored"] += 1
+                self._store(event.worker_id, block.tier, block.block_hash)
             self._sessions.load(event.worker_id, event.sessions)
         else:
             raise TypeError(f"not an index event: {event!r}")
+
+    def _store(self, worker_id: str, tier: str, h: int) -> None:
+        tier = index_tier(tier)
+        counts = self._blocks.setdefault(worker_id, {}).setdefault(tier, {})
+        n = counts.get(h, 0)
+        if not n:
+            counts[h] = 1
+            self._counters["stored"] += 1
+        elif tier == TIER_GPU:
+            self._counters["duplicates"] += 1
+        else:
+            counts[h] = n + 1
+            self._counters["repeat_stores"] += 1
 
     def apply_all(self, events: Iterable[IndexEvent]) -> None:
         for event in events:
             self.apply(event)
 
-    def _tier_set(self, worker_id: str, tier: str) -> set[int]:
-        return self._blocks.setdefault(worker_id, {}).setdefault(index_tier(tier), set())
-
     def match_prefix(self, block_hashes: Sequence[int]) -> PrefixMatch:
         out: dict[str, WorkerOverlap] = {}
         for worker_id, tiers in self._blocks.items():
-            gpu = tiers.get(TIER_GPU, set())
+            gpu = tiers.get(TIER_GPU, {})
             others = [s for t, s in tiers.items() if t != TIER_GPU]
             g = 0
             while g < len(block_hashes) and block_hashes[g] in gpu:
@@ -103,7 +116,7 @@ class NaiveClusterKvIndex:
     def tier_prefix(self, block_hashes: Sequence[int], tier: str) -> Mapping[str, int]:
         out = {}
         for worker_id, tiers in self._blocks.items():
-            resident = tiers.get(index_tier(tier), set())
+            resident = tiers.get(index_tier(tier), {})
             n = 0
             while n < len(block_hashes) and block_hashes[n] in resident:
                 n += 1
@@ -122,7 +135,7 @@ class NaiveClusterKvIndex:
     def has_block(self, worker_id: str, block_hash: int, tier: str | None = None) -> bool:
         tiers = self._blocks.get(worker_id, {})
         if tier is not None:
-            return block_hash in tiers.get(index_tier(tier), set())
+            return block_hash in tiers.get(index_tier(tier), {})
         return any(block_hash in s for s in tiers.values())
 
     def session_placements(self, session_id: str) -> tuple[SessionPlacement, ...]:
@@ -141,7 +154,7 @@ class NaiveClusterKvIndex:
         distinct: set[int] = set()
         for tiers in self._blocks.values():
             for s in tiers.values():
-                distinct |= s
+                distinct |= s.keys()
         c = self._counters
         return IndexStats(
             distinct_blocks=len(distinct), entries=sum(by_tier.values()),
@@ -151,10 +164,14 @@ class NaiveClusterKvIndex:
             duplicate_stores=c["duplicates"], missing_removes=c["missing"],
             cleared_workers=c["cleared"], purged_workers=c["purged"],
             snapshots_loaded=c["snapshots"], sessions_evicted=self._sessions.evicted,
-            frontiers_dropped=self._sessions.frontiers_dropped)
+            frontiers_dropped=self._sessions.frontiers_dropped,
+            repeat_stores=c["repeat_stores"], repeat_removes=c["repeat_removes"])
 
     def export_state(self) -> IndexState:
         return IndexState(
             blocks={w: {t: frozenset(s) for t, s in tiers.items() if s}
                     for w, tiers in self._blocks.items() if any(tiers.values())},
-            sessions=self._sessions.export())
+            sessions=self._sessions.export(),
+            refs={w: refs for w, tiers in self._blocks.items()
+                  if (refs := {t: {h: n - 1 for h, n in s.items() if n > 1}
+                               for t, s in tiers.items() if any(n > 1 for n in s.values())})})

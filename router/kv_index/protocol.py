@@ -5,12 +5,22 @@ over implementations). Reads never do I/O; writes happen only through :meth:`app
 
 Semantics every implementation shares:
 
-- Residency is a set per (worker, tier): storing a hash already there is a no-op (counted
+- GPU residency is a set per worker: storing a hash already there is a no-op (counted
   as ``duplicate_stores``), removing an absent one is a no-op (``missing_removes``). vLLM
   can hold two physical copies of one hash and re-reports reused blocks with
   ``kv_cache_report_mode="full"``; set semantics turn the rare duplicate into a false miss
   (conservative) rather than a permanent false hit.
-- ``AllBlocksCleared`` drops every tier of the worker and its session placements.
+- Every other tier (CPU, STORAGE, OTHER) counts references: each store of a hash held
+  already adds one (``repeat_stores``), each removal takes one (``repeat_removes`` while
+  others are left) and the hash leaves the tier with its last. vLLM's offloading tier
+  announces a hash once per chunk that holds it (chunks overlapping a shared prefix that
+  is not chunk-aligned, one chunk resident in several tiers of one medium) and fans a
+  chunk's eviction out to all of its hashes: its events' documentation asks consumers to
+  reference-count (vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py).
+  With a set, the second chunk's hashes were dropped at the first one's eviction.
+  A snapshot lists such a block once per reference.
+- ``AllBlocksCleared`` drops one tier of the worker (the GPU's, as vLLM's does); its
+  session placements go too once the worker holds no block in any tier.
 - Session placements: each ``BlocksStored`` with a session id moves that session's
   frontier on the worker to the run's last hash (replacing the frontier the run extends,
   else adding a branch; at most ``max_frontiers`` per session and worker, oldest dropped).
@@ -90,12 +100,16 @@ class IndexStats:
     snapshots_loaded: int = 0
     sessions_evicted: int = 0
     frontiers_dropped: int = 0
+    # Reference-counted tiers: stores of a hash held already, removals that left others.
+    repeat_stores: int = 0
+    repeat_removes: int = 0
 
 
 @dataclass(frozen=True)
 class IndexState:
-    """Canonical, comparable state: which (worker, tier) holds each hash, and each
-    session's frontiers per worker. Used to prove that replaying events rebuilds the index.
+    """Canonical, comparable state: which (worker, tier) holds each hash (and how many
+    references it has past the first in a reference-counted tier), and each session's
+    frontiers per worker. Used to prove that replaying events rebuilds the index.
 
     Equal states answer the residency reads the same (``match_prefix``, ``tier_prefix``,
     ``locate``, ``has_block``, ``worker_block_counts``, ``worker_ids``) and hold the same
@@ -107,6 +121,8 @@ class IndexState:
 
     blocks: Mapping[str, Mapping[str, frozenset[int]]] = field(default_factory=dict)
     sessions: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
+    # worker -> tier -> hash -> references beyond the first (reference-counted tiers).
+    refs: Mapping[str, Mapping[str, Mapping[int, int]]] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -20,7 +20,16 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
   then the view from before the gap keeps answering (the best estimate there is: a gap
   loses a few batches of a cache of thousands of blocks), after it the view is too old to
   route on, and would otherwise be trusted for as long as the snapshots keep failing;
-- no message for ``heartbeat_misses * interval_s`` -> dead: purge.
+- no message for ``heartbeat_misses * interval_s`` (the liveness window) -> dead: purge.
+
+A batch published longer ago than the liveness window (its ``age_s``: the events stream's
+history, replayed when a router starts or its link is set up again) is ordered and applied
+like any other, but it is no evidence that the worker is alive now: it neither refreshes
+``last_heard`` nor revives a dead worker (it is dropped then, counted as
+``dead_worker_dropped``: a dead worker's blocks leave the index). A worker known only from
+such batches is not alive (:attr:`WorkerStream.alive`) and is declared dead one window after
+its first one unless a heartbeat or a live batch is heard. Before, a dead worker's replayed
+history made it look alive for a window after the replay's last batch.
 
 What the index says of a worker is *exact* (:meth:`WorkerStream.view_exact`) only while
 its stream is LIVE and heard within ``exact_heartbeat_misses`` heartbeat intervals: a
@@ -33,107 +42,27 @@ Time comes from the caller (an injected clock); nothing here does I/O.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from kvhint.router.kv_index.stream_types import (
+    BatchVerdict,
+    Decision,
+    StreamConfig,
+    StreamCounters,
+    StreamPhase,
+)
 from kvhint.schemas.status import epoch_is_older
+
+__all__ = ["BatchVerdict", "Decision", "StreamConfig", "StreamCounters", "StreamPhase",
+           "WorkerStream"]
 
 T = TypeVar("T")
 
 
-class StreamPhase(enum.Enum):
-    NEW = "new"              # never heard
-    LIVE = "live"            # applying batches in order
-    RESYNCING = "resyncing"  # waiting for snapshot pages; batches buffered
-    DEAD = "dead"            # silent too long; purged
-
-
-class BatchVerdict(enum.Enum):
-    APPLY = "apply"
-    DUPLICATE = "duplicate"
-    STALE_EPOCH = "stale_epoch"
-    BUFFERED = "buffered"
-    OVERFLOW = "overflow"    # resync buffer full: dropped (the resync will notice the hole)
-    IMPLAUSIBLE = "implausible"  # seq far past what the worker's heartbeat says it sent
-
-
-@dataclass(frozen=True, slots=True)
-class StreamConfig:
-    """Tuning of the stream rules; the defaults suit a heartbeat every 1-5 s."""
-
-    heartbeat_misses: float = 3.0
-    default_interval_s: float = 2.0
-    max_buffered_batches: int = 10_000
-    # The buffer's payload bytes are bounded too: a vLLM batch carries the token ids of
-    # every block it stores, so the batch bound alone let a resyncing worker hold
-    # gigabytes (10,000 batches of up to NATS's 1 MiB). Past either bound a batch is
-    # dropped (counted as overflow) and the resync notices the hole it leaves.
-    max_buffered_bytes: int = 128 << 20
-    snapshot_page_limit: int = 20_000
-    snapshot_retry_s: float = 1.0
-    snapshot_timeout_s: float = 10.0
-    # How long a heartbeat's last_event_seq may run ahead of what we applied before we
-    # treat the difference as lost batches. None: one heartbeat interval.
-    tail_gap_grace_s: float | None = None
-    max_retired_epochs: int = 8
-    # A batch numbered this far past the last heartbeat's last_event_seq cannot be the
-    # worker's (it publishes at most one batch per engine step, a few hundred between
-    # heartbeats): dropped and counted. Taken for a gap, one such batch sent the worker
-    # into resyncs forever, every snapshot ending in a "hole" before it.
-    max_seq_ahead_of_heartbeat: int = 100_000
-    # A worker dead (silent) this long is forgotten by the ingestor: its stream state,
-    # kept so far to refuse its old engines' replayed messages, goes. Past the events
-    # stream's age limit (1 h by default) no such message is left to replay.
-    forget_dead_after_s: float = 3600.0
-    # A resync unfinished this long after it began purges the worker's stale view (once
-    # per resync; the resync goes on). Long enough for a snapshot to be retried a few
-    # times (snapshot_timeout_s, snapshot_retry_s), short against how fast a busy
-    # worker's cache turns over.
-    resync_view_trust_s: float = 30.0
-    # A LIVE stream's view is exact while the worker was heard within this many of its
-    # heartbeat intervals (one heartbeat late is jitter; more, the stream may be lagging
-    # or the plugin gone; heartbeat_misses later it is declared dead and purged).
-    exact_heartbeat_misses: float = 1.5
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What the owner must do besides applying/buffering the batch."""
-
-    verdict: BatchVerdict | None = None
-    purge_reason: str | None = None   # purge the worker from the index first
-    resync_reason: str | None = None  # then start a snapshot resync
-
-
 _APPLY = Decision(BatchVerdict.APPLY)  # the hot path's answer, built once
 _NOTHING = Decision()
-
-
-@dataclass(slots=True)
-class StreamCounters:
-    batches_applied: int = 0
-    duplicates: int = 0
-    stale_epoch: int = 0
-    buffered: int = 0
-    overflow_dropped: int = 0
-    covered_by_snapshot: int = 0
-    gaps: int = 0
-    missing_batches: int = 0
-    epoch_changes: int = 0
-    resyncs_started: int = 0
-    resyncs_completed: int = 0
-    snapshot_pages: int = 0
-    snapshot_pages_ignored: int = 0
-    # Pages refused for a next cursor not past their own (the snapshot is retried).
-    snapshot_pages_invalid: int = 0
-    snapshot_failures: int = 0
-    deaths: int = 0
-    stale_status: int = 0
-    implausible_seq: int = 0
-    # Resyncs that outlasted resync_view_trust_s: the worker's stale view was purged.
-    stalled_resync_purges: int = 0
 
 
 @dataclass(slots=True)
@@ -177,11 +106,35 @@ class WorkerStream(Generic[T]):
         self._resync: _Resync[T] | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
         self._reported_seq: int | None = None  # this epoch's last heartbeat's last_event_seq
+        # When a never-heard stream got its first replayed batch: its silence runs from
+        # there (a worker heard of only through its history is dead one window later).
+        self._unproven_since: float | None = None
 
     # --- observations -------------------------------------------------------------
 
-    def on_batch(self, epoch: str, seq: int, item: T, now: float, size: int = 0) -> Decision:
-        """A batch; ``size`` is what buffering ``item`` costs (its payload's bytes)."""
+    @property
+    def liveness_window_s(self) -> float:
+        """Silence longer than this is death; a batch older than this is a replay."""
+        return self.interval_s * self.config.heartbeat_misses
+
+    @property
+    def alive(self) -> bool:
+        """Heard live (a heartbeat, a fresh batch, a snapshot reply) and not declared dead
+        since: a stream fed only replayed batches is not."""
+        return self.last_heard is not None and (self.phase is StreamPhase.LIVE
+                                                or self.phase is StreamPhase.RESYNCING)
+
+    @property
+    def silent_since(self) -> float | None:
+        """When the worker was last heard live; for one never heard, when its first
+        replayed batch came (None: nothing came)."""
+        return self.last_heard if self.last_heard is not None else self._unproven_since
+
+    def on_batch(self, epoch: str, seq: int, item: T, now: float, size: int = 0,
+                 age_s: float | None = None) -> Decision:
+        """A batch; ``size`` is what buffering ``item`` costs (its payload's bytes), and
+        ``age_s`` how long ago it was published (None: not known, taken as live). A batch
+        older than the liveness window is a replay (see the module doc)."""
         if self._is_stale(epoch):
             self.counters.stale_epoch += 1
             return Decision(BatchVerdict.STALE_EPOCH)
@@ -189,7 +142,14 @@ class WorkerStream(Generic[T]):
                 and seq > self._reported_seq + self.config.max_seq_ahead_of_heartbeat):
             self.counters.implausible_seq += 1
             return Decision(BatchVerdict.IMPLAUSIBLE)
-        self.last_heard = now
+        replayed = age_s is not None and age_s > self.liveness_window_s
+        if not replayed:
+            self.last_heard = now
+        elif self.phase is StreamPhase.DEAD:
+            self.counters.dead_worker_dropped += 1
+            return Decision(BatchVerdict.DEAD_WORKER)
+        elif self.last_heard is None and self._unproven_since is None:
+            self._unproven_since = now
         purge = self._observe_epoch(epoch)
         if self.phase is StreamPhase.RESYNCING:
             return self._buffer_batch(seq, item, purge, size)
@@ -207,6 +167,11 @@ class WorkerStream(Generic[T]):
             self.counters.batches_applied += 1
             if self._behind is not None:
                 self._clear_behind_if_caught_up()
+                if replayed and self._behind is not None:
+                    # A replay catching up on what a heartbeat reported: no tail gap while
+                    # it progresses (before, a replay longer than the grace resynced, and
+                    # the rest of it was buffered, then discarded as covered).
+                    self._behind = (self._behind[0], now)
             return _APPLY if purge is None else Decision(BatchVerdict.APPLY, purge)
         self.counters.gaps += 1
         self.counters.missing_batches += seq - self.applied_seq - 1
@@ -243,12 +208,13 @@ class WorkerStream(Generic[T]):
 
     def tick(self, now: float) -> tuple[Decision, bool]:
         """Liveness and timers. Returns (decision, request_page_now)."""
-        if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or self.last_heard is None:
+        heard = self.silent_since
+        if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or heard is None:
             return _NOTHING, False
-        if now - self.last_heard > self.interval_s * self.config.heartbeat_misses:
+        if now - heard > self.liveness_window_s:
             self.counters.deaths += 1
-            silence = now - self.last_heard
-            self._reset_stream()
+            silence = now - heard
+            self._reset_stream(gone=True)
             self.phase = StreamPhase.DEAD
             return Decision(None, f"no heartbeat for {silence:.1f}s"), False
         resync = self._resync
@@ -340,10 +306,14 @@ class WorkerStream(Generic[T]):
         resync = self._resync
         assert resync is not None and resync.base_seq is not None and resync.page_epoch
         self.counters.resyncs_completed += 1
+        purge = None
         if resync.page_epoch != self.epoch:
             # The engine restarted while we waited: buffered batches belong to the old one.
+            # Handled as a live batch's new epoch is: counted in epoch_changes, and a purge
+            # that the owner applies (and notices) before loading this snapshot.
             if self.epoch is not None:
                 self._retired.append(self.epoch)
+                purge = self._count_restart(self.epoch, resync.page_epoch)
             self.counters.stale_epoch += len(self._buffer)
             self._buffer.clear()
             self.epoch = resync.page_epoch
@@ -364,7 +334,7 @@ class WorkerStream(Generic[T]):
                 self.counters.gaps += 1
                 self.counters.missing_batches += entry.seq - self.applied_seq - 1
                 rest = buffered[i:]
-                decision = self._begin_resync(None, None, None,
+                decision = self._begin_resync(None, None, purge,
                                               f"hole after snapshot: expected "
                                               f"{self.applied_seq + 1}, got {entry.seq}", now)
                 self._buffer = rest
@@ -374,7 +344,7 @@ class WorkerStream(Generic[T]):
             self.applied_seq = entry.seq
             self.counters.batches_applied += 1
             ready.append(entry.item)
-        return ready, Decision()
+        return ready, Decision(None, purge)
 
     def force_resync(self, reason: str, now: float) -> Decision:
         """Start a resync now (e.g. an applied batch could not be decoded)."""
@@ -390,9 +360,10 @@ class WorkerStream(Generic[T]):
 
     def forget(self) -> None:
         """Back to NEW (the owner removed the worker)."""
-        self._reset_stream()
+        self._reset_stream(gone=True)
         self.phase = StreamPhase.NEW
         self.last_heard = None
+        self._unproven_since = None
 
     # --- internals ----------------------------------------------------------------
 
@@ -418,10 +389,13 @@ class WorkerStream(Generic[T]):
             return None
         if epoch == self.epoch:
             return None
-        self.counters.epoch_changes += 1
-        reason = f"engine restarted (epoch {self.epoch} -> {epoch})"
+        reason = self._count_restart(self.epoch, epoch)
         self._adopt_epoch(epoch)
         return reason
+
+    def _count_restart(self, old: str, new: str) -> str:
+        self.counters.epoch_changes += 1
+        return f"engine restarted (epoch {old} -> {new})"
 
     def _adopt_epoch(self, epoch: str) -> None:
         if self.epoch is not None and self.epoch != epoch:
@@ -432,10 +406,16 @@ class WorkerStream(Generic[T]):
         if self.phase is StreamPhase.DEAD:
             self.phase = StreamPhase.NEW
 
-    def _reset_stream(self) -> None:
+    def _reset_stream(self, gone: bool = False) -> None:
+        """Forget this epoch's progress; the buffered batches are dropped, counted as
+        ``dead_worker_dropped`` when ``gone`` (dead or removed), else as ``stale_epoch``
+        (a new epoch replaced theirs)."""
         self.applied_seq = 0
         self._reported_seq = None
-        self.counters.stale_epoch += len(self._buffer)
+        if gone:
+            self.counters.dead_worker_dropped += len(self._buffer)
+        else:
+            self.counters.stale_epoch += len(self._buffer)
         self._buffer.clear()
         self._buffered_max_seq = 0
         self._buffered_bytes = 0

@@ -270,11 +270,18 @@ class ClusterFeed:
     # --- messages -----------------------------------------------------------------------
 
     async def _on_events(self, msg: Msg) -> None:
-        actions = self.ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject)
+        # The batch's age (JetStream's publish timestamp; None on a plain subscription,
+        # which delivers live messages only): a batch replayed from the stream's history
+        # is applied, but the ingestor takes no such one as proof its worker is alive now
+        # (before, a dead worker's replay made it look alive). Clock skew between the NATS
+        # server and this host shifts it; heartbeats (never replayed) prove life anyway.
+        age_s = None
         metadata = _stream_metadata(msg)
         if metadata is not None and metadata.timestamp is not None:
-            lag = self._wall() - metadata.timestamp.timestamp()
-            self._metrics.event_lag.observe(max(lag, 0.0))
+            age_s = max(self._wall() - metadata.timestamp.timestamp(), 0.0)
+            self._metrics.event_lag.observe(age_s)
+        actions = self.ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject,
+                                                 age_s=age_s)
         self._perform(actions)
 
     async def _on_status(self, msg: Msg) -> None:

@@ -350,7 +350,7 @@ class RouterRuntime:
 # it did not hold).
 _INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missing_removes",
                    "cleared_workers", "purged_workers", "snapshots_loaded",
-                   "sessions_evicted", "frontiers_dropped")
+                   "sessions_evicted", "frontiers_dropped", "repeat_stores", "repeat_removes")
 
 
 def _ingest_counters(ingestor: KvEventIngestor, index: IndexStats) -> dict[str, int]:

@@ -19,7 +19,8 @@ from kvhint.router.service import runtime as runtime_module
 from kvhint.schemas import EventBatchMeta, Subjects
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-INDEX_DROPS = ("sessions_evicted", "frontiers_dropped", "missing_removes", "duplicate_stores")
+INDEX_DROPS = ("sessions_evicted", "frontiers_dropped", "missing_removes", "duplicate_stores",
+               "repeat_stores", "repeat_removes")
 
 
 async def test_the_cluster_index_counters_are_exported(
@@ -34,6 +35,9 @@ async def test_the_cluster_index_counters_are_exported(
         index.apply(BlocksStored("w0", [1, 2], None, session_id="default/a"))
         index.apply(BlocksStored("w0", [1, 2], None, session_id="default/a"))  # twice
         index.apply(BlocksRemoved("w0", [99]))  # never held
+        for _ in range(2):  # a host block in two offloaded chunks: two references
+            index.apply(BlocksStored("w0", [300], None, tier="CPU"))
+        index.apply(BlocksRemoved("w0", [300], tier="CPU"))  # one left
         for branch in range(5):  # five branches of one session: past its cap of 4
             index.apply(BlocksStored("w0", [100 + branch], None, session_id="default/b"))
         for n in range(3):  # past the bound of 2 sessions

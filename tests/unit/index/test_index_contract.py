@@ -109,10 +109,22 @@ def test_a_hash_repeated_within_one_run_counts_once(index: ClusterKvIndex) -> No
 
 
 def test_a_tier_outside_the_known_ones_is_kept_under_other(index: ClusterKvIndex) -> None:
-    index.apply(stored("w0", [1, 2], tier="cpu"))
+    index.apply(stored("w0", [1, 2], tier="disk"))
     assert index.locate(1) == {"w0": frozenset({"OTHER"})}
-    assert index.has_block("w0", 1, "cpu") and index.tier_prefix([1, 2], "OTHER") == {"w0": 2}
-    index.apply(BlocksRemoved("w0", [1, 2], "cpu"))
+    assert index.has_block("w0", 1, "disk") and index.tier_prefix([1, 2], "OTHER") == {"w0": 2}
+    index.apply(BlocksRemoved("w0", [1, 2], "disk"))
+    assert index.stats().entries == 0
+
+
+def test_tier_names_are_taken_in_any_case(index: ClusterKvIndex) -> None:
+    # vLLM's Mooncake store connector publishes medium "cpu"; before, the index kept its
+    # blocks under OTHER, apart from the same blocks stored as "CPU".
+    index.apply(stored("w0", [1, 2], tier="cpu"))
+    index.apply(stored("w0", [3], parent=2, tier="Cpu"))
+    assert index.locate(1) == {"w0": frozenset({"CPU"})}
+    assert index.tier_prefix([1, 2, 3], "CPU") == {"w0": 3}
+    assert index.has_block("w0", 3, "cpu") and index.worker_block_counts("w0") == {"CPU": 3}
+    index.apply(BlocksRemoved("w0", [1, 2, 3], "CPU"))
     assert index.stats().entries == 0
 
 
@@ -128,7 +140,6 @@ def test_removal_of_last_copy_forgets_the_hash(index: ClusterKvIndex) -> None:
 def test_clear_and_purge_drop_one_worker_only(index: ClusterKvIndex) -> None:
     for w in ("w0", "w1", "w2"):
         index.apply(stored(w, [1, 2], session=f"s-{w}"))
-        index.apply(stored(w, [3], parent=2, tier="CPU"))
     index.apply(AllBlocksCleared("w0"))
     index.apply(WorkerPurged("w1", "engine restarted"))
     assert set(index.match_prefix([1, 2, 3]).workers) == {"w2"}
@@ -136,9 +147,68 @@ def test_clear_and_purge_drop_one_worker_only(index: ClusterKvIndex) -> None:
     assert index.session_placements("s-w0") == () and index.session_placements("s-w1") == ()
     stats = index.stats()
     assert stats.cleared_workers == 1 and stats.purged_workers == 1
-    assert stats.entries == 3 and stats.distinct_blocks == 3
+    assert stats.entries == 2 and stats.distinct_blocks == 2
     index.apply(stored("w0", [1]))  # a purged worker can come back
     assert index.match_prefix([1, 2]).of("w0") == WorkerOverlap(1, 0)
+
+
+def test_a_prefix_cache_reset_keeps_the_host_tier(index: ClusterKvIndex) -> None:
+    # vLLM's AllBlocksCleared is the GPU pool's reset (BlockPool.reset_prefix_cache); the
+    # offloading connector's CPU tier is not reset with it. Before, it went too: a false
+    # miss on every block the worker could still load from host memory.
+    for w in ("w0", "w1"):
+        index.apply(stored(w, [1, 2], session=f"s-{w}"))
+        index.apply(stored(w, [1, 2, 3], tier="CPU"))
+    index.apply(AllBlocksCleared("w0"))
+    assert index.match_prefix([1, 2, 3]).of("w0") == WorkerOverlap(0, 3)
+    assert index.match_prefix([1, 2, 3]).of("w1") == WorkerOverlap(2, 1)
+    assert index.worker_block_counts("w0") == {"CPU": 3}
+    # Its sessions' blocks may be on the host: their placements stay.
+    assert index.session_placements("s-w0") == (SessionPlacement("w0", (2,)),)
+    # A clear of the CPU tier (a second clear in one batch: HiSparse's host pool).
+    index.apply(AllBlocksCleared("w0", "CPU"))
+    assert index.worker_block_counts("w0") == {} and index.worker_ids() == ("w1",)
+    assert index.session_placements("s-w0") == ()
+    assert index.stats().cleared_workers == 2 and index.stats().entries == 5
+    assert index.export_state().blocks == {"w1": {"GPU": frozenset({1, 2}),
+                                                  "CPU": frozenset({1, 2, 3})}}
+
+
+def test_host_tier_counts_references_to_a_hash(index: ClusterKvIndex) -> None:
+    # vLLM's offloading tier announces a hash once per chunk holding it (two chunks that
+    # share a prefix not aligned to chunks) and fans each chunk's eviction out to all of
+    # its hashes; its docs ask consumers to count. Before, the first chunk's eviction
+    # dropped hashes 1 and 2 that the second chunk still holds.
+    index.apply(stored("w0", [1, 2, 3, 4], tier="CPU"))   # chunk A
+    index.apply(stored("w0", [1, 2, 5, 6], tier="CPU"))   # chunk B, same first two
+    index.apply(BlocksRemoved("w0", [1, 2, 3, 4], "CPU"))  # chunk A evicted
+    assert index.tier_prefix([1, 2, 5, 6], "CPU") == {"w0": 4}
+    assert not index.has_block("w0", 3) and index.worker_block_counts("w0") == {"CPU": 4}
+    stats = index.stats()
+    assert (stats.repeat_stores, stats.repeat_removes, stats.duplicate_stores) == (2, 2, 0)
+    assert index.export_state().refs == {}
+    index.apply(BlocksRemoved("w0", [1, 2, 5, 6], "CPU"))  # chunk B evicted
+    assert index.stats().entries == 0 and index.locate(1) == {}
+    # GPU stays a set: a re-reported block is one residency, one removal drops it.
+    index.apply(stored("w0", [7]))
+    index.apply(stored("w0", [7]))
+    index.apply(BlocksRemoved("w0", [7]))
+    assert index.stats().entries == 0 and index.stats().duplicate_stores == 1
+
+
+def test_references_are_part_of_the_state_and_of_a_snapshot(index: ClusterKvIndex) -> None:
+    index.apply(stored("w0", [1, 2], tier="CPU"))
+    index.apply(stored("w0", [1], tier="CPU"))
+    assert index.export_state().refs == {"w0": {"CPU": {1: 1}}}
+    # A snapshot lists a block once per reference.
+    index.apply(SnapshotLoaded("w0", [SnapshotBlock(1, None, "CPU"),
+                                      SnapshotBlock(1, None, "CPU"),
+                                      SnapshotBlock(1, None, "CPU")]))
+    assert index.export_state().refs == {"w0": {"CPU": {1: 2}}}
+    index.apply(BlocksRemoved("w0", [1, 1], "CPU"))
+    assert index.has_block("w0", 1, "CPU") and index.export_state().refs == {}
+    index.apply(AllBlocksCleared("w0", "cpu"))
+    assert index.stats().entries == 0 and index.export_state().refs == {}
 
 
 def test_session_frontier_follows_the_chain(index: ClusterKvIndex) -> None:

@@ -55,7 +55,7 @@ def _events(rng: random.Random, n: int) -> tuple[list[IndexEvent], list[list[int
                 hashes.append(1000 + rng.randrange(50))  # never stored
             events.append(BlocksRemoved(w, hashes, rng.choice(TIERS)))
         elif roll < 0.9:
-            events.append(AllBlocksCleared(w))
+            events.append(AllBlocksCleared(w, rng.choice(TIERS)))
         elif roll < 0.95:
             events.append(WorkerPurged(w, "test"))
         else:

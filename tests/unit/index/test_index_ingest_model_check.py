@@ -13,8 +13,8 @@ network loses, duplicates, delays and so reorders events and heartbeats, loses s
 snapshot requests or their replies (the caller then gets a failure), and is sometimes
 partitioned long enough for the router to declare a worker dead. The router sometimes
 restarts: a fresh index rebuilt by replaying the retained event history (all of it, or
-only its tail), as a JetStream consumer would, then live traffic. The router's owner
-hands the ingestor every snapshot reply, late ones included, as
+only its tail) with each batch's age, as a JetStream consumer would, then live traffic.
+The router's owner hands the ingestor every snapshot reply, late ones included, as
 ``router/service/cluster_feed.py`` does (until pages of another snapshot restarted the
 paging, that joined pages of two snapshots: the last two tests).
 
@@ -116,9 +116,8 @@ class SimWorker:
     def next_batch(self) -> list[s.BlockStored | s.BlockRemoved | s.AllBlocksCleared]:
         """One engine step's events, applied to the truth as they are made."""
         rng, events = self.rng, []
-        if rng.random() < 0.02:  # reset_prefix_cache
-            for hashes in self.truth.values():
-                hashes.clear()
+        if rng.random() < 0.02:  # reset_prefix_cache: the GPU pool's (the host tier stays)
+            self.truth["GPU"].clear()
             events.append(s.AllBlocksCleared())
             self.clears += 1
         for _ in range(rng.randint(1, 4)):
@@ -252,6 +251,7 @@ class Simulation:
         self.net = Network(rng, self.clock)
         self.workers = {w: SimWorker(w, rng, self.clock) for w in WORKERS}
         self.log: list[tuple[str, str, int, bytes]] = []  # what reached the server
+        self.published_at: list[float] = []  # when each of the log's batches did
         self.counters: Counter[str] = Counter()
         self.step_mismatch: str | None = None
         self.generation = 0
@@ -275,9 +275,11 @@ class Simulation:
         self._count_ingestor()
         self.counters["router_restarts"] += 1
         self.ingestor = self._new_router()
-        retained = self.log if self.rng.random() < 0.5 else self.log[-20:]
-        for worker_id, epoch, seq, payload in retained:
-            self.handle(self.ingestor.on_event_message(headers(worker_id, epoch, seq), payload))
+        retained = 0 if self.rng.random() < 0.5 else max(len(self.log) - 20, 0)
+        for body, at in zip(self.log[retained:], self.published_at[retained:]):
+            worker_id, epoch, seq, payload = body
+            self.handle(self.ingestor.on_event_message(headers(worker_id, epoch, seq), payload,
+                                                       age_s=self.clock.now - at))
 
     def handle(self, actions: list) -> None:
         for action in actions:
@@ -347,6 +349,7 @@ class Simulation:
                 elif roll < 0.7 and (body := worker.publish()) is not None:
                     if net.send("event", body):
                         self.log.append(body)
+                        self.published_at.append(self.clock.now)
             if step % HEARTBEAT_STEPS == 0:
                 net.send("status", (status(worker.id, worker.epoch, worker.seq, HEARTBEAT_S),))
         if step == self.router_restart_step:

@@ -104,15 +104,18 @@ def test_replaying_the_events_rebuilds_an_identical_index() -> None:
     assert replayed.export_state() == live.export_state()
     assert replayed.stats() == live.stats()
     assert live.stats().entries > 100  # the stream leaves a non-trivial index behind
+    assert live.export_state().refs  # with hashes held twice in a host tier
     for q in queries(42):
         assert replayed.match_prefix(q) == live.match_prefix(q)
 
 
 def _snapshot_of(index: InMemoryClusterKvIndex, worker: str) -> SnapshotLoaded:
+    """What the worker's plugin would list: each block once per reference it holds."""
     state = index.export_state()
+    refs = state.refs.get(worker, {})
     blocks = [SnapshotBlock(h, None, tier)
               for tier, hashes in sorted(state.blocks.get(worker, {}).items())
-              for h in sorted(hashes)]
+              for h in sorted(hashes) for _ in range(1 + refs.get(tier, {}).get(h, 0))]
     sessions = [(sid, list(p[worker])) for sid, p in state.sessions.items() if worker in p]
     return SnapshotLoaded(worker, blocks, sessions)
 

@@ -1,0 +1,103 @@
+"""The value types of the per-worker stream rules (:mod:`.stream`): phases, verdicts, the
+tuning, a decision for the owner and the counters. Pure data."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class StreamPhase(enum.Enum):
+    NEW = "new"              # never heard
+    LIVE = "live"            # applying batches in order
+    RESYNCING = "resyncing"  # waiting for snapshot pages; batches buffered
+    DEAD = "dead"            # silent too long; purged
+
+
+class BatchVerdict(enum.Enum):
+    APPLY = "apply"
+    DUPLICATE = "duplicate"
+    STALE_EPOCH = "stale_epoch"
+    BUFFERED = "buffered"
+    OVERFLOW = "overflow"    # resync buffer full: dropped (the resync will notice the hole)
+    IMPLAUSIBLE = "implausible"  # seq far past what the worker's heartbeat says it sent
+    # A replayed batch (older than the liveness window) of a worker declared dead: it
+    # proves nothing about the worker now, and a dead worker's blocks leave the index.
+    DEAD_WORKER = "dead_worker"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """Tuning of the stream rules; the defaults suit a heartbeat every 1-5 s."""
+
+    heartbeat_misses: float = 3.0
+    default_interval_s: float = 2.0
+    max_buffered_batches: int = 10_000
+    # The buffer's payload bytes are bounded too: a vLLM batch carries the token ids of
+    # every block it stores, so the batch bound alone let a resyncing worker hold
+    # gigabytes (10,000 batches of up to NATS's 1 MiB). Past either bound a batch is
+    # dropped (counted as overflow) and the resync notices the hole it leaves.
+    max_buffered_bytes: int = 128 << 20
+    snapshot_page_limit: int = 20_000
+    snapshot_retry_s: float = 1.0
+    snapshot_timeout_s: float = 10.0
+    # How long a heartbeat's last_event_seq may run ahead of what we applied before we
+    # treat the difference as lost batches. None: one heartbeat interval.
+    tail_gap_grace_s: float | None = None
+    max_retired_epochs: int = 8
+    # A batch numbered this far past the last heartbeat's last_event_seq cannot be the
+    # worker's (it publishes at most one batch per engine step, a few hundred between
+    # heartbeats): dropped and counted. Taken for a gap, one such batch sent the worker
+    # into resyncs forever, every snapshot ending in a "hole" before it.
+    max_seq_ahead_of_heartbeat: int = 100_000
+    # A worker dead (silent) this long is forgotten by the ingestor: its stream state,
+    # kept so far to refuse its old engines' replayed messages, goes. Past the events
+    # stream's age limit (1 h by default) no such message is left to replay.
+    forget_dead_after_s: float = 3600.0
+    # A resync unfinished this long after it began purges the worker's stale view (once
+    # per resync; the resync goes on). Long enough for a snapshot to be retried a few
+    # times (snapshot_timeout_s, snapshot_retry_s), short against how fast a busy
+    # worker's cache turns over.
+    resync_view_trust_s: float = 30.0
+    # A LIVE stream's view is exact while the worker was heard within this many of its
+    # heartbeat intervals (one heartbeat late is jitter; more, the stream may be lagging
+    # or the plugin gone; heartbeat_misses later it is declared dead and purged).
+    exact_heartbeat_misses: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the owner must do besides applying/buffering the batch."""
+
+    verdict: BatchVerdict | None = None
+    purge_reason: str | None = None   # purge the worker from the index first
+    resync_reason: str | None = None  # then start a snapshot resync
+
+
+@dataclass(slots=True)
+class StreamCounters:
+    batches_applied: int = 0
+    duplicates: int = 0
+    stale_epoch: int = 0
+    buffered: int = 0
+    overflow_dropped: int = 0
+    covered_by_snapshot: int = 0
+    gaps: int = 0
+    missing_batches: int = 0
+    epoch_changes: int = 0
+    resyncs_started: int = 0
+    resyncs_completed: int = 0
+    snapshot_pages: int = 0
+    snapshot_pages_ignored: int = 0
+    # Pages refused for a next cursor not past their own (the snapshot is retried).
+    snapshot_pages_invalid: int = 0
+    snapshot_failures: int = 0
+    deaths: int = 0
+    stale_status: int = 0
+    implausible_seq: int = 0
+    # Resyncs that outlasted resync_view_trust_s: the worker's stale view was purged.
+    stalled_resync_purges: int = 0
+    # Batches dropped because their worker is gone: buffered ones of a worker declared
+    # dead or removed from the configuration, and replayed (aged) ones that arrive once it
+    # is dead. Not stale_epoch: their epoch may well be the worker's current one.
+    dead_worker_dropped: int = 0
