@@ -21,6 +21,11 @@ its deepest block first. Policies, all in one run:
   within the return window (never returning: value 0), nothing about when: how much of
   the oracle's lead is knowing *which* sessions return.
 
+``--prompt-size`` tries one more feature a live router has, the prompt's length, in the
+value policies: ``kind`` learns user gaps and returns per prompt-size class (under 2,048
+tokens, under 8,192, longer), ``returns`` learns only the return probability per class
+(gaps stay pooled as now). Not in the planner: measured not to help (BENCHMARKS.md).
+
     .venv/bin/python tests/benchmarks/sim/value_order_bound.py \\
         ../shared/traces/mooncake_conversation_trace.jsonl --blocks 5000
 
@@ -64,9 +69,35 @@ class Turn:
     returns: bool  # hindsight: the next turn comes within the return window
 
 
-def turns_of(trace: Trace, window_s: float, long_message_tokens: int) -> list[Turn]:
+PROMPT_SIZE_LIMITS = ((2048, "s"), (8192, "m"))
+
+
+def prompt_size_class(tokens: int) -> str:
+    return ":size-" + next((name for limit, name in PROMPT_SIZE_LIMITS if tokens < limit), "l")
+
+
+def _without_size(kind: str) -> str:
+    return kind.split(":size-", 1)[0]
+
+
+class ReturnsBySizeStats(LearnedStats):
+    """``--prompt-size returns``: gap histograms learnt and read without the size class
+    (as the planner's), return probabilities with it."""
+
+    def _gap_histogram(self, kind: str, depth: int):  # noqa: ANN202 (LearnedStats')
+        return super()._gap_histogram(_without_size(kind), depth)
+
+    def apply(self, event) -> None:  # noqa: ANN001
+        if isinstance(event, GapObserved):
+            event = GapObserved(_without_size(event.kind), event.depth, event.seconds)
+        super().apply(event)
+
+
+def turns_of(trace: Trace, window_s: float, long_message_tokens: int,
+             prompt_size: bool = False) -> list[Turn]:
     """The trace as turns, with the planner's gap kinds (tool name, or the user's tempo
-    and whether the turn added a long message, as ``planner._gap_kind``)."""
+    and whether the turn added a long message, as ``planner._gap_kind``); with
+    ``prompt_size``, a user kind also names the prompt's size class."""
     last: dict[str, TraceRequest] = {}
     next_at: dict[int, float] = {}
     for request in trace.requests:
@@ -91,6 +122,8 @@ def turns_of(trace: Trace, window_s: float, long_message_tokens: int) -> list[Tu
                      if previous is not None else 0)
             kind = user_gap_kind(last_user_gap.get(request.session_id),
                                  0 < long_message_tokens <= added)
+            if prompt_size:
+                kind += prompt_size_class(request.input_length)
         gap = next_at.get(request.line, math.inf) - request.arrival_s
         turns.append(Turn(request.arrival_s, request.session_id, request.turn,
                           request.input_length,
@@ -277,8 +310,8 @@ class _ValueModel:
 
 
 def run_value(turns: Sequence[Turn], capacity: int, block_size: int, policy: str,
-              progress: Callable[[int], None]) -> int:
-    model = _ValueModel(policy, capacity, PlannerConfig())
+              progress: Callable[[int], None], stats: LearnedStats | None = None) -> int:
+    model = _ValueModel(policy, capacity, PlannerConfig(), stats or LearnedStats())
     hit_tokens = 0
     for i, turn in enumerate(turns):
         hit_tokens += model.serve(turn) * block_size
@@ -292,10 +325,14 @@ def main() -> None:
     parser.add_argument("trace")
     parser.add_argument("--blocks", type=int, required=True, help="pool size in blocks")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--prompt-size", choices=("off", "kind", "returns"), default="off",
+                        help="learn user gaps and returns (kind), or returns only, per "
+                             "prompt-size class (module doc)")
     args = parser.parse_args()
     trace = load_trace(args.trace)
     config = PlannerConfig()
-    turns = turns_of(trace, config.return_window_s, config.long_message_tokens)
+    turns = turns_of(trace, config.return_window_s, config.long_message_tokens,
+                     prompt_size=args.prompt_size != "off")
     prompt = sum(t.prompt_tokens for t in turns)
     results: dict[str, float] = {}
     for policy in args.policies.split(","):
@@ -309,7 +346,8 @@ def main() -> None:
         elif policy == "belady":
             hits = run_belady(turns, args.blocks, trace.block_size)
         elif policy in POLICIES:
-            hits = run_value(turns, args.blocks, trace.block_size, policy, progress)
+            hits = run_value(turns, args.blocks, trace.block_size, policy, progress,
+                             ReturnsBySizeStats() if args.prompt_size == "returns" else None)
         else:
             parser.error(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
         results[policy] = hits / prompt

@@ -64,3 +64,35 @@ def test_online_value_cannot_tell_a_from_b(bound, turns):
     # goes first, as in LRU. The online policies do not see the future.
     for policy in ("value", "value_reviewed"):
         assert bound.run_value(turns, 4, 512, policy, lambda _: None) == 0
+
+
+def test_prompt_size_classes_name_user_kinds_and_returns_only_learns_them_apart(
+        bound, tmp_path):
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 1000, "input_length": 9000, "output_length": 1,
+         "hash_ids": list(range(10, 28))},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    turns = bound.turns_of(load_trace(path), 600.0, 2048, prompt_size=True)
+    assert [t.kind.rsplit(":", 1)[-1] for t in turns] == ["size-s", "size-l"]
+    plain = bound.turns_of(load_trace(path), 600.0, 2048)
+    assert [t.kind for t in plain] == [t.kind.split(":size-")[0] for t in turns]
+    # "returns": gaps are learnt and read under the kind without its size class.
+    stats = bound.ReturnsBySizeStats()
+    for _ in range(10):
+        stats.apply(bound.GapObserved(turns[0].kind, 1, 30.0))
+    assert set(stats.gaps) >= {f"{plain[0].kind}|1"}
+    assert not any("size-" in key for key in stats.gaps)
+    assert stats.gap_quantile(turns[1].kind, 1, 0.5) == stats.gap_quantile(plain[0].kind, 1, 0.5)
+
+
+def test_return_features_auc_by_hand(bound):
+    spec = importlib.util.spec_from_file_location("return_features",
+                                                  SCRIPT.with_name("return_features.py"))
+    assert spec is not None and spec.loader is not None
+    features = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(features)  # finds value_order_bound in sys.modules
+    assert features.auc([0.1, 0.4, 0.35, 0.8], [False, False, True, True]) == 0.75
+    assert features.auc([0.5, 0.5], [False, True]) == 0.5  # a tie counts half
