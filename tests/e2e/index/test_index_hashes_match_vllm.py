@@ -115,6 +115,7 @@ def kv_server(vllm_pool):
         yield server, collector
     finally:
         collector.close()
+        server.stop()  # one server less held through the rest of the session
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,8 @@ def prefix() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(vllm_pool: Any, module_nats: NatsServerProcess, prefix: str) -> VllmServer:
+def server(vllm_pool: Any, module_nats: NatsServerProcess, prefix: str
+           ) -> Iterator[VllmServer]:
     transfer = plugin_transfer_config("w0", module_nats.url)
     transfer["kv_connector_extra_config"] = {
         **transfer["kv_connector_extra_config"], "subject_prefix": prefix,
@@ -75,7 +76,11 @@ def server(vllm_pool: Any, module_nats: NatsServerProcess, prefix: str) -> VllmS
     # 50 blocks of 32 tokens (one is vLLM's null block); max_model_len must fit.
     spec = replace(vllm_pool.base_spec, kv_cache_tokens=1600, max_model_len=1024,
                    kv_transfer_config=transfer)
-    return vllm_pool.start("plugin-e2e", spec)
+    server = vllm_pool.start("plugin-e2e", spec)
+    try:
+        yield server
+    finally:
+        server.stop()  # one server less held through the rest of the session
 
 
 async def chat(client: httpx.AsyncClient, messages: list[dict], session: str | None,

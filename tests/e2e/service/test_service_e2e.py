@@ -53,7 +53,7 @@ class Stack:
 def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     prefix = f"kvhinte2e.{uuid.uuid4().hex[:8]}"
-    workers = {}
+    specs = {}
     for worker_id in ("w0", "w1"):
         config = plugin_transfer_config(worker_id, nats_url)
         config["kv_connector_extra_config"].update(subject_prefix=prefix,
@@ -61,7 +61,9 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         spec = replace(vllm_pool.base_spec, kv_cache_tokens=KV_TOKENS, kv_transfer_config=config,
                        extra_args=TOOL_CALL_WORKER_ARGS, cpu_bind="0" if worker_id == "w0" else "1",
                        env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache
-        workers[worker_id] = vllm_pool.start(f"e2e-{worker_id}", spec)
+        specs[f"e2e-{worker_id}"] = spec
+    workers = {name.removeprefix("e2e-"): server
+               for name, server in vllm_pool.start_all(specs).items()}
     state = tmp_path_factory.mktemp("router")
     router = RouterProcess({
         "KVHINT_ROUTER_WORKERS": ",".join(f"{w}={s.url}" for w, s in workers.items()),
@@ -81,6 +83,8 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         yield Stack(workers, router, prefix)
     finally:
         router.stop()
+        for server in workers.values():
+            server.stop()  # two servers less held through the rest of the session
         asyncio.run(remove_streams(nats_url, Subjects(prefix)))
 
 
