@@ -46,6 +46,17 @@ class SnapshotSession(msgspec.Struct, frozen=True, array_like=True):
 
 
 class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """One page of a worker's residency and session index.
+
+    ``blocks`` lists a GPU-resident block once (the router keeps GPU residency as a set
+    and reads a repeat as a duplicate store), and a block in any other medium (CPU,
+    STORAGE, ...; medium names compare in any case) once per copy the worker holds there:
+    the router counts references in those tiers, as vLLM's offloading connector
+    announces a hash once per chunk holding it and removes it as often, so a hash listed
+    twice there is two references, and a router resyncing from the snapshot ends with the
+    counts of one that followed the event stream. A block both on GPU and in another
+    medium appears once for the GPU and once per copy in the other."""
+
     worker_id: str
     epoch: Epoch
     # The last event sequence number this page reflects; replay events after it.

@@ -356,6 +356,10 @@ class ClusterFeed:
                      self.ingestor.config.forget_dead_after_s)
             self._metrics.forget_worker(worker_id)
             self._hints.forget_worker(worker_id)
+            if self._writer is not None:
+                # Its stored row too: a restarted router whose session_forget_s is longer
+                # than forget_dead_after_s read it back and routed to the gone pod again.
+                self._writer.delete("workers", (worker_id,))
             if self._on_worker_forgotten is not None:
                 self._on_worker_forgotten(worker_id)
 

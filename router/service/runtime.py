@@ -109,19 +109,8 @@ class RouterRuntime:
                              on_drop=metrics.drop)
 
         workers = WorkerRegistry([(w.id, w.url) for w in settings.workers])
-        for row in recovery.workers:
-            # Workers learned from heartbeats and heard within the last session_forget_s
-            # come back; ones dropped from the config, or long gone (a pod deleted last
-            # week would be routed to, retried and probed forever), do not. A live one
-            # that was silent longer is back at its next heartbeat.
-            heard = row.get("last_seen") or 0.0
-            if not row.get("from_config") and row["worker_id"] not in workers \
-                    and row.get("url") and now - heard <= settings.routing.session_forget_s:
-                workers.ensure(row["worker_id"], row["url"])
-            # The engine epoch last seen: a first heartbeat from another one says the engine
-            # restarted while the router was down (what it held, restored below, is gone).
-            if (worker := workers.get(row["worker_id"])) is not None and worker.epoch is None:
-                worker.epoch = row.get("epoch")
+        _restore_workers(workers, recovery.workers, now, settings.routing.session_forget_s,
+                         writer)
         subjects = Subjects(settings.subject_prefix)
         link = None
         if settings.nats_url:
@@ -351,6 +340,31 @@ class RouterRuntime:
 _INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missing_removes",
                    "cleared_workers", "purged_workers", "snapshots_loaded",
                    "sessions_evicted", "frontiers_dropped", "repeat_stores", "repeat_removes")
+
+
+def _restore_workers(workers: WorkerRegistry, rows: list[dict[str, Any]], now: float,
+                     forget_s: float, writer: StoreWriter) -> None:
+    """Add to ``workers`` (the configured ones) the stored workers that come back, and
+    queue the deletion of the stored row of every worker it does not hold then.
+
+    Workers learned from heartbeats and heard within the last ``forget_s`` (wall clock)
+    come back; ones dropped from the config, or long gone (a pod deleted last week would
+    be routed to, retried and probed forever), do not, and their rows go (as their
+    feedback rows do, HintDispatcher.restore): before, a configured worker's row stayed
+    for good (retention prunes only heartbeat-learned ones). A live one that was silent
+    longer is back, and its row written again, at its next heartbeat."""
+    for row in rows:
+        heard = row.get("last_seen") or 0.0
+        if not row.get("from_config") and row["worker_id"] not in workers \
+                and row.get("url") and now - heard <= forget_s:
+            workers.ensure(row["worker_id"], row["url"])
+        # The engine epoch last seen: a first heartbeat from another one says the engine
+        # restarted while the router was down (what it held, restored, is gone).
+        if (worker := workers.get(row["worker_id"])) is not None:
+            if worker.epoch is None:
+                worker.epoch = row.get("epoch")
+        else:
+            writer.delete("workers", (row["worker_id"],))
 
 
 def _ingest_counters(ingestor: KvEventIngestor, index: IndexStats) -> dict[str, int]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,13 +88,12 @@ def test_the_shipped_deployments_start_with_their_environment(
     docs = [doc for doc in yaml.safe_load_all(
         (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
     config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
-    secret = next(doc for doc in docs if doc["kind"] == "Secret")["stringData"]
     deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
     config = tmp_path / "router.yaml"
     config.write_text(config_map["data"]["router.yaml"])
-    for variable in deployment["spec"]["template"]["spec"]["containers"][0]["env"]:
-        key = variable["valueFrom"]["secretKeyRef"]["key"]
-        monkeypatch.setenv(variable["name"], secret[key])
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    for name, value in _k8s_env(container, _k8s_secrets()).items():
+        monkeypatch.setenv(name, value)
     settings = RouterSettings(config_file=config)
     assert settings.admin_keys == ["change-me-admin"]
     assert [(t.name, t.api_keys) for t in settings.tenants] == [
@@ -125,7 +127,10 @@ _INGEST_THROUGHPUT = {
     "stream_epoch_changes", "stream_resyncs_started", "stream_resyncs_completed",
     "stream_snapshot_pages", "stream_deaths", "adapter_batches", "adapter_events",
     "index_stored_blocks", "index_removed_blocks", "index_cleared_workers",
-    "index_purged_workers", "index_snapshots_loaded"}
+    "index_purged_workers", "index_snapshots_loaded",
+    # Host-tier references taken and given back (vLLM announces a hash once per chunk):
+    # bookkeeping, nothing lost.
+    "index_repeat_stores", "index_repeat_removes"}
 
 
 def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
@@ -256,3 +261,117 @@ def test_compose_nats_requires_a_password_kept_out_of_kv_transfer_config(
     for variable, value in services["router"]["environment"].items():
         monkeypatch.setenv(variable, value)
     assert RouterSettings(config_file=DEPLOY / "router.yaml").nats_url == url
+
+
+# --- Kubernetes: the environment a container gets, as the kubelet builds it -----------
+
+_K8S_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def _k8s_expanded(text: str, env: dict[str, str]) -> str:
+    """``text`` with Kubernetes' ``$(VAR)`` references filled from ``env`` (one it lacks
+    is left as written; ``$$`` is a ``$``), as in env values, command and args."""
+    def value(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return _K8S_REFERENCE.sub(value, text)
+
+
+def _k8s_docs() -> list[dict]:
+    return [doc for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _k8s_secrets() -> dict[str, dict[str, str]]:
+    """Every shipped Secret's values, by the Secret's name."""
+    return {doc["metadata"]["name"]: dict(doc["stringData"])
+            for doc in _k8s_docs() if doc["kind"] == "Secret"}
+
+
+def _k8s_container(workload: str) -> dict:
+    (container,) = next(doc for doc in _k8s_docs() if doc["kind"] in (
+        "Deployment", "StatefulSet") and doc["metadata"]["name"] == workload)[
+        "spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _k8s_env(container: dict, secrets: dict[str, dict[str, str]],
+             pod_name: str = "pod-0") -> dict[str, str]:
+    """The container's environment: values from Secrets (``secretKeyRef``: a missing
+    Secret or key fails, as the pod would not start), the pod's name (``fieldRef``), and
+    plain values with ``$(VAR)`` of the variables listed before them."""
+    env: dict[str, str] = {}
+    for variable in container.get("env", []):
+        source = variable.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            env[variable["name"]] = secrets[ref["name"]][ref["key"]]
+        elif "fieldRef" in source:
+            assert source["fieldRef"]["fieldPath"] == "metadata.name", variable
+            env[variable["name"]] = pod_name
+        else:
+            env[variable["name"]] = _k8s_expanded(variable["value"], env)
+    return env
+
+
+def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[str]:
+    """The arguments the worker's shell script starts ``vllm`` with: the script run by
+    /bin/sh with the container's environment, ``vllm`` a stand-in that prints them (the
+    script builds --kv-transfer-config with shell quoting and variables)."""
+    stub = tmp_path / "vllm"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    command = [_k8s_expanded(part, env) for part in container["command"] + container["args"]]
+    done = subprocess.run(command, env={**env, "PATH": f"{tmp_path}{os.pathsep}/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("password", [None, "pw-from-secret_2.y"])
+def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
+        password: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security review: the Kubernetes NATS took any client (compose's already required a
+    password). Now it requires user kvhint and the password in Secret kvhint-nats (as
+    shipped, and as an operator replaces it); the router and the workers compose the URL
+    with it from that Secret, the workers through the plugin's nats_url_env: vLLM logs
+    --kv-transfer-config, and none holds a NATS URL or the password. The password is
+    written nowhere in the manifests but the Secret."""
+    from kvhint.engine_plugin.config import load_plugin_config
+
+    secrets = _k8s_secrets()
+    shipped = secrets["kvhint-nats"]["password"]
+    assert shipped == "change-me-nats"
+    manifests = "".join(p.read_text() for p in (DEPLOY / "kubernetes").glob("*.yaml"))
+    assert manifests.count(shipped) == 1 and "@kvhint-nats" not in re.sub(
+        r"nats://kvhint:\$\(KVHINT_NATS_PASSWORD\)@kvhint-nats", "", manifests)
+    if password is not None:
+        secrets["kvhint-nats"]["password"] = password
+    secret = password or shipped
+    url = f"nats://kvhint:{secret}@kvhint-nats:4222"
+
+    nats = _k8s_container("kvhint-nats")
+    args = [_k8s_expanded(arg, _k8s_env(nats, secrets)) for arg in nats["args"]]
+    assert args[args.index("--user") + 1] == "kvhint"
+    assert args[args.index("--pass") + 1] == secret
+
+    router = _k8s_docs()
+    config_map = next(doc for doc in router if doc["kind"] == "ConfigMap"
+                      and doc["metadata"]["name"] == "kvhint-router")
+    config = tmp_path / "router.yaml"
+    config.write_text(config_map["data"]["router.yaml"])
+    for name, value in _k8s_env(_k8s_container("kvhint-router"), secrets).items():
+        monkeypatch.setenv(name, value)
+    assert RouterSettings(config_file=config).nats_url == url
+
+    worker = _k8s_container("vllm-worker")
+    env = _k8s_env(worker, secrets, pod_name="vllm-worker-1") | {"MODEL": "m"}
+    argv = _worker_argv(worker, env, tmp_path)
+    (config_arg,) = [argv[i + 1] for i, arg in enumerate(argv)
+                     if arg == "--kv-transfer-config"]
+    transfer = json.loads(config_arg)
+    extra = transfer["kv_connector_extra_config"]
+    assert secret not in config_arg and "nats_url" not in extra and "nats://" not in config_arg
+    assert extra["worker_id"] == "w1" and env[extra["nats_url_env"]] == url
+    monkeypatch.setenv(extra["nats_url_env"], env[extra["nats_url_env"]])
+    assert load_plugin_config(extra).nats_url == url  # what the plugin connects to
