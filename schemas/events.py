@@ -27,6 +27,18 @@ MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
+
+
+def cleared_medium(follows_a_clear: bool) -> str:
+    """The medium an ``AllBlocksCleared`` clears; vLLM's names none. vLLM 0.32 emits one
+    per pool ``reset_prefix_cache`` resets, into one queue: the GPU pool's, then with
+    HiSparse its host pool's. So the first of a run of clears in one batch is the GPU
+    tier's and each further one the CPU tier's; the plugin publishes such a pair itself
+    when vLLM's connector reset empties its host tier. The plugin's index and every
+    router read the stream by this one rule."""
+    return MEDIUM_CPU if follows_a_clear else MEDIUM_GPU
+
+
 HEADER_WORKER = "Kvhint-Worker"
 HEADER_EPOCH = "Kvhint-Epoch"
 HEADER_SEQ = "Kvhint-Seq"

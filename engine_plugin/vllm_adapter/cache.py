@@ -9,8 +9,9 @@ from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.block_cache import BlockHandle
-from kvhint.engine_plugin.index_events import CPU, GPU, Cleared, IndexEvent, Removed, Stored
+from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
 from kvhint.schemas import external_hash_to_int
+from kvhint.schemas.events import cleared_medium
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -390,13 +391,10 @@ class VllmCacheAdapter:
     def index_events(events: Iterable[Any]) -> list[IndexEvent]:
         """vLLM KV events -> the index's domain events (unknown kinds are skipped).
 
-        vLLM's AllBlocksCleared names no medium; vLLM 0.32 emits one per pool that
-        ``reset_prefix_cache`` resets, into one queue: the GPU pool's, then with HiSparse
-        its host pool's (CPU). The first of a run of clears is the GPU tier's, each further
-        one the CPU tier's, as the router reads the same batch
-        (``kvhint.router.kv_index.adapter``): the plugin's index and the router's view of
-        this worker stay one function of the published stream. The plugin publishes such
-        a pair itself when vLLM's connector reset drops the host tier
+        vLLM's AllBlocksCleared names no medium: its tier is read by the rule the router
+        reads the same batch by (``schemas.events.cleared_medium``), so the plugin's index
+        and the router's view of this worker stay one function of the published stream.
+        The plugin publishes a pair itself when vLLM's connector reset drops the host tier
         (:mod:`.connector_reset`)."""
         out: list[IndexEvent] = []
         for event in events:
@@ -413,7 +411,7 @@ class VllmCacheAdapter:
             elif name == "AllBlocksCleared":
                 medium = getattr(event, "medium", None)
                 if medium is None:
-                    medium = CPU if out and isinstance(out[-1], Cleared) else GPU
+                    medium = cleared_medium(bool(out) and isinstance(out[-1], Cleared))
                 out.append(Cleared(medium))
         return out
 

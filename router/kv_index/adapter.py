@@ -11,10 +11,11 @@ first group decides prefix hits for full attention) and event types we do not kn
 
 ``AllBlocksCleared`` names no medium. In vLLM 0.32 only ``BlockPool.reset_prefix_cache``
 emits it, once per pool that ``KVCacheCoordinator.reset_prefix_cache`` resets, into the
-one event queue: the GPU pool, and with HiSparse its host pool too (medium CPU, which
-shares the GPU pool's queue). So the first clear of a run of clears clears the GPU tier
-and each further one the CPU tier. (Two resets of a GPU-only engine with no step between
-them, an idle engine, read the same way: the CPU tier's view is lost, a false miss.)
+one event queue: the GPU pool, and with HiSparse its host pool too. So the first clear of
+a run of clears clears the GPU tier and each further one the CPU tier, the rule the
+plugin reads its own stream by (``schemas.events.cleared_medium``). (Two resets of a
+GPU-only engine with no step between them, an idle engine, read the same way: the CPU
+tier's view is lost, a false miss.)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvhint.router.kv_index.events import (
-    TIER_CPU,
     TIER_GPU,
     TIER_OTHER,
     TIERS,
@@ -124,10 +124,9 @@ class EventBatchAdapter:
                 out.append(BlocksRemoved(worker_id, removed, removed_tier))
                 removed = []
             if kind == _CLEARED:
-                # The first of a run of clears is the GPU pool's, the next ones another
-                # pool's: HiSparse's host pool (module doc).
                 again = bool(out) and type(out[-1]) is AllBlocksCleared
-                out.append(AllBlocksCleared(worker_id, TIER_CPU if again else TIER_GPU))
+                out.append(AllBlocksCleared(worker_id, tier_of_medium(
+                    wire.cleared_medium(again))))
                 continue
             if ev.group_idx:  # type: ignore[attr-defined]
                 self.counters.other_group_events += 1

@@ -26,7 +26,6 @@ from itertools import repeat
 
 from kvhint.router.kv_index.events import (
     TIER_GPU,
-    TIER_OTHER,
     TIERS,
     AllBlocksCleared,
     BlocksRemoved,
@@ -34,6 +33,7 @@ from kvhint.router.kv_index.events import (
     IndexEvent,
     SnapshotLoaded,
     WorkerPurged,
+    index_tier,
 )
 from kvhint.router.kv_index.protocol import (
     IndexState,
@@ -46,7 +46,6 @@ from kvhint.router.kv_index.sessions import SessionTable
 
 _BITS = 4
 _TIER_BIT = {tier: i for i, tier in enumerate(TIERS)}
-_OTHER_BIT = _TIER_BIT[TIER_OTHER]
 _GPU_BIT = _TIER_BIT[TIER_GPU]
 
 
@@ -54,7 +53,7 @@ def _tier_bit(tier: str) -> int:
     """A tier's bit, its name taken in any case; one outside TIERS is kept under OTHER, as
     the adapter keeps unknown mediums."""
     bit = _TIER_BIT.get(tier)
-    return bit if bit is not None else _TIER_BIT.get(tier.upper(), _OTHER_BIT)
+    return bit if bit is not None else _TIER_BIT[index_tier(tier)]
 
 
 _SLOT_ALL = (1 << _BITS) - 1
