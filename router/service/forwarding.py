@@ -287,12 +287,11 @@ class Forwarder:
         """``worker``'s address took no connection: the other workers there (the other
         data-parallel ranks of its vLLM server) are marked down and probed each on its
         own too, so the retry goes elsewhere, not to a rank of the same dead server."""
-        for sibling in self._workers.at_address(worker.url or ""):
-            if sibling is not worker and sibling.http_up:
-                sibling.mark_http_failure(f"{reason} (at worker {worker.worker_id})")
-                self._on_worker_down(sibling)
-                log.warning("worker %s: its address failed worker %s's request: marked "
-                            "down too", sibling.worker_id, worker.worker_id)
+        for sibling in self._workers.mark_address_down(worker.url or "", worker.worker_id,
+                                                       reason):
+            self._on_worker_down(sibling)
+            log.warning("worker %s: its address failed worker %s's request: marked "
+                        "down too", sibling.worker_id, worker.worker_id)
 
     def _still_its_address(self, worker: WorkerState, what: str) -> bool:
         """Whether a failure (``what``) noted on ``worker``'s address concerns the worker

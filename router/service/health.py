@@ -96,12 +96,10 @@ class HealthProber:
         """``url`` failed ``worker_id``'s probe at the address: the other workers still up
         there are marked down and probed, each on its own (it comes back when its own
         probe answers)."""
-        for sibling in self._workers.at_address(url):
-            if sibling.worker_id != worker_id and sibling.http_up:
-                sibling.mark_http_failure(f"{reason} (at worker {worker_id})")
-                self.probe_later(sibling)
-                log.warning("worker %s: its address %s failed worker %s's /health (%s): "
-                            "marked down too", sibling.worker_id, url, worker_id, reason)
+        for sibling in self._workers.mark_address_down(url, worker_id, reason):
+            self.probe_later(sibling)
+            log.warning("worker %s: its address %s failed worker %s's /health (%s): "
+                        "marked down too", sibling.worker_id, url, worker_id, reason)
 
     async def _ask(self, worker_id: str, url: str) -> ProbeResult:
         started = time.perf_counter()

@@ -133,6 +133,15 @@ class WorkerRegistry:
         in time (health.py), marks the others there down with it."""
         return [w for w in self._workers.values() if w.url == url]
 
+    def mark_address_down(self, url: str, failed_id: str, reason: str) -> list[WorkerState]:
+        """``url`` failed ``failed_id`` at the address itself: every other worker still up
+        there is marked down with ``reason``. Returns those, for the caller to probe
+        (each comes back by its own probe)."""
+        siblings = [w for w in self.at_address(url) if w.worker_id != failed_id and w.http_up]
+        for sibling in siblings:
+            sibling.mark_http_failure(f"{reason} (at worker {failed_id})")
+        return siblings
+
     def forget_silent(self, now: float, after_s: float) -> list[str]:
         """Forget the workers known only by their heartbeats (not configured) that have
         said nothing for ``after_s`` (monotonic ``now``) and have nothing in flight: a pod
