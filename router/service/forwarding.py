@@ -87,9 +87,10 @@ class _Flight:
     client_gone_signal: asyncio.Future[None] | None = None
     # The worker's response once it started (closed if the request ends by an exception).
     upstream: UpstreamResponse | None = None
-    # _account ran: every way a request ends settles it once, never twice (and gives
-    # back the tenant's in-flight slot every flight holds).
+    # _account ran: every way a request ends settles it once, never twice.
     accounted: bool = False
+    # It holds one of its tenant's in-flight slots (given back by _account).
+    tenant_slot: bool = False
 
 
 class Forwarder:
@@ -124,6 +125,7 @@ class Forwarder:
         if (refusal := self.slots.take(inbound)) is not None:
             return refusal
         flight = _Flight(inbound, None, None, time.perf_counter())
+        flight.tenant_slot = True
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -401,7 +403,9 @@ class Forwarder:
         if flight.accounted:
             return
         flight.accounted = True
-        self.slots.give_back(flight.inbound.tenant.name)
+        if flight.tenant_slot:
+            flight.tenant_slot = False
+            self.slots.give_back(flight.inbound.tenant.name)
         endpoint = flight.inbound.endpoint.value
         worker_id = flight.worker_id or "none"
         self._metrics.record_request(endpoint, worker_id, status)
