@@ -15,9 +15,9 @@ so folding again at export changes nothing.
 from __future__ import annotations
 
 from kvhint.schemas.advice import DONOR_ACTION_TYPE
-from kvhint.schemas.hints import ActionType
+from kvhint.schemas.hints import ACTION_TYPE_VALUES
 
-KNOWN_ACTION_TYPES = frozenset({*(t.value for t in ActionType), DONOR_ACTION_TYPE})
+KNOWN_ACTION_TYPES = ACTION_TYPE_VALUES | {DONOR_ACTION_TYPE}
 OTHER_ACTION_TYPE = "other"
 
 

@@ -45,7 +45,6 @@ from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
 from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
 from kvhint.engine_plugin.transport_inbound import (
-    FULL_INBOX_REASON,
     answer_full_inbox,
     decode_advice_or_reject,
     decoder_failed,
@@ -67,7 +66,6 @@ from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
 
-_FULL_INBOX = FULL_INBOX_REASON  # where the router's tests take it from
 # The publisher's pause after an unexpected exception in one of its rounds (or its setup).
 ROUND_ERROR_PAUSE_S = 0.5
 

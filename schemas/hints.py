@@ -61,6 +61,11 @@ class ActionType(str, enum.Enum):
     SHARE = "kv.share"
 
 
+# Every ActionType's wire value: what a label or a counter keyed by a wire string may take
+# as is (anything else is a newer or buggy peer's and is bucketed, never a new label value).
+ACTION_TYPE_VALUES = frozenset(action.value for action in ActionType)
+
+
 class HintOwner(str, enum.Enum):
     """Who a Pin, Retain or Demote speaks for. A worker keeps each owner's claims on a
     session apart: the router's planner re-plans a session all the time and must not

@@ -59,7 +59,6 @@ from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
     PROTOCOL_VERSION,
-    ActionType,
     Amount,
     HintOutcome,
     HoldRelease,
@@ -68,6 +67,7 @@ from kvhint.schemas import (
     encode_hints,
     evict_rest_supported,
 )
+from kvhint.schemas.hints import ACTION_TYPE_VALUES
 
 __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
            "PLANNER_SOURCE", "HintDispatcher", "SentAction"]
@@ -76,7 +76,6 @@ log = logging.getLogger(__name__)
 
 _RECENT_KEPT = 2000
 # hold_released_blocks{action}: an action type this router knows, else "other".
-_ACTION_TYPES = frozenset(a.value for a in ActionType)
 # learned_stats rows. A tenant's statistics: (tenant, TENANT_STATS_KIND). Routers from
 # before statistics were per tenant kept one pooled row, (POOLED_TENANT, POOLED_KIND), and
 # read every row of that kind as it: a kind of its own keeps them from taking a tenant's
@@ -306,7 +305,7 @@ class HintDispatcher:
             # The label's value is the router's own record's, or bounded: the wire's
             # action_type is any string a (buggy, newer) plugin sends.
             action = record.action_type if record is not None else (
-                release.action_type if release.action_type in _ACTION_TYPES else "other")
+                release.action_type if release.action_type in ACTION_TYPE_VALUES else "other")
             self._metrics.hold_releases.labels(action, release.reason.value).inc(
                 release.released.blocks)
         else:

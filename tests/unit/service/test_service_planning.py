@@ -408,10 +408,10 @@ def test_only_the_planners_lasting_rejections_turn_an_action_type_off() -> None:
     agent sending expired Pins turned Pin off on that worker for every tenant, until
     the engine restarted. And so did rejections that say nothing of what the worker
     supports: a burst that filled its inbox, or actions expired in transit."""
-    from kvhint.engine_plugin.transport import _FULL_INBOX
+    from kvhint.engine_plugin.transport_inbound import FULL_INBOX_REASON
 
     _registry, _m, _link, hints, _s, _lc, _i, _r = build(["w0"])
-    transient = [_FULL_INBOX.format(limit=256), "expired: expires_at 1.000 has passed"]
+    transient = [FULL_INBOX_REASON.format(limit=256), "expired: expires_at 1.000 has passed"]
 
     async def reject(source: str, reasons: list[str]) -> None:
         for n, reason in enumerate(reasons):
