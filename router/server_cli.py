@@ -62,6 +62,8 @@ def _run(args: argparse.Namespace) -> int:
             tenant["api_keys"] = ["***"] * len(tenant["api_keys"])
             tenant["admin_keys"] = ["***"] * len(tenant["admin_keys"])
         shown["salt_secret"] = "***"
+        if settings.metrics_token is not None:
+            shown["metrics_token"] = "***"
         # Credentials in either URL are as secret as the keys above.
         shown["nats_url"] = settings.nats_url and loggable_nats_url(settings.nats_url)
         shown["database_url"] = make_url(settings.database_url).render_as_string(

@@ -40,7 +40,7 @@ from kvhint.router.service.sampling import check_parallel_samples
 from kvhint.router.service.sessions_api import build_sessions_router
 from kvhint.router.service.settings import RouterSettings
 from kvhint.router.service.store_errors import STORE_ERRORS, StoreReadErrors
-from kvhint.router.service.tenancy import AuthError, api_key_of
+from kvhint.router.service.tenancy import AuthError, api_key_of, bearer_matches
 
 log = logging.getLogger("kvhint.router")
 
@@ -219,7 +219,12 @@ async def _ready(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
-    return Response(runtime_of(request).metrics.render(), media_type=CONTENT_TYPE)
+    runtime = runtime_of(request)
+    token = runtime.settings.metrics_token
+    if token is not None and not bearer_matches(request.headers.get("authorization"), token):
+        return _error("/metrics needs the metrics token (Authorization: Bearer <token>)",
+                      401, error_type="authentication_error")
+    return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

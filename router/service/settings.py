@@ -265,6 +265,12 @@ class RouterSettings(BaseSettings):
     # to the validator below.
     admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     salt_secret: str = DEFAULT_SALT_SECRET
+    # When set, /metrics answers only ``Authorization: Bearer <metrics_token>`` (Prometheus:
+    # ``authorization: {credentials_file: ...}``), else 401. Its own secret, not an admin
+    # key: a scraper must not be able to send hints. None: open, like vLLM's own /metrics
+    # (keep it to the monitoring network). It shows tenant and worker names, and each
+    # scrape walks every session in memory.
+    metrics_token: str | None = Field(None, min_length=16)
 
     routing: RoutingSettings = RoutingSettings()
     hints: HintSettings = HintSettings()

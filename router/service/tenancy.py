@@ -152,6 +152,12 @@ def api_key_of(headers: Mapping[str, str]) -> str | None:
     return api_key_from_headers(headers.get("authorization"), headers.get("x-api-key"))
 
 
+def bearer_matches(authorization: str | None, secret: str) -> bool:
+    """``Authorization: Bearer <secret>``, compared in constant time."""
+    token = api_key_from_headers(authorization, None)
+    return token is not None and hmac.compare_digest(token.encode(), secret.encode())
+
+
 def api_key_from_headers(authorization: str | None, x_api_key: str | None) -> str | None:
     if authorization:
         scheme, _, token = authorization.partition(" ")

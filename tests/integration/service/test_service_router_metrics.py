@@ -171,3 +171,35 @@ async def test_a_forgotten_workers_series_leave_metrics(
             assert overview["totals"]["requests"] == 1
     finally:
         await nc.drain()
+
+
+async def test_metrics_take_the_metrics_token_when_one_is_set(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``metrics_token`` set, /metrics answers its bearer only (not an admin key: a
+    scraper must not be able to send hints) and --check-config hides it. Before, /metrics
+    was open to anyone who could reach the router, with no way to close it."""
+    token = "scrape-0123456789abcdef"
+    settings = router_settings(tmp_path, [], metrics_token=token, admin_keys=["admin-key"])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for headers in ({}, {"authorization": "Bearer admin-key"},
+                        {"authorization": f"Bearer {token}x"}, {"x-api-key": token}):
+            refused = await client.get(f"{router.url}/metrics", headers=headers)
+            assert refused.status_code == 401, headers
+            assert "metrics token" in refused.json()["error"]["message"]
+        answered = await client.get(f"{router.url}/metrics",
+                                    headers={"authorization": f"Bearer {token}"})
+        assert answered.status_code == 200
+        assert "kvhint_router_drops_total" in answered.text
+    async with running_router(router_settings(tmp_path, [])) as router, \
+            httpx.AsyncClient() as client:  # no token: open, as before
+        assert (await client.get(f"{router.url}/metrics")).status_code == 200
+
+    from kvhint.router.cli import main
+
+    config = tmp_path / "router.yaml"
+    config.write_text(f"metrics_token: {token}\n")
+    assert main(["router", "--config", str(config), "--check-config"]) == 0
+    out = capsys.readouterr().out
+    assert token not in out and '"metrics_token": "***"' in out
+    config.write_text("metrics_token: short\n")  # a guessable token is refused
+    assert main(["router", "--config", str(config), "--check-config"]) == 2
