@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,27 @@ def test_kubernetes_lets_only_the_router_and_the_workers_reach_nats() -> None:
     assert labels == allowed  # the selectors name pods that exist
 
 
+def test_kubernetes_admits_only_labelled_pods_to_the_nats_monitor_port() -> None:
+    """Security review: NATS's monitor port 8222 (/connz, /subsz, /jsz: the clients, their
+    subjects, the streams) was open to every pod. Now each ingress rule names its peers
+    and ports, and 8222 admits only this namespace's pods labelled
+    kvhint.io/nats-monitor: "true" (Prometheus scrapes no NATS; the readiness probe
+    comes from the node, which a NetworkPolicy always admits)."""
+    (policy,) = [doc for doc in _k8s_docs() if doc["kind"] == "NetworkPolicy"
+                 and doc["metadata"]["name"] == "kvhint-nats"]
+    rules = policy["spec"]["ingress"]
+    for rule in rules:  # a rule without peers or ports admits every pod or every port
+        assert rule.get("from") and rule.get("ports"), rule
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"} and peer["podSelector"].get("matchLabels"), peer
+    monitor = [rule for rule in rules if any(p["port"] == 8222 for p in rule["ports"])]
+    assert [rule["from"] for rule in monitor] == [
+        [{"podSelector": {"matchLabels": {"kvhint.io/nats-monitor": "true"}}}]]
+    assert [p["port"] for p in monitor[0]["ports"]] == [8222]
+    probe = _k8s_container("kvhint-nats")["readinessProbe"]["httpGet"]
+    assert probe == {"path": "/healthz", "port": "monitor"}  # from the node: admitted
+
+
 def _interpolated(text: str, env: dict[str, str]) -> str:
     """``text`` with compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` filled
     from ``env`` (a ``:-`` default where ``env`` lacks the variable)."""
@@ -226,32 +248,71 @@ def _kv_transfer_configs(service: dict) -> list[dict]:
             if isinstance(arg, str) and arg.startswith("--kv-transfer-config=")]
 
 
-@pytest.mark.parametrize("password", ["pw-from-env_1.x", None])
-def test_compose_nats_requires_a_password_kept_out_of_kv_transfer_config(
-        password: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Security review: compose's NATS took any client. Now it requires user kvhint and
-    KVHINT_NATS_PASSWORD (its documented default when unset, in .env.example too); the
-    router gets the URL with them in its environment, over router.yaml's, and each worker
-    in the variable its plugin's nats_url_env names: vLLM logs --kv-transfer-config, and
-    no service's holds a NATS URL, let alone a password."""
+def _nats_password_uses(text: str) -> list[str]:
+    """Every ``${KVHINT_NATS_PASSWORD...}`` in ``text``, as written."""
+    return re.findall(r"\$\{KVHINT_NATS_PASSWORD(?:[:?+-][^}]*)?\}", text)
+
+
+def test_compose_refuses_to_start_without_the_nats_password() -> None:
+    """Security review: compose's NATS defaulted to a public password (change-me-nats).
+    Now every use of KVHINT_NATS_PASSWORD is ``${...:?...}``, which compose refuses to
+    start without (unset or empty), with a message naming deploy/.env.example; and
+    .env.example ships it empty. With docker compose here, its own check says so too."""
+    text = (DEPLOY / "compose.yaml").read_text()
+    uses = _nats_password_uses(text)
+    assert len(uses) >= 2  # the URL the router and workers get; NATS's environment
+    assert text.count("${KVHINT_NATS_PASSWORD") == len(uses)  # all of them, and no bare
+    assert "$KVHINT_NATS_PASSWORD" not in text  # $VAR form
+    for use in uses:
+        assert use.startswith("${KVHINT_NATS_PASSWORD:?") and "deploy/.env.example" in use
+    with pytest.raises(AssertionError, match="needs KVHINT_NATS_PASSWORD"):
+        _interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": ""})
+    assert re.search(r"^KVHINT_NATS_PASSWORD=$", (DEPLOY / ".env.example").read_text(), re.M)
+
+    docker = ["docker", "compose", "--env-file", os.devnull, "-f", str(DEPLOY / "compose.yaml"),
+              "config", "-q"]
+    if shutil.which("docker") is None or subprocess.run(
+            [*docker[:2], "version"], capture_output=True, timeout=60).returncode != 0:
+        return  # no docker compose here: the parse above is the check
+    env = {k: v for k, v in os.environ.items() if k != "KVHINT_NATS_PASSWORD"}
+    env["KVHINT_ADMIN_KEY"] = "adm"
+    refused = subprocess.run(docker, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "deploy/.env.example" in refused.stderr
+    started = subprocess.run(docker, env=env | {"KVHINT_NATS_PASSWORD": "pw"},
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+
+
+def test_compose_nats_reads_its_password_from_its_environment_not_its_command_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Security review: compose's NATS took the password as ``--pass`` on its command
+    line, which ``ps`` and /proc/PID/cmdline show. Now it starts with ``-c`` and the
+    mounted nats.conf only, and gets the password (in double quotes: nats.conf says why)
+    in NATS_PASSWORD_QUOTED. (tests/integration/service/test_service_deploy_nats.py runs
+    the real nats-server so.) The router gets the URL with user kvhint and the password
+    in its environment, over router.yaml's, and each worker in the variable its plugin's
+    nats_url_env names: vLLM logs --kv-transfer-config, and no service's holds a NATS
+    URL, let alone a password."""
     from kvhint.engine_plugin.config import load_plugin_config
 
-    env = {"KVHINT_ADMIN_KEY": "adm"} | ({"KVHINT_NATS_PASSWORD": password} if password else {})
-    text = (DEPLOY / "compose.yaml").read_text()
-    services = yaml.safe_load(_interpolated(text, env))["services"]
-    command = services["nats"]["command"]
-    user, secret = command[command.index("--user") + 1], command[command.index("--pass") + 1]
-    documented = re.search(r"^KVHINT_NATS_PASSWORD=(\S+)$",
-                           (DEPLOY / ".env.example").read_text(), re.M).group(1)
-    assert user == "kvhint" and secret == (password or documented) == (
-        password or "change-me-nats")
-    url = f"nats://{user}:{secret}@nats:4222"
+    password = "pw-from-env_1.x"
+    env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
+    services = yaml.safe_load(_interpolated((DEPLOY / "compose.yaml").read_text(), env))[
+        "services"]
+    nats = services["nats"]
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert "./nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert nats["environment"] == {"NATS_PASSWORD_QUOTED": f'"{password}"'}
+    for name, service in services.items():
+        command = json.dumps(service.get("command") or [])
+        assert password not in command and "--pass" not in command, name
+    url = f"nats://kvhint:{password}@nats:4222"
 
     workers = 0
     for name, service in services.items():
         for config in _kv_transfer_configs(service):
             extra = config["kv_connector_extra_config"]
-            assert secret not in json.dumps(config) and "nats_url" not in extra, name
+            assert password not in json.dumps(config) and "nats_url" not in extra, name
             variable = extra["nats_url_env"]
             assert service["environment"][variable] == url, name
             monkeypatch.setenv(variable, service["environment"][variable])
@@ -289,11 +350,19 @@ def _k8s_secrets() -> dict[str, dict[str, str]]:
             for doc in _k8s_docs() if doc["kind"] == "Secret"}
 
 
+def _k8s_workload(name: str) -> dict:
+    return next(doc for doc in _k8s_docs() if doc["kind"] in (
+        "Deployment", "StatefulSet") and doc["metadata"]["name"] == name)
+
+
 def _k8s_container(workload: str) -> dict:
-    (container,) = next(doc for doc in _k8s_docs() if doc["kind"] in (
-        "Deployment", "StatefulSet") and doc["metadata"]["name"] == workload)[
-        "spec"]["template"]["spec"]["containers"]
+    (container,) = _k8s_workload(workload)["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def _k8s_config_map(name: str) -> dict:
+    return next(doc for doc in _k8s_docs()
+                if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == name)
 
 
 def _k8s_env(container: dict, secrets: dict[str, dict[str, str]],
@@ -332,8 +401,10 @@ def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[s
 def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
         password: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Security review: the Kubernetes NATS took any client (compose's already required a
-    password). Now it requires user kvhint and the password in Secret kvhint-nats (as
-    shipped, and as an operator replaces it); the router and the workers compose the URL
+    password), then took the password as ``--pass`` on its command line (ps shows it).
+    Now it requires user kvhint and the password in Secret kvhint-nats (as shipped, and
+    as an operator replaces it), which it reads from its environment through the
+    ConfigMap's nats.conf; the router and the workers compose the URL
     with it from that Secret, the workers through the plugin's nats_url_env: vLLM logs
     --kv-transfer-config, and none holds a NATS URL or the password. The password is
     written nowhere in the manifests but the Secret."""
@@ -350,10 +421,18 @@ def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
     secret = password or shipped
     url = f"nats://kvhint:{secret}@kvhint-nats:4222"
 
+    # NATS: `-c` and the ConfigMap's nats.conf only on its command line (ps shows it),
+    # the password from the Secret in its environment, in double quotes (nats.conf).
     nats = _k8s_container("kvhint-nats")
-    args = [_k8s_expanded(arg, _k8s_env(nats, secrets)) for arg in nats["args"]]
-    assert args[args.index("--user") + 1] == "kvhint"
-    assert args[args.index("--pass") + 1] == secret
+    nats_env = _k8s_env(nats, secrets)
+    args = [_k8s_expanded(arg, nats_env) for arg in nats.get("command", []) + nats["args"]]
+    assert args == ["-c", "/etc/nats/nats.conf"]
+    assert nats_env["NATS_PASSWORD_QUOTED"] == f'"{secret}"'
+    (volume,) = [v for v in _k8s_workload("kvhint-nats")["spec"]["template"]["spec"][
+        "volumes"] if v.get("configMap", {}).get("name") == "kvhint-nats"]
+    assert {"name": volume["name"], "mountPath": "/etc/nats", "readOnly": True} in nats[
+        "volumeMounts"]
+    assert "nats.conf" in _k8s_config_map("kvhint-nats")["data"]
 
     router = _k8s_docs()
     config_map = next(doc for doc in router if doc["kind"] == "ConfigMap"
