@@ -267,7 +267,11 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
         assert use.startswith("${KVHINT_NATS_PASSWORD:?") and "deploy/.env.example" in use
     with pytest.raises(AssertionError, match="needs KVHINT_NATS_PASSWORD"):
         _interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": ""})
-    assert re.search(r"^KVHINT_NATS_PASSWORD=$", (DEPLOY / ".env.example").read_text(), re.M)
+    example = (DEPLOY / ".env.example").read_text()
+    # No secret ships with a value (it held change-me-admin, a public admin key).
+    for secret in ("KVHINT_NATS_PASSWORD", "KVHINT_ADMIN_KEY"):
+        assert re.search(rf"^{secret}=$", example, re.M), secret
+    assert "${KVHINT_ADMIN_KEY:?" in text and "${KVHINT_ADMIN_KEY:-" not in text
 
     docker = ["docker", "compose", "--env-file", os.devnull, "-f", str(DEPLOY / "compose.yaml"),
               "config", "-q"]
