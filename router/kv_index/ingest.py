@@ -15,6 +15,9 @@ Typical wiring (the service owns NATS)::
     actions = ingestor.on_status_message(msg.data, subject=msg.subject)
     # every second or so:
     actions = ingestor.tick()
+    # replaying the events stream's history (a router's start, a link set up again):
+    ingestor.replay_started()             # before heartbeats are taken
+    actions = ingestor.replay_caught_up() # the consumer reached the stream's end
     # for RequestSnapshot(w, cursor, limit): request snapshot.<w> and then
     actions = ingestor.on_snapshot_page(decode_snapshot(reply.data))   # or on_snapshot_failed
 """
@@ -90,6 +93,8 @@ class KvEventIngestor:
         self._unknown_pages = 0
         # Counters of the streams forgotten (long dead), so totals never go back.
         self._forgotten_counters = dict.fromkeys((f.name for f in fields(StreamCounters)), 0)
+        # When the owner began replaying the events stream's history; None: not replaying.
+        self._replay_since: float | None = None
 
     # --- messages -------------------------------------------------------------------
 
@@ -163,7 +168,7 @@ class KvEventIngestor:
         stream = self._stream(status.worker_id)
         was_alive = stream.alive
         decision = stream.on_status(status.epoch, status.last_event_seq, status.interval_s,
-                                    self._clock(), status)
+                                    self._clock(), status, replaying=self.replaying)
         return self._alive_actions(stream, was_alive) + self._carry_out(stream, decision)
 
     def on_snapshot_page(self, page: WorkerSnapshot, cursor: int | None = None
@@ -215,9 +220,41 @@ class KvEventIngestor:
         the ingestor's setting at every tick, so it applies to them too."""
         self.config = replace(self.config, forget_dead_after_s=float(seconds))
 
+    # --- the replay of the events stream's history ---------------------------------
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the owner is replaying the events stream's history (see
+        :meth:`replay_started`)."""
+        return self._replay_since is not None
+
+    def replay_started(self) -> None:
+        """The owner begins replaying the events stream's history (a router's start, its
+        link set up again), before it takes heartbeats. Until :meth:`replay_caught_up` (or
+        ``config.replay_wait_s``), a heartbeat of a worker with no batch applied waits for
+        the worker's replayed batches instead of asking for a snapshot (:mod:`.stream`)."""
+        self._replay_since = self._clock()
+
+    def replay_caught_up(self) -> list[IngestAction]:
+        """The replay reached the stream's end (or there was none: an empty stream, no
+        JetStream). Workers still waiting for their batches resync now. Idempotent."""
+        return self._end_replay(expired=False)
+
+    def _end_replay(self, expired: bool) -> list[IngestAction]:
+        if self._replay_since is None:
+            return []
+        self._replay_since = None
+        now = self._clock()
+        actions: list[IngestAction] = []
+        for stream in self._streams.values():
+            actions += self._carry_out(stream, stream.on_replay_over(now, expired))
+        return actions
+
+    # --- timers ---------------------------------------------------------------------
+
     def tick(self) -> list[IngestAction]:
         """Call periodically (about once per second): dead workers, snapshot retries and
-        timeouts, heartbeats that show lost trailing batches."""
+        timeouts, heartbeats that show lost trailing batches, a replay past its bound."""
         now = self._clock()
         actions: list[IngestAction] = []
         for stream in list(self._streams.values()):
@@ -226,7 +263,7 @@ class KvEventIngestor:
                     was_heard is None or now - was_heard > self.config.forget_dead_after_s):
                 self._forget_stream(stream)
                 continue
-            decision, request_page = stream.tick(now)
+            decision, request_page = stream.tick(now, self.replaying)
             if stream.phase is StreamPhase.DEAD and decision.purge_reason:
                 self.index.apply(WorkerPurged(stream.worker_id, decision.purge_reason))
                 actions.append(WorkerDead(stream.worker_id,
@@ -235,6 +272,10 @@ class KvEventIngestor:
             actions += self._carry_out(stream, decision)
             if request_page:
                 actions.append(self._request_page(stream, "retrying snapshot"))
+        # After liveness: a waiting worker gone silent is dead, not resynced.
+        if (self._replay_since is not None
+                and now - self._replay_since > self.config.replay_wait_s):
+            actions += self._end_replay(expired=True)
         return actions
 
     def forget_worker(self, worker_id: str, reason: str = "removed") -> None:

@@ -20,7 +20,16 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
   then the view from before the gap keeps answering (the best estimate there is: a gap
   loses a few batches of a cache of thousands of blocks), after it the view is too old to
   route on, and would otherwise be trusted for as long as the snapshots keep failing;
-- no message for ``heartbeat_misses * interval_s`` (the liveness window) -> dead: purge.
+- no message for ``heartbeat_misses * interval_s`` (the liveness window) -> dead: purge;
+- while the owner replays the events stream's history (``replaying``, from a router's start
+  or a link set up again until it caught up, at most ``replay_wait_s``), a heartbeat of a
+  worker none of whose batches is applied waits for them (AWAITING_REPLAY) instead of
+  resyncing: its replay from seq 1 makes it LIVE, one from mid-epoch (history trimmed)
+  resyncs, and the replay's end (:meth:`WorkerStream.on_replay_over`) resyncs it if none
+  came. Before, every worker whose heartbeat beat its replayed batches took a snapshot
+  and the replay of its history was buffered, then discarded: a snapshot storm at each
+  router start. Tail gaps are not judged while the replay runs either (it has not reached
+  the tail): the grace starts at its end.
 
 A batch published longer ago than the liveness window (its ``age_s``: the events stream's
 history, replayed when a router starts or its link is set up again) is ordered and applied
@@ -43,12 +52,13 @@ Time comes from the caller (an injected clock); nothing here does I/O.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvhint.router.kv_index.stream_types import (
     BatchVerdict,
+    BufferedBatch,
     Decision,
+    ResyncState,
     StreamConfig,
     StreamCounters,
     StreamPhase,
@@ -63,26 +73,8 @@ T = TypeVar("T")
 
 _APPLY = Decision(BatchVerdict.APPLY)  # the hot path's answer, built once
 _NOTHING = Decision()
-
-
-@dataclass(slots=True)
-class _Resync(Generic[T]):
-    reason: str
-    started_at: float
-    cursor: int = 0
-    awaiting_since: float | None = None   # a page request is out
-    retry_at: float | None = None         # set after a failure
-    page_epoch: str | None = None
-    base_seq: int | None = None           # the snapshot's seq (every page's)
-    pages: list[object] = field(default_factory=list)
-    view_purged: bool = False              # the stale view was purged (stalled too long)
-
-
-@dataclass(slots=True)
-class _Buffered(Generic[T]):
-    seq: int
-    item: T
-    size: int = 0
+_HEARD_PHASES = (StreamPhase.LIVE, StreamPhase.RESYNCING, StreamPhase.AWAITING_REPLAY)
+_NOTHING_APPLIED = (StreamPhase.NEW, StreamPhase.DEAD, StreamPhase.AWAITING_REPLAY)
 
 
 class WorkerStream(Generic[T]):
@@ -100,10 +92,10 @@ class WorkerStream(Generic[T]):
         self.counters = StreamCounters()
         self.last_status: object | None = None
         self._retired: deque[str] = deque(maxlen=config.max_retired_epochs)
-        self._buffer: list[_Buffered[T]] = []
+        self._buffer: list[BufferedBatch[T]] = []
         self._buffered_max_seq = 0
         self._buffered_bytes = 0
-        self._resync: _Resync[T] | None = None
+        self._resync: ResyncState | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
         self._reported_seq: int | None = None  # this epoch's last heartbeat's last_event_seq
         # When a never-heard stream got its first replayed batch: its silence runs from
@@ -121,8 +113,7 @@ class WorkerStream(Generic[T]):
     def alive(self) -> bool:
         """Heard live (a heartbeat, a fresh batch, a snapshot reply) and not declared dead
         since: a stream fed only replayed batches is not."""
-        return self.last_heard is not None and (self.phase is StreamPhase.LIVE
-                                                or self.phase is StreamPhase.RESYNCING)
+        return self.last_heard is not None and self.phase in _HEARD_PHASES
 
     @property
     def silent_since(self) -> float | None:
@@ -155,6 +146,8 @@ class WorkerStream(Generic[T]):
             return self._buffer_batch(seq, item, purge, size)
         if self.phase is not StreamPhase.LIVE:  # first batch of this epoch
             if seq == 1:
+                if self.phase is StreamPhase.AWAITING_REPLAY:
+                    self._wait_ended_by_replay(now)
                 self.phase = StreamPhase.LIVE
             else:
                 return self._begin_resync(seq, item, purge,
@@ -180,8 +173,10 @@ class WorkerStream(Generic[T]):
                                   now, size)
 
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
-                  status: object | None = None) -> Decision:
-        """A heartbeat. Returns a decision with no verdict (there is no batch)."""
+                  status: object | None = None, replaying: bool = False) -> Decision:
+        """A heartbeat. Returns a decision with no verdict (there is no batch).
+        ``replaying``: the owner is replaying the events stream's history (see the module
+        doc): a worker with nothing applied waits for it instead of resyncing."""
         if self._is_stale(epoch, heartbeat=True):
             self.counters.stale_status += 1
             return Decision()
@@ -196,6 +191,11 @@ class WorkerStream(Generic[T]):
             if last_event_seq == 0:
                 self.phase = StreamPhase.LIVE  # nothing published yet: empty cache
                 return Decision(None, purge)
+            if replaying:  # its batches may be in the history still to come
+                if self.phase is not StreamPhase.AWAITING_REPLAY:
+                    self.phase = StreamPhase.AWAITING_REPLAY
+                    self.counters.resyncs_deferred += 1
+                return Decision(None, purge)
             return self._begin_resync(None, None, purge,
                                       f"joined mid-stream (worker at seq {last_event_seq})",
                                       now)
@@ -204,10 +204,11 @@ class WorkerStream(Generic[T]):
                 self._behind = (last_event_seq, now)
         else:
             self._behind = None
-        return Decision(None, purge) if purge else self._check_tail_gap(now)
+        return Decision(None, purge) if purge else self._check_tail_gap(now, replaying)
 
-    def tick(self, now: float) -> tuple[Decision, bool]:
-        """Liveness and timers. Returns (decision, request_page_now)."""
+    def tick(self, now: float, replaying: bool = False) -> tuple[Decision, bool]:
+        """Liveness and timers (``replaying``: as for :meth:`on_status`). Returns
+        (decision, request_page_now)."""
         heard = self.silent_since
         if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or heard is None:
             return _NOTHING, False
@@ -234,7 +235,25 @@ class WorkerStream(Generic[T]):
                 self.counters.snapshot_failures += 1
                 return decision, True
             return decision, False
-        return self._check_tail_gap(now), False
+        return self._check_tail_gap(now, replaying), False
+
+    def on_replay_over(self, now: float, expired: bool = False) -> Decision:
+        """The owner's replay of the history ended: caught up with the stream, or given up
+        after ``replay_wait_s`` (``expired``). A worker still waiting got none of its
+        batches from it: resync now. A LIVE one behind what its heartbeat reported gets
+        the tail-gap grace from now (not judged during the replay)."""
+        if self.phase is StreamPhase.LIVE and self._behind is not None:
+            self._behind = (self._behind[0], now)
+            return _NOTHING
+        if self.phase is not StreamPhase.AWAITING_REPLAY:
+            return _NOTHING
+        if expired:
+            self.counters.replay_waits_expired += 1
+            why = f"the replay was not over after {self.config.replay_wait_s:.0f}s"
+        else:
+            why = "the replay held none of its batches"
+        return self._begin_resync(None, None, None, f"joined mid-stream (worker at seq "
+                                                    f"{self._reported_seq}): {why}", now)
 
     # --- resync -------------------------------------------------------------------
 
@@ -383,8 +402,9 @@ class WorkerStream(Generic[T]):
                 and epoch_is_older(epoch, self.epoch))
 
     def _observe_epoch(self, epoch: str) -> str | None:
-        """Take ``epoch`` as current; the purge reason when it replaces a live one."""
-        if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or self.epoch is None:
+        """Take ``epoch`` as current; the purge reason when it replaces a live one (a
+        waiting one has nothing applied to purge)."""
+        if self.phase in _NOTHING_APPLIED or self.epoch is None:
             self._adopt_epoch(epoch)
             return None
         if epoch == self.epoch:
@@ -426,7 +446,7 @@ class WorkerStream(Generic[T]):
     def _begin_resync(self, seq: int | None, item: T | None, purge: str | None,
                       reason: str, now: float, size: int = 0) -> Decision:
         self.phase = StreamPhase.RESYNCING
-        self._resync = _Resync(reason, now)
+        self._resync = ResyncState(reason, now)
         self._behind = None
         self.counters.resyncs_started += 1
         verdict = None
@@ -447,7 +467,7 @@ class WorkerStream(Generic[T]):
                 self._buffer and self._buffered_bytes + size > self.config.max_buffered_bytes):
             self.counters.overflow_dropped += 1
             return BatchVerdict.OVERFLOW
-        self._buffer.append(_Buffered(seq, item, size))  # type: ignore[arg-type]
+        self._buffer.append(BufferedBatch(seq, item, size))  # type: ignore[arg-type]
         self._buffered_bytes += size
         self._buffered_max_seq = max(self._buffered_max_seq, seq)
         self.counters.buffered += 1
@@ -457,8 +477,15 @@ class WorkerStream(Generic[T]):
         if self._behind is not None and self.applied_seq >= self._behind[0]:
             self._behind = None
 
-    def _check_tail_gap(self, now: float) -> Decision:
-        if self._behind is None or self.phase is not StreamPhase.LIVE:
+    def _wait_ended_by_replay(self, now: float) -> None:
+        """A waiting worker's replay began at its epoch's seq 1: no snapshot needed. What
+        its heartbeat reported is to be caught up with, as if heard while LIVE."""
+        self.counters.resyncs_avoided += 1
+        if self._reported_seq:
+            self._behind = (self._reported_seq, now)
+
+    def _check_tail_gap(self, now: float, replaying: bool = False) -> Decision:
+        if self._behind is None or self.phase is not StreamPhase.LIVE or replaying:
             return Decision()
         target, since = self._behind
         grace = self.config.tail_gap_grace_s

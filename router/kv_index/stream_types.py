@@ -1,16 +1,24 @@
 """The value types of the per-worker stream rules (:mod:`.stream`): phases, verdicts, the
-tuning, a decision for the owner and the counters. Pure data."""
+tuning, a decision for the owner, the counters, and the stream's resync and buffer records.
+Pure data."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class StreamPhase(enum.Enum):
     NEW = "new"              # never heard
     LIVE = "live"            # applying batches in order
     RESYNCING = "resyncing"  # waiting for snapshot pages; batches buffered
+    # Heard (a heartbeat with last_event_seq > 0) while the feed replays the events
+    # stream's history, none of its batches applied yet: waiting for them instead of a
+    # snapshot. Alive; its view (empty) is not exact.
+    AWAITING_REPLAY = "awaiting_replay"
     DEAD = "dead"            # silent too long; purged
 
 
@@ -63,6 +71,16 @@ class StreamConfig:
     # heartbeat intervals (one heartbeat late is jitter; more, the stream may be lagging
     # or the plugin gone; heartbeat_misses later it is declared dead and purged).
     exact_heartbeat_misses: float = 1.5
+    # How long the feed's replay of the events stream's history (at a router's start, or
+    # its NATS link set up again) is waited for: meanwhile a worker heard but none of its
+    # batches applied waits for them instead of resyncing (AWAITING_REPLAY), and tail gaps
+    # are not judged. Past it the replay is taken as over: the workers still waiting
+    # resync, as all did before. A fixed time, not heartbeat intervals: it bounds the
+    # replay, whose length is set by the stream's size, not by the workers' intervals. A
+    # full default stream (1 GiB of ~700-byte batches) replayed in ~30 s on a 2-core host
+    # (~54k batches/s); 60 s leaves room for a slower one, and a replay that stalls for
+    # good leaves a worker without a view for a minute, not for ever.
+    replay_wait_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +119,35 @@ class StreamCounters:
     # dead or removed from the configuration, and replayed (aged) ones that arrive once it
     # is dead. Not stale_epoch: their epoch may well be the worker's current one.
     dead_worker_dropped: int = 0
+    # Bookkeeping of the replay waits (AWAITING_REPLAY): heartbeats during a replay that
+    # waited for the worker's replayed batches instead of starting a resync; waits that
+    # the replay ended from the epoch's seq 1 (no snapshot needed); waits ended by
+    # replay_wait_s (a resync then, as before). A wait the replay ends with none of the
+    # worker's batches, or from mid-epoch, resyncs (resyncs_started, "mid-stream").
+    resyncs_deferred: int = 0
+    resyncs_avoided: int = 0
+    replay_waits_expired: int = 0
+
+
+@dataclass(slots=True)
+class ResyncState:
+    """A resync in progress: the snapshot's pagination (internal to the stream)."""
+
+    reason: str
+    started_at: float
+    cursor: int = 0
+    awaiting_since: float | None = None   # a page request is out
+    retry_at: float | None = None         # set after a failure
+    page_epoch: str | None = None
+    base_seq: int | None = None           # the snapshot's seq (every page's)
+    pages: list[object] = field(default_factory=list)
+    view_purged: bool = False              # the stale view was purged (stalled too long)
+
+
+@dataclass(slots=True)
+class BufferedBatch(Generic[T]):
+    """A batch held during a resync (internal to the stream)."""
+
+    seq: int
+    item: T
+    size: int = 0

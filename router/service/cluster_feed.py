@@ -15,6 +15,12 @@
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
   ingestor asks (gap, epoch change, joined mid-stream, missed tail).
 
+Heartbeats flow at once, the events replay takes a while (up to the stream's hour / GiB):
+the ingestor is told the replay runs (``replay_started``, before heartbeats are taken) and
+when it is over (``replay_caught_up``: a delivery with ``num_pending`` 0, an events stream
+empty when the consumer was made, or JetStream failing and no replay at all), so a worker
+heard before its replayed batches waits for them instead of taking a snapshot.
+
 Where JetStream fails at set-up (disabled, out of storage, a stream of another name
 holding the subjects) events, outcomes and releases flow on plain subscriptions meanwhile
 (``replay`` False, counted as ``drops{what="jetstream_unavailable"}`` per failed try) and
@@ -153,6 +159,8 @@ class ClusterFeed:
         """Streams and subscriptions; NatsLink calls this once per (re)established link
         (nats-py's own reconnects keep the subscriptions and do not call it)."""
         subjects = self._subjects
+        # Before the heartbeats: one heard ahead of its worker's replayed batches waits.
+        self.ingestor.replay_started()
         await self._link.subscribe(subjects.all_of("status"), self._on_status)
         self._plain = []
         try:
@@ -160,6 +168,7 @@ class ClusterFeed:
                                          outcomes_start=self.outcomes.start_seq(),
                                          releases_start=self.releases.start_seq())
         except (NatsError, asyncio.TimeoutError) as exc:
+            self._perform(self.ingestor.replay_caught_up())  # no replay: nothing to wait for
             # No JetStream (disabled, out of storage, the subjects held by a stream of
             # another name): live messages still flow on plain subscriptions; what is
             # missed meanwhile is resynced from snapshots instead of replayed, and
@@ -171,6 +180,20 @@ class ClusterFeed:
                 await self._link.subscribe(subjects.all_of("releases"), self._on_releases)]
             return
         self.replay = True
+        if not await self._events_history_exists():
+            self._perform(self.ingestor.replay_caught_up())
+
+    async def _events_history_exists(self) -> bool:
+        """Whether the events stream held messages once its consumer was made: else no
+        delivery will ever say the replay caught up. When it cannot be read, False: the
+        waiting ends as it did before it existed (a heartbeat resyncs at once)."""
+        try:
+            info = await self._link.js.stream_info(self._subjects.events_stream)
+        except (NatsError, asyncio.TimeoutError, RuntimeError) as exc:
+            log.warning("events stream state unreadable (%r): not waiting for its replay",
+                        exc)
+            return False
+        return info.state.messages > 0
 
     async def _set_up_jetstream(self, events_start: int | None, outcomes_start: int | None,
                                 releases_start: int | None) -> None:
@@ -283,6 +306,10 @@ class ClusterFeed:
         actions = self.ingestor.on_event_message(msg.headers, msg.data, subject=msg.subject,
                                                  age_s=age_s)
         self._perform(actions)
+        if metadata is not None and metadata.num_pending == 0 and self.ingestor.replaying:
+            # The consumer reached the stream's end: workers still waiting got nothing
+            # from the replay and resync now (after this batch, which may be theirs).
+            self._perform(self.ingestor.replay_caught_up())
 
     async def _on_status(self, msg: Msg) -> None:
         try:

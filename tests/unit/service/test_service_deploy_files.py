@@ -131,7 +131,10 @@ _INGEST_THROUGHPUT = {
     "index_purged_workers", "index_snapshots_loaded",
     # Host-tier references taken and given back (vLLM announces a hash once per chunk):
     # bookkeeping, nothing lost.
-    "index_repeat_stores", "index_repeat_removes"}
+    "index_repeat_stores", "index_repeat_removes",
+    # Heartbeats that waited for their worker's replayed history instead of a snapshot,
+    # and how those waits ended: bookkeeping (a resync that follows is counted as one).
+    "stream_resyncs_deferred", "stream_resyncs_avoided", "stream_replay_waits_expired"}
 
 
 def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
