@@ -48,22 +48,35 @@ def _hit_tokens(matched_blocks: int, input_length: int, block_size: int) -> int:
 
 
 def unbounded(trace: Trace) -> ReferenceResult:
+    hits = unbounded_hit_tokens(trace)
+    return ReferenceResult("unbounded", None, sum(r.input_length for r in trace.requests),
+                           sum(hits))
+
+
+def unbounded_hit_tokens(trace: Trace) -> list[int]:
+    """Per request (trace order), the tokens an unbounded cache serves it."""
     seen: set[int] = set()
-    hits = prompt = 0
+    hits = []
     for request, keys in zip(trace.requests, _chains(trace), strict=True):
         matched = 0
         for key in keys:
             if key not in seen:
                 break
             matched += 1
-        hits += _hit_tokens(matched, request.input_length, trace.block_size)
-        prompt += request.input_length
+        hits.append(_hit_tokens(matched, request.input_length, trace.block_size))
         seen.update(keys)
-    return ReferenceResult("unbounded", None, prompt, hits)
+    return hits
 
 
 def oracle(trace: Trace, capacity_blocks: int) -> ReferenceResult:
     """Belady (furthest next use) over one pool of ``capacity_blocks`` blocks."""
+    hits = oracle_hit_tokens(trace, capacity_blocks)
+    return ReferenceResult("oracle", capacity_blocks,
+                           sum(r.input_length for r in trace.requests), sum(hits))
+
+
+def oracle_hit_tokens(trace: Trace, capacity_blocks: int) -> list[int]:
+    """Per request (trace order), the tokens :func:`oracle`'s pool serves it."""
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")
     chains = _chains(trace)
@@ -77,15 +90,14 @@ def oracle(trace: Trace, capacity_blocks: int) -> ReferenceResult:
             upcoming[key] = i
     cached: dict[int, float] = {}  # key -> its next use
     heap: list[tuple[float, int, int]] = []  # (-next_use, -depth, key), lazily invalidated
-    hits = prompt = 0
+    hits = []
     for i, (request, keys) in enumerate(zip(trace.requests, chains, strict=True)):
         matched = 0
         for key in keys:
             if key not in cached:
                 break
             matched += 1
-        hits += _hit_tokens(matched, request.input_length, trace.block_size)
-        prompt += request.input_length
+        hits.append(_hit_tokens(matched, request.input_length, trace.block_size))
         for depth, (key, nxt) in enumerate(zip(keys, next_use[i], strict=True)):
             cached[key] = nxt
             heapq.heappush(heap, (-nxt, -depth, key))
@@ -93,4 +105,4 @@ def oracle(trace: Trace, capacity_blocks: int) -> ReferenceResult:
             neg_next, _, key = heapq.heappop(heap)
             if cached.get(key) == -neg_next:
                 del cached[key]
-    return ReferenceResult("oracle", capacity_blocks, prompt, hits)
+    return hits
