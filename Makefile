@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvhint-installed
 STATE_DIR ?= .kvhint
 PYTEST_ARGS ?=
+# Extra `kvhint up` options, e.g. make run UP_ARGS='--router-port 9090 --workers 1'
+UP_ARGS ?=
 
 .PHONY: venv run test test-unit bench clean
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/kvhint up --state-dir $(STATE_DIR)
+	$(VENV)/bin/kvhint up --state-dir $(STATE_DIR) $(UP_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

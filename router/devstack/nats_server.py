@@ -105,6 +105,10 @@ class NatsServerProcess:
                  "-sd", str(self.store_dir)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground
+                # group) must not stop NATS before the router and the workers that
+                # still publish to it; whoever started it stops it, last.
+                start_new_session=True,
             )
         finally:
             if log is not subprocess.DEVNULL:

@@ -8,6 +8,7 @@ started, in reverse order. Parts that are not built yet are named, not faked.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,11 +24,17 @@ from pathlib import Path
 import httpx
 
 from kvhint.router.devstack.nats_server import running_nats
+from kvhint.router.devstack.process_groups import stop_process_groups
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
-from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
+from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec, stop_servers
 
 PLUGIN_MODULE = "kvhint.engine_plugin.connector"
 ROUTER_MODULE = "kvhint.router.server_cli"
+# How long each part may take to exit after SIGTERM before it is killed. A running vLLM
+# server exits in about a second (it aborts what is in flight); one whose engine is
+# still starting ignores SIGTERM, so waiting longer only delays Ctrl-C.
+WORKER_STOP_GRACE_S = 10.0
+ROUTER_STOP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -60,20 +67,32 @@ def _say(message: str) -> None:
     print(f"[kvhint up] {message}", flush=True)
 
 
+def _stop_on_signals(stop: threading.Event, hurry: threading.Event) -> None:
+    """First SIGINT/SIGTERM/SIGHUP: stop in order, each part given its grace period.
+    Any further one: ``hurry``, which cuts the graces short (SIGKILL what is left).
+    A closed terminal (SIGHUP) stops the stack too: the children run in sessions of
+    their own and would never see the hangup."""
+    def on_signal(*_: object) -> None:
+        if stop.is_set():
+            hurry.set()
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+
+
 def run_dev_stack(options: DevStackOptions) -> int:
     state = options.state_dir.resolve()
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    # A closed terminal (SIGHUP) stops the stack too: the children run in sessions of
-    # their own and would never see the hangup.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, hurry = threading.Event(), threading.Event()
+    _stop_on_signals(stop, hurry)
     taken = _ports_taken([options.router_port] + [options.worker_base_port + index
                                                   for index in range(options.workers)])
     if taken:
         _say(f"port(s) {', '.join(map(str, taken))} already in use (another `make run`?); "
-             "stop it, or pick others with --router-port / --worker-base-port")
+             "stop it, or pick others with --router-port / --worker-base-port "
+             "(make run UP_ARGS='--router-port 9090')")
         return 1
 
     model_dir = state / "models" / RECIPE_VERSION
@@ -82,73 +101,106 @@ def run_dev_stack(options: DevStackOptions) -> int:
     if stop.is_set():
         return 130
 
+    # Exits in reverse order: the router, then every worker together, then NATS.
     with ExitStack() as stack:
-        nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log"))
-        _say(f"NATS: {nats.url} ({'started here' if nats.started_here else 'already running'})")
-        if not nats.jetstream:
-            _say(f"WARNING: the NATS server at {nats.url} has no JetStream: the router runs "
-                 "without replayed KV events and hint outcomes (start it with -js, or "
-                 "point --nats-url elsewhere)")
+        try:
+            return _start_and_serve(options, stack, model_dir, logs, stop, hurry)
+        finally:
+            _say("stopping everything started here (Ctrl-C again kills it at once)")
 
-        with_plugin = _module_available(PLUGIN_MODULE)
-        if not with_plugin:
-            _say("engine plugin not built yet: workers run plain vLLM")
-        cores = os.cpu_count() or 1
-        servers = []
-        for index in range(options.workers):
-            worker_id = f"w{index}"
-            spec = VllmWorkerSpec(
-                model_dir=model_dir,
-                port=options.worker_base_port + index,
-                kv_cache_tokens=options.kv_cache_tokens,
-                kv_transfer_config=plugin_transfer_config(worker_id, nats.url)
-                if with_plugin else None,
-                cpu_bind=str(index % cores) if options.workers > 1 else None,
-            )
-            server = VllmServer(spec, logs / f"worker-{worker_id}.log")
-            stack.callback(server.stop)
-            server.start()
-            servers.append((worker_id, server))
-        for worker_id, server in servers:
-            _say(f"waiting for worker {worker_id} on {server.url} (log: {server.log_path})")
-            try:
-                server.wait_ready(stop=stop)
-            except RuntimeError as exc:
-                _say(f"worker {worker_id} failed: {exc}")
-                return 1
-            if stop.is_set():
-                return 130
 
-        entry = servers[0][1].url
-        if _module_available(ROUTER_MODULE):
-            router = _start_router(options, nats.url, servers, state, logs)
-            stack.callback(_stop_process, router)
-            entry = f"http://127.0.0.1:{options.router_port}"
-            try:
-                _wait_http(f"{entry}/ready", router, stop)
-            except RuntimeError as exc:
-                _say(f"{exc}; see {logs / 'router.log'}")
-                return 1
-            if stop.is_set():
-                return 130
-        else:
-            _say("router not built yet: talk to a worker directly")
+def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path, logs: Path,
+                     stop: threading.Event, hurry: threading.Event) -> int:
+    nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log"))
+    _say(f"NATS: {nats.url} ({'started here' if nats.started_here else 'already running'})")
+    if not nats.jetstream:
+        _say(f"WARNING: the NATS server at {nats.url} has no JetStream: the router runs "
+             "without replayed KV events and hint outcomes (start it with -js, or "
+             "point --nats-url elsewhere)")
 
-        _say("ready:")
-        for worker_id, server in servers:
-            _say(f"  worker {worker_id}: {server.url}")
-        _say(f"  entry point: {entry}")
-        _say(f"  try: curl -s {entry}/v1/chat/completions -H 'content-type: application/json' "
-             "-d '{\"model\":\"tiny\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}],"
-             "\"max_tokens\":8,\"session_id\":\"demo\"}'")
-        _say("Ctrl-C stops everything started here")
-        while not stop.wait(1.0):
-            dead = [wid for wid, server in servers if not server.running]
-            if dead:
-                _say(f"worker(s) {', '.join(dead)} exited; stopping (see {logs})")
-                return 1
-        _say("stopping")
+    with_plugin = _module_available(PLUGIN_MODULE)
+    if not with_plugin:
+        _say("engine plugin not built yet: workers run plain vLLM")
+    cores = os.cpu_count() or 1
+    servers: list[tuple[str, VllmServer]] = []
+    stack.callback(lambda: stop_servers([s for _, s in servers], WORKER_STOP_GRACE_S, hurry))
+    for index in range(options.workers):
+        worker_id = f"w{index}"
+        spec = VllmWorkerSpec(
+            model_dir=model_dir,
+            port=options.worker_base_port + index,
+            kv_cache_tokens=options.kv_cache_tokens,
+            kv_transfer_config=plugin_transfer_config(worker_id, nats.url)
+            if with_plugin else None,
+            cpu_bind=str(index % cores) if options.workers > 1 else None,
+        )
+        server = VllmServer(spec, logs / f"worker-{worker_id}.log")
+        servers.append((worker_id, server))
+        server.start()
+    for worker_id, server in servers:
+        _say(f"waiting for worker {worker_id} on {server.url} (log: {server.log_path})")
+        try:
+            server.wait_ready(stop=stop)
+        except RuntimeError as exc:
+            _say(f"worker {worker_id} failed: {exc}")
+            return 1
+        if stop.is_set():
+            return 130
+
+    entry = servers[0][1].url
+    with_router = _module_available(ROUTER_MODULE)
+    if with_router:
+        router = _start_router(options, nats.url, servers, logs.parent, logs)
+        stack.callback(stop_process_groups, [router], ROUTER_STOP_GRACE_S, hurry)
+        entry = f"http://127.0.0.1:{options.router_port}"
+        try:
+            _wait_http(f"{entry}/ready", router, stop)
+        except RuntimeError as exc:
+            _say(f"{exc}; see {logs / 'router.log'}")
+            return 1
+        if stop.is_set():
+            return 130
+    else:
+        _say("router not built yet: talk to a worker directly")
+
+    for line in ready_lines(entry, [(wid, server.url) for wid, server in servers], with_router):
+        _say(line)
+    while not stop.wait(1.0):
+        dead = [wid for wid, server in servers if not server.running]
+        if dead:
+            _say(f"worker(s) {', '.join(dead)} exited (see {logs})")
+            return 1
     return 0
+
+
+# A system prompt long enough (46 tokens with the tiny model's tokenizer) that the
+# prompt fills a whole 32-token KV block: vLLM caches and reports only whole blocks, so
+# the "hi" alone (6 tokens) never showed a cache hit however often it was sent.
+DEMO_SYSTEM_PROMPT = ("You are a helpful assistant that reads files and answers questions "
+                      "about them, one step at a time.")
+
+
+def demo_request_body() -> dict[str, object]:
+    return {"model": "tiny",
+            "messages": [{"role": "system", "content": DEMO_SYSTEM_PROMPT},
+                         {"role": "user", "content": "hi"}],
+            "max_tokens": 8, "session_id": "demo"}
+
+
+def ready_lines(entry: str, workers: list[tuple[str, str]], with_router: bool) -> list[str]:
+    """What ``kvhint up`` prints once everything answers: each URL an operator opens and
+    a request to try whose second sending shows the cache hit."""
+    lines = ["ready:"] + [f"  worker {wid}: {url}" for wid, url in workers]
+    lines.append(f"  entry point: {entry}")
+    if with_router:
+        lines += [f"  dashboard: {entry}/dashboard",
+                  f"  metrics: {entry}/metrics  (health: {entry}/health, {entry}/ready)"]
+    lines += [f"  try: curl -s {entry}/v1/chat/completions -H 'content-type: application/json' "
+              f"-d '{json.dumps(demo_request_body(), separators=(',', ':'))}'",
+              "  send it twice: the second answer's usage.prompt_tokens_details.cached_tokens "
+              "is the cached prefix (whole 32-token blocks)",
+              "Ctrl-C stops everything started here"]
+    return lines
 
 
 def _ports_taken(ports: list[int]) -> list[int]:
@@ -193,14 +245,3 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], stop: threading.Event,
         time.sleep(0.3)
     if not stop.is_set():
         raise RuntimeError(f"the router did not answer {url} within {timeout_s:.0f}s")
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from kvhint.router.devstack.process_groups import stop_process_groups
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -185,22 +187,12 @@ class VllmServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left."""
+        stop_servers([self], timeout_s)
+
+    def take_process(self) -> subprocess.Popen[bytes] | None:
+        """Hand the server's process to the caller, which stops it; None if not started."""
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        return proc
 
     def kill(self) -> None:
         """Abrupt death (SIGKILL), as a crashed worker would look."""
@@ -211,3 +203,11 @@ class VllmServer:
             except ProcessLookupError:
                 pass
             proc.wait()
+
+
+def stop_servers(servers: list[VllmServer], timeout_s: float = 30.0,
+                 hurry: threading.Event | None = None) -> None:
+    """Stop several servers together: one grace period for all of them (cut short when
+    ``hurry`` is set), then SIGKILL to each one's process group."""
+    procs = [proc for proc in (server.take_process() for server in servers) if proc]
+    stop_process_groups(procs, timeout_s, hurry)
