@@ -67,26 +67,39 @@ def _say(message: str) -> None:
     print(f"[kvhint up] {message}", flush=True)
 
 
-def _stop_on_signals(stop: threading.Event, hurry: threading.Event) -> None:
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_on_signals(stop: threading.Event, hurry: threading.Event) -> dict[int, object]:
     """First SIGINT/SIGTERM/SIGHUP: stop in order, each part given its grace period.
     Any further one: ``hurry``, which cuts the graces short (SIGKILL what is left).
     A closed terminal (SIGHUP) stops the stack too: the children run in sessions of
-    their own and would never see the hangup."""
+    their own and would never see the hangup. Returns the handlers it replaced."""
     def on_signal(*_: object) -> None:
         if stop.is_set():
             hurry.set()
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    return {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
 
 
 def run_dev_stack(options: DevStackOptions) -> int:
+    """The stack until a stop signal; the signal handlers it set are put back on return
+    (a caller in the same process, pytest's Ctrl-C one, keeps its own)."""
+    stop, hurry = threading.Event(), threading.Event()
+    replaced = _stop_on_signals(stop, hurry)
+    try:
+        return _run_dev_stack(options, stop, hurry)
+    finally:
+        for sig, handler in replaced.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _run_dev_stack(options: DevStackOptions, stop: threading.Event,
+                   hurry: threading.Event) -> int:
     state = options.state_dir.resolve()
     logs = state / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    stop, hurry = threading.Event(), threading.Event()
-    _stop_on_signals(stop, hurry)
     taken = _ports_taken([options.router_port] + [options.worker_base_port + index
                                                   for index in range(options.workers)])
     if taken:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,11 @@ def test_kvhint_up_refuses_ports_in_use_and_bad_worker_counts(
         port = busy.getsockname()[1]
         options = DevStackOptions(state_dir=tmp_path / "state", router_port=port,
                                   worker_base_port=port + 1, workers=1)
+        before = signal.getsignal(signal.SIGINT)
         assert run_dev_stack(options) == 1
+        # Its handlers go with it: before, pytest's Ctrl-C was replaced for the rest of
+        # the run.
+        assert signal.getsignal(signal.SIGINT) is before
     out = capsys.readouterr().out
     assert f"port(s) {port}" in out and "already in use" in out
     assert not (tmp_path / "state" / "models").exists()
