@@ -6,10 +6,12 @@ unknown keys are errors too, so a typo does not silently fall back to a default.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -35,6 +37,8 @@ LOGGER_NAME = "vllm.kvhint"
 KV_ROLE = "kv_producer"
 
 _URL_RE = re.compile(r"^(nats|tls|ws|wss)://[^\s]+$")
+# nats-py refuses a server list that mixes these two families (every connect fails).
+_WEBSOCKET_SCHEMES = frozenset({"ws", "wss"})
 
 
 class PluginConfigError(ValueError):
@@ -42,7 +46,9 @@ class PluginConfigError(ValueError):
 
 
 class PluginConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No inf or NaN: vLLM parses --kv-transfer-config with json.loads, which takes
+    # Infinity, NaN and 1e999; an infinite stream max age made every stream create raise.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Identity. One data-parallel rank: this id as it is. One of several ranks (vLLM's
     # --data-parallel-size > 1 gives every rank this same config): "<worker_id>-dp<rank>",
@@ -140,10 +146,15 @@ class PluginConfig(BaseModel):
     def _check_nats_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
+        schemes = set()
         for part in value.split(","):
-            if not _URL_RE.match(part.strip()):
-                raise ValueError(f"{loggable_nats_url(part)!r} is not a nats:// (or "
-                                 "tls/ws/wss) URL")
+            problem = _server_url_problem(part.strip())
+            if problem:
+                raise ValueError(f"{loggable_nats_url(part)!r} {problem}")
+            schemes.add(urlsplit(part.strip()).scheme in _WEBSOCKET_SCHEMES)
+        if len(schemes) > 1:
+            raise ValueError("mixes ws/wss with nats/tls servers, which NATS's client "
+                             "refuses: list servers of one kind")
         return value
 
     @field_validator("subject_prefix")
@@ -188,18 +199,42 @@ class PluginConfig(BaseModel):
         return int(self.prefetch_budget_fraction * num_blocks)
 
 
+def _server_url_problem(url: str) -> str | None:
+    """Why NATS's client cannot connect to ``url`` (one server), or None. Checked at
+    start-up: the transport connects in its own thread, where nats-py refusing the URL
+    ended that thread and left the engine without NATS for good."""
+    if not _URL_RE.match(url):
+        return "is not a nats:// (or tls/ws/wss) URL"
+    parts = urlsplit(url)
+    try:
+        _ = parts.port  # parsing is the check: not a number, or past 65535
+    except ValueError:
+        return "has no valid port (a number up to 65535)"
+    if not parts.hostname:
+        return "has no host"
+    return None
+
+
+def _problem(err: Any) -> str:
+    """One validation error as the message shows it: the key, what is wrong, and the
+    value given, except where it may be secret: a nats_url (and the whole config, the
+    input of a config-level error) and an unknown key's (a misspelt nats_url)."""
+    key = ".".join(str(p) for p in err["loc"]) or "(config)"
+    if err["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(key, PluginConfig.model_fields, n=1)
+        return (f"kv_connector_extra_config[{key!r}]: unknown key"
+                + (f" (did you mean {close[0]!r}?)" if close else ""))
+    got = "" if key in ("nats_url", "(config)") else f" (got {err.get('input')!r})"
+    return f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}"
+
+
 def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:
     """Validate vLLM's ``kv_connector_extra_config``; raise PluginConfigError naming keys."""
     try:
         return PluginConfig.model_validate(dict(extra or {}))
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "(config)"
-            # A nats_url may carry a password: its message shows the loggable form (and
-            # the whole config, the input of a config-level error, is not echoed).
-            got = ("" if key in ("nats_url", "(config)")
-                   else f" (got {err.get('input')!r})")
-            problems.append(f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}")
-        raise PluginConfigError("kvhint engine plugin: invalid config: "
-                                + "; ".join(problems)) from None
+        errors = exc.errors()
+        message = "; ".join(_problem(err) for err in errors)
+        if any(err["type"] == "extra_forbidden" for err in errors):
+            message += "; the known keys: " + ", ".join(PluginConfig.model_fields)
+        raise PluginConfigError("kvhint engine plugin: invalid config: " + message) from None
