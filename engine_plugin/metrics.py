@@ -93,7 +93,8 @@ COUNTERS = {
                                    "stats interval): hint_apply_seconds counts fewer "
                                    "outcomes by this many."),
     "internal_errors": ("Exceptions caught in plugin hooks (the engine kept running) or "
-                        "in the NATS transport's publisher (it went on)."),
+                        "in the NATS transport's publisher (it went on) or its loop (started "
+                        "again)."),
 }
 # Cumulative counters with one bounded label: key -> (label, its values, documentation).
 # The plugin reads them as {"<value>": n}; a value outside the list (another plugin

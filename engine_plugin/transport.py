@@ -13,7 +13,10 @@ when full: the router sees the sequence gap and resyncs from a snapshot), and na
 reconnects on its own (the publisher waits meanwhile, never spinning). An exception in
 one round of the publisher or in its setup (a bug) is logged, counted
 (``kvhint:internal_errors``), and the publisher goes on (the setup is tried again); stop
-cancels a setup step in progress. Inbound hints and advice are decoded here, off the
+cancels a setup step in progress. One that ends the whole loop (outside a round: the
+connect, the drain) is counted the same way and the loop starts again, connect first,
+after a pause: before, the thread ended and the engine ran without NATS for good, with
+one log line and no counter. Inbound hints and advice are decoded here, off the
 scheduler thread; advice that cannot be decoded, and hints that find the engine's inbox
 full, are answered ``rejected`` from here (:mod:`.transport_inbound`). Snapshot pages:
 :mod:`.snapshot_pages`.
@@ -103,6 +106,8 @@ class NatsTransport:
         # The latest snapshots, for the pages after the first (SnapshotRequest.seq).
         self.snapshots = KeptSnapshots(config.snapshot_keep_blocks, self.counters)
         self._ready = threading.Event()
+        # Set by stop() (any thread): the transport thread starts no new loop after it.
+        self._stopping = threading.Event()
 
     @property
     def connected(self) -> bool:
@@ -118,6 +123,7 @@ class NatsTransport:
         self._ready.wait(5.0)
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
         loop, stop = self._loop, self._stop
         if loop is not None and stop is not None and not loop.is_closed():
             try:
@@ -143,21 +149,38 @@ class NatsTransport:
                 pass
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._main())
-        except Exception:  # the thread must end quietly whatever happened
-            logger.exception("kvhint: NATS transport thread failed; the engine keeps running "
-                             "without NATS")
-        finally:
-            loop.close()
+        """The transport thread: the loop until stopped, started again (connect first)
+        after an exception that ended it; the thread itself never dies of one."""
+        while not self._stopping.is_set():
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._main())
+                return
+            except Exception:  # counted and logged; the loop starts again
+                self._loop_failed()
+            finally:
+                loop.close()
+            self._nc = None
+            self._subscribed.clear()  # the next connection subscribes afresh
+            self._set_up_done = False
+            if self._stopping.wait(ROUND_ERROR_PAUSE_S):
+                return
+
+    def _loop_failed(self) -> None:
+        self.counters.internal_errors += 1
+        first = self.counters.internal_errors == 1
+        logger.log(logging.ERROR if first else logging.DEBUG, "kvhint: the NATS transport's "
+                   "loop failed; it starts again, connecting first (kvhint:internal_errors)",
+                   exc_info=True)
 
     # --- the loop (transport thread) ------------------------------------------------------------
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
+        if self._stopping.is_set():  # stop() came before these events existed
+            self._set_stop()
         self.mailbox.notify_transport = self._notify
         self._ready.set()
         nc = await self._connect()

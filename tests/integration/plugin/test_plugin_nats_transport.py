@@ -657,3 +657,40 @@ async def test_a_nats_url_with_credentials_reaches_no_log_line(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "connected to NATS nats://***@127.0.0.1" in logged
     assert "n4ts-pw" not in logged
+
+
+async def test_a_failure_that_ends_the_transport_loop_is_counted_and_it_starts_again(
+        nats_url: str, subject_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception outside the publisher's rounds (here: the first connect) ended the
+    transport thread: the engine ran without NATS for good, one log line, no counter.
+    Now it is counted in internal_errors and the loop starts again, connecting first.
+    The fault is injected (the connect raises once): the one known real cause, a URL
+    nats-py refuses, is now refused at start-up by the config."""
+    from kvhint.engine_plugin import transport as transport_module
+
+    real_connect = transport_module.connect_until_stopped
+    calls = []
+
+    async def connect_failing_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise AssertionError("nats-py refused the URL")  # as nats-py's own assert did
+        return await real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(transport_module, "connect_until_stopped", connect_failing_once)
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    try:
+        status = await collect(nc, subjects.status("w0"))
+        with plugin(nats_url, subject_prefix) as h:
+            transport = h.connector.transport
+            await until(lambda: transport.connected, timeout_s=10)
+            beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
+            assert beat.worker_id == "w0"
+            assert transport.counters.internal_errors == 1 and len(calls) == 2
+    finally:
+        try:
+            await nc.jetstream().delete_stream(subjects.events_stream)
+        except NotFoundError:
+            pass
+        await nc.drain()
