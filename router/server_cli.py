@@ -52,7 +52,14 @@ def _run(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     try:
         settings = RouterSettings(**overrides)
-    except (ValidationError, SettingsError, FileNotFoundError, yaml.YAMLError) as exc:
+    except ValidationError as exc:
+        # Each problem's setting and message, never the value given: that may be a key.
+        problems = "\n".join(
+            f"  {'.'.join(map(str, error['loc'])) or '(settings)'}: {error['msg']}"
+            for error in exc.errors(include_url=False, include_input=False))
+        print(f"kvhint router: invalid settings:\n{problems}", file=sys.stderr)
+        return 2
+    except (SettingsError, FileNotFoundError, yaml.YAMLError) as exc:
         print(f"kvhint router: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     if args.check_config:

@@ -14,6 +14,7 @@ import codecs
 import os
 import re
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
@@ -31,6 +32,18 @@ from kvhint.schemas import Subjects, is_valid_worker_id
 ENV_PREFIX = "KVHINT_ROUTER_"
 # Published (it is in this file): salts derived from it are secret from nobody.
 DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
+# Every secret in deploy/ (compose's router.yaml, the Kubernetes Secrets) is a placeholder
+# starting with this; the router refuses to start with one (RouterSettings._example_secrets).
+EXAMPLE_SECRET_PREFIX = "change-me"
+
+
+def _url_password(url: str) -> str | None:
+    """The password (or the token, a user name alone) in ``url``'s user info, if any."""
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return None
+    return parts.password or parts.username
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -377,7 +390,33 @@ class RouterSettings(BaseSettings):
             if (other := salted.setdefault(tenant.cache_salt, tenant.name)) != tenant.name:
                 raise ValueError(f"tenants {other!r} and {tenant.name!r} have the same "
                                  "cache_salt: they would share each other's cached prompts")
+        if example := self._example_secrets():
+            raise ValueError(f"{', '.join(example)}: still the deploy files' example value "
+                             f"({EXAMPLE_SECRET_PREFIX}...), public in this repository; "
+                             "replace it with a secret of your own (deploy/README.md)")
         return self
+
+    def _example_secrets(self) -> list[str]:
+        """The settings whose secret is still one of deploy/'s placeholders (they all
+        start with ``change-me``): anyone who read the repository holds it. Named, never
+        shown."""
+        secrets: list[tuple[str, str | None]] = [
+            ("admin_keys", key) for key in self.admin_keys]
+        for tenant in self.tenants:
+            secrets += [(f"tenants[{tenant.name}].api_keys", key) for key in tenant.api_keys]
+            secrets += [(f"tenants[{tenant.name}].admin_keys", key)
+                        for key in tenant.admin_keys]
+        secrets += [("salt_secret", self.salt_secret), ("metrics_token", self.metrics_token),
+                    ("worker_api_key", self.worker_api_key and
+                     self.worker_api_key.get_secret_value())]
+        secrets += [(f"workers[{w.id}].api_key", w.api_key.get_secret_value())
+                    for w in self.workers if w.api_key is not None]
+        for name, url in (("nats_url", self.nats_url), ("database_url", self.database_url)):
+            for server in (url or "").split(","):
+                secrets.append((f"{name} password", _url_password(server)))
+        return list(dict.fromkeys(
+            name for name, secret in secrets
+            if secret and secret.lower().startswith(EXAMPLE_SECRET_PREFIX)))
 
     @property
     def dev_mode(self) -> bool:

@@ -73,7 +73,50 @@ def test_compose_and_kubernetes_manifests_parse() -> None:
     assert any(job["job_name"] == "kvhint-router" for job in scrape["scrape_configs"])
 
 
-def test_shipped_router_configs_are_valid_settings() -> None:
+@pytest.fixture
+def example_secrets_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped files' secrets are placeholders the router refuses to start with
+    (test_the_shipped_placeholder_secrets_are_refused); these tests check the rest."""
+    from kvhint.router.service import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "EXAMPLE_SECRET_PREFIX", "\0not-a-placeholder")
+
+
+def test_the_shipped_placeholder_secrets_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deploy files ship public placeholders (change-me...) for every secret; a router
+    started with one (the Kubernetes Secrets applied as they are, compose's router.yaml
+    unedited) served with keys anyone who read the repository holds. It now refuses to
+    start, naming each setting, never its value."""
+    from pydantic import ValidationError
+
+    ours = RouterSettings(admin_keys=["a-real-key"], salt_secret="ours",
+                          nats_url="nats://kvhint:s3cret@nats:4222,nats://n2:4222",
+                          database_url="postgresql+psycopg://u:pw@db/kvhint")
+    assert ours.admin_keys == ["a-real-key"]
+    with pytest.raises(ValidationError, match="metrics_token"):
+        RouterSettings(metrics_token="Change-Me-0123456789")
+    with pytest.raises(ValidationError, match=r"tenants\[team-a\]\.api_keys"):
+        RouterSettings(config_file=DEPLOY / "router.yaml")  # compose's, unedited
+    docs = [doc for doc in yaml.safe_load_all(
+        (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
+    config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
+    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
+    config = tmp_path / "router.yaml"
+    config.write_text(config_map["data"]["router.yaml"])
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    for name, value in _k8s_env(container, _k8s_secrets()).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as refused:
+        RouterSettings(config_file=config)
+    message = str(refused.value)
+    for name in ("admin_keys", "tenants[team-a].api_keys", "salt_secret",
+                 "nats_url password", "database_url password"):
+        assert name in message, name
+    assert "change-me-admin" not in message and "change-me-nats" not in message
+
+
+def test_shipped_router_configs_are_valid_settings(example_secrets_allowed: None) -> None:
     settings = RouterSettings(config_file=DEPLOY / "router.yaml")
     assert [w.id for w in settings.workers] == ["w0", "w1"]
     k8s = next(doc for doc in yaml.safe_load_all(
@@ -82,7 +125,7 @@ def test_shipped_router_configs_are_valid_settings() -> None:
 
 
 def test_the_shipped_deployments_start_with_their_environment(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, example_secrets_allowed: None) -> None:
     """The Kubernetes router as shipped: its ConfigMap file plus the environment its
     Deployment sets from the Secret (admin keys comma-separated, tenants as JSON); and
     compose's single admin key. Before, both env forms crashed the router at start."""
@@ -166,7 +209,8 @@ def _host_ip(port: str) -> str | None:
     return parts[0] if len(parts) == 3 else None
 
 
-def test_compose_keeps_nats_and_postgres_private_and_publishes_on_loopback() -> None:
+def test_compose_keeps_nats_and_postgres_private_and_publishes_on_loopback(
+        example_secrets_allowed: None) -> None:
     """Security review: compose published NATS's 4222 on every interface, without
     credentials, against README's trust boundary (whoever reaches NATS reads prompts'
     token ids and steers the caches). NATS and PostgreSQL are published nowhere and sit
@@ -291,7 +335,7 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
 
 
 def test_compose_nats_reads_its_password_from_its_environment_not_its_command_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, example_secrets_allowed: None) -> None:
     """Security review: compose's NATS took the password as ``--pass`` on its command
     line, which ``ps`` and /proc/PID/cmdline show. Now it starts with ``-c`` and the
     mounted nats.conf only, and gets the password (in double quotes: nats.conf says why)
@@ -406,7 +450,8 @@ def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[s
 
 @pytest.mark.parametrize("password", [None, "pw-from-secret_2.y"])
 def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
-        password: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        password: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        example_secrets_allowed: None) -> None:
     """Security review: the Kubernetes NATS took any client (compose's already required a
     password), then took the password as ``--pass`` on its command line (ps shows it).
     Now it requires user kvhint and the password in Secret kvhint-nats (as shipped, and

@@ -129,6 +129,19 @@ def test_check_config_reports_bad_yaml_and_bad_keys_without_a_traceback(
     for config in (broken, misspelt):
         assert main(["router", "--config", str(config), "--check-config"]) == 2
         assert "invalid settings" in capsys.readouterr().err
+    # A refused setting is named, its value never shown (pydantic's own text echoed the
+    # input: the settings given, keys included).
+    placeholder = tmp_path / "placeholder.yaml"
+    placeholder.write_text("admin_keys: [change-me-admin-0123]\nhints: {enable: 1}\n")
+    assert main(["router", "--config", str(placeholder), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "(settings): Value error" in err or "hints.enable" in err
+    assert "change-me-admin-0123" not in err and "input_value" not in err
+    placeholder.write_text("admin_keys: [change-me-admin-0123]\n")
+    assert main(["router", "--config", str(placeholder), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "admin_keys: still the deploy files' example value" in err
+    assert "change-me-admin-0123" not in err
     assert RouterSettings(log_level="DEBUG").log_level == "debug"
 
 
