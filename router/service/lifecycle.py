@@ -192,10 +192,13 @@ class SessionLifecycle:
         self.sessions.save(record)
 
     async def end(self, record: SessionRecord) -> list[SentAction]:
-        """End the session; returns the hint actions the end sent (none for a session
-        that has already ended: a repeated DELETE sends nothing again)."""
+        """End the session; returns the hint actions the end sent. A session that has
+        already ended (a repeated DELETE, or one the planner abandoned when idle) has
+        nothing of the planner's left to end: only what an agent runtime still holds for
+        it is released (its claims outlive an abandonment, and an agent may hint an ended
+        session), so a repeated end sends nothing when nothing is held."""
         if record.state == ENDED and record.plan.ended:
-            return []
+            return await self._release_agent_claims(record, self._clock())
         now = self._clock()
         record.state = ENDED
         record.ended_at = now

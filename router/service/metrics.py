@@ -38,6 +38,14 @@ HINT_API_REJECTIONS = (
     "no_plugin",        # 503: the worker runs no kvhint plugin, or it is silent
     "client_gone",      # 499: the client left while sending its body
 )
+# kvhint_router_session_end_rejections_total{reason}: DELETE /v1/sessions/{id} calls
+# answered with an error (nothing ended), a bounded set (sessions_api.py).
+SESSION_END_REJECTIONS = (
+    "bad_request",      # 400: the session id does not parse
+    "unauthorized",     # 401: no key, or a key the router does not know
+    "forbidden",        # 403: another tenant's key
+    "unknown_session",  # 404: no such session of the tenant
+)
 # kvhint_router_client_timeouts_total{phase} (service/client_deadlines.py, inbound.py).
 CLIENT_TIMEOUT_PHASES = ("headers", "body")
 # kvhint_router_gateway_rejections_total{tenant, reason}: inference requests the router
@@ -231,6 +239,12 @@ class RouterMetrics:
             "reason", ["reason"], registry=r)
         for reason in HINT_API_REJECTIONS:
             self.hint_api_rejections.labels(reason)
+        self.session_end_rejections = Counter(
+            "kvhint_router_session_end_rejections",
+            "DELETE /v1/sessions/{id} calls answered with an error (nothing ended), by "
+            "reason", ["reason"], registry=r)
+        for reason in SESSION_END_REJECTIONS:
+            self.session_end_rejections.labels(reason)
         self.foreign_messages = Counter(
             "kvhint_router_foreign_hint_messages",
             "Hint outcomes and hold releases (kind) for actions this router did not send or "

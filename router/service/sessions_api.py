@@ -129,16 +129,20 @@ def build_sessions_router() -> APIRouter:
     async def end_session(session_id: str, request: Request,
                           tenant: str | None = Query(None)) -> JSONResponse:
         runtime: RouterRuntime = request.app.state.runtime
+        refused = runtime.metrics.session_end_rejections  # each refusal, by reason
         try:
             check_session_id(session_id)
             tenant_name = _tenant_for(_principal(runtime, request), tenant)
         except AuthError as exc:
+            refused.labels(_AUTH_REASONS.get(exc.status, "forbidden")).inc()
             return _json_error(exc.message, exc.status)
         except BadRequest as exc:
+            refused.labels("bad_request").inc()
             return _json_error(exc.message, exc.status)
         await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant_name, session_id)
         if record is None:
+            refused.labels("unknown_session").inc()
             return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
         sent = await runtime.lifecycle.end(record)
         return JSONResponse({"tenant": tenant_name, "session_id": session_id,
@@ -373,6 +377,10 @@ def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
                 return "target.session_id must be this session", None
             target["session_id"] = worker_sid
         payload["target"] = target
+    if item.action_type == ActionType.RETAIN.value and payload.get("ttl_s") is None:
+        # The worker holds an untimed Retain for its max_retain_ttl_s (an hour by
+        # default): past the tenant's max_hint_ttl_s, which a ttl_s given is held to.
+        payload["ttl_s"] = min(budget.max_hint_ttl_s, worker.status.budgets.max_retain_ttl_s)
     version = item.action_version
     # An agent's claims must outlive the planner's re-planning of the session: the worker
     # keeps them apart when it takes ``owner``. The API decides the owner, not the caller.

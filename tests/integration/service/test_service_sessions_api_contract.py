@@ -1,0 +1,214 @@
+"""The sessions API as an agent runtime uses it, against a real NATS server and the real
+store: what an end does to a session that has already ended.
+
+The "plugin" is this test answering w0's hints as a plugin that keeps owners apart (1.2)
+does: every claim accepted with 2 blocks, a release (priority 0) holding none; heartbeats
+keep coming, so the worker stays live while the planner's idle review runs
+(tests/e2e/service runs the real plugin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from conftest import StubWorker, router_settings, running_router, scrape
+from feed_helpers import ACTIONS_WITH_OWNER, plugin_registered, publish_accepted, status, until
+from kvhint.schemas import Subjects, decode_hints
+
+pytestmark = pytest.mark.usefixtures("throwaway_streams")
+
+RETAIN = {"actions": [{"action_type": "kv.retain", "payload": {"priority": 100}}]}
+
+
+@asynccontextmanager
+async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix: str,
+                                   stub: StubWorker, **settings: Any
+                                   ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, list]]:
+    """A router over w0, whose 1.2 plugin this test plays; yields the (action id, payload)
+    of every action w0 was sent."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    received: list[tuple[str, dict]] = []
+
+    async def answer(msg) -> None:  # noqa: ANN001 - a NATS message
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            received.append((action.action_id, action.payload))
+            releases = getattr(action.payload, "priority", None) == 0
+            await publish_accepted(nc, subjects, decoded.message_id, action.action_id,
+                                   action.action_type.value, 0 if releases else 2)
+
+    async def heartbeats() -> None:
+        for seq in range(1, 1_000_000):
+            await asyncio.sleep(0.25)
+            await nc.publish(subjects.status("w0"),
+                             status("w0", "e1", seq, actions=ACTIONS_WITH_OWNER))
+
+    await nc.subscribe(subjects.hints("w0"), cb=answer)
+    config = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                             subject_prefix=subject_prefix, **settings)
+    beating = None
+    try:
+        async with running_router(config) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            await plugin_registered(router.runtime, nc, subjects, ACTIONS_WITH_OWNER)
+            beating = asyncio.create_task(heartbeats())
+            yield router, client, received
+    finally:
+        if beating is not None:
+            beating.cancel()
+        await nc.drain()
+
+
+async def _turn(client: httpx.AsyncClient, url: str, session: str) -> None:
+    response = await client.post(f"{url}/v1/chat/completions", json={
+        "model": "stub", "session_id": session,
+        "messages": [{"role": "user", "content": f"{session}: " + "x" * 400}]})
+    assert response.status_code == 200, response.text
+
+
+async def test_an_end_releases_what_an_agent_holds_for_a_session_already_ended(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """The planner abandons a session idle in a tool gap (its state: ended) but leaves an
+    agent's claims alone; an agent may also hint a session after ending it. The agent's
+    DELETE then releases what it still holds there (before, an end of an ended session
+    sent nothing: its top-priority Retain stayed on the worker for the worker's
+    max_retain_ttl_s, an hour). A DELETE with nothing held still sends nothing."""
+    stub = stub_workers[0]
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub,
+                                        hints={"tick_s": 0.1}) as (router, client, received):
+        runtime, holdings = router.runtime, router.runtime.hints.holdings
+        stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
+        await _turn(client, router.url, "gap")
+        stub.finish_reason, stub.tool_names = "stop", []
+        hinted = await client.post(f"{router.url}/v1/sessions/gap/hints", json=RETAIN)
+        assert hinted.status_code == 200, hinted.text
+        assert holdings.workers_holding("agent:default/gap") == ["w0"]
+        # The planner's idle review gives the session up (abandon_after_s, an hour by
+        # default, shortened here).
+        runtime.hints.planner_config = dataclasses.replace(runtime.hints.planner_config,
+                                                           abandon_after_s=0.5)
+        await until(lambda: runtime.sessions.get("default", "gap").state == "ended")
+        assert holdings.workers_holding("agent:default/gap") == ["w0"]
+
+        ended = await client.delete(f"{router.url}/v1/sessions/gap")
+        assert ended.status_code == 200, ended.text
+        (release,) = ended.json()["hints"]
+        assert release["payload"]["owner"] == "agent"
+        assert release["payload"]["priority"] == 0
+        await until(lambda: release["action_id"] in [action_id for action_id, _ in received])
+        await until(lambda: not holdings.workers_holding("agent:default/gap"))
+
+        # Hinted after its end, then ended again: released again; once more, nothing.
+        await _turn(client, router.url, "done")
+        assert (await client.delete(f"{router.url}/v1/sessions/done")).status_code == 200
+        hinted = await client.post(f"{router.url}/v1/sessions/done/hints", json=RETAIN)
+        assert hinted.status_code == 200, hinted.text
+        again = await client.delete(f"{router.url}/v1/sessions/done")
+        assert [h["trigger"] for h in again.json()["hints"]] == ["end:agent_release"]
+        await until(lambda: not holdings.workers_holding("agent:default/done"))
+        repeated = await client.delete(f"{router.url}/v1/sessions/done")
+        assert repeated.status_code == 200
+        assert repeated.json()["hints"] == [] and repeated.json()["state"] == "ended"
+
+
+async def test_a_retain_without_ttl_is_held_to_the_tenants_ttl_limit(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A tenant whose hints may last ``max_hint_ttl_s`` (120 s here) has a Retain that
+    names no ``ttl_s`` sent with that TTL, and counted that long; one naming a longer TTL
+    is refused, as before. Before, the untimed Retain went out without a TTL and the
+    worker held it for its own max_retain_ttl_s (3,600 s here): thirty times what the
+    tenant may ask for, at top priority."""
+    tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
+                "budget": {"max_hint_ttl_s": 120}}]
+    admin = {"authorization": "Bearer aa"}
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        tenants=tenants,
+                                        hints={"tick_s": 3600.0}) as (router, client, received):
+        response = await client.post(f"{router.url}/v1/chat/completions", json={
+            "model": "stub", "session_id": "s",
+            "messages": [{"role": "user", "content": "x" * 400}]},
+            headers={"authorization": "Bearer ka"})
+        assert response.status_code == 200, response.text
+        url = f"{router.url}/v1/sessions/s/hints"
+        too_long = await client.post(url, headers=admin, json={"actions": [
+            {"action_type": "kv.retain", "payload": {"priority": 100, "ttl_s": 3600}}]})
+        assert too_long.status_code == 422 and "limit of 120" in too_long.text
+        hinted = await client.post(url, json=RETAIN, headers=admin)
+        assert hinted.status_code == 200, hinted.text
+        (action,) = hinted.json()["actions"]
+        assert action["payload"]["ttl_s"] == 120
+        assert action["expires_at"] - action["created_at"] == pytest.approx(120, abs=1)
+        await until(lambda: action["action_id"] in [a for a, _ in received])
+        (sent,) = [payload for a, payload in received if a == action["action_id"]]
+        assert sent.ttl_s == 120  # what the worker holds it for
+        holdings = router.runtime.hints.holdings
+        router.runtime.hints.expire(time.time() + 100)
+        assert holdings.api_on_worker("a", "w0").retained_blocks == 2
+        router.runtime.hints.expire(time.time() + 130)
+        assert holdings.api_on_worker("a", "w0").retained_blocks == 0
+
+
+async def test_every_refused_end_is_counted_and_ends_nothing(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A DELETE the router refuses (a bad id, no key or an unknown one, another tenant's
+    key, a session the tenant does not have) ends nothing and counts in
+    session_end_rejections_total by reason, and in no other refusal counter; before, no
+    refused end was counted anywhere. One tenant's "b/s" is its own, never tenant b's
+    session "s"."""
+    tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"]},
+               {"name": "b", "api_keys": ["kb"], "admin_keys": ["bb"]}]
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        tenants=tenants, admin_keys=["root"],
+                                        hints={"tick_s": 3600.0}) as (router, client, _):
+        sessions, url = router.runtime.sessions, router.url
+        for session, key in (("b/s", "ka"), ("s", "kb")):
+            response = await client.post(f"{url}/v1/chat/completions", json={
+                "model": "stub", "session_id": session,
+                "messages": [{"role": "user", "content": "x" * 400}]},
+                headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 200, response.text
+        before = await scrape(client, url)
+        refused = [("bad_request", 400, "x" * 300, "ka", None),
+                   ("unauthorized", 401, "s", None, None),
+                   ("unauthorized", 401, "s", "nope", None),
+                   ("forbidden", 403, "s", "ka", "b"),
+                   ("forbidden", 403, "s", "aa", "b"),
+                   ("unknown_session", 404, "s", "ka", None),
+                   ("unknown_session", 404, "b%2Fs", "kb", None)]
+        for reason, code, session, key, tenant in refused:
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            response = await client.delete(f"{url}/v1/sessions/{session}", headers=headers,
+                                           params={"tenant": tenant} if tenant else None)
+            assert response.status_code == code, (reason, response.text)
+            assert response.json()["error"]["code"] == code
+        assert sessions.get("a", "s") is None and sessions.get("b", "b/s") is None
+        assert {s.state for s in sessions} == {"active"}
+        after = await scrape(client, url)
+        moved = {(name, dict(labels).get("reason")): value - before.get((name, labels), 0)
+                 for (name, labels), value in after.items()
+                 if "rejections" in name and value != before.get((name, labels), 0)}
+        expected: dict[tuple[str, str], float] = {}
+        for reason, *_ in refused:
+            key = ("kvhint_router_session_end_rejections_total", reason)
+            expected[key] = expected.get(key, 0) + 1
+        assert moved == expected
+        # Tenant a ends its own "b/s"; tenant b's "s" is untouched.
+        ended = await client.delete(f"{url}/v1/sessions/b/s",
+                                    headers={"authorization": "Bearer ka"})
+        assert ended.status_code == 200 and ended.json()["tenant"] == "a"
+        assert sessions.get("a", "b/s").state == "ended"
+        assert sessions.get("b", "s").state == "active"
