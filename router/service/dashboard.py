@@ -46,8 +46,9 @@ def build_dashboard_router() -> APIRouter:
 def security_headers(page: str) -> dict[str, str]:
     """The page's own inline script runs (by its hash, computed here from the page as
     served: editing the script needs nothing else), nothing else does; it loads nothing
-    from elsewhere, is framed nowhere and sends no Referer. Inline styles stay allowed:
-    the page sets bar widths and legend colours."""
+    from elsewhere, is framed nowhere, sends no Referer and is never content-sniffed
+    (``nosniff``: a browser takes it, and the refusal of ``?key=``, as the type sent).
+    Inline styles stay allowed: the page sets bar widths and legend colours."""
     scripts = " ".join(
         "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
         for body in re.findall(r"<script>(.*?)</script>", page, re.DOTALL))
@@ -55,4 +56,5 @@ def security_headers(page: str) -> dict[str, str]:
               "img-src 'self' data:; base-uri 'none'; form-action 'none'; "
               "frame-ancestors 'none'")
     return {"Content-Security-Policy": policy, "Referrer-Policy": "no-referrer",
-            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+            "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+            "Cache-Control": "no-store"}
