@@ -238,5 +238,20 @@ class UpstreamPool:
             return ProbeResult(False, f"/health failed: {type(exc).__name__}: {exc}")
 
 
+# What a worker's answer may be served to the client as; any other type (a proxy's HTML
+# error page, a worker a forged heartbeat pointed elsewhere) is served as plain text:
+# the router's origin also serves the dashboard, which keeps an admin key for its tab.
+_RELAYED_MEDIA_TYPES = frozenset({"application/json", "text/event-stream", "text/plain"})
+
+
 def _copy_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+    for name in [k for k in headers if k.lower() in ("content-type",
+                                                      "x-content-type-options")]:
+        del headers[name]
+    media_type = (response.content_type or "").lower()
+    headers["content-type"] = (response.headers.get("content-type", media_type)
+                               if media_type in _RELAYED_MEDIA_TYPES
+                               else "text/plain; charset=utf-8")
+    headers["x-content-type-options"] = "nosniff"
+    return headers

@@ -72,7 +72,7 @@ class StubWorker:
     """An OpenAI-shaped HTTP server whose behaviour a test sets per request."""
 
     port: int = field(default_factory=free_port)
-    # "ok" | "status:<code>" | "die_mid_stream" | "slow_stream" | "no_usage" (a 200 without
+    # "ok" | "status:<code>" | "html:<code>" (an HTML page) | "die_mid_stream" | "slow_stream" | "no_usage" (a 200 without
     # usage, streamed or not) | "unparsable" (a 200 whose body, or an event, is not JSON)
     mode: str = "ok"
     finish_reason: str = "stop"
@@ -160,6 +160,9 @@ class StubWorker:
             code = int(self.mode.split(":")[1])
             return web.json_response({"error": {"message": f"stub says {code}", "code": code}},
                                      status=code)
+        if self.mode.startswith("html:"):  # a proxy's error page in front of a worker
+            return web.Response(text="<script>alert(document.domain)</script>",
+                                content_type="text/html", status=int(self.mode.split(":")[1]))
         if self.mode == "unparsable" and not body.get("stream"):
             return web.Response(text="{not json", content_type="application/json")
         if not body.get("stream"):

@@ -193,3 +193,36 @@ async def test_the_page_and_its_refusal_are_not_content_sniffed(
     assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
     assert "'unsafe-inline'" not in page.headers["content-security-policy"].split(
         "script-src")[1].split(";")[0]
+
+
+async def test_a_workers_answer_is_never_served_as_html_from_the_routers_origin(
+        tmp_path: Path) -> None:
+    """A worker's answer kept its own Content-Type: a proxy's HTML error page in front
+    of a worker, or a worker a forged heartbeat pointed elsewhere, was served as HTML from
+    the origin whose dashboard keeps an admin key for its tab. Now only JSON, event
+    streams and plain text pass as they are; anything else is plain text, never
+    sniffed. (The stub stands in for that page: no real vLLM answers HTML.)"""
+    stub = StubWorker()
+    await stub.start()
+    try:
+        settings = router_settings(tmp_path, [("w0", stub.url)])
+        body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4}
+        async with running_router(settings) as router, httpx.AsyncClient(timeout=10) as client:
+            for stream in (False, True):
+                ok = await client.post(f"{router.url}/v1/chat/completions",
+                                       json={**body, "stream": stream})
+                assert ok.status_code == 200
+                assert ok.headers["content-type"].startswith(
+                    "text/event-stream" if stream else "application/json")
+                assert ok.headers["x-content-type-options"] == "nosniff"
+            for mode in ("html:400", "html:200"):
+                stub.mode = mode
+                for stream in (False, True):
+                    page = await client.post(f"{router.url}/v1/chat/completions",
+                                             json={**body, "stream": stream})
+                    assert page.headers["content-type"].startswith("text/plain"), (mode, stream)
+                    assert page.headers["x-content-type-options"] == "nosniff"
+                    assert "<script>" in page.text  # relayed, as text
+    finally:
+        await stub.stop()
