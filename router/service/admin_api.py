@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.service.hint_records import HintStatus
@@ -171,8 +171,15 @@ def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:
     return status
 
 
+def _private_answer(response: Response) -> None:
+    """Admin answers show tenants' sessions and hints: never kept by a cache, never
+    content-sniffed (the dashboard's origin)."""
+    response.headers["Cache-Control"] = "no-store"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+
+
 def build_admin_router() -> APIRouter:
-    router = APIRouter(prefix="/admin", tags=["admin"])
+    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_private_answer)])
 
     @router.get("/sessions")
     async def list_sessions(request: Request, tenant: str | None = _query_name(),

@@ -195,6 +195,20 @@ async def test_the_page_and_its_refusal_are_not_content_sniffed(
         "script-src")[1].split(";")[0]
 
 
+async def test_admin_answers_are_not_cached_or_content_sniffed(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """The admin API's answers (tenants' sessions and hints, what the dashboard reads)
+    carried neither no-store nor nosniff."""
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], admin_keys=["root"])
+    auth = {"authorization": "Bearer root"}
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        for path in ("/admin/overview", "/admin/sessions", "/admin/workers", "/admin/hints"):
+            answer = await client.get(f"{router.url}{path}", headers=auth)
+            assert answer.status_code == 200, path
+            assert answer.headers["cache-control"] == "no-store", path
+            assert answer.headers["x-content-type-options"] == "nosniff", path
+
+
 async def test_a_workers_answer_is_never_served_as_html_from_the_routers_origin(
         tmp_path: Path) -> None:
     """A worker's answer kept its own Content-Type: a proxy's HTML error page in front
