@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,8 +84,10 @@ class NatsServerProcess:
     the same port and store (tests kill NATS mid-run this way)."""
 
     def __init__(self, port: int | None = None, store_dir: Path | None = None,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None,
+                 preexec: Callable[[], None] | None = None) -> None:
         self.port = port or free_port()
+        self._preexec = preexec  # run in the child before nats-server starts
         self._own_store = store_dir is None
         self.store_dir = store_dir or Path(tempfile.mkdtemp(prefix="kvhint-nats-"))
         self.log_path = log_path
@@ -109,6 +111,7 @@ class NatsServerProcess:
                 # group) must not stop NATS before the router and the workers that
                 # still publish to it; whoever started it stops it, last.
                 start_new_session=True,
+                preexec_fn=self._preexec,
             )
         finally:
             if log is not subprocess.DEVNULL:
@@ -141,12 +144,14 @@ class NatsServerProcess:
 
 @contextmanager
 def running_nats(url: str | None = "nats://127.0.0.1:4222",
-                 log_path: Path | None = None) -> Iterator[NatsEndpoint]:
-    """Yield a NATS endpoint with JetStream: ``url`` if it answers, else one started here."""
+                 log_path: Path | None = None,
+                 preexec: Callable[[], None] | None = None) -> Iterator[NatsEndpoint]:
+    """Yield a NATS endpoint with JetStream: ``url`` if it answers, else one started here
+    (``preexec`` run in its child)."""
     if url and nats_answers(url):
         yield NatsEndpoint(url=url, started_here=False, jetstream=nats_has_jetstream(url))
         return
-    server = NatsServerProcess(log_path=log_path)
+    server = NatsServerProcess(log_path=log_path, preexec=preexec)
     try:
         server.start()
         yield NatsEndpoint(url=server.url, started_here=True)

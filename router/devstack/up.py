@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -24,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from kvhint.router.devstack.nats_server import running_nats
-from kvhint.router.devstack.process_groups import stop_process_groups
+from kvhint.router.devstack.process_groups import die_with_parent, stop_process_groups
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec, stop_servers
 
@@ -124,7 +125,11 @@ def _run_dev_stack(options: DevStackOptions, stop: threading.Event,
 
 def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path, logs: Path,
                      stop: threading.Event, hurry: threading.Event) -> int:
-    nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log"))
+    # Every part started here is SIGTERMed by the kernel if kvhint up itself is killed
+    # outright (kill -9 runs no handler): none is left holding its port.
+    preexec = die_with_parent()
+    nats = stack.enter_context(running_nats(options.nats_url, log_path=logs / "nats.log",
+                                            preexec=preexec))
     _say(f"NATS: {nats.url} ({'started here' if nats.started_here else 'already running'})")
     if not nats.jetstream:
         _say(f"WARNING: the NATS server at {nats.url} has no JetStream: the router runs "
@@ -147,7 +152,7 @@ def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path
             if with_plugin else None,
             cpu_bind=str(index % cores) if options.workers > 1 else None,
         )
-        server = VllmServer(spec, logs / f"worker-{worker_id}.log")
+        server = VllmServer(spec, logs / f"worker-{worker_id}.log", preexec=preexec)
         servers.append((worker_id, server))
         server.start()
     for worker_id, server in servers:
@@ -163,7 +168,7 @@ def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path
     entry = servers[0][1].url
     with_router = _module_available(ROUTER_MODULE)
     if with_router:
-        router = _start_router(options, nats.url, servers, logs.parent, logs)
+        router = _start_router(options, nats.url, servers, logs.parent, logs, preexec)
         stack.callback(stop_process_groups, [router], ROUTER_STOP_GRACE_S, hurry)
         entry = f"http://127.0.0.1:{options.router_port}"
         try:
@@ -228,7 +233,7 @@ def _ports_taken(ports: list[int]) -> list[int]:
 
 
 def _start_router(options: DevStackOptions, nats_url: str, servers, state: Path,
-                  logs: Path) -> subprocess.Popen[bytes]:
+                  logs: Path, preexec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
     workers = ",".join(f"{wid}={server.url}" for wid, server in servers)
     env = dict(os.environ)
     env.update({
@@ -241,7 +246,7 @@ def _start_router(options: DevStackOptions, nats_url: str, servers, state: Path,
     with open(logs / "router.log", "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "kvhint.router.cli", "router"],
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], stop: threading.Event,

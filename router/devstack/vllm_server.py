@@ -15,7 +15,7 @@ import subprocess
 import threading
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,9 +93,13 @@ class VllmWorkerSpec:
 class VllmServer:
     """One vLLM server process (and its EngineCore children), in its own process group."""
 
-    def __init__(self, spec: VllmWorkerSpec, log_path: Path) -> None:
+    def __init__(self, spec: VllmWorkerSpec, log_path: Path,
+                 preexec: Callable[[], None] | None = None) -> None:
+        """``preexec``: run in the child before vLLM starts (``kvhint up`` passes
+        :func:`~.process_groups.die_with_parent`)."""
         self.spec = spec
         self.log_path = Path(log_path)
+        self._preexec = preexec
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -153,6 +157,7 @@ class VllmServer:
                 stderr=subprocess.STDOUT,
                 env=self.spec.environment(),
                 start_new_session=True,
+                preexec_fn=self._preexec,
             )
 
     def wait_ready(self, timeout_s: float = 300.0,

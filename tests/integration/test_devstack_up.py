@@ -173,3 +173,32 @@ def test_make_run_passes_up_args_to_kvhint_up() -> None:
                           "UP_ARGS=--router-port 9090 --workers 1"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "kvhint up --state-dir .kvhint --router-port 9090 --workers 1" in out
+
+
+# Starts a part as kvhint up does (its own session, die_with_parent), prints the part's
+# pid and waits: the test then kills this parent outright, as `kill -9` of kvhint up.
+_PARENT_SCRIPT = textwrap.dedent("""
+    import subprocess, sys, time
+    from kvhint.router.devstack.process_groups import die_with_parent
+    part = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                            start_new_session=True, preexec_fn=die_with_parent())
+    print(part.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_the_parts_end_when_kvhint_up_is_killed_outright() -> None:
+    """``kill -9`` of kvhint up runs no handler: its parts (each in a session of its own,
+    so no terminal signal reaches them) kept running and holding their ports, and the
+    next ``make run`` refused to start. Now the kernel SIGTERMs each when it dies."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT_SCRIPT], stdout=subprocess.PIPE,
+                              text=True)
+    assert parent.stdout is not None
+    part = int(parent.stdout.readline())
+    assert _alive(part)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(part) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(part)
