@@ -198,6 +198,14 @@ class PluginConfig(BaseModel):
     def prefetch_budget_blocks(self, num_blocks: int) -> int:
         return int(self.prefetch_budget_fraction * num_blocks)
 
+    @property
+    def credentials_in_transfer_config(self) -> bool:
+        """Whether ``nats_url`` itself (not one read through ``nats_url_env``) carries a
+        user, password or token: vLLM logs its ``--kv-transfer-config`` at start-up, so
+        they are in its log."""
+        return self.nats_url_env is None and any(
+            "@" in urlsplit(server).netloc for server in self.nats_servers)
+
 
 def _server_url_problem(url: str) -> str | None:
     """Why NATS's client cannot connect to ``url`` (one server), or None. Checked at

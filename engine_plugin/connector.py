@@ -186,6 +186,10 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
                     identity.worker_id, identity.epoch, loggable_nats_url(config.nats_url),
                     config.subject_prefix)
+        if config.credentials_in_transfer_config:
+            logger.warning("kvhint: nats_url carries credentials, and vLLM logs "
+                           "--kv-transfer-config at start-up: give the URL in an environment "
+                           "variable named by nats_url_env instead")
 
     def _find_host_tier(self, adapter: VllmCacheAdapter) -> HostTier | None:
         tier, source = OffloadingHostTier.find(self, adapter)

@@ -694,3 +694,26 @@ async def test_a_failure_that_ends_the_transport_loop_is_counted_and_it_starts_a
         except NotFoundError:
             pass
         await nc.drain()
+
+
+async def test_credentials_in_nats_url_itself_are_warned_about(
+        nats_url: str, subject_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM logs --kv-transfer-config at start-up: a password written into nats_url is in
+    its log. The plugin says so and names nats_url_env (the test server takes any user)."""
+    with_user = nats_url.replace("nats://", "nats://someone:pw@", 1)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        with plugin(with_user, subject_prefix):
+            pass
+        warned = [r.getMessage() for r in caplog.records if "nats_url_env" in r.getMessage()]
+        assert warned and "pw" not in warned[0]
+        caplog.clear()
+        with plugin(nats_url, subject_prefix):
+            pass
+        assert not [r for r in caplog.records if "nats_url_env" in r.getMessage()]
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.jetstream().delete_stream(Subjects(subject_prefix).events_stream)
+    except NotFoundError:
+        pass
+    finally:
+        await nc.drain()

@@ -66,3 +66,15 @@ def test_infinite_or_nan_numbers_are_refused(key: str, value: float) -> None:
     then raised on every try, and the worker never sent a heartbeat."""
     says = refusal({key: value})
     assert f"kv_connector_extra_config[{key!r}]" in says
+
+
+def test_credentials_written_into_the_transfer_config_are_told_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM logs --kv-transfer-config: credentials in nats_url itself are in its log (the
+    connector warns, naming nats_url_env); read through nats_url_env they are not."""
+    assert PluginConfig(nats_url="nats://u:pw@h:4222,nats://h2:4222").credentials_in_transfer_config
+    assert PluginConfig(nats_url="nats://tok@h:4222").credentials_in_transfer_config
+    assert not PluginConfig(nats_url="nats://h:4222").credentials_in_transfer_config
+    assert not PluginConfig().credentials_in_transfer_config
+    monkeypatch.setenv("KVHINT_TEST_NATS", "nats://u:pw@h:4222")
+    assert not PluginConfig(nats_url_env="KVHINT_TEST_NATS").credentials_in_transfer_config
