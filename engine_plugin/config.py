@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,7 +22,7 @@ from pydantic import (
 )
 
 from kvhint.schemas import Subjects, is_valid_worker_id
-from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
+from kvhint.schemas.nats_address import nats_servers, nats_url_problem
 
 # Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
@@ -36,9 +35,6 @@ LOGGER_NAME = "vllm.kvhint"
 # stays "kv_both": that connector does load.
 KV_ROLE = "kv_producer"
 
-_URL_RE = re.compile(r"^(nats|tls|ws|wss)://[^\s]+$")
-# nats-py refuses a server list that mixes these two families (every connect fails).
-_WEBSOCKET_SCHEMES = frozenset({"ws", "wss"})
 
 
 class PluginConfigError(ValueError):
@@ -146,15 +142,10 @@ class PluginConfig(BaseModel):
     def _check_nats_url(cls, value: str | None) -> str | None:
         if value is None or value == "":
             return None
-        schemes = set()
-        for part in value.split(","):
-            problem = _server_url_problem(part.strip())
-            if problem:
-                raise ValueError(f"{loggable_nats_url(part)!r} {problem}")
-            schemes.add(urlsplit(part.strip()).scheme in _WEBSOCKET_SCHEMES)
-        if len(schemes) > 1:
-            raise ValueError("mixes ws/wss with nats/tls servers, which NATS's client "
-                             "refuses: list servers of one kind")
+        # Checked here: the transport connects in its own thread, where nats-py refusing
+        # the URL ended that thread and left the engine without NATS for good.
+        if problem := nats_url_problem(value):
+            raise ValueError(problem)
         return value
 
     @field_validator("subject_prefix")
@@ -205,22 +196,6 @@ class PluginConfig(BaseModel):
         they are in its log."""
         return self.nats_url_env is None and any(
             "@" in urlsplit(server).netloc for server in self.nats_servers)
-
-
-def _server_url_problem(url: str) -> str | None:
-    """Why NATS's client cannot connect to ``url`` (one server), or None. Checked at
-    start-up: the transport connects in its own thread, where nats-py refusing the URL
-    ended that thread and left the engine without NATS for good."""
-    if not _URL_RE.match(url):
-        return "is not a nats:// (or tls/ws/wss) URL"
-    parts = urlsplit(url)
-    try:
-        _ = parts.port  # parsing is the check: not a number, or past 65535
-    except ValueError:
-        return "has no valid port (a number up to 65535)"
-    if not parts.hostname:
-        return "has no host"
-    return None
 
 
 def _problem(err: Any) -> str:

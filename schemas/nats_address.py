@@ -9,7 +9,12 @@ a URL are as secret as the admin keys.
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit, urlunsplit
+
+_URL_RE = re.compile(r"^(nats|tls|ws|wss)://[^\s]+$")
+# nats-py refuses a server list that mixes these two families (every connect fails).
+_WEBSOCKET_SCHEMES = frozenset({"ws", "wss"})
 
 
 def nats_servers(url: str | None) -> list[str]:
@@ -36,3 +41,34 @@ def loggable_nats_url(url: str | None) -> str:
         shown.append(urlunsplit((parts.scheme, netloc, parts.path, parts.query,
                                  parts.fragment)))
     return ",".join(shown)
+
+
+def nats_url_problem(url: str) -> str | None:
+    """Why NATS's client (nats-py) cannot connect to ``url`` (a comma-separated list), or
+    None. Each server needs a nats/tls/ws/wss scheme, a host and a port (if any) up to
+    65535, and the list one kind of scheme. The message names a server only in its
+    loggable form. Checked when the settings are read: nats-py refusing the URL later,
+    in a connect loop, stopped that loop for good."""
+    kinds = set()
+    for server in nats_servers(url):
+        problem = _server_problem(server)
+        if problem:
+            return f"{loggable_nats_url(server)!r} {problem}"
+        kinds.add(urlsplit(server).scheme in _WEBSOCKET_SCHEMES)
+    if len(kinds) > 1:
+        return ("mixes ws/wss with nats/tls servers, which NATS's client refuses: list "
+                "servers of one kind")
+    return None
+
+
+def _server_problem(url: str) -> str | None:
+    if not _URL_RE.match(url):
+        return "is not a nats:// (or tls/ws/wss) URL"
+    parts = urlsplit(url)
+    try:
+        _ = parts.port  # parsing is the check: not a number, or past 65535
+    except ValueError:
+        return "has no valid port (a number up to 65535)"
+    if not parts.hostname:
+        return "has no host"
+    return None

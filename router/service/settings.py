@@ -28,6 +28,7 @@ from pydantic_settings import (
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.schemas import Subjects, is_valid_worker_id
+from kvhint.schemas.nats_address import nats_url_problem
 
 ENV_PREFIX = "KVHINT_ROUTER_"
 # Published (it is in this file): salts derived from it are secret from nobody.
@@ -363,6 +364,15 @@ class RouterSettings(BaseSettings):
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, value: str | None) -> str | None:
+        # nats-py refusing the URL in the link's connect loop would leave the router
+        # without NATS (no index, no hints) while it served on.
+        if value and (problem := nats_url_problem(value)):
+            raise ValueError(problem)
+        return value or None
 
     @field_validator("database_url")
     @classmethod

@@ -215,3 +215,18 @@ def test_check_config_shows_no_credentials_of_the_nats_and_store_urls(
     shown = json.loads(out)
     assert shown["nats_url"] == "nats://***@nats:4222"
     assert shown["database_url"] == "postgresql+psycopg://kvhint:***@pg:5432/kvhint"
+
+
+@pytest.mark.parametrize("url", ["nats://u:s3cret@h:notaport", "nats://u:s3cret@:4222",
+                                 "nats://h:99999", "nats://a:4222,ws://b:80", "http://h:4222"])
+def test_a_nats_url_nats_cannot_connect_to_is_refused_at_start(url: str) -> None:
+    """nats-py refuses such a URL with ValueError or AssertionError, which the NATS link's
+    connect loop did not catch: the loop ended and the router served on without NATS (no
+    index, no hints), nothing counted. The plugin checks its nats_url the same way
+    (schemas.nats_address.nats_url_problem); the password is never shown."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="nats_url") as refused:
+        RouterSettings(nats_url=url)
+    assert "s3cret" not in str(refused.value).split("input_value")[0]
+    assert RouterSettings(nats_url="tls://u:pw@h:4222, nats://[::1]:4222").nats_url
