@@ -1,0 +1,397 @@
+"""What an operator watches (deploy/prometheus/alerts.yml, the Grafana dashboard) asks for
+labels, label values and metric types the router and the engine plugin really export,
+and every alert can fire and says what to do. test_service_deploy_files.py checks the
+metric names; this checks the rest, with promql_lint (a small PromQL reader: no
+dependency) and, where installed, promtool.
+
+The catalog is built from the real registries: RouterMetrics (its scrape-time gauges
+bound to a populated sample) and the plugin's KvHintPromMetrics fed one of each of its
+stats through its own ``observe``, with the labels vLLM gives every connector metric.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from http import HTTPStatus
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from promql_lint import Catalog, Linter, Metric, Selector, legend_labels, parse, \
+    template_labels, value_set
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvhint.router.service import metrics as router_metrics
+from kvhint.router.service.hint_records import API_SOURCE, EXPIRED, FAILED, PLANNER_SOURCE
+from kvhint.router.service.inbound import Endpoint
+from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.settings import RouterSettings
+from kvhint.schemas.hints import ACTION_TYPE_VALUES
+from kvhint.schemas.outcomes import OutcomeStatus
+from kvhint.schemas.releases import ReleaseReason
+
+REPO = Path(__file__).resolve().parents[3]
+DEPLOY = REPO / "deploy"
+# vLLM labels every connector metric so (vllm/v1/metrics/loggers.py builds
+# KVConnectorProm with labelnames ["model_name", "engine"]); README says the same.
+VLLM_LABELS = ["model_name", "engine"]
+ROUTER_JOB = "kvhint-router"
+
+
+# --- what the router and the plugin export ----------------------------------------------
+
+def _router_source_calls(match: Callable[[ast.Call], bool]) -> list[ast.Call]:
+    calls = []
+    for path in sorted((REPO / "router").rglob("*.py")):
+        calls += [node for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Call) and match(node)]
+    return calls
+
+
+def _label_literals(attribute: str, position: int) -> set[str] | None:
+    """The values the router's code passes ``<x>.<attribute>.labels(...)`` at
+    ``position``; None where one call site passes a computed value (an open set)."""
+    def match(call: ast.Call) -> bool:
+        f = call.func
+        return (isinstance(f, ast.Attribute) and f.attr == "labels"
+                and isinstance(f.value, ast.Attribute) and f.value.attr == attribute)
+    values: set[str] = set()
+    for call in _router_source_calls(match):
+        arg = call.args[position]
+        if not (isinstance(arg, ast.Constant) and isinstance(arg.value, str)):
+            return None
+        values.add(arg.value)
+    return values
+
+
+def _drop_names() -> Callable[[str], bool]:
+    """``drops_total{what}``: the literals the router's drop calls pass, and the fixed
+    openings of the f-strings they pass (``prompt_hashing:<error>``). A drop named by a
+    variable takes a value written as a literal elsewhere (usage_lost's, the trace
+    recorder's reasons): for those, any string literal in the router's code."""
+    def match(call: ast.Call) -> bool:
+        f = call.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        return name in ("drop", "_drop", "on_drop", "_on_drop") and bool(call.args)
+    literals, prefixes, computed = set(), set(), False
+    for call in _router_source_calls(match):
+        arg = call.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            literals.add(arg.value)
+        elif isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
+            prefixes.add(arg.values[0].value)
+        else:
+            computed = True
+    if computed:
+        literals |= {node.value for path in (REPO / "router").rglob("*.py")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                     and re.fullmatch(r"[a-z][a-z0-9_:]*", node.value)}
+    known = value_set(literals)
+    # A regex matcher is tried against these: one value per f-string opening stands for all.
+    known.values += [f"{prefix}x" for prefix in sorted(prefixes)]  # type: ignore[attr-defined]
+
+    def drop_name(value: str) -> bool:
+        return value in literals or any(value.startswith(p) for p in prefixes)
+    drop_name.values = known.values  # type: ignore[attr-defined]
+    return drop_name
+
+
+def _router_domains() -> dict[str, dict[str, Callable[[str], bool]]]:
+    """Series name -> label -> the values it can take, where code bounds them."""
+    from kvhint.router.kv_index.ingest import KvEventIngestor
+    from kvhint.router.kv_index.memory import InMemoryClusterKvIndex
+    from kvhint.router.service.runtime import _ingest_counters
+
+    index = InMemoryClusterKvIndex()
+    ingest = set(_ingest_counters(KvEventIngestor(index, clock=lambda: 0.0), index.stats()))
+    actions = value_set(ACTION_TYPE_VALUES)
+    sources = value_set({PLANNER_SOURCE, API_SOURCE})
+    outcomes = value_set({s.value for s in OutcomeStatus if s.is_terminal} | {EXPIRED, FAILED})
+    domains = {
+        "requests_total": {"endpoint": value_set(e.value for e in Endpoint),
+                           "code": value_set({str(s.value) for s in HTTPStatus} | {"499"})},
+        "hints_total": {"action": actions, "outcome": outcomes, "source": sources},
+        "hints_sent_total": {"action": actions, "source": sources},
+        "hold_released_blocks_total": {
+            "action": value_set(ACTION_TYPE_VALUES | {"other"}),
+            "reason": value_set(r.value for r in ReleaseReason)},
+        "resyncs_total": {"result": _label_literals("resyncs", 2)},
+        "health_probes_total": {"outcome": router_metrics.HEALTH_PROBE_OUTCOMES},
+        "drops_total": {"what": _drop_names()},
+        "nats_errors_total": {"kind": router_metrics.NATS_ERROR_KINDS},
+        "hint_api_rejections_total": {"reason": router_metrics.HINT_API_REJECTIONS},
+        "session_end_rejections_total": {"reason": router_metrics.SESSION_END_REJECTIONS},
+        "client_timeouts_total": {"phase": router_metrics.CLIENT_TIMEOUT_PHASES},
+        "gateway_rejections_total": {"reason": router_metrics.GATEWAY_REJECTIONS},
+        "foreign_hint_messages_total": {"kind": _label_literals("foreign_messages", 0)},
+        "cached_tokens_actual_total": {"predicted": {"true", "false"}},
+        "index_ingest_total": {"what": ingest},
+    }
+    return {f"kvhint_router_{name}": {label: v if callable(v) else value_set(v)
+                                      for label, v in labels.items() if v is not None}
+            for name, labels in domains.items()}
+
+
+def _family_metrics(family, labels: frozenset[str], values) -> dict[str, Metric]:
+    """The series names a query may use for one collected family."""
+    if family.type == "counter":
+        return {f"{family.name}_total": Metric("counter", labels, values)}
+    if family.type == "histogram":
+        return {f"{family.name}_bucket": Metric("bucket", labels, values),
+                f"{family.name}_sum": Metric("counter", labels, values),
+                f"{family.name}_count": Metric("counter", labels, values)}
+    return {family.name: Metric("gauge", labels, values)}
+
+
+def router_catalog() -> dict[str, Metric]:
+    metrics = RouterMetrics()
+    # Every scrape-time gauge with one series, so its labels show.
+    metrics.bind_state(lambda: StateSample(
+        index_blocks_by_worker_tier={("w", "gpu"): 1}, sessions_by_state={"s": 1},
+        workers_up={"w": (True, False)}, worker_inflight={"w": 1},
+        completion_read_probability={"t": 0.5}, ingest={"x": 1}))
+    # The declared metrics' label names: prometheus_client keeps them in _labelnames
+    # (a labelled family shows no sample until used, so collect() cannot say).
+    declared = {family.name: frozenset(wrapper._labelnames)
+                for wrapper in vars(metrics).values()
+                if isinstance(wrapper, (Counter, Gauge, Histogram))
+                for family in wrapper.describe()}
+    domains = _router_domains()
+    out: dict[str, Metric] = {}
+    for family in metrics.registry.collect():
+        labels = declared.get(family.name) or frozenset(
+            label for sample in family.samples for label in sample.labels) - {"le"}
+        for name, metric in _family_metrics(family, labels, {}).items():
+            out[name] = Metric(metric.kind, metric.labels, domains.get(name, {}))
+    out["kvhint_router_worker_up"].values["kind"] = value_set(
+        s.labels["kind"] for f in metrics.registry.collect()
+        if f.name == "kvhint_router_worker_up" for s in f.samples)
+    return out
+
+
+def plugin_catalog() -> dict[str, Metric]:
+    """The plugin's families, as vLLM's API server records them: one of each stat fed
+    through KvHintPromMetrics.observe, so each family shows every label it carries."""
+    from kvhint.engine_plugin import metrics as plugin
+
+    registry = CollectorRegistry()
+
+    def bind(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k:
+                                           cls.__init__(self, *a, registry=registry, **k)})
+    prom = plugin.KvHintPromMetrics(SimpleNamespace(kv_transfer_config=None),
+                                    {Counter: bind(Counter), Gauge: bind(Gauge),
+                                     Histogram: bind(Histogram)}, VLLM_LABELS, {0: ["m", "0"]})
+    stats = {key: 1 for key in (*plugin.COUNTERS, *plugin.GAUGES)}
+    stats |= {key: {value: 1 for value in values}
+              for key, (_, values, _) in plugin.LABELLED_COUNTERS.items()}
+    stats[plugin.HINTS_KEY] = {"kv.pin|accepted": 1}
+    stats[plugin.LATENCY_KEY] = [0.01]
+    prom.observe(stats)
+    domains = {f"{plugin.PREFIX}{key}_total": {label: value_set(values)}
+               for key, (label, values, _) in plugin.LABELLED_COUNTERS.items()}
+    domains[f"{plugin.HINTS_METRIC}_total"] = {
+        "action": value_set(ACTION_TYPE_VALUES | {plugin.OTHER_LABEL,
+                                                  plugin.UNIDENTIFIED_ACTION_LABEL}),
+        "status": value_set(s.value for s in OutcomeStatus)}
+    out: dict[str, Metric] = {}
+    for family in registry.collect():
+        labels = frozenset(label for s in family.samples for label in s.labels) - {"le"}
+        for name, metric in _family_metrics(family, labels, {}).items():
+            out[name] = Metric(metric.kind, metric.labels, domains.get(name, {}))
+    return out
+
+
+def catalog() -> Catalog:
+    jobs = [job["job_name"] for job in _scrape_config()["scrape_configs"]]
+    metrics = router_catalog() | plugin_catalog()
+    # Prometheus's own per-target series, with its job label bounded by the scrape config.
+    metrics["up"] = Metric("gauge", frozenset(), {"job": value_set(jobs)})
+    return Catalog(metrics, must_split={
+        # requested (per snapshot page), purged, loaded, failed: not one thing.
+        "kvhint_router_resyncs_total": frozenset({"result"}),
+        # http and plugin liveness: 1 + 0 is no count of anything.
+        "kvhint_router_worker_up": frozenset({"kind"})})
+
+
+# --- the deploy files --------------------------------------------------------------------
+
+def _scrape_config() -> dict:
+    return yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+
+
+def _rules() -> list[dict]:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    return [rule for group in rules["groups"] for rule in group["rules"]]
+
+
+def _targets() -> list[tuple[str, dict]]:
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    return [(panel["title"], target) for panel in dashboard["panels"]
+            for target in panel.get("targets", [])]
+
+
+def _lint(expr: str, cat: Catalog) -> tuple[list[str], frozenset[str] | None]:
+    linter = Linter(cat)
+    info = linter.check(expr)
+    return linter.errors, info.labels
+
+
+def test_every_query_uses_labels_values_and_types_the_metrics_have() -> None:
+    cat = catalog()
+    problems = []
+    for rule in _rules():
+        errors, labels = _lint(rule["expr"], cat)
+        read = set().union(*(template_labels(str(v)) for v in rule.get("annotations", {})
+                             .values()))
+        missing = read - (labels or set()) - set(rule.get("labels", {}))
+        errors += [f"annotations read $labels.{name}, which the result lacks"
+                   for name in sorted(missing)]
+        problems += [f"alert {rule['alert']}: {e}" for e in errors]
+    for title, target in _targets():
+        errors, labels = _lint(target["expr"], cat)
+        missing = legend_labels(target.get("legendFormat", "")) - (labels or set())
+        errors += [f"legend reads {{{{{name}}}}}, which the result lacks"
+                   for name in sorted(missing)]
+        problems += [f"panel {title!r} {target['refId']}: {e}" for e in errors]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_alert_waits_is_graded_and_says_what_to_do() -> None:
+    """Each rule: a ``for:`` (one scrape's blip pages no one), a severity Alertmanager
+    can route, a summary, and a description that says what to look at or do."""
+    problems = []
+    for rule in _rules():
+        name = rule["alert"]
+        if not str(rule.get("for", "")).rstrip("smh").isdigit():
+            problems.append(f"{name}: no for:")
+        if rule.get("labels", {}).get("severity") not in ("critical", "warning", "info"):
+            problems.append(f"{name}: severity is not critical, warning or info")
+        annotations = rule.get("annotations", {})
+        if not annotations.get("summary"):
+            problems.append(f"{name}: no summary")
+        description = annotations.get("description", "")
+        if len(description.split()) < 8 or description == annotations.get("summary"):
+            problems.append(f"{name}: no description of what to do")
+    assert not problems, "\n".join(problems)
+    assert len({rule["alert"] for rule in _rules()}) == len(_rules())
+
+
+def _rule(name: str) -> dict:
+    (rule,) = [r for r in _rules() if r["alert"] == name]
+    return rule
+
+
+def _threshold(expr: str) -> float:
+    tree = parse(expr)
+    assert tree.op in (">", ">=") and isinstance(tree.rhs, float), expr
+    return tree.rhs
+
+
+def test_alert_thresholds_can_be_reached_with_the_readme_defaults() -> None:
+    """A store backlog over the writer's queue bound cannot happen (past it rows are
+    dropped, and KvhintDrops says so); a p99 above the histogram's highest finite bucket
+    cannot be computed (histogram_quantile answers that bucket's bound)."""
+    assert 0 < _threshold(_rule("KvhintStoreBacklog")["expr"]) < RouterSettings().store_queue_max
+    registry = RouterMetrics().registry
+    top = max(float(s.labels["le"]) for f in registry.collect()
+              if f.name == "kvhint_router_event_lag_seconds" for s in f.samples
+              if s.name.endswith("_bucket") and s.labels["le"] != "+Inf")
+    assert 0 < _threshold(_rule("KvhintEventLag")["expr"]) < top
+
+
+def _selectors(node) -> list[Selector]:
+    if isinstance(node, Selector):
+        return [node]
+    children = [getattr(node, name) for name in ("lhs", "rhs") if hasattr(node, name)]
+    children += list(getattr(node, "args", ()))
+    return [s for child in children if not isinstance(child, (str, float))
+            for s in _selectors(child)]
+
+
+def test_the_router_being_down_or_without_a_worker_alerts() -> None:
+    """Before, a router Prometheus could not scrape silenced every router alert and
+    alerted on nothing; and KvhintNoRoutableWorker summed every replica's workers (one
+    replica cut off from all of them did not fire) and was empty, so silent, for a
+    router that knew no worker at all. Now KvhintRouterDown watches the router's
+    scrape, and KvhintNoRoutableWorker starts from each router that is up."""
+    down = parse(_rule("KvhintRouterDown")["expr"])
+    assert down.op == "==" and down.rhs == 0.0
+    assert down.lhs.name == "up" and ("job", "=", ROUTER_JOB) in down.lhs.matchers
+    assert ROUTER_JOB in [job["job_name"] for job in _scrape_config()["scrape_configs"]]
+    none = parse(_rule("KvhintNoRoutableWorker")["expr"])
+    assert none.op == "unless" and none.matching == "on" and none.labels == ("instance",)
+    (up,) = _selectors(none.lhs)
+    assert up.name == "up" and ("job", "=", ROUTER_JOB) in up.matchers
+    assert _rule("KvhintNoRoutableWorker")["labels"]["severity"] == "critical"
+
+
+def test_frequent_resyncs_counts_snapshots_taken_not_pages_asked() -> None:
+    """resyncs_total{result="requested"} counts each snapshot page asked for (the
+    ingestor asks page after page, snapshot_page_limit blocks each) and each retry: the
+    rule counted one resync of a large cache as several, with no ``for:``, and fired on
+    it. It counts result="loaded" (one per snapshot taken in full), per router."""
+    tree = parse(_rule("KvhintFrequentResyncs")["expr"])
+    (resyncs,) = _selectors(tree)
+    assert ("result", "=", "loaded") in resyncs.matchers
+    assert set(tree.lhs.labels) == {"instance", "worker"}
+
+
+def test_prometheus_loads_the_rules_compose_mounts() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    mounts = dict(volume.rsplit(":", 2)[:2][::-1] for volume in
+                  compose["services"]["prometheus"]["volumes"])
+    for path in _scrape_config()["rule_files"]:
+        assert mounts.get(path) == "./prometheus/alerts.yml", path
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_accepts_the_rules() -> None:
+    done = subprocess.run(["promtool", "check", "rules",
+                           str(DEPLOY / "prometheus" / "alerts.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+# --- the checker catches what it claims to (on queries written wrong on purpose) ---------
+
+@pytest.mark.parametrize(("expr", "says"), [
+    ('kvhint_router_worker_up{kind="plugin"} == 0 and kvhint_router_worker_up{kind="http"} == 1',
+     "never matches: kind"),
+    ("sum by (worker) (rate(kvhint_router_drops_total[5m]))", "no label 'worker'"),
+    ('rate(kvhint_router_nats_errors_total{kind="conect"}[5m])', "never takes 'conect'"),
+    ('rate(kvhint_router_nats_errors_total{kind=~"connect|slow"}[5m])', "'slow' matches no"),
+    ('rate(kvhint_router_drops_total{what="no_such_drop_anywhere"}[5m])', "never takes"),
+    ("rate(kvhint_router_store_queue[5m])", "is a gauge"),
+    ("kvhint_router_drops_total > 5", "raw value"),
+    ("histogram_quantile(0.9, sum(rate(kvhint_router_event_lag_seconds_bucket[5m])))",
+     "le kept"),
+    ("sum by (worker) (increase(kvhint_router_resyncs_total[5m]))", "adds up ['result']"),
+    ('sum(kvhint_router_worker_up)', "adds up ['kind']"),
+    ("sum by (instance) (rate(kvhint:publish_errors_total{what=\"heartbeats\"}[5m]))",
+     "never takes"),
+    ("sum by (pod) (kvhint:pinned_blocks)", "no label 'pod'"),
+    ("sum by (worker) (rate(kvhint_router_retries_total[5m])) / "
+     "sum(rate(kvhint_router_retries_total[5m]))", "label sets differ"),
+])
+def test_the_checker_refuses_a_wrong_query(expr: str, says: str) -> None:
+    errors, _ = _lint(expr, catalog())
+    assert any(says in e for e in errors), errors
+
+
+def test_the_checker_takes_right_queries() -> None:
+    for expr in (
+            'kvhint_router_worker_up{kind="plugin"} == 0 '
+            'and ignoring (kind) kvhint_router_worker_up{kind="http"} == 1',
+            'sum by (worker, result) (increase(kvhint_router_resyncs_total[5m]))',
+            'rate(kvhint_router_drops_total{what=~"prompt_hashing:.*|hint_unsent"}[5m])',
+            'sum by (instance, model_name, engine, action, status) '
+            '(rate(kvhint:hints_total{status="rejected"}[5m]))'):
+        assert _lint(expr, catalog())[0] == [], expr
