@@ -98,6 +98,19 @@ def test_the_shipped_placeholder_secrets_are_refused(
         RouterSettings(metrics_token="Change-Me-0123456789")
     with pytest.raises(ValidationError, match=r"tenants\[team-a\]\.api_keys"):
         RouterSettings(config_file=DEPLOY / "router.yaml")  # compose's, unedited
+    config = _k8s_router_as_shipped(tmp_path, monkeypatch)
+    with pytest.raises(ValidationError) as refused:
+        RouterSettings(config_file=config)
+    message = str(refused.value)
+    for name in ("admin_keys", "tenants[team-a].api_keys", "salt_secret",
+                 "nats_url password", "database_url password"):
+        assert name in message, name
+    assert "change-me-admin" not in message and "change-me-nats" not in message
+
+
+def _k8s_router_as_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The Kubernetes router's settings file (from its ConfigMap, returned) and the
+    environment its Deployment sets from the Secret (set here)."""
     docs = [doc for doc in yaml.safe_load_all(
         (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
     config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
@@ -107,13 +120,7 @@ def test_the_shipped_placeholder_secrets_are_refused(
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     for name, value in _k8s_env(container, _k8s_secrets()).items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValidationError) as refused:
-        RouterSettings(config_file=config)
-    message = str(refused.value)
-    for name in ("admin_keys", "tenants[team-a].api_keys", "salt_secret",
-                 "nats_url password", "database_url password"):
-        assert name in message, name
-    assert "change-me-admin" not in message and "change-me-nats" not in message
+    return config
 
 
 def test_shipped_router_configs_are_valid_settings(example_secrets_allowed: None) -> None:
@@ -129,15 +136,7 @@ def test_the_shipped_deployments_start_with_their_environment(
     """The Kubernetes router as shipped: its ConfigMap file plus the environment its
     Deployment sets from the Secret (admin keys comma-separated, tenants as JSON); and
     compose's single admin key. Before, both env forms crashed the router at start."""
-    docs = [doc for doc in yaml.safe_load_all(
-        (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
-    config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
-    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
-    config = tmp_path / "router.yaml"
-    config.write_text(config_map["data"]["router.yaml"])
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    for name, value in _k8s_env(container, _k8s_secrets()).items():
-        monkeypatch.setenv(name, value)
+    config = _k8s_router_as_shipped(tmp_path, monkeypatch)
     settings = RouterSettings(config_file=config)
     assert settings.admin_keys == ["change-me-admin"]
     assert [(t.name, t.api_keys) for t in settings.tenants] == [
