@@ -197,6 +197,14 @@ class NatsLink:
                                             f"{exc!r}")
                 await asyncio.sleep(self._retry_s)
                 continue
+            except Exception as exc:  # counted and retried: this task must not end
+                # nats-py raises others too (ValueError, AssertionError on a URL it
+                # refuses); uncaught, one ended this task, and the router served on
+                # without NATS, nothing counted. The settings refuse such URLs now.
+                self._note_error("connect", f"connect to {loggable_nats_url(self.url)} "
+                                            f"failed unexpectedly: {type(exc).__name__}")
+                await asyncio.sleep(self._retry_s)
+                continue
             self._nc = nc
             self._js = nc.jetstream()
             log.info("NATS connected: %s", loggable_nats_url(self.url))

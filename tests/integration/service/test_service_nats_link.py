@@ -136,3 +136,29 @@ async def test_a_nats_url_with_credentials_reaches_no_log_line(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "NATS connected: nats://***@127.0.0.1" in logged
     assert "n4ts-pw" not in logged
+
+
+async def test_an_unexpected_connect_error_is_counted_and_retried(
+        own_nats: NatsServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nats-py raises more than NATS and OS errors when it connects (ValueError or
+    AssertionError on a URL it refuses); one ended the link's connect task, and the router
+    served on without NATS, nothing counted. The fault is injected (the first connect
+    raises): the one known real cause, a URL nats-py refuses, is refused by the settings."""
+    from kvhint.router.service import nats_link as nats_link_module
+
+    real_connect = nats_link_module.nats.connect
+    calls: list[int] = []
+
+    async def connect_failing_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        if len(calls) == 1:
+            raise AssertionError("nats-py refused the URL")
+        return await real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(nats_link_module.nats, "connect", connect_failing_once)
+    errors: list[str] = []
+    link = await _connected_link(own_nats.url, errors)
+    try:
+        assert errors == ["connect"] and len(calls) == 2
+    finally:
+        await link.close()
