@@ -2,7 +2,8 @@
 labels, label values and metric types the router and the engine plugin really export,
 and every alert can fire and says what to do. test_service_deploy_files.py checks the
 metric names; this checks the rest, with promql_lint (a small PromQL reader: no
-dependency) and, where installed, promtool.
+dependency; promtool is not installable from the package registries this project uses,
+and a test skipped where it is missing would check nothing here).
 
 The catalog is built from the real registries: RouterMetrics (its scrape-time gauges
 bound to a populated sample) and the plugin's KvHintPromMetrics fed one of each of its
@@ -14,8 +15,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
-import subprocess
 from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -350,14 +349,6 @@ def test_prometheus_loads_the_rules_compose_mounts() -> None:
                   compose["services"]["prometheus"]["volumes"])
     for path in _scrape_config()["rule_files"]:
         assert mounts.get(path) == "./prometheus/alerts.yml", path
-
-
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
-def test_promtool_accepts_the_rules() -> None:
-    done = subprocess.run(["promtool", "check", "rules",
-                           str(DEPLOY / "prometheus" / "alerts.yml")],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- the checker catches what it claims to (on queries written wrong on purpose) ---------
