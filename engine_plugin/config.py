@@ -22,7 +22,13 @@ from pydantic import (
 )
 
 from kvhint.schemas import Subjects, is_valid_worker_id
-from kvhint.schemas.nats_address import nats_servers, nats_url_problem
+from kvhint.schemas.nats_address import (
+    PLACEHOLDER_SECRET_PREFIX,
+    is_placeholder_secret,
+    nats_servers,
+    nats_url_problem,
+    url_secret,
+)
 
 # Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
@@ -146,6 +152,10 @@ class PluginConfig(BaseModel):
         # the URL ended that thread and left the engine without NATS for good.
         if problem := nats_url_problem(value):
             raise ValueError(problem)
+        if any(is_placeholder_secret(url_secret(server)) for server in nats_servers(value)):
+            raise ValueError("its password is still deploy/'s public placeholder "
+                             f"({PLACEHOLDER_SECRET_PREFIX}...): replace it (the "
+                             "kvhint-nats Secret, KVHINT_NATS_PASSWORD)")
         return value
 
     @field_validator("subject_prefix")

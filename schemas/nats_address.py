@@ -43,6 +43,26 @@ def loggable_nats_url(url: str | None) -> str:
     return ",".join(shown)
 
 
+# Every secret in deploy/ (the Kubernetes Secrets, compose's router.yaml, and so the NATS
+# password the workers get) is a public placeholder starting with this; the router and
+# the plugin refuse to start with one.
+PLACEHOLDER_SECRET_PREFIX = "change-me"
+
+
+def is_placeholder_secret(value: str | None) -> bool:
+    """Whether ``value`` is one of deploy/'s public placeholders (case ignored)."""
+    return bool(value) and value.lower().startswith(PLACEHOLDER_SECRET_PREFIX)
+
+
+def url_secret(url: str) -> str | None:
+    """The password in one URL's user info, or its token (a user name alone); None."""
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:
+        return None
+    return parts.password or parts.username
+
+
 def nats_url_problem(url: str) -> str | None:
     """Why NATS's client (nats-py) cannot connect to ``url`` (a comma-separated list), or
     None. Each server needs a nats/tls/ws/wss scheme, a host and a port (if any) up to

@@ -14,7 +14,6 @@ import codecs
 import os
 import re
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
@@ -28,23 +27,16 @@ from pydantic_settings import (
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.schemas import Subjects, is_valid_worker_id
-from kvhint.schemas.nats_address import nats_url_problem
+from kvhint.schemas.nats_address import (
+    PLACEHOLDER_SECRET_PREFIX,
+    is_placeholder_secret,
+    nats_url_problem,
+    url_secret,
+)
 
 ENV_PREFIX = "KVHINT_ROUTER_"
 # Published (it is in this file): salts derived from it are secret from nobody.
 DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
-# Every secret in deploy/ (compose's router.yaml, the Kubernetes Secrets) is a placeholder
-# starting with this; the router refuses to start with one (RouterSettings._example_secrets).
-EXAMPLE_SECRET_PREFIX = "change-me"
-
-
-def _url_password(url: str) -> str | None:
-    """The password (or the token, a user name alone) in ``url``'s user info, if any."""
-    try:
-        parts = urlsplit(url.strip())
-    except ValueError:
-        return None
-    return parts.password or parts.username
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -402,7 +394,7 @@ class RouterSettings(BaseSettings):
                                  "cache_salt: they would share each other's cached prompts")
         if example := self._example_secrets():
             raise ValueError(f"{', '.join(example)}: still the deploy files' example value "
-                             f"({EXAMPLE_SECRET_PREFIX}...), public in this repository; "
+                             f"({PLACEHOLDER_SECRET_PREFIX}...), public in this repository; "
                              "replace it with a secret of your own (deploy/README.md)")
         return self
 
@@ -423,10 +415,10 @@ class RouterSettings(BaseSettings):
                     for w in self.workers if w.api_key is not None]
         for name, url in (("nats_url", self.nats_url), ("database_url", self.database_url)):
             for server in (url or "").split(","):
-                secrets.append((f"{name} password", _url_password(server)))
+                secrets.append((f"{name} password", url_secret(server)))
         return list(dict.fromkeys(
             name for name, secret in secrets
-            if secret and secret.lower().startswith(EXAMPLE_SECRET_PREFIX)))
+            if is_placeholder_secret(secret)))
 
     @property
     def dev_mode(self) -> bool:

@@ -78,3 +78,17 @@ def test_credentials_written_into_the_transfer_config_are_told_apart(
     assert not PluginConfig().credentials_in_transfer_config
     monkeypatch.setenv("KVHINT_TEST_NATS", "nats://u:pw@h:4222")
     assert not PluginConfig(nats_url_env="KVHINT_TEST_NATS").credentials_in_transfer_config
+
+
+def test_the_deploy_files_placeholder_nats_password_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/'s kvhint-nats Secret ships change-me-nats: applied as it is, the workers
+    (and NATS) ran with a password anyone who read the repository holds. The router
+    refuses its placeholders; the plugin now refuses this one, never showing it."""
+    monkeypatch.setenv("KVHINT_TEST_NATS", "nats://kvhint:change-me-nats@nats:4222")
+    for extra in ({"nats_url_env": "KVHINT_TEST_NATS"},
+                  {"nats_url": "nats://h:4222,nats://Change-Me-token@h2:4222"}):
+        with pytest.raises(PluginConfigError, match="placeholder") as refused:
+            load_plugin_config(extra)
+        assert "change-me-nats" not in str(refused.value).lower().replace("change-me...", "")
+    assert load_plugin_config({"nats_url": "nats://kvhint:s3cret@nats:4222"}).nats_url

@@ -77,9 +77,9 @@ def test_compose_and_kubernetes_manifests_parse() -> None:
 def example_secrets_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped files' secrets are placeholders the router refuses to start with
     (test_the_shipped_placeholder_secrets_are_refused); these tests check the rest."""
-    from kvhint.router.service import settings as settings_module
+    from kvhint.schemas import nats_address
 
-    monkeypatch.setattr(settings_module, "EXAMPLE_SECRET_PREFIX", "\0not-a-placeholder")
+    monkeypatch.setattr(nats_address, "PLACEHOLDER_SECRET_PREFIX", "\0not-a-placeholder")
 
 
 def test_the_shipped_placeholder_secrets_are_refused(
