@@ -42,7 +42,6 @@ LOGGER_NAME = "vllm.kvhint"
 KV_ROLE = "kv_producer"
 
 
-
 class PluginConfigError(ValueError):
     """The connector's extra config is invalid; the message names every bad key."""
 
