@@ -343,6 +343,17 @@ def test_frequent_resyncs_counts_snapshots_taken_not_pages_asked() -> None:
     assert set(tree.lhs.labels) == {"instance", "worker"}
 
 
+def test_the_workers_up_stat_counts_each_worker_once_across_router_replicas() -> None:
+    """Every router replica reports every worker: the stat summed
+    kvhint_router_worker_up over replicas, so the Kubernetes deployment's two routers
+    showed two workers up as four. It takes each worker once (up at any router)."""
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["title"] == "Workers up"]
+    (target,) = panel["targets"]
+    expr = re.sub(r"\s+", "", target["expr"])
+    assert expr.startswith('count(maxby(worker)(kvhint_router_worker_up{kind="http"})==1)'), expr
+
+
 def test_prometheus_loads_the_rules_compose_mounts() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     mounts = dict(volume.rsplit(":", 2)[:2][::-1] for volume in
