@@ -46,7 +46,11 @@ from kvhint.engine_plugin.mailbox import (
 from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
-from kvhint.engine_plugin.transport_counters import NatsErrorLog, TransportCounters
+from kvhint.engine_plugin.transport_counters import (
+    NatsErrorLog,
+    TransportCounters,
+    note_internal_error,
+)
 from kvhint.engine_plugin.transport_inbound import (
     answer_full_inbox,
     decode_advice_or_reject,
@@ -158,7 +162,8 @@ class NatsTransport:
                 loop.run_until_complete(self._main())
                 return
             except Exception:  # counted and logged; the loop starts again
-                self._loop_failed()
+                note_internal_error(self.counters, "the NATS transport's loop failed; it "
+                                    "starts again, connecting first")
             finally:
                 loop.close()
             self._nc = None
@@ -166,13 +171,6 @@ class NatsTransport:
             self._set_up_done = False
             if self._stopping.wait(ROUND_ERROR_PAUSE_S):
                 return
-
-    def _loop_failed(self) -> None:
-        self.counters.internal_errors += 1
-        first = self.counters.internal_errors == 1
-        logger.log(logging.ERROR if first else logging.DEBUG, "kvhint: the NATS transport's "
-                   "loop failed; it starts again, connecting first (kvhint:internal_errors)",
-                   exc_info=True)
 
     # --- the loop (transport thread) ------------------------------------------------------------
 
@@ -322,7 +320,9 @@ class NatsTransport:
             except Exception:  # a bug in one round (an encoder, a snapshot page) or in the
                 # setup must not end the thread for good; NATS and socket errors are
                 # handled where raised (a failed subscribe: retried here)
-                self._round_failed()
+                note_internal_error(self.counters, "unexpected error in the NATS transport's "
+                                    "publisher (what it was publishing may be lost); it "
+                                    "goes on")
                 await wait_or_stop(self._stop, ROUND_ERROR_PAUSE_S)
                 continue
             if again:
@@ -351,13 +351,6 @@ class NatsTransport:
         mailbox = self.mailbox
         return bool(flushed and nc.is_connected and (
             mailbox.outcomes or mailbox.releases or mailbox.snapshots or mailbox.event_batches))
-
-    def _round_failed(self) -> None:
-        self.counters.internal_errors += 1
-        first = self.counters.internal_errors == 1  # the later ones: counted, at DEBUG
-        logger.log(logging.ERROR if first else logging.DEBUG, "kvhint: unexpected error in "
-                   "the NATS transport's publisher (what it was publishing may be lost); it "
-                   "goes on (kvhint:internal_errors)", exc_info=True)
 
     def _maybe_wake_for_deadline(self) -> None:
         """Wake an idle engine for a step once per deadline it left that is due."""

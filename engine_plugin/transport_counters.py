@@ -84,6 +84,16 @@ def nats_error_kind(exc: BaseException) -> str:
     return SLOW_CONSUMER if isinstance(exc, SlowConsumerError) else OTHER_NATS_ERROR
 
 
+def note_internal_error(counters: TransportCounters, what: str,
+                        exc: BaseException | bool = True) -> None:
+    """An exception the transport caught (a bug; call from the ``except``, or pass it as
+    ``exc``): counted as kvhint:internal_errors, with the plugin hooks' own, and logged
+    with its traceback the first time, at DEBUG after."""
+    counters.internal_errors += 1
+    logger.log(logging.ERROR if counters.internal_errors == 1 else logging.DEBUG,
+               "kvhint: %s (kvhint:internal_errors)", what, exc_info=exc)
+
+
 @dataclass(slots=True)
 class NatsErrorLog:
     """Counts nats-py's async errors into ``counters`` and warns about them, rate-limited

@@ -8,15 +8,13 @@ mailbox's lock), which ``kvhint:hints_total`` adds to the engine's.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
-from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.inbound_checks import INTERNAL_ERROR_REASON, decode_hints_safely
 from kvhint.engine_plugin.mailbox import Inbound, Mailbox, peek_advice_id
 from kvhint.engine_plugin.outcome_counts import counted_action_type
-from kvhint.engine_plugin.transport_counters import TransportCounters
+from kvhint.engine_plugin.transport_counters import TransportCounters, note_internal_error
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
     REJECTED_INBOX_FULL,
@@ -28,8 +26,6 @@ from kvhint.schemas import (
     decode_advice,
 )
 from kvhint.schemas._codec import WireDecodeError
-
-logger = logging.getLogger(LOGGER_NAME)
 
 # The reason of a hint the full inbox turned away (transient: the router may retry it).
 FULL_INBOX_REASON = (REJECTED_INBOX_FULL
@@ -46,10 +42,8 @@ def count_answers(mailbox: Mailbox, counters: TransportCounters,
 def decoder_failed(counters: TransportCounters, exc: Exception) -> None:
     """A decoder raised what it should have answered (a bug): counted with the
     publisher's (kvhint:internal_errors), logged with its traceback the first time."""
-    counters.internal_errors += 1
-    logger.log(logging.ERROR if counters.internal_errors == 1 else logging.DEBUG,
-               "kvhint: a decoder failed on an inbound message; it is answered rejected "
-               "(kvhint:internal_errors)", exc_info=exc)
+    note_internal_error(counters, "a decoder failed on an inbound message; it is answered "
+                                  "rejected", exc)
 
 
 def decode_advice_or_reject(data: bytes, mailbox: Mailbox, counters: TransportCounters,
