@@ -10,7 +10,6 @@ import difflib
 import os
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -204,7 +203,7 @@ class PluginConfig(BaseModel):
         user, password or token: vLLM logs its ``--kv-transfer-config`` at start-up, so
         they are in its log."""
         return self.nats_url_env is None and any(
-            "@" in urlsplit(server).netloc for server in self.nats_servers)
+            url_secret(server) is not None for server in self.nats_servers)
 
 
 def _problem(err: Any) -> str:

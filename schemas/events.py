@@ -28,7 +28,6 @@ MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
 
-
 def cleared_medium(follows_a_clear: bool) -> str:
     """The medium an ``AllBlocksCleared`` clears; vLLM's names none. vLLM 0.32 emits one
     per pool ``reset_prefix_cache`` resets, into one queue: the GPU pool's, then with

@@ -30,6 +30,7 @@ from kvhint.schemas import Subjects, is_valid_worker_id
 from kvhint.schemas.nats_address import (
     PLACEHOLDER_SECRET_PREFIX,
     is_placeholder_secret,
+    nats_servers,
     nats_url_problem,
     url_secret,
 )
@@ -413,9 +414,9 @@ class RouterSettings(BaseSettings):
                      self.worker_api_key.get_secret_value())]
         secrets += [(f"workers[{w.id}].api_key", w.api_key.get_secret_value())
                     for w in self.workers if w.api_key is not None]
-        for name, url in (("nats_url", self.nats_url), ("database_url", self.database_url)):
-            for server in (url or "").split(","):
-                secrets.append((f"{name} password", url_secret(server)))
+        secrets += [("nats_url password", url_secret(server))
+                    for server in nats_servers(self.nats_url)]
+        secrets.append(("database_url password", url_secret(self.database_url)))
         return list(dict.fromkeys(
             name for name, secret in secrets
             if is_placeholder_secret(secret)))
