@@ -1,9 +1,14 @@
-"""Shared helpers of the ingestor's unit tests (test_index_ingest*.py): a settable clock
-and vLLM-shaped wire messages (event batches, headers, heartbeats, snapshot pages)."""
+"""Shared helpers of the ingestor's unit tests (test_index_ingest*.py): an ingestor on a
+settable clock, and vLLM-shaped wire messages (event batches, headers, heartbeats,
+snapshot pages)."""
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 from kvhint import schemas as s
+from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor, StreamConfig
 from kvhint.schemas.snapshot import SnapshotBlock as WireBlock
 from kvhint.schemas.snapshot import SnapshotSession
 
@@ -14,6 +19,18 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def make_ingestor(**config: Any) -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
+    """An ingestor over a fresh in-memory index, on a settable clock; ``config``:
+    StreamConfig fields."""
+    clock = Clock()
+    index = InMemoryClusterKvIndex()
+    return KvEventIngestor(index, clock, StreamConfig(**config)), index, clock
+
+
+# Two blocks a snapshot page: resyncs page (the tests that do not ask otherwise).
+make_paging_ingestor = partial(make_ingestor, snapshot_page_limit=2)
 
 
 def batch(*events: s.BlockStored | s.BlockRemoved | s.AllBlocksCleared) -> bytes:

@@ -4,10 +4,10 @@ snapshots, dead workers, tail gaps; and that every dropped message is counted.""
 from __future__ import annotations
 
 from ingest_fixtures import Clock, batch, headers, page, remove, status, store
+from ingest_fixtures import make_paging_ingestor as make
 
 from kvhint import schemas as s
 from kvhint.router.kv_index import (
-    InMemoryClusterKvIndex,
     KvEventIngestor,
     RequestSnapshot,
     StreamConfig,
@@ -18,11 +18,6 @@ from kvhint.router.kv_index import (
 )
 from kvhint.schemas.events import HEADER_EPOCH, HEADER_SEQ
 
-
-def make() -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
-    clock = Clock()
-    index = InMemoryClusterKvIndex()
-    return KvEventIngestor(index, clock, StreamConfig(snapshot_page_limit=2)), index, clock
 
 
 def test_in_order_batches_from_seq_1_are_applied() -> None:

@@ -4,21 +4,13 @@ removed from the configuration."""
 
 from __future__ import annotations
 
-from ingest_fixtures import Clock, batch, headers, page, store
+from ingest_fixtures import batch, headers, page, store, make_paging_ingestor as make
 
 from kvhint.router.kv_index import (
-    InMemoryClusterKvIndex,
     KvEventIngestor,
     RequestSnapshot,
-    StreamConfig,
 )
 
-
-def make(**config: object) -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
-    clock = Clock()
-    index = InMemoryClusterKvIndex()
-    return KvEventIngestor(index, clock, StreamConfig(snapshot_page_limit=2, **config)), \
-        index, clock
 
 
 def _resyncing(ing: KvEventIngestor) -> None:

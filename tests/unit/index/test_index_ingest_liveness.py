@@ -5,26 +5,17 @@ any other; batches dropped because their worker is gone are counted as such."""
 
 from __future__ import annotations
 
-from ingest_fixtures import Clock, batch, headers, page, status, store
+from ingest_fixtures import batch, headers, page, status, store, make_paging_ingestor as make
 
 from kvhint.router.kv_index import (
-    InMemoryClusterKvIndex,
-    KvEventIngestor,
     RequestSnapshot,
-    StreamConfig,
     WorkerAlive,
     WorkerDead,
     WorkerPurgedNotice,
 )
 
+# Default heartbeat interval 2 s, 3 misses: a 6 s liveness window.
 OLD = 3_600.0  # a batch published an hour ago: a replay
-
-
-def make() -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
-    clock = Clock()
-    index = InMemoryClusterKvIndex()
-    # Default heartbeat interval 2 s, 3 misses: a 6 s liveness window.
-    return KvEventIngestor(index, clock, StreamConfig(snapshot_page_limit=2)), index, clock
 
 
 def test_a_dead_workers_replayed_history_does_not_make_it_alive() -> None:

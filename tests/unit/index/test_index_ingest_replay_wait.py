@@ -11,13 +11,11 @@ once, as before."""
 
 from __future__ import annotations
 
-from ingest_fixtures import Clock, batch, headers, status, store
+from ingest_fixtures import batch, headers, status, store, make_ingestor as make
 
 from kvhint.router.kv_index import (
-    InMemoryClusterKvIndex,
     KvEventIngestor,
     RequestSnapshot,
-    StreamConfig,
     WorkerAlive,
     WorkerDead,
 )
@@ -25,11 +23,6 @@ from kvhint.schemas.status import new_epoch
 
 OLD = 3_600.0  # published an hour ago: the stream's history
 
-
-def make(**config: float) -> tuple[KvEventIngestor, InMemoryClusterKvIndex, Clock]:
-    clock = Clock()
-    index = InMemoryClusterKvIndex()
-    return KvEventIngestor(index, clock, StreamConfig(**config)), index, clock
 
 
 def replay(ing: KvEventIngestor, worker: str, epoch: str, seqs: range,
