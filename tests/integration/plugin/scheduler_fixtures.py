@@ -4,11 +4,15 @@ and turns and hints applied through the connector's PluginCore."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
+
+import nats
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.headless import (
@@ -17,7 +21,7 @@ from kvhint.engine_plugin.headless import (
     build_scheduler,
     tokens_for_block_ids,
 )
-from kvhint.schemas import HintOutcome, KvHintsEnvelope, encode_hints, make_action
+from kvhint.schemas import HintOutcome, KvHintsEnvelope, Subjects, encode_hints, make_action
 
 BS = 32
 _ids = itertools.count(1)
@@ -118,3 +122,29 @@ def flood(h: HeadlessScheduler, requests: int, first_id: int = 10_000) -> None:
     for i in range(requests):
         base = first_id + 10 * i
         turn(h, f"filler-{i}", [base, base + 1, base + 2, base + 3])
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Returns once ``predicate()`` holds; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def events_stream_reader(nats_url: str, subjects: Subjects
+                               ) -> AsyncIterator[tuple[Any, Any]]:
+    """A NATS client and its JetStream context, for a test that reads what a plugin under
+    ``subjects`` published; at the end, that events stream (the plugin made it) is deleted
+    and the client drained."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        yield nc, js
+    finally:
+        try:
+            await js.delete_stream(subjects.events_stream)
+        finally:
+            await nc.drain()

@@ -12,12 +12,9 @@ plugin's snapshot pages over NATS and must hold the same blocks and references.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-import nats
 
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
@@ -26,6 +23,7 @@ from kvhint.engine_plugin.headless import (
     tokens_for_block_ids,
 )
 from kvhint.router.kv_index import EventBatchAdapter, InMemoryClusterKvIndex, snapshot_to_event
+from scheduler_fixtures import events_stream_reader, until
 from kvhint.schemas import (
     EventBatchMeta,
     SnapshotRequest,
@@ -60,14 +58,6 @@ def turn(h: HeadlessScheduler, session: str, block_ids: list[int]) -> None:
                                    session_id=session))
     while not request.is_finished():
         h.step()
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 class LiveRouter:
@@ -120,9 +110,7 @@ def plugin_tiers(core: Any) -> dict[str, frozenset[int]]:
 async def test_a_connector_reset_drops_the_host_tier_from_the_plugin_and_the_router(
         nats_url: str, subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
+    async with events_stream_reader(nats_url, subjects) as (nc, js):
         with host_tier_plugin(nats_url, subject_prefix) as h:
             connector = plugin(h)
             core = connector.core
@@ -155,11 +143,6 @@ async def test_a_connector_reset_drops_the_host_tier_from_the_plugin_and_the_rou
             await router.catch_up(core.event_seq)
             assert again.export_state().blocks == router.index.export_state().blocks
             assert again.export_state().refs == router.index.export_state().refs
-    finally:
-        try:
-            await js.delete_stream(subjects.events_stream)
-        finally:
-            await nc.drain()
 
 
 async def test_a_failed_gpu_reset_drops_the_host_tier_and_keeps_the_gpu_view(
@@ -169,9 +152,7 @@ async def test_a_failed_gpu_reset_drops_the_host_tier_and_keeps_the_gpu_view(
     removes exactly its host copies; two clears would have cost the router its view of
     every block the GPU still caches."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
+    async with events_stream_reader(nats_url, subjects) as (nc, js):
         with host_tier_plugin(nats_url, subject_prefix) as h:
             connector = plugin(h)
             core = connector.core
@@ -201,11 +182,6 @@ async def test_a_failed_gpu_reset_drops_the_host_tier_and_keeps_the_gpu_view(
             await router.catch_up(core.event_seq)
             assert router.tiers() == plugin_tiers(core)
             assert "CPU" in router.tiers()
-    finally:
-        try:
-            await js.delete_stream(subjects.events_stream)
-        finally:
-            await nc.drain()
 
 
 def test_reset_cache_is_a_no_op_success_without_a_host_tier_and_survives_a_plugin_error(

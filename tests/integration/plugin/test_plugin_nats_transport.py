@@ -34,6 +34,7 @@ from kvhint.engine_plugin.headless import (
 )
 from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
 from scheduler_fixtures import nats_plugin as plugin
+from scheduler_fixtures import until
 from kvhint.schemas import (
     DonorAdvice,
     EventBatchDecoder,
@@ -65,14 +66,6 @@ def pin_message(action_id: str, session: str = "s", message_id: str | None = Non
     return encode_hints(KvHintsEnvelope(
         protocol_version="1", message_id=message_id or f"m-{action_id}",
         actions=[make_action(action_id, PinPayload(target=Target(session_id=session), ttl_s=30))]))
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def step_until(h: HeadlessScheduler, predicate: Callable[[], bool],

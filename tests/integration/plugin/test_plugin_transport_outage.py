@@ -9,7 +9,7 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from kvhint.router.devstack.nats_server import (
     nats_answers,
     nats_server_binary,
 )
-from scheduler_fixtures import nats_plugin
+from scheduler_fixtures import nats_plugin, until
 from kvhint.schemas import (
     HintOutcome,
     KvHintsEnvelope,
@@ -62,14 +62,6 @@ def plugin_records() -> Iterator[list[logging.LogRecord]]:
         yield records
     finally:
         log.removeHandler(handler)
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:
