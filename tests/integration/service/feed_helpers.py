@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+from nats.js import api
 
 from kvhint.schemas import (
     Amount,
@@ -26,6 +27,17 @@ from kvhint.schemas import (
     encode_releases,
     encode_status,
 )
+
+async def add_blocking_stream(js: object, subjects: Subjects, prefix: str, kind: str) -> str:
+    """A stream of another name that holds the ``kind`` subjects (``events``,
+    ``outcomes``, ...): the router's create of its own then fails. Returns its name (the
+    test deletes it)."""
+    name = f"BLOCK_{prefix.replace('.', '_').upper()}"
+    await js.add_stream(api.StreamConfig(  # type: ignore[attr-defined]
+        name=name, subjects=[subjects.all_of(kind)], storage=api.StorageType.MEMORY,
+        max_bytes=1 << 20))
+    return name
+
 
 ACTIONS = {"kv.pin": ["1.0"], "kv.retain": ["1.0"], "kv.demote": ["1.0"],
            "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}

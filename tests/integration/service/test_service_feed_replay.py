@@ -17,11 +17,10 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.js import api
 from nats.js.errors import NotFoundError
 
 from conftest import router_settings, running_router
-from feed_helpers import status, stored, until
+from feed_helpers import add_blocking_stream, status, stored, until
 from kvhint.router.kv_index import KvEventIngestor
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.schemas import (
@@ -235,9 +234,7 @@ async def test_without_jetstream_there_is_no_replay_to_wait_for(
     subjects = Subjects(subject_prefix)
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    blocker = f"BLOCK_{subject_prefix.replace('.', '_').upper()}"
-    await js.add_stream(api.StreamConfig(name=blocker, subjects=[subjects.all_of("events")],
-                                         storage=api.StorageType.MEMORY, max_bytes=MiB))
+    blocker = await add_blocking_stream(js, subjects, subject_prefix, "events")
     settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
     try:
         async with running_router(settings) as router:

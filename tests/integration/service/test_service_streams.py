@@ -18,7 +18,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from conftest import router_settings, running_router
-from feed_helpers import until
+from feed_helpers import add_blocking_stream, until
 from kvhint.router.service.nats_link import (
     NatsLink,
     StreamLimits,
@@ -171,9 +171,7 @@ async def test_a_failed_jetstream_set_up_is_retried_until_replay_works(
     subjects = Subjects(subject_prefix)
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    blocker = f"BLOCK_{subject_prefix.replace('.', '_').upper()}"
-    await js.add_stream(api.StreamConfig(name=blocker, subjects=[subjects.all_of("outcomes")],
-                                         storage=api.StorageType.MEMORY, max_bytes=MiB))
+    blocker = await add_blocking_stream(js, subjects, subject_prefix, "outcomes")
     settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
     try:
         async with running_router(settings) as router:
