@@ -242,13 +242,12 @@ class UpstreamPool:
 # error page, a worker a forged heartbeat pointed elsewhere) is served as plain text:
 # the router's origin also serves the dashboard, which keeps an admin key for its tab.
 _RELAYED_MEDIA_TYPES = frozenset({"application/json", "text/event-stream", "text/plain"})
+# Not copied either: set below for every relayed answer.
+_NOT_COPIED = _HOP_BY_HOP | {"content-type", "x-content-type-options"}
 
 
 def _copy_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
-    for name in [k for k in headers if k.lower() in ("content-type",
-                                                      "x-content-type-options")]:
-        del headers[name]
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_COPIED}
     media_type = (response.content_type or "").lower()
     headers["content-type"] = (response.headers.get("content-type", media_type)
                                if media_type in _RELAYED_MEDIA_TYPES
