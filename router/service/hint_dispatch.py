@@ -185,11 +185,16 @@ class HintDispatcher:
         what it taught the planner, and what it held, go from memory, and its stored
         feedback row from the store (before, the row stayed and a restarted router read
         it back). A worker heard again under its id starts afresh (a new engine, as
-        after :meth:`reset_worker`)."""
+        after :meth:`reset_worker`). Its actions still waiting expire now, saved in the
+        batch that deletes its row (and, by the foreign key, its actions' rows): later,
+        with its row gone, the store would refuse them."""
         self.feedback.pop(worker_id, None)
         self._feedback_saved.pop(worker_id, None)
         self.holdings.forget_worker(worker_id)
         self._delete_feedback_row(worker_id)
+        now = self._clock()
+        for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
+            self._expire(record, now, "worker forgotten")
 
     def _delete_feedback_row(self, worker_id: str) -> None:
         if self._writer is not None:
@@ -362,13 +367,16 @@ class HintDispatcher:
         late = [a for a in self.pending.values()
                 if now - (a.waiting_since or a.created_at) > OUTCOME_DEADLINE_S]
         for record in late:
-            record.status = EXPIRED
-            record.reason = f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s"
-            record.updated_at = now
-            self._metrics.hints.labels(record.action_type, EXPIRED, record.source).inc()
-            self._save(record)
-            self._finish(record)
+            self._expire(record, now, f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s")
         return len(late)
+
+    def _expire(self, record: SentAction, now: float, reason: str) -> None:
+        record.status = EXPIRED
+        record.reason = reason
+        record.updated_at = now
+        self._metrics.hints.labels(record.action_type, EXPIRED, record.source).inc()
+        self._save(record)
+        self._finish(record)
 
     def _finish(self, record: SentAction) -> None:
         of_tenant = self._status_counts.setdefault(record.tenant, {})
@@ -445,7 +453,9 @@ class HintDispatcher:
 
         Feedback: a worker's row is read back if the registry (filled before this is
         called) holds the worker; the row of one it does not (dropped from the config, or
-        silent too long to be restored) is deleted, as :meth:`forget_worker` does."""
+        silent too long to be restored) is deleted, as :meth:`forget_worker` does. So are
+        its actions' rows (with its own row, by the foreign key): they are not restored
+        (before, its holds counted against their tenant's budget until their TTL)."""
         pooled: LearnedStats | None = None
         adopted = any(row.get("kind") == ADOPTED_KIND and row.get("tenant") == POOLED_TENANT
                       for row in learned)
@@ -471,6 +481,8 @@ class HintDispatcher:
         if pooled is not None:
             self._stats_dirty.update(self.learned.seed(pooled, self._tenants))
             self._pooled_adopted = True
+        held = [row for row in held if row["worker_id"] in self._workers]
+        pending = [row for row in pending if row["worker_id"] in self._workers]
         for row in held:
             record = SentAction.from_row(row)
             blocks = record.held_after_release_blocks

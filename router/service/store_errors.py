@@ -18,16 +18,26 @@ Before, every OperationalError was a 503, and SQLite raises its "no such table" 
 a missing schema invited clients to retry for good. (PostgreSQL's, a ProgrammingError,
 was a 500 counted as the router's internal error, with a traceback each time.)
 
-SQLAlchemy wraps the driver's exception (``.orig``): sqlite3 gives its result code
-(``sqlite_errorcode``, Python 3.11+; its message before), psycopg its SQLSTATE
-(``sqlstate``; psycopg2 ``pgcode``; None for a connection that failed before the
-server answered, e.g. refused, and for one the server refused at its start: libpq keeps
-no SQLSTATE for those). A connection refused at its start is told by libpq's message:
-the server's FATAL message for a configuration error (below), anything else (refused,
-timed out, the server starting up or shutting down, too many clients) transient as
-before. Those messages are the server's, in its ``lc_messages`` language: one in
-another language is transient, as before. For a driver not known here: SQLAlchemy's
-own verdict (``connection_invalidated``: the connection dropped), then the DB-API class
+SQLAlchemy wraps the driver's exception (``.orig``). It is classified by codes first:
+SQLAlchemy's own verdict (``connection_invalidated``: the connection dropped); sqlite3's
+result code (``sqlite_errorcode``, Python 3.11+; its message on 3.10, which has no
+code: SQLite's messages are English, it has no translations); the SQLSTATE (psycopg
+``sqlstate``, psycopg2 ``pgcode``; :func:`kvhint.router.store.db_errors.sqlstate`), so
+an error the server reports in another language is classified as in English.
+
+The message is the last resort, for one case only: a connection the server refused
+while it started. libpq keeps the SQLSTATE the server sent then to itself (no libpq
+function returns it: psycopg's error has ``sqlstate`` None and an empty ``diag``), and
+the socket is libpq's, so no errno comes either (checked with psycopg 3.3, libpq 18).
+The server's FATAL text for a refusal of the router's settings (below) is matched;
+anything else is transient: libpq's own socket failures (refused, unreachable, timed
+out: psycopg's ConnectionTimeout), the server starting up or shutting down, too many
+clients. The server writes that text in its ``lc_messages`` language: one in another
+language ("FATAL:  Datenbank »x« existiert nicht") is not recognised and is transient,
+the answer that costs least when wrong (a client retries in vain, rather than giving up
+while a server restarts). Of several attempts (hosts, or addresses of one host) one
+refused for the settings decides: the server that answered is surer than a host that
+did not (an IPv6 address the server does not listen on). Last, the DB-API class
 (OperationalError transient, as before, the others permanent).
 """
 
@@ -44,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvhint.router.service.inbound import openai_error
+from kvhint.router.store.db_errors import sqlstate as driver_sqlstate
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +79,12 @@ _SQLITE_TRANSIENT_MESSAGES = ("database is locked", "database table is locked",
 _PG_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
 _PG_TRANSIENT_STATES = frozenset({"55P03", "55006"})  # lock not available, object in use
 _PG_PERMANENT_STATES = frozenset({"57P04"})  # database dropped
-# libpq's message (lower case) for a connection the server refused for the router's
-# configuration, which no retry fixes: 28P01/28000 (authentication failed for the
-# method the server asks, a role that does not exist or may not log in, no pg_hba.conf
-# entry), 3D000 (no such database), 42501 (no CONNECT privilege), 55000 (the database
-# does not accept connections), and libpq's own "no password supplied".
+# The last resort (module docstring): the server's English message (lower case) for a
+# connection it refused for the router's configuration, which no retry fixes:
+# 28P01/28000 (authentication failed for the method the server asks, a role that does
+# not exist or may not log in, no pg_hba.conf entry), 3D000 (no such database), 42501
+# (no CONNECT privilege), 55000 (the database does not accept connections), and libpq's
+# own "no password supplied".
 _PG_CONNECT_CONFIG_ERRORS = re.compile(
     r"authentication failed for user|no pg_hba\.conf entry|role \".*\" does not exist"
     r"|is not permitted to log in|database \".*\" does not exist"
@@ -106,8 +118,8 @@ def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
             return StoreFailure((code & 0xFF) in _SQLITE_TRANSIENT_CODES, cause)
         message = str(orig).lower()
         return StoreFailure(any(m in message for m in _SQLITE_TRANSIENT_MESSAGES), cause)
-    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    if isinstance(sqlstate, str) and len(sqlstate) == 5:
+    sqlstate = driver_sqlstate(orig)
+    if sqlstate is not None:
         transient = sqlstate not in _PG_PERMANENT_STATES and (
             sqlstate[:2] in _PG_TRANSIENT_CLASSES or sqlstate in _PG_TRANSIENT_STATES)
         return StoreFailure(transient, cause)

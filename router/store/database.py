@@ -16,7 +16,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,25 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI 
     # WAL: the admin API reads while the writer thread writes.
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # SQLite enforces foreign keys (a worker's deletion cascading to its hint actions,
+    # models.HintActionRow) only on a connection that asks, each time it connects.
+    cursor.execute(_SQLITE_FOREIGN_KEYS_ON)
     cursor.close()
+
+
+_SQLITE_FOREIGN_KEYS_ON = "PRAGMA foreign_keys=ON"
+_SQLITE_FOREIGN_KEYS_OFF = "PRAGMA foreign_keys=OFF"
+
+
+def _sqlite_foreign_keys(connection: Connection, on: bool) -> None:
+    """Turn SQLite's foreign keys on or off on ``connection``, outside a transaction
+    (inside one SQLite ignores the pragma: checked, so that a migration never runs with
+    them on)."""
+    connection.exec_driver_sql(_SQLITE_FOREIGN_KEYS_ON if on else _SQLITE_FOREIGN_KEYS_OFF)
+    connection.commit()
+    if bool(connection.exec_driver_sql("PRAGMA foreign_keys").scalar()) is not on:
+        raise RuntimeError(f"SQLite did not turn foreign keys {'on' if on else 'off'}")
+    connection.commit()
 
 
 def _ensure_sqlite_dir(url: str) -> None:
@@ -104,8 +122,29 @@ def migrate(engine: Engine, revision: str = "head") -> bool:
     drop nothing a release before still reads (migrations/README.md)."""
     config = alembic_config(engine.url.render_as_string(hide_password=False))
     scripts = ScriptDirectory.from_config(config)
-    with engine.begin() as connection:
-        if engine.dialect.name == "postgresql":
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as connection:
+        if sqlite:
+            # A migration on SQLite copies a table to alter it (batch mode): dropping the
+            # old ``workers`` with foreign keys on would delete every hint action (the
+            # cascade). Off while migrating, as SQLite's and Alembic's docs ask.
+            _sqlite_foreign_keys(connection, on=False)
+        try:
+            return _migrate(connection, config, scripts, revision)
+        finally:
+            if sqlite:
+                try:
+                    _sqlite_foreign_keys(connection, on=True)
+                except (SQLAlchemyError, RuntimeError):
+                    # Not back to the pool without them (the writer would not cascade).
+                    connection.invalidate()
+                    raise
+
+
+def _migrate(connection: Connection, config: Config, scripts: ScriptDirectory,
+             revision: str) -> bool:
+    with connection.begin():
+        if connection.dialect.name == "postgresql":
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
                                {"key": _MIGRATION_LOCK})
         unknown = [head for head in MigrationContext.configure(connection).get_current_heads()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, Index, Integer, String, Text
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String,
+                        Text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -85,7 +86,13 @@ class HintActionRow(Base):
     message_id: Mapped[str] = mapped_column(String(128))
     tenant: Mapped[str | None] = mapped_column(String(64))
     session_id: Mapped[str | None] = mapped_column(String(256))
-    worker_id: Mapped[str] = mapped_column(String(128))
+    # The worker's row owns the action's: deleting the worker (forgotten, dropped from
+    # the config, pruned) deletes its actions in the same statement (revision 0003;
+    # SQLite enforces it with PRAGMA foreign_keys, database.py). Before, they stayed, and
+    # a restart restored a gone worker's holds against its tenant's budget.
+    worker_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("workers.worker_id", name="fk_hint_actions_worker",
+                                ondelete="CASCADE"))
     action_type: Mapped[str] = mapped_column(String(32))
     # planner | api
     source: Mapped[str] = mapped_column(String(16))
@@ -119,6 +126,8 @@ class HintActionRow(Base):
         Index("ix_hint_actions_created", "created_at"),
         # Restart recovery reads the holdings whose TTL is not over (reader.load_recovery).
         Index("ix_hint_actions_expires", "expires_at"),
+        # A worker's deletion finds its actions (the foreign key's cascade).
+        Index("ix_hint_actions_worker", "worker_id"),
     )
 
 

@@ -2,13 +2,14 @@
 
 Only history goes: answered hint actions (never one still pending or deferred, nor a
 Pin/Retain whose TTL is not over), sessions idle since before the window, and workers
-learned from heartbeats (never configured ones) not heard since. Synchronous
-(SQLAlchemy Core); the service runs it in a worker thread.
+learned from heartbeats (never configured ones) not heard since, with every action of
+theirs (the foreign key would cascade to them anyway: deleted first, so that they are
+counted). Synchronous (SQLAlchemy Core); the service runs it in a worker thread.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, delete, or_
+from sqlalchemy import Engine, delete, or_, select
 
 from kvhint.router.store.models import HintActionRow, SessionRow, WorkerRow
 from kvhint.router.store.reader import NON_TERMINAL
@@ -22,12 +23,14 @@ def prune_history(engine: Engine, before: float) -> dict[str, int]:
         HintActionRow.status.not_in(NON_TERMINAL),
         or_(HintActionRow.expires_at.is_(None), HintActionRow.expires_at < before))
     sessions = delete(SessionRow).where(SessionRow.last_activity < before)
-    workers = delete(WorkerRow).where(
-        WorkerRow.from_config.is_(False),
-        or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
-    deleted = {}
+    gone = (WorkerRow.from_config.is_(False),
+            or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
+    of_gone_workers = delete(HintActionRow).where(
+        HintActionRow.worker_id.in_(select(WorkerRow.worker_id).where(*gone)))
+    workers = delete(WorkerRow).where(*gone)
+    deleted: dict[str, int] = {}
     with engine.begin() as conn:
-        for table, statement in (("hint_actions", actions), ("sessions", sessions),
-                                 ("workers", workers)):
-            deleted[table] = conn.execute(statement).rowcount or 0
+        for table, statement in (("hint_actions", actions), ("hint_actions", of_gone_workers),
+                                 ("sessions", sessions), ("workers", workers)):
+            deleted[table] = deleted.get(table, 0) + (conn.execute(statement).rowcount or 0)
     return deleted

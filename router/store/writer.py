@@ -32,6 +32,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
                             SQLAlchemyError, StatementError)
 
+from kvhint.router.store.db_errors import SCHEMA_SQLSTATES, sqlstate
 from kvhint.router.store.models import TABLES
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,15 @@ def _is_row_error(exc: Exception) -> bool:
     """Whether ``exc`` is about the rows, not the database: the database refused their
     data, or they failed before reaching it (a value that cannot be bound or serialised).
     Retrying such rows fails the same way, so retrying the whole batch would hold every
-    later write back forever."""
+    later write back forever.
+
+    Not a row error: a table or column missing, or no right to write it (its SQLSTATE,
+    :data:`SCHEMA_SQLSTATES`): every row fails so until the store is fixed, then all
+    pass; kept for retry (within ``queue_max``), as SQLite's "no such table/column" (an
+    OperationalError) always was. Before, PostgreSQL's (a ProgrammingError) had every
+    row written one by one, logged and dropped at once."""
+    if isinstance(exc, DBAPIError) and sqlstate(exc.orig) in SCHEMA_SQLSTATES:
+        return False
     if isinstance(exc, (*_DATABASE_ROW_ERRORS, *_VALUE_ERRORS)):
         return True
     return isinstance(exc, StatementError) and not isinstance(exc, DBAPIError)

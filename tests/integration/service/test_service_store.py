@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from kvhint.router.store.database import create_store_engine, migrate
-from kvhint.router.store.models import Base, HintActionRow
+from kvhint.router.store.models import Base, HintActionRow, WorkerRow
 from kvhint.router.store.reader import count_hints_by_status, load_recovery, query_hints
 from kvhint.router.store.writer import StoreWriter
 
@@ -87,6 +87,7 @@ def test_a_store_made_before_hold_releases_keeps_its_rows(database_url: str) -> 
     engine = create_store_engine(database_url)
     try:
         migrate(engine, "0001")
+        _add_worker(engine)
         with engine.begin() as conn:
             conn.execute(HintActionRow.__table__.insert().values(
                 _action("old", "accepted", 1.0)))
@@ -115,11 +116,20 @@ def _session(session_id: str, at: float, turns: int) -> dict:
             "cached_tokens": 5, "predicted_cached_tokens": 4}
 
 
+def _add_worker(engine, worker_id: str = "w0") -> None:  # noqa: ANN001 - an Engine
+    """The row of the (configured) worker the test's actions went to: an action's row
+    needs its worker's (revision 0003's foreign key)."""
+    with engine.begin() as conn:
+        conn.execute(WorkerRow.__table__.insert().values(
+            worker_id=worker_id, url=f"http://{worker_id}", from_config=True))
+
+
 def test_batched_writes_collapse_and_recover(database_url: str) -> None:
     engine = create_store_engine(database_url)
     drops: list[str] = []
     try:
         migrate(engine)
+        _add_worker(engine)
 
         async def scenario() -> None:
             writer = StoreWriter(engine, flush_interval_s=0.05, queue_max=3,
@@ -164,6 +174,7 @@ def test_a_row_the_database_refuses_is_dropped_and_the_rest_written(
     drops: list[tuple[str, int]] = []
     try:
         migrate(engine)
+        _add_worker(engine)
         long_id = "x" * 200  # the column is 128 characters; SQLite does not enforce it
         refused = 4 if engine.dialect.name == "postgresql" else 3
 
@@ -198,10 +209,44 @@ def test_a_row_the_database_refuses_is_dropped_and_the_rest_written(
         engine.dispose()
 
 
+def test_rows_the_schema_cannot_take_are_kept_until_it_can(database_url: str) -> None:
+    """A column the router writes is missing (a schema not migrated to this release,
+    one dropped by hand): every row fails the same way until the store is fixed, then
+    all pass, so the batch is kept for retry, nothing dropped. Before, on PostgreSQL (an
+    UndefinedColumn, a ProgrammingError) each row was written alone, logged and dropped
+    at once; SQLite's (an OperationalError) was kept."""
+    engine = create_store_engine(database_url)
+    drops: list[tuple[str, int]] = []
+    try:
+        migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(text("ALTER TABLE sessions RENAME COLUMN plan TO plan_gone"))
+
+        async def scenario() -> None:
+            writer = StoreWriter(engine, flush_interval_s=10, queue_max=100,
+                                 on_drop=lambda what, n: drops.append((what, n)))
+            for session_id in ("s1", "s2"):
+                writer.upsert("sessions", ("acme", session_id), _session(session_id, 1.0, 1))
+            await writer.flush()
+            assert writer.queued == 2 and writer.flush_errors == 1
+            with engine.begin() as conn:  # the operator fixes the schema
+                conn.execute(text("ALTER TABLE sessions RENAME COLUMN plan_gone TO plan"))
+            await writer.close()
+            assert writer.rows_written == 2
+
+        asyncio.run(scenario())
+        assert drops == []
+        state = load_recovery(engine, active_since=0.0, max_sessions=10)
+        assert sorted(s["session_id"] for s in state.sessions) == ["s1", "s2"]
+    finally:
+        engine.dispose()
+
+
 def test_recovery_loads_the_holds_still_live_oldest_first(database_url: str) -> None:
     engine = create_store_engine(database_url)
     try:
         migrate(engine)
+        _add_worker(engine)
         rows = [  # (id, status, type, expires_at, created_at)
             ("live-retain", "accepted", "kv.retain", 200.0, 2.0),
             ("live-pin", "clipped", "kv.pin", 150.0, 1.0),
@@ -233,6 +278,7 @@ def test_failed_flush_keeps_the_batch(tmp_path) -> None:
         await writer.flush()  # no tables yet: fails, keeps the row
         assert writer.flush_errors == 1 and writer.queued == 1
         migrate(engine)
+        _add_worker(engine)
         await writer.flush()
         assert writer.queued == 0 and writer.rows_written == 1
         return writer
@@ -292,7 +338,7 @@ def test_closing_retries_a_store_that_is_away_then_counts_what_it_drops(tmp_path
                              on_drop=lambda what, n: drops.append((what, n)))
         writer.upsert("hint_actions", ("a1",), _action("a1", "pending", 1.0))
         loop = asyncio.get_running_loop()
-        loop.call_later(0.3, migrate, engine)  # the store comes back
+        loop.call_later(0.3, lambda: (migrate(engine), _add_worker(engine)))  # it is back
         await writer.close()
         assert writer.queued == 0 and writer.rows_written == 1 and writer.flush_errors >= 1
         gone = StoreWriter(create_store_engine(f"sqlite:///{tmp_path / 'gone.db'}"),
@@ -326,6 +372,7 @@ def test_an_answer_to_another_replicas_action_lands_in_its_row(database_url: str
     engine = create_store_engine(database_url)
     try:
         migrate(engine)
+        _add_worker(engine)
         with engine.begin() as conn:  # replica A's action, sent before it went down
             conn.execute(HintActionRow.__table__.insert().values(
                 _action("a-pin", "pending", time.time())))
@@ -358,12 +405,13 @@ def test_history_past_the_retention_window_is_deleted_and_nothing_else(
     """Only history goes: answered actions created before the window (not one pending,
     nor a hold whose TTL is not over), sessions idle since before it, heartbeat-learned
     workers not heard since; configured workers and everything newer stay."""
-    from kvhint.router.store.models import SessionRow, WorkerRow
+    from kvhint.router.store.models import SessionRow
     from kvhint.router.store.retention import prune_history
 
     engine = create_store_engine(database_url)
     try:
         migrate(engine)
+        _add_worker(engine)
         old, new = 100.0, 10_000.0
         with engine.begin() as conn:
             insert = HintActionRow.__table__.insert()
@@ -387,7 +435,7 @@ def test_history_past_the_retention_window_is_deleted_and_nothing_else(
             "new-done", "old-pending", "old-still-held"]
         state = load_recovery(engine, active_since=0.0, max_sessions=10)
         assert [s["session_id"] for s in state.sessions] == ["new-s"]
-        assert sorted(w["worker_id"] for w in state.workers) == ["cfg", "live"]
+        assert sorted(w["worker_id"] for w in state.workers) == ["cfg", "live", "w0"]
         assert prune_history(engine, before=5_000.0) == {
             "hint_actions": 0, "sessions": 0, "workers": 0}
     finally:

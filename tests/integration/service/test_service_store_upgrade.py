@@ -140,6 +140,9 @@ def test_stored_values_win_and_an_unreadable_payload_derives_nothing(
     try:
         migrate(engine)
         table = sa.Table("hint_actions", sa.MetaData(), autoload_with=engine)
+        workers = sa.Table("workers", sa.MetaData(), autoload_with=engine)
+        with engine.begin() as conn:  # an action's row needs its worker's (0003)
+            conn.execute(workers.insert().values(worker_id="w0", from_config=True))
         pin = _payload(PinPayload(target=_session("s1"), ttl_s=300.0))
         base = {"message_id": "m1", "tenant": "acme", "session_id": "s1", "worker_id": "w0",
                 "action_type": "kv.pin", "source": "planner", "trigger": "test",

@@ -181,3 +181,88 @@ def test_a_postgresql_error_is_classified_by_its_sqlstate(sqlstate: str,
         failure = classify(wrapper("SELECT 1", {}, _PgError(sqlstate)))
         assert failure.transient is transient, wrapper
         assert failure.cause.endswith(f"_PgError: server said {sqlstate}")
+
+
+def _german_postgres() -> Engine:
+    """An engine on the test PostgreSQL whose sessions report in German (lc_messages, a
+    superuser's startup option); skipped where the server has no German locale."""
+    engine = _postgres("postgres", os.environ.get("KVHINT_TEST_PG_DB", "test"))
+    german = create_engine(engine.url, connect_args={
+        "connect_timeout": 5, "options": "-c lc_messages=de_DE.UTF-8"})
+    engine.dispose()
+    try:
+        german.connect().close()
+    except OperationalError as exc:
+        german.dispose()
+        pytest.skip(f"the test PostgreSQL cannot report in German: {exc.orig}")
+    return german
+
+
+def test_a_postgresql_error_in_another_language_is_classified_as_in_english() -> None:
+    """The server reports in German: a table missing is still permanent, a lock not
+    granted in time still transient (their SQLSTATEs, not their words, decide)."""
+    engine = _german_postgres()
+    table = f"kvhint_lock_probe_{os.getpid()}_{free_port()}"  # its own in a shared database
+    holder = engine.connect()
+    try:
+        failure = _failure(_select(engine, "SELECT * FROM kvhint_no_such_table"))
+        assert not failure.transient and not failure.config
+        assert "Relation »kvhint_no_such_table« existiert nicht" in failure.cause
+        holder.execute(text(f"CREATE TABLE {table} (x int)"))
+        holder.commit()
+        holder.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE"))
+
+        def blocked() -> object:
+            with engine.connect() as conn:
+                conn.execute(text("SET lock_timeout = '100ms'"))
+                return conn.execute(text(f"SELECT * FROM {table}")).all()
+
+        failure = _failure(blocked)
+        assert failure.transient and "Zeitüberschreitung einer Sperre" in failure.cause
+    finally:
+        holder.rollback()
+        holder.execute(text(f"DROP TABLE IF EXISTS {table}"))
+        holder.commit()
+        holder.close()
+        engine.dispose()
+
+
+def test_a_sqlite_file_that_cannot_be_opened_is_transient(tmp_path: Path) -> None:
+    """SQLite's refused connection: the file's folder not there (a volume not mounted
+    yet)."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'not-yet' / 'kvhint.db'}")
+    try:
+        failure = _failure(_select(engine, "SELECT 1"))
+        assert failure.transient and "unable to open database file" in failure.cause
+    finally:
+        engine.dispose()
+
+
+def test_a_file_that_is_not_a_sqlite_database_is_permanent(tmp_path: Path) -> None:
+    """SQLite's wrong database: a file that is not one (a path pointing elsewhere)."""
+    path = tmp_path / "kvhint.db"
+    path.write_bytes(b"not a database, " * 128)
+    engine = create_engine(f"sqlite:///{path}")
+    try:
+        failure = _failure(_select(engine, "SELECT * FROM sqlite_master"))
+        assert not failure.transient and "file is not a database" in failure.cause
+    finally:
+        engine.dispose()
+
+
+def test_of_several_attempts_one_refused_for_its_settings_decides() -> None:
+    """Two addresses, the first refused at the socket, the second a server that says
+    the database does not exist: permanent, for the configuration (the server that
+    answered is surer than an address nothing listens on, as an IPv6 one of localhost
+    often is)."""
+    engine = _postgres("postgres", "kvhint_no_such_database")
+    url = engine.url.set(host=None, port=None).update_query_pairs(
+        [("host", f"127.0.0.1:{free_port()}"),
+         ("host", f"{engine.url.host}:{engine.url.port}")])
+    engine.dispose()
+    engine = create_engine(url, connect_args={"connect_timeout": 5})
+    try:
+        failure = _failure(_select(engine, "SELECT 1"))
+        assert not failure.transient and failure.config
+    finally:
+        engine.dispose()

@@ -1,0 +1,261 @@
+"""A worker's hint actions leave the store with its row, on SQLite and PostgreSQL: the
+foreign key (revision 0003, ON DELETE CASCADE) for every way a worker's row is deleted
+(the feed forgets it, a restart finds it gone, retention prunes it), the rows a store of
+the release before was left with deleted by the migration, and the router's memory
+agreeing (a forgotten worker's waiting actions expire with it, a gone worker's actions
+are not restored). Before, the action rows stayed for good: a restart restored the gone
+worker's holds against its tenant's budget."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor
+from kvhint.router.kv_index.stream import StreamConfig
+from kvhint.router.policy import Holdings, PlannerConfig
+from kvhint.router.service.cluster_feed import ClusterFeed
+from kvhint.router.service.hint_dispatch import OUTCOME_DEADLINE_S, HintDispatcher
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.runtime import _restore_workers
+from kvhint.router.service.workers import WorkerRegistry
+from kvhint.router.store.database import create_store_engine, migrate
+from kvhint.router.store.models import HintActionRow, WorkerRow
+from kvhint.router.store.reader import load_recovery, query_hints
+from kvhint.router.store.retention import prune_history
+from kvhint.router.store.writer import StoreWriter
+from kvhint.schemas import Subjects
+
+from test_service_store_forgotten_workers import _heartbeat, _Unconnected, _worker_row
+
+NOW = time.time()
+
+
+def _action(action_id: str, worker_id: str, status: str = "accepted") -> dict:
+    """A Retain of 600 s sent 10 s ago (held until NOW + 590), as the router stores it."""
+    scope = f"acme/{action_id}"
+    return {"action_id": action_id, "message_id": "m1", "tenant": "acme",
+            "session_id": action_id, "worker_id": worker_id, "action_type": "kv.retain",
+            "source": "planner", "trigger": "gap",
+            "payload": {"target": {"session_id": scope}, "ttl_s": 600.0}, "status": status,
+            "reason": "", "requested_blocks": 8, "requested_tokens": 0,
+            "applied_blocks": 8 if status == "accepted" else 0, "applied_tokens": 0,
+            "created_at": NOW - 10, "updated_at": NOW - 10, "scope": scope,
+            "expires_at": NOW + 590}
+
+
+def _insert(engine: sa.Engine, workers: list[dict], actions: list[dict]) -> None:
+    """Rows as the store's tables are at the engine's revision (reflected)."""
+    meta = sa.MetaData()
+    worker_table = sa.Table("workers", meta, autoload_with=engine)
+    action_table = sa.Table("hint_actions", meta, autoload_with=engine)
+    with engine.begin() as conn:
+        for row in workers:
+            conn.execute(worker_table.insert().values(row))
+        for row in actions:
+            conn.execute(action_table.insert().values(row))
+
+
+def _action_workers(engine: sa.Engine) -> dict[str, str]:
+    """Action id -> its worker, of every stored action."""
+    return {row["action_id"]: row["worker_id"] for row in query_hints(engine, limit=1000)}
+
+
+def _orphans(engine: sa.Engine) -> int:
+    """Action rows whose worker has no row."""
+    actions, workers = HintActionRow.__table__, WorkerRow.__table__
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(actions).where(
+            ~sa.exists().where(workers.c.worker_id == actions.c.worker_id))).scalar_one()
+
+
+def _writer(engine: sa.Engine, drops: list[tuple[str, int]]) -> StoreWriter:
+    return StoreWriter(engine, flush_interval_s=10, queue_max=100,
+                       on_drop=lambda what, n: drops.append((what, n)))
+
+
+def test_a_store_of_the_release_before_keeps_every_row_but_gone_workers_actions(
+        database_url: str) -> None:
+    """A store at 0002 whose worker "gone" was deleted, its actions left behind: the
+    upgrade deletes those (the constraint could not hold otherwise) and keeps every
+    other row as it was; then deleting a worker deletes its actions. Migrating again
+    changes nothing."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine, "0002")
+        kept = [_action("a-w0", "w0") | {"release_reason": "displaced",
+                                         "released_at": NOW - 1,
+                                         "held_after_release_blocks": 3},
+                _action("a-w1", "w1", "pending")]
+        _insert(engine, [_worker_row("w0", True), _worker_row("w1", False, NOW - 5, "e1")],
+                kept + [_action("left-behind", "gone")])
+        assert _orphans(engine) == 1
+        migrate(engine)
+        migrate(engine)  # idempotent
+        assert _orphans(engine) == 0
+        rows = {row["action_id"]: row for row in query_hints(engine)}
+        assert {r["action_id"]: {k: rows[r["action_id"]][k] for k in r} for r in kept} == {
+            r["action_id"]: r for r in kept}
+        assert set(rows) == {"a-w0", "a-w1"}
+        (key,) = sa.inspect(engine).get_foreign_keys("hint_actions")
+        assert (key["constrained_columns"], key["referred_table"], key["options"]) == (
+            ["worker_id"], "workers", {"ondelete": "CASCADE"})
+        with engine.begin() as conn:
+            conn.execute(sa.delete(WorkerRow).where(WorkerRow.worker_id == "w1"))
+        assert _action_workers(engine) == {"a-w0": "w0"}
+    finally:
+        engine.dispose()
+
+
+def test_replicas_upgrading_a_store_together_migrate_it_once(database_url: str) -> None:
+    """Three replicas of the new release start together on a 0002 store with rows left
+    behind: one migrates (deleting them, adding the key), the others find it current."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
+    engines = [create_store_engine(database_url) for _ in range(3)]
+    try:
+        migrate(engines[0], "0002")
+        _insert(engines[0], [_worker_row("w0", True)],
+                [_action("a-w0", "w0"), _action("left-behind", "gone")])
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            results = [f.result() for f in [pool.submit(migrate, e) for e in engines]]
+        assert results == [True, True, True]
+        assert _action_workers(engines[0]) == {"a-w0": "w0"}
+        assert len(sa.inspect(engines[0]).get_foreign_keys("hint_actions")) == 1
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
+def test_every_connection_to_a_sqlite_store_enforces_the_key(tmp_path) -> None:  # noqa: ANN001
+    """SQLite enforces foreign keys only on a connection that turns them on: each one
+    the store opens does (two at once: the writer's thread and an admin read), and the
+    one a migration used (off while migrating) is back on."""
+    engine = create_store_engine(f"sqlite:///{tmp_path / 'kvhint.db'}")
+    try:
+        migrate(engine)
+        with engine.connect() as first, engine.connect() as second:
+            assert [conn.exec_driver_sql("PRAGMA foreign_keys").scalar()
+                    for conn in (first, second)] == [1, 1]
+    finally:
+        engine.dispose()
+
+
+def test_each_way_a_workers_row_goes_takes_its_actions(database_url: str) -> None:
+    """"forgotten" (the writer's delete: the feed forgot it), "dropped" (a restart's
+    registry does not hold it) and "pruned" (retention: not heard within the window)
+    lose their actions with their rows, pending and held alike; "kept" keeps its own.
+    Retention counts the actions it deleted with the workers."""
+    engine = create_store_engine(database_url)
+    drops: list[tuple[str, int]] = []
+    try:
+        migrate(engine)
+        _insert(engine, [_worker_row("kept", True, NOW), _worker_row("forgotten", False, NOW),
+                         _worker_row("dropped", True, NOW),
+                         _worker_row("pruned", False, NOW - 7200.0)],
+                [_action(f"{worker}-{status}", worker, status)
+                 for worker in ("kept", "forgotten", "dropped", "pruned")
+                 for status in ("accepted", "pending")])
+
+        async def run() -> None:
+            writer = _writer(engine, drops)
+            writer.delete("workers", ("forgotten",))
+            registry = WorkerRegistry([("kept", "http://kept")])
+            _restore_workers(registry, load_recovery(engine, 0.0, 10).workers, NOW,
+                             forget_s=86_400.0, writer=writer)
+            await writer.close()
+
+        asyncio.run(run())
+        assert set(_action_workers(engine).values()) == {"kept", "pruned"}
+        assert prune_history(engine, before=NOW - 3600) == {
+            "hint_actions": 2, "sessions": 0, "workers": 1}
+        assert _action_workers(engine) == {"kept-accepted": "kept", "kept-pending": "kept"}
+        assert _orphans(engine) == 0 and drops == []
+    finally:
+        engine.dispose()
+
+
+def _dispatcher(engine: sa.Engine, registry: WorkerRegistry, metrics: RouterMetrics,
+                drops: list[tuple[str, int]]) -> tuple[HintDispatcher, StoreWriter]:
+    writer = _writer(engine, drops)
+    return HintDispatcher(None, Subjects("t"), registry, writer, metrics, PlannerConfig(),
+                          seed=1, tenants=("acme",)), writer
+
+
+def test_a_forgotten_workers_waiting_actions_expire_with_it(database_url: str) -> None:
+    """The feed forgets "gone" while an action it was sent waits for its answer: the
+    action expires at once, saved in the batch that deletes the worker's row (and so
+    its actions'). Before, it expired later, and its save (the row re-written after its
+    worker's was deleted) was refused by the foreign key: dropped, logged, counted."""
+    engine = create_store_engine(database_url)
+    drops: list[tuple[str, int]] = []
+    try:
+        migrate(engine)
+        _insert(engine, [_worker_row("gone", False, NOW), _worker_row("here", False, NOW)],
+                [_action("waiting", "gone", "pending"), _action("answered", "here")])
+
+        async def run() -> None:
+            registry, metrics = WorkerRegistry([]), RouterMetrics()
+            hints, writer = _dispatcher(engine, registry, metrics, drops)
+            ingestor = KvEventIngestor(InMemoryClusterKvIndex(), clock=time.monotonic,
+                                       config=StreamConfig(forget_dead_after_s=60.0))
+            feed = ClusterFeed(_Unconnected(Subjects("t")), ingestor,  # type: ignore[arg-type]
+                               registry, hints, metrics, writer, None, None,
+                               snapshot_timeout_s=5.0,
+                               on_hint_outcome=lambda _sent, _outcome: None,
+                               on_hold_released=lambda _release: None)
+            now = time.monotonic()
+            for worker, heard in (("gone", now - 120.0), ("here", now)):
+                registry.on_heartbeat(_heartbeat(worker), now=heard)
+            recovery = load_recovery(engine, 0.0, 10, now=NOW)
+            hints.restore([], recovery.pending_actions, recovery.held_actions)
+            record = hints.pending["waiting"]
+            feed.tick()  # forgets "gone"
+            assert registry.get("gone") is None and not hints.pending
+            assert (record.status, record.reason) == ("expired", "worker forgotten")
+            await writer.flush()
+            assert hints.expire(time.time() + OUTCOME_DEADLINE_S + 1) == 0
+            await writer.close()
+            assert metrics.hints.labels("kv.retain", "expired", "planner")._value.get() == 1
+
+        asyncio.run(run())
+        assert _action_workers(engine) == {"answered": "here"}
+        assert drops == []
+    finally:
+        engine.dispose()
+
+
+def test_a_restart_restores_no_action_of_a_worker_it_does_not_hold(
+        database_url: str) -> None:
+    """"dropped" left the config: at the restart its row goes, with its actions, and the
+    router does not restore them either. Before, its held Retain counted against the
+    tenant's budget until its TTL ended, and its pending one waited for an answer."""
+    engine = create_store_engine(database_url)
+    drops: list[tuple[str, int]] = []
+    try:
+        migrate(engine)
+        _insert(engine, [_worker_row("kept", True, NOW), _worker_row("dropped", True, NOW)],
+                [_action("kept-held", "kept"), _action("dropped-held", "dropped"),
+                 _action("dropped-pending", "dropped", "pending")])
+
+        async def restart() -> HintDispatcher:
+            registry = WorkerRegistry([("kept", "http://kept")])
+            hints, writer = _dispatcher(engine, registry, RouterMetrics(), drops)
+            recovery = load_recovery(engine, 0.0, 10, now=NOW)
+            _restore_workers(registry, recovery.workers, NOW, forget_s=86_400.0,
+                             writer=writer)
+            hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
+            await writer.close()
+            return hints
+
+        hints = asyncio.run(restart())
+        assert hints.holdings.tenant("acme") == Holdings(0, 8)
+        assert hints.holdings.worker("dropped") == Holdings(0, 0)
+        assert not hints.pending
+        assert _action_workers(engine) == {"kept-held": "kept"} and drops == []
+    finally:
+        engine.dispose()
