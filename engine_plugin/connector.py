@@ -186,6 +186,13 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
                     identity.worker_id, identity.epoch, loggable_nats_url(config.nats_url),
                     config.subject_prefix)
+        if config.worker_id_defaulted:
+            logger.warning("kvhint: no worker_id in kv_connector_extra_config: this engine "
+                           "publishes as %s, the default w<data-parallel rank> that every "
+                           "other server without one uses too; the router follows one "
+                           "engine per worker id and refuses the others': set "
+                           "kv_connector_extra_config['worker_id'] to a name of this "
+                           "server's own", identity.worker_id)
         if config.credentials_in_transfer_config:
             logger.warning("kvhint: nats_url carries credentials, and vLLM logs "
                            "--kv-transfer-config at start-up: give the URL in an environment "

@@ -14,6 +14,7 @@ from kvhint.router.kv_index.actions import (
     RequestSnapshot,
     WorkerAlive,
     WorkerDead,
+    WorkerIdConflict,
     WorkerPurgedNotice,
 )
 from kvhint.router.kv_index.adapter import AdapterCounters, EventBatchAdapter, snapshot_to_event
@@ -32,7 +33,12 @@ from kvhint.router.kv_index.events import (
     WorkerPurged,
     tier_of_medium,
 )
-from kvhint.router.kv_index.ingest import IngestStats, KvEventIngestor, WorkerStreamView
+from kvhint.router.kv_index.ingest import (
+    IdConflictView,
+    IngestStats,
+    KvEventIngestor,
+    WorkerStreamView,
+)
 from kvhint.router.kv_index.memory import InMemoryClusterKvIndex
 from kvhint.router.kv_index.naive import NaiveClusterKvIndex
 from kvhint.router.kv_index.protocol import (
@@ -61,6 +67,7 @@ __all__ = [
     "ClusterKvIndex",
     "EventBatchAdapter",
     "InMemoryClusterKvIndex",
+    "IdConflictView",
     "IndexEvent",
     "IndexState",
     "IndexStats",
@@ -77,6 +84,7 @@ __all__ = [
     "StreamPhase",
     "WorkerAlive",
     "WorkerDead",
+    "WorkerIdConflict",
     "WorkerOverlap",
     "WorkerPurged",
     "WorkerPurgedNotice",

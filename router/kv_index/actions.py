@@ -50,4 +50,18 @@ class WorkerAlive:
     epoch: str
 
 
-IngestAction = RequestSnapshot | WorkerPurgedNotice | WorkerDead | WorkerAlive
+@dataclass(frozen=True, slots=True)
+class WorkerIdConflict:
+    """Two engines heartbeat under ``worker_id`` (found once per conflict; see
+    :mod:`.stream_sources`): the index follows ``epoch``, whose heartbeat gives ``url``,
+    and refuses ``other_epoch``'s (``other_url``; None: the heartbeat names none). The
+    owner warns: the servers need distinct worker ids."""
+
+    worker_id: str
+    epoch: str
+    url: str | None
+    other_epoch: str
+    other_url: str | None
+
+
+IngestAction = RequestSnapshot | WorkerPurgedNotice | WorkerDead | WorkerAlive | WorkerIdConflict

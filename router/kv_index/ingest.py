@@ -32,6 +32,7 @@ from kvhint.router.kv_index.actions import (
     RequestSnapshot,
     WorkerAlive,
     WorkerDead,
+    WorkerIdConflict,
     WorkerPurgedNotice,
 )
 from kvhint.router.kv_index.adapter import EventBatchAdapter, snapshot_to_event
@@ -53,6 +54,18 @@ from kvhint.schemas.subjects import Subjects
 
 
 @dataclass(frozen=True, slots=True)
+class IdConflictView:
+    """A conflict held over a worker's id (two engines heartbeat under it; see
+    :mod:`.stream_sources`): the engine not followed, and how long ago the conflict was
+    found and that engine last heard."""
+
+    other_epoch: str
+    other_url: str | None
+    found_s_ago: float
+    other_heard_s_ago: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStreamView:
     """A worker's stream state, for the admin API and metrics."""
 
@@ -63,6 +76,7 @@ class WorkerStreamView:
     last_heard: float | None
     last_status: WorkerStatus | None
     counters: Mapping[str, int]
+    conflict: IdConflictView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,11 +302,24 @@ class KvEventIngestor:
     # --- views ----------------------------------------------------------------------
 
     def worker_views(self) -> dict[str, WorkerStreamView]:
+        now = self._clock()
         return {w: WorkerStreamView(
             worker_id=w, phase=s.phase.value, epoch=s.epoch, applied_seq=s.applied_seq,
             last_heard=s.last_heard,
             last_status=s.last_status if isinstance(s.last_status, WorkerStatus) else None,
-            counters=_as_dict(s.counters)) for w, s in self._streams.items()}
+            counters=_as_dict(s.counters), conflict=self._conflict_view(s, now))
+            for w, s in self._streams.items()}
+
+    def conflicting_workers(self) -> tuple[str, ...]:
+        """The workers over whose id a conflict is held now, sorted."""
+        now = self._clock()
+        return tuple(sorted(w for w, s in self._streams.items() if s.conflict(now)))
+
+    def follows(self, worker_id: str, epoch: str) -> bool:
+        """Whether the worker's stream follows ``epoch`` now: a heartbeat of it was taken
+        (not refused as stale, or as another engine's under the same id)."""
+        stream = self._streams.get(worker_id)
+        return stream is not None and stream.epoch == epoch
 
     def live_workers(self) -> tuple[str, ...]:
         """Workers whose stream is consistent (LIVE), sorted: route by their overlap."""
@@ -341,12 +368,26 @@ class KvEventIngestor:
 
     def _carry_out(self, stream: WorkerStream[bytes], decision: Decision) -> list[IngestAction]:
         actions: list[IngestAction] = []
+        if decision.id_conflict and (held := stream.conflict(self._clock())) is not None \
+                and stream.epoch is not None:
+            actions.append(WorkerIdConflict(stream.worker_id, stream.epoch,
+                                            _url_of(stream.last_status), held.other.epoch,
+                                            _url_of(held.other.status)))
         if decision.purge_reason:
             self.index.apply(WorkerPurged(stream.worker_id, decision.purge_reason))
             actions.append(WorkerPurgedNotice(stream.worker_id, decision.purge_reason))
         if decision.resync_reason:
             actions.append(self._request_page(stream, decision.resync_reason))
         return actions
+
+    @staticmethod
+    def _conflict_view(stream: WorkerStream[bytes], now: float) -> IdConflictView | None:
+        held = stream.conflict(now)
+        if held is None:
+            return None
+        return IdConflictView(other_epoch=held.other.epoch, other_url=_url_of(held.other.status),
+                              found_s_ago=now - held.since,
+                              other_heard_s_ago=now - held.other.heard)
 
     def _request_page(self, stream: WorkerStream[bytes], reason: str) -> RequestSnapshot:
         stream.page_requested(self._clock())
@@ -363,6 +404,10 @@ class KvEventIngestor:
             return self._carry_out(stream, decision)
         self.index.apply_all(events)
         return []
+
+
+def _url_of(status: object | None) -> str | None:
+    return status.http_url if isinstance(status, WorkerStatus) else None
 
 
 def _as_dict(obj: object) -> dict[str, int]:

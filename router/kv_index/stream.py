@@ -21,6 +21,10 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
   loses a few batches of a cache of thousands of blocks), after it the view is too old to
   route on, and would otherwise be trusted for as long as the snapshots keep failing;
 - no message for ``heartbeat_misses * interval_s`` (the liveness window) -> dead: purge;
+- two engines heartbeating under one worker id (:mod:`.stream_sources`): found once, and
+  while it is held the stream sticks to the source it follows (another's epoch, even a
+  newer one, is refused until the followed one is dead); a dead worker takes the next
+  heartbeat heard, of a retired epoch too (heartbeats are never replayed: it runs now);
 - while the owner replays the events stream's history (``replaying``, from a router's start
   or a link set up again until it caught up, at most ``replay_wait_s``), a heartbeat of a
   worker none of whose batches is applied waits for them (AWAITING_REPLAY) instead of
@@ -54,6 +58,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Generic, TypeVar
 
+from kvhint.router.kv_index.stream_sources import IdConflict, OtherSource, SourceConflict
 from kvhint.router.kv_index.stream_types import (
     BatchVerdict,
     BufferedBatch,
@@ -101,6 +106,7 @@ class WorkerStream(Generic[T]):
         # When a never-heard stream got its first replayed batch: its silence runs from
         # there (a worker heard of only through its history is dead one window later).
         self._unproven_since: float | None = None
+        self._sources = SourceConflict(config.conflict_hold_s)
 
     # --- observations -------------------------------------------------------------
 
@@ -129,16 +135,20 @@ class WorkerStream(Generic[T]):
         if self._is_stale(epoch):
             self.counters.stale_epoch += 1
             return Decision(BatchVerdict.STALE_EPOCH)
+        if self._held_off(epoch, now):
+            self.counters.other_source_dropped += 1
+            return Decision(BatchVerdict.OTHER_SOURCE)
         if (epoch == self.epoch and self._reported_seq is not None
                 and seq > self._reported_seq + self.config.max_seq_ahead_of_heartbeat):
             self.counters.implausible_seq += 1
             return Decision(BatchVerdict.IMPLAUSIBLE)
         replayed = age_s is not None and age_s > self.liveness_window_s
-        if not replayed:
-            self.last_heard = now
-        elif self.phase is StreamPhase.DEAD:
+        if replayed and self.phase is StreamPhase.DEAD:
             self.counters.dead_worker_dropped += 1
             return Decision(BatchVerdict.DEAD_WORKER)
+        self._note_source(epoch)
+        if not replayed:
+            self.last_heard = now
         elif self.last_heard is None and self._unproven_since is None:
             self._unproven_since = now
         purge = self._observe_epoch(epoch)
@@ -177,9 +187,19 @@ class WorkerStream(Generic[T]):
         """A heartbeat. Returns a decision with no verdict (there is no batch).
         ``replaying``: the owner is replaying the events stream's history (see the module
         doc): a worker with nothing applied waits for it instead of resyncing."""
-        if self._is_stale(epoch, heartbeat=True):
-            self.counters.stale_status += 1
+        stale = self._is_stale(epoch, heartbeat=True)
+        if stale or self._held_off(epoch, now):
+            if stale:
+                self.counters.stale_status += 1
+            else:
+                self.counters.other_source_dropped += 1
+            window = (interval_s if interval_s > 0 else self.config.default_interval_s
+                      ) * self.config.heartbeat_misses
+            if self._sources.refused(epoch, now, self.last_heard, window, status):
+                self.counters.id_conflicts += 1
+                return Decision(id_conflict=True)
             return Decision()
+        self._note_source(epoch)
         self.last_heard = now
         self.interval_s = interval_s if interval_s > 0 else self.config.default_interval_s
         self.last_status = status
@@ -209,6 +229,7 @@ class WorkerStream(Generic[T]):
     def tick(self, now: float, replaying: bool = False) -> tuple[Decision, bool]:
         """Liveness and timers (``replaying``: as for :meth:`on_status`). Returns
         (decision, request_page_now)."""
+        self._sources.expire(now)
         heard = self.silent_since
         if self.phase in (StreamPhase.NEW, StreamPhase.DEAD) or heard is None:
             return _NOTHING, False
@@ -292,7 +313,9 @@ class WorkerStream(Generic[T]):
         hold only within it, so pages of two were joined with blocks lost or kept wrongly,
         and the stream then reported live.
         """
-        stale = self._is_stale(epoch)  # a late reply from an engine we moved past
+        # A late reply from an engine we moved past, or another source's (both engines
+        # under one id answer the snapshot subject).
+        stale = self._is_stale(epoch) or self._held_off(epoch, now)
         if not stale:
             self.last_heard = now
         resync = self._resync
@@ -383,6 +406,11 @@ class WorkerStream(Generic[T]):
         self.phase = StreamPhase.NEW
         self.last_heard = None
         self._unproven_since = None
+        self._sources = SourceConflict(self.config.conflict_hold_s)
+
+    def conflict(self, now: float) -> IdConflict | None:
+        """The conflict held over this worker's id (:mod:`.stream_sources`), or None."""
+        return self._sources.current(now)
 
     # --- internals ----------------------------------------------------------------
 
@@ -390,16 +418,32 @@ class WorkerStream(Generic[T]):
         """Of an engine we moved past: retired, or started before the current one.
 
         Except a heartbeat once the current engine is dead: heartbeats are not replayed
-        (core NATS), so one proves its engine runs now, and a not-retired epoch that
-        looks older is an engine started after its host's clock stepped back (NTP, a VM
-        restored). Before, its every message was dropped and the worker stayed dead
-        until forgotten, an hour later. Its batches count once its heartbeat is taken."""
-        if epoch in self._retired:
-            return True
+        (core NATS), so one proves its engine runs now. An epoch that looks older is an
+        engine started after its host's clock stepped back (NTP, a VM restored); a
+        retired one, the other of two engines under one id, the one followed gone.
+        Before, their every message was dropped and the worker stayed dead until
+        forgotten, an hour later. Their batches count once their heartbeat is taken."""
         if heartbeat and self.phase is StreamPhase.DEAD:
             return False
+        if epoch in self._retired:
+            return True
         return (self.epoch is not None and epoch != self.epoch
                 and epoch_is_older(epoch, self.epoch))
+
+    def _held_off(self, epoch: str, now: float) -> bool:
+        """Another source's epoch, refused while a conflict is held and the source
+        followed is alive (heard within its window): the stream sticks to it."""
+        return (self.epoch is not None and epoch != self.epoch and self._sources.held(now)
+                and self.phase in _HEARD_PHASES and self.last_heard is not None
+                and now - self.last_heard <= self.liveness_window_s)
+
+    def _note_source(self, epoch: str) -> None:
+        """A message of ``epoch`` is taken (before it changes the stream): tell the
+        conflict record when it replaces the source followed."""
+        if self.epoch is not None and epoch != self.epoch:
+            left = None if self.last_heard is None else OtherSource(
+                self.epoch, self.last_heard, self.liveness_window_s, self.last_status)
+            self._sources.adopted(epoch, left)
 
     def _observe_epoch(self, epoch: str) -> str | None:
         """Take ``epoch`` as current; the purge reason when it replaces a live one (a
@@ -420,6 +464,8 @@ class WorkerStream(Generic[T]):
     def _adopt_epoch(self, epoch: str) -> None:
         if self.epoch is not None and self.epoch != epoch:
             self._retired.append(self.epoch)
+        if epoch in self._retired:  # taken back (a dead worker's heartbeat, _is_stale)
+            self._retired.remove(epoch)
         if self.epoch != epoch:
             self._reset_stream()
         self.epoch = epoch

@@ -32,6 +32,9 @@ class BatchVerdict(enum.Enum):
     # A replayed batch (older than the liveness window) of a worker declared dead: it
     # proves nothing about the worker now, and a dead worker's blocks leave the index.
     DEAD_WORKER = "dead_worker"
+    # A batch of another engine publishing under this worker's id, while a conflict is
+    # held and the engine followed runs (:mod:`.stream_sources`).
+    OTHER_SOURCE = "other_source"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,11 @@ class StreamConfig:
     # (~54k batches/s); 60 s leaves room for a slower one, and a replay that stalls for
     # good leaves a worker without a view for a minute, not for ever.
     replay_wait_s: float = 60.0
+    # How long a conflict over a worker's id (two engines heartbeating under it,
+    # :mod:`.stream_sources`) is held after the other engine was last heard: longer than
+    # a vLLM server's restart, so the other server restarting does not end it and make
+    # its new engine take the id (a purge and a snapshot at each such swap).
+    conflict_hold_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,8 @@ class Decision:
     verdict: BatchVerdict | None = None
     purge_reason: str | None = None   # purge the worker from the index first
     resync_reason: str | None = None  # then start a snapshot resync
+    # A conflict over the worker's id was found (once per conflict): the owner warns.
+    id_conflict: bool = False
 
 
 @dataclass(slots=True)
@@ -127,6 +137,12 @@ class StreamCounters:
     resyncs_deferred: int = 0
     resyncs_avoided: int = 0
     replay_waits_expired: int = 0
+    # Conflicts found over the worker's id (two engines heartbeating under it), and the
+    # heartbeats and batches of a newer epoch refused as the other engine's while one is
+    # held (of a retired or older epoch: stale_status and stale_epoch, as before; its
+    # snapshot replies: snapshot_pages_ignored).
+    id_conflicts: int = 0
+    other_source_dropped: int = 0
 
 
 @dataclass(slots=True)

@@ -49,6 +49,7 @@ from kvhint.router.kv_index import (
     RequestSnapshot,
     WorkerAlive,
     WorkerDead,
+    WorkerIdConflict,
     WorkerPurgedNotice,
 )
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
@@ -322,6 +323,13 @@ class ClusterFeed:
         if not self.ingestor.subject_matches(msg.subject, status.worker_id):
             return
         actions = self.ingestor.on_status(status)
+        if not self.ingestor.follows(status.worker_id, status.epoch):
+            # Refused by the index (an engine it moved past, or the other of two engines
+            # under one id: counted there): the registry follows the same engine. Before,
+            # two engines' heartbeats swapped the worker's epoch, address and status at
+            # every beat, each swap a "restart" that reset the worker's hints.
+            self._perform(actions)
+            return
         verdict = self._workers.on_heartbeat(status)
         if verdict is HeartbeatVerdict.NEW_EPOCH:
             self._hints.reset_worker(status.worker_id)
@@ -411,6 +419,16 @@ class ClusterFeed:
             elif isinstance(action, WorkerAlive):
                 worker = self._workers.ensure(action.worker_id)
                 worker.plugin_alive = True
+            elif isinstance(action, WorkerIdConflict):
+                # Once per conflict (the ingestor holds it; kvhint_router_worker_id_conflict
+                # shows it while held, the admin worker view's "conflict" names the other).
+                log.warning(
+                    "worker id %s: two engines heartbeat under it: %s (epoch %s, followed) "
+                    "and %s (epoch %s, refused); give each server its own worker_id in "
+                    "kv_connector_extra_config (the default is w<data-parallel rank>)",
+                    action.worker_id, action.url or "an engine without http_url",
+                    action.epoch, action.other_url or "an engine without http_url",
+                    action.other_epoch)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

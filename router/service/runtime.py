@@ -166,7 +166,8 @@ class RouterRuntime:
                                        # it to the stream's real max_age once it has
                                        # seen the stream (one made with a longer age).
                                        forget_dead_after_s=max(
-                                           3600.0, settings.events_stream_max_age_s)))
+                                           3600.0, settings.events_stream_max_age_s),
+                                       replay_wait_s=settings.replay_wait_s))
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
@@ -324,6 +325,7 @@ class RouterRuntime:
             sessions_by_state=self.sessions.counts_by_state(),
             workers_up={w.worker_id: (w.http_up, w.plugin_alive) for w in self.workers.all()},
             worker_inflight={w.worker_id: w.inflight for w in self.workers.all()},
+            worker_id_conflicts=self.ingestor.conflicting_workers(),
             pending_hints=len(self.hints.pending),
             store_queue=self.writer.queued,
             ingest=_ingest_counters(self.ingestor, stats),

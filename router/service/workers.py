@@ -186,7 +186,13 @@ class WorkerRegistry:
         return worker
 
     def on_heartbeat(self, status: WorkerStatus, now: float | None = None) -> HeartbeatVerdict:
-        """Record a heartbeat; the verdict says whether the engine restarted."""
+        """Record a heartbeat; the verdict says whether the engine restarted.
+
+        Contract: only heartbeats the index's stream took (``KvEventIngestor.follows``;
+        cluster_feed.py). It judges epochs (an engine moved past, two engines under one
+        worker id, kv_index/stream_sources.py); this takes any epoch it is given as the
+        worker's, so two engines' heartbeats given both would swap the worker's epoch,
+        address and status at every beat."""
         now = time.monotonic() if now is None else now
         worker = self.ensure(status.worker_id, getattr(status, "http_url", None))
         if worker.epoch is None:

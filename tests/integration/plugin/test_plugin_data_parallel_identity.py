@@ -16,7 +16,7 @@ import pytest
 from kvhint.engine_plugin import connector as connector_module
 from kvhint.engine_plugin.vllm_adapter.data_parallel import DataParallelPlace
 from kvhint.schemas import decode_status, encode_status
-from scheduler_fixtures import plugin_log_lines, sched
+from scheduler_fixtures import nats_plugin, plugin_log_lines, sched
 
 
 def test_rank_1_of_two_is_its_own_worker_and_names_its_header(
@@ -42,3 +42,25 @@ def test_a_single_rank_binds_and_heartbeats_as_before() -> None:
     beat = decode_status(wire)
     assert beat.worker_id == "gpu-0" and beat.data_parallel_header is None
     assert "kvhint: worker id gpu-0" in lines
+
+
+def test_a_server_on_nats_without_a_worker_id_is_warned_once_naming_the_key(
+        nats_url: str, subject_prefix: str) -> None:
+    """Its id is the default w<rank>: w0 on every single-rank server, and the router takes
+    two of them for one worker (it follows one and refuses the other's messages). Before,
+    nothing said so at the servers. A configured id, or no NATS (nothing published): no
+    warning."""
+    def warnings(lines: list[str]) -> list[str]:
+        return [line for line in lines if "no worker_id" in line]
+
+    with plugin_log_lines() as lines, nats_plugin(nats_url, subject_prefix, worker_id=None,
+                                                  create_events_stream=False) as h:
+        assert h.connector.core.identity.worker_id == "w0"
+    (warned,) = warnings(lines)
+    assert "w0" in warned and "kv_connector_extra_config['worker_id']" in warned
+    with plugin_log_lines() as lines, nats_plugin(nats_url, subject_prefix,
+                                                  create_events_stream=False):
+        pass
+    with plugin_log_lines() as more:
+        sched(worker_id=None)
+    assert warnings(lines) == [] and warnings(more) == []

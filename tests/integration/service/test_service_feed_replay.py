@@ -18,6 +18,7 @@ from pathlib import Path
 import nats
 import pytest
 from nats.js.errors import NotFoundError
+from pydantic import ValidationError
 
 from conftest import router_settings, running_router
 from feed_helpers import add_blocking_stream, status, stored, until
@@ -248,3 +249,18 @@ async def test_without_jetstream_there_is_no_replay_to_wait_for(
         except NotFoundError:
             pass
         await nc.drain()
+
+
+async def test_the_replay_wait_is_a_router_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVHINT_ROUTER_REPLAY_WAIT_S reaches the ingestor the router runs with (before, the
+    bound was StreamConfig's 60 s, not a setting); out of its bounds it is refused,
+    naming it."""
+    for bad in ("0", "-1", "3601"):
+        monkeypatch.setenv("KVHINT_ROUTER_REPLAY_WAIT_S", bad)
+        with pytest.raises(ValidationError) as refused:
+            router_settings(tmp_path, [])
+        assert "replay_wait_s" in str(refused.value)
+    monkeypatch.setenv("KVHINT_ROUTER_REPLAY_WAIT_S", "7.5")
+    async with running_router(router_settings(tmp_path, [])) as router:
+        assert router.runtime.ingestor.config.replay_wait_s == 7.5

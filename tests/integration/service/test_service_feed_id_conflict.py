@@ -1,0 +1,124 @@
+"""Two servers publishing under one worker id, against a real NATS server: the plugin's
+default ``w<rank>`` makes every single-rank server without a worker_id "w0".
+
+Before, the router kept the newer epoch's engine in the index but took every heartbeat
+into its worker registry: w0's epoch, address and status swapped at every beat (each
+swap a "restart" that reset its hints), and either server's restart swapped the engine
+the index followed, with a purge and a snapshot each time. Nothing told the operator.
+
+The "plugins" are this test publishing heartbeats (the epochs need exact control). Their
+addresses refuse connections: no request goes to them here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from conftest import router_settings, running_router
+from feed_helpers import status, until
+from kvhint.schemas import Subjects, new_epoch
+
+pytestmark = pytest.mark.usefixtures("throwaway_streams")
+
+URL_A, URL_B = "http://127.0.0.1:1", "http://127.0.0.1:2"
+# Engine starts in this order: A's first engine, B's, A's restart.
+A1, B1, A2 = (new_epoch(t) for t in (1_000.0, 2_000.0, 3_000.0))
+
+
+async def test_two_servers_under_one_id_are_reported_and_the_router_keeps_to_one(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            ingestor = runtime.ingestor
+            assert await runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)  # subscriptions in place
+
+            def refused() -> int:
+                stream = ingestor.stats().stream
+                return stream["stale_status"] + stream["other_source_dropped"]
+
+            async def beat(epoch: str, url: str) -> None:
+                await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
+
+            async def both(other_epoch: str, rounds: int) -> None:
+                """B's beat, then the other's; after each of the other's (refused), w0
+                is still B's in the registry too."""
+                for _ in range(rounds):
+                    await beat(B1, URL_B)
+                    await asyncio.sleep(0.1)
+                    before = refused()
+                    await beat(other_epoch, URL_A)
+                    await until(lambda: refused() > before)  # noqa: B023
+                    w0 = runtime.workers.get("w0")
+                    assert (w0.epoch, w0.url) == (B1, URL_B)
+                    await asyncio.sleep(0.1)
+
+            with caplog.at_level(logging.WARNING, logger="kvhint"):
+                await beat(A1, URL_A)
+                await until(lambda: runtime.workers.get("w0") is not None
+                            and runtime.workers.get("w0").epoch == A1)
+                await beat(B1, URL_B)  # B starts: taken as w0's restart (no way to tell)
+                await until(lambda: runtime.workers.get("w0").epoch == B1)
+                await both(A1, 5)
+                assert ingestor.conflicting_workers() == ("w0",)
+                # A restarts with an epoch newer than B's: not taken, w0 stays B's.
+                await both(A2, 5)
+
+            stream = ingestor.stats().stream
+            assert stream["epoch_changes"] == 1 and stream["id_conflicts"] == 1
+            assert stream["other_source_dropped"] == 5 and stream["stale_status"] == 5
+            warnings = [r.getMessage() for r in caplog.records
+                        if "two engines heartbeat" in r.getMessage()]
+            assert len(warnings) == 1, warnings  # once per conflict
+            assert "w0" in warnings[0] and URL_A in warnings[0] and URL_B in warnings[0]
+            text = (await client.get(f"{router.url}/metrics")).text
+            assert 'kvhint_router_worker_id_conflict{worker="w0"} 1.0' in text
+            assert 'kvhint_router_index_ingest_total{what="stream_id_conflicts"} 1.0' in text
+            view = (await client.get(f"{router.url}/admin/workers/w0")).json()
+            assert view["url"] == URL_B and view["epoch"] == B1
+            assert view["conflict"]["other_url"] == URL_A
+            assert view["conflict"]["other_epoch"] == A2
+    finally:
+        await nc.drain()
+
+
+async def test_a_worker_restarting_alone_is_no_conflict(
+        tmp_path: Path, nats_url: str, subject_prefix: str) -> None:
+    """The legitimate case: the engine restarts (a new, newer epoch; the old one gone,
+    its last beat late): taken at once, the registry follows, no conflict."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            assert await runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)
+            await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))
+            await until(lambda: runtime.workers.get("w0") is not None)
+            await nc.publish(subjects.status("w0"), status("w0", A2, 0, URL_A))
+            await until(lambda: runtime.workers.get("w0").epoch == A2)
+            await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))  # late
+            for _ in range(10):
+                await nc.publish(subjects.status("w0"), status("w0", A2, 0, URL_A))
+                await asyncio.sleep(0.1)
+            await until(lambda: runtime.ingestor.stats().stream["stale_status"] == 1)
+            assert runtime.workers.get("w0").epoch == A2
+            assert runtime.ingestor.conflicting_workers() == ()
+            text = (await client.get(f"{router.url}/metrics")).text
+            assert "kvhint_router_worker_id_conflict{" not in text
+            assert (await client.get(f"{router.url}/admin/workers/w0")).json()["conflict"] \
+                is None
+    finally:
+        await nc.drain()
