@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -23,7 +24,9 @@ from pydantic import (
 from kvhint.schemas import Subjects, is_valid_worker_id
 from kvhint.schemas.nats_address import (
     PLACEHOLDER_SECRET_PREFIX,
+    NatsConnection,
     is_placeholder_secret,
+    nats_connection,
     nats_servers,
     nats_url_problem,
     url_secret,
@@ -48,6 +51,10 @@ class PluginConfigError(ValueError):
 class PluginConfig(BaseModel):
     # No inf or NaN: vLLM parses --kv-transfer-config with json.loads, which takes
     # Infinity, NaN and 1e999; an infinite stream max age made every stream create raise.
+    # Booleans are strict (StrictBool: JSON true/false only): pydantic's lax mode took
+    # "yes", "off", 1 or "0" for one, and a quoted "false" read as false by luck.
+    # Every time and size has a floor its use needs (each field's description says why);
+    # before, 1e-9 passed (a heartbeat due at every publisher round).
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Identity. One data-parallel rank: this id as it is. One of several ranks (vLLM's
@@ -68,11 +75,16 @@ class PluginConfig(BaseModel):
     # Budgets. Pins are hard: they may cost a preemption, so they get a small budget.
     # Retained blocks are released whenever an allocation would otherwise fail.
     pin_budget_fraction: float = Field(0.10, ge=0.0, le=0.9)
-    max_pin_ttl_s: float = Field(600.0, gt=0.0, le=86_400.0)
+    max_pin_ttl_s: float = Field(600.0, ge=1.0, le=86_400.0, description=(
+        "The longest a pin holds (a hint's ttl_s is clipped to it). At least 1 s: the "
+        "router plans pins across the gap between a session's turns and learns this cap "
+        "from heartbeats (2 s apart); a shorter one lapses before any turn could use it."))
     retain_budget_fraction: float = Field(0.5, ge=0.0, le=1.0)
-    max_retain_ttl_s: float = Field(3600.0, gt=0.0, le=86_400.0)
+    max_retain_ttl_s: float = Field(3600.0, ge=1.0, le=86_400.0, description=(
+        "The longest a Retain holds, and what an untimed one holds for. At least 1 s, "
+        "as max_pin_ttl_s."))
     # Donor advice: keep the donor's resident blocks retained for the advice's ttl_s.
-    donor_retain: bool = True
+    donor_retain: StrictBool = True
     donor_retain_priority: int = Field(60, ge=0, le=100)
     # Prefetch of blocks already in G1: keep them retained at this priority until the deadline.
     prefetch_retain_priority: int = Field(80, ge=0, le=100)
@@ -87,7 +99,10 @@ class PluginConfig(BaseModel):
     # asynchronously, and a Demote planned as a response ends can come before the copies
     # of its last blocks finish) is answered ``deferred`` and applied when they finish, or
     # after this long with what has a copy then. 0: applied at once.
-    demote_copy_wait_s: float = Field(2.0, ge=0.0, le=60.0)
+    demote_copy_wait_s: float = Field(2.0, ge=0.0, le=60.0, description=(
+        "0, or at least 0.01 s: the wait is checked once per engine step (~10 ms or "
+        "more), so a shorter one only adds a deferred answer and applies the Demote at "
+        "the next step as 0 would at once."))
 
     # Session index bounds.
     max_sessions: int = Field(100_000, ge=1)
@@ -96,24 +111,39 @@ class PluginConfig(BaseModel):
     max_remembered_actions: int = Field(100_000, ge=1)
 
     # Transport.
-    heartbeat_interval_s: float = Field(2.0, gt=0.0, le=300.0)
+    heartbeat_interval_s: float = Field(2.0, ge=0.1, le=300.0, description=(
+        "Seconds between heartbeats (the worker's status). At least 0.1 s: the router "
+        "declares a worker dead after heartbeat_misses intervals, so a shorter one makes "
+        "a router pause of a few tenths of a second purge a live worker's index; each "
+        "beat builds and publishes the whole status."))
     event_buffer_batches: int = Field(10_000, ge=1)
     # ...and at most this many bytes (estimated: a BlockStored carries its block's token
     # ids, ~48 bytes each held): while NATS is down, 10,000 batches of 8k-token prefills
     # would hold ~4.4 GB. Past either bound the oldest batches are dropped (counted,
     # kvhint:events_dropped; the router resyncs). At least 1 MiB (a step's batch).
-    event_buffer_bytes: int = Field(256 << 20, ge=1 << 20)
+    event_buffer_bytes: int = Field(256 << 20, ge=1 << 20, description=(
+        "At least 1 MiB: one engine step's batch (up to NATS's default 1 MiB payload) "
+        "must fit, or every batch would be dropped."))
     outcome_buffer: int = Field(10_000, ge=1)
     inbound_buffer: int = Field(10_000, ge=1)
     # Create the JetStream events stream when it does not exist yet.
-    create_events_stream: bool = True
-    events_stream_max_age_s: float = Field(3600.0, gt=0.0)
-    events_stream_max_bytes: int = Field(1 << 30, gt=0)
+    create_events_stream: StrictBool = True
+    events_stream_max_age_s: float = Field(3600.0, ge=60.0, description=(
+        "At least 60 s: the router replays this stream to rebuild its index when it "
+        "starts or reconnects; a shorter history is gone before it reads it, and every "
+        "worker has to resync by snapshot instead (nats-server itself refuses under "
+        "100 ms)."))
+    events_stream_max_bytes: int = Field(1 << 30, ge=1 << 20, description=(
+        "At least 1 MiB: one step's batch may be up to NATS's default 1 MiB payload, "
+        "and JetStream acknowledges a message larger than the stream, then drops it "
+        "at once: the router would replay nothing."))
     # Wake an idle engine when a hint arrives, so it is applied within milliseconds.
-    wake_idle_engine: bool = True
+    wake_idle_engine: StrictBool = True
     # A hint the engine has not taken after this long (a long prefill step, or an engine
     # that cannot be woken) is answered ``deferred`` at once; its final outcome follows.
-    defer_after_s: float = Field(0.02, gt=0.0, le=10.0)
+    defer_after_s: float = Field(0.02, ge=0.005, le=10.0, description=(
+        "At least 5 ms: an idle engine woken for a hint takes it within a few ms; a "
+        "shorter wait answers nearly every hint twice (deferred, then its outcome)."))
     # Snapshots kept for their later pages (router replicas paging at once), bounded by
     # their blocks in all: past it the oldest go first (counted, kvhint:snapshots_dropped),
     # the latest always stays (without it every page would copy the index again).
@@ -148,12 +178,21 @@ class PluginConfig(BaseModel):
             return None
         # Checked here: the transport connects in its own thread, where nats-py refusing
         # the URL ended that thread and left the engine without NATS for good.
+        # Also the one set of credentials, percent-decoded, that the transport sends
+        # (schemas/nats_address.py): a URL whose user info cannot be told apart is refused.
         if problem := nats_url_problem(value):
             raise ValueError(problem)
         if any(is_placeholder_secret(url_secret(server)) for server in nats_servers(value)):
             raise ValueError("its password is still deploy/'s public placeholder "
                              f"({PLACEHOLDER_SECRET_PREFIX}...): replace it (the "
                              "kvhint-nats Secret, KVHINT_NATS_PASSWORD)")
+        return value
+
+    @field_validator("demote_copy_wait_s")
+    @classmethod
+    def _check_demote_copy_wait(cls, value: float) -> float:
+        if 0 < value < 0.01:
+            raise ValueError("use 0 (no wait) or at least 0.01 s (one engine step)")
         return value
 
     @field_validator("subject_prefix")
@@ -164,7 +203,22 @@ class PluginConfig(BaseModel):
 
     @property
     def nats_servers(self) -> list[str]:
+        """The server entries of ``nats_url`` as written (credentials included)."""
         return nats_servers(self.nats_url)
+
+    @property
+    def nats_connection(self) -> NatsConnection:
+        """What the transport connects with: the servers without user info and the
+        decoded credentials (an empty server list without ``nats_url``)."""
+        return nats_connection(self.nats_url) if self.nats_url else NatsConnection(())
+
+    @property
+    def worker_id_defaulted(self) -> bool:
+        """NATS is configured and ``worker_id`` is not: the worker id is the default
+        ``w<data-parallel rank>``, ``w0`` on every single-rank server, so two such servers
+        publish as one worker (the router follows one, refuses the other's messages and
+        raises KvhintWorkerIdConflict). Warned of once at start-up (connector.py)."""
+        return self.nats_url is not None and self.worker_id is None
 
     def resolved_worker_id(self, data_parallel_rank: int, several_ranks: bool = False) -> str:
         """The worker id of data-parallel rank ``data_parallel_rank`` (the global rank).

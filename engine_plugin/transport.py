@@ -195,8 +195,8 @@ class NatsTransport:
                 await nc.close()
 
     async def _connect(self) -> Any:
-        servers = self.config.nats_servers
-        nc = await connect_until_stopped(self._stop, servers, dict(
+        connection = self.config.nats_connection
+        nc = await connect_until_stopped(self._stop, connection, dict(
             name=f"kvhint-plugin-{self.worker_id}", allow_reconnect=True,
             max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2,
             ping_interval=5, max_outstanding_pings=2, error_cb=self._on_error,
@@ -204,7 +204,7 @@ class NatsTransport:
         if nc is not None:
             self.counters.connects += 1
             logger.info("kvhint: connected to NATS %s as worker %s", loggable_nats_url(
-                nc.connected_url.geturl() if nc.connected_url else ",".join(servers)),
+                nc.connected_url.geturl() if nc.connected_url else ",".join(connection.servers)),
                 self.worker_id)
         return nc
 

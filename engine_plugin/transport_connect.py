@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.schemas.nats_address import loggable_nats_url
+from kvhint.schemas.nats_address import NatsConnection, loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -31,14 +30,15 @@ FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 5.0
 
 
-async def connect_until_stopped(stop: asyncio.Event, servers: Sequence[str],
+async def connect_until_stopped(stop: asyncio.Event, connection: NatsConnection,
                                 options: dict[str, Any]) -> Client | None:
-    """A connected client, or None once ``stop`` is set. ``options``: nats-py's connect
-    keyword arguments, but ``servers``."""
+    """A connected client, or None once ``stop`` is set. ``connection``: the servers and
+    credentials (:func:`kvhint.schemas.nats_address.nats_connection`); ``options``:
+    nats-py's other connect keyword arguments."""
     delay = FIRST_BACKOFF_S
     while not stop.is_set():
         nc = Client()
-        error = await _attempt(nc, stop, servers, options)
+        error = await _attempt(nc, stop, connection, options)
         if error is None:
             return nc
         await _close_quietly(nc)
@@ -46,16 +46,21 @@ async def connect_until_stopped(stop: asyncio.Event, servers: Sequence[str],
             break
         if delay == FIRST_BACKOFF_S:
             logger.warning("kvhint: NATS %s unreachable (%s); retrying in the background, "
-                           "the engine runs meanwhile", loggable_nats_url(",".join(servers)), error)
+                           "the engine runs meanwhile",
+                           loggable_nats_url(",".join(connection.servers)), error)
         await wait_or_stop(stop, delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
     return None
 
 
-async def _attempt(nc: Client, stop: asyncio.Event, servers: Sequence[str],
+async def _attempt(nc: Client, stop: asyncio.Event, connection: NatsConnection,
                    options: dict[str, Any]) -> BaseException | str | None:
     """None when ``nc`` connected, else why not."""
-    attempt = asyncio.ensure_future(nc.connect(servers=list(servers), **options))
+    # The credentials go as arguments, the servers without them: nats-py does not
+    # percent-decode a URL's user info (schemas/nats_address.py).
+    attempt = asyncio.ensure_future(nc.connect(
+        servers=list(connection.servers), user=connection.user,
+        password=connection.password, token=connection.token, **options))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({attempt, stopped}, timeout=CONNECT_ATTEMPT_S,

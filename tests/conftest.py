@@ -12,15 +12,23 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO
 
 import pytest
 
-from kvhint.router.devstack.nats_server import NatsServerProcess, free_port, running_nats
+from kvhint.router.devstack.nats_server import (
+    NatsServerProcess,
+    free_port,
+    nats_answers,
+    nats_server_binary,
+    running_nats,
+)
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
 
@@ -96,6 +104,41 @@ def own_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
         yield server
     finally:
         server.close()
+
+
+@dataclass(frozen=True)
+class PasswordNats:
+    """A NATS server that takes only ``user`` with ``password``; ``url`` has no
+    credentials."""
+
+    url: str
+    user: str
+    password: str
+
+
+@pytest.fixture
+def password_nats(tmp_path: Path) -> Iterator[PasswordNats]:
+    """A NATS server (JetStream on) that takes only user kvhint with a password holding
+    every character a URL's user info must percent-encode ('/', '#', '?', '@', '%')."""
+    endpoint = PasswordNats(f"nats://127.0.0.1:{free_port()}", "kvhint", "p/a#s?s@w%rd")
+    config = tmp_path / "nats-auth.conf"
+    config.write_text(  # a quoted string in nats.conf: JSON's quoting
+        f"listen: {endpoint.url.removeprefix('nats://')}\n"
+        f"jetstream {{ store_dir: {json.dumps(str(tmp_path / 'nats-auth-store'))} }}\n"
+        f"authorization {{ user: {endpoint.user}, password: {json.dumps(endpoint.password)} }}\n")
+    log = tmp_path / "nats-auth.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=out,
+                                  stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 15
+        while not nats_answers(endpoint.url, timeout_s=0.5):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from kvhint.schemas import Subjects
-from kvhint.schemas.nats_address import loggable_nats_url, nats_servers
+from kvhint.schemas.nats_address import loggable_nats_url, nats_connection
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,10 @@ def _differences(have: api.StreamConfig, want: api.StreamConfig
 async def remove_streams(url: str, subjects: Subjects) -> None:
     """Delete the router's streams of ``subjects`` (tests and benchmarks make throwaway
     prefixes; a shared NATS would otherwise keep their reserved storage)."""
-    nc = await nats.connect(servers=nats_servers(url), connect_timeout=2)
+    connection = nats_connection(url)
+    nc = await nats.connect(servers=list(connection.servers), user=connection.user,
+                            password=connection.password, token=connection.token,
+                            connect_timeout=2)
     try:
         js = nc.jetstream()
         for name in (subjects.events_stream, outcomes_stream_name(subjects),
@@ -140,8 +143,12 @@ class NatsLink:
         """``on_error(kind)``: a failure that lost no message by itself, ``kind`` one of
         ``metrics.NATS_ERROR_KINDS`` (connect, setup, client). ``on_lost(count)``:
         inbound messages the NATS client discarded (a slow consumer: nats-py reports
-        each). A failed :meth:`publish` is neither: its caller counts what it lost."""
+        each). A failed :meth:`publish` is neither: its caller counts what it lost.
+        Raises ValueError for a ``url`` nats_url_problem refuses (the settings did)."""
         self.url = url
+        # The credentials go to nats-py as arguments, the servers without them: it does
+        # not percent-decode a URL's user info (schemas/nats_address.py).
+        self._connection = nats_connection(url)
         self.subjects = subjects
         self._limits = limits
         self._on_connected: Callable[[], Awaitable[None]] | None = None
@@ -184,10 +191,13 @@ class NatsLink:
         return True
 
     async def _connect_loop(self) -> None:
+        connection = self._connection
         while True:
             try:
                 nc = await nats.connect(
-                    servers=nats_servers(self.url), name="kvhint-router", connect_timeout=2,
+                    servers=list(connection.servers), user=connection.user,
+                    password=connection.password, token=connection.token,
+                    name="kvhint-router", connect_timeout=2,
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=1,
                     error_cb=self._error_cb, disconnected_cb=self._disconnected_cb,
                     reconnected_cb=self._reconnected_cb,

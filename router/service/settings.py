@@ -16,7 +16,13 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -41,6 +47,14 @@ DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+# The floors of the stream settings, the same as the plugin's (engine_plugin/config.py):
+# a history shorter than a minute is gone before a restarted router replays it
+# (nats-server refuses under 100 ms); a stream smaller than 1 MiB (NATS's default
+# payload) drops a large message as soon as it stores it.
+_STREAM_MIN_AGE_S = 60.0
+_STREAM_MIN_BYTES = 1 << 20
 
 
 class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
@@ -189,7 +203,9 @@ class HintSettings(BaseModel, frozen=True, extra="forbid"):
     # 2 s) instead of answering 503 at once. 0: never wait.
     api_heartbeat_wait_s: float = Field(5.0, ge=0, le=60)
     # Planner tick (idle decay, expiries), seconds.
-    tick_s: float = Field(1.0, gt=0)
+    tick_s: float = Field(1.0, ge=0.05, description=(
+        "At least 0.05 s: each tick walks every session in memory on the event loop; "
+        "a tinier one would run it back to back."))
 
 
 class ModelPromptSettings(BaseModel, frozen=True, extra="forbid"):
@@ -238,20 +254,29 @@ class RouterSettings(BaseSettings):
     nats_url: str | None = "nats://127.0.0.1:4222"
     subject_prefix: str = "kvhint"
     # Streams the router creates when missing (JetStream reserves max_bytes on disk).
-    events_stream_max_bytes: int = Field(1 << 30, gt=0)
-    events_stream_max_age_s: float = Field(3600.0, gt=0)
-    outcomes_stream_max_bytes: int = Field(256 << 20, gt=0)
-    outcomes_stream_max_age_s: float = Field(24 * 3600.0, gt=0)
-    releases_stream_max_bytes: int = Field(64 << 20, gt=0)
-    releases_stream_max_age_s: float = Field(24 * 3600.0, gt=0)
+    events_stream_max_bytes: int = Field(1 << 30, ge=_STREAM_MIN_BYTES)
+    events_stream_max_age_s: float = Field(3600.0, ge=_STREAM_MIN_AGE_S)
+    outcomes_stream_max_bytes: int = Field(256 << 20, ge=_STREAM_MIN_BYTES)
+    outcomes_stream_max_age_s: float = Field(24 * 3600.0, ge=_STREAM_MIN_AGE_S)
+    releases_stream_max_bytes: int = Field(64 << 20, ge=_STREAM_MIN_BYTES)
+    releases_stream_max_age_s: float = Field(24 * 3600.0, ge=_STREAM_MIN_AGE_S)
     # Missed heartbeats (times the advertised interval) before the plugin counts as gone.
     heartbeat_misses: int = Field(3, ge=1)
+    # How long the replay of the events stream's history (at the router's start, or its
+    # NATS link set up again) is waited for: meanwhile a worker heard with none of its
+    # batches applied waits for them instead of taking a snapshot. Past it the replay is
+    # taken as over and those workers resync. A full default stream (1 GiB) replays in
+    # ~30 s on 2 cores: raise it with a larger events_stream_max_bytes or a slower host.
+    replay_wait_s: float = Field(60.0, gt=0, le=3600)
 
     database_url: str = "sqlite:///kvhint-router.db"
     migrate_on_start: bool = True
     # A PostgreSQL connection attempt fails after this (a URL's own connect_timeout wins).
     store_connect_timeout_s: float = Field(10.0, gt=0)
-    store_flush_interval_s: float = Field(0.25, gt=0)
+    store_flush_interval_s: float = Field(0.25, ge=0.01, description=(
+        "At least 0.01 s: the writer wakes this often on the event loop to flush "
+        "(a transaction, in a thread); a tinier one wakes it back to back and writes "
+        "a session's row at nearly every turn instead of once per interval."))
     store_queue_max: int = Field(100_000, gt=0)
     # History older than this is deleted from the store, hourly: answered hint actions,
     # sessions idle that long, workers learned from heartbeats not heard that long
@@ -306,7 +331,9 @@ class RouterSettings(BaseSettings):
     # closes fails before any answer, and the worker was counted down for it.
     upstream_keepalive_s: float = Field(4.0, gt=0)
     # Worker HTTP health probe period (s) for workers marked down.
-    health_probe_s: float = Field(2.0, gt=0)
+    health_probe_s: float = Field(2.0, ge=0.05, description=(
+        "At least 0.05 s: a down worker is probed this often; a tinier period sends "
+        "probes back to back."))
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     # The client-facing HTTP server (h11: httptools bounds no header's size). A request
     # line plus headers over this many bytes is refused and its connection closed.

@@ -55,6 +55,9 @@ def test_a_nats_url_reaches_logs_without_its_credentials() -> None:
     shown = loggable_nats_url(url)
     assert shown == "nats://***@nats-a:4222,tls://***@[::1]:4223,nats://plain:4222"
     assert "s3cret" not in shown and "t0ken" not in shown
-    # A part that does not parse is hidden whole: it may be a secret.
-    assert loggable_nats_url("nats://u:p@h:99999") == "***"
+    # Everything up to a part's last '@' is hidden, whether the part parses or not: an
+    # unencoded '/', '#' or '?' ends the host part early, and a parse of
+    # "nats://u:p/w@h" sees no user info. Before, such a part was shown whole.
+    assert loggable_nats_url("nats://u:p@h:99999") == "nats://***@h:99999"
+    assert loggable_nats_url("nats://u:p/a#s?s@w%rd@h:4222") == "nats://***@h:4222"
     assert loggable_nats_url(None) == "" and nats_servers("") == []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import httpx
 import nats
@@ -13,7 +15,7 @@ import pytest
 
 from conftest import router_settings, running_router, sample, scrape
 from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
-from kvhint.router.service.nats_link import NatsLink
+from kvhint.router.service.nats_link import NatsLink, remove_streams
 from kvhint.schemas import Subjects
 
 LOGGER = "kvhint.router.service.nats_link"
@@ -136,6 +138,35 @@ async def test_a_nats_url_with_credentials_reaches_no_log_line(
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "NATS connected: nats://***@127.0.0.1" in logged
     assert "n4ts-pw" not in logged
+
+
+async def test_a_percent_encoded_password_reaches_nats_decoded_and_no_log_line(
+        password_nats: Any, subject_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A password holding '/', '#', '?', '@' and '%' could not be used: nats-py does not
+    percent-decode a URL's user info, so the encoded one reached NATS encoded (refused
+    at every attempt, the router without NATS). Now the link passes the decoded user and
+    password to nats-py, the servers without them (schemas/nats_address.py)."""
+    caplog.set_level(logging.INFO, logger="kvhint.router")
+    encoded = quote(password_nats.password, safe="")
+    url = password_nats.url.replace("nats://", f"nats://{password_nats.user}:{encoded}@")
+    errors: list[str] = []
+    link = await _connected_link(url, errors)
+    received: asyncio.Queue[Any] = asyncio.Queue()
+    try:
+        subject = f"{subject_prefix}.ping"
+        await link.subscribe(subject, received.put)
+        await link._nc.flush()
+        assert await link.publish(subject, b"ping")
+        assert (await asyncio.wait_for(received.get(), 5)).data == b"ping"
+        assert errors == []
+        await link.ensure_streams()
+        await remove_streams(url, Subjects("kvhinttest.link"))  # connects the same way
+    finally:
+        await link.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"NATS connected: nats://***@{password_nats.url.removeprefix('nats://')}" in logged
+    for secret in (encoded, password_nats.password, "w%rd", "w%25rd"):
+        assert secret not in logged
 
 
 async def test_an_unexpected_connect_error_is_counted_and_retried(

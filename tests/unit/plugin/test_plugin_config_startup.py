@@ -92,3 +92,57 @@ def test_the_deploy_files_placeholder_nats_password_is_refused(
             load_plugin_config(extra)
         assert "change-me-nats" not in str(refused.value).lower().replace("change-me...", "")
     assert load_plugin_config({"nats_url": "nats://kvhint:s3cret@nats:4222"}).nats_url
+
+
+# Each time or size just under its floor (the field's description says why), and at it.
+FLOORS = {
+    "max_pin_ttl_s": (0.5, 1.0),
+    "max_retain_ttl_s": (0.5, 1.0),
+    "demote_copy_wait_s": (0.005, 0.01),
+    "heartbeat_interval_s": (1e-9, 0.1),
+    "defer_after_s": (0.001, 0.005),
+    "events_stream_max_age_s": (0.05, 60.0),
+    "events_stream_max_bytes": (64 << 10, 1 << 20),
+    "event_buffer_bytes": ((1 << 20) - 1, 1 << 20),
+}
+
+
+@pytest.mark.parametrize("key", sorted(FLOORS))
+def test_a_time_or_size_under_its_floor_is_refused_naming_the_key(key: str) -> None:
+    """Before, any positive value passed: a heartbeat_interval_s of 1e-9 published a
+    heartbeat at every round of the publisher (every 10 ms), an events stream of 64 KiB
+    dropped a large batch as soon as it stored it, and one kept 50 ms nats-server refuses
+    to create."""
+    under, floor = FLOORS[key]
+    says = refusal({key: under})
+    assert f"kv_connector_extra_config[{key!r}]" in says
+    assert getattr(load_plugin_config({key: floor}), key) == floor
+
+
+def test_no_demote_wait_is_still_allowed() -> None:
+    assert load_plugin_config({"demote_copy_wait_s": 0}).demote_copy_wait_s == 0
+
+
+@pytest.mark.parametrize("key", ["donor_retain", "create_events_stream", "wake_idle_engine"])
+@pytest.mark.parametrize("value", ["yes", "false", "off", 1, 0])
+def test_a_switch_takes_only_json_true_or_false(key: str, value: object) -> None:
+    """Before, pydantic's lax mode read "yes" and 1 as true and "off" and 0 as false."""
+    says = refusal({key: value})
+    assert f"kv_connector_extra_config[{key!r}]" in says and "boolean" in says
+    assert getattr(load_plugin_config({key: False}), key) is False
+
+
+def test_a_percent_encoded_password_in_the_environment_is_decoded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's transport connects with the decoded user and password and servers
+    without user info (nats-py never decodes a URL's; the real server takes it:
+    tests/integration/plugin/test_plugin_nats_credentials.py)."""
+    monkeypatch.setenv("KVHINT_TEST_NATS", "nats://kvhint:p%2Fa%23s%3Fs%40w%25rd@nats:4222")
+    connection = load_plugin_config({"nats_url_env": "KVHINT_TEST_NATS"}).nats_connection
+    assert connection.servers == ("nats://nats:4222",)
+    assert (connection.user, connection.password) == ("kvhint", "p/a#s?s@w%rd")
+    monkeypatch.setenv("KVHINT_TEST_NATS", "nats://kvhint:p/a#s?s@w%rd@nats:4222")
+    says = refusal({"nats_url_env": "KVHINT_TEST_NATS"})
+    assert "server 1 of 1 ('nats://***@nats:4222')" in says and "percent-encode" in says
+    assert "p/a" not in says and "w%rd" not in says
+    assert load_plugin_config({}).nats_connection.servers == ()

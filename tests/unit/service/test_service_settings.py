@@ -218,7 +218,9 @@ def test_check_config_shows_no_credentials_of_the_nats_and_store_urls(
 
 
 @pytest.mark.parametrize("url", ["nats://u:s3cret@h:notaport", "nats://u:s3cret@:4222",
-                                 "nats://h:99999", "nats://a:4222,ws://b:80", "http://h:4222"])
+                                 "nats://h:99999", "nats://a:4222,ws://b:80", "http://h:4222",
+                                 # '/', '#' or '?' ends the host part: percent-encode them
+                                 "nats://u:s3cret/x@h:4222", "nats://u:s3cret#x@h:4222"])
 def test_a_nats_url_nats_cannot_connect_to_is_refused_at_start(url: str) -> None:
     """nats-py refuses such a URL with ValueError or AssertionError, which the NATS link's
     connect loop did not catch: the loop ended and the router served on without NATS (no
@@ -230,3 +232,30 @@ def test_a_nats_url_nats_cannot_connect_to_is_refused_at_start(url: str) -> None
         RouterSettings(nats_url=url)
     assert "s3cret" not in str(refused.value).split("input_value")[0]
     assert RouterSettings(nats_url="tls://u:pw@h:4222, nats://[::1]:4222").nats_url
+    assert RouterSettings(nats_url="nats://u:s3c%2Fr%23et@h:4222").nats_url
+
+
+@pytest.mark.parametrize(("key", "env", "under", "floor"), [
+    ("hints.tick_s", "HINTS__TICK_S", "1e-9", "0.05"),
+    ("health_probe_s", "HEALTH_PROBE_S", "1e-9", "0.05"),
+    ("store_flush_interval_s", "STORE_FLUSH_INTERVAL_S", "0.001", "0.01"),
+    ("events_stream_max_age_s", "EVENTS_STREAM_MAX_AGE_S", "0.05", "60"),
+    ("outcomes_stream_max_age_s", "OUTCOMES_STREAM_MAX_AGE_S", "1", "60"),
+    ("releases_stream_max_age_s", "RELEASES_STREAM_MAX_AGE_S", "1", "60"),
+    ("events_stream_max_bytes", "EVENTS_STREAM_MAX_BYTES", str(64 << 10), str(1 << 20)),
+    ("outcomes_stream_max_bytes", "OUTCOMES_STREAM_MAX_BYTES", "1", str(1 << 20)),
+    ("releases_stream_max_bytes", "RELEASES_STREAM_MAX_BYTES", "1", str(1 << 20)),
+])
+def test_a_period_or_stream_bound_under_its_floor_is_refused_naming_it(
+        key: str, env: str, under: str, floor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, any positive value passed: a tick_s of 1e-9 ran the planner's walk of every
+    session back to back on the event loop; a stream kept 50 ms is one nats-server
+    refuses to create (the plugin's own floors are the same: engine_plugin/config.py)."""
+    monkeypatch.setenv(f"KVHINT_ROUTER_{env}", under)
+    with pytest.raises(ValidationError) as refused:
+        RouterSettings()
+    assert key in str(refused.value)
+    monkeypatch.setenv(f"KVHINT_ROUTER_{env}", floor)
+    settings = RouterSettings()
+    owner, _, name = key.rpartition(".")
+    assert getattr(getattr(settings, owner) if owner else settings, name) == float(floor)
