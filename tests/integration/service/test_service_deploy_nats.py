@@ -65,7 +65,8 @@ def _k8s_nats(password: str) -> tuple[list[str], dict[str, str], dict[str, str]]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     files = {}
     for volume in pod.get("volumes", []):
-        if "configMap" in volume:
+        # The init container's check script is no file of NATS's.
+        if "configMap" in volume and volume["name"] in mounts:
             data = named["ConfigMap", volume["configMap"]["name"]]["data"]
             files.update({f"{mounts[volume['name']]}/{key}": text for key, text in data.items()})
     args = [_K8S_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg)

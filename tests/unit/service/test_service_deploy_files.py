@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy_manifests import DEPLOY, interpolated, k8s_config_map, k8s_container, k8s_docs, \
+    k8s_env, k8s_expanded, k8s_secrets, k8s_workload
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
 from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.settings import RouterSettings
 
-DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")
 # The plugin's metrics appear on vLLM's /metrics under vLLM-style names (kvhint:...).
 _PLUGIN_METRIC = re.compile(r"\bkvhint:[a-z_]+")
@@ -118,7 +119,7 @@ def _k8s_router_as_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> P
     config = tmp_path / "router.yaml"
     config.write_text(config_map["data"]["router.yaml"])
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    for name, value in _k8s_env(container, _k8s_secrets()).items():
+    for name, value in k8s_env(container, k8s_secrets()).items():
         monkeypatch.setenv(name, value)
     return config
 
@@ -176,7 +177,10 @@ _INGEST_THROUGHPUT = {
     "index_repeat_stores", "index_repeat_removes",
     # Heartbeats that waited for their worker's replayed history instead of a snapshot,
     # and how those waits ended: bookkeeping (a resync that follows is counted as one).
-    "stream_resyncs_deferred", "stream_resyncs_avoided", "stream_replay_waits_expired"}
+    "stream_resyncs_deferred", "stream_resyncs_avoided", "stream_replay_waits_expired",
+    # Conflicts found over a worker's id: each has its alert (KvhintWorkerIdConflict);
+    # what they make the router refuse is a loss (stream_other_source_dropped).
+    "stream_id_conflicts"}
 
 
 def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
@@ -229,7 +233,7 @@ def test_compose_keeps_nats_and_postgres_private_and_publishes_on_loopback(
     assert on[store] == {"postgres", "router"}
     published = {name: service["ports"] for name, service in services.items()
                  if "ports" in service}
-    assert set(published) == {"router", "prometheus", "grafana"}
+    assert set(published) == {"router", "prometheus", "alertmanager", "grafana"}
     for name, ports in published.items():
         for port in ports:
             assert _host_ip(str(port)) == "127.0.0.1", (name, port)
@@ -262,7 +266,7 @@ def test_kubernetes_admits_only_labelled_pods_to_the_nats_monitor_port() -> None
     and ports, and 8222 admits only this namespace's pods labelled
     kvhint.io/nats-monitor: "true" (Prometheus scrapes no NATS; the readiness probe
     comes from the node, which a NetworkPolicy always admits)."""
-    (policy,) = [doc for doc in _k8s_docs() if doc["kind"] == "NetworkPolicy"
+    (policy,) = [doc for doc in k8s_docs() if doc["kind"] == "NetworkPolicy"
                  and doc["metadata"]["name"] == "kvhint-nats"]
     rules = policy["spec"]["ingress"]
     for rule in rules:  # a rule without peers or ports admits every pod or every port
@@ -273,20 +277,8 @@ def test_kubernetes_admits_only_labelled_pods_to_the_nats_monitor_port() -> None
     assert [rule["from"] for rule in monitor] == [
         [{"podSelector": {"matchLabels": {"kvhint.io/nats-monitor": "true"}}}]]
     assert [p["port"] for p in monitor[0]["ports"]] == [8222]
-    probe = _k8s_container("kvhint-nats")["readinessProbe"]["httpGet"]
+    probe = k8s_container("kvhint-nats")["readinessProbe"]["httpGet"]
     assert probe == {"path": "/healthz", "port": "monitor"}  # from the node: admitted
-
-
-def _interpolated(text: str, env: dict[str, str]) -> str:
-    """``text`` with compose's ``${VAR}``, ``${VAR:-default}`` and ``${VAR:?error}`` filled
-    from ``env`` (a ``:-`` default where ``env`` lacks the variable)."""
-    def value(match: re.Match[str]) -> str:
-        name, form, rest = match.group(1), match.group(2), match.group(3)
-        if env.get(name):
-            return env[name]
-        assert form == ":-", f"compose needs {name} set"
-        return rest
-    return re.sub(r"\$\{([A-Z_]+)(?:(:[-?])([^}]*))?\}", value, text)
 
 
 def _kv_transfer_configs(service: dict) -> list[dict]:
@@ -312,7 +304,7 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
     for use in uses:
         assert use.startswith("${KVHINT_NATS_PASSWORD:?") and "deploy/.env.example" in use
     with pytest.raises(AssertionError, match="needs KVHINT_NATS_PASSWORD"):
-        _interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": ""})
+        interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": ""})
     example = (DEPLOY / ".env.example").read_text()
     # No secret ships with a value (it held change-me-admin, a public admin key).
     for secret in ("KVHINT_NATS_PASSWORD", "KVHINT_ADMIN_KEY"):
@@ -347,7 +339,7 @@ def test_compose_nats_reads_its_password_from_its_environment_not_its_command_li
 
     password = "pw-from-env_1.x"
     env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
-    services = yaml.safe_load(_interpolated((DEPLOY / "compose.yaml").read_text(), env))[
+    services = yaml.safe_load(interpolated((DEPLOY / "compose.yaml").read_text(), env))[
         "services"]
     nats = services["nats"]
     assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
@@ -374,66 +366,6 @@ def test_compose_nats_reads_its_password_from_its_environment_not_its_command_li
     assert RouterSettings(config_file=DEPLOY / "router.yaml").nats_url == url
 
 
-# --- Kubernetes: the environment a container gets, as the kubelet builds it -----------
-
-_K8S_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def _k8s_expanded(text: str, env: dict[str, str]) -> str:
-    """``text`` with Kubernetes' ``$(VAR)`` references filled from ``env`` (one it lacks
-    is left as written; ``$$`` is a ``$``), as in env values, command and args."""
-    def value(match: re.Match[str]) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        return env.get(match.group(1), match.group(0))
-    return _K8S_REFERENCE.sub(value, text)
-
-
-def _k8s_docs() -> list[dict]:
-    return [doc for path in sorted((DEPLOY / "kubernetes").glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def _k8s_secrets() -> dict[str, dict[str, str]]:
-    """Every shipped Secret's values, by the Secret's name."""
-    return {doc["metadata"]["name"]: dict(doc["stringData"])
-            for doc in _k8s_docs() if doc["kind"] == "Secret"}
-
-
-def _k8s_workload(name: str) -> dict:
-    return next(doc for doc in _k8s_docs() if doc["kind"] in (
-        "Deployment", "StatefulSet") and doc["metadata"]["name"] == name)
-
-
-def _k8s_container(workload: str) -> dict:
-    (container,) = _k8s_workload(workload)["spec"]["template"]["spec"]["containers"]
-    return container
-
-
-def _k8s_config_map(name: str) -> dict:
-    return next(doc for doc in _k8s_docs()
-                if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == name)
-
-
-def _k8s_env(container: dict, secrets: dict[str, dict[str, str]],
-             pod_name: str = "pod-0") -> dict[str, str]:
-    """The container's environment: values from Secrets (``secretKeyRef``: a missing
-    Secret or key fails, as the pod would not start), the pod's name (``fieldRef``), and
-    plain values with ``$(VAR)`` of the variables listed before them."""
-    env: dict[str, str] = {}
-    for variable in container.get("env", []):
-        source = variable.get("valueFrom", {})
-        if "secretKeyRef" in source:
-            ref = source["secretKeyRef"]
-            env[variable["name"]] = secrets[ref["name"]][ref["key"]]
-        elif "fieldRef" in source:
-            assert source["fieldRef"]["fieldPath"] == "metadata.name", variable
-            env[variable["name"]] = pod_name
-        else:
-            env[variable["name"]] = _k8s_expanded(variable["value"], env)
-    return env
-
-
 def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[str]:
     """The arguments the worker's shell script starts ``vllm`` with: the script run by
     /bin/sh with the container's environment, ``vllm`` a stand-in that prints them (the
@@ -441,7 +373,7 @@ def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[s
     stub = tmp_path / "vllm"
     stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     stub.chmod(0o755)
-    command = [_k8s_expanded(part, env) for part in container["command"] + container["args"]]
+    command = [k8s_expanded(part, env) for part in container["command"] + container["args"]]
     done = subprocess.run(command, env={**env, "PATH": f"{tmp_path}{os.pathsep}/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=30, check=True)
     return json.loads(done.stdout)
@@ -461,7 +393,7 @@ def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
     written nowhere in the manifests but the Secret."""
     from kvhint.engine_plugin.config import load_plugin_config
 
-    secrets = _k8s_secrets()
+    secrets = k8s_secrets()
     shipped = secrets["kvhint-nats"]["password"]
     assert shipped == "change-me-nats"
     manifests = "".join(p.read_text() for p in (DEPLOY / "kubernetes").glob("*.yaml"))
@@ -474,28 +406,28 @@ def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
 
     # NATS: `-c` and the ConfigMap's nats.conf only on its command line (ps shows it),
     # the password from the Secret in its environment, in double quotes (nats.conf).
-    nats = _k8s_container("kvhint-nats")
-    nats_env = _k8s_env(nats, secrets)
-    args = [_k8s_expanded(arg, nats_env) for arg in nats.get("command", []) + nats["args"]]
+    nats = k8s_container("kvhint-nats")
+    nats_env = k8s_env(nats, secrets)
+    args = [k8s_expanded(arg, nats_env) for arg in nats.get("command", []) + nats["args"]]
     assert args == ["-c", "/etc/nats/nats.conf"]
     assert nats_env["NATS_PASSWORD_QUOTED"] == f'"{secret}"'
-    (volume,) = [v for v in _k8s_workload("kvhint-nats")["spec"]["template"]["spec"][
+    (volume,) = [v for v in k8s_workload("kvhint-nats")["spec"]["template"]["spec"][
         "volumes"] if v.get("configMap", {}).get("name") == "kvhint-nats"]
     assert {"name": volume["name"], "mountPath": "/etc/nats", "readOnly": True} in nats[
         "volumeMounts"]
-    assert "nats.conf" in _k8s_config_map("kvhint-nats")["data"]
+    assert "nats.conf" in k8s_config_map("kvhint-nats")["data"]
 
-    router = _k8s_docs()
+    router = k8s_docs()
     config_map = next(doc for doc in router if doc["kind"] == "ConfigMap"
                       and doc["metadata"]["name"] == "kvhint-router")
     config = tmp_path / "router.yaml"
     config.write_text(config_map["data"]["router.yaml"])
-    for name, value in _k8s_env(_k8s_container("kvhint-router"), secrets).items():
+    for name, value in k8s_env(k8s_container("kvhint-router"), secrets).items():
         monkeypatch.setenv(name, value)
     assert RouterSettings(config_file=config).nats_url == url
 
-    worker = _k8s_container("vllm-worker")
-    env = _k8s_env(worker, secrets, pod_name="vllm-worker-1") | {"MODEL": "m"}
+    worker = k8s_container("vllm-worker")
+    env = k8s_env(worker, secrets, pod_name="vllm-worker-1") | {"MODEL": "m"}
     argv = _worker_argv(worker, env, tmp_path)
     (config_arg,) = [argv[i + 1] for i, arg in enumerate(argv)
                      if arg == "--kv-transfer-config"]

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from drop_reasons import emitted_drop_reasons
 from promql_lint import Catalog, Linter, Metric, Selector, legend_labels, parse, \
     template_labels, value_set
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -69,39 +70,6 @@ def _label_literals(attribute: str, position: int) -> set[str] | None:
     return values
 
 
-def _drop_names() -> Callable[[str], bool]:
-    """``drops_total{what}``: the literals the router's drop calls pass, and the fixed
-    openings of the f-strings they pass (``prompt_hashing:<error>``). A drop named by a
-    variable takes a value written as a literal elsewhere (usage_lost's, the trace
-    recorder's reasons): for those, any string literal in the router's code."""
-    def match(call: ast.Call) -> bool:
-        f = call.func
-        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-        return name in ("drop", "_drop", "on_drop", "_on_drop") and bool(call.args)
-    literals, prefixes, computed = set(), set(), False
-    for call in _router_source_calls(match):
-        arg = call.args[0]
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            literals.add(arg.value)
-        elif isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
-            prefixes.add(arg.values[0].value)
-        else:
-            computed = True
-    if computed:
-        literals |= {node.value for path in (REPO / "router").rglob("*.py")
-                     for node in ast.walk(ast.parse(path.read_text()))
-                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                     and re.fullmatch(r"[a-z][a-z0-9_:]*", node.value)}
-    known = value_set(literals)
-    # A regex matcher is tried against these: one value per f-string opening stands for all.
-    known.values += [f"{prefix}x" for prefix in sorted(prefixes)]  # type: ignore[attr-defined]
-
-    def drop_name(value: str) -> bool:
-        return value in literals or any(value.startswith(p) for p in prefixes)
-    drop_name.values = known.values  # type: ignore[attr-defined]
-    return drop_name
-
-
 def _router_domains() -> dict[str, dict[str, Callable[[str], bool]]]:
     """Series name -> label -> the values it can take, where code bounds them."""
     from kvhint.router.kv_index.ingest import KvEventIngestor
@@ -123,7 +91,7 @@ def _router_domains() -> dict[str, dict[str, Callable[[str], bool]]]:
             "reason": value_set(r.value for r in ReleaseReason)},
         "resyncs_total": {"result": _label_literals("resyncs", 2)},
         "health_probes_total": {"outcome": router_metrics.HEALTH_PROBE_OUTCOMES},
-        "drops_total": {"what": _drop_names()},
+        "drops_total": {"what": emitted_drop_reasons()},
         "nats_errors_total": {"kind": router_metrics.NATS_ERROR_KINDS},
         "hint_api_rejections_total": {"reason": router_metrics.HINT_API_REJECTIONS},
         "session_end_rejections_total": {"reason": router_metrics.SESSION_END_REJECTIONS},
@@ -155,7 +123,7 @@ def router_catalog() -> dict[str, Metric]:
     metrics.bind_state(lambda: StateSample(
         index_blocks_by_worker_tier={("w", "gpu"): 1}, sessions_by_state={"s": 1},
         workers_up={"w": (True, False)}, worker_inflight={"w": 1},
-        completion_read_probability={"t": 0.5}, ingest={"x": 1}))
+        completion_read_probability={"t": 0.5}, ingest={"x": 1}, worker_id_conflicts=("w",)))
     # The declared metrics' label names: prometheus_client keeps them in _labelnames
     # (a labelled family shows no sample until used, so collect() cannot say).
     declared = {family.name: frozenset(wrapper._labelnames)
@@ -343,6 +311,66 @@ def test_frequent_resyncs_counts_snapshots_taken_not_pages_asked() -> None:
     assert set(tree.lhs.labels) == {"instance", "worker"}
 
 
+# Every drops_total{what} the router's code can count (drop_reasons), classified. Losses
+# (KvhintDrops fires): something was lost (hints, outcomes, releases, store rows, usage,
+# learnt statistics, inbound messages), bytes could not be read, a queue was full, an
+# error was caught, a setting or a peer is wrong, or an admin key went into a URL.
+_DROP_LOSSES = {
+    "internal_error", "periodic_job_error", "nats_slow_consumer", "jetstream_unavailable",
+    "stream_setting_not_applied", "hint_unsent", "outcome_malformed",
+    "outcome_unknown_status", "releases_malformed", "release_unreadable",
+    "snapshot_wrong_worker", "learned_stats_unknown_tenant", "learned_stats_unreadable",
+    "store_write", "store_row_rejected", "store_read_error", "store_read_error:permanent",
+    "response_unparsable", "response_usage_missing", "dashboard_key_in_query",
+    "prompt_hashing:tenant_queue_full", "prompt_hashing:internal_error",
+    "prompt_hashing:HashingError", "prompt_hashing:UnsupportedHashConfig",
+    "prompt_hashing:UnknownModel", "trace_block_size", "trace_write_error"}
+# Normal under load or by design (on the Drops panel, no alert).
+_DROP_EXPECTED = {
+    # Bounded memory and disk letting go, as designed.
+    "session_evicted_from_memory", "trace_session_evicted", "trace_rotated_out",
+    # JetStream delivers at least once: a repeat of an answered outcome.
+    "outcome_duplicate",
+    # A worker's address changed under a request: the old address is left alone.
+    "worker_left_address:failure", "worker_left_address:timeout",
+    # Prompts routed without hashes by design: over routing.max_prompt_tokens, ones whose
+    # tokens cannot be reproduced (images, LoRA...), bodies vLLM answers 400 too.
+    "prompt_hashing:over_max_length", "prompt_hashing:UnsupportedPrompt",
+    "prompt_hashing:PromptRenderError",
+    # n > 1: the cached tokens are a sibling's, not compared with the prediction.
+    "cached_prediction_unchecked:parallel_sampling",
+    # Requests the trace does not record: failed (counted by code), not hashed exactly
+    # (counted under prompt_hashing), unfinished past 30 min, in flight at shutdown.
+    "trace_failed", "trace_unhashed", "trace_stalled", "trace_unfinished"}
+
+
+def _selected(selector: Selector, series: dict[str, str]) -> bool:
+    """Whether ``selector``'s matchers select a series with labels ``series``."""
+    def one(op: str, value: str, actual: str) -> bool:
+        hit = re.fullmatch(value, actual) is not None if "~" in op else value == actual
+        return hit if op in ("=", "=~") else not hit
+    return all(one(op, value, series.get(label, "")) for label, op, value in selector.matchers)
+
+
+def test_kvhint_drops_fires_on_losses_only_and_every_drop_is_classified() -> None:
+    """KvhintDrops fired on every drop, the ones normal load makes too (a session evicted
+    from memory past the bound, a rotated trace file, a repeated outcome...). Its
+    matchers now let through exactly the losses; and every ``what`` the code can count
+    is classified here, so a new one must be before this passes. A ``what`` unknown to
+    these files (a newer router's) still fires."""
+    emitted = emitted_drop_reasons()
+    assert not _DROP_LOSSES & _DROP_EXPECTED
+    assert emitted == _DROP_LOSSES | _DROP_EXPECTED, (
+        f"unclassified: {sorted(emitted - _DROP_LOSSES - _DROP_EXPECTED)}; "
+        f"no longer counted: {sorted((_DROP_LOSSES | _DROP_EXPECTED) - emitted)}")
+    (drops,) = [s for s in _selectors(parse(_rule("KvhintDrops")["expr"]))
+                if s.name == "kvhint_router_drops_total"]
+    fired = {what for what in emitted if _selected(drops, {"what": what})}
+    assert fired == _DROP_LOSSES, (f"losses left out: {sorted(_DROP_LOSSES - fired)}; "
+                                   f"expected ones in: {sorted(fired - _DROP_LOSSES)}")
+    assert _selected(drops, {"what": "a_newer_routers_drop"})
+
+
 def test_the_workers_up_stat_counts_each_worker_once_across_router_replicas() -> None:
     """Every router replica reports every worker: the stat summed
     kvhint_router_worker_up over replicas, so the Kubernetes deployment's two routers
@@ -371,6 +399,9 @@ def test_prometheus_loads_the_rules_compose_mounts() -> None:
     ('rate(kvhint_router_nats_errors_total{kind="conect"}[5m])', "never takes 'conect'"),
     ('rate(kvhint_router_nats_errors_total{kind=~"connect|slow"}[5m])', "'slow' matches no"),
     ('rate(kvhint_router_drops_total{what="no_such_drop_anywhere"}[5m])', "never takes"),
+    # Exact: an f-string drop's values are resolved (drop_reasons), not any suffix.
+    ('rate(kvhint_router_drops_total{what!="prompt_hashing:Unsupported"}[5m])',
+     "never takes"),
     ("rate(kvhint_router_store_queue[5m])", "is a gauge"),
     ("kvhint_router_drops_total > 5", "raw value"),
     ("histogram_quantile(0.9, sum(rate(kvhint_router_event_lag_seconds_bucket[5m])))",
