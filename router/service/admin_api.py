@@ -1,5 +1,6 @@
 """Admin API (``/admin/...``): sessions, workers, hints. Needs an admin key (a tenant
-admin sees its own tenant only); open in dev mode.
+admin sees its own tenant only); open in dev mode. A call that changes state refuses what
+a page on another site can make a browser send (:mod:`.cross_site`).
 
 Reads come from memory (sessions, workers, the index) and from the store (hint history,
 sessions no longer in memory); the writer is flushed first so a read sees every write
@@ -9,6 +10,7 @@ made before it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import time
 from collections.abc import Iterable
@@ -18,6 +20,7 @@ import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
+from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord, SessionState
@@ -53,6 +56,17 @@ def admin_principal(request: Request) -> Principal:
         return runtime.directory.admin(key)
     except AuthError as exc:
         raise HTTPException(exc.status, exc.message) from exc
+
+
+def _refuse_cross_site(request: Request,
+                       _principal: Principal = Depends(admin_principal)) -> None:
+    """Every admin call but a GET or HEAD (the state-changing ones, those to come too):
+    403 for what a page on another site can make a browser send (:mod:`.cross_site`),
+    checked after the key, so a call without one is still a 401."""
+    message = cross_site_refusal(request.method, request.headers,
+                                 request.app.state.runtime.metrics, "admin")
+    if message is not None:
+        raise HTTPException(403, message)
 
 
 def _scope(principal: Principal, tenant: str | None) -> str | None:
@@ -114,10 +128,19 @@ def resident_blocks(runtime: RouterRuntime, record: SessionRecord) -> dict[str, 
 
 def worker_view(runtime: RouterRuntime, worker_id: str,
                 principal: Principal | None = None) -> dict[str, Any]:
-    """A worker's state. For a tenant admin (``principal`` of one tenant), its health and
-    capabilities without what every tenant's traffic makes of it: requests and in flight,
-    the heartbeat's usage, the blocks indexed and held by hints, the event stream's
-    position and counters (null)."""
+    """A worker's state. A worker serves every tenant, so a tenant admin (``principal`` of
+    one tenant) sees only what carries no other tenant's traffic (None for the rest):
+
+    - shown: its id, address and whether it came from the config (fleet configuration);
+      ``http_up``, ``plugin_alive``, ``epoch`` and the event stream's phase and epoch
+      (liveness); its heartbeat ``status`` less what traffic makes of it (model, block
+      size, hash, supported actions and budgets: capabilities and capacity).
+    - null: ``requests``, ``inflight``, the heartbeat's ``usage`` and ``last_event_seq``,
+      ``index_blocks``, the stream's ``applied_seq`` and ``counters``, ``held_by_hints``
+      (every tenant's requests, cached blocks and holds, counted); ``http_failures`` and
+      ``last_http_error`` (the failures of other tenants' requests, and their error
+      text); ``feedback`` (what every tenant's hint outcomes taught the planner, the
+      workers' rejection reasons with them). None of these is kept per tenant."""
     worker = runtime.workers.get(worker_id)
     if worker is None:
         raise HTTPException(404, f"unknown worker {worker_id!r}")
@@ -127,8 +150,10 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
     fleet = principal is None or principal.tenant is None
     return {
         "worker_id": worker.worker_id, "url": worker.url, "from_config": worker.from_config,
-        "http_up": worker.http_up, "http_failures": worker.http_failures,
-        "last_http_error": worker.last_http_error, "plugin_alive": worker.plugin_alive,
+        "http_up": worker.http_up,
+        "http_failures": worker.http_failures if fleet else None,
+        "last_http_error": worker.last_http_error if fleet else None,
+        "plugin_alive": worker.plugin_alive,
         "epoch": worker.epoch, "inflight": worker.inflight if fleet else None,
         "requests": worker.requests if fleet else None,
         "status": _status_view(worker, fleet),
@@ -137,9 +162,14 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
                     "applied_seq": stream.applied_seq if fleet else None,
                     "counters": dict(stream.counters) if fleet else None}
                    if stream is not None else None),
+        # Two engines heartbeat under this id (kv_index/stream_sources.py): the one not
+        # followed. None: no conflict held. Shown to a tenant admin too: an address and
+        # an epoch, fleet configuration, no tenant's traffic.
+        "conflict": (dataclasses.asdict(stream.conflict)
+                     if stream is not None and stream.conflict is not None else None),
         "held_by_hints": ({"pinned_blocks": held.pinned_blocks,
                            "retained_blocks": held.retained_blocks} if fleet else None),
-        "feedback": feedback.to_dict() if feedback is not None else None,
+        "feedback": feedback.to_dict() if fleet and feedback is not None else None,
     }
 
 
@@ -166,8 +196,9 @@ def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:
     if worker.status is None:
         return None
     status = msgspec.to_builtins(worker.status)
-    if not fleet:
+    if not fleet:  # every tenant's traffic: its KV use and holds, its events' count
         status["usage"] = None
+        status["last_event_seq"] = None
     return status
 
 
@@ -179,7 +210,8 @@ def _private_answer(response: Response) -> None:
 
 
 def build_admin_router() -> APIRouter:
-    router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(_private_answer)])
+    router = APIRouter(prefix="/admin", tags=["admin"],
+                       dependencies=[Depends(_private_answer), Depends(_refuse_cross_site)])
 
     @router.get("/sessions")
     async def list_sessions(request: Request, tenant: str | None = _query_name(),

@@ -81,13 +81,15 @@ async def test_the_page_takes_the_key_from_its_fragment_and_sends_it_in_a_header
         ignored = await run_page(tmp_path, page.text, router.url, "?key=root", "")
     [call] = shown["fetched"]
     assert call["path"] == "/admin/overview"  # no key in the URL it asks
-    assert call["options"]["headers"] == {"Authorization": "Bearer root"}
+    assert call["options"]["headers"] == {"Authorization": "Bearer root",
+                                          "X-Kvhint-Request": "dashboard"}
     assert shown["err"] == ""  # the real router's overview loaded with that key
     assert shown["session"] == {"kvhintKey": "root"}
     assert shown["local"] == {}  # what older pages kept there for good is gone
     assert shown["replaced"] == ["/dashboard"]  # out of the address bar and history
     [call] = ignored["fetched"]
-    assert call["options"]["headers"] == {} and ignored["session"] == {}
+    assert call["options"]["headers"] == {"X-Kvhint-Request": "dashboard"}
+    assert ignored["session"] == {}
     assert "401" in ignored["err"] and "/dashboard#key=ADMIN_KEY" in ignored["err"]
 
 
