@@ -250,6 +250,12 @@ class HoldingsLedger:
         """The workers with a live holding of ``scope``, sorted."""
         return sorted(self._workers_of_scope.get(scope, ()))
 
+    def api_holders(self, scope: str) -> list[str]:
+        """The workers whose live holding of ``scope`` is an agent runtime's (recorded
+        with ``api``), sorted."""
+        return sorted(worker_id for worker_id in self._workers_of_scope.get(scope, ())
+                      if self._by_id[self._by_scope[(worker_id, scope)]].api)
+
     def release_scope(self, worker_id: str, scope: str) -> None:
         old = self._by_scope.get((worker_id, scope))
         if old is not None:

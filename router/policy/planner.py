@@ -131,6 +131,7 @@ def plan_turn_routed(
         demoted=False,
         agent_demoted=False,
         ended=False,
+        ended_explicitly=False,
     )
     return PlanResult(new_state, tuple(actions), tuple(observations))
 
@@ -195,7 +196,7 @@ def plan_session_end(
     observations: tuple[Observation, ...] = ()
     if session.awaiting_return and not session.return_counted:
         observations = (ReturnObserved(session.turns, False, session.gap_kind or USER_GAP),)
-    result = _end(ctx, replace(session, last_activity=event.at), "end")
+    result = _end(ctx, replace(session, last_activity=event.at, ended_explicitly=True), "end")
     return PlanResult(result.session, result.actions, observations)
 
 

@@ -55,7 +55,10 @@ class SessionPlanState:
     on the first turn).
     ``gap_kind``/``gap_opened_at``: set between a response and the next turn (``gap_kind``
     is a tool name, or ``@user`` refined by tempo); ``gap_predicted_s`` what was
-    predicted. ``ended``: explicitly ended or abandoned (idle past the horizon).
+    predicted. ``ended``: explicitly ended or abandoned (idle past the horizon);
+    ``ended_explicitly``: the end was explicit (:class:`SessionEnded`, not an abandonment),
+    until the session's next turn (the router refuses an agent's hints for such a
+    session: its client said it is over).
     """
 
     session_id: str
@@ -75,6 +78,7 @@ class SessionPlanState:
     # leaves it to the host tier until its next turn (its reviews would re-protect it).
     agent_demoted: bool = False
     ended: bool = False
+    ended_explicitly: bool = False
     # Whether this gap's return/no-return was already observed (see return_window_s).
     return_counted: bool = False
     # The last user gap (response ended with ``stop`` -> next turn), seconds: the

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -102,6 +103,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     store_errors = StoreReadErrors()  # a failed store read: 503 if it may pass, else 500
     for store_error in STORE_ERRORS:
         app.add_exception_handler(store_error, store_errors)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     return RouterApp(app)
 
@@ -134,7 +136,7 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         check_parallel_samples(inbound.body, runtime.settings.routing.max_n)
     except AuthError as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
-        return _error(exc.message, exc.status, error_type="authentication_error")
+        return _error(exc.message, exc.status)
     except BadRequest as exc:
         if isinstance(exc, BodyTimeout):
             runtime.metrics.client_timeouts.labels("body").inc()
@@ -161,7 +163,7 @@ async def _models(request: Request) -> Response:
     try:
         tenant = runtime.directory.client(api_key_of(request.headers))
     except AuthError as exc:
-        return _error(exc.message, exc.status, error_type="authentication_error")
+        return _error(exc.message, exc.status)
     workers = [w for w in runtime.workers.routable() if w.url]
     if not workers:
         return _error("no worker available", 503)
@@ -222,9 +224,17 @@ async def _metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     token = runtime.settings.metrics_token
     if token is not None and not bearer_matches(request.headers.get("authorization"), token):
-        return _error("/metrics needs the metrics token (Authorization: Bearer <token>)",
-                      401, error_type="authentication_error")
+        return _error("/metrics needs the metrics token (Authorization: Bearer <token>)", 401)
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no route: 404; a route without the method: 405, with
+    its ``Allow``) and the admin API's, in the OpenAI error shape every other answer has
+    (FastAPI's default body is ``{"detail": ...}``); status and headers unchanged."""
+    response = _error(str(exc.detail), exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -435,10 +435,23 @@ class Forwarder:
         if self._recorder is not None and flight.trace_ticket is not None:
             self._recorder.finished(flight.trace_ticket, *_traced(flight, status))
         if flight.record is not None:
-            ok = 200 <= status < 300 and observation.prompt_tokens is not None
+            answered = 200 <= status < 300
+            ok = answered and observation.prompt_tokens is not None
             await self._lifecycle.finished(flight.record, flight.worker_id or "",
                                            observation if ok else None,
-                                           flight.inbound.session_end, 200 <= status < 300)
+                                           self._ends_session(flight, answered, status),
+                                           answered)
+
+    def _ends_session(self, flight: _Flight, answered: bool, status: int) -> bool:
+        """Whether the turn ends its session: it asked to (``X-Session-End``) and it
+        succeeded. A turn that failed (the worker's error, a broken stream, the client
+        gone before the whole answer) is one its agent retries, into a session that must
+        still be open: the end is skipped, and counted by the turn's status."""
+        if not flight.inbound.session_end or answered:
+            return flight.inbound.session_end
+        reason = "client_gone" if status == 499 else "refused" if status < 500 else "failed"
+        self._metrics.session_end_skips.labels(reason).inc()
+        return False
 
 
 def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:

@@ -267,10 +267,23 @@ def _truthy(value: str | None) -> bool:
     return value is not None and value.strip().lower() in ("1", "true", "yes")
 
 
+def error_type_of(status: int) -> str:
+    """The OpenAI error ``type`` of a router's own answer with ``status``, the same on
+    every path (the gateway's, the sessions API's, the app's 404/405): a key missing,
+    unknown or not allowed is an ``authentication_error``, a limit reached a
+    ``rate_limit_error``, any other client error an ``invalid_request_error``."""
+    if status in (401, 403):
+        return "authentication_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 def openai_error(message: str, status: int, param: str | None = None,
                  error_type: str | None = None) -> bytes:
-    """An error body in the shape OpenAI clients parse."""
-    kind = error_type or ("invalid_request_error" if status < 500 else "server_error")
+    """An error body in the shape OpenAI clients parse; ``error_type`` when the answer
+    speaks in another's words (vLLM's ``NotFoundError``), else :func:`error_type_of`."""
+    kind = error_type or error_type_of(status)
     return msgspec.json.encode(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )

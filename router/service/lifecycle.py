@@ -6,9 +6,10 @@ which planner function it asks for hints.
 - turn routed: :func:`plan_turn_routed` (a move to another worker plans Share/Prefetch);
 - response finished: counters from the worker's usage; :func:`plan_response_finished`
   (a response ending in tool calls opens a tool gap: Pin/Retain for the predicted gap);
-- end (``DELETE /v1/sessions/{id}`` or ``X-Session-End: true``): what an agent runtime
-  asked the session's worker to hold through the API is released, then
-  :func:`plan_session_end`;
+- end (``DELETE /v1/sessions/{id}``, or ``X-Session-End: true`` on a turn that
+  succeeded): what an agent runtime asked the session's worker to hold through the API
+  is released, then :func:`plan_session_end`; the session then takes no agent hints
+  (sessions_api) until its next turn, which opens it again;
 - an agent's Demote through the API: the planner's holding of the session on that worker
   is over, and the planner leaves it demoted until its next turn;
 - a worker answers the session's Pin/Retain: the protection the planner remembers becomes
@@ -195,10 +196,15 @@ class SessionLifecycle:
         """End the session; returns the hint actions the end sent. A session that has
         already ended (a repeated DELETE, or one the planner abandoned when idle) has
         nothing of the planner's left to end: only what an agent runtime still holds for
-        it is released (its claims outlive an abandonment, and an agent may hint an ended
-        session), so a repeated end sends nothing when nothing is held."""
+        it is released (its claims outlive an abandonment, and an agent may hint a session
+        the planner abandoned), so a repeated end sends nothing when nothing is held. Either
+        way the session is now one its client ended (``ended_explicitly``: it takes no
+        more agent hints until its next turn)."""
         if record.state == ENDED and record.plan.ended:
-            return await self._release_agent_claims(record, self._clock())
+            if not record.plan.ended_explicitly:  # abandoned, now ended by its client too
+                record.plan = replace(record.plan, ended_explicitly=True)
+                self.sessions.save(record)
+            return await self._release_agent_claims(record, self._clock(), None)
         now = self._clock()
         record.state = ENDED
         record.ended_at = now
@@ -207,34 +213,46 @@ class SessionLifecycle:
             self._on_end(record.tenant, record.session_id)
         event = SessionEnded(record.worker_session_id, now)
         # First, so that the planner's Demote that may follow can let go of those blocks.
-        sent = await self._release_agent_claims(record, now)
+        sent = await self._release_agent_claims(record, now, record.plan.worker_id)
         sent += await self._apply(record, plan_session_end(
             self.hints.context(now, record.tenant), record.plan, event))
         self.sessions.save(record)
         return sent
 
-    async def _release_agent_claims(self, record: SessionRecord, now: float
-                                    ) -> list[SentAction]:
+    async def _release_agent_claims(self, record: SessionRecord, now: float,
+                                    planner_ends_on: str | None) -> list[SentAction]:
         """An ended session needs nothing an agent runtime asked a worker to hold for it:
         release them on every worker that holds some (the session's own, an earlier one
         it moved from, one the agent named), since the planner's own end never touches
-        an agent's claims."""
+        an agent's claims. Two forms, as the claims went out: the agent's own (``owner:
+        agent``, 1.2) where the worker keeps owners apart; the session's, with no owner
+        (1.0), where the agent's claim went out in the old form (a 1.0/1.1 worker) and is
+        still the session's latest holding there. ``planner_ends_on``: the worker the
+        planner's end goes to next (its Demote or Retain supersedes an old-form claim
+        there), left to it."""
         session_scope = record.worker_session_id
         scope = agent_scope(session_scope)
-        workers = self.hints.holdings.workers_holding(scope)
-        if not self._hints_enabled or not workers:
+        holdings = self.hints.holdings
+        old_form = [w for w in holdings.api_holders(session_scope) if w != planner_ends_on]
+        targets = [(w, scope, HintOwner.AGENT) for w in holdings.workers_holding(scope)]
+        targets += [(w, session_scope, HintOwner.PLANNER) for w in old_form]
+        if not self._hints_enabled or not targets:
             return []
         ttl = self.hints.planner_config.release_ttl_s
-        payload = RetainPayload(target=Target(session_id=session_scope), priority=0, ttl_s=ttl,
-                                owner=HintOwner.AGENT)
-        actions = [PlannedAction(worker_id, make_action(f"kvh-{self.hints.new_id()}", payload),
-                                 scope, record.tenant, 0, now + ttl, "end:agent_release")
-                   for worker_id in workers]
+        actions = []
+        for worker_id, held_scope, owner in targets:
+            payload = RetainPayload(target=Target(session_id=session_scope), priority=0,
+                                    ttl_s=ttl, owner=owner)
+            action = make_action(f"kvh-{self.hints.new_id()}", payload)
+            actions.append(PlannedAction(worker_id, action, held_scope, record.tenant, 0,
+                                         now + ttl, "end:agent_release"))
         # The agent's actions, not the planner's: sent as "api" like the claims they end,
         # so their outcomes never reach the planner's feedback (a worker rejecting an
         # agent-owned release must not turn Retain off for the planner there) and the
         # metrics count them with the agent's traffic.
-        return await self.hints.send(actions, {scope: record.session_id}, source=API_SOURCE)
+        return await self.hints.send(actions, {scope: record.session_id,
+                                               session_scope: record.session_id},
+                                     source=API_SOURCE)
 
     def agent_demoted(self, record: SessionRecord, worker_id: str) -> None:
         """An agent runtime demoted the session on ``worker_id`` through the API (as its

@@ -32,11 +32,13 @@ HINT_API_REJECTIONS = (
     "unknown_session",  # 404: no such session (or tenant)
     "unknown_worker",   # 404: worker_id names no worker
     "conflict",         # 409: an action id still pending; a session with no worker yet
+    "session_ended",    # 409: the session was ended (DELETE, X-Session-End) since its turn
     "invalid_action",   # 422: an action (or the number of actions) the router refuses
     "over_rate",        # 429: over the tenant's API actions per minute
     "over_budget",      # 429: over a tenant's, a worker's or the tenant's share's budget
     "no_plugin",        # 503: the worker runs no kvhint plugin, or it is silent
     "client_gone",      # 499: the client left while sending its body
+    "cross_site",       # 403: what a page on another site can send (cross_site.py)
 )
 # kvhint_router_session_end_rejections_total{reason}: DELETE /v1/sessions/{id} calls
 # answered with an error (nothing ended), a bounded set (sessions_api.py).
@@ -45,6 +47,18 @@ SESSION_END_REJECTIONS = (
     "unauthorized",     # 401: no key, or a key the router does not know
     "forbidden",        # 403: another tenant's key
     "unknown_session",  # 404: no such session of the tenant
+    "cross_site",       # 403: what a page on another site can send (cross_site.py)
+)
+# kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
+CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints")
+CROSS_SITE_REASONS = ("cross_site", "no_marker")
+# kvhint_router_session_end_skips_total{reason}: turns with X-Session-End that did not
+# end their session, the turn having failed (its agent retries it), a bounded set
+# (forwarding.py), by the turn's status.
+SESSION_END_SKIPS = (
+    "client_gone",  # 499: the client left before the answer was whole
+    "refused",      # 4xx: the worker (or the router) refused the turn
+    "failed",       # 5xx: the worker failed, was unavailable or slow, or its stream broke
 )
 # kvhint_router_client_timeouts_total{phase} (service/client_deadlines.py, inbound.py).
 CLIENT_TIMEOUT_PHASES = ("headers", "body")
@@ -90,6 +104,8 @@ class StateSample:
     # per tenant: each tenant learns its own (policy.tenant_stats). The router's tenants
     # are configured, so the label's values are bounded.
     completion_read_probability: dict[str, float] = field(default_factory=dict)
+    # Workers over whose id the index holds a conflict (two engines heartbeat under it).
+    worker_id_conflicts: tuple[str, ...] = ()
 
 
 class _StateCollector(Collector):
@@ -122,6 +138,13 @@ class _StateCollector(Collector):
             inflight.add_metric([worker], s.worker_inflight.get(worker, 0))
         yield up
         yield inflight
+        conflicts = GaugeMetricFamily(
+            "kvhint_router_worker_id_conflict",
+            "1 while two engines heartbeat under this worker id (or did within 10 min): "
+            "the index follows one and refuses the other's messages", labels=["worker"])
+        for worker in s.worker_id_conflicts:
+            conflicts.add_metric([worker], 1)
+        yield conflicts
         yield GaugeMetricFamily("kvhint_router_hints_pending",
                                 "Hint actions sent and awaiting a terminal outcome",
                                 value=s.pending_hints)
@@ -245,6 +268,22 @@ class RouterMetrics:
             "reason", ["reason"], registry=r)
         for reason in SESSION_END_REJECTIONS:
             self.session_end_rejections.labels(reason)
+        self.session_end_skips = Counter(
+            "kvhint_router_session_end_skips",
+            "Turns with X-Session-End that did not end their session because the turn did "
+            "not succeed (the agent retries it), by reason (client_gone: 499; refused: "
+            "4xx; failed: 5xx)", ["reason"], registry=r)
+        for reason in SESSION_END_SKIPS:
+            self.session_end_skips.labels(reason)
+        self.cross_site_refusals = Counter(
+            "kvhint_router_cross_site_refusals",
+            "State-changing admin and session calls refused (403, nothing changed) as what a "
+            "page on another site can make a browser send, by endpoint and reason "
+            "(cross_site: Sec-Fetch-Site not same-origin; no_marker: a POST without a key, "
+            "a JSON body or X-Kvhint-Request)", ["endpoint", "reason"], registry=r)
+        for endpoint in CROSS_SITE_ENDPOINTS:
+            for reason in CROSS_SITE_REASONS:
+                self.cross_site_refusals.labels(endpoint, reason)
         self.foreign_messages = Counter(
             "kvhint_router_foreign_hint_messages",
             "Hint outcomes and hold releases (kind) for actions this router did not send or "

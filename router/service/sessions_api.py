@@ -7,10 +7,14 @@
   checks tenancy, bounds and budgets before anything is sent; a request with any invalid
   action changes nothing (422), one over budget changes nothing (429). Otherwise the
   actions go to the session's worker and the answer carries their outcomes (202 when
-  some are still pending after ``wait_s``). Pins, Retains and Demotes go as the agent's
+  some are still pending after ``wait_s``). A session its client ended (DELETE, or
+  ``X-Session-End``) takes no hints (409) until its next turn opens it again; one the
+  planner abandoned when idle still does. Pins, Retains and Demotes go as the agent's
   (``owner: agent``) to workers that take it, whatever ``owner`` the caller wrote, so the
   planner's re-planning of the session never undoes them; the router keeps them as their
   own holding (:func:`agent_scope`).
+- Both refuse what a page on another site can make a browser send (:mod:`.cross_site`:
+  they are open in dev mode).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from kvhint.router.policy import PlannedAction, agent_scope
+from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.inbound import (
     BadRequest,
     BodyTimeout,
@@ -35,6 +40,7 @@ from kvhint.router.service.inbound import (
     refusal_headers,
 )
 from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.sessions import ENDED
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
 from kvhint.schemas import (
     ACTION_VERSION,
@@ -139,6 +145,12 @@ def build_sessions_router() -> APIRouter:
         except BadRequest as exc:
             refused.labels("bad_request").inc()
             return _json_error(exc.message, exc.status)
+        # After the key (none is still a 401): what a page on another site can send.
+        refusal = cross_site_refusal(request.method, request.headers, runtime.metrics,
+                                     "session_end")
+        if refusal is not None:
+            refused.labels("cross_site").inc()
+            return _json_error(refusal, 403)
         await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant_name, session_id)
         if record is None:
@@ -172,6 +184,12 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
         if not principal.is_admin:
             raise AuthError(403, "sending hints needs an admin key")
         tenant_name = _tenant_for(principal, tenant)
+        # After the key (none is still a 401), before the body is read: what a page on
+        # another site can send (a form's POST of a JSON-looking text/plain body).
+        refusal = cross_site_refusal(request.method, request.headers, runtime.metrics,
+                                     "session_hints")
+        if refusal is not None:
+            raise _Rejected("cross_site", refusal, 403)
         body = await read_body_within(request.stream(), request.headers.get("content-length"),
                                       runtime.settings.max_body_bytes,
                                       runtime.settings.http_body_timeout_s)
@@ -221,6 +239,10 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     worker = await runtime.workers.wait_heard(worker_id, _heartbeat_wait_s(runtime))
     if worker is None or worker.status is None:
         raise _no_plugin(runtime, worker_id)
+    # Checked after the last wait before the send, so an end that came meanwhile counts.
+    if record.state == ENDED and record.plan.ended_explicitly:
+        raise _Rejected("session_ended", f"session {session_id!r} was ended (DELETE, "
+                        "X-Session-End or an admin's end); its next turn opens it again", 409)
     worker_sid = record.worker_session_id
     now = time.time()
     blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)

@@ -42,7 +42,7 @@ class TenantSlots:
         self._metrics.record_request(inbound.endpoint.value, "none", 429)
         return Response(openai_error(
             f"tenant {tenant.name!r} has {limit} requests in flight, its max_in_flight: "
-            "retry once one finishes", 429, error_type="rate_limit_error"),
+            "retry once one finishes", 429),
             status_code=429, media_type="application/json",
             headers={"retry-after": str(RETRY_AFTER_S)})
 

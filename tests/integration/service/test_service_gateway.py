@@ -185,7 +185,9 @@ async def test_hints_api_refuses_without_a_plugin_and_validates(
         await client.post(f"{router.url}/v1/chat/completions", json={**CHAT, "session_id": "s9"})
         response = await client.post(url, json=pin)
         assert response.status_code == 503 and "no kvhint plugin" in response.text
-        assert (await client.post(url, content=b"[1,2]")).status_code == 400
+        # Sent as JSON: a body without a JSON type is a cross-site form's (cross_site.py).
+        assert (await client.post(url, content=b"[1,2]", headers={
+            "content-type": "application/json"})).status_code == 400
 
 
 async def test_models_health_metrics_dashboard(tmp_path: Path,

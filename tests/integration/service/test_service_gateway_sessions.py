@@ -111,7 +111,8 @@ async def test_a_session_back_after_being_forgotten_continues_its_stored_history
             await runtime.writer.flush()
             runtime.sessions.forget(runtime.sessions.get("default", session))
             ended = await (client.delete(f"{router.url}{ending}") if ending.startswith("/v1")
-                           else client.post(f"{router.url}{ending}"))
+                           else client.post(f"{router.url}{ending}",  # dev mode, no key
+                                            headers={"x-kvhint-request": "1"}))
             assert ended.status_code == 200, ended.text
             assert runtime.sessions.get("default", session).state == "ended"
 

@@ -1,10 +1,11 @@
 """The sessions API as an agent runtime uses it, against a real NATS server and the real
-store: what an end does to a session that has already ended.
+store: what an end does to a session that has already ended, and to the hints that come
+after an end.
 
 The "plugin" is this test answering w0's hints as a plugin that keeps owners apart (1.2)
-does: every claim accepted with 2 blocks, a release (priority 0) holding none; heartbeats
-keep coming, so the worker stays live while the planner's idle review runs
-(tests/e2e/service runs the real plugin).
+does, or an older one (1.0/1.1, where they are not): every claim accepted with 2 blocks, a
+release (priority 0) holding none; heartbeats keep coming, so the worker stays live while
+the planner's idle review runs (tests/e2e/service runs the real plugin).
 """
 
 from __future__ import annotations
@@ -22,20 +23,37 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router, scrape
-from feed_helpers import ACTIONS_WITH_OWNER, plugin_registered, publish_accepted, status, until
+from feed_helpers import (
+    ACTIONS,
+    ACTIONS_WITH_OWNER,
+    plugin_registered,
+    publish_accepted,
+    status,
+    until,
+)
+from kvhint.router.service.inbound import error_type_of
 from kvhint.schemas import Subjects, decode_hints
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
 RETAIN = {"actions": [{"action_type": "kv.retain", "payload": {"priority": 100}}]}
+# What a plugin of each wire version advertises: 1.1 adds evict_rest_first to kv.retain
+# and kv.pin, 1.2 the owner (feed_helpers.ACTIONS_WITH_OWNER).
+WIRE_ACTIONS = {
+    "1.0": ACTIONS,
+    "1.1": {**ACTIONS, "kv.pin": ["1.0", "1.1"], "kv.retain": ["1.0", "1.1"]},
+    "1.2": ACTIONS_WITH_OWNER,
+}
 
 
 @asynccontextmanager
 async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix: str,
-                                   stub: StubWorker, **settings: Any
+                                   stub: StubWorker,
+                                   actions: dict[str, list[str]] = ACTIONS_WITH_OWNER,
+                                   **settings: Any
                                    ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, list]]:
-    """A router over w0, whose 1.2 plugin this test plays; yields the (action id, payload)
-    of every action w0 was sent."""
+    """A router over w0, whose plugin (1.2, or what ``actions`` advertises) this test
+    plays; yields the (action id, payload) of every action w0 was sent."""
     subjects = Subjects(subject_prefix)
     nc = await nats.connect(nats_url)
     received: list[tuple[str, dict]] = []
@@ -52,7 +70,7 @@ async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix
         for seq in range(1, 1_000_000):
             await asyncio.sleep(0.25)
             await nc.publish(subjects.status("w0"),
-                             status("w0", "e1", seq, actions=ACTIONS_WITH_OWNER))
+                             status("w0", "e1", seq, actions=actions))
 
     await nc.subscribe(subjects.hints("w0"), cb=answer)
     config = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
@@ -61,7 +79,7 @@ async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix
     try:
         async with running_router(config) as router, \
                 httpx.AsyncClient(timeout=30) as client:
-            await plugin_registered(router.runtime, nc, subjects, ACTIONS_WITH_OWNER)
+            await plugin_registered(router.runtime, nc, subjects, actions)
             beating = asyncio.create_task(heartbeats())
             yield router, client, received
     finally:
@@ -77,16 +95,23 @@ async def _turn(client: httpx.AsyncClient, url: str, session: str) -> None:
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("wire", sorted(WIRE_ACTIONS))
 async def test_an_end_releases_what_an_agent_holds_for_a_session_already_ended(
         tmp_path: Path, nats_url: str, subject_prefix: str,
-        stub_workers: list[StubWorker]) -> None:
+        stub_workers: list[StubWorker], wire: str) -> None:
     """The planner abandons a session idle in a tool gap (its state: ended) but leaves an
-    agent's claims alone; an agent may also hint a session after ending it. The agent's
-    DELETE then releases what it still holds there (before, an end of an ended session
-    sent nothing: its top-priority Retain stayed on the worker for the worker's
-    max_retain_ttl_s, an hour). A DELETE with nothing held still sends nothing."""
+    agent's claims alone, and an agent may hint the session after that. The agent's DELETE
+    then releases what it still holds there (before, an end of an ended session sent
+    nothing: its top-priority Retain stayed on the worker for the worker's
+    max_retain_ttl_s, an hour), in the form its claim went out in: the agent's own
+    (``owner: agent``) on a 1.2 worker, the session's (no owner) on a 1.0/1.1 one, whose
+    claims are the session's (before, a 1.0/1.1 worker's were never released by it). A
+    DELETE with nothing held still sends nothing; after a DELETE, hints are refused."""
     stub = stub_workers[0]
+    owned = wire == "1.2"
+    held = "agent:default/gap" if owned else "default/gap"  # the agent's claim's scope
     async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub,
+                                        WIRE_ACTIONS[wire],
                                         hints={"tick_s": 0.1}) as (router, client, received):
         runtime, holdings = router.runtime, router.runtime.hints.holdings
         stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
@@ -94,33 +119,85 @@ async def test_an_end_releases_what_an_agent_holds_for_a_session_already_ended(
         stub.finish_reason, stub.tool_names = "stop", []
         hinted = await client.post(f"{router.url}/v1/sessions/gap/hints", json=RETAIN)
         assert hinted.status_code == 200, hinted.text
-        assert holdings.workers_holding("agent:default/gap") == ["w0"]
+        assert holdings.workers_holding(held) == ["w0"]
         # The planner's idle review gives the session up (abandon_after_s, an hour by
-        # default, shortened here).
+        # default, shortened here). Its release supersedes a 1.0/1.1 worker's claim of
+        # the session (one owner there), never a 1.2 worker's agent claim.
         runtime.hints.planner_config = dataclasses.replace(runtime.hints.planner_config,
                                                            abandon_after_s=0.5)
         await until(lambda: runtime.sessions.get("default", "gap").state == "ended")
-        assert holdings.workers_holding("agent:default/gap") == ["w0"]
+        if owned:
+            assert holdings.workers_holding(held) == ["w0"]
+        else:
+            await until(lambda: not holdings.workers_holding(held))
+        # Hinted once the planner gave it up: taken (only the client's own end refuses).
+        hinted = await client.post(f"{router.url}/v1/sessions/gap/hints", json=RETAIN)
+        assert hinted.status_code == 200, hinted.text
+        assert holdings.api_holders(held) == ["w0"]
 
         ended = await client.delete(f"{router.url}/v1/sessions/gap")
         assert ended.status_code == 200, ended.text
         (release,) = ended.json()["hints"]
-        assert release["payload"]["owner"] == "agent"
+        assert release["trigger"] == "end:agent_release" and release["scope"] == held
+        assert release["payload"].get("owner", "planner") == ("agent" if owned else "planner")
         assert release["payload"]["priority"] == 0
         await until(lambda: release["action_id"] in [action_id for action_id, _ in received])
-        await until(lambda: not holdings.workers_holding("agent:default/gap"))
+        await until(lambda: not holdings.workers_holding(held))
 
-        # Hinted after its end, then ended again: released again; once more, nothing.
-        await _turn(client, router.url, "done")
-        assert (await client.delete(f"{router.url}/v1/sessions/done")).status_code == 200
-        hinted = await client.post(f"{router.url}/v1/sessions/done/hints", json=RETAIN)
-        assert hinted.status_code == 200, hinted.text
-        again = await client.delete(f"{router.url}/v1/sessions/done")
-        assert [h["trigger"] for h in again.json()["hints"]] == ["end:agent_release"]
-        await until(lambda: not holdings.workers_holding("agent:default/done"))
-        repeated = await client.delete(f"{router.url}/v1/sessions/done")
+        # Ended by its client now: a hint is refused, sends nothing, and the end again
+        # has nothing to release.
+        refused = await client.post(f"{router.url}/v1/sessions/gap/hints", json=RETAIN)
+        assert refused.status_code == 409, refused.text
+        repeated = await client.delete(f"{router.url}/v1/sessions/gap")
         assert repeated.status_code == 200
         assert repeated.json()["hints"] == [] and repeated.json()["state"] == "ended"
+        assert not holdings.workers_holding(held)
+
+
+async def test_a_session_its_client_ended_takes_no_hints_until_its_next_turn(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """Hints to a session its client ended, by DELETE or by X-Session-End, are refused:
+    409 naming why, nothing sent, nothing held, counted as hint_api_rejections_total
+    {reason="session_ended"} and in no other refusal counter. The session's next turn opens
+    it again (a new turn of an ended session is a turn like any), and its hints are taken
+    again. Before, every one of them was sent."""
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        hints={"tick_s": 3600.0}) as (router, client, received):
+        url, sessions = router.url, router.runtime.sessions
+        holdings = router.runtime.hints.holdings
+        for session in ("deleted", "header"):
+            await _turn(client, url, session)
+        assert (await client.delete(f"{url}/v1/sessions/deleted")).status_code == 200
+        ended = await client.post(f"{url}/v1/chat/completions", json={
+            "model": "stub", "session_id": "header",
+            "messages": [{"role": "user", "content": "header: " + "x" * 400}]},
+            headers={"x-session-end": "true"})
+        assert ended.status_code == 200, ended.text
+        assert {sessions.get("default", s).state for s in ("deleted", "header")} == {"ended"}
+        await until(lambda: not holdings.workers_holding("default/deleted")
+                    and not holdings.workers_holding("default/header"))
+        before, sent = await scrape(client, url), len(received)
+        for session in ("deleted", "header"):
+            refused = await client.post(f"{url}/v1/sessions/{session}/hints", json=RETAIN)
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == 409 and "was ended" in error["message"]
+        after = await scrape(client, url)
+        moved = {(name, dict(labels).get("reason")): value - before.get((name, labels), 0)
+                 for (name, labels), value in after.items()
+                 if "rejections" in name and value != before.get((name, labels), 0)}
+        assert moved == {("kvhint_router_hint_api_rejections_total", "session_ended"): 2}
+        assert len(received) == sent
+        assert not holdings.workers_holding("agent:default/deleted")
+        assert not holdings.workers_holding("agent:default/header")
+        # A new turn opens each again: its hints are taken.
+        for session in ("deleted", "header"):
+            await _turn(client, url, session)
+            assert sessions.get("default", session).state == "active"
+            hinted = await client.post(f"{url}/v1/sessions/{session}/hints", json=RETAIN)
+            assert hinted.status_code == 200, hinted.text
+            assert holdings.workers_holding(f"agent:default/{session}") == ["w0"]
 
 
 async def test_a_retain_without_ttl_is_held_to_the_tenants_ttl_limit(
@@ -212,3 +289,26 @@ async def test_every_refused_end_is_counted_and_ends_nothing(
         assert ended.status_code == 200 and ended.json()["tenant"] == "a"
         assert sessions.get("a", "b/s").state == "ended"
         assert sessions.get("b", "s").state == "active"
+
+
+async def test_a_hints_call_over_the_rate_is_a_rate_limit_error_as_on_the_gateway(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A 429 of the hints API has the type the gateway gives its 429 (over a tenant's
+    max_in_flight): ``rate_limit_error``; before, ``invalid_request_error``."""
+    tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
+                "budget": {"max_actions_per_minute": 1}}]
+    admin = {"authorization": "Bearer aa"}
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        tenants=tenants,
+                                        hints={"tick_s": 3600.0}) as (router, client, _):
+        response = await client.post(f"{router.url}/v1/chat/completions", json={
+            "model": "stub", "session_id": "s",
+            "messages": [{"role": "user", "content": "x" * 400}]},
+            headers={"authorization": "Bearer ka"})
+        assert response.status_code == 200, response.text
+        url = f"{router.url}/v1/sessions/s/hints"
+        assert (await client.post(url, json=RETAIN, headers=admin)).status_code == 200
+        over = await client.post(url, json=RETAIN, headers=admin)
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["type"] == "rate_limit_error" == error_type_of(429)
