@@ -276,6 +276,10 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     scopes = {action.scope for action in planned}
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))
+    if record.state == ENDED and record.plan.ended_explicitly:
+        # Ended while the send awaited its publish, before its holdings were recorded:
+        # that end released nothing of it, so release it now, as a repeated end would.
+        await runtime.lifecycle.end(record)
     if any(a.action_type == ActionType.DEMOTE.value and a.scope != worker_sid for a in planned):
         runtime.lifecycle.agent_demoted(record, worker.worker_id)
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \

@@ -260,6 +260,8 @@ async def test_every_refused_end_is_counted_and_ends_nothing(
             assert response.status_code == 200, response.text
         before = await scrape(client, url)
         refused = [("bad_request", 400, "x" * 300, "ka", None),
+                   # A line break: it matched no route (404, counted nowhere) before.
+                   ("bad_request", 400, "s%0As", "ka", None),
                    ("unauthorized", 401, "s", None, None),
                    ("unauthorized", 401, "s", "nope", None),
                    ("forbidden", 403, "s", "ka", "b"),
@@ -312,3 +314,43 @@ async def test_a_hints_call_over_the_rate_is_a_rate_limit_error_as_on_the_gatewa
         over = await client.post(url, json=RETAIN, headers=admin)
         assert over.status_code == 429, over.text
         assert over.json()["error"]["type"] == "rate_limit_error" == error_type_of(429)
+
+
+async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A DELETE that lands while a hints call awaits its publish, before the router has
+    recorded what that call holds: the end finds nothing of it to release, so the hints
+    call releases it itself once its send is done. Before, the agent's top-priority
+    Retain stayed on the worker for its whole TTL.
+
+    The publish is held on an event (wrapping the dispatcher's NATS link) because the
+    window is one await inside NATS's client: it cannot be hit on cue otherwise."""
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        hints={"tick_s": 3600.0}) as (router, client, received):
+        url, holdings = router.url, router.runtime.hints.holdings
+        await _turn(client, url, "race")
+        link = router.runtime.hints._link
+        publish, reached, go_on = link.publish, asyncio.Event(), asyncio.Event()
+
+        async def held_publish(subject: str, data: bytes) -> bool:
+            if decode_hints(data).actions[0].payload.priority == 100:  # the agent's Retain
+                reached.set()
+                await go_on.wait()
+            return await publish(subject, data)
+
+        link.publish = held_publish
+        hinting = asyncio.create_task(client.post(f"{url}/v1/sessions/race/hints",
+                                                  json={**RETAIN, "wait_s": 0}))
+        await asyncio.wait_for(reached.wait(), 10)
+        ended = await client.delete(f"{url}/v1/sessions/race")
+        assert ended.status_code == 200, ended.text
+        assert not holdings.workers_holding("agent:default/race")  # not recorded yet
+        go_on.set()
+        hinted = await hinting
+        assert hinted.status_code in (200, 202), hinted.text
+        (claim,) = hinted.json()["actions"]
+        await until(lambda: any(p.priority == 0 and action_id != claim["action_id"]
+                                and getattr(p, "owner", None) is not None
+                                and p.owner.value == "agent" for action_id, p in received))
+        await until(lambda: not holdings.workers_holding("agent:default/race"))
