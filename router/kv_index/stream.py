@@ -50,20 +50,23 @@ resyncing worker's view misses what the lost and the buffered batches did, and a
 one's may miss what it is doing now. Routing may still use an inexact view; what it
 predicts from one must not be reported, or learnt from, as exact.
 
+The resync itself (the snapshot's paging, the batches buffered meanwhile) is
+:mod:`.stream_resync`; the conflicts over a worker's id, :mod:`.stream_sources`.
+
 Time comes from the caller (an injected clock); nothing here does I/O.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
+from kvhint.router.kv_index.stream_resync import BufferedBatch, Resync
 from kvhint.router.kv_index.stream_sources import IdConflict, OtherSource, SourceConflict
 from kvhint.router.kv_index.stream_types import (
     BatchVerdict,
-    BufferedBatch,
     Decision,
-    ResyncState,
     StreamConfig,
     StreamCounters,
     StreamPhase,
@@ -84,7 +87,11 @@ _NOTHING_APPLIED = (StreamPhase.NEW, StreamPhase.DEAD, StreamPhase.AWAITING_REPL
 
 class WorkerStream(Generic[T]):
     """One worker's stream state. ``T`` is whatever the owner buffers per batch (raw
-    payload bytes, usually), so nothing is decoded before it is needed."""
+    payload bytes, usually), so nothing is decoded before it is needed.
+
+    The phase is RESYNCING exactly while a :class:`Resync` is held (``_resync``), and
+    ``applied_seq`` is the last batch of ``epoch`` applied in order (0: none).
+    """
 
     def __init__(self, worker_id: str, config: StreamConfig) -> None:
         self.worker_id = worker_id
@@ -97,10 +104,7 @@ class WorkerStream(Generic[T]):
         self.counters = StreamCounters()
         self.last_status: object | None = None
         self._retired: deque[str] = deque(maxlen=config.max_retired_epochs)
-        self._buffer: list[BufferedBatch[T]] = []
-        self._buffered_max_seq = 0
-        self._buffered_bytes = 0
-        self._resync: ResyncState | None = None
+        self._resync: Resync[T] | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
         self._reported_seq: int | None = None  # this epoch's last heartbeat's last_event_seq
         # When a never-heard stream got its first replayed batch: its silence runs from
@@ -239,23 +243,9 @@ class WorkerStream(Generic[T]):
             self._reset_stream(gone=True)
             self.phase = StreamPhase.DEAD
             return Decision(None, f"no heartbeat for {silence:.1f}s"), False
-        resync = self._resync
-        if resync is not None:
-            decision = _NOTHING
-            if (not resync.view_purged
-                    and now - resync.started_at > self.config.resync_view_trust_s):
-                resync.view_purged = True
-                self.counters.stalled_resync_purges += 1
-                decision = Decision(None, f"resync stalled for {now - resync.started_at:.1f}s "
-                                          f"({resync.reason}): stale view dropped")
-            if resync.retry_at is not None and now >= resync.retry_at:
-                resync.retry_at = None
-                return decision, True
-            if (resync.awaiting_since is not None
-                    and now - resync.awaiting_since > self.config.snapshot_timeout_s):
-                self.counters.snapshot_failures += 1
-                return decision, True
-            return decision, False
+        if self._resync is not None:
+            stalled, request_now = self._resync.due(now)
+            return (_NOTHING if stalled is None else Decision(None, stalled)), request_now
         return self._check_tail_gap(now, replaying), False
 
     def on_replay_over(self, now: float, expired: bool = False) -> Decision:
@@ -285,34 +275,21 @@ class WorkerStream(Generic[T]):
     @property
     def resync_seq(self) -> int | None:
         """The seq of the snapshot being paged (None before its first page)."""
-        return None if self._resync is None or not self._resync.cursor \
-            else self._resync.base_seq
+        return None if self._resync is None else self._resync.paging_seq
 
     def page_requested(self, now: float) -> None:
         if self._resync is not None:
-            self._resync.awaiting_since = now
+            self._resync.page_requested(now)
 
     def on_snapshot_failed(self, now: float) -> None:
         if self._resync is not None:
-            self.counters.snapshot_failures += 1
-            self._resync.awaiting_since = None
-            self._resync.retry_at = now + self.config.snapshot_retry_s
+            self._resync.request_failed(now)
 
     def on_snapshot_page(self, epoch: str, seq: int, cursor: int, next_cursor: int | None,
                          page: object, now: float) -> tuple[str, list[object] | None]:
-        """Returns ("ignored"|"invalid"|"restart"|"more"|"done", pages when done).
-
-        "invalid": the page names a next cursor not past its own; paging it on would ask
-        for the same pages for ever, keeping each copy. The pages so far are dropped and
-        the snapshot is retried from cursor 0 after ``snapshot_retry_s`` (from
-        :meth:`tick`), as after a failed request.
-
-        "restart": the page is of another snapshot than the pages before it (another
-        epoch, or another ``seq``: a late reply to an earlier request, or the worker
-        took a new snapshot meanwhile); pagination restarts at 0. A snapshot's cursors
-        hold only within it, so pages of two were joined with blocks lost or kept wrongly,
-        and the stream then reported live.
-        """
+        """Returns ("ignored"|"invalid"|"restart"|"more"|"done", pages when done):
+        "ignored" for a page not awaited (no resync, another cursor) or of an engine the
+        stream does not take; else as :meth:`Resync.take_page` says."""
         # A late reply from an engine we moved past, or another source's (both engines
         # under one id answer the snapshot subject).
         stale = self._is_stale(epoch) or self._held_off(epoch, now)
@@ -322,25 +299,7 @@ class WorkerStream(Generic[T]):
         if resync is None or cursor != resync.cursor or stale:
             self.counters.snapshot_pages_ignored += 1
             return "ignored", None
-        self.counters.snapshot_pages += 1
-        resync.awaiting_since = None
-        if next_cursor is not None and next_cursor <= cursor:
-            self.counters.snapshot_pages_invalid += 1
-            self.counters.snapshot_failures += 1
-            resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
-            resync.retry_at = now + self.config.snapshot_retry_s
-            return "invalid", None
-        if resync.page_epoch is not None and (epoch != resync.page_epoch
-                                              or seq != resync.base_seq):
-            resync.cursor, resync.pages, resync.base_seq, resync.page_epoch = 0, [], None, None
-            return "restart", None
-        resync.page_epoch = epoch
-        resync.base_seq = seq
-        resync.pages.append(page)
-        if next_cursor is not None:
-            resync.cursor = next_cursor
-            return "more", None
-        return "done", resync.pages
+        return resync.take_page(epoch, seq, cursor, next_cursor, page, now)
 
     def finish_resync(self, now: float) -> tuple[list[T], Decision]:
         """After the snapshot is loaded: the buffered items to apply, in order, and a
@@ -356,36 +315,16 @@ class WorkerStream(Generic[T]):
             if self.epoch is not None:
                 self._retired.append(self.epoch)
                 purge = self._count_restart(self.epoch, resync.page_epoch)
-            self.counters.stale_epoch += len(self._buffer)
-            self._buffer.clear()
+            self.counters.stale_epoch += resync.buffer.drop()
             self.epoch = resync.page_epoch
-        self.applied_seq = resync.base_seq
+        ready, rest = resync.release()
+        self.applied_seq = resync.base_seq + len(ready)
         self._resync = None
         self._behind = None
         self.phase = StreamPhase.LIVE
-        ready: list[T] = []
-        buffered = sorted(self._buffer, key=lambda b: b.seq)
-        self._buffer.clear()
-        self._buffered_max_seq = 0
-        self._buffered_bytes = 0
-        for i, entry in enumerate(buffered):
-            if entry.seq <= self.applied_seq:
-                self.counters.covered_by_snapshot += 1
-                continue
-            if entry.seq != self.applied_seq + 1:
-                self.counters.gaps += 1
-                self.counters.missing_batches += entry.seq - self.applied_seq - 1
-                rest = buffered[i:]
-                decision = self._begin_resync(None, None, purge,
-                                              f"hole after snapshot: expected "
-                                              f"{self.applied_seq + 1}, got {entry.seq}", now)
-                self._buffer = rest
-                self._buffered_max_seq = rest[-1].seq
-                self._buffered_bytes = sum(b.size for b in rest)
-                return ready, decision
-            self.applied_seq = entry.seq
-            self.counters.batches_applied += 1
-            ready.append(entry.item)
+        if rest:
+            reason = f"hole after snapshot: expected {self.applied_seq + 1}, got {rest[0].seq}"
+            return ready, self._begin_resync(None, None, purge, reason, now, held=rest)
         return ready, Decision(None, purge)
 
     def force_resync(self, reason: str, now: float) -> Decision:
@@ -478,46 +417,36 @@ class WorkerStream(Generic[T]):
         (a new epoch replaced theirs)."""
         self.applied_seq = 0
         self._reported_seq = None
+        dropped = 0 if self._resync is None else self._resync.buffer.drop()
         if gone:
-            self.counters.dead_worker_dropped += len(self._buffer)
+            self.counters.dead_worker_dropped += dropped
         else:
-            self.counters.stale_epoch += len(self._buffer)
-        self._buffer.clear()
-        self._buffered_max_seq = 0
-        self._buffered_bytes = 0
+            self.counters.stale_epoch += dropped
         self._resync = None
         self._behind = None
         self.phase = StreamPhase.NEW
 
     def _begin_resync(self, seq: int | None, item: T | None, purge: str | None,
-                      reason: str, now: float, size: int = 0) -> Decision:
+                      reason: str, now: float, size: int = 0,
+                      held: Sequence[BufferedBatch[T]] = ()) -> Decision:
+        """Start a resync, buffering the batch ``seq`` (if any) that showed it is needed;
+        ``held``: batches buffered already (from a hole after the last snapshot)."""
         self.phase = StreamPhase.RESYNCING
-        self._resync = ResyncState(reason, now)
+        self._resync = Resync(reason, now, self.config, self.counters, held)
         self._behind = None
         self.counters.resyncs_started += 1
         verdict = None
         if seq is not None:
-            verdict = self._push(seq, item, size)
+            verdict = self._resync.take_batch(seq, item, size)  # type: ignore[arg-type]
         return Decision(verdict, purge, reason)
 
     def _buffer_batch(self, seq: int, item: T, purge: str | None, size: int) -> Decision:
-        if seq <= self.applied_seq or seq <= self._buffered_max_seq and any(
-                b.seq == seq for b in self._buffer):
+        resync = self._resync
+        assert resync is not None  # RESYNCING
+        if seq <= self.applied_seq or resync.buffer.holds(seq):
             self.counters.duplicates += 1
             return Decision(BatchVerdict.DUPLICATE, purge)
-        return Decision(self._push(seq, item, size), purge)
-
-    def _push(self, seq: int, item: T | None, size: int) -> BatchVerdict:
-        # One batch is always taken, however large: the buffer must be able to progress.
-        if len(self._buffer) >= self.config.max_buffered_batches or (
-                self._buffer and self._buffered_bytes + size > self.config.max_buffered_bytes):
-            self.counters.overflow_dropped += 1
-            return BatchVerdict.OVERFLOW
-        self._buffer.append(BufferedBatch(seq, item, size))  # type: ignore[arg-type]
-        self._buffered_bytes += size
-        self._buffered_max_seq = max(self._buffered_max_seq, seq)
-        self.counters.buffered += 1
-        return BatchVerdict.BUFFERED
+        return Decision(resync.take_batch(seq, item, size), purge)
 
     def _clear_behind_if_caught_up(self) -> None:
         if self._behind is not None and self.applied_seq >= self._behind[0]:

@@ -1,14 +1,10 @@
 """The value types of the per-worker stream rules (:mod:`.stream`): phases, verdicts, the
-tuning, a decision for the owner, the counters, and the stream's resync and buffer records.
-Pure data."""
+tuning, a decision for the owner, and the counters. Pure data."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
-
-T = TypeVar("T")
+from dataclasses import dataclass
 
 
 class StreamPhase(enum.Enum):
@@ -87,7 +83,8 @@ class StreamConfig:
     # How long a conflict over a worker's id (two engines heartbeating under it,
     # :mod:`.stream_sources`) is held after the other engine was last heard: longer than
     # a vLLM server's restart, so the other server restarting does not end it and make
-    # its new engine take the id (a purge and a snapshot at each such swap).
+    # its new engine take the id (a purge and a snapshot at each such swap). The
+    # router's setting of the same name.
     conflict_hold_s: float = 600.0
 
 
@@ -144,26 +141,3 @@ class StreamCounters:
     id_conflicts: int = 0
     other_source_dropped: int = 0
 
-
-@dataclass(slots=True)
-class ResyncState:
-    """A resync in progress: the snapshot's pagination (internal to the stream)."""
-
-    reason: str
-    started_at: float
-    cursor: int = 0
-    awaiting_since: float | None = None   # a page request is out
-    retry_at: float | None = None         # set after a failure
-    page_epoch: str | None = None
-    base_seq: int | None = None           # the snapshot's seq (every page's)
-    pages: list[object] = field(default_factory=list)
-    view_purged: bool = False              # the stale view was purged (stalled too long)
-
-
-@dataclass(slots=True)
-class BufferedBatch(Generic[T]):
-    """A batch held during a resync (internal to the stream)."""
-
-    seq: int
-    item: T
-    size: int = 0

@@ -5,17 +5,15 @@ builds its frozen context from the workers' heartbeats, the holdings ledger and 
 per-worker outcome feedback; wraps each worker's actions in one ``KvHintsEnvelope`` on
 ``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
 back into holdings, feedback, metrics, the store and any API caller waiting for it.
-The planner's learned statistics are each tenant's own (:class:`TenantStats`): a tenant's
-planning reads, and its observations update, only its tenant's; outcome feedback is
-per worker. Both are saved in ``learned_stats`` (:meth:`HintDispatcher.save_learned`).
-The record of an action is :mod:`.hint_records`; the sessions API's budget check,
-:mod:`.hint_api_budget`. Both are re-exported here, where callers have imported them.
+What the planner learns (each tenant's statistics, each worker's outcome feedback) and
+its ``learned_stats`` rows are :mod:`.hint_learned`. The record of an action is
+:mod:`.hint_records`, re-exported here, where callers have imported it; the sessions
+API's budget check, :mod:`.hint_api_budget`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 import uuid
@@ -27,7 +25,6 @@ from typing import Any
 import msgspec
 
 from kvhint.router.policy import (
-    FeedbackConfig,
     HoldingsLedger,
     LearnedStats,
     Observation,
@@ -37,10 +34,10 @@ from kvhint.router.policy import (
     TenantStats,
     WorkerFeedback,
     WorkerPlanView,
-    apply_outcome,
     target_keys,
 )
 from kvhint.router.service.hint_api_budget import ApiBudgetGate
+from kvhint.router.service.hint_learned import LearnedState
 from kvhint.router.service.hint_records import (
     API_SOURCE,
     EXPIRED,
@@ -72,23 +69,7 @@ from kvhint.schemas.hints import ACTION_TYPE_VALUES
 __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
            "PLANNER_SOURCE", "HintDispatcher", "SentAction"]
 
-log = logging.getLogger(__name__)
-
 _RECENT_KEPT = 2000
-# hold_released_blocks{action}: an action type this router knows, else "other".
-# learned_stats rows. A tenant's statistics: (tenant, TENANT_STATS_KIND). Routers from
-# before statistics were per tenant kept one pooled row, (POOLED_TENANT, POOLED_KIND), and
-# read every row of that kind as it: a kind of its own keeps them from taking a tenant's
-# row for everyone while old and new routers share the store (a rolling upgrade, a
-# rollback). That the pooled row was taken is a row of its own too,
-# (POOLED_TENANT, ADOPTED_KIND), which no older router writes over. No tenant is named
-# "*" (TenantConfig's names are letters, digits, "_", "." and "-"). Per-worker feedback:
-# (POOLED_TENANT, "feedback:<worker>").
-TENANT_STATS_KIND = "tenant_gaps"
-_FEEDBACK_PREFIX = "feedback:"
-POOLED_KIND = "tool_gaps"
-ADOPTED_KIND = "tool_gaps_adopted"
-POOLED_TENANT = "*"
 
 
 class HintDispatcher:
@@ -111,19 +92,24 @@ class HintDispatcher:
         self._clock = clock
         self._budget_of = budget_of
         self._tenants = tuple(tenants)
-        self.learned = TenantStats(frozenset(self._tenants))
+        self._learning = LearnedState(writer, metrics, workers, self._tenants)
         self.holdings = HoldingsLedger()
-        self.feedback: dict[str, WorkerFeedback] = {}
         self.pending: dict[str, SentAction] = {}
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
         self._recent_by_id: dict[str, SentAction] = {}
-        self._feedback_config = FeedbackConfig()
         # Actions per tenant (None: actions of no tenant) and status they ended in.
         self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_gate = ApiBudgetGate(self.holdings, workers, self._block_size)
-        self._stats_dirty: set[str] = set()  # tenants whose statistics are not saved yet
-        self._pooled_adopted = False  # restore() seeded tenants from a pooled row
-        self._feedback_saved: dict[str, WorkerFeedback] = {}  # what save_learned last wrote
+
+    @property
+    def learned(self) -> TenantStats:
+        """Each served tenant's statistics (:mod:`.hint_learned`)."""
+        return self._learning.stats
+
+    @property
+    def feedback(self) -> dict[str, WorkerFeedback]:
+        """Each worker's outcome feedback (:mod:`.hint_learned`)."""
+        return self._learning.feedback
 
     # --- planner context ----------------------------------------------------------------
 
@@ -168,16 +154,12 @@ class HintDispatcher:
     def observe(self, observations: Iterable[Observation], tenant: str | None) -> None:
         """Fold the planner's observations of a session of ``tenant`` into that tenant's
         statistics only."""
-        for observation in observations:
-            if tenant is not None and self.learned.apply(tenant, observation):
-                self._stats_dirty.add(tenant)
-            else:
-                self._metrics.drop("learned_stats_unknown_tenant")
+        self._learning.observe(observations, tenant)
 
     def reset_worker(self, worker_id: str) -> None:
         """A new engine epoch: forget what the old engine taught us about this worker, and
         what it held (a restarted engine holds nothing)."""
-        self.feedback[worker_id] = WorkerFeedback(worker_id)
+        self._learning.reset_worker(worker_id)
         self.holdings.forget_worker(worker_id)
 
     def forget_worker(self, worker_id: str) -> None:
@@ -188,17 +170,11 @@ class HintDispatcher:
         after :meth:`reset_worker`). Its actions still waiting expire now, saved in the
         batch that deletes its row (and, by the foreign key, its actions' rows): later,
         with its row gone, the store would refuse them."""
-        self.feedback.pop(worker_id, None)
-        self._feedback_saved.pop(worker_id, None)
+        self._learning.forget_worker(worker_id)
         self.holdings.forget_worker(worker_id)
-        self._delete_feedback_row(worker_id)
         now = self._clock()
         for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
             self._expire(record, now, "worker forgotten")
-
-    def _delete_feedback_row(self, worker_id: str) -> None:
-        if self._writer is not None:
-            self._writer.delete("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)))
 
     # --- sending ------------------------------------------------------------------------
 
@@ -353,9 +329,7 @@ class HintDispatcher:
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
         self.holdings.settle(outcome)
         if record.source == PLANNER_SOURCE:  # an agent's actions never steer the planner
-            feedback = self.feedback.get(record.worker_id) or WorkerFeedback(record.worker_id)
-            self.feedback[record.worker_id] = apply_outcome(feedback, outcome,
-                                                            self._feedback_config)
+            self._learning.learn_outcome(record.worker_id, outcome)
         self._finish(record)
         return record
 
@@ -407,80 +381,20 @@ class HintDispatcher:
             self._writer.upsert("hint_actions", (record.action_id,), record.row())
 
     def save_learned(self, now: float) -> None:
-        """Queue a row per tenant whose statistics changed since saved ((tenant,
-        ``tenant_gaps``)), and per worker whose feedback did. After :meth:`restore` seeded
-        tenants from a pooled row, the row saying it was taken ((``*``,
-        ``tool_gaps_adopted``)) goes in the same batch as the seeded tenants' rows."""
-        if self._writer is None:
-            return
-        for tenant in sorted(self._stats_dirty):
-            self._writer.upsert("learned_stats", (tenant, TENANT_STATS_KIND), {
-                "tenant": tenant, "kind": TENANT_STATS_KIND,
-                "data": self.learned.of(tenant).to_dict(), "updated_at": now})
-        self._stats_dirty.clear()
-        if self._pooled_adopted:
-            self._writer.upsert("learned_stats", (POOLED_TENANT, ADOPTED_KIND), {
-                "tenant": POOLED_TENANT, "kind": ADOPTED_KIND, "data": {"adopted_at": now},
-                "updated_at": now})
-            self._pooled_adopted = False
-        for worker_id, feedback in self.feedback.items():
-            if self._feedback_saved.get(worker_id) is feedback:
-                continue  # unchanged since saved (feedback is replaced, never mutated)
-            self._writer.upsert("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)), {
-                "tenant": POOLED_TENANT, "kind": _feedback_kind(worker_id),
-                "data": feedback.to_dict(), "updated_at": now})
-            self._feedback_saved[worker_id] = feedback
+        """Queue the ``learned_stats`` rows changed since saved (:meth:`LearnedState.save`)."""
+        self._learning.save(now)
 
     def restore(self, learned: list[dict[str, Any]], pending: list[dict[str, Any]],
                 held: Sequence[dict[str, Any]] = ()) -> None:
-        """State from the store after a restart: learned statistics and feedback, actions
-        still waiting for an outcome, and the Pins/Retains workers still hold (``held``:
-        answered, TTL not over, oldest first), so budgets count them again. A pending
-        Pin/Retain is held at what it asked for until its outcome settles it.
-
-        Learned statistics: each tenant's row ((tenant, ``tenant_gaps``)) is its own; the
-        row of a tenant no longer served is left in the store, unused (counted,
-        ``learned_stats_unknown_tenant``). Upgrade from a router that kept one pooled row
-        for all tenants ((``*``, ``tool_gaps``)): every served tenant without a row of its
-        own starts from a copy of the pooled statistics, so the upgrade loses nothing;
-        :meth:`save_learned` then writes those tenants' rows and, in the same batch, the
-        row (``*``, ``tool_gaps_adopted``) saying the pooled one was taken. From then on
-        the pooled row is never read again (a tenant configured later starts from the
-        priors, not from other tenants' pre-upgrade traffic), whatever an older router
-        sharing the store during the rollout still writes into it. A router stopped
-        before that batch is written takes the pooled row again at its next start:
-        nothing is lost either way.
-
-        Feedback: a worker's row is read back if the registry (filled before this is
-        called) holds the worker; the row of one it does not (dropped from the config, or
-        silent too long to be restored) is deleted, as :meth:`forget_worker` does. So are
-        its actions' rows (with its own row, by the foreign key): they are not restored
-        (before, its holds counted against their tenant's budget until their TTL)."""
-        pooled: LearnedStats | None = None
-        adopted = any(row.get("kind") == ADOPTED_KIND and row.get("tenant") == POOLED_TENANT
-                      for row in learned)
-        for row in learned:
-            try:
-                if row["kind"] == POOLED_KIND and row["tenant"] == POOLED_TENANT:
-                    if not adopted:
-                        pooled = LearnedStats.from_dict(row["data"])
-                elif row["kind"] == TENANT_STATS_KIND:
-                    if not self.learned.put(row["tenant"], LearnedStats.from_dict(row["data"])):
-                        self._metrics.drop("learned_stats_unknown_tenant")
-                elif row["kind"].startswith(_FEEDBACK_PREFIX):
-                    worker_id = row["kind"][len(_FEEDBACK_PREFIX):]
-                    if worker_id not in self._workers:
-                        self._delete_feedback_row(worker_id)
-                        continue
-                    feedback = WorkerFeedback.from_dict(row["data"])
-                    self.feedback[feedback.worker_id] = feedback
-                    self._feedback_saved[feedback.worker_id] = feedback
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("ignoring stored %s: %s", row.get("kind"), exc)
-                self._metrics.drop("learned_stats_unreadable")
-        if pooled is not None:
-            self._stats_dirty.update(self.learned.seed(pooled, self._tenants))
-            self._pooled_adopted = True
+        """State from the store after a restart: learned statistics and feedback
+        (:meth:`LearnedState.restore`), actions still waiting for an outcome, and the
+        Pins/Retains workers still hold (``held``: answered, TTL not over, oldest first),
+        so budgets count them again. A pending Pin/Retain is held at what it asked for
+        until its outcome settles it. The actions of a worker the registry (filled before
+        this is called) does not hold are not restored (before, its holds counted against
+        their tenant's budget until their TTL); their rows go with the worker's own row
+        (by the foreign key)."""
+        self._learning.restore(learned)
         held = [row for row in held if row["worker_id"] in self._workers]
         pending = [row for row in pending if row["worker_id"] in self._workers]
         for row in held:
@@ -513,8 +427,3 @@ class HintDispatcher:
     def _block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)
         return worker.status.block_size if worker is not None and worker.status else 1
-
-
-def _feedback_kind(worker_id: str) -> str:
-    """The ``kind`` of ``worker_id``'s feedback row (tenant ``POOLED_TENANT``)."""
-    return f"{_FEEDBACK_PREFIX}{worker_id}"

@@ -1,0 +1,180 @@
+"""What the hint planner learnt, and its rows in the store's ``learned_stats`` table.
+
+Two kinds of learning (:mod:`kvhint.router.policy`): each tenant's statistics
+(:class:`TenantStats`; a tenant's planning reads, and its observations update, only its
+own) and each worker's outcome feedback (:class:`WorkerFeedback`, from the outcomes of the
+planner's actions). :class:`LearnedState` holds both for :class:`HintDispatcher`, knows
+what changed since it last saved, and reads them back after a restart.
+
+Invariants:
+
+- only the tenants the router serves learn (``tenants``); any other plans from the
+  priors, its observations and stored row dropped and counted
+  (``learned_stats_unknown_tenant``);
+- a worker's feedback is replaced, never mutated, so "changed since saved" is identity
+  against what was saved;
+- a worker the registry does not hold has no feedback row in the store: forgetting the
+  worker, or restoring without it, deletes the row.
+
+Rows (tenant, kind). A tenant's statistics: (tenant, TENANT_STATS_KIND). Routers from
+before statistics were per tenant kept one pooled row, (POOLED_TENANT, POOLED_KIND), and
+read every row of that kind as it: a kind of its own keeps them from taking a tenant's
+row for everyone while old and new routers share the store (a rolling upgrade, a
+rollback). That the pooled row was taken is a row of its own too, (POOLED_TENANT,
+ADOPTED_KIND), which no older router writes over. No tenant is named "*" (TenantConfig's
+names are letters, digits, "_", "." and "-"). Per-worker feedback: (POOLED_TENANT,
+"feedback:<worker>").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Container, Iterable
+from typing import Any
+
+from kvhint.router.policy import (
+    FeedbackConfig,
+    LearnedStats,
+    Observation,
+    TenantStats,
+    WorkerFeedback,
+    apply_outcome,
+)
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.store.writer import StoreWriter
+from kvhint.schemas import HintOutcome
+
+log = logging.getLogger(__name__)
+
+TENANT_STATS_KIND = "tenant_gaps"
+_FEEDBACK_PREFIX = "feedback:"
+POOLED_KIND = "tool_gaps"
+ADOPTED_KIND = "tool_gaps_adopted"
+POOLED_TENANT = "*"
+
+
+class LearnedState:
+    """The planner's learned statistics and per-worker feedback (module doc).
+
+    Args:
+        writer: where rows are queued (None: nothing is saved).
+        metrics: counts what is dropped.
+        workers: the worker ids the registry holds now (read at :meth:`restore`).
+        tenants: the tenants the router serves.
+    """
+
+    def __init__(self, writer: StoreWriter | None, metrics: RouterMetrics,
+                 workers: Container[str], tenants: Collection[str]) -> None:
+        self._writer = writer
+        self._metrics = metrics
+        self._workers = workers
+        self._tenants = tuple(tenants)
+        self.stats = TenantStats(frozenset(self._tenants))
+        self.feedback: dict[str, WorkerFeedback] = {}
+        self._feedback_config = FeedbackConfig()
+        self._stats_dirty: set[str] = set()  # tenants whose statistics are not saved yet
+        self._pooled_adopted = False  # restore() seeded tenants from a pooled row
+        self._feedback_saved: dict[str, WorkerFeedback] = {}  # what save() last wrote
+
+    def observe(self, observations: Iterable[Observation], tenant: str | None) -> None:
+        """Fold the planner's observations of a session of ``tenant`` into that tenant's
+        statistics only."""
+        for observation in observations:
+            if tenant is not None and self.stats.apply(tenant, observation):
+                self._stats_dirty.add(tenant)
+            else:
+                self._metrics.drop("learned_stats_unknown_tenant")
+
+    def learn_outcome(self, worker_id: str, outcome: HintOutcome) -> None:
+        """A planner's action to ``worker_id`` ended in ``outcome``."""
+        feedback = self.feedback.get(worker_id) or WorkerFeedback(worker_id)
+        self.feedback[worker_id] = apply_outcome(feedback, outcome, self._feedback_config)
+
+    def reset_worker(self, worker_id: str) -> None:
+        """A new engine epoch: what the old engine taught is forgotten."""
+        self.feedback[worker_id] = WorkerFeedback(worker_id)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The registry forgot the worker: its feedback goes, from memory and the store."""
+        self.feedback.pop(worker_id, None)
+        self._feedback_saved.pop(worker_id, None)
+        self._delete_feedback_row(worker_id)
+
+    def save(self, now: float) -> None:
+        """Queue a row per tenant whose statistics changed since saved ((tenant,
+        ``tenant_gaps``)), and per worker whose feedback did. After :meth:`restore` seeded
+        tenants from a pooled row, the row saying it was taken ((``*``,
+        ``tool_gaps_adopted``)) goes in the same batch as the seeded tenants' rows."""
+        if self._writer is None:
+            return
+        for tenant in sorted(self._stats_dirty):
+            self._writer.upsert("learned_stats", (tenant, TENANT_STATS_KIND), {
+                "tenant": tenant, "kind": TENANT_STATS_KIND,
+                "data": self.stats.of(tenant).to_dict(), "updated_at": now})
+        self._stats_dirty.clear()
+        if self._pooled_adopted:
+            self._writer.upsert("learned_stats", (POOLED_TENANT, ADOPTED_KIND), {
+                "tenant": POOLED_TENANT, "kind": ADOPTED_KIND, "data": {"adopted_at": now},
+                "updated_at": now})
+            self._pooled_adopted = False
+        for worker_id, feedback in self.feedback.items():
+            if self._feedback_saved.get(worker_id) is feedback:
+                continue  # unchanged since saved (feedback is replaced, never mutated)
+            self._writer.upsert("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)), {
+                "tenant": POOLED_TENANT, "kind": _feedback_kind(worker_id),
+                "data": feedback.to_dict(), "updated_at": now})
+            self._feedback_saved[worker_id] = feedback
+
+    def restore(self, learned: list[dict[str, Any]]) -> None:
+        """The ``learned_stats`` rows read back after a restart.
+
+        Each tenant's row ((tenant, ``tenant_gaps``)) is its own; the row of a tenant no
+        longer served is left in the store, unused (counted,
+        ``learned_stats_unknown_tenant``). Upgrade from a router that kept one pooled row
+        for all tenants ((``*``, ``tool_gaps``)): every served tenant without a row of its
+        own starts from a copy of the pooled statistics, so the upgrade loses nothing;
+        :meth:`save` then writes those tenants' rows and, in the same batch, the row
+        (``*``, ``tool_gaps_adopted``) saying the pooled one was taken. From then on the
+        pooled row is never read again (a tenant configured later starts from the priors,
+        not from other tenants' pre-upgrade traffic), whatever an older router sharing
+        the store during the rollout still writes into it. A router stopped before that
+        batch is written takes the pooled row again at its next start: nothing is lost
+        either way.
+
+        Feedback: a worker's row is read back if the registry (filled before this is
+        called) holds the worker; the row of one it does not (dropped from the config, or
+        silent too long to be restored) is deleted, as :meth:`forget_worker` does."""
+        pooled: LearnedStats | None = None
+        adopted = any(row.get("kind") == ADOPTED_KIND and row.get("tenant") == POOLED_TENANT
+                      for row in learned)
+        for row in learned:
+            try:
+                if row["kind"] == POOLED_KIND and row["tenant"] == POOLED_TENANT:
+                    if not adopted:
+                        pooled = LearnedStats.from_dict(row["data"])
+                elif row["kind"] == TENANT_STATS_KIND:
+                    if not self.stats.put(row["tenant"], LearnedStats.from_dict(row["data"])):
+                        self._metrics.drop("learned_stats_unknown_tenant")
+                elif row["kind"].startswith(_FEEDBACK_PREFIX):
+                    worker_id = row["kind"][len(_FEEDBACK_PREFIX):]
+                    if worker_id not in self._workers:
+                        self._delete_feedback_row(worker_id)
+                        continue
+                    feedback = WorkerFeedback.from_dict(row["data"])
+                    self.feedback[feedback.worker_id] = feedback
+                    self._feedback_saved[feedback.worker_id] = feedback
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("ignoring stored %s: %s", row.get("kind"), exc)
+                self._metrics.drop("learned_stats_unreadable")
+        if pooled is not None:
+            self._stats_dirty.update(self.stats.seed(pooled, self._tenants))
+            self._pooled_adopted = True
+
+    def _delete_feedback_row(self, worker_id: str) -> None:
+        if self._writer is not None:
+            self._writer.delete("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)))
+
+
+def _feedback_kind(worker_id: str) -> str:
+    """The ``kind`` of ``worker_id``'s feedback row (tenant ``POOLED_TENANT``)."""
+    return f"{_FEEDBACK_PREFIX}{worker_id}"
