@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.convertors import PathConvertor
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -100,12 +103,26 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.include_router(build_sessions_router())
     app.include_router(build_admin_router())
     app.include_router(build_dashboard_router())
+    _path_parameters_take_line_breaks(app)
     store_errors = StoreReadErrors()  # a failed store read: 503 if it may pass, else 500
     for store_error in STORE_ERRORS:
         app.add_exception_handler(store_error, store_errors)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
     return RouterApp(app)
+
+
+def _path_parameters_take_line_breaks(app: FastAPI) -> None:
+    """A ``{name:path}`` parameter (a session id, which may hold ``/``) is Starlette's
+    ``.*``, which stops at a line break: an id with ``%0A`` matched no route, a 404
+    counted nowhere, where every other control character is refused by the route's own
+    check and counted (400 on ``/v1``, 422 on ``/admin``). Matched across line breaks,
+    it is refused the same way."""
+    for route in app.router.routes:
+        convertors = getattr(route, "param_convertors", {})
+        if any(isinstance(c, PathConvertor) for c in convertors.values()):
+            route.path_regex = re.compile(route.path_regex.pattern, re.DOTALL)
 
 
 _INFERENCE_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETION.path: Endpoint.COMPLETION}
@@ -235,6 +252,34 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     response = _error(str(exc.detail), exc.status_code)
     response.headers.update(exc.headers or {})
     return response
+
+
+# Where FastAPI found a bad parameter (the first item of a validation error's ``loc``),
+# as an error message names it.
+_PARAMETER_PLACES = {"query": "query parameter", "path": "path parameter",
+                     "header": "header", "cookie": "cookie"}
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """A path or query parameter FastAPI refused (the admin API's bounds and names): 422
+    as before (clients and tests read it), in the error shape of :func:`_http_error`
+    instead of FastAPI's ``{"detail": [...]}``. The message names each parameter and
+    pydantic's ``msg`` (what was expected); the value sent (``input``, ``ctx``) is left
+    out, so no key or name a caller put in a URL comes back. ``param`` is the first
+    parameter's name. A body error names no field: past its top level a ``loc`` holds
+    the body's own keys."""
+    problems: list[str] = []
+    param: str | None = None
+    for error in exc.errors():
+        loc = error.get("loc") or ()
+        place = _PARAMETER_PLACES.get(str(loc[0])) if loc else None
+        if place is not None and len(loc) > 1:
+            name = str(loc[1])
+            param = param or name
+            problems.append(f"{place} {name!r}: {error.get('msg', 'invalid')}")
+        else:
+            problems.append(f"request body: {error.get('msg', 'invalid')}")
+    return _error("; ".join(problems) or "invalid request", 422, param)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -379,7 +379,8 @@ class Forwarder:
             status = 504 if exc.timed_out else 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
             error = openai_error(f"worker failed mid-stream: {exc}", status)
-            yield b"data: " + error + b"\n\n"
+            # Finish events held for a fingerprint (SseRelay) go first, as they came.
+            yield relay.release_held() + b"data: " + error + b"\n\n"
         except (GeneratorExit, asyncio.CancelledError):
             # Closed at a yield: the client went away before the stream's end (or just
             # after [DONE], before the worker's own end of the stream: served).

@@ -201,7 +201,11 @@ def parse_inbound(
         if not options.get("include_usage"):
             # The worker's usage (cached tokens) is how the router learns what its
             # routing achieved; the client never sees the extra chunk.
-            body["stream_options"] = {**options, "include_usage": True}
+            # ``continuous_usage_stats`` goes: vLLM reads it only with include_usage,
+            # so the client's answer (no usage anywhere) is unchanged; left in, it put
+            # a usage on every chunk the client gets.
+            kept = {k: v for k, v in options.items() if k != "continuous_usage_stats"}
+            body["stream_options"] = {**kept, "include_usage": True}
             strip_usage = True
 
     return InboundRequest(

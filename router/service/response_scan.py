@@ -50,9 +50,11 @@ class _Body(msgspec.Struct):
     usage: _Usage | None = None
     # vLLM's error event in a stream that had started (status 200): no usage follows.
     error: object = None
+    system_fingerprint: str | None = None
 
 
 _body_decoder = msgspec.json.Decoder(_Body)
+_event_decoder = msgspec.json.Decoder(dict)
 
 
 @dataclass(slots=True)
@@ -73,11 +75,16 @@ class ResponseObservation:
 
     def observe_json(self, payload: bytes) -> bool:
         """Take one response body or chunk; True when it is a usage-only chunk."""
+        body = self.observe(payload)
+        return body is not None and body.usage is not None and not body.choices
+
+    def observe(self, payload: bytes) -> _Body | None:
+        """Take one response body or chunk; what was read of it (None: unreadable)."""
         try:
             body = _body_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.malformed_chunks += 1
-            return False
+            return None
         if body.error is not None:
             self.errored = True
         for choice in body.choices:
@@ -94,8 +101,7 @@ class ResponseObservation:
             self.completion_tokens = body.usage.completion_tokens
             details = body.usage.prompt_tokens_details
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
-            return not body.choices
-        return False
+        return body
 
     @property
     def completion_tokens_per_choice(self) -> int:
@@ -131,12 +137,22 @@ class ResponseObservation:
 
 
 class SseRelay:
-    """Relays SSE events from ``chunks`` while filling ``observation``."""
+    """Relays SSE events from ``chunks`` while filling ``observation``.
+
+    Where the router asked for the usage chunk itself (``strip_usage_chunk``), vLLM puts
+    ``system_fingerprint`` on that chunk instead of on each choice's last (finish) chunk,
+    where a client that asked for no usage gets it. So each finish chunk is held until
+    the usage chunk comes (for ``n`` == 1, the next event), then sent with the
+    fingerprint written in, as vLLM sends it without usage; held ones go out unchanged
+    before any other event that is not a choice's (an error, ``[DONE]``), at the
+    stream's end, and (:meth:`release_held`) before the router's own error event."""
 
     def __init__(self, observation: ResponseObservation, strip_usage_chunk: bool) -> None:
         self.observation = observation
         self.strip_usage_chunk = strip_usage_chunk
         self._pending = b""
+        # Finish events waiting for the usage chunk's fingerprint (whole events).
+        self._held: list[bytes] = []
         # The stream's terminal ``data: [DONE]`` event has been relayed: the client has
         # the whole answer, and one that leaves now has not left early.
         self.finished = False
@@ -146,10 +162,11 @@ class SseRelay:
             out = self.feed(chunk)
             if out:
                 yield out
-        if self._pending:
-            # A stream that ended mid-event: pass the rest through as it is.
-            rest, self._pending = self._pending, b""
-            yield rest
+        # A stream that ended mid-event: pass the rest through as it is.
+        rest, self._pending = self._pending, b""
+        out = self.release_held() + rest
+        if out:
+            yield out
 
     def feed(self, chunk: bytes) -> bytes:
         """Whole events of ``pending + chunk`` to send now (may be empty)."""
@@ -160,25 +177,52 @@ class SseRelay:
             return b""
         complete, self._pending = data[: end + 2], data[end + 2:]
         if complete.count(b"\n\n") == 1:
-            return b"" if self._inspect(complete) else complete
-        kept = [event + b"\n\n" for event in complete.split(b"\n\n")[:-1]
-                if not self._inspect(event)]
-        return b"".join(kept)
+            return self._inspect(complete)
+        return b"".join([self._inspect(event + b"\n\n")
+                         for event in complete.split(b"\n\n")[:-1]])
 
-    def _inspect(self, event: bytes) -> bool:
-        """Observe one event; True when it must not reach the client."""
+    def release_held(self, fingerprint: str | None = None) -> bytes:
+        """The held finish events, with ``fingerprint`` written in where given."""
+        held, self._held = self._held, []
+        if fingerprint is None:
+            return b"".join(held)
+        return b"".join([_with_fingerprint(event, fingerprint) for event in held])
+
+    def _inspect(self, event: bytes) -> bytes:
+        """Observe one whole event; what of it (and of the held ones) to send now."""
         if (b'"finish_reason":null' in event and b"tool_calls" not in event
                 and b'"usage"' not in event and b'"error"' not in event):
             # A plain content delta (nearly every event): nothing to learn from it, and
             # skipping the JSON parse keeps the router's CPU per token small.
-            return False
+            return event
         start = event.find(b"data:")
         if start < 0:
-            return False
+            return self.release_held() + event
         payload = event[start + 5:].strip()
         if not payload.startswith(b"{"):
             if payload == b"[DONE]":
                 self.finished = True
-            return False
-        usage_only = self.observation.observe_json(payload)
-        return usage_only and self.strip_usage_chunk
+            return self.release_held() + event
+        body = self.observation.observe(payload)
+        if body is None or not self.strip_usage_chunk:
+            return self.release_held() + event
+        if body.usage is not None and not body.choices:  # the chunk the router asked for
+            return self.release_held(body.system_fingerprint)
+        if not body.choices or body.error is not None:
+            return self.release_held() + event
+        if body.system_fingerprint is None and any(c.finish_reason for c in body.choices):
+            self._held.append(event)
+            return b""
+        return event  # another choice's (n > 1) goes on; held ones wait
+
+
+def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:
+    """``event`` (``data: {...}`` and its blank line) with ``system_fingerprint`` set;
+    the event as it is where its JSON cannot be read (it was read once already)."""
+    start = event.find(b"data:")
+    try:
+        chunk = _event_decoder.decode(event[start + 5:].strip())
+    except msgspec.DecodeError:
+        return event
+    chunk["system_fingerprint"] = fingerprint
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"

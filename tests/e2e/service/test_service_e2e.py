@@ -102,9 +102,15 @@ def test_openai_sdk_streaming_and_not(stack: Stack) -> None:
     usage = chunks[-1].usage
     # Same session, same prefix, same worker: the second turn hits the cache.
     assert usage.prompt_tokens_details.cached_tokens >= 64
-    plain = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
-                                                stream=True, prompt_cache_key="sdk"))
-    assert plain[-1].usage is None  # the router's own usage chunk is not shown
+    # No usage asked for (continuous_usage_stats, which vLLM reads only with include_usage,
+    # asks for none): the router's own usage chunk is not shown, nor a usage on any other
+    # chunk, and the finish chunk carries vLLM's fingerprint, as from vLLM itself.
+    plain = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, stream=True, prompt_cache_key="sdk",
+        stream_options={"continuous_usage_stats": True}))
+    assert all(chunk.usage is None for chunk in plain)
+    assert plain[-1].choices[0].finish_reason == "length"
+    assert plain[-1].system_fingerprint == first.system_fingerprint is not None
     completion = client.completions.create(model="tiny", prompt="abc " * 40, max_tokens=3)
     assert completion.usage.completion_tokens == 3
     session = stack.admin("/sessions/default/sdk")

@@ -271,6 +271,7 @@ async def test_admin_parameters_are_checked_before_any_store_read(
                 ("/admin/sessions", {"state": "Active", "source": "store"}, "state"),
                 ("/admin/hints", {"status": "acepted"}, "status"),
                 ("/admin/sessions/a/x%00y", {}, "session_id"),
+                ("/admin/sessions/a/x%0Ay", {}, "session_id"),  # no route matched: 404
                 ("/admin/workers/w%01", {}, "worker_id")):
             response = await client.get(f"{router.url}{path}", params=params, headers=root)
             assert response.status_code == 422, (path, params, response.text)
@@ -371,6 +372,8 @@ async def test_every_refused_hints_call_is_counted_by_reason(
                 expected[reason] = expected.get(reason, 0) + 1
 
         await call("bad_request", 400, content=b"{not json", headers=admin)
+        # A line break in the id: it matched no route (404, counted nowhere) before.
+        await call("bad_request", 400, "s%0A1", json=pin, headers=admin)
         deep = b"[" * 1500 + b"1" + b"]" * 1500  # msgspec's RecursionError: was a 500
         await call("bad_request", 400, content=b'{"actions": [{"action_type": "kv.pin", '
                    b'"payload": {"x": ' + deep + b"}}]}", headers=admin)

@@ -58,6 +58,21 @@ def test_stream_usage_is_requested_and_marked_for_stripping() -> None:
     assert not inbound.strip_usage_chunk
 
 
+def test_continuous_usage_goes_with_the_usage_the_router_asks_for_itself() -> None:
+    """vLLM reads ``continuous_usage_stats`` only with ``include_usage``: a client that
+    sends it alone gets no usage anywhere. The router's own ``include_usage`` made vLLM put
+    a usage on every chunk the client got; it now leaves that option out. A client that
+    asked for usage keeps both."""
+    inbound = parse_inbound(Endpoint.CHAT, chat(stream=True, stream_options={
+        "continuous_usage_stats": True}), DEV, None, None)
+    assert inbound.strip_usage_chunk
+    assert inbound.body["stream_options"] == {"include_usage": True}
+    asked = {"include_usage": True, "continuous_usage_stats": True}
+    inbound = parse_inbound(Endpoint.CHAT, chat(stream=True, stream_options=asked), DEV,
+                            None, None)
+    assert not inbound.strip_usage_chunk and inbound.body["stream_options"] == asked
+
+
 def test_session_end_header() -> None:
     assert parse_inbound(Endpoint.CHAT, chat(), DEV, "s", "true").session_end
     assert not parse_inbound(Endpoint.CHAT, chat(), DEV, "s", "no").session_end

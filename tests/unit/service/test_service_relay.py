@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from kvhint.router.service.forwarding import Forwarder, _Flight
 from kvhint.router.service.inbound import Endpoint
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.upstream import UpstreamBroken
 
 EVENT = b"data: " + json.dumps(
     {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
@@ -69,3 +70,43 @@ def test_a_stream_closed_for_a_client_gone_after_done_was_served() -> None:
     code, relayed = asyncio.run(_status_counted([EVENT, DONE]))
     assert relayed == [EVENT, DONE]
     assert code == "200"
+
+
+class _BrokenAfter:
+    """A worker whose stream breaks after ``parts`` (a fake: a connection lost right
+    after one given event cannot be caused on demand from a real worker)."""
+
+    worker_id = "w0"
+    status = 200
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self._parts = parts
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for part in self._parts:
+            yield part
+        raise UpstreamBroken("worker w0: connection reset")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_finish_chunk_held_for_its_fingerprint_precedes_a_mid_stream_error() -> None:
+    """The relay holds a finish chunk until the usage chunk it strips (response_scan);
+    a worker that breaks in between: the client gets the finish chunk, then the error."""
+    finish = b"data: " + json.dumps({"choices": [
+        {"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}],
+        "system_fingerprint": None}).encode() + b"\n\n"
+    forwarder = Forwarder(None, None, None, None, RouterMetrics(),  # type: ignore[arg-type]
+                          on_worker_down=lambda _w: None)
+    inbound = SimpleNamespace(endpoint=Endpoint.CHAT, stream=True, strip_usage_chunk=True,
+                              session_end=False, tenant=SimpleNamespace(name="default"))
+    flight = _Flight(inbound, None, None, time.perf_counter())  # type: ignore[arg-type]
+
+    async def relayed() -> bytes:
+        return b"".join([c async for c in forwarder._relay(
+            flight, _BrokenAfter([EVENT, finish]))])  # type: ignore[arg-type]
+
+    out = asyncio.run(relayed())
+    assert out.startswith(EVENT + finish), out
+    assert b'"error"' in out[len(EVENT + finish):] and b"connection reset" in out

@@ -76,3 +76,61 @@ def test_plain_content_deltas_are_not_parsed() -> None:
     delta = b'data: {"choices":[{"delta":{"content":"x"},"finish_reason":null}], oops\n\n'
     out, seen = relay_all([delta], strip=True)
     assert out == delta and seen.malformed_chunks == 0
+
+
+FINGERPRINT = "vllm-0.32.0-abc"
+
+
+def chunk(index: int, content: str, finish: str | None = None) -> bytes:
+    return event({"id": "c1", "object": "chat.completion.chunk", "choices": [
+        {"index": index, "delta": {"content": content}, "finish_reason": finish}],
+        "system_fingerprint": None})
+
+
+USAGE = event({"id": "c1", "choices": [], "system_fingerprint": FINGERPRINT,
+               "usage": {"prompt_tokens": 9, "completion_tokens": 3,
+                         "prompt_tokens_details": {"cached_tokens": 0}}})
+DONE = b"data: [DONE]\n\n"
+
+
+def fingerprints(out: bytes) -> list[tuple[int, str | None, str | None]]:
+    """(choice index, finish_reason, system_fingerprint) of each chunk relayed."""
+    chunks = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    return [(c["choices"][0]["index"], c["choices"][0]["finish_reason"],
+             c["system_fingerprint"]) for c in chunks]
+
+
+def test_a_stripped_usage_chunk_leaves_its_fingerprint_on_the_finish_chunks() -> None:
+    """vLLM stamps ``system_fingerprint`` on each choice's finish chunk only without
+    ``include_usage``, else on the usage chunk. The router asks for usage itself and strips
+    that chunk, so a client that asked for none got no fingerprint at all, where vLLM
+    gives it one on the finish chunk; now the finish chunk carries it, as from vLLM."""
+    out, seen = relay_all([chunk(0, "a"), chunk(0, "b", "stop"), USAGE, DONE], strip=True)
+    assert fingerprints(out) == [(0, None, None), (0, "stop", FINGERPRINT)]
+    assert out.endswith(DONE) and seen.prompt_tokens == 9
+    # Split anywhere (the finish and usage events in one read or apart): the same.
+    whole = b"".join([chunk(0, "a"), chunk(0, "b", "stop"), USAGE, DONE])
+    for cut in range(1, len(whole), 37):
+        assert relay_all([whole[:cut], whole[cut:]], strip=True)[0] == out
+    # n > 1: each choice's finish chunk waits for the usage chunk; the other choice's
+    # content still goes on at once.
+    out, _ = relay_all([chunk(0, "a"), chunk(1, "x"), chunk(0, "b", "length"),
+                        chunk(1, "y"), chunk(1, "z", "length"), USAGE, DONE], strip=True)
+    assert fingerprints(out) == [(0, None, None), (1, None, None), (1, None, None),
+                                 (0, "length", FINGERPRINT), (1, "length", FINGERPRINT)]
+    # A client that asked for usage gets vLLM's events untouched.
+    parts = [chunk(0, "b", "stop"), USAGE, DONE]
+    assert relay_all(parts, strip=False)[0] == b"".join(parts)
+
+
+def test_a_held_finish_chunk_is_never_lost() -> None:
+    """No usage chunk (an error event, the worker's end of stream): the finish chunk goes
+    out unchanged, in its place before what came after it."""
+    error = event({"error": {"message": "boom", "code": 500}})
+    out, _ = relay_all([chunk(0, "b", "stop"), error, DONE], strip=True)
+    assert out == chunk(0, "b", "stop") + error + DONE
+    out, _ = relay_all([chunk(0, "b", "stop")], strip=True)
+    assert out == chunk(0, "b", "stop")
+    relay = SseRelay(ResponseObservation(), True)
+    assert relay.feed(chunk(0, "b", "stop")) == b""
+    assert relay.release_held() == chunk(0, "b", "stop")  # before the router's error event
