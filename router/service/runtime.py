@@ -167,7 +167,8 @@ class RouterRuntime:
                                        # seen the stream (one made with a longer age).
                                        forget_dead_after_s=max(
                                            3600.0, settings.events_stream_max_age_s),
-                                       replay_wait_s=settings.replay_wait_s))
+                                       replay_wait_s=settings.replay_wait_s,
+                                       conflict_hold_s=settings.conflict_hold_s))
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,

@@ -268,6 +268,13 @@ class RouterSettings(BaseSettings):
     # taken as over and those workers resync. A full default stream (1 GiB) replays in
     # ~30 s on 2 cores: raise it with a larger events_stream_max_bytes or a slower host.
     replay_wait_s: float = Field(60.0, gt=0, le=3600)
+    # How long a conflict over a worker's id (two engines heartbeating under it) stays
+    # held, reported (kvhint_router_worker_id_conflict, /admin/workers' "conflict") and
+    # the followed engine kept, after the other engine was last heard: longer than a vLLM
+    # server's restart, so the other one restarting does not end it. At least the
+    # plugin's longest heartbeat interval (300 s): a shorter hold ends between two of
+    # the other engine's beats, and the conflict is found and warned of again each time.
+    conflict_hold_s: float = Field(600.0, ge=300, le=86_400)
 
     database_url: str = "sqlite:///kvhint-router.db"
     migrate_on_start: bool = True

@@ -3,6 +3,7 @@ Node.js with a minimal stand-in for the page's DOM: only the elements it writes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -10,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
+from feed_helpers import status, until
 from kvhint.router.service.settings import RouterSettings
+from kvhint.schemas import Subjects, new_epoch
 
 DASHBOARD = (Path(__file__).resolve().parents[3] / "router" / "service" / "static"
              / "dashboard.html")
@@ -104,3 +108,48 @@ async def test_a_tenant_admins_overview_renders_without_the_fleets_figures(
     assert "s1" in elements["sessions"]["innerHTML"]
     workers = elements["workers"]["innerHTML"]
     assert "w0" in workers and "undefined" not in workers and "null" not in workers
+
+
+@needs_node
+@pytest.mark.usefixtures("throwaway_streams")
+async def test_a_worker_id_conflict_shows_in_the_workers_table(
+        tmp_path: Path, nats_url: str, subject_prefix: str) -> None:
+    """Two engines heartbeating under one worker id (over a real NATS server, as in
+    test_service_feed_id_conflict): the overview's worker has a ``conflict``, which the
+    workers table showed nowhere. Now its row names the other engine's address and
+    epoch; a worker without one shows "–" there."""
+    subjects = Subjects(subject_prefix)
+    first, second = new_epoch(1_000.0), new_epoch(2_000.0)
+    nc = await nats.connect(nats_url)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            assert await runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)  # subscriptions in place
+            await nc.publish(subjects.status("w1"), status("w1", first, 0, "http://w1:8000"))
+            beats = [(first, "http://127.0.0.1:1"), (second, "http://127.0.0.1:2")]
+            for n in range(40):  # taken as a restart first, then both keep beating
+                epoch, url = beats[n % 2]
+                await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
+                await asyncio.sleep(0.1)
+                if runtime.ingestor.conflicting_workers():
+                    break
+            await until(lambda: runtime.ingestor.conflicting_workers() == ("w0",))
+            await until(lambda: runtime.workers.get("w1") is not None)
+            overview = (await client.get(f"{router.url}/admin/overview")).json()
+    finally:
+        await nc.drain()
+    (w0,) = [w for w in overview["workers"] if w["worker_id"] == "w0"]
+    conflict = w0["conflict"]
+    assert conflict is not None and conflict["other_epoch"] != w0["epoch"]
+    elements = render(tmp_path, overview, overview["now"])
+    assert elements["err"]["textContent"] == ""
+    rows = elements["workers"]["innerHTML"].split("</tr>")
+    assert "<th>id conflict</th>" in rows[0]
+    (row0,) = [r for r in rows if "<td>w0</td>" in r]
+    shown = (f"<td class=bad>another engine: {conflict['other_url']} "
+             f"(epoch {conflict['other_epoch']}), heard ")
+    assert shown in row0, row0
+    (row1,) = [r for r in rows if "<td>w1</td>" in r]
+    assert row1.endswith("<td class=>–</td>"), row1

@@ -154,6 +154,10 @@ async def test_every_string_of_the_overview_renders_as_text(
     overview["sessions"][0]["planner"]["protection"] = {"action_type": "pin", "blocks": 2}
     overview["workers"][0]["epoch"] = "e"
     overview["workers"][0]["stream"] = {"phase": "live", "applied_seq": 4}
+    # Another engine heartbeating under the worker's id: its address and epoch are any
+    # NATS publisher's (test_service_dashboard_render makes a real one).
+    overview["workers"][0]["conflict"] = {"other_epoch": "e2", "other_url": "http://x",
+                                          "found_s_ago": 3.0, "other_heard_s_ago": 1.0}
     overview["workers"][0]["status"] = {"usage": {"kv_usage": 0.5, "pinned_blocks": 1,
                                                   "retained_blocks": 2}}
     before = render(tmp_path, overview, now)

@@ -75,3 +75,38 @@ async def test_unknown_routes_wrong_methods_and_admin_refusals_answer_in_the_err
             assert error["type"] == error_type_of(status), error
         listed = await client.get(f"{url}/admin/workers", headers=admin)
         assert listed.status_code == 200 and "workers" in listed.json()
+
+
+async def test_a_bad_admin_parameter_answers_422_in_the_error_shape_without_its_value(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A query or path parameter FastAPI refuses (out of bounds, not a number, a control
+    character in a name, not one of the values) answered ``{"detail": [...]}`` with the
+    value sent in each item's ``input``. Now 422 (as before) in the error shape: the
+    message names the parameter and what was expected, ``param`` is its name, and the
+    value sent never comes back."""
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], tenants=TENANTS)
+    admin = {"authorization": "Bearer aa"}
+    secret = "s3cret-Value"
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = router.url
+        for path, params, name, says in (
+                ("/admin/sessions", {"limit": "0"}, "limit", "greater than or equal to 1"),
+                ("/admin/hints", {"limit": secret}, "limit", "valid integer"),
+                ("/admin/hints", {"session_id": f"{secret}\x00"}, "session_id", "pattern"),
+                ("/admin/sessions", {"source": secret}, "source", "'memory' or 'store'"),
+                (f"/admin/workers/{secret}%01", {}, "worker_id", "pattern")):
+            response = await client.get(f"{url}{path}", params=params, headers=admin)
+            error = _error(response, 422)
+            assert error["type"] == "invalid_request_error", error
+            assert error["param"] == name, error
+            place = "path" if name == "worker_id" else "query"
+            assert error["message"].startswith(f"{place} parameter {name!r}: "), error
+            assert says in error["message"], error
+            assert secret not in response.text and "input" not in response.text, response.text
+        # Two bad parameters: both named.
+        both = _error(await client.get(f"{url}/admin/sessions", headers=admin,
+                                       params={"limit": "0", "source": "x"}), 422)
+        assert "'limit'" in both["message"] and "'source'" in both["message"], both
+        # Authentication still comes first: no key, a 401 (not a 422 naming parameters).
+        assert _error(await client.get(f"{url}/admin/sessions", params={"limit": "0"}),
+                      401)["type"] == "authentication_error"

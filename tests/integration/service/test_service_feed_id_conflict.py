@@ -16,12 +16,17 @@ import asyncio
 import logging
 from pathlib import Path
 
+import annotated_types
 import httpx
 import nats
 import pytest
+from pydantic import ValidationError
 
 from conftest import router_settings, running_router
 from feed_helpers import status, until
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.router.kv_index.stream_types import StreamConfig
+from kvhint.router.service.settings import RouterSettings
 from kvhint.schemas import Subjects, new_epoch
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
@@ -122,3 +127,25 @@ async def test_a_worker_restarting_alone_is_no_conflict(
                 is None
     finally:
         await nc.drain()
+
+
+async def test_the_conflict_hold_is_a_router_setting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVHINT_ROUTER_CONFLICT_HOLD_S reaches the ingestor the router runs with (before,
+    the hold was StreamConfig's 600 s, not a setting); out of its bounds it is refused,
+    naming it. Its floor is the plugin's longest heartbeat interval: a shorter hold would
+    end between two of the other engine's beats (the conflict found, and warned of, anew
+    at each)."""
+    assert RouterSettings().conflict_hold_s == StreamConfig().conflict_hold_s
+    (longest,) = [m.le for m in PluginConfig.model_fields["heartbeat_interval_s"].metadata
+                  if isinstance(m, annotated_types.Le)]
+    for bad in ("0", str(longest - 1), "86401"):
+        monkeypatch.setenv("KVHINT_ROUTER_CONFLICT_HOLD_S", bad)
+        with pytest.raises(ValidationError) as refused:
+            router_settings(tmp_path, [])
+        assert "conflict_hold_s" in str(refused.value)
+    monkeypatch.setenv("KVHINT_ROUTER_CONFLICT_HOLD_S", str(longest))
+    assert router_settings(tmp_path, []).conflict_hold_s == longest
+    monkeypatch.setenv("KVHINT_ROUTER_CONFLICT_HOLD_S", "900")
+    async with running_router(router_settings(tmp_path, [])) as router:
+        assert router.runtime.ingestor.config.conflict_hold_s == 900.0

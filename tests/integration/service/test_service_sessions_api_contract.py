@@ -334,15 +334,16 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
         publish, reached, go_on = link.publish, asyncio.Event(), asyncio.Event()
 
         async def held_publish(subject: str, data: bytes) -> bool:
-            if decode_hints(data).actions[0].payload.priority == 100:  # the agent's Retain
+            if any(a.action_id.endswith(":race-claim") for a in decode_hints(data).actions):
                 reached.set()
                 await go_on.wait()
             return await publish(subject, data)
 
         link.publish = held_publish
-        hinting = asyncio.create_task(client.post(f"{url}/v1/sessions/race/hints",
-                                                  json={**RETAIN, "wait_s": 0}))
-        await asyncio.wait_for(reached.wait(), 10)
+        claim = {"actions": [{**RETAIN["actions"][0], "action_id": "race-claim"}],
+                 "wait_s": 0}
+        hinting = asyncio.create_task(client.post(f"{url}/v1/sessions/race/hints", json=claim))
+        await asyncio.wait_for(reached.wait(), 30)
         ended = await client.delete(f"{url}/v1/sessions/race")
         assert ended.status_code == 200, ended.text
         assert not holdings.workers_holding("agent:default/race")  # not recorded yet
@@ -352,5 +353,6 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
         (claim,) = hinted.json()["actions"]
         await until(lambda: any(p.priority == 0 and action_id != claim["action_id"]
                                 and getattr(p, "owner", None) is not None
-                                and p.owner.value == "agent" for action_id, p in received))
-        await until(lambda: not holdings.workers_holding("agent:default/race"))
+                                and p.owner.value == "agent" for action_id, p in received),
+                    timeout_s=30)
+        await until(lambda: not holdings.workers_holding("agent:default/race"), timeout_s=30)

@@ -62,6 +62,18 @@ def test_alert_rules_and_dashboard_query_real_metrics() -> None:
     assert plugin_used <= plugin_names(), f"unknown metrics: {sorted(plugin_used - plugin_names())}"
 
 
+def test_the_dashboard_shows_worker_id_conflicts_by_worker() -> None:
+    """kvhint_router_worker_id_conflict{worker} (two engines publishing under one worker
+    id) was in an alert only, on no panel: the dashboard graphs it per worker, and says
+    what to do."""
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    shown = [(panel, target) for panel in dashboard["panels"] for target in panel["targets"]
+             if "kvhint_router_worker_id_conflict" in queried(target["expr"])]
+    assert shown, "no panel shows kvhint_router_worker_id_conflict"
+    assert any(target.get("legendFormat") == "{{worker}}" for _, target in shown)
+    assert all("worker_id" in panel["description"] for panel, _ in shown)
+
+
 def test_compose_and_kubernetes_manifests_parse() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     assert {"nats", "postgres", "router", "worker-0", "worker-1", "prometheus",

@@ -371,6 +371,65 @@ def test_kvhint_drops_fires_on_losses_only_and_every_drop_is_classified() -> Non
     assert _selected(drops, {"what": "a_newer_routers_drop"})
 
 
+# Every series of the engine plugin's counters (kvhint:<key>_total, and <key>:<value> for
+# a labelled one), classified like the router's drops. Losses (KvhintPluginDrops or
+# KvhintPluginEventsNotKept fires): a message lost or turned away, events not kept for
+# replay, an exception caught.
+_PLUGIN_LOSSES = {
+    "events_dropped", "inbound_dropped", "outcomes_dropped", "releases_dropped",
+    "nats_errors:slow_consumer", "publish_errors:heartbeat", "publish_errors:snapshot_reply",
+    # Another plugin build's what: unknown here, so alerted on.
+    "publish_errors:other",
+    "snapshot_requests_unanswered", "stream_create_failures", "jetstream_unavailable",
+    "internal_errors"}
+# On the panels, no alert.
+_PLUGIN_EXPECTED = {
+    # Throughput.
+    "events_published", "outcomes_published", "releases_published", "index_events",
+    # Hints doing what they say: holds released, displaced, expired, given back, clipped;
+    # repeats of an answered action (at-least-once delivery).
+    "retained_released_under_pressure", "retained_kept_in_use_under_pressure",
+    "retained_displaced", "claims_expired", "held_blocks_gone", "held_released_on_reset",
+    "prefetch_clipped_blocks", "hint_duplicates",
+    # Bounded memories letting go, as designed (a snapshot let go is taken anew; too many
+    # resyncs have their own alert).
+    "in_flight_ids_forgotten", "applied_ids_forgotten", "answered_ids_forgotten",
+    "index_sessions_evicted", "index_frontiers_dropped", "index_unknown_removed",
+    "index_unknown_hits", "snapshots_dropped", "snapshots_evicted",
+    "hint_apply_samples_dropped",
+    # Retried (put back at the queue's head); early outcomes whose final one follows (and
+    # counted in outcomes_dropped too); the connection's errors (nats_connected and
+    # KvhintPluginSilent show a plugin cut off).
+    "publish_errors:queued", "deferred_dropped", "nats_errors:other"}
+
+
+def test_the_plugin_alerts_fire_on_its_losses_only_and_every_counter_is_classified() -> None:
+    """KvhintPluginDrops watched events_dropped, inbound_dropped and internal_errors: the
+    plugin losing outcomes, release reports, heartbeats, snapshot pages, snapshot
+    requests, slow-consumer messages, or its events not kept for replay, alerted no one.
+    Every series of the plugin's counters is classified here (a new one must be before
+    this passes), and the plugin's alerts select exactly the losses."""
+    from kvhint.engine_plugin import metrics as plugin
+
+    series = set(plugin.COUNTERS) | {f"{key}:{value}" for key, (_, values, _) in
+                                     plugin.LABELLED_COUNTERS.items() for value in values}
+    assert not _PLUGIN_LOSSES & _PLUGIN_EXPECTED
+    assert series == _PLUGIN_LOSSES | _PLUGIN_EXPECTED, (
+        f"unclassified: {sorted(series - _PLUGIN_LOSSES - _PLUGIN_EXPECTED)}; "
+        f"no longer exported: {sorted((_PLUGIN_LOSSES | _PLUGIN_EXPECTED) - series)}")
+    selectors = [s for name in ("KvhintPluginDrops", "KvhintPluginEventsNotKept")
+                 for s in _selectors(parse(_rule(name)["expr"]))]
+
+    def fires(one: str) -> bool:
+        key, _, value = one.partition(":")
+        labels = {plugin.LABELLED_COUNTERS[key][0]: value} if value else {}
+        return any(s.name == f"{plugin.PREFIX}{key}_total" and _selected(s, labels)
+                   for s in selectors)
+    fired = {one for one in series if fires(one)}
+    assert fired == _PLUGIN_LOSSES, (f"losses left out: {sorted(_PLUGIN_LOSSES - fired)}; "
+                                     f"expected ones in: {sorted(fired - _PLUGIN_LOSSES)}")
+
+
 def test_the_workers_up_stat_counts_each_worker_once_across_router_replicas() -> None:
     """Every router replica reports every worker: the stat summed
     kvhint_router_worker_up over replicas, so the Kubernetes deployment's two routers
