@@ -102,6 +102,10 @@ class _Rejected(Exception):
         self.headers, self.extra = headers or {}, extra
 
 
+# On a 409 or 429 that the same call sent again cannot change (a budget, not a rate; an
+# ended session; no worker yet): OpenAI's SDKs retry every 409 and 429 unless told not
+# to by this header, twice by default, each time for nothing.
+_NO_RETRY = {"x-should-retry": "false"}
 _AUTH_REASONS = {401: "unauthorized", 403: "forbidden"}
 _BAD_REQUEST_REASONS = {413: "too_large", 408: "body_timeout"}
 
@@ -233,7 +237,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     worker_id = hint_request.worker_id or record.worker_id
     if worker_id is None:
         raise _Rejected("conflict", "the session has no worker yet (send a turn first, or "
-                        "name worker_id)", 409)
+                        "name worker_id)", 409, _NO_RETRY)
     if worker_id not in runtime.workers and worker_id != record.worker_id:
         raise _Rejected("unknown_worker", f"unknown worker {worker_id!r}", 404)
     worker = await runtime.workers.wait_heard(worker_id, _heartbeat_wait_s(runtime))
@@ -242,7 +246,8 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     # Checked after the last wait before the send, so an end that came meanwhile counts.
     if record.state == ENDED and record.plan.ended_explicitly:
         raise _Rejected("session_ended", f"session {session_id!r} was ended (DELETE, "
-                        "X-Session-End or an admin's end); its next turn opens it again", 409)
+                        "X-Session-End or an admin's end); its next turn opens it again", 409,
+                        _NO_RETRY)
     worker_sid = record.worker_session_id
     now = time.time()
     blocks = max(record.plan.context_tokens // max(worker.status.block_size, 1), 0)
@@ -272,7 +277,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
         wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)
         raise _Rejected("over_budget" if wait_s == 0 else "over_rate",
                         f"over budget; nothing was sent: {over}", 429,
-                        {"retry-after": str(math.ceil(wait_s))} if wait_s else None)
+                        {"retry-after": str(math.ceil(wait_s))} if wait_s else _NO_RETRY)
     scopes = {action.scope for action in planned}
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))

@@ -368,6 +368,10 @@ async def test_every_refused_hints_call_is_counted_by_reason(
             response = await client.post(f"{router.url}/v1/sessions/{session}/hints",
                                          **request)
             assert response.status_code == code, (reason, response.text)
+            # OpenAI's SDKs retry a 409 or 429 unless told not to: only those a retry
+            # can pass (a pending id, a rate) are left to them.
+            no_retry = reason in ("over_budget", "session_ended")
+            assert (response.headers.get("x-should-retry") == "false") == no_retry, reason
             if reason is not None:
                 expected[reason] = expected.get(reason, 0) + 1
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import nats
+import openai
 import pytest
 
 from conftest import StubWorker, router_settings, running_router, scrape
@@ -356,3 +357,28 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
                                 and p.owner.value == "agent" for action_id, p in received),
                     timeout_s=30)
         await until(lambda: not holdings.workers_holding("agent:default/race"), timeout_s=30)
+
+
+async def test_openais_sdk_does_not_retry_a_refusal_a_retry_cannot_change(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """OpenAI's SDK retries every 409 (twice by default) unless the answer says
+    ``x-should-retry: false``. A hints call to an ended session is refused the same way
+    every time: it is answered once, with that header. Before, the SDK sent it three
+    times (three refusals counted for one call). A refusal that can pass later (a hint id
+    still pending: 409 too) is left to the SDK's retries."""
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        hints={"tick_s": 3600.0}) as (router, client, _):
+        url = router.url
+        await _turn(client, url, "done")
+        assert (await client.delete(f"{url}/v1/sessions/done")).status_code == 200
+        sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2)
+        before = await scrape(client, url)
+        with pytest.raises(openai.ConflictError) as refused:
+            await sdk.post("/sessions/done/hints", body=RETAIN, cast_to=httpx.Response)
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        after = await scrape(client, url)
+        key = ("kvhint_router_hint_api_rejections_total",
+               frozenset({("reason", "session_ended")}))
+        assert after[key] - before.get(key, 0) == 1
+        await sdk.close()
