@@ -14,7 +14,8 @@ Invariants:
 - a worker's feedback is replaced, never mutated, so "changed since saved" is identity
   against what was saved;
 - a worker the registry does not hold has no feedback row in the store: forgetting the
-  worker, or restoring without it, deletes the row.
+  worker, or restoring without it, deletes the row (and retention, pruning the worker's
+  row, deletes it in the same transaction: store.retention).
 
 Rows (tenant, kind). A tenant's statistics: (tenant, TENANT_STATS_KIND). Routers from
 before statistics were per tenant kept one pooled row, (POOLED_TENANT, POOLED_KIND), and
@@ -22,8 +23,8 @@ read every row of that kind as it: a kind of its own keeps them from taking a te
 row for everyone while old and new routers share the store (a rolling upgrade, a
 rollback). That the pooled row was taken is a row of its own too, (POOLED_TENANT,
 ADOPTED_KIND), which no older router writes over. No tenant is named "*" (TenantConfig's
-names are letters, digits, "_", "." and "-"). Per-worker feedback: (POOLED_TENANT,
-"feedback:<worker>").
+names are letters, digits, "_", "." and "-"). Per-worker feedback: (FEEDBACK_TENANT,
+"feedback:<worker>"), the key the store's models define (retention deletes by it).
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from kvhint.router.policy import (
     apply_outcome,
 )
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.store.models import FEEDBACK_KIND_PREFIX, FEEDBACK_TENANT
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import HintOutcome
 
 log = logging.getLogger(__name__)
 
 TENANT_STATS_KIND = "tenant_gaps"
-_FEEDBACK_PREFIX = "feedback:"
 POOLED_KIND = "tool_gaps"
 ADOPTED_KIND = "tool_gaps_adopted"
 POOLED_TENANT = "*"
@@ -120,8 +121,8 @@ class LearnedState:
         for worker_id, feedback in self.feedback.items():
             if self._feedback_saved.get(worker_id) is feedback:
                 continue  # unchanged since saved (feedback is replaced, never mutated)
-            self._writer.upsert("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)), {
-                "tenant": POOLED_TENANT, "kind": _feedback_kind(worker_id),
+            self._writer.upsert("learned_stats", (FEEDBACK_TENANT, _feedback_kind(worker_id)), {
+                "tenant": FEEDBACK_TENANT, "kind": _feedback_kind(worker_id),
                 "data": feedback.to_dict(), "updated_at": now})
             self._feedback_saved[worker_id] = feedback
 
@@ -155,8 +156,8 @@ class LearnedState:
                 elif row["kind"] == TENANT_STATS_KIND:
                     if not self.stats.put(row["tenant"], LearnedStats.from_dict(row["data"])):
                         self._metrics.drop("learned_stats_unknown_tenant")
-                elif row["kind"].startswith(_FEEDBACK_PREFIX):
-                    worker_id = row["kind"][len(_FEEDBACK_PREFIX):]
+                elif row["kind"].startswith(FEEDBACK_KIND_PREFIX):
+                    worker_id = row["kind"][len(FEEDBACK_KIND_PREFIX):]
                     if worker_id not in self._workers:
                         self._delete_feedback_row(worker_id)
                         continue
@@ -172,9 +173,9 @@ class LearnedState:
 
     def _delete_feedback_row(self, worker_id: str) -> None:
         if self._writer is not None:
-            self._writer.delete("learned_stats", (POOLED_TENANT, _feedback_kind(worker_id)))
+            self._writer.delete("learned_stats", (FEEDBACK_TENANT, _feedback_kind(worker_id)))
 
 
 def _feedback_kind(worker_id: str) -> str:
-    """The ``kind`` of ``worker_id``'s feedback row (tenant ``POOLED_TENANT``)."""
-    return f"{_FEEDBACK_PREFIX}{worker_id}"
+    """The ``kind`` of ``worker_id``'s feedback row (tenant ``FEEDBACK_TENANT``)."""
+    return f"{FEEDBACK_KIND_PREFIX}{worker_id}"

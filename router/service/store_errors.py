@@ -18,12 +18,23 @@ Before, every OperationalError was a 503, and SQLite raises its "no such table" 
 a missing schema invited clients to retry for good. (PostgreSQL's, a ProgrammingError,
 was a 500 counted as the router's internal error, with a traceback each time.)
 
-SQLAlchemy wraps the driver's exception (``.orig``). It is classified by codes first:
-SQLAlchemy's own verdict (``connection_invalidated``: the connection dropped); sqlite3's
-result code (``sqlite_errorcode``, Python 3.11+; its message on 3.10, which has no
-code: SQLite's messages are English, it has no translations); the SQLSTATE (psycopg
-``sqlstate``, psycopg2 ``pgcode``; :func:`kvhint.router.store.db_errors.sqlstate`), so
-an error the server reports in another language is classified as in English.
+SQLAlchemy wraps the driver's exception (``.orig``). It is classified by codes first,
+so an error the server reports in another language is classified as in English:
+
+1. the SQLSTATE (psycopg ``sqlstate``, psycopg2 ``pgcode``;
+   :func:`kvhint.router.store.db_errors.sqlstate`), whether or not the connection dropped
+   with it (an error that ends the session, FATAL, always drops it). A code that says
+   what is wrong decides: permanent, 57P04 (database dropped), 3D000 (no such database)
+   and class 28 (authentication: for the configuration, as below); transient, classes
+   08, 40, 53, 57 (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot connect
+   now...) and 58, 55P03, 55006. Any other code is about the statement (42P01 no such
+   table, 22xxx bad data...) and permanent, unless the connection dropped with it (25P03
+   idle-in-transaction timeout): a new connection may pass, transient. Before, a
+   dropped connection decided first, so 57P04 or 28P01 on one was a 503 "retry later"
+   that no retry fixes;
+2. SQLAlchemy's own verdict (``connection_invalidated``: the connection dropped);
+3. sqlite3's result code (``sqlite_errorcode``, Python 3.11+; its message on 3.10, which
+   has no code: SQLite's messages are English, it has no translations).
 
 The message is the last resort, for one case only: a connection the server refused
 while it started. libpq keeps the SQLSTATE the server sent then to itself (no libpq
@@ -79,6 +90,10 @@ _SQLITE_TRANSIENT_MESSAGES = ("database is locked", "database table is locked",
 _PG_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
 _PG_TRANSIENT_STATES = frozenset({"55P03", "55006"})  # lock not available, object in use
 _PG_PERMANENT_STATES = frozenset({"57P04"})  # database dropped
+# SQLSTATEs of a refusal of the router's settings: 3D000 (no such database) and class 28
+# (invalid authorization: bad password, no such role, no pg_hba.conf entry).
+_PG_CONFIG_STATES = frozenset({"3D000"})
+_PG_CONFIG_CLASSES = frozenset({"28"})
 # The last resort (module docstring): the server's English message (lower case) for a
 # connection it refused for the router's configuration, which no retry fixes:
 # 28P01/28000 (authentication failed for the method the server asks, a role that does
@@ -110,6 +125,9 @@ def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
         return StoreFailure(True, f"connection pool: {_first_line(exc)}")
     orig = exc.orig
     cause = f"{type(orig).__module__}.{type(orig).__name__}: {_first_line(orig)}"
+    sqlstate = driver_sqlstate(orig)
+    if sqlstate is not None:
+        return _by_sqlstate(sqlstate, exc.connection_invalidated, cause)
     if exc.connection_invalidated:
         return StoreFailure(True, cause)
     if isinstance(orig, sqlite3.Error):
@@ -118,14 +136,21 @@ def classify(exc: DBAPIError | PoolTimeoutError) -> StoreFailure:
             return StoreFailure((code & 0xFF) in _SQLITE_TRANSIENT_CODES, cause)
         message = str(orig).lower()
         return StoreFailure(any(m in message for m in _SQLITE_TRANSIENT_MESSAGES), cause)
-    sqlstate = driver_sqlstate(orig)
-    if sqlstate is not None:
-        transient = sqlstate not in _PG_PERMANENT_STATES and (
-            sqlstate[:2] in _PG_TRANSIENT_CLASSES or sqlstate in _PG_TRANSIENT_STATES)
-        return StoreFailure(transient, cause)
     if _PG_CONNECT_CONFIG_ERRORS.search(str(orig).lower()):
         return StoreFailure(False, cause, config=True)
     return StoreFailure(isinstance(exc, OperationalError), cause)
+
+
+def _by_sqlstate(sqlstate: str, dropped: bool, cause: str) -> StoreFailure:
+    """The verdict of a PostgreSQL error's SQLSTATE (module docstring, 1), the connection
+    having ``dropped`` with it or not."""
+    if sqlstate in _PG_CONFIG_STATES or sqlstate[:2] in _PG_CONFIG_CLASSES:
+        return StoreFailure(False, cause, config=True)
+    if sqlstate in _PG_PERMANENT_STATES:
+        return StoreFailure(False, cause)
+    if sqlstate[:2] in _PG_TRANSIENT_CLASSES or sqlstate in _PG_TRANSIENT_STATES:
+        return StoreFailure(True, cause)
+    return StoreFailure(dropped, cause)
 
 
 class StoreReadErrors:

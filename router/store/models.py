@@ -67,6 +67,14 @@ class SessionRow(Base):
     __table_args__ = (Index("ix_sessions_last_activity", "last_activity"),)
 
 
+# The key of a worker's outcome feedback row in ``learned_stats``: (FEEDBACK_TENANT,
+# FEEDBACK_KIND_PREFIX + worker id). Written by the router (service.hint_learned); deleted
+# with the worker's row wherever that goes (forgotten, dropped at a restart, pruned by
+# retention: store.retention).
+FEEDBACK_TENANT = "*"
+FEEDBACK_KIND_PREFIX = "feedback:"
+
+
 class LearnedStatsRow(Base):
     """The planner's learned statistics (tool gaps per tool and depth), as its own plain
     data; one row per tenant and kind."""

@@ -5,11 +5,12 @@ Synchronous (SQLAlchemy Core); the service runs them in a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, func, select
 
 from kvhint.router.store.legacy_rows import (
     LEGACY_LOOKBACK_S,
@@ -45,7 +46,31 @@ class RecoveryState:
 
 def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
     with engine.connect() as conn:
-        return [dict(row._mapping) for row in conn.execute(statement)]
+        return _read(conn, statement)
+
+
+def _read(conn: Connection, statement: Any) -> list[dict[str, Any]]:
+    return [dict(row._mapping) for row in conn.execute(statement)]
+
+
+@contextmanager
+def _snapshot(engine: Engine) -> Iterator[Connection]:
+    """A connection whose reads all see the store as of one moment (one transaction,
+    read only), for as long as the block lasts.
+
+    PostgreSQL: REPEATABLE READ, READ ONLY (the snapshot is taken at the first read; READ
+    COMMITTED takes one per statement). SQLite: Python's sqlite3 opens no transaction
+    before a SELECT (each read is its own, WAL then shows each the latest commit), so the
+    block opens one itself (BEGIN: its first read fixes the WAL snapshot); SQLAlchemy's
+    commit at the end closes it. Neither blocks a writer."""
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            conn = conn.execution_options(isolation_level="REPEATABLE READ",
+                                          postgresql_readonly=True)
+        with conn.begin():
+            if conn.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN")
+            yield conn
 
 
 def load_recovery(engine: Engine, active_since: float, max_sessions: int,
@@ -57,26 +82,32 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
     Action rows a router of the store's first schema wrote (``scope`` and ``expires_at``
     NULL) come back with the two derived from their payload and sent time, as the router
     writes them now (:mod:`kvhint.router.store.legacy_rows`): they are held, and counted
-    against the budgets, until their TTL really ends."""
-    sessions = _rows(engine, select(*SessionRow.__table__.columns)
-                     .where(SessionRow.last_activity >= active_since)
-                     .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
-    workers = _rows(engine, select(*WorkerRow.__table__.columns))
-    budgets = worker_budgets(workers)
-    pending = [with_derived_columns(row, budgets.get(row["worker_id"]))
-               for row in _rows(engine, select(*HintActionRow.__table__.columns)
-                                .where(HintActionRow.status.in_(NON_TERMINAL)))]
-    held = [] if now is None else _held_actions(engine, now, budgets)
-    learned = _rows(engine, select(*LearnedStatsRow.__table__.columns))
-    cursors = {row["name"]: row["value"]
-               for row in _rows(engine, select(*CursorRow.__table__.columns))}
-    with engine.connect() as conn:
+    against the budgets, until their TTL really ends.
+
+    Everything is read in one transaction (:func:`_snapshot`): routers sharing the store
+    (replicas on one PostgreSQL) write while another starts. Before, each read was a
+    transaction of its own, and together they mixed moments: an action without the
+    session it belongs to, a held action of a worker deleted meanwhile, a session count
+    that did not match the sessions read (``sessions_complete``)."""
+    with _snapshot(engine) as conn:
+        sessions = _read(conn, select(*SessionRow.__table__.columns)
+                         .where(SessionRow.last_activity >= active_since)
+                         .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
+        workers = _read(conn, select(*WorkerRow.__table__.columns))
+        budgets = worker_budgets(workers)
+        pending = [with_derived_columns(row, budgets.get(row["worker_id"]))
+                   for row in _read(conn, select(*HintActionRow.__table__.columns)
+                                    .where(HintActionRow.status.in_(NON_TERMINAL)))]
+        held = [] if now is None else _held_actions(conn, now, budgets)
+        learned = _read(conn, select(*LearnedStatsRow.__table__.columns))
+        cursors = {row["name"]: row["value"]
+                   for row in _read(conn, select(*CursorRow.__table__.columns))}
         stored = conn.execute(select(func.count()).select_from(SessionRow)).scalar_one()
     return RecoveryState(sessions, pending, held, learned, workers, cursors,
                          sessions_complete=stored == len(sessions))
 
 
-def _held_actions(engine: Engine, now: float, budgets: Mapping[str, Budgets]
+def _held_actions(conn: Connection, now: float, budgets: Mapping[str, Budgets]
                   ) -> list[dict[str, Any]]:
     """Answered Pins/Retains whose TTL is not over at ``now``, oldest first: the rows
     that say so (a range of the ``expires_at`` index), and those that do not say when
@@ -84,10 +115,10 @@ def _held_actions(engine: Engine, now: float, budgets: Mapping[str, Budgets]
     may have) whose derived end is after ``now``."""
     holding = (HintActionRow.status.in_(HOLDING_STATUSES),
                HintActionRow.action_type.in_(HOLDING_TYPES))
-    live = _rows(engine, select(*HintActionRow.__table__.columns)
+    live = _read(conn, select(*HintActionRow.__table__.columns)
                  .where(*holding, HintActionRow.expires_at > now)
                  .order_by(HintActionRow.created_at))
-    undated = _rows(engine, select(*HintActionRow.__table__.columns)
+    undated = _read(conn, select(*HintActionRow.__table__.columns)
                     .where(*holding, HintActionRow.expires_at.is_(None),
                            HintActionRow.created_at > now - LEGACY_LOOKBACK_S)
                     .order_by(HintActionRow.created_at))

@@ -4,14 +4,25 @@ Only history goes: answered hint actions (never one still pending or deferred, n
 Pin/Retain whose TTL is not over), sessions idle since before the window, and workers
 learned from heartbeats (never configured ones) not heard since, with every action of
 theirs (the foreign key would cascade to them anyway: deleted first, so that they are
-counted). Synchronous (SQLAlchemy Core); the service runs it in a worker thread.
+counted) and their outcome feedback row (``learned_stats``, models.FEEDBACK_TENANT /
+FEEDBACK_KIND_PREFIX), in the same transaction: as the router's forgetting a worker
+does (hint_learned.LearnedState.forget_worker). Before, the feedback row stayed until a
+router's next start found its worker gone. Synchronous (SQLAlchemy Core); the service
+runs it in a worker thread.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, delete, or_, select
+from sqlalchemy import Engine, String, delete, literal, or_, select
 
-from kvhint.router.store.models import HintActionRow, SessionRow, WorkerRow
+from kvhint.router.store.models import (
+    FEEDBACK_KIND_PREFIX,
+    FEEDBACK_TENANT,
+    HintActionRow,
+    LearnedStatsRow,
+    SessionRow,
+    WorkerRow,
+)
 from kvhint.router.store.reader import NON_TERMINAL
 
 
@@ -27,10 +38,15 @@ def prune_history(engine: Engine, before: float) -> dict[str, int]:
             or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
     of_gone_workers = delete(HintActionRow).where(
         HintActionRow.worker_id.in_(select(WorkerRow.worker_id).where(*gone)))
+    feedback_of_gone_workers = delete(LearnedStatsRow).where(
+        LearnedStatsRow.tenant == FEEDBACK_TENANT,
+        LearnedStatsRow.kind.in_(
+            select(literal(FEEDBACK_KIND_PREFIX, String) + WorkerRow.worker_id).where(*gone)))
     workers = delete(WorkerRow).where(*gone)
     deleted: dict[str, int] = {}
     with engine.begin() as conn:
         for table, statement in (("hint_actions", actions), ("hint_actions", of_gone_workers),
+                                 ("learned_stats", feedback_of_gone_workers),
                                  ("sessions", sessions), ("workers", workers)):
             deleted[table] = deleted.get(table, 0) + (conn.execute(statement).rowcount or 0)
     return deleted

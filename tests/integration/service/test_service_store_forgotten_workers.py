@@ -1,7 +1,7 @@
 """A forgotten worker's feedback row, and its row in ``workers``, leave the store with it,
-on SQLite and PostgreSQL: forgotten at run time (the registry forgot it: silent for good)
-or found gone at a restart (dropped from the config). And the writer's deletes keep their
-place in its queue among the writes to the same row."""
+on SQLite and PostgreSQL: forgotten at run time (the registry forgot it: silent for good),
+found gone at a restart (dropped from the config) or pruned by retention. And the
+writer's deletes keep their place in its queue among the writes to the same row."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import LearnedStatsRow, WorkerRow
 from kvhint.router.store.reader import load_recovery
+from kvhint.router.store.retention import prune_history
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Budgets, Subjects, Usage, WorkerStatus
 
@@ -82,6 +83,47 @@ def test_a_forgotten_workers_feedback_row_is_deleted_and_not_read_back(
 
         asyncio.run(restart())
         assert _feedback_rows(engine) == {"kept": 0.5}
+    finally:
+        engine.dispose()
+
+
+def test_retention_deletes_a_pruned_workers_feedback_row_with_its_row(
+        database_url: str) -> None:
+    """Retention prunes "pruned" (heard only by heartbeats, not since the window): its
+    feedback row goes in the same transaction as its row, as when the router forgets a
+    worker, and is counted. Before, it stayed until a router's next start found its worker
+    gone. "live" (heard since), "cfg" (configured, never pruned) and "pruned_2" (a name
+    whose "_" a LIKE would match with "pruned" ones) keep theirs, and so do the tenants'
+    statistics."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(WorkerRow.__table__.insert(), [
+                _worker_row("pruned", False, NOW - 7200.0), _worker_row("live", False, NOW),
+                _worker_row("cfg", True, NOW - 7200.0), _worker_row("pruned_2", False, NOW)])
+
+        async def run() -> None:
+            hints, writer = _router(engine, [("cfg", "http://c")])
+            for worker in ("pruned", "live", "pruned_2"):
+                hints._workers.ensure(worker, f"http://{worker}")  # learnt from heartbeats
+            for worker in ("pruned", "live", "cfg", "pruned_2"):
+                hints.feedback[worker] = WorkerFeedback(worker, pin_ask_scale=0.5)
+            hints.save_learned(NOW)
+            writer.upsert("learned_stats", ("acme", "tenant_gaps"), {
+                "tenant": "acme", "kind": "tenant_gaps", "data": {}, "updated_at": NOW})
+            await writer.close()
+
+        asyncio.run(run())
+        assert set(_feedback_rows(engine)) == {"pruned", "live", "cfg", "pruned_2"}
+        assert prune_history(engine, before=NOW - 3600.0) == {
+            "hint_actions": 0, "learned_stats": 1, "sessions": 0, "workers": 1}
+        assert _feedback_rows(engine) == {"live": 0.5, "cfg": 0.5, "pruned_2": 0.5}
+        assert _worker_rows(engine) == {"live", "cfg", "pruned_2"}
+        with engine.connect() as conn:
+            assert conn.execute(select(LearnedStatsRow.kind).where(
+                LearnedStatsRow.tenant == "acme")).scalars().all() == ["tenant_gaps"]
+        assert prune_history(engine, before=NOW - 3600.0)["learned_stats"] == 0
     finally:
         engine.dispose()
 

@@ -172,7 +172,7 @@ def test_each_way_a_workers_row_goes_takes_its_actions(database_url: str) -> Non
         asyncio.run(run())
         assert set(_action_workers(engine).values()) == {"kept", "pruned"}
         assert prune_history(engine, before=NOW - 3600) == {
-            "hint_actions": 2, "sessions": 0, "workers": 1}
+            "hint_actions": 2, "learned_stats": 0, "sessions": 0, "workers": 1}
         assert _action_workers(engine) == {"kept-accepted": "kept", "kept-pending": "kept"}
         assert _orphans(engine) == 0 and drops == []
     finally:

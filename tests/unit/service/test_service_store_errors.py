@@ -266,3 +266,97 @@ def test_of_several_attempts_one_refused_for_its_settings_decides() -> None:
         assert not failure.transient and failure.config
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize(("sqlstate", "transient", "config"), [
+    ("57P04", False, False),  # database dropped (a standby replaying its drop)
+    ("3D000", False, True),   # no such database
+    ("28P01", False, True),   # password authentication failed
+    ("28000", False, True),   # invalid authorization (no such role, no pg_hba entry)
+    ("57P01", True, False),   # admin shutdown (terminated, a server stopping)
+    ("57P02", True, False),   # crash shutdown (another backend crashed)
+    ("57P03", True, False),   # cannot connect now (starting up)
+    # Idle-in-transaction timeout: the code says no more than the drop (a new
+    # connection passes).
+    ("25P03", True, False),
+])
+def test_a_definite_sqlstate_decides_on_a_dropped_connection(
+        sqlstate: str, transient: bool, config: bool) -> None:
+    """An error that ends the session (FATAL) drops the connection with it, which
+    SQLAlchemy says as ``connection_invalidated``. Before, that decided first: 57P04,
+    3D000 and 28xxx were 503 "retry later", that no retry fixes. Now the code decides
+    where it says what is wrong; the drop only where it does not (25P03). psycopg's own
+    error classes, made here: the test server cannot be made to send these on a live
+    connection on cue (57P04 comes only from a standby, 57P02 from a crashed backend,
+    28xxx and 3D000 only at a connection's start, where libpq keeps the code); 57P01 is
+    caused for real below."""
+    psycopg = pytest.importorskip("psycopg")
+    orig = psycopg.errors.lookup(sqlstate)(f"server said {sqlstate}")
+    failure = classify(OperationalError("SELECT 1", {}, orig, connection_invalidated=True))
+    assert (failure.transient, failure.config) == (transient, config)
+
+
+def _throwaway_database() -> tuple[Engine, str]:
+    """A new database on the test PostgreSQL (skipped when nothing answers), and the
+    name an admin connection to it is made with. The caller drops it."""
+    admin = _postgres("postgres", os.environ.get("KVHINT_TEST_PG_DB", "test"))
+    name = f"kvhint_dropped_{os.getpid()}_{free_port()}"
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    return admin, name
+
+
+def _on_admin(admin: Engine, sql: str, **params: object) -> None:
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(sql), params)
+
+
+def test_a_store_connection_an_operator_terminates_is_transient() -> None:
+    """pg_terminate_backend on the store's connection from another one: the server says
+    57P01 (admin shutdown) and drops it; transient, and the next read (a new
+    connection) passes."""
+    from kvhint.router.store.database import create_store_engine
+
+    admin, name = _throwaway_database()
+    store = create_store_engine(admin.url.set(database=name).render_as_string(False))
+    try:
+        with store.connect() as conn:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            _on_admin(admin, "SELECT pg_terminate_backend(:pid)", pid=pid)
+            with pytest.raises(STORE_ERRORS) as raised:
+                conn.execute(text("SELECT 1")).all()
+        assert raised.value.connection_invalidated
+        assert getattr(raised.value.orig, "sqlstate", None) == "57P01"
+        assert classify(raised.value) == StoreFailure(
+            True, "psycopg.errors.AdminShutdown: terminating connection due to "
+                  "administrator command")
+        assert _select(store, "SELECT 1")() == [(1,)]
+    finally:
+        store.dispose()
+        _on_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def test_a_dropped_store_database_is_permanent_from_the_next_connection() -> None:
+    """The store's database dropped WITH (FORCE) from another connection: the server
+    ends the store's connection as an operator's terminate (57P01: it cannot be told
+    from a restart, transient), then refuses the next one for a database that does not
+    exist (3D000, told by its message, for the configuration): permanent, a 500."""
+    from kvhint.router.store.database import create_store_engine
+
+    admin, name = _throwaway_database()
+    store = create_store_engine(admin.url.set(database=name).render_as_string(False))
+    try:
+        with store.connect() as conn:
+            conn.execute(text("SELECT 1"))
+            _on_admin(admin, f'DROP DATABASE "{name}" WITH (FORCE)')
+            first = _failure(lambda: conn.execute(text("SELECT 1")).all())
+        assert first.transient and "AdminShutdown" in first.cause
+        for _ in range(2):  # a connection in the pool, then a new one: the same
+            failure = _failure(_select(store, "SELECT 1"))
+            assert not failure.transient and failure.config
+            assert f'database "{name}" does not exist' in failure.cause
+    finally:
+        store.dispose()
+        _on_admin(admin, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
