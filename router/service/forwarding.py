@@ -404,6 +404,10 @@ class Forwarder:
         if flight.accounted:
             return
         flight.accounted = True
+        # A 200 that carried the worker's error (vLLM's error event in a stream) failed:
+        # counted, and settled for its session, by that error's status, as a stream
+        # that broke mid-way is by the router's own (502/504).
+        status = flight.observation.turn_status(status)
         if flight.tenant_slot:
             flight.tenant_slot = False
             self.slots.give_back(flight.inbound.tenant.name)
@@ -445,9 +449,10 @@ class Forwarder:
 
     def _ends_session(self, flight: _Flight, answered: bool, status: int) -> bool:
         """Whether the turn ends its session: it asked to (``X-Session-End``) and it
-        succeeded. A turn that failed (the worker's error, a broken stream, the client
-        gone before the whole answer) is one its agent retries, into a session that must
-        still be open: the end is skipped, and counted by the turn's status."""
+        succeeded. A turn that failed (the worker's error, as a status or as an error
+        event in its stream, a broken stream, the client gone before the whole answer)
+        is one its agent retries, into a session that must still be open: the end is
+        skipped, and counted by the turn's status."""
         if not flight.inbound.session_end or answered:
             return flight.inbound.session_end
         reason = "client_gone" if status == 499 else "refused" if status < 500 else "failed"

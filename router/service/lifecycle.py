@@ -144,7 +144,6 @@ class SessionLifecycle:
         if record.worker_id is not None and record.worker_id != worker_id:
             self._metrics.session_moves.inc()
         record.worker_id = worker_id
-        record.turns += 1
         record.predicted_cached_tokens += predicted_cached
         record.last_block_hashes = block_hashes[:self._max_prompt_blocks]
         if record.state == ENDED:  # ended while this turn was on its way: plan nothing
@@ -159,10 +158,16 @@ class SessionLifecycle:
     async def finished(self, record: SessionRecord, worker_id: str,
                        observation: ResponseObservation | None, session_end: bool,
                        answered: bool = True) -> None:
-        """``answered``: the worker took the prompt (2xx); a refused one's block hashes
-        are not kept (the session keeps those of its last answered prompt)."""
+        """``answered``: the worker answered the turn (2xx, no error in its stream). Only
+        an answered turn counts in the session's ``turns``: the exchanges it has had,
+        what an operator reads as its depth (and what a tool gap's depth records), not
+        its attempts: a turn the worker refused (a prompt too long) or failed, which the
+        agent retries, would count twice (the request metrics count those by status).
+        A refused one's block hashes are not kept either (the session keeps those of
+        its last answered prompt)."""
         now = self._clock()
         if answered:
+            record.turns += 1
             record.answered_block_hashes = record.last_block_hashes
         else:
             record.last_block_hashes = record.answered_block_hashes

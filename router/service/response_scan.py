@@ -67,8 +67,9 @@ class ResponseObservation:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     malformed_chunks: int = 0
-    # The worker answered with an error (an ``error`` object) instead of a completion.
-    errored: bool = False
+    # The worker answered with an error (an ``error`` object) instead of a completion:
+    # the status it names (:func:`_error_status`), None while it has not.
+    error_status: int | None = None
     # Completions in the response (``n`` > 1: several; highest choice index seen + 1).
     # Every choice of a stream ends in an event with its finish_reason, which is read.
     choices: int = 0
@@ -85,8 +86,8 @@ class ResponseObservation:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.malformed_chunks += 1
             return None
-        if body.error is not None:
-            self.errored = True
+        if body.error is not None and self.error_status is None:
+            self.error_status = _error_status(body.error)
         for choice in body.choices:
             self.choices = max(self.choices, choice.index + 1)
             if choice.finish_reason:
@@ -102,6 +103,18 @@ class ResponseObservation:
             details = body.usage.prompt_tokens_details
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
         return body
+
+    def turn_status(self, status: int) -> int:
+        """The turn's outcome as a status: ``status``, except for a 2xx that carried the
+        worker's error, which failed with that error's status. vLLM reports a failure
+        once a stream has begun (headers sent with 200) as an error event, ``data:
+        {"error": {"message", "type", "param", "code"}}`` then ``data: [DONE]``, the
+        stream then ending cleanly (vllm/entrypoints/openai/chat_completion/serving.py,
+        completion/serving.py: ``create_streaming_error_response``), so the status
+        alone reads it as a success."""
+        if 200 <= status < 300 and self.error_status is not None:
+            return self.error_status
+        return status
 
     @property
     def completion_tokens_per_choice(self) -> int:
@@ -123,7 +136,7 @@ class ResponseObservation:
             return None
         if self.malformed_chunks:
             return "response_unparsable"
-        if self.prompt_tokens is None and not self.errored:
+        if self.prompt_tokens is None and self.error_status is None:
             return "response_usage_missing"
         return None
 
@@ -214,6 +227,14 @@ class SseRelay:
             self._held.append(event)
             return b""
         return event  # another choice's (n > 1) goes on; held ones wait
+
+
+def _error_status(error: object) -> int:
+    """The status a worker's error object names: vLLM's ``code`` (the HTTP status it
+    would have answered with: 400 for a request it could not take, 500 for a failed
+    generation, 503 for a retryable one); 500 where it names no 4xx or 5xx."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if type(code) is int and 400 <= code < 600 else 500
 
 
 def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:

@@ -37,6 +37,7 @@ class SessionRecord:
     last_activity: float
     plan: SessionPlanState
     worker_id: str | None = None
+    # Turns a worker answered (2xx, no error in its stream): not those refused or failed.
     turns: int = 0
     state: str = ACTIVE
     ended_at: float | None = None

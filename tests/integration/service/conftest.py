@@ -74,6 +74,7 @@ class StubWorker:
     port: int = field(default_factory=free_port)
     # "ok" | "status:<code>" | "html:<code>" (an HTML page) | "die_mid_stream" | "slow_stream" | "no_usage" (a 200 without
     # usage, streamed or not) | "unparsable" (a 200 whose body, or an event, is not JSON)
+    # | "error_event:<code>" (a stream that fails after its first event as vLLM's does)
     mode: str = "ok"
     finish_reason: str = "stop"
     tool_names: list[str] = field(default_factory=list)
@@ -189,6 +190,18 @@ class StubWorker:
             if self.mode == "die_mid_stream":
                 await asyncio.sleep(0.1)  # let the first event reach the router
                 request.transport.close()  # type: ignore[union-attr]
+                return response
+            if self.mode.startswith("error_event:"):
+                # vLLM's bytes for a generation that fails once the stream has begun
+                # (create_streaming_error_response: json.dumps of its ErrorResponse),
+                # then [DONE] and a clean end: no usage chunk.
+                code = int(self.mode.split(":")[1])
+                kind = "InternalServerError" if code >= 500 else "BadRequestError"
+                await response.write(b"data: " + json.dumps({"error": {
+                    "message": f"stub fails: {kind}", "type": kind, "param": None,
+                    "code": code}}).encode() + b"\n\n")
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
                 return response
             if number == 0 and self.chunk_gap_s:
                 await asyncio.sleep(self.chunk_gap_s)

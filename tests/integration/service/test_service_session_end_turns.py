@@ -4,6 +4,8 @@ vLLM): an agent whose last turn failed retries it, so the session must still be 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +24,8 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
     """A turn with ``X-Session-End`` that the worker refuses (4xx), fails (5xx), or whose
     stream breaks mid-way (the client gets an error event) leaves the session open,
     counted in session_end_skips_total by reason; the retry that succeeds ends it.
-    Before, every one of them ended the session."""
+    Before, every one of them ended the session. None of them counts in the session's
+    ``turns`` (before, each did: a refused prompt retried counted twice)."""
     stub = stub_workers[0]
     settings = router_settings(tmp_path, [("w0", stub.url)])
     async with running_router(settings) as router, httpx.AsyncClient() as client:
@@ -42,12 +45,84 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
             assert record.state == "active", mode
             after = sample(await scrape(client, router.url), SKIPS, reason=reason)
             assert after == before + 1, (mode, before, after)
+            assert record.turns == 1, mode
+        # What an operator reads: the answered turns, not the attempts.
+        admin = f"{router.url}/admin/sessions/default/agent-1"
+        assert (await client.get(admin)).json()["turns"] == 1
         stub.mode = "ok"
         skipped = _skips(await scrape(client, router.url))
         retried = await client.post(url, json={**CHAT, "stream": True}, headers=END)
         assert retried.status_code == 200 and "[DONE]" in retried.text
-        assert record.state == "ended"
+        assert record.state == "ended" and record.turns == 2
+        assert (await client.get(admin)).json()["turns"] == 2
         assert _skips(await scrape(client, router.url)) == skipped
+
+
+async def test_a_stream_carrying_the_workers_error_event_is_a_failed_turn(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """vLLM reports a generation that fails once its stream has begun (the 200 sent) as
+    an error event, then ``[DONE]``, the stream ending cleanly. That turn failed: the
+    client gets the stream as it came, its ``X-Session-End`` is skipped and counted by
+    the error's code (500: failed; 400: refused), as is the request in requests_total,
+    the session's ``turns`` leaves it out, and the retry that succeeds ends the session.
+    Before, it was a 200 whole: it ended the session, and counted as answered."""
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/chat/completions"
+        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
+                ).status_code == 200
+        record = router.runtime.sessions.get("default", "agent-1")
+        for code, reason in ((500, "failed"), (400, "refused")):
+            stub.mode = f"error_event:{code}"
+            before = sample(await scrape(client, router.url), SKIPS, reason=reason)
+            answer = await client.post(url, json={**CHAT, "stream": True}, headers=END)
+            assert answer.status_code == 200
+            assert f'"code": {code}' in answer.text, answer.text
+            assert answer.text.endswith("data: [DONE]\n\n"), answer.text
+            assert record.state == "active" and record.turns == 1, code
+            samples = await scrape(client, router.url)
+            assert sample(samples, SKIPS, reason=reason) == before + 1, code
+            assert sample(samples, "kvhint_router_requests_total", code=str(code),
+                          endpoint="chat", worker="w0") == 1
+        stub.mode = "ok"
+        retried = await client.post(url, json={**CHAT, "stream": True}, headers=END)
+        assert retried.status_code == 200 and "[DONE]" in retried.text
+        assert record.state == "ended" and record.turns == 2
+
+
+async def test_a_client_gone_mid_stream_does_not_end_its_session(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A client that hangs up mid-stream (httpx closing the response after its first
+    event, while the worker is silent) did not get its answer: the router closes the
+    worker's response at once, counts a 499, and skips the turn's ``X-Session-End``
+    (client_gone); the retry that gets its whole answer ends the session."""
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/chat/completions"
+        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
+                ).status_code == 200
+        record = router.runtime.sessions.get("default", "agent-1")
+        before = sample(await scrape(client, router.url), SKIPS, reason="client_gone")
+        stub.chunk_gap_s = 6.0  # silent after the first event: the client leaves then
+        async with client.stream("POST", url, json={**CHAT, "stream": True},
+                                 headers=END) as response:
+            async for _line in response.aiter_lines():
+                break  # the first event, then the client hangs up
+        started = time.monotonic()
+        while record.inflight and time.monotonic() - started < 3.0:
+            await asyncio.sleep(0.05)
+        assert record.inflight == 0  # settled long before the worker's next event
+        samples = await scrape(client, router.url)
+        assert sample(samples, SKIPS, reason="client_gone") == before + 1
+        assert sample(samples, "kvhint_router_requests_total", code="499",
+                      endpoint="chat", worker="w0") == 1
+        assert record.state == "active" and record.turns == 1
+        stub.chunk_gap_s = 0.0
+        retried = await client.post(url, json={**CHAT, "stream": True}, headers=END)
+        assert retried.status_code == 200 and "[DONE]" in retried.text
+        assert record.state == "ended" and record.turns == 2
 
 
 def _skips(samples: dict) -> dict[str, float | None]:

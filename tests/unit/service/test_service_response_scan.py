@@ -134,3 +134,30 @@ def test_a_held_finish_chunk_is_never_lost() -> None:
     relay = SseRelay(ResponseObservation(), True)
     assert relay.feed(chunk(0, "b", "stop")) == b""
     assert relay.release_held() == chunk(0, "b", "stop")  # before the router's error event
+
+
+# vLLM's bytes for a generation that fails once its stream has begun (the 200 sent):
+# json.dumps of create_error_response(GenerationError()).model_dump() (vllm/entrypoints/
+# serve/exception_handling/error_response.py), then [DONE], the stream ending cleanly.
+VLLM_ERROR = (b'data: {"error": {"message": "Internal server error", "type": '
+              b'"InternalServerError", "param": null, "code": 500}}\n\n')
+
+
+def test_a_stream_with_the_workers_error_event_is_a_failed_turn() -> None:
+    """The turn's status is the error's code, not the 200 its stream began with; the
+    client still gets the stream as it came."""
+    for strip in (True, False):
+        out, seen = relay_all([chunk(0, "a"), VLLM_ERROR, DONE], strip=strip)
+        assert out == chunk(0, "a") + VLLM_ERROR + DONE
+        assert seen.turn_status(200) == 500
+        assert seen.turn_status(499) == 499  # the client left first: that it stays
+        assert seen.usage_lost(500) is None  # an error has no usage to lose
+    _, seen = relay_all([chunk(0, "a"), chunk(0, "b", "stop"), USAGE, DONE], strip=True)
+    assert seen.turn_status(200) == 200
+    # A code vLLM names (400: a request it could not take) counts as it is; none, or
+    # one that is no 4xx or 5xx: a failure all the same, 500.
+    for error, status in (({"message": "bad", "code": 400}, 400), ({"message": "x"}, 500),
+                          ({"code": 200}, 500), ({"code": True}, 500), ("text", 500)):
+        seen = ResponseObservation()
+        seen.observe(json.dumps({"error": error}).encode())
+        assert seen.turn_status(200) == status, error
