@@ -39,6 +39,7 @@ from kvhint.router.service.inbound import (
     refusal_headers,
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
+from kvhint.router.service.origin_policy import OriginPolicy
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sampling import check_parallel_samples
 from kvhint.router.service.sessions_api import build_sessions_router
@@ -54,15 +55,26 @@ class RouterApp:
     (the path every token takes: no middleware frames around each streamed chunk);
     everything else, lifespan included, is the FastAPI app."""
 
-    def __init__(self, api: FastAPI) -> None:
+    def __init__(self, api: FastAPI, origins: OriginPolicy) -> None:
         self.api = api
+        self.origins = origins
 
     @property
     def state(self) -> Any:
         return self.api.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        grant = None
+        if self.origins.active:  # dev mode's Host check, CORS (origin_policy.py)
+            answer = self.origins.screen(scope, self.api.state.runtime.metrics)
+            if answer is not None:
+                await answer(scope, receive, send)
+                return
+            grant = self.origins.cors_grant(scope)
+        if scope["method"] == "POST":
             endpoint = _INFERENCE_PATHS.get(scope["path"])
             if endpoint is not None:
                 scope["app"] = self.api
@@ -71,9 +83,11 @@ class RouterApp:
                     response = await _inference(request, endpoint)
                 except Exception as exc:  # noqa: BLE001 - answer 500, count, log
                     response = await _internal_error(request, exc)
+                if grant is not None:  # on the response: no frame around its chunks
+                    grant.apply(response.headers)
                 await response(scope, receive, send)
                 return
-        await self.api(scope, receive, send)
+        await self.api(scope, receive, send if grant is None else grant.wrap(send))
 
 
 def create_app(settings: RouterSettings) -> RouterApp:
@@ -110,7 +124,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
-    return RouterApp(app)
+    return RouterApp(app, OriginPolicy(settings, _error))
 
 
 def _path_parameters_take_line_breaks(app: FastAPI) -> None:

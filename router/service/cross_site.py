@@ -17,10 +17,11 @@ mode is still a 401):
    router's own; a page cannot (a forbidden header name). API clients (curl, SDKs) do not
    send it. It also refuses a same-site page (another port of the same host).
 2. A POST must carry something a page of another origin cannot make a browser send
-   without a CORS preflight, which the router never grants (it sends no
-   ``Access-Control-Allow-*`` header): an ``Authorization`` or ``X-API-Key`` header, an
-   ``X-Kvhint-Request`` header (any value: what the dashboard sends), or
-   ``Content-Type: application/json``. Else refused (``no_marker``): a form can send only
+   without a CORS preflight, which the router never grants on these endpoints (it sends
+   ``Access-Control-Allow-*`` headers only on the inference endpoints, and only when
+   ``cors_allowed_origins`` is set: origin_policy.py): an ``Authorization`` or
+   ``X-API-Key`` header, an ``X-Kvhint-Request`` header (any value: what the dashboard
+   sends), or ``Content-Type: application/json``. Else refused (``no_marker``): a form can send only
    ``application/x-www-form-urlencoded``, ``multipart/form-data`` or ``text/plain`` and
    no header of its own. Other methods (PUT, PATCH, DELETE) are preflighted by
    themselves. This rule holds in browsers that send no ``Sec-Fetch-Site``.
@@ -28,6 +29,8 @@ mode is still a 401):
 Not compared: ``Origin`` with the request's ``Host``. Behind a proxy that terminates TLS
 or rewrites ``Host`` the router does not know the origin its pages are served from, and
 would refuse its own dashboard; ``Sec-Fetch-Site`` is that comparison, made by the browser.
+It cannot see DNS rebinding (a page whose name was re-pointed at the router is
+same-origin): in dev mode origin_policy.py refuses a ``Host`` it does not know.
 
 A bearer client passes both rules: it sends ``Authorization`` and no ``Sec-Fetch-Site``.
 A dev-mode client without a key sends JSON (the hints call) or ``X-Kvhint-Request: 1``.

@@ -52,9 +52,12 @@ SESSION_END_REJECTIONS = (
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
 CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints")
 CROSS_SITE_REASONS = ("cross_site", "no_marker")
+# kvhint_router_cors_refusals_total{reason} (origin_policy.py): a bounded set.
+CORS_REFUSAL_REASONS = ("origin", "method", "headers")
 # kvhint_router_session_end_skips_total{reason}: turns with X-Session-End that did not
 # end their session, the turn having failed (its agent retries it), a bounded set
-# (forwarding.py), by the turn's status.
+# (forwarding.py), by the turn's status (a 200 stream that carried the worker's error
+# event: by that error's code).
 SESSION_END_SKIPS = (
     "client_gone",  # 499: the client left before the answer was whole
     "refused",      # 4xx: the worker (or the router) refused the turn
@@ -284,6 +287,18 @@ class RouterMetrics:
         for endpoint in CROSS_SITE_ENDPOINTS:
             for reason in CROSS_SITE_REASONS:
                 self.cross_site_refusals.labels(endpoint, reason)
+        self.host_refusals = Counter(
+            "kvhint_router_host_refusals",
+            "Requests refused (403) in dev mode for a Host that is not localhost, an IP "
+            "address, a name without a dot or in allowed_hosts (DNS rebinding; "
+            "origin_policy.py)", registry=r)
+        self.cors_refusals = Counter(
+            "kvhint_router_cors_refusals",
+            "CORS preflights on the inference endpoints refused (403), by reason (origin: "
+            "not in cors_allowed_origins; method; headers: a malformed header name)",
+            ["reason"], registry=r)
+        for reason in CORS_REFUSAL_REASONS:
+            self.cors_refusals.labels(reason)
         self.foreign_messages = Counter(
             "kvhint_router_foreign_hint_messages",
             "Hint outcomes and hold releases (kind) for actions this router did not send or "

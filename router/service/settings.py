@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
+from kvhint.router.service.origin_policy import AllowedHost, CorsOrigin, cors_problem
 from kvhint.schemas import Subjects, is_valid_worker_id
 from kvhint.schemas.nats_address import (
     PLACEHOLDER_SECRET_PREFIX,
@@ -366,6 +367,12 @@ class RouterSettings(BaseSettings):
     # Serve /docs, /redoc and /openapi.json (swagger-ui and redoc load from a CDN, on the
     # origin where the dashboard keeps its admin key): off unless asked for.
     api_docs: bool = False
+    # Browsers (origin_policy.py). CORS on /v1/chat/completions, /v1/completions and
+    # /v1/models only, for these origins ("*": any); none by default. Dev mode: requests
+    # whose Host is not localhost, an IP or a dotless name must name one of allowed_hosts.
+    cors_allowed_origins: Annotated[list[CorsOrigin], NoDecode] = Field(default_factory=list)
+    cors_allow_credentials: bool = False
+    allowed_hosts: Annotated[list[AllowedHost], NoDecode] = Field(default_factory=list)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -385,7 +392,7 @@ class RouterSettings(BaseSettings):
         Subjects(value)  # its WireDecodeError is a ValueError: pydantic reports it
         return value
 
-    @field_validator("admin_keys", mode="before")
+    @field_validator("admin_keys", "cors_allowed_origins", "allowed_hosts", mode="before")
     @classmethod
     def _parse_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -427,6 +434,8 @@ class RouterSettings(BaseSettings):
             if (other := salted.setdefault(tenant.cache_salt, tenant.name)) != tenant.name:
                 raise ValueError(f"tenants {other!r} and {tenant.name!r} have the same "
                                  "cache_salt: they would share each other's cached prompts")
+        if problem := cors_problem(self.cors_allowed_origins, self.cors_allow_credentials):
+            raise ValueError(problem)
         if example := self._example_secrets():
             raise ValueError(f"{', '.join(example)}: still the deploy files' example value "
                              f"({PLACEHOLDER_SECRET_PREFIX}...), public in this repository; "
