@@ -33,6 +33,7 @@ from kvhint.router.service.inbound import (
     BadRequest,
     BodyTimeout,
     Endpoint,
+    check_json_media_type,
     openai_error,
     parse_inbound,
     read_body_within,
@@ -162,6 +163,7 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         body = await read_body_within(request.stream(), headers.get("content-length"),
                                       runtime.settings.max_body_bytes,
                                       runtime.settings.http_body_timeout_s)
+        check_json_media_type(headers.get("content-type"))  # read first: no unread body
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
                                 headers.get(SESSION_END_HEADER))
         check_parallel_samples(inbound.body, runtime.settings.routing.max_n)

@@ -127,6 +127,20 @@ class InboundRequest:
         return self.body.get("prompt") if self.endpoint is Endpoint.COMPLETION else None
 
 
+def check_json_media_type(content_type: str | None) -> None:
+    """Raise :class:`BadRequest` unless the body is declared JSON (``application/json``
+    or ``application/*+json``), as vLLM's own endpoints require (FastAPI's strict content
+    type: no type, or another, is a 400 there). It is also what keeps a page on another
+    site from spending the workers through an open (dev mode) router: an HTML form or a
+    ``no-cors`` fetch can send a body only as a form, ``text/plain`` or untyped, never as
+    JSON without a CORS preflight (cross_site.py)."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    main, _, sub = media_type.partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise BadRequest("send the request body as JSON, with 'Content-Type: "
+                         "application/json' (as vLLM requires)")
+
+
 def parse_inbound(
     endpoint: Endpoint,
     raw_body: bytes,

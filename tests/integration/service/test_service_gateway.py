@@ -131,9 +131,26 @@ async def test_worker_errors_pass_through_with_status_and_body(
                                          json={"model": "stub", "prompt": "x"})
             assert response.status_code == code
             assert response.json()["error"]["message"] == f"stub says {code}"
-        bad = await client.post(f"{router.url}/v1/chat/completions", content=b"{oops")
+        stub.mode = "ok"
+        json_type = {"content-type": "application/json"}
+        bad = await client.post(f"{router.url}/v1/chat/completions", content=b"{oops",
+                                headers=json_type)
         assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
-        assert len(stub.received) == 4  # the bad body never reached a worker
+        # A body not declared JSON is refused as vLLM refuses it: what a form or a
+        # no-cors fetch on another site sends (cross_site.py). Before, it was served.
+        chat = b'{"model": "stub", "messages": [{"role": "user", "content": "x"}]}'
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded",
+                             "multipart/form-data; boundary=x", "application/jsonx"):
+            refused = await client.post(f"{router.url}/v1/chat/completions", content=chat,
+                                        headers={"content-type": content_type}
+                                        if content_type else {})
+            assert refused.status_code == 400, (content_type, refused.text)
+            assert "Content-Type: application/json" in refused.json()["error"]["message"]
+        for content_type in ("application/json; charset=utf-8", "application/vnd.x+json"):
+            served = await client.post(f"{router.url}/v1/chat/completions", content=chat,
+                                       headers={"content-type": content_type})
+            assert served.status_code == 200, (content_type, served.text)
+        assert len(stub.received) == 6  # no refused body reached a worker
 
 
 async def test_tenancy_keys_salts_and_admin(tmp_path: Path,
