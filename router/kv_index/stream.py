@@ -39,7 +39,9 @@ A batch published longer ago than the liveness window (its ``age_s``: the events
 history, replayed when a router starts or its link is set up again) is ordered and applied
 like any other, but it is no evidence that the worker is alive now: it neither refreshes
 ``last_heard`` nor revives a dead worker (it is dropped then, counted as
-``dead_worker_dropped``: a dead worker's blocks leave the index). A worker known only from
+``dead_worker_dropped``: a dead worker's blocks leave the index), nor replaces the engine
+followed while that one was heard live within its window (another epoch's history then is
+another engine's under the same id, one stopped: ``stale_epoch``). A worker known only from
 such batches is not alive (:attr:`WorkerStream.alive`) and is declared dead one window after
 its first one unless a heartbeat or a live batch is heard. Before, a dead worker's replayed
 history made it look alive for a window after the replay's last batch.
@@ -150,6 +152,12 @@ class WorkerStream(Generic[T]):
         if replayed and self.phase is StreamPhase.DEAD:
             self.counters.dead_worker_dropped += 1
             return Decision(BatchVerdict.DEAD_WORKER)
+        if replayed and epoch != self.epoch and self._heard_within_window(now):
+            # Another engine's history: the engine followed was heard live within its
+            # window, so one that replaced it would be heard live too, not only
+            # replayed (two engines under one id, a router starting after one stopped).
+            self.counters.stale_epoch += 1
+            return Decision(BatchVerdict.STALE_EPOCH)
         self._note_source(epoch)
         if not replayed:
             self.last_heard = now
@@ -312,6 +320,9 @@ class WorkerStream(Generic[T]):
             # The engine restarted while we waited: buffered batches belong to the old one.
             # Handled as a live batch's new epoch is: counted in epoch_changes, and a purge
             # that the owner applies (and notices) before loading this snapshot.
+            # The conflict record is told, as for a heartbeat taken (_note_source): the
+            # source left is the other one now if a conflict is held.
+            self._note_source(resync.page_epoch)
             if self.epoch is not None:
                 self._retired.append(self.epoch)
                 purge = self._count_restart(self.epoch, resync.page_epoch)
@@ -373,7 +384,11 @@ class WorkerStream(Generic[T]):
         """Another source's epoch, refused while a conflict is held and the source
         followed is alive (heard within its window): the stream sticks to it."""
         return (self.epoch is not None and epoch != self.epoch and self._sources.held(now)
-                and self.phase in _HEARD_PHASES and self.last_heard is not None
+                and self._heard_within_window(now))
+
+    def _heard_within_window(self, now: float) -> bool:
+        """The source followed was heard live within its liveness window."""
+        return (self.phase in _HEARD_PHASES and self.last_heard is not None
                 and now - self.last_heard <= self.liveness_window_s)
 
     def _note_source(self, epoch: str) -> None:

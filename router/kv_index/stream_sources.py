@@ -18,6 +18,14 @@ stream sticks to the source it follows (:meth:`held`): a new epoch is taken only
 the followed source has gone silent, and the restart of a worker without a conflict is
 taken at once, as before.
 
+While a conflict is held, a new epoch refused is either the other server restarting or
+the followed one's own restart (its old engine not yet silent for its window): nothing
+tells them apart until it is heard again after the followed source spoke since. Until
+then it is only ``pending``: it does not replace the other source, and if the stream
+takes it (the followed source went silent: a restart) the other source stays what it
+was. Before, it replaced the other source at once, and the followed server's own dead
+engine became "the other engine", the hold running from its last beat.
+
 Time comes from the caller; nothing here does I/O.
 """
 
@@ -50,6 +58,9 @@ class SourceConflict:
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
         self.other: OtherSource | None = None
+        # While a conflict is held: a new source refused, not yet heard beside the one
+        # followed (the module doc).
+        self.pending: OtherSource | None = None
         self._since: float | None = None  # when the conflict held now was found
 
     def held(self, now: float) -> bool:
@@ -78,9 +89,19 @@ class SourceConflict:
                 self._since = now
                 began = True
             other.heard, other.window_s, other.status = now, window_s, status
+        elif self._since is not None:
+            # A new source while a conflict is held: the other server restarted, or the
+            # followed one did. Pending until heard beside the followed one (module doc).
+            pending = self.pending
+            if pending is None or pending.epoch != epoch:
+                self.pending = OtherSource(epoch, now, window_s, status)
+            elif followed_heard is not None and followed_heard > pending.heard:
+                self.other, self.pending = OtherSource(epoch, now, window_s, status), None
+            else:
+                pending.heard, pending.window_s, pending.status = now, window_s, status
         else:
-            # A source not heard before (or another restart of the other server, while
-            # a conflict is held): nothing proves yet that it runs beside the followed one.
+            # A source not heard before: nothing proves yet that it runs beside the
+            # followed one.
             self.other = OtherSource(epoch, now, window_s, status)
         return began
 
@@ -88,7 +109,12 @@ class SourceConflict:
         """The stream follows ``epoch`` now, the source it followed (``left``: its epoch,
         last heard, window and heartbeat; None: none) having gone silent. While a
         conflict is held, the source left becomes the other one (it may come back: the
-        hold runs from its last heartbeat); else ``epoch`` is simply no other source."""
+        hold runs from its last heartbeat); else ``epoch`` is simply no other source. A
+        pending source taken (the followed one's restart, as far as anyone can tell)
+        leaves the other source as it was."""
+        if self.pending is not None and self.pending.epoch == epoch:
+            self.pending = None
+            return
         if self.other is None or self.other.epoch != epoch:
             return
         self.other = left if self._since is not None and left is not None else None
@@ -98,11 +124,14 @@ class SourceConflict:
     def expire(self, now: float) -> None:
         """Forget a conflict past its hold, and an other source without a conflict once
         it has been silent for its liveness window (a restart's last beat)."""
+        pending = self.pending
+        if pending is not None and now - pending.heard > pending.window_s:
+            self.pending = None  # silent for its window: never heard beside the followed one
         other = self.other
         if other is None:
             return
         if self._since is not None:
             if now - other.heard > self.hold_s:
-                self._since, self.other = None, None
+                self._since, self.other, self.pending = None, None, None
         elif now - other.heard > other.window_s:
             self.other = None

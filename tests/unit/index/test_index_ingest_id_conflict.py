@@ -173,3 +173,63 @@ def test_the_other_engines_snapshot_reply_is_ignored() -> None:
     assert [type(a) for a in acts] == [RequestSnapshot]
     assert ing.on_snapshot_page(page("w0", A2, 2, [(5, None, "GPU")]), cursor=0) == []
     assert ing.follows("w0", B1) and ing.stats().stream["snapshot_pages_ignored"] == 1
+
+
+def test_the_followed_servers_own_restart_is_never_named_the_other_engine() -> None:
+    """The conflict is being fixed: A left w0 (it stopped, or took its own id), and B
+    restarts while the conflict is still held (B2 is refused until B1 is silent). Before,
+    B2's refused beats took the place of A1 as "the other engine", and once B2 was taken
+    the engine it replaced did: the conflict named server B's own dead engine as running
+    beside it and was held conflict_hold_s from B1's last beat (from each restart, in a
+    crash loop for ever), not from A's."""
+    ing, clock = conflicted(conflict_hold_s=30.0)
+    both_beat(ing, clock, (B1, URL_B), (A1, URL_A), 3)
+    a_heard = clock.now
+    for _ in range(10):  # A gone; B alone
+        clock.now += 1.0
+        ing.on_status(beat(B1, URL_B))
+        ing.tick()
+    for _ in range(10):  # B1 killed, B2 up: taken once B1 is silent for its window
+        clock.now += 1.0
+        ing.on_status(beat(B2, URL_B))
+        ing.tick()
+    assert ing.follows("w0", B2)
+    view = ing.worker_views()["w0"].conflict
+    assert view is not None and (view.other_epoch, view.other_url) == (A1, URL_A), view
+    clock.now = a_heard + 30.5  # the hold runs from A's last beat
+    ing.on_status(beat(B2, URL_B))
+    ing.tick()
+    assert ing.conflicting_workers() == () and ing.stats().stream["id_conflicts"] == 1
+
+
+def test_a_snapshot_that_takes_the_id_moves_the_conflict_like_a_heartbeat() -> None:
+    """B1 dies while it resyncs; A2's reply to the snapshot request comes once B1 is past
+    its window, before the tick that declares it dead or any heartbeat of A2: the stream
+    takes A2 from the snapshot (a restart, purged first). Before, the conflict record was
+    not told, and named A2, the engine followed, as the other engine for conflict_hold_s."""
+    ing, clock = conflicted()
+    both_beat(ing, clock, (B1, URL_B), (A1, URL_A), 3)
+    both_beat(ing, clock, (B1, URL_B), (A2, URL_A), 3)  # A restarted: A2 beside B1
+    clock.now += 0.1  # B's batch 1 is lost: a gap
+    assert [type(a) for a in ing.on_event_message(headers("w0", B1, 2),
+                                                  batch(store([2])))] == [RequestSnapshot]
+    clock.now += 3.5  # B1 silent past its window; no tick yet
+    acts = ing.on_snapshot_page(page("w0", A2, 4, [(5, None, "GPU")]), cursor=0)
+    assert [type(a) for a in acts] == [WorkerPurgedNotice] and ing.follows("w0", A2)
+    view = ing.worker_views()["w0"].conflict
+    assert view is not None and view.other_epoch == B1, view
+
+
+def test_a_gone_engines_history_does_not_displace_the_engine_heard_now() -> None:
+    """A router starts while A runs and B, the other server under w0, stopped a while
+    ago: the replay holds both engines' batches. Before, B's (a newer epoch) were taken
+    as w0's restart: A's view purged, B's old blocks routed on as exact, and A's beats
+    refused (a retired epoch) until w0 was declared dead, a liveness window later."""
+    ing, index, clock = make()
+    ing.replay_started()
+    assert ing.on_status(beat(A1, URL_A, last_seq=1)) == [WorkerAlive("w0", A1)]  # runs now
+    ing.on_event_message(headers("w0", A1, 1), batch(store([1])), age_s=100.0)
+    acts = ing.on_event_message(headers("w0", B1, 1), batch(store([9])), age_s=90.0)
+    assert acts == [] and ing.follows("w0", A1)
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1})}}
+    assert ing.stats().stream["stale_epoch"] == 1 and ing.view_exact("w0")
