@@ -155,10 +155,12 @@ class SseRelay:
     Where the router asked for the usage chunk itself (``strip_usage_chunk``), vLLM puts
     ``system_fingerprint`` on that chunk instead of on each choice's last (finish) chunk,
     where a client that asked for no usage gets it. So each finish chunk is held until
-    the usage chunk comes (for ``n`` == 1, the next event), then sent with the
-    fingerprint written in, as vLLM sends it without usage; held ones go out unchanged
-    before any other event that is not a choice's (an error, ``[DONE]``), at the
-    stream's end, and (:meth:`release_held`) before the router's own error event."""
+    the usage chunk comes (vLLM sends it right after the last finish chunk), then sent
+    with the fingerprint written in, as vLLM sends it without usage. Held ones go out
+    unchanged before any other event: another choice's (``n`` > 1: a choice that ends
+    while others still stream is not held back for them, and goes without it), an
+    error, ``[DONE]``; at the stream's end; and (:meth:`release_held`) before the
+    router's own error event."""
 
     def __init__(self, observation: ResponseObservation, strip_usage_chunk: bool) -> None:
         self.observation = observation
@@ -226,7 +228,10 @@ class SseRelay:
         if body.system_fingerprint is None and any(c.finish_reason for c in body.choices):
             self._held.append(event)
             return b""
-        return event  # another choice's (n > 1) goes on; held ones wait
+        # Another choice's event (n > 1) while one is held: the held one goes first,
+        # without the fingerprint. Holding it until the slowest choice ends would delay
+        # its last tokens by as long: latency a client sees, for a field of metadata.
+        return self.release_held() + event
 
 
 def _error_status(error: object) -> int:

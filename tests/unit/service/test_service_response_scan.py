@@ -112,12 +112,16 @@ def test_a_stripped_usage_chunk_leaves_its_fingerprint_on_the_finish_chunks() ->
     whole = b"".join([chunk(0, "a"), chunk(0, "b", "stop"), USAGE, DONE])
     for cut in range(1, len(whole), 37):
         assert relay_all([whole[:cut], whole[cut:]], strip=True)[0] == out
-    # n > 1: each choice's finish chunk waits for the usage chunk; the other choice's
-    # content still goes on at once.
+    # n > 1: a choice that ends while another still streams is not held back for it
+    # (its last tokens would wait for the slowest choice), so it goes without the
+    # fingerprint; the finish chunks of those that end last wait for it, as with n = 1.
     out, _ = relay_all([chunk(0, "a"), chunk(1, "x"), chunk(0, "b", "length"),
                         chunk(1, "y"), chunk(1, "z", "length"), USAGE, DONE], strip=True)
-    assert fingerprints(out) == [(0, None, None), (1, None, None), (1, None, None),
-                                 (0, "length", FINGERPRINT), (1, "length", FINGERPRINT)]
+    assert fingerprints(out) == [(0, None, None), (1, None, None), (0, "length", None),
+                                 (1, None, None), (1, "length", FINGERPRINT)]
+    out, _ = relay_all([chunk(0, "b", "stop"), chunk(1, "z", "stop"), USAGE, DONE],
+                       strip=True)
+    assert fingerprints(out) == [(0, "stop", FINGERPRINT), (1, "stop", FINGERPRINT)]
     # A client that asked for usage gets vLLM's events untouched.
     parts = [chunk(0, "b", "stop"), USAGE, DONE]
     assert relay_all(parts, strip=False)[0] == b"".join(parts)
