@@ -143,7 +143,8 @@ class _StateCollector(Collector):
         yield inflight
         conflicts = GaugeMetricFamily(
             "kvhint_router_worker_id_conflict",
-            "1 while two engines heartbeat under this worker id (or did within 10 min): "
+            "1 while two engines heartbeat under this worker id (or did within "
+            "conflict_hold_s, 10 min by default): "
             "the index follows one and refuses the other's messages", labels=["worker"])
         for worker in s.worker_id_conflicts:
             conflicts.add_metric([worker], 1)

@@ -18,7 +18,9 @@ import yaml
 from deploy_manifests import DEPLOY, interpolated, k8s_config_map, k8s_container, k8s_docs, \
     k8s_env, k8s_expanded, k8s_secrets, k8s_workload
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
-from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.metrics import CORS_REFUSAL_REASONS, CROSS_SITE_REASONS, \
+    GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, SESSION_END_SKIPS, \
+    RouterMetrics, StateSample
 from kvhint.router.service.settings import RouterSettings
 
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")
@@ -72,6 +74,28 @@ def test_the_dashboard_shows_worker_id_conflicts_by_worker() -> None:
     assert shown, "no panel shows kvhint_router_worker_id_conflict"
     assert any(target.get("legendFormat") == "{{worker}}" for _, target in shown)
     assert all("worker_id" in panel["description"] for panel, _ in shown)
+
+
+def test_every_refusal_counter_is_on_the_refusals_panel() -> None:
+    """Every counter of calls the router refuses itself (``*_refusals_total``,
+    ``*_rejections_total``, ``*_skips_total``) is graphed on the one refusals panel, where
+    an operator looks for a client's 403s or 429s. Before, the
+    cross-site, Host, CORS, skipped-end and in-flight counters were on no panel."""
+    refusals = {name for name in exported_names()
+                if re.fullmatch(r"kvhint_router_\w+_(refusals|rejections|skips)_total", name)}
+    assert {"kvhint_router_host_refusals_total",
+            "kvhint_router_session_end_skips_total"} <= refusals
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    (panel,) = [p for p in dashboard["panels"] if any(
+        "kvhint_router_hint_api_rejections_total" in queried(t["expr"]) for t in p["targets"])]
+    shown = set().union(*(queried(t["expr"]) for t in panel["targets"]))
+    assert refusals <= shown, f"not on the refusals panel: {sorted(refusals - shown)}"
+    # Its description names every reason the code can count (it lacked body_timeout,
+    # session_ended and cross_site, added since).
+    reasons = {*HINT_API_REJECTIONS, *SESSION_END_REJECTIONS, *SESSION_END_SKIPS,
+               *CROSS_SITE_REASONS, *CORS_REFUSAL_REASONS, *GATEWAY_REJECTIONS}
+    unnamed = sorted(r for r in reasons if not re.search(rf"\b{r}\b", panel["description"]))
+    assert not unnamed, f"the refusals panel's description lacks {unnamed}"
 
 
 def test_compose_and_kubernetes_manifests_parse() -> None:
@@ -142,6 +166,30 @@ def test_shipped_router_configs_are_valid_settings(example_secrets_allowed: None
     k8s = next(doc for doc in yaml.safe_load_all(
         (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc["kind"] == "ConfigMap")
     assert RouterSettings(**yaml.safe_load(k8s["data"]["router.yaml"])).nats_url
+
+
+def _commented_examples(text: str) -> dict:
+    """The top-level settings a router config shows commented out (``# key: value``)."""
+    examples: dict = {}
+    for match in re.finditer(r"(?m)^\s*# ([a-z_]+: \S.*)$", text):
+        examples |= {key: value for key, value in yaml.safe_load(match[1]).items()
+                     if key in RouterSettings.model_fields}
+    return examples
+
+
+def test_the_commented_examples_in_the_router_configs_are_valid_settings(
+        example_secrets_allowed: None) -> None:
+    """An operator uncommenting an example (CORS, allowed_hosts, metrics_token, the
+    replay and conflict waits...) gets settings the router starts with, not a refusal."""
+    compose = _commented_examples((DEPLOY / "router.yaml").read_text())
+    assert {"cors_allowed_origins", "cors_allow_credentials", "allowed_hosts",
+            "metrics_token", "replay_wait_s", "conflict_hold_s"} <= set(compose)
+    settings = RouterSettings(config_file=DEPLOY / "router.yaml", **compose)
+    assert settings.cors_allowed_origins and settings.allowed_hosts
+    k8s = k8s_config_map("kvhint-router")["data"]["router.yaml"]
+    examples = _commented_examples(k8s)
+    assert {"cors_allowed_origins", "replay_wait_s", "conflict_hold_s"} <= set(examples)
+    assert RouterSettings(**yaml.safe_load(k8s), **examples).cors_allowed_origins
 
 
 def test_the_shipped_deployments_start_with_their_environment(
