@@ -300,12 +300,18 @@ class WorkerStream(Generic[T]):
         stream does not take; else as :meth:`Resync.take_page` says."""
         # A late reply from an engine we moved past, or another source's (both engines
         # under one id answer the snapshot subject).
-        stale = self._is_stale(epoch) or self._held_off(epoch, now)
+        held_off = self._held_off(epoch, now)
+        stale = self._is_stale(epoch) or held_off
         if not stale:
             self.last_heard = now
         resync = self._resync
         if resync is None or cursor != resync.cursor or stale:
             self.counters.snapshot_pages_ignored += 1
+            if held_off and resync is not None and cursor == resync.cursor:
+                # The other engine answered first: the request got its one reply, and
+                # the followed engine's is gone with it. Asked again soon, not after
+                # snapshot_timeout_s (a resync in a conflict would run into its stall).
+                resync.retry_soon(now)
             return "ignored", None
         return resync.take_page(epoch, seq, cursor, next_cursor, page, now)
 

@@ -132,6 +132,12 @@ class Resync(Generic[T]):
         self.awaiting_since = None
         self.retry_at = now + self._config.snapshot_retry_s
 
+    def retry_soon(self, now: float) -> None:
+        """The page request got a reply the stream refuses (another engine's under the
+        worker's id): asked again after ``snapshot_retry_s``; not a failure."""
+        self.awaiting_since = None
+        self.retry_at = now + self._config.snapshot_retry_s
+
     def take_page(self, epoch: str, seq: int, cursor: int, next_cursor: int | None,
                   page: object, now: float) -> tuple[str, list[object] | None]:
         """The page awaited (at ``cursor``, of a source the stream takes). Returns

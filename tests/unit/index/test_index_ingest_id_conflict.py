@@ -173,6 +173,13 @@ def test_the_other_engines_snapshot_reply_is_ignored() -> None:
     assert [type(a) for a in acts] == [RequestSnapshot]
     assert ing.on_snapshot_page(page("w0", A2, 2, [(5, None, "GPU")]), cursor=0) == []
     assert ing.follows("w0", B1) and ing.stats().stream["snapshot_pages_ignored"] == 1
+    # That request got its one reply: it is asked again after snapshot_retry_s (1 s),
+    # not after snapshot_timeout_s (10 s), and counted as no failure.
+    clock.now += 0.5
+    assert [type(a) for a in ing.tick()] == []
+    clock.now += 0.6
+    assert [type(a) for a in ing.tick()] == [RequestSnapshot]
+    assert ing.stats().stream["snapshot_failures"] == 0
 
 
 def test_the_followed_servers_own_restart_is_never_named_the_other_engine() -> None:
