@@ -89,8 +89,10 @@ class SnapshotOut:
 @dataclass(slots=True)
 class MailboxCounters:
     inbound_dropped: int = 0
-    # Outcomes dropped for lack of room, early ``deferred`` ones included (those also
-    # in ``deferred_dropped``).
+    # Final outcomes dropped for lack of room: the router never learns them (a loss,
+    # alerted on). ``deferred`` ones dropped (the transport's early answers, and the
+    # engine's own for an action not yet done) are in ``deferred_dropped`` only: a final
+    # outcome still follows each, so nothing is lost.
     outcomes_dropped: int = 0
     deferred_dropped: int = 0
     # Action ids forgotten from the in-flight set to keep it bounded (a repeat of one
@@ -236,7 +238,6 @@ class Mailbox:
         room = max(self.outcome_limit - len(self.outcomes), 0)
         queued, dropped = outcomes[:room], len(outcomes) - room
         if dropped > 0:
-            self.counters.outcomes_dropped += dropped
             self.counters.deferred_dropped += dropped
         self.outcomes.extend(queued)  # the final outcomes can only come after
         return queued
@@ -269,9 +270,13 @@ class Mailbox:
                     answered.popitem(last=False)
                     self.counters.answered_forgotten += 1
         for outcome in outcomes:
-            if len(self.outcomes) >= self.outcome_limit and pop_oldest(self.outcomes) is not None:
-                with self.lock:
-                    self.counters.outcomes_dropped += 1
+            if len(self.outcomes) >= self.outcome_limit and (
+                    dropped := pop_oldest(self.outcomes)) is not None:
+                with self.lock:  # a deferred's final outcome follows: not a loss
+                    if dropped.status.is_terminal:
+                        self.counters.outcomes_dropped += 1
+                    else:
+                        self.counters.deferred_dropped += 1
             self.outcomes.append(outcome)
         self.notify_transport()
 

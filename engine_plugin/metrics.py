@@ -36,7 +36,8 @@ COUNTERS = {
     "events_published": "Events published to NATS.",
     "events_dropped": "Events dropped (buffer full or oversized batch); the router resyncs.",
     "outcomes_published": "Hint outcomes published to NATS.",
-    "outcomes_dropped": "Hint outcomes dropped because the outbound buffer was full.",
+    "outcomes_dropped": ("Final hint outcomes dropped because the outbound buffer was full "
+                         "(the router never learns them; deferred ones: deferred_dropped)."),
     "inbound_dropped": ("Inbound messages (hints, donor advice, snapshot requests) rejected "
                         "because the engine inbox was full."),
     "releases_published": ("Hold-release reports published to NATS (accepted Pins/Retains "
@@ -53,8 +54,8 @@ COUNTERS = {
                          "back and reported."),
     "prefetch_clipped_blocks": ("Prefetch target blocks not waited for because the "
                                 "prefetch budget was full (the Prefetch was clipped)."),
-    "deferred_dropped": ("Early 'deferred' outcomes dropped because the outbound buffer "
-                         "was full (also in outcomes_dropped; the final outcome follows)."),
+    "deferred_dropped": ("'deferred' outcomes dropped because the outbound buffer was "
+                         "full (not in outcomes_dropped: the final outcome follows)."),
     "in_flight_ids_forgotten": ("Queued action ids forgotten to bound that memory (a "
                                 "repeat of one that finds the inbox full is rejected)."),
     "snapshots_dropped": ("Kept snapshots dropped to stay within snapshot_keep_blocks (a "

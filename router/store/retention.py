@@ -9,11 +9,19 @@ FEEDBACK_KIND_PREFIX), in the same transaction: as the router's forgetting a wor
 does (hint_learned.LearnedState.forget_worker). Before, the feedback row stayed until a
 router's next start found its worker gone. Synchronous (SQLAlchemy Core); the service
 runs it in a worker thread.
+
+A worker heard while it is pruned keeps its row, actions and feedback, or loses all
+three: its rows are locked first (PostgreSQL: ``FOR UPDATE``, which under READ
+COMMITTED re-checks a row a heartbeat changed meanwhile and leaves it out; a heartbeat
+after waits for the commit; SQLite: the transaction's first statement, a delete, holds
+the database's write lock to the commit), and only the actions, feedback and rows of
+the workers locked are deleted. Before, each delete chose "not heard since" anew: a
+heartbeat between them left a worker's row without its actions and feedback.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, String, delete, literal, or_, select
+from sqlalchemy import Engine, delete, or_, select
 
 from kvhint.router.store.models import (
     FEEDBACK_KIND_PREFIX,
@@ -36,17 +44,19 @@ def prune_history(engine: Engine, before: float) -> dict[str, int]:
     sessions = delete(SessionRow).where(SessionRow.last_activity < before)
     gone = (WorkerRow.from_config.is_(False),
             or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
-    of_gone_workers = delete(HintActionRow).where(
-        HintActionRow.worker_id.in_(select(WorkerRow.worker_id).where(*gone)))
-    feedback_of_gone_workers = delete(LearnedStatsRow).where(
-        LearnedStatsRow.tenant == FEEDBACK_TENANT,
-        LearnedStatsRow.kind.in_(
-            select(literal(FEEDBACK_KIND_PREFIX, String) + WorkerRow.worker_id).where(*gone)))
-    workers = delete(WorkerRow).where(*gone)
-    deleted: dict[str, int] = {}
+    deleted = dict.fromkeys(("hint_actions", "learned_stats", "sessions", "workers"), 0)
     with engine.begin() as conn:
-        for table, statement in (("hint_actions", actions), ("hint_actions", of_gone_workers),
-                                 ("learned_stats", feedback_of_gone_workers),
-                                 ("sessions", sessions), ("workers", workers)):
-            deleted[table] = deleted.get(table, 0) + (conn.execute(statement).rowcount or 0)
+        # First, a write: on SQLite it takes the write lock for the whole transaction.
+        deleted["hint_actions"] += conn.execute(actions).rowcount or 0
+        deleted["sessions"] += conn.execute(sessions).rowcount or 0
+        ids = list(conn.execute(
+            select(WorkerRow.worker_id).where(*gone).with_for_update()).scalars())
+        if ids:
+            deleted["hint_actions"] += conn.execute(delete(HintActionRow).where(
+                HintActionRow.worker_id.in_(ids))).rowcount or 0
+            deleted["learned_stats"] += conn.execute(delete(LearnedStatsRow).where(
+                LearnedStatsRow.tenant == FEEDBACK_TENANT, LearnedStatsRow.kind.in_(
+                    [FEEDBACK_KIND_PREFIX + worker_id for worker_id in ids]))).rowcount or 0
+            deleted["workers"] += conn.execute(delete(WorkerRow).where(
+                WorkerRow.worker_id.in_(ids))).rowcount or 0
     return deleted

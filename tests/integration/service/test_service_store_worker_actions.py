@@ -24,7 +24,13 @@ from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.runtime import _restore_workers
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
-from kvhint.router.store.models import HintActionRow, WorkerRow
+from kvhint.router.store.models import (
+    FEEDBACK_KIND_PREFIX,
+    FEEDBACK_TENANT,
+    HintActionRow,
+    LearnedStatsRow,
+    WorkerRow,
+)
 from kvhint.router.store.reader import load_recovery, query_hints
 from kvhint.router.store.retention import prune_history
 from kvhint.router.store.writer import StoreWriter
@@ -175,6 +181,63 @@ def test_each_way_a_workers_row_goes_takes_its_actions(database_url: str) -> Non
             "hint_actions": 2, "learned_stats": 0, "sessions": 0, "workers": 1}
         assert _action_workers(engine) == {"kept-accepted": "kept", "kept-pending": "kept"}
         assert _orphans(engine) == 0 and drops == []
+    finally:
+        engine.dispose()
+
+
+def _waiting_for_a_lock(engine: sa.Engine) -> int:
+    """PostgreSQL sessions of this database waiting for a lock (a row another holds)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock'")).scalar_one()
+
+
+def test_a_worker_heard_while_retention_prunes_it_keeps_its_actions_and_feedback(
+        database_url: str) -> None:
+    """Retention finds "heard" not heard within the window while a heartbeat's update of
+    its last_seen is written, not yet committed. Before, on PostgreSQL (READ COMMITTED),
+    its actions and feedback row were deleted (each delete chose "not heard since"
+    anew, and only its row's delete waited for the heartbeat), and its row was kept:
+    heard, with neither. Now the prune waits for the heartbeat, finds the worker heard
+    and deletes none of the three; "silent" goes with its action and feedback, counted
+    as before."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        _insert(engine, [_worker_row("heard", False, NOW - 7200.0),
+                         _worker_row("silent", False, NOW - 7200.0)],
+                [_action("heard-held", "heard"), _action("heard-pending", "heard", "pending"),
+                 _action("silent-held", "silent")])
+        with engine.begin() as conn:
+            conn.execute(LearnedStatsRow.__table__.insert(), [
+                {"tenant": FEEDBACK_TENANT, "kind": FEEDBACK_KIND_PREFIX + worker,
+                 "data": {"worker_id": worker}, "updated_at": NOW}
+                for worker in ("heard", "silent")])
+        # The heartbeat's connection closes (rolling back) before the pool waits for the
+        # prune, should an assertion fail while the prune waits for it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, engine.connect() as beat:
+            # Written, not committed: holds the worker's row (PostgreSQL) or the database's
+            # write lock (SQLite: the prune then waits whatever it does first).
+            beat.execute(sa.update(WorkerRow).where(WorkerRow.worker_id == "heard")
+                         .values(last_seen=NOW))
+            pruned = pool.submit(prune_history, engine, NOW - 3600.0)
+            if database_url.startswith("postgresql"):
+                deadline = time.monotonic() + 10.0
+                while not _waiting_for_a_lock(engine):
+                    assert time.monotonic() < deadline, "the prune never waited for the row"
+                    assert not pruned.done(), pruned.result()
+                    time.sleep(0.02)
+            else:
+                time.sleep(0.2)  # most likely waiting by now; the outcome is the same if not
+            beat.commit()
+            counts = pruned.result(timeout=60)
+        assert counts == {"hint_actions": 1, "learned_stats": 1, "sessions": 0, "workers": 1}
+        assert _action_workers(engine) == {"heard-held": "heard", "heard-pending": "heard"}
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(LearnedStatsRow.kind)).scalars().all() == [
+                FEEDBACK_KIND_PREFIX + "heard"]
+            assert conn.execute(sa.select(WorkerRow.worker_id)).scalars().all() == ["heard"]
     finally:
         engine.dispose()
 

@@ -67,7 +67,7 @@ def test_early_deferred_answers_stay_within_the_outcome_buffer_and_drops_are_cou
     assert [o.action_id for o in mailbox.outcomes] == ["d0", "d1"]
     assert all(o.status is OutcomeStatus.DEFERRED for o in mailbox.outcomes)
     assert mailbox.counters.deferred_dropped == 3
-    assert mailbox.counters.outcomes_dropped == 3
+    assert mailbox.counters.outcomes_dropped == 0  # a final outcome follows each: no loss
     assert transport.counters.deferred_at_once == 2
     assert transport.counters.outcomes_seen(mailbox.lock) == {("kv.pin", "deferred"): 2}
 
@@ -76,6 +76,27 @@ def _answer(action_id: str, status: OutcomeStatus = OutcomeStatus.ACCEPTED) -> H
     return HintOutcome(message_id=f"m-{action_id}", action_id=action_id,
                        action_type="kv.pin", worker_id="w0", status=status, reason="",
                        at=1.0)
+
+
+def test_only_a_final_outcome_dropped_counts_as_lost_a_deferred_one_apart() -> None:
+    """kvhint:outcomes_dropped (KvhintPluginDrops fires on it) counted the early
+    ``deferred`` answers dropped too, whose final outcome still follows: the alert fired
+    when nothing final was lost. A deferred one dropped, early or the engine's own, now
+    counts in deferred_dropped only; a final one in outcomes_dropped."""
+    mailbox = Mailbox(inbound_limit=10, outcome_limit=2, event_batch_limit=4)
+    transport = _transport(mailbox)
+    transport._defer_if_waiting(_waiting("d0"))
+    mailbox.put_outcomes([_answer("e0", OutcomeStatus.DEFERRED)])  # the engine's own
+    for i in range(2):  # the buffer is full: each pushes the oldest (a deferred) out
+        mailbox.put_outcomes([_answer(f"f{i}")])
+    assert [o.action_id for o in mailbox.outcomes] == ["f0", "f1"]
+    assert (mailbox.counters.deferred_dropped, mailbox.counters.outcomes_dropped) == (2, 0)
+    with mailbox.lock:  # the transport's early deferred for a message still waiting
+        assert mailbox.put_deferred([_answer("d1", OutcomeStatus.DEFERRED)]) == []
+    assert (mailbox.counters.deferred_dropped, mailbox.counters.outcomes_dropped) == (3, 0)
+    mailbox.put_outcomes([_answer("f2", OutcomeStatus.REJECTED)])  # f0 goes: lost
+    assert [o.action_id for o in mailbox.outcomes] == ["f1", "f2"]
+    assert (mailbox.counters.deferred_dropped, mailbox.counters.outcomes_dropped) == (3, 1)
 
 
 def test_a_repeat_answered_longer_ago_than_the_outcome_buffer_holds_gets_no_deferred() -> None:

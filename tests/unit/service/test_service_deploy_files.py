@@ -18,9 +18,9 @@ import yaml
 from deploy_manifests import DEPLOY, interpolated, k8s_config_map, k8s_container, k8s_docs, \
     k8s_env, k8s_expanded, k8s_secrets, k8s_workload
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
-from kvhint.router.service.metrics import CORS_REFUSAL_REASONS, CROSS_SITE_REASONS, \
-    GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, SESSION_END_SKIPS, \
-    RouterMetrics, StateSample
+from kvhint.router.service.metrics import CLIENT_TIMEOUT_PHASES, CORS_REFUSAL_REASONS, \
+    CROSS_SITE_REASONS, GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, \
+    SESSION_END_SKIPS, RouterMetrics, StateSample
 from kvhint.router.service.settings import RouterSettings
 
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")
@@ -80,7 +80,8 @@ def test_every_refusal_counter_is_on_the_refusals_panel() -> None:
     """Every counter of calls the router refuses itself (``*_refusals_total``,
     ``*_rejections_total``, ``*_skips_total``) is graphed on the one refusals panel, where
     an operator looks for a client's 403s or 429s. Before, the
-    cross-site, Host, CORS, skipped-end and in-flight counters were on no panel."""
+    cross-site, Host, CORS, skipped-end and in-flight counters were on no panel, nor
+    kvhint_router_client_timeouts_total (requests sent too slowly), now there by phase."""
     refusals = {name for name in exported_names()
                 if re.fullmatch(r"kvhint_router_\w+_(refusals|rejections|skips)_total", name)}
     assert {"kvhint_router_host_refusals_total",
@@ -90,11 +91,15 @@ def test_every_refusal_counter_is_on_the_refusals_panel() -> None:
         "kvhint_router_hint_api_rejections_total" in queried(t["expr"]) for t in p["targets"])]
     shown = set().union(*(queried(t["expr"]) for t in panel["targets"]))
     assert refusals <= shown, f"not on the refusals panel: {sorted(refusals - shown)}"
+    (timeouts,) = [t for t in panel["targets"]
+                   if "kvhint_router_client_timeouts_total" in queried(t["expr"])]
+    assert "by (phase)" in timeouts["expr"] and "{{phase}}" in timeouts["legendFormat"]
     # Its description names every reason the code can count (it lacked body_timeout,
     # session_ended and cross_site, added since).
     reasons = {*HINT_API_REJECTIONS, *SESSION_END_REJECTIONS, *SESSION_END_SKIPS,
                *CROSS_SITE_REASONS, *CORS_REFUSAL_REASONS, *GATEWAY_REJECTIONS}
     unnamed = sorted(r for r in reasons if not re.search(rf"\b{r}\b", panel["description"]))
+    unnamed += [p for p in CLIENT_TIMEOUT_PHASES if f"{p}:" not in panel["description"]]
     assert not unnamed, f"the refusals panel's description lacks {unnamed}"
 
 

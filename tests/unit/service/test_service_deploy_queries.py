@@ -377,8 +377,8 @@ def test_kvhint_drops_fires_on_losses_only_and_every_drop_is_classified() -> Non
 
 # Every series of the engine plugin's counters (kvhint:<key>_total, and <key>:<value> for
 # a labelled one), classified like the router's drops. Losses (KvhintPluginDrops or
-# KvhintPluginEventsNotKept fires): a message lost or turned away, events not kept for
-# replay, an exception caught.
+# KvhintPluginEventsNotKept fires): a message lost or turned away (outcomes_dropped: final
+# outcomes only), events not kept for replay, an exception caught.
 _PLUGIN_LOSSES = {
     "events_dropped", "inbound_dropped", "outcomes_dropped", "releases_dropped",
     "nats_errors:slow_consumer", "publish_errors:heartbeat", "publish_errors:snapshot_reply",
@@ -401,8 +401,8 @@ _PLUGIN_EXPECTED = {
     "index_sessions_evicted", "index_frontiers_dropped", "index_unknown_removed",
     "index_unknown_hits", "snapshots_dropped", "snapshots_evicted",
     "hint_apply_samples_dropped",
-    # Retried (put back at the queue's head); early outcomes whose final one follows (and
-    # counted in outcomes_dropped too); the connection's errors (nats_connected and
+    # Retried (put back at the queue's head); deferred outcomes whose final one follows
+    # (never in outcomes_dropped); the connection's errors (nats_connected and
     # KvhintPluginSilent show a plugin cut off).
     "publish_errors:queued", "deferred_dropped", "nats_errors:other"}
 
