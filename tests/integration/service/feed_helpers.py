@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
+import nats
+from nats.aio.client import Client as NatsClient
+from conftest import router_settings, running_router
 from nats.js import api
 
 from kvhint.schemas import (
@@ -27,6 +34,23 @@ from kvhint.schemas import (
     encode_releases,
     encode_status,
 )
+
+@asynccontextmanager
+async def router_hearing_nats(tmp_path: Path, nats_url: str, subject_prefix: str
+                              ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, NatsClient]]:
+    """A router with no configured worker, linked to NATS with its subscriptions in place;
+    an HTTP client; and a NATS client to publish as workers' plugins do (drained at the
+    end)."""
+    nc = await nats.connect(nats_url)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            assert await router.runtime.link.wait_connected(10)
+            await asyncio.sleep(0.3)  # subscriptions in place
+            yield router, client, nc
+    finally:
+        await nc.drain()
+
 
 async def add_blocking_stream(js: object, subjects: Subjects, prefix: str, kind: str) -> str:
     """A stream of another name that holds the ``kind`` subjects (``events``,

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import status, until
+from feed_helpers import router_hearing_nats, status, until
 from kvhint.router.service.settings import RouterSettings
 from kvhint.schemas import Subjects, new_epoch
 
@@ -120,26 +119,20 @@ async def test_a_worker_id_conflict_shows_in_the_workers_table(
     epoch; a worker without one shows "–" there."""
     subjects = Subjects(subject_prefix)
     first, second = new_epoch(1_000.0), new_epoch(2_000.0)
-    nc = await nats.connect(nats_url)
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient() as client:
-            runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
-            await nc.publish(subjects.status("w1"), status("w1", first, 0, "http://w1:8000"))
-            beats = [(first, "http://127.0.0.1:1"), (second, "http://127.0.0.1:2")]
-            for n in range(40):  # taken as a restart first, then both keep beating
-                epoch, url = beats[n % 2]
-                await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
-                await asyncio.sleep(0.1)
-                if runtime.ingestor.conflicting_workers():
-                    break
-            await until(lambda: runtime.ingestor.conflicting_workers() == ("w0",))
-            await until(lambda: runtime.workers.get("w1") is not None)
-            overview = (await client.get(f"{router.url}/admin/overview")).json()
-    finally:
-        await nc.drain()
+    async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (
+            router, client, nc):
+        runtime = router.runtime
+        await nc.publish(subjects.status("w1"), status("w1", first, 0, "http://w1:8000"))
+        beats = [(first, "http://127.0.0.1:1"), (second, "http://127.0.0.1:2")]
+        for n in range(40):  # taken as a restart first, then both keep beating
+            epoch, url = beats[n % 2]
+            await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
+            await asyncio.sleep(0.1)
+            if runtime.ingestor.conflicting_workers():
+                break
+        await until(lambda: runtime.ingestor.conflicting_workers() == ("w0",))
+        await until(lambda: runtime.workers.get("w1") is not None)
+        overview = (await client.get(f"{router.url}/admin/overview")).json()
     (w0,) = [w for w in overview["workers"] if w["worker_id"] == "w0"]
     conflict = w0["conflict"]
     assert conflict is not None and conflict["other_epoch"] != w0["epoch"]

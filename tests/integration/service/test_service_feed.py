@@ -19,7 +19,7 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import chat, plugin_registered, status, stored, until
+from feed_helpers import chat, plugin_registered, router_hearing_nats, status, stored, until
 from kvhint.schemas import (
     Amount,
     EventBatchMeta,
@@ -370,19 +370,13 @@ async def test_a_heartbeat_on_another_workers_subject_is_dropped_and_counted(
     Before, one published on w1's subject naming w0 registered w0 (its URL, epoch and
     liveness) from a publisher that is not w0's plugin."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient() as client:
-            runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)
-            await nc.publish(subjects.status("w1"), status("w0", "e1", 0, url="http://x:1"))
-            await until(lambda: runtime.ingestor.stats().subject_mismatches == 1)
-            assert runtime.workers.get("w0") is None
-            text = (await client.get(f"{router.url}/metrics")).text
-            assert 'kvhint_router_index_ingest_total{what="subject_mismatches"} 1.0' in text
-            await nc.publish(subjects.status("w0"), status("w0", "e1", 0, url="http://x:1"))
-            await until(lambda: runtime.workers.get("w0") is not None)
-    finally:
-        await nc.drain()
+    async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (
+            router, client, nc):
+        runtime = router.runtime
+        await nc.publish(subjects.status("w1"), status("w0", "e1", 0, url="http://x:1"))
+        await until(lambda: runtime.ingestor.stats().subject_mismatches == 1)
+        assert runtime.workers.get("w0") is None
+        text = (await client.get(f"{router.url}/metrics")).text
+        assert 'kvhint_router_index_ingest_total{what="subject_mismatches"} 1.0' in text
+        await nc.publish(subjects.status("w0"), status("w0", "e1", 0, url="http://x:1"))
+        await until(lambda: runtime.workers.get("w0") is not None)

@@ -17,13 +17,11 @@ import logging
 from pathlib import Path
 
 import annotated_types
-import httpx
-import nats
 import pytest
 from pydantic import ValidationError
 
 from conftest import router_settings, running_router
-from feed_helpers import status, until
+from feed_helpers import router_hearing_nats, status, until
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.router.kv_index.stream_types import StreamConfig
 from kvhint.router.service.settings import RouterSettings
@@ -40,62 +38,56 @@ async def test_two_servers_under_one_id_are_reported_and_the_router_keeps_to_one
         tmp_path: Path, nats_url: str, subject_prefix: str,
         caplog: pytest.LogCaptureFixture) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient() as client:
-            runtime = router.runtime
-            ingestor = runtime.ingestor
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+    async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (
+            router, client, nc):
+        runtime = router.runtime
+        ingestor = runtime.ingestor
 
-            def refused() -> int:
-                stream = ingestor.stats().stream
-                return stream["stale_status"] + stream["other_source_dropped"]
-
-            async def beat(epoch: str, url: str) -> None:
-                await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
-
-            async def both(other_epoch: str, rounds: int) -> None:
-                """B's beat, then the other's; after each of the other's (refused), w0
-                is still B's in the registry too."""
-                for _ in range(rounds):
-                    await beat(B1, URL_B)
-                    await asyncio.sleep(0.1)
-                    before = refused()
-                    await beat(other_epoch, URL_A)
-                    await until(lambda: refused() > before)  # noqa: B023
-                    w0 = runtime.workers.get("w0")
-                    assert (w0.epoch, w0.url) == (B1, URL_B)
-                    await asyncio.sleep(0.1)
-
-            with caplog.at_level(logging.WARNING, logger="kvhint"):
-                await beat(A1, URL_A)
-                await until(lambda: runtime.workers.get("w0") is not None
-                            and runtime.workers.get("w0").epoch == A1)
-                await beat(B1, URL_B)  # B starts: taken as w0's restart (no way to tell)
-                await until(lambda: runtime.workers.get("w0").epoch == B1)
-                await both(A1, 5)
-                assert ingestor.conflicting_workers() == ("w0",)
-                # A restarts with an epoch newer than B's: not taken, w0 stays B's.
-                await both(A2, 5)
-
+        def refused() -> int:
             stream = ingestor.stats().stream
-            assert stream["epoch_changes"] == 1 and stream["id_conflicts"] == 1
-            assert stream["other_source_dropped"] == 5 and stream["stale_status"] == 5
-            warnings = [r.getMessage() for r in caplog.records
-                        if "two engines heartbeat" in r.getMessage()]
-            assert len(warnings) == 1, warnings  # once per conflict
-            assert "w0" in warnings[0] and URL_A in warnings[0] and URL_B in warnings[0]
-            text = (await client.get(f"{router.url}/metrics")).text
-            assert 'kvhint_router_worker_id_conflict{worker="w0"} 1.0' in text
-            assert 'kvhint_router_index_ingest_total{what="stream_id_conflicts"} 1.0' in text
-            view = (await client.get(f"{router.url}/admin/workers/w0")).json()
-            assert view["url"] == URL_B and view["epoch"] == B1
-            assert view["conflict"]["other_url"] == URL_A
-            assert view["conflict"]["other_epoch"] == A2
-    finally:
-        await nc.drain()
+            return stream["stale_status"] + stream["other_source_dropped"]
+
+        async def beat(epoch: str, url: str) -> None:
+            await nc.publish(subjects.status("w0"), status("w0", epoch, 0, url))
+
+        async def both(other_epoch: str, rounds: int) -> None:
+            """B's beat, then the other's; after each of the other's (refused), w0
+            is still B's in the registry too."""
+            for _ in range(rounds):
+                await beat(B1, URL_B)
+                await asyncio.sleep(0.1)
+                before = refused()
+                await beat(other_epoch, URL_A)
+                await until(lambda: refused() > before)  # noqa: B023
+                w0 = runtime.workers.get("w0")
+                assert (w0.epoch, w0.url) == (B1, URL_B)
+                await asyncio.sleep(0.1)
+
+        with caplog.at_level(logging.WARNING, logger="kvhint"):
+            await beat(A1, URL_A)
+            await until(lambda: runtime.workers.get("w0") is not None
+                        and runtime.workers.get("w0").epoch == A1)
+            await beat(B1, URL_B)  # B starts: taken as w0's restart (no way to tell)
+            await until(lambda: runtime.workers.get("w0").epoch == B1)
+            await both(A1, 5)
+            assert ingestor.conflicting_workers() == ("w0",)
+            # A restarts with an epoch newer than B's: not taken, w0 stays B's.
+            await both(A2, 5)
+
+        stream = ingestor.stats().stream
+        assert stream["epoch_changes"] == 1 and stream["id_conflicts"] == 1
+        assert stream["other_source_dropped"] == 5 and stream["stale_status"] == 5
+        warnings = [r.getMessage() for r in caplog.records
+                    if "two engines heartbeat" in r.getMessage()]
+        assert len(warnings) == 1, warnings  # once per conflict
+        assert "w0" in warnings[0] and URL_A in warnings[0] and URL_B in warnings[0]
+        text = (await client.get(f"{router.url}/metrics")).text
+        assert 'kvhint_router_worker_id_conflict{worker="w0"} 1.0' in text
+        assert 'kvhint_router_index_ingest_total{what="stream_id_conflicts"} 1.0' in text
+        view = (await client.get(f"{router.url}/admin/workers/w0")).json()
+        assert view["url"] == URL_B and view["epoch"] == B1
+        assert view["conflict"]["other_url"] == URL_A
+        assert view["conflict"]["other_epoch"] == A2
 
 
 async def test_a_worker_restarting_alone_is_no_conflict(
@@ -103,30 +95,24 @@ async def test_a_worker_restarting_alone_is_no_conflict(
     """The legitimate case: the engine restarts (a new, newer epoch; the old one gone,
     its last beat late): taken at once, the registry follows, no conflict."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient() as client:
-            runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)
-            await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))
-            await until(lambda: runtime.workers.get("w0") is not None)
+    async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (
+            router, client, nc):
+        runtime = router.runtime
+        await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))
+        await until(lambda: runtime.workers.get("w0") is not None)
+        await nc.publish(subjects.status("w0"), status("w0", A2, 0, URL_A))
+        await until(lambda: runtime.workers.get("w0").epoch == A2)
+        await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))  # late
+        for _ in range(10):
             await nc.publish(subjects.status("w0"), status("w0", A2, 0, URL_A))
-            await until(lambda: runtime.workers.get("w0").epoch == A2)
-            await nc.publish(subjects.status("w0"), status("w0", A1, 0, URL_A))  # late
-            for _ in range(10):
-                await nc.publish(subjects.status("w0"), status("w0", A2, 0, URL_A))
-                await asyncio.sleep(0.1)
-            await until(lambda: runtime.ingestor.stats().stream["stale_status"] == 1)
-            assert runtime.workers.get("w0").epoch == A2
-            assert runtime.ingestor.conflicting_workers() == ()
-            text = (await client.get(f"{router.url}/metrics")).text
-            assert "kvhint_router_worker_id_conflict{" not in text
-            assert (await client.get(f"{router.url}/admin/workers/w0")).json()["conflict"] \
-                is None
-    finally:
-        await nc.drain()
+            await asyncio.sleep(0.1)
+        await until(lambda: runtime.ingestor.stats().stream["stale_status"] == 1)
+        assert runtime.workers.get("w0").epoch == A2
+        assert runtime.ingestor.conflicting_workers() == ()
+        text = (await client.get(f"{router.url}/metrics")).text
+        assert "kvhint_router_worker_id_conflict{" not in text
+        assert (await client.get(f"{router.url}/admin/workers/w0")).json()["conflict"] \
+            is None
 
 
 async def test_the_conflict_hold_is_a_router_setting(

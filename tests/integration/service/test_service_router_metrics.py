@@ -9,11 +9,10 @@ import logging
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router, sample, scrape
-from feed_helpers import status, stored, until
+from feed_helpers import router_hearing_nats, status, stored, until
 from kvhint.router.kv_index import BlocksRemoved, BlocksStored
 from kvhint.router.service import runtime as runtime_module
 from kvhint.schemas import EventBatchMeta, Subjects
@@ -130,47 +129,41 @@ async def test_a_forgotten_workers_series_leave_metrics(
     resyncs...) stayed in every scrape for the router's life. Its traffic still counts in
     the fleet's totals."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router, httpx.AsyncClient() as client:
-            runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
-            await nc.publish(subjects.status("w9"), status("w9", "e1", 0, stub_workers[0].url))
-            await until(lambda: runtime.workers.get("w9") is not None
-                        and runtime.workers.get("w9").plugin_alive)
-            await nc.publish(subjects.events("w9"), stored([1, 2], None, "default/s"),
-                             headers=EventBatchMeta("w9", "e1", 1).to_headers())
-            await until(lambda: bool(runtime.index.worker_block_counts("w9")))
-            response = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
-            assert response.status_code == 200, response.text
-            # Series other paths make (a retry, a broken stream, a resync, a prediction).
-            metrics = runtime.metrics
-            metrics.retries.labels("w9").inc()
-            metrics.broken_streams.labels("w9").inc()
-            metrics.resyncs.labels("w9", "gap", "requested").inc()
-            metrics.cached_predicted.labels("w9").inc(3)
+    async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (
+            router, client, nc):
+        runtime = router.runtime
+        await nc.publish(subjects.status("w9"), status("w9", "e1", 0, stub_workers[0].url))
+        await until(lambda: runtime.workers.get("w9") is not None
+                    and runtime.workers.get("w9").plugin_alive)
+        await nc.publish(subjects.events("w9"), stored([1, 2], None, "default/s"),
+                         headers=EventBatchMeta("w9", "e1", 1).to_headers())
+        await until(lambda: bool(runtime.index.worker_block_counts("w9")))
+        response = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        # Series other paths make (a retry, a broken stream, a resync, a prediction).
+        metrics = runtime.metrics
+        metrics.retries.labels("w9").inc()
+        metrics.broken_streams.labels("w9").inc()
+        metrics.resyncs.labels("w9", "gap", "requested").inc()
+        metrics.cached_predicted.labels("w9").inc(3)
 
-            def of_w9(samples: dict) -> set[str]:
-                return {name for name, labels in samples if ("worker", "w9") in labels}
+        def of_w9(samples: dict) -> set[str]:
+            return {name for name, labels in samples if ("worker", "w9") in labels}
 
-            before = of_w9(await scrape(client, router.url))
-            assert {"kvhint_router_requests_total", "kvhint_router_prompt_tokens_total",
-                    "kvhint_router_cached_tokens_actual_total", "kvhint_router_retries_total",
-                    "kvhint_router_broken_responses_total", "kvhint_router_resyncs_total",
-                    "kvhint_router_cached_tokens_predicted_total", "kvhint_router_worker_up",
-                    "kvhint_router_worker_inflight", "kvhint_router_index_blocks"} <= before
-            # Silent: declared dead (its index entries purged), then long gone.
-            await until(lambda: not runtime.workers.get("w9").plugin_alive)
-            runtime.workers.get("w9").last_heartbeat -= 100_000
-            await until(lambda: runtime.workers.get("w9") is None)
-            assert of_w9(await scrape(client, router.url)) == set()
-            assert "w9" not in metrics.totals and metrics.retired.requests == 1
-            overview = (await client.get(f"{router.url}/admin/overview")).json()
-            assert overview["totals"]["requests"] == 1
-    finally:
-        await nc.drain()
+        before = of_w9(await scrape(client, router.url))
+        assert {"kvhint_router_requests_total", "kvhint_router_prompt_tokens_total",
+                "kvhint_router_cached_tokens_actual_total", "kvhint_router_retries_total",
+                "kvhint_router_broken_responses_total", "kvhint_router_resyncs_total",
+                "kvhint_router_cached_tokens_predicted_total", "kvhint_router_worker_up",
+                "kvhint_router_worker_inflight", "kvhint_router_index_blocks"} <= before
+        # Silent: declared dead (its index entries purged), then long gone.
+        await until(lambda: not runtime.workers.get("w9").plugin_alive)
+        runtime.workers.get("w9").last_heartbeat -= 100_000
+        await until(lambda: runtime.workers.get("w9") is None)
+        assert of_w9(await scrape(client, router.url)) == set()
+        assert "w9" not in metrics.totals and metrics.retired.requests == 1
+        overview = (await client.get(f"{router.url}/admin/overview")).json()
+        assert overview["totals"]["requests"] == 1
 
 
 async def test_metrics_take_the_metrics_token_when_one_is_set(
