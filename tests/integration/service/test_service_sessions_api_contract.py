@@ -89,10 +89,12 @@ async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix
         await nc.drain()
 
 
-async def _turn(client: httpx.AsyncClient, url: str, session: str) -> None:
+async def _turn(client: httpx.AsyncClient, url: str, session: str,
+                key: str | None = None) -> None:
     response = await client.post(f"{url}/v1/chat/completions", json={
         "model": "stub", "session_id": session,
-        "messages": [{"role": "user", "content": f"{session}: " + "x" * 400}]})
+        "messages": [{"role": "user", "content": f"{session}: " + "x" * 400}]},
+        headers={"authorization": f"Bearer {key}"} if key else None)
     assert response.status_code == 200, response.text
 
 
@@ -215,11 +217,7 @@ async def test_a_retain_without_ttl_is_held_to_the_tenants_ttl_limit(
     async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
                                         tenants=tenants,
                                         hints={"tick_s": 3600.0}) as (router, client, received):
-        response = await client.post(f"{router.url}/v1/chat/completions", json={
-            "model": "stub", "session_id": "s",
-            "messages": [{"role": "user", "content": "x" * 400}]},
-            headers={"authorization": "Bearer ka"})
-        assert response.status_code == 200, response.text
+        await _turn(client, router.url, "s", key="ka")
         url = f"{router.url}/v1/sessions/s/hints"
         too_long = await client.post(url, headers=admin, json={"actions": [
             {"action_type": "kv.retain", "payload": {"priority": 100, "ttl_s": 3600}}]})
@@ -305,11 +303,7 @@ async def test_a_hints_call_over_the_rate_is_a_rate_limit_error_as_on_the_gatewa
     async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
                                         tenants=tenants,
                                         hints={"tick_s": 3600.0}) as (router, client, _):
-        response = await client.post(f"{router.url}/v1/chat/completions", json={
-            "model": "stub", "session_id": "s",
-            "messages": [{"role": "user", "content": "x" * 400}]},
-            headers={"authorization": "Bearer ka"})
-        assert response.status_code == 200, response.text
+        await _turn(client, router.url, "s", key="ka")
         url = f"{router.url}/v1/sessions/s/hints"
         assert (await client.post(url, json=RETAIN, headers=admin)).status_code == 200
         over = await client.post(url, json=RETAIN, headers=admin)
