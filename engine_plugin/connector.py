@@ -104,6 +104,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         self.core: PluginCore | None = None
         self.transport: NatsTransport | None = None
         self._stats = StatsTracker(self._read_stats)
+        # The KV event batches the index had taken when the figures were last read.
+        self._event_batches_read = 0
         self._waker = None
         self._host_tier: OffloadingHostTier | None = None
         self._host_reset: HostTierReset | None = None  # with a host tier (bind time)
@@ -170,6 +172,11 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
                                                          self.core.on_engine_events))
             self._host_reset = HostTierReset()
         self.core.refresh_status()
+        if not self.core.adapter.prefix_caching:
+            logger.warning("kvhint: vLLM runs without prefix caching: nothing is cached, so "
+                           "the plugin indexes no blocks, advertises no actions and answers "
+                           "every hint rejected; start vLLM with --enable-prefix-caching "
+                           "(worker %s)", identity.worker_id)
         if mailbox is None:
             logger.info("kvhint: no nats_url in kv_connector_extra_config: the session index "
                         "and metrics run, no hints are received and nothing is published "
@@ -243,7 +250,31 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         if self._stats.flush_due():
             return True  # one step ships the figures an idle engine still holds
-        return bool(self.core.guard("has_pending_push_work", self.core.has_pending_work))
+        return bool(self.core.guard("has_pending_push_work", self._has_pending_work))
+
+    def _has_pending_work(self) -> bool:
+        core = self.core
+        assert core is not None
+        return core.has_pending_work() or (self._engine_idle() and self._stats_unsent())
+
+    def _engine_idle(self) -> bool:
+        """No request holds blocks: a step now only serves the plugin."""
+        assert self.core is not None
+        return self.core.adapter.num_live_requests == 0
+
+    def _stats_unsent(self) -> bool:
+        """Whether /metrics lacks a change: one the interval held back, the KV events of
+        the last step (vLLM reads connector stats before it drains a step's events, so
+        the last step's reach the index after its reading), or one of the transport's.
+        An engine going idle runs one more step to ship them (read at once: idle); before,
+        the figures stayed a step behind until the next request, with NATS down or absent
+        for good."""
+        core = self.core
+        assert core is not None
+        mailbox = core.mailbox
+        return (self._stats.flush_at is not None
+                or core.counters.event_batches != self._event_batches_read
+                or (mailbox is not None and mailbox.stats_changed))
 
     def take_events(self) -> tuple[()]:
         return ()  # the plugin adds no events of its own to vLLM's stream
@@ -268,7 +299,9 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KvHintConnectorStats | None:
         if self.core is None:
             return None
-        stats = self.core.guard("get_kv_connector_stats", self._stats.take)
+        # Idle, a reading waits for no interval: nothing else is left to ship it.
+        stats = self.core.guard("get_kv_connector_stats",
+                                lambda: self._stats.take(force=self._engine_idle()))
         mailbox = self.core.mailbox
         if mailbox is not None:  # the transport wakes an idle engine when it falls due
             flush_at = self._stats.flush_at
@@ -290,6 +323,9 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         assert core is not None
         ex, cc, holds = core.executor.counters, core.counters, core.executor.holds.counters
         mailbox = core.mailbox
+        if mailbox is not None:  # before reading: a change after it stays noted
+            mailbox.stats_changed = False
+        self._event_batches_read = cc.event_batches
         tc = self.transport.counters if self.transport is not None else None
         latencies, cc.apply_latencies_s = cc.apply_latencies_s, []
         # Every exported counter, from the table that a test holds to the dataclasses.

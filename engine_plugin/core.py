@@ -20,6 +20,7 @@ from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
 from kvhint.engine_plugin.inbound_checks import (
     INTERNAL_ERROR_REASON,
+    NO_PREFIX_CACHE_REASON,
     decode_hints_safely,
     rejected,
     too_many_hashes,
@@ -316,6 +317,9 @@ class PluginCore(StatusMixin):
         return decoded
 
     def _submit(self, message_id: str, action: ParsedAction | InvalidAction) -> HintOutcome:
+        if not self.adapter.prefix_caching:
+            return self._rejected(message_id, action.action_id, type_name(action),
+                                  NO_PREFIX_CACHE_REASON)
         try:
             return self.executor.submit(message_id,
                                         within_pool(action, self.adapter.num_blocks))
@@ -334,6 +338,8 @@ class PluginCore(StatusMixin):
             except WireDecodeError as exc:
                 return self._rejected_advice(peek_advice_id(advice), str(exc))
         problem = too_many_hashes(advice.donor_block_hashes, self.adapter.num_blocks, "advice")
+        if not self.adapter.prefix_caching:
+            problem = NO_PREFIX_CACHE_REASON
         if problem is not None:
             return self._rejected_advice(advice.advice_id, problem)
         return self.executor.advise(advice, self.cache_namespace)

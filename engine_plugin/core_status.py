@@ -97,7 +97,10 @@ class StatusMixin:
             http_url=self.config.http_url)
 
     def supported_actions(self) -> dict[str, list[str]]:
-        """What this worker applies (Demote and Share need a host tier)."""
+        """What this worker applies (Demote and Share need a host tier; nothing without
+        prefix caching)."""
+        if not self.adapter.prefix_caching:
+            return {}
         skip = {"kv.share"} if self.executor.host_tier is not None else {"kv.share", "kv.demote"}
         return {action: list(versions) for action, versions in SUPPORTED_VERSIONS.items()
                 if action not in skip}

@@ -213,6 +213,8 @@ class HeadlessSchedulerSpec:
     # > 0: a prefill gets at most this many tokens a step while others wait (chunked).
     long_prefill_token_threshold: int = 0
     model_dir: Path | None = None
+    # False: as ``--no-enable-prefix-caching`` (nothing cached: what the plugin does then).
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -384,7 +386,8 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True,
                                  dtype="float32", max_model_len=max_model_len, seed=0),
-        cache_config=CacheConfig(block_size=spec.block_size, enable_prefix_caching=True,
+        cache_config=CacheConfig(block_size=spec.block_size,
+                                 enable_prefix_caching=spec.enable_prefix_caching,
                                  prefix_caching_hash_algo="sha256",
                                  num_gpu_blocks_override=spec.num_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,

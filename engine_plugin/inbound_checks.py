@@ -19,6 +19,14 @@ INTERNAL_ERROR_REASON = (f"{REJECTED_INTERNAL_ERROR} in the kvhint plugin (logge
                          "engine); this action may be sent again")
 
 
+# The reason of every action and advice on a worker whose vLLM runs without prefix caching
+# (``--no-enable-prefix-caching``, or a model vLLM cannot prefix-cache): nothing is cached,
+# so nothing can be held or found. Not transient: the router learns the worker applies none.
+NO_PREFIX_CACHE_REASON = ("prefix caching is off on this worker (vLLM runs without "
+                          "--enable-prefix-caching): there is no cache to hold or find "
+                          "blocks in; nothing changed")
+
+
 def type_name(action: ParsedAction | InvalidAction) -> str:
     return action.action_type.value if isinstance(action, ParsedAction) else action.action_type
 

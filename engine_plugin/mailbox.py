@@ -170,6 +170,10 @@ class Mailbox:
     # Set on the scheduler thread: when connector stats held back by their interval
     # should be shipped (wall-clock seconds), so an idle engine is woken for one step.
     stats_flush_at: float | None = None
+    # Set by the transport when a figure it exports changed (the connection, what it
+    # published, NATS errors); cleared by the scheduler thread just before it reads the
+    # figures for /metrics. An idle engine woken (by the transport) steps to ship them.
+    stats_changed: bool = False
     # Set on the scheduler thread: when a status refresh it skipped (rate limit) is due
     # (wall-clock seconds), so an idle engine is woken for one step to make it.
     status_refresh_at: float | None = None

@@ -27,7 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.engine_plugin.outcome_counts import OTHER_ACTION_TYPE, counted_action_type
+from kvhint.engine_plugin.outcome_counts import (
+    KNOWN_ACTION_TYPES,
+    OTHER_ACTION_TYPE,
+    counted_action_type,
+)
+from kvhint.schemas import OutcomeStatus
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -222,6 +227,25 @@ class KvHintPromMetrics(KVConnectorPromMetrics):
             name=LATENCY_METRIC,
             documentation="From a hint's arrival at the plugin to its outcome.",
             labelnames=labelnames, buckets=list(LATENCY_BUCKETS))
+        for labels in per_engine_labelvalues.values():
+            self._create_series(labels)
+
+    def _create_series(self, labels: list[object]) -> None:
+        """Every series of one engine, at 0 from the start, as vLLM's own: a counter that
+        first appears at N hides those N from ``rate()`` and ``increase()`` (the
+        KvhintPluginDrops alert missed a first burst of drops), and a dashboard shows "no
+        data" where it means 0. The label values are bounded (that is their design)."""
+        for counter in self._counters.values():
+            counter.labels(*labels)
+        for gauge in self._gauges.values():
+            gauge.labels(*labels)
+        for counter, values in self._labelled.values():
+            for value in sorted(values):
+                counter.labels(*labels, value)
+        for action in (*sorted(KNOWN_ACTION_TYPES), OTHER_LABEL, UNIDENTIFIED_ACTION_LABEL):
+            for status in OutcomeStatus:
+                self._hints.labels(*labels, action, status.value)
+        self._latency.labels(*labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self._labels.get(engine_idx, self._labels.get(0, []))
@@ -273,9 +297,13 @@ class StatsTracker:
         now = time.monotonic() if now is None else now
         return self.flush_at is not None and now >= self.flush_at
 
-    def take(self, now: float | None = None) -> KvHintConnectorStats | None:
+    def take(self, now: float | None = None, force: bool = False
+             ) -> KvHintConnectorStats | None:
+        """The delta since the last one sent, or None (nothing changed, or held back by
+        the interval). ``force``: read now whatever the interval (an idle engine's extra
+        step, where a reading costs nothing a request waits for)."""
         now = time.monotonic() if now is None else now
-        if now - self._at < self.interval_s:
+        if not force and now - self._at < self.interval_s:
             self.flush_at = self._at + self.interval_s
             return None
         self._at = now

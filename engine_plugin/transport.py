@@ -35,6 +35,7 @@ from typing import Any
 from nats.errors import Error as NatsError
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.counter_exports import EXPORTS
 from kvhint.engine_plugin.inbound_checks import decode_hints_safely
 from kvhint.engine_plugin.mailbox import (
     EventBatchOut,
@@ -75,6 +76,9 @@ logger = logging.getLogger(LOGGER_NAME)
 
 # The publisher's pause after an unexpected exception in one of its rounds (or its setup).
 ROUND_ERROR_PAUSE_S = 0.5
+# The least time between two wakes of an idle engine for a change of the transport's
+# exported figures other than the connection (_maybe_wake_for_metrics).
+METRICS_WAKE_EVERY_S = 30.0
 
 
 class NatsTransport:
@@ -107,6 +111,10 @@ class NatsTransport:
         self._next_beat = 0.0
         # The due engine deadlines already woken for: each is woken for once.
         self._woken_for: frozenset[float] = frozenset()
+        # What _exported_figures() was at the last publish round, and when an idle engine
+        # may next be woken to ship a change of it (time.monotonic()).
+        self._figures_seen: tuple[Any, ...] | None = None
+        self._metrics_wake_at = 0.0
         # The latest snapshots, for the pages after the first (SnapshotRequest.seq).
         self.snapshots = KeptSnapshots(config.snapshot_keep_blocks, self.counters)
         self._ready = threading.Event()
@@ -349,8 +357,35 @@ class NatsTransport:
         flushed = await self._flush_outbound(nc) if nc.is_connected else 0
         self._wake.clear()
         mailbox = self.mailbox
+        self._maybe_wake_for_metrics()
         return bool(flushed and nc.is_connected and (
             mailbox.outcomes or mailbox.releases or mailbox.snapshots or mailbox.event_batches))
+
+    def _maybe_wake_for_metrics(self) -> None:
+        """An idle engine ships no stats: wake it when what this transport exports
+        changed, at once for the connection (before, ``kvhint:nats_connected`` stayed 0
+        after NATS came back, until a request came), else at most every
+        :data:`METRICS_WAKE_EVERY_S`: each step of an idle engine keeps vLLM's worker
+        busy-polling for a second, and NATS errors change every reconnect attempt of an
+        outage (waking for each burnt a core)."""
+        mailbox = self.mailbox
+        figures = self._exported_figures()
+        if figures != self._figures_seen:
+            if self._figures_seen is None or figures[0] != self._figures_seen[0]:
+                self._metrics_wake_at = 0.0  # connected, or not: at once
+            self._figures_seen = figures
+            mailbox.stats_changed = True
+        now = time.monotonic()
+        if mailbox.stats_changed and now >= self._metrics_wake_at:
+            self._metrics_wake_at = now + METRICS_WAKE_EVERY_S
+            mailbox.wake_engine()
+
+    def _exported_figures(self) -> tuple[Any, ...]:
+        """What of this transport /metrics shows (transport thread: the only writer of
+        these counters)."""
+        counters = self.counters
+        return (self.connected, sum(counters.outcomes.values()),
+                *(getattr(counters, name) for name in EXPORTS[TransportCounters]))
 
     def _maybe_wake_for_deadline(self) -> None:
         """Wake an idle engine for a step once per deadline it left that is due."""

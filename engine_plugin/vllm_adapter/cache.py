@@ -209,6 +209,13 @@ class VllmCacheAdapter:
     # --- BlockCache port ----------------------------------------------------------------------
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether vLLM caches blocks by hash (``--enable-prefix-caching``): without it no
+        block is ever cached, stored in an event or found again. A vLLM without the flag
+        on its pool is taken to cache (it always did when this was written)."""
+        return bool(getattr(self.pool, "enable_caching", True))
+
+    @property
     def block_size(self) -> int:
         return self._block_size
 

@@ -342,9 +342,13 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
             beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
             assert beat.usage.pinned_blocks == 0  # stale, until the engine steps again
             await until(woken.is_set, timeout_s=5)
-            h.step()  # the woken engine's step
+            # The woken engine steps while the scheduler asks (has_requests), as vLLM's
+            # busy loop does: a wake to ship /metrics may come first, and its step be too
+            # soon for the refresh; the refresh's own wake follows.
             deadline = time.monotonic() + 5
             while beat.usage.pinned_blocks != 3 and time.monotonic() < deadline:
+                while h.scheduler.has_requests():
+                    h.step()
                 beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
             assert beat.usage.pinned_blocks == 3
     finally:

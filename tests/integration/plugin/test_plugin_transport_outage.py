@@ -111,7 +111,10 @@ async def test_an_outage_with_an_outcome_queued_costs_no_cpu_and_the_outcome_fol
         cpu = thread_cpu_s(thread)
         await asyncio.sleep(1.5)
         assert thread_cpu_s(thread) - cpu < 0.3  # was all of a core
-        assert len(wakes) == 1
+        # One for the status refresh, and one for /metrics to show each change of the
+        # connection (up: may have come before wake_engine was replaced; down); the NATS
+        # errors of the reconnect attempts wake it no more (METRICS_WAKE_EVERY_S).
+        assert 1 <= len(wakes) <= 3
         assert mailbox.outcomes  # waiting for NATS
         own_nats.start()
         await until(lambda: transport.connected, timeout_s=20)

@@ -70,8 +70,10 @@ def test_the_action_label_of_hints_total_is_bounded() -> None:
     series = {(s.labels["action"], s.labels["status"], s.value)
               for family in registry.collect() if family.name == "kvhint:hints"
               for s in family.samples if s.name == "kvhint:hints_total"}
-    assert series == {("kv.retain", "accepted", 1.0), ("other", "rejected", 2.0),
-                      ("unknown", "rejected", 1.0)}
+    assert {s for s in series if s[2]} == {("kv.retain", "accepted", 1.0),
+                                           ("other", "rejected", 2.0),
+                                           ("unknown", "rejected", 1.0)}
+    assert len(series) == 8 * 5  # 6 known types, other and unknown; by 5 statuses, at 0 or more
     assert "kv.warp" not in generate_latest(registry).decode()
 
 
@@ -159,7 +161,7 @@ def test_each_exported_counter_arrives_on_metrics_with_its_value() -> None:
     seen = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.name.endswith("_total"):
+            if sample.name.endswith("_total") and sample.value:  # not the unused labels
                 label = next((sample.labels[name] for name in sample.labels
                               if name != "engine"), None)
                 seen[(sample.name, label)] = sample.value
@@ -168,6 +170,35 @@ def test_each_exported_counter_arrives_on_metrics_with_its_value() -> None:
         f"kvhint:{key}_total" for key in (*COUNTERS, *LABELLED_COUNTERS)}
     with pytest.raises(KeyError):  # a counters object left out is an error, not zeros
         read_counters({cls: obj for cls, obj in sources.items() if cls.__name__ != "IndexCounters"})
+
+
+def test_every_series_is_on_metrics_at_zero_before_anything_happens() -> None:
+    """A labelled series appeared on /metrics only at its first increment: a counter
+    first seen at N hides those N from rate() and increase() (the KvhintPluginDrops
+    alert, ``rate(kvhint:events_dropped_total[10m])``, missed a first burst of drops),
+    and a dashboard said "no data" for 0. Now each engine's series exist at 0 from the
+    start, as vLLM's own metrics do."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvhint.engine_plugin.metrics import KvHintPromMetrics, exposed_names
+
+    registry = CollectorRegistry()
+
+    def bind(cls: type) -> type:
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k:
+                                           cls.__init__(self, *a, registry=registry, **k)})
+
+    KvHintPromMetrics(SimpleNamespace(kv_transfer_config=None),
+                      {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)},
+                      ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    samples = [s for family in registry.collect() for s in family.samples]
+    for engine in ("0", "1"):
+        names = {s.name for s in samples if s.labels.get("engine") == engine}
+        assert exposed_names() <= names, sorted(exposed_names() - names)
+    assert all(s.value == 0 for s in samples if not s.name.endswith("_created"))
+    dropped = {s.labels["what"] for s in samples if s.name == "kvhint:publish_errors_total"
+               and s.labels["engine"] == "0"}
+    assert dropped == {"queued", "heartbeat", "snapshot_reply", "other"}
 
 
 def test_labelled_counters_take_deltas_and_stay_bounded() -> None:
@@ -185,7 +216,8 @@ def test_labelled_counters_take_deltas_and_stay_bounded() -> None:
                   "publish_errors": {"heartbeat": 1}}, 0)
     series = {(s.name, s.labels.get("kind", s.labels.get("what")), s.value)
               for family in registry.collect() for s in family.samples
-              if s.name in ("kvhint:nats_errors_total", "kvhint:publish_errors_total")}
+              if s.name in ("kvhint:nats_errors_total", "kvhint:publish_errors_total")
+              and s.value}
     assert series == {("kvhint:nats_errors_total", "slow_consumer", 2.0),
                       ("kvhint:nats_errors_total", "other", 1.0),
                       ("kvhint:publish_errors_total", "heartbeat", 1.0)}
