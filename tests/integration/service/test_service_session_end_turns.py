@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -27,12 +30,7 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
     Before, every one of them ended the session. None of them counts in the session's
     ``turns`` (before, each did: a refused prompt retried counted twice)."""
     stub = stub_workers[0]
-    settings = router_settings(tmp_path, [("w0", stub.url)])
-    async with running_router(settings) as router, httpx.AsyncClient() as client:
-        url = f"{router.url}/v1/chat/completions"
-        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
-                ).status_code == 200
-        record = router.runtime.sessions.get("default", "agent-1")
+    async with _session_on(tmp_path, stub) as (router, client, url, record):
         for mode, stream, code, reason in (("status:400", False, 400, "refused"),
                                            ("status:500", False, 500, "failed"),
                                            ("die_mid_stream", True, 200, "failed")):
@@ -67,12 +65,7 @@ async def test_a_stream_carrying_the_workers_error_event_is_a_failed_turn(
     the session's ``turns`` leaves it out, and the retry that succeeds ends the session.
     Before, it was a 200 whole: it ended the session, and counted as answered."""
     stub = stub_workers[0]
-    settings = router_settings(tmp_path, [("w0", stub.url)])
-    async with running_router(settings) as router, httpx.AsyncClient() as client:
-        url = f"{router.url}/v1/chat/completions"
-        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
-                ).status_code == 200
-        record = router.runtime.sessions.get("default", "agent-1")
+    async with _session_on(tmp_path, stub) as (router, client, url, record):
         for code, reason in ((500, "failed"), (400, "refused")):
             stub.mode = f"error_event:{code}"
             before = sample(await scrape(client, router.url), SKIPS, reason=reason)
@@ -98,12 +91,7 @@ async def test_a_client_gone_mid_stream_does_not_end_its_session(
     worker's response at once, counts a 499, and skips the turn's ``X-Session-End``
     (client_gone); the retry that gets its whole answer ends the session."""
     stub = stub_workers[0]
-    settings = router_settings(tmp_path, [("w0", stub.url)])
-    async with running_router(settings) as router, httpx.AsyncClient() as client:
-        url = f"{router.url}/v1/chat/completions"
-        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
-                ).status_code == 200
-        record = router.runtime.sessions.get("default", "agent-1")
+    async with _session_on(tmp_path, stub) as (router, client, url, record):
         before = sample(await scrape(client, router.url), SKIPS, reason="client_gone")
         stub.chunk_gap_s = 6.0  # silent after the first event: the client leaves then
         async with client.stream("POST", url, json={**CHAT, "stream": True},
@@ -128,3 +116,16 @@ async def test_a_client_gone_mid_stream_does_not_end_its_session(
 def _skips(samples: dict) -> dict[str, float | None]:
     return {reason: sample(samples, SKIPS, reason=reason)
             for reason in SESSION_END_SKIPS}
+
+
+@asynccontextmanager
+async def _session_on(tmp_path: Path, stub: StubWorker
+                      ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, str, Any]]:
+    """A router over ``stub`` and its session ``agent-1`` after one answered turn:
+    (router, client, the chat URL, the session's record)."""
+    settings = router_settings(tmp_path, [("w0", stub.url)])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = f"{router.url}/v1/chat/completions"
+        assert (await client.post(url, json=CHAT, headers={"x-session-id": "agent-1"})
+                ).status_code == 200
+        yield router, client, url, router.runtime.sessions.get("default", "agent-1")
