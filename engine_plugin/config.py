@@ -21,7 +21,12 @@ from pydantic import (
     model_validator,
 )
 
-from kvhint.schemas import Subjects, is_valid_worker_id
+from kvhint.schemas import (
+    MAX_HEARTBEAT_INTERVAL_S,
+    MIN_HEARTBEAT_INTERVAL_S,
+    Subjects,
+    is_valid_worker_id,
+)
 from kvhint.schemas.nats_address import (
     PLACEHOLDER_SECRET_PREFIX,
     NatsConnection,
@@ -111,7 +116,8 @@ class PluginConfig(BaseModel):
     max_remembered_actions: int = Field(100_000, ge=1)
 
     # Transport.
-    heartbeat_interval_s: float = Field(2.0, ge=0.1, le=300.0, description=(
+    heartbeat_interval_s: float = Field(2.0, ge=MIN_HEARTBEAT_INTERVAL_S,
+                                        le=MAX_HEARTBEAT_INTERVAL_S, description=(
         "Seconds between heartbeats (the worker's status). At least 0.1 s: the router "
         "declares a worker dead after heartbeat_misses intervals, so a shorter one makes "
         "a router pause of a few tenths of a second purge a live worker's index; each "

@@ -74,6 +74,8 @@ from kvhint.schemas.snapshot import (
     encode_snapshot_request,
 )
 from kvhint.schemas.status import (
+    MAX_HEARTBEAT_INTERVAL_S,
+    MIN_HEARTBEAT_INTERVAL_S,
     Budgets,
     Usage,
     WorkerStatus,
@@ -86,6 +88,8 @@ from kvhint.schemas.status import (
 from kvhint.schemas.subjects import WIRE_VERSION, Subjects
 
 __all__ = [
+    "MAX_HEARTBEAT_INTERVAL_S",
+    "MIN_HEARTBEAT_INTERVAL_S",
     "REJECTED_EXPIRED",
     "REJECTED_INBOX_FULL",
     "REJECTED_INTERNAL_ERROR",

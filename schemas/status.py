@@ -38,6 +38,12 @@ _EPOCH = re.compile(r"([0-9a-f]{12})-[0-9a-f]{8}")
 # malformed message (dropped and counted), never an engine restart.
 Epoch = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
 _ANY_EPOCH = re.compile(r"[!-~]{1,128}")
+# The heartbeat intervals a plugin may be configured with (its heartbeat_interval_s). The
+# router takes a status's interval_s within them: it sets the worker's liveness window, so
+# a tiny one would have a live worker purged between two beats, a huge one a dead
+# worker's view trusted for ever.
+MIN_HEARTBEAT_INTERVAL_S = 0.1
+MAX_HEARTBEAT_INTERVAL_S = 300.0
 
 
 def epoch_problem(epoch: str) -> str | None:

@@ -72,6 +72,7 @@ from kvhint.router.kv_index.stream_types import (
     StreamConfig,
     StreamCounters,
     StreamPhase,
+    heartbeat_interval,
 )
 from kvhint.schemas.status import epoch_is_older
 
@@ -205,15 +206,17 @@ class WorkerStream(Generic[T]):
                 self.counters.stale_status += 1
             else:
                 self.counters.other_source_dropped += 1
-            window = (interval_s if interval_s > 0 else self.config.default_interval_s
-                      ) * self.config.heartbeat_misses
+            window = (heartbeat_interval(interval_s, self.config.default_interval_s)
+                      * self.config.heartbeat_misses)
             if self._sources.refused(epoch, now, self.last_heard, window, status):
                 self.counters.id_conflicts += 1
                 return Decision(id_conflict=True)
             return Decision()
         self._note_source(epoch)
         self.last_heard = now
-        self.interval_s = interval_s if interval_s > 0 else self.config.default_interval_s
+        self.interval_s = heartbeat_interval(interval_s, self.config.default_interval_s)
+        if interval_s > 0 and self.interval_s != interval_s:
+            self.counters.status_interval_bounded += 1
         self.last_status = status
         purge = self._observe_epoch(epoch)
         self._reported_seq = last_event_seq

@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvhint.schemas.status import MAX_HEARTBEAT_INTERVAL_S, MIN_HEARTBEAT_INTERVAL_S
+
 
 class StreamPhase(enum.Enum):
     NEW = "new"              # never heard
@@ -119,6 +121,9 @@ class StreamCounters:
     snapshot_failures: int = 0
     deaths: int = 0
     stale_status: int = 0
+    # Heartbeats whose interval_s was out of the plugin's bounds, taken at the nearest
+    # bound (stream._interval): a plugin sending one is misconfigured or not ours.
+    status_interval_bounded: int = 0
     implausible_seq: int = 0
     # Resyncs that outlasted resync_view_trust_s: the worker's stale view was purged.
     stalled_resync_purges: int = 0
@@ -141,3 +146,12 @@ class StreamCounters:
     id_conflicts: int = 0
     other_source_dropped: int = 0
 
+
+def heartbeat_interval(interval_s: float, default_s: float) -> float:
+    """A heartbeat's ``interval_s`` as a liveness window uses it: within the bounds a
+    plugin may be configured with (schemas.status), ``default_s`` for 0 or less. Before,
+    any positive value was taken: 1e-9 purged a live worker between two beats, 1e9
+    trusted a dead one's view for good (the stream counts one out of bounds)."""
+    if interval_s <= 0:
+        return default_s
+    return min(max(interval_s, MIN_HEARTBEAT_INTERVAL_S), MAX_HEARTBEAT_INTERVAL_S)

@@ -45,6 +45,7 @@ from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, 
 from kvhint.schemas import (
     ACTION_VERSION,
     EVICT_REST_VERSION,
+    MAX_HEARTBEAT_INTERVAL_S,
     OWNER_VERSION,
     ActionType,
     Budgets,
@@ -349,6 +350,7 @@ def _no_plugin(runtime: RouterRuntime, worker_id: str) -> _Rejected:
     else:
         message = f"worker {worker_id}'s kvhint plugin is silent (missed heartbeats)"
     interval = worker.status.interval_s if worker is not None and worker.status else 2.0
+    interval = min(interval, MAX_HEARTBEAT_INTERVAL_S)  # as the liveness window takes it
     return _Rejected("no_plugin", message, 503,
                      {"Retry-After": str(max(math.ceil(interval), 1))})
 

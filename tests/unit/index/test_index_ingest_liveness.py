@@ -138,3 +138,24 @@ def test_a_dead_workers_buffered_batches_are_counted_as_gone_not_stale() -> None
     ing.forget_worker("w1")
     stream = ing.stats().stream
     assert stream["dead_worker_dropped"] == 4 and stream["stale_epoch"] == 0
+
+
+def test_a_heartbeat_interval_out_of_the_plugins_bounds_is_taken_at_the_bound() -> None:
+    """A status's interval_s sets the worker's liveness window (3 misses). Before, any
+    positive value was taken: 1e-9 had a live worker dead between two of its beats (a
+    purge, then a snapshot, each time), 1e9 kept a dead one's view trusted for good. Now
+    it is taken within the bounds a plugin may be configured with (0.1 s .. 300 s),
+    counted."""
+    ing, index, clock = make()
+    ing.on_status(status(interval_s=1e-9))
+    ing.on_event_message(headers("w0", "e1", 1), batch(store([1])))
+    clock.now += 0.2  # past 3 x 1e-9 s, within 3 x 0.1 s
+    assert ing.tick() == [] and index.worker_block_counts("w0") == {"GPU": 1}
+    clock.now += 0.2  # past 3 x 0.1 s: dead
+    assert [type(a) for a in ing.tick()] == [WorkerDead] and index.stats().entries == 0
+    assert ing.stats().stream["status_interval_bounded"] == 1
+    ing, index, clock = make()
+    ing.on_status(status(interval_s=1e9))
+    clock.now += 3 * 300.0 + 1.0
+    assert [type(a) for a in ing.tick()] == [WorkerDead]
+    assert ing.stats().stream["status_interval_bounded"] == 1

@@ -112,7 +112,9 @@ _INGEST_THROUGHPUT = {
     "stream_resyncs_deferred", "stream_resyncs_avoided", "stream_replay_waits_expired",
     # Conflicts found over a worker's id: each has its alert (KvhintWorkerIdConflict);
     # what they make the router refuse is a loss (stream_other_source_dropped).
-    "stream_id_conflicts"}
+    "stream_id_conflicts",
+    # Heartbeats whose interval_s was out of the plugin's bounds: taken, at the bound.
+    "stream_status_interval_bounded"}
 
 
 def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
