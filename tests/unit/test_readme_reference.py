@@ -22,7 +22,6 @@ from typing import Any
 import annotated_types
 import pytest
 import yaml
-from prometheus_client import Counter, Gauge, Histogram
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
@@ -31,10 +30,10 @@ from kvhint.engine_plugin.config import PluginConfig
 from kvhint.router.service import metrics as router_metrics
 from kvhint.router.service.hint_records import API_SOURCE, EXPIRED, FAILED, PLANNER_SOURCE
 from kvhint.router.service.inbound import Endpoint
-from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.settings import ENV_PREFIX, RouterSettings
 from kvhint.schemas.outcomes import OutcomeStatus
 from kvhint.schemas.releases import ReleaseReason
+from tests.unit.service.router_families import router_families
 
 _ROOT = Path(__file__).resolve().parents[2]
 README = (_ROOT / "README.md").read_text()
@@ -179,21 +178,9 @@ def test_every_plugin_config_key_is_in_the_readme_with_its_default_and_bounds() 
 def _router_families() -> dict[str, tuple[str, frozenset[str]]]:
     """Each series name an operator queries (counters with ``_total``, histograms by
     their base name) -> (type, label names), from a real RouterMetrics."""
-    metrics = RouterMetrics()
-    metrics.bind_state(lambda: StateSample(
-        index_blocks_by_worker_tier={("w", "gpu"): 1}, sessions_by_state={"s": 1},
-        workers_up={"w": (True, False)}, worker_inflight={"w": 1},
-        completion_read_probability={"t": 0.5}, ingest={"x": 1}, worker_id_conflicts=("w",)))
-    # A labelled family shows no sample until used: the declared names are kept by
-    # prometheus_client in _labelnames (test_service_deploy_queries.py reads them so too).
-    declared = {family.name: frozenset(wrapper._labelnames)
-                for wrapper in vars(metrics).values()
-                if isinstance(wrapper, (Counter, Gauge, Histogram))
-                for family in wrapper.describe()}
+    _, families = router_families()
     out = {}
-    for family in metrics.registry.collect():
-        labels = declared.get(family.name) or frozenset(
-            label for sample in family.samples for label in sample.labels) - {"le"}
+    for family, labels in families:
         name = family.name + ("_total" if family.type == "counter" else "")
         out[name] = (family.type, labels)
     return out

@@ -26,11 +26,12 @@ from drop_reasons import emitted_drop_reasons
 from promql_lint import Catalog, Linter, Metric, Selector, legend_labels, parse, \
     template_labels, value_set
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from router_families import router_families
 
 from kvhint.router.service import metrics as router_metrics
 from kvhint.router.service.hint_records import API_SOURCE, EXPIRED, FAILED, PLANNER_SOURCE
 from kvhint.router.service.inbound import Endpoint
-from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.settings import RouterSettings
 from kvhint.schemas.hints import ACTION_TYPE_VALUES
 from kvhint.schemas.outcomes import OutcomeStatus
@@ -122,23 +123,10 @@ def _family_metrics(family, labels: frozenset[str], values) -> dict[str, Metric]
 
 
 def router_catalog() -> dict[str, Metric]:
-    metrics = RouterMetrics()
-    # Every scrape-time gauge with one series, so its labels show.
-    metrics.bind_state(lambda: StateSample(
-        index_blocks_by_worker_tier={("w", "gpu"): 1}, sessions_by_state={"s": 1},
-        workers_up={"w": (True, False)}, worker_inflight={"w": 1},
-        completion_read_probability={"t": 0.5}, ingest={"x": 1}, worker_id_conflicts=("w",)))
-    # The declared metrics' label names: prometheus_client keeps them in _labelnames
-    # (a labelled family shows no sample until used, so collect() cannot say).
-    declared = {family.name: frozenset(wrapper._labelnames)
-                for wrapper in vars(metrics).values()
-                if isinstance(wrapper, (Counter, Gauge, Histogram))
-                for family in wrapper.describe()}
+    metrics, families = router_families()
     domains = _router_domains()
     out: dict[str, Metric] = {}
-    for family in metrics.registry.collect():
-        labels = declared.get(family.name) or frozenset(
-            label for sample in family.samples for label in sample.labels) - {"le"}
+    for family, labels in families:
         for name, metric in _family_metrics(family, labels, {}).items():
             out[name] = Metric(metric.kind, metric.labels, domains.get(name, {}))
     out["kvhint_router_worker_up"].values["kind"] = value_set(
