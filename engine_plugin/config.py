@@ -24,6 +24,8 @@ from pydantic import (
 from kvhint.schemas import (
     MAX_HEARTBEAT_INTERVAL_S,
     MIN_HEARTBEAT_INTERVAL_S,
+    MIN_STREAM_MAX_AGE_S,
+    MIN_STREAM_MAX_BYTES,
     Subjects,
     is_valid_worker_id,
 )
@@ -134,12 +136,12 @@ class PluginConfig(BaseModel):
     inbound_buffer: int = Field(10_000, ge=1)
     # Create the JetStream events stream when it does not exist yet.
     create_events_stream: StrictBool = True
-    events_stream_max_age_s: float = Field(3600.0, ge=60.0, description=(
+    events_stream_max_age_s: float = Field(3600.0, ge=MIN_STREAM_MAX_AGE_S, description=(
         "At least 60 s: the router replays this stream to rebuild its index when it "
         "starts or reconnects; a shorter history is gone before it reads it, and every "
         "worker has to resync by snapshot instead (nats-server itself refuses under "
         "100 ms)."))
-    events_stream_max_bytes: int = Field(1 << 30, ge=1 << 20, description=(
+    events_stream_max_bytes: int = Field(1 << 30, ge=MIN_STREAM_MAX_BYTES, description=(
         "At least 1 MiB: one step's batch may be up to NATS's default 1 MiB payload, "
         "and JetStream acknowledges a message larger than the stream, then drops it "
         "at once: the router would replay nothing."))

@@ -85,11 +85,18 @@ from kvhint.schemas.status import (
     epoch_started_ms,
     new_epoch,
 )
-from kvhint.schemas.subjects import WIRE_VERSION, Subjects
+from kvhint.schemas.subjects import (
+    MIN_STREAM_MAX_AGE_S,
+    MIN_STREAM_MAX_BYTES,
+    WIRE_VERSION,
+    Subjects,
+)
 
 __all__ = [
     "MAX_HEARTBEAT_INTERVAL_S",
     "MIN_HEARTBEAT_INTERVAL_S",
+    "MIN_STREAM_MAX_AGE_S",
+    "MIN_STREAM_MAX_BYTES",
     "REJECTED_EXPIRED",
     "REJECTED_INBOX_FULL",
     "REJECTED_INTERNAL_ERROR",

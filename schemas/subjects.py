@@ -16,6 +16,13 @@ WIRE_VERSION = "v1"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
 KINDS = ("hints", "outcomes", "releases", "events", "advice", "status", "snapshot")
+# The least history and size a JetStream stream of these subjects is created with (the
+# router's settings and the plugin's config both hold to them): a history shorter than a
+# minute is gone before a restarted router replays it (nats-server refuses under 100 ms);
+# a stream smaller than 1 MiB (NATS's default payload) drops a large message as soon as
+# it stores it.
+MIN_STREAM_MAX_AGE_S = 60.0
+MIN_STREAM_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)

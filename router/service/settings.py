@@ -33,7 +33,12 @@ from pydantic_settings import (
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.router.service.origin_policy import AllowedHost, CorsOrigin, cors_problem
-from kvhint.schemas import Subjects, is_valid_worker_id
+from kvhint.schemas import (
+    MIN_STREAM_MAX_AGE_S,
+    MIN_STREAM_MAX_BYTES,
+    Subjects,
+    is_valid_worker_id,
+)
 from kvhint.schemas.nats_address import (
     PLACEHOLDER_SECRET_PREFIX,
     is_placeholder_secret,
@@ -48,14 +53,6 @@ DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-# The floors of the stream settings, the same as the plugin's (engine_plugin/config.py):
-# a history shorter than a minute is gone before a restarted router replays it
-# (nats-server refuses under 100 ms); a stream smaller than 1 MiB (NATS's default
-# payload) drops a large message as soon as it stores it.
-_STREAM_MIN_AGE_S = 60.0
-_STREAM_MIN_BYTES = 1 << 20
 
 
 class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
@@ -255,12 +252,12 @@ class RouterSettings(BaseSettings):
     nats_url: str | None = "nats://127.0.0.1:4222"
     subject_prefix: str = "kvhint"
     # Streams the router creates when missing (JetStream reserves max_bytes on disk).
-    events_stream_max_bytes: int = Field(1 << 30, ge=_STREAM_MIN_BYTES)
-    events_stream_max_age_s: float = Field(3600.0, ge=_STREAM_MIN_AGE_S)
-    outcomes_stream_max_bytes: int = Field(256 << 20, ge=_STREAM_MIN_BYTES)
-    outcomes_stream_max_age_s: float = Field(24 * 3600.0, ge=_STREAM_MIN_AGE_S)
-    releases_stream_max_bytes: int = Field(64 << 20, ge=_STREAM_MIN_BYTES)
-    releases_stream_max_age_s: float = Field(24 * 3600.0, ge=_STREAM_MIN_AGE_S)
+    events_stream_max_bytes: int = Field(1 << 30, ge=MIN_STREAM_MAX_BYTES)
+    events_stream_max_age_s: float = Field(3600.0, ge=MIN_STREAM_MAX_AGE_S)
+    outcomes_stream_max_bytes: int = Field(256 << 20, ge=MIN_STREAM_MAX_BYTES)
+    outcomes_stream_max_age_s: float = Field(24 * 3600.0, ge=MIN_STREAM_MAX_AGE_S)
+    releases_stream_max_bytes: int = Field(64 << 20, ge=MIN_STREAM_MAX_BYTES)
+    releases_stream_max_age_s: float = Field(24 * 3600.0, ge=MIN_STREAM_MAX_AGE_S)
     # Missed heartbeats (times the advertised interval) before the plugin counts as gone.
     heartbeat_misses: int = Field(3, ge=1)
     # How long the replay of the events stream's history (at the router's start, or its
