@@ -339,6 +339,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             "index_blocks": len(core.index),
             "index_sessions": core.index.num_sessions,
             "nats_connected": int(self.transport is not None and self.transport.connected),
+            "events_kept": int(self.transport is not None and self.transport.events_kept),
             HINTS_KEY: _hint_counts(ex.outcomes, tc, mailbox),
             LATENCY_KEY: latencies,
         })

@@ -82,6 +82,7 @@ from kvhint.schemas import (
     SharePayload,
     Target,
 )
+from kvhint.schemas.outcomes import REJECTED_NO_HOST_TIER, REJECTED_NO_SHARED_TIER
 
 ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
 REJECTED, MISSING = OutcomeStatus.REJECTED, OutcomeStatus.MISSING
@@ -253,10 +254,10 @@ class HintExecutor(PrefetchMixin):
         if isinstance(payload, SharePayload):
             if payload.destination_worker == self.worker_id:
                 return answer(REJECTED, "share destination is this worker")
-            return answer(REJECTED, "share needs a tier both workers can read and none is "
-                                    "configured here; nothing changed")
+            return answer(REJECTED, f"{REJECTED_NO_SHARED_TIER} and none is configured "
+                                    "here; nothing changed")
         if isinstance(payload, DemotePayload) and self.host_tier is None:
-            return answer(REJECTED, f"demote needs a host tier: {NO_HOST_TIER}; nothing changed")
+            return answer(REJECTED, f"{REJECTED_NO_HOST_TIER}: {NO_HOST_TIER}; nothing changed")
         resolved = self._resolve(payload.target)
         if isinstance(resolved, tuple):
             keys, requested_blocks = resolved

@@ -12,6 +12,7 @@ from kvhint.schemas import (
     ParsedAction,
     decode_hints,
 )
+from kvhint.schemas.outcomes import REJECTED_NO_PREFIX_CACHE
 
 # The reason of an action the plugin failed on (a bug, counted as kvhint:internal_errors
 # and logged once): transient for the router (schemas.is_transient_rejection).
@@ -22,7 +23,7 @@ INTERNAL_ERROR_REASON = (f"{REJECTED_INTERNAL_ERROR} in the kvhint plugin (logge
 # The reason of every action and advice on a worker whose vLLM runs without prefix caching
 # (``--no-enable-prefix-caching``, or a model vLLM cannot prefix-cache): nothing is cached,
 # so nothing can be held or found. Not transient: the router learns the worker applies none.
-NO_PREFIX_CACHE_REASON = ("prefix caching is off on this worker (vLLM runs without "
+NO_PREFIX_CACHE_REASON = (f"{REJECTED_NO_PREFIX_CACHE} (vLLM runs without "
                           "--enable-prefix-caching): there is no cache to hold or find "
                           "blocks in; nothing changed")
 

@@ -121,6 +121,9 @@ GAUGES = {
     "index_blocks": "Blocks in the session index (resident or connecting).",
     "index_sessions": "Sessions in the session index.",
     "nats_connected": "1 when the plugin is connected to NATS.",
+    "events_kept": ("1 when the plugin's latest look (at set-up, then every 60 s) found the "
+                    "JetStream events stream, or created it: its KV event batches are kept "
+                    "for replay."),
 }
 HINTS_KEY = "hints"  # {"<action_type>|<status>": n}
 # The ``action`` label of kvhint:hints_total. An action's type comes from the wire (any

@@ -3,7 +3,8 @@ the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
 
 Lifetimes live in :meth:`NatsTransport._main`: connect (retrying until stopped:
 :mod:`.transport_connect`), then the publisher's loop: subscribe to hints, advice and
-snapshot requests and ensure the JetStream events stream (:mod:`.transport_setup`), then
+snapshot requests and ensure the JetStream events stream (:mod:`.transport_setup`,
+which looks for it again every minute), then
 publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBatch`` with
 ``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
 
@@ -19,7 +20,8 @@ after a pause: before, the thread ended and the engine ran without NATS for good
 one log line and no counter. Inbound hints and advice are decoded here, off the
 scheduler thread; advice that cannot be decoded, and hints that find the engine's inbox
 full, are answered ``rejected`` from here (:mod:`.transport_inbound`). Snapshot pages:
-:mod:`.snapshot_pages`.
+:mod:`.snapshot_pages`. An idle engine is woken for its deadlines and for a change of
+what the transport exports (:mod:`.transport_wake`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ from kvhint.engine_plugin.transport_inbound import (
     decoder_failed,
     deferred_outcomes,
 )
-from kvhint.engine_plugin.transport_setup import ensure_events_stream, until_stopped
+from kvhint.engine_plugin.transport_setup import (
+    EventsStreamWatch,
+    ensure_events_stream,
+    until_stopped,
+)
+from kvhint.engine_plugin.transport_wake import EngineWaker
 from kvhint.schemas import (
     EventBatchMeta,
     Subjects,
@@ -76,9 +83,6 @@ logger = logging.getLogger(LOGGER_NAME)
 
 # The publisher's pause after an unexpected exception in one of its rounds (or its setup).
 ROUND_ERROR_PAUSE_S = 0.5
-# The least time between two wakes of an idle engine for a change of the transport's
-# exported figures other than the connection (_maybe_wake_for_metrics).
-METRICS_WAKE_EVERY_S = 30.0
 
 
 class NatsTransport:
@@ -108,13 +112,9 @@ class NatsTransport:
         # The setup done on the connection (the publisher's loop retries the rest).
         self._subscribed: set[str] = set()
         self._set_up_done = False
+        self._stream = EventsStreamWatch(config, self.subjects, self.counters)
         self._next_beat = 0.0
-        # The due engine deadlines already woken for: each is woken for once.
-        self._woken_for: frozenset[float] = frozenset()
-        # What _exported_figures() was at the last publish round, and when an idle engine
-        # may next be woken to ship a change of it (time.monotonic()).
-        self._figures_seen: tuple[Any, ...] | None = None
-        self._metrics_wake_at = 0.0
+        self._waker = EngineWaker(mailbox, self._exported_figures)
         # The latest snapshots, for the pages after the first (SnapshotRequest.seq).
         self.snapshots = KeptSnapshots(config.snapshot_keep_blocks, self.counters)
         self._ready = threading.Event()
@@ -125,6 +125,11 @@ class NatsTransport:
     def connected(self) -> bool:
         nc = self._nc
         return nc is not None and nc.is_connected
+
+    @property
+    def events_kept(self) -> bool:
+        """Whether the events stream existed at the latest look (kvhint:events_kept)."""
+        return self._stream.kept
 
     # --- lifetime (engine thread) -----------------------------------------------------------
 
@@ -197,6 +202,7 @@ class NatsTransport:
             await self._publish_loop(nc)
         finally:
             self.mailbox.notify_transport = _noop
+            await self._stream.cancel()
             try:
                 await asyncio.wait_for(nc.drain(), timeout=2.0)
             except (NatsError, asyncio.TimeoutError, OSError):
@@ -230,6 +236,7 @@ class NatsTransport:
     async def _on_reconnected(self) -> None:
         self.counters.connects += 1
         logger.info("kvhint: reconnected to NATS")
+        self._stream.check_soon()
         self._notify()
 
     async def _set_up(self, nc: Any) -> None:
@@ -244,10 +251,12 @@ class NatsTransport:
                 await nc.subscribe(subject, cb=cb)
                 self._subscribed.add(subject)
         await self._ensure_stream(nc)
+        self._stream.start(nc)
         self._set_up_done = True
 
     async def _ensure_stream(self, nc: Any) -> None:
-        await ensure_events_stream(nc, self.config, self.subjects, self.counters)
+        self._stream.kept = bool(
+            await ensure_events_stream(nc, self.config, self.subjects, self.counters))
 
     # --- inbound --------------------------------------------------------------------------------
 
@@ -353,49 +362,20 @@ class NatsTransport:
         if now >= self._next_beat:
             self._next_beat = now + self.config.heartbeat_interval_s
             await self._heartbeat(nc)
-        self._maybe_wake_for_deadline()
+        self._waker.maybe_wake_for_deadline()
         flushed = await self._flush_outbound(nc) if nc.is_connected else 0
         self._wake.clear()
         mailbox = self.mailbox
-        self._maybe_wake_for_metrics()
+        self._waker.maybe_wake_for_metrics()
         return bool(flushed and nc.is_connected and (
             mailbox.outcomes or mailbox.releases or mailbox.snapshots or mailbox.event_batches))
-
-    def _maybe_wake_for_metrics(self) -> None:
-        """An idle engine ships no stats: wake it when what this transport exports
-        changed, at once for the connection (before, ``kvhint:nats_connected`` stayed 0
-        after NATS came back, until a request came), else at most every
-        :data:`METRICS_WAKE_EVERY_S`: each step of an idle engine keeps vLLM's worker
-        busy-polling for a second, and NATS errors change every reconnect attempt of an
-        outage (waking for each burnt a core)."""
-        mailbox = self.mailbox
-        figures = self._exported_figures()
-        if figures != self._figures_seen:
-            if self._figures_seen is None or figures[0] != self._figures_seen[0]:
-                self._metrics_wake_at = 0.0  # connected, or not: at once
-            self._figures_seen = figures
-            mailbox.stats_changed = True
-        now = time.monotonic()
-        if mailbox.stats_changed and now >= self._metrics_wake_at:
-            self._metrics_wake_at = now + METRICS_WAKE_EVERY_S
-            mailbox.wake_engine()
 
     def _exported_figures(self) -> tuple[Any, ...]:
         """What of this transport /metrics shows (transport thread: the only writer of
         these counters)."""
         counters = self.counters
-        return (self.connected, sum(counters.outcomes.values()),
+        return (self.connected, self.events_kept, sum(counters.outcomes.values()),
                 *(getattr(counters, name) for name in EXPORTS[TransportCounters]))
-
-    def _maybe_wake_for_deadline(self) -> None:
-        """Wake an idle engine for a step once per deadline it left that is due."""
-        now = time.time()
-        mailbox = self.mailbox
-        due = frozenset(t for t in (mailbox.next_deadline, mailbox.stats_flush_at,
-                                    mailbox.status_refresh_at) if t is not None and now >= t)
-        if due - self._woken_for:
-            mailbox.wake_engine()
-        self._woken_for = due
 
     async def _flush_outbound(self, nc: Any) -> int:
         """Publish what is queued; returns how many items left the queues. Items are taken

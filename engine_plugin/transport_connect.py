@@ -17,6 +17,8 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.errors import StaleConnectionError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.schemas.nats_address import NatsConnection, loggable_nats_url
@@ -41,13 +43,14 @@ async def connect_until_stopped(stop: asyncio.Event, connection: NatsConnection,
         error = await _attempt(nc, stop, connection, options)
         if error is None:
             return nc
+        last_error = nc.last_error  # read before the close, which may change it
         await _close_quietly(nc)
         if stop.is_set():
             break
         if delay == FIRST_BACKOFF_S:
-            logger.warning("kvhint: NATS %s unreachable (%s); retrying in the background, "
-                           "the engine runs meanwhile",
-                           loggable_nats_url(",".join(connection.servers)), error)
+            logger.warning("kvhint: NATS %s %s; retrying in the background, the engine "
+                           "runs meanwhile", loggable_nats_url(",".join(connection.servers)),
+                           _failure(error, last_error))
         await wait_or_stop(stop, delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
     return None
@@ -75,6 +78,22 @@ async def _attempt(nc: Client, stop: asyncio.Event, connection: NatsConnection,
     if error is not None and not isinstance(error, (NatsError, OSError, asyncio.TimeoutError)):
         raise error  # not a connection failure: a bug, for the thread's own handler
     return error
+
+
+def _failure(error: BaseException | str, last_error: BaseException | None) -> str:
+    """What the first failed attempt's warning says. nats-py retries within an attempt
+    and gives each failure to ``error_cb`` only, so an attempt that ran out of time
+    says nothing of why: its client's ``last_error`` does. A server that answered with
+    an error (an authorization violation: a wrong user or password) refused the
+    connection; before, a wrong password read as "unreachable (no connection within
+    5s)", after an error line naming the violation."""
+    cause = error if isinstance(error, BaseException) else last_error
+    if cause is None:
+        return f"unreachable ({error})"
+    answered = isinstance(cause, NatsError) and not isinstance(
+        cause, (NatsTimeoutError, StaleConnectionError))
+    text = f"{'refused the connection' if answered else 'unreachable'}: {cause}"
+    return f"{text} ({error})" if isinstance(error, str) else text
 
 
 async def _close_quietly(nc: Client) -> None:

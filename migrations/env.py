@@ -16,6 +16,7 @@ import os
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
+from kvhint.router.store.database import lock_for_migration
 from kvhint.router.store.models import Base
 
 config = context.config
@@ -57,6 +58,10 @@ def _run(connection) -> None:  # noqa: ANN001 - alembic passes a Connection
     context.configure(connection=connection, target_metadata=target_metadata,
                       render_as_batch=True, compare_type=True)
     with context.begin_transaction():
+        if set(context.get_context().get_current_heads()) != set(context.script.get_heads()):
+            # The store is behind: its tables locked for writes, all at once, before any
+            # revision alters them (PostgreSQL; the lock's docstring says why).
+            lock_for_migration(connection)
         context.run_migrations()
 
 

@@ -41,6 +41,13 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 # Request fields whose effect on the prompt we do not reproduce.
 _UNSUPPORTED_FIELDS = ("prompt_embeds", "truncate_prompt_tokens", "chat_template",
                        "mm_processor_kwargs", "media_io_kwargs")
+# The order of a tool call's ``function`` keys a template sees: a chat request's is
+# validated into openai's TypedDict (arguments, name); a Responses request's calls are
+# built by vLLM as ``FunctionCallTool(name=..., arguments=...)`` and never validated
+# (responses/utils.py), so name comes first. A template that prints the function
+# ``| tojson`` renders the two differently.
+CHAT_FUNCTION_KEYS = ("arguments", "name")
+RESPONSES_FUNCTION_KEYS = ("name", "arguments")
 
 
 class PromptRenderer:
@@ -100,8 +107,11 @@ class PromptRenderer:
 
     # --- chat -------------------------------------------------------------------------
 
-    def chat_token_ids(self, body: Mapping[str, Any]) -> list[int]:
-        """Token ids of a ``/v1/chat/completions`` body's prompt."""
+    def chat_token_ids(self, body: Mapping[str, Any],
+                       function_keys: tuple[str, ...] = CHAT_FUNCTION_KEYS) -> list[int]:
+        """Token ids of a ``/v1/chat/completions`` body's prompt. ``function_keys``: the
+        order of an assistant tool call's ``function`` keys the template sees (a
+        Responses request's converted body: :data:`RESPONSES_FUNCTION_KEYS`)."""
         _check_body(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -116,7 +126,8 @@ class PromptRenderer:
         traits = self._traits.get(template)
         if traits is None:
             traits = self._traits[template] = template_traits(template)
-        conversation = [_conversation_message(m, traits.content_format) for m in messages]
+        conversation = [_conversation_message(m, traits.content_format, function_keys)
+                        for m in messages]
         _decode_tool_call_arguments(conversation)
         if (any(m["role"] == "developer" for m in conversation)
                 and not traits.supports_developer_role):
@@ -308,7 +319,9 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
     return out
 
 
-def _conversation_message(message: Any, content_format: str) -> dict[str, Any]:
+def _conversation_message(message: Any, content_format: str,
+                          function_keys: tuple[str, ...] = CHAT_FUNCTION_KEYS
+                          ) -> dict[str, Any]:
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise PromptRenderError("every message must be an object with a string 'role'")
     role = message["role"]
@@ -323,7 +336,7 @@ def _conversation_message(message: Any, content_format: str) -> dict[str, Any]:
             calls = message["tool_calls"]
             if not isinstance(calls, list):
                 raise PromptRenderError("assistant 'tool_calls' must be a list")
-            result["tool_calls"] = [_tool_call(c) for c in calls]
+            result["tool_calls"] = [_tool_call(c, function_keys) for c in calls]
         if message.get("reasoning") is not None:
             result["reasoning"] = message["reasoning"]
             result["reasoning_content"] = message["reasoning"]
@@ -341,7 +354,8 @@ def _conversation_message(message: Any, content_format: str) -> dict[str, Any]:
     return result
 
 
-def _tool_call(call: Any) -> dict[str, Any]:
+def _tool_call(call: Any, function_keys: tuple[str, ...] = CHAT_FUNCTION_KEYS
+               ) -> dict[str, Any]:
     if not isinstance(call, Mapping):
         raise PromptRenderError("assistant tool_calls entries must be objects.")
     function = call.get("function")
@@ -357,7 +371,7 @@ def _tool_call(call: Any) -> dict[str, Any]:
         out.update((k, copy.deepcopy(v)) for k, v in source.items() if k not in out)
         return out
 
-    return ordered({**call, "function": ordered(function, ("arguments", "name"))},
+    return ordered({**call, "function": ordered(function, function_keys)},
                    ("id", "function", "type"))
 
 

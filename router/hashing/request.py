@@ -20,7 +20,8 @@ from typing import Any
 
 from kvhint.router.hashing.blocks import BlockHasher, HashConfig
 from kvhint.router.hashing.errors import PromptRenderError, UnknownModel
-from kvhint.router.hashing.prompts import PromptRenderer
+from kvhint.router.hashing.prompts import RESPONSES_FUNCTION_KEYS, PromptRenderer
+from kvhint.router.hashing.responses_input import responses_chat_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,15 @@ class RequestHasher:
         """Hashes of a ``/v1/chat/completions`` body for workers hashing with ``config``."""
         token_ids = self.renderer(_model_of(body)).chat_token_ids(body)
         return self._hash(token_ids, body, config)
+
+    def hash_responses(self, body: Mapping[str, Any], config: HashConfig) -> PromptHashes:
+        """Hashes of a ``/v1/responses`` body, rendered as vLLM renders it (through the
+        chat template: responses_input.py); raises :class:`UnsupportedPrompt` for one
+        whose prompt is not all in the body (``previous_response_id``) or not reproduced."""
+        chat = responses_chat_body(body)
+        token_ids = self.renderer(_model_of(chat)).chat_token_ids(
+            chat, function_keys=RESPONSES_FUNCTION_KEYS)
+        return self._hash(token_ids, chat, config)
 
     def hash_completion(self, body: Mapping[str, Any], config: HashConfig
                         ) -> list[PromptHashes]:

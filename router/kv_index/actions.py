@@ -52,10 +52,11 @@ class WorkerAlive:
 
 @dataclass(frozen=True, slots=True)
 class WorkerIdConflict:
-    """Two engines heartbeat under ``worker_id`` (found once per conflict; see
-    :mod:`.stream_sources`): the index follows ``epoch``, whose heartbeat gives ``url``,
-    and refuses ``other_epoch``'s (``other_url``; None: the heartbeat names none). The
-    owner warns: the servers need distinct worker ids."""
+    """Two engines heartbeat under ``worker_id`` (reported once per conflict, once heard
+    side by side for ``conflict_confirm_s``; see :mod:`.stream_sources`): the index
+    follows ``epoch``, whose heartbeat gives ``url``, and refuses ``other_epoch``'s
+    (``other_url``; None: the heartbeat names none). The owner warns: the servers need
+    distinct worker ids."""
 
     worker_id: str
     epoch: str

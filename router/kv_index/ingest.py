@@ -55,9 +55,9 @@ from kvhint.schemas.subjects import Subjects
 
 @dataclass(frozen=True, slots=True)
 class IdConflictView:
-    """A conflict held over a worker's id (two engines heartbeat under it; see
-    :mod:`.stream_sources`): the engine not followed, and how long ago the conflict was
-    found and that engine last heard."""
+    """A conflict reported and held over a worker's id (two engines heartbeat under it;
+    see :mod:`.stream_sources`): the engine not followed, and how long ago the conflict
+    was found and that engine last heard."""
 
     other_epoch: str
     other_url: str | None
@@ -182,7 +182,8 @@ class KvEventIngestor:
         stream = self._stream(status.worker_id)
         was_alive = stream.alive
         decision = stream.on_status(status.epoch, status.last_event_seq, status.interval_s,
-                                    self._clock(), status, replaying=self.replaying)
+                                    self._clock(), status, replaying=self.replaying,
+                                    url=status.http_url)
         return self._alive_actions(stream, was_alive) + self._carry_out(stream, decision)
 
     def on_snapshot_page(self, page: WorkerSnapshot, cursor: int | None = None
@@ -311,7 +312,8 @@ class KvEventIngestor:
             for w, s in self._streams.items()}
 
     def conflicting_workers(self) -> tuple[str, ...]:
-        """The workers over whose id a conflict is held now, sorted."""
+        """The workers over whose id a conflict is reported and held now, sorted (one
+        found but not yet heard for ``conflict_confirm_s`` is not: a rollout, maybe)."""
         now = self._clock()
         return tuple(sorted(w for w, s in self._streams.items() if s.conflict(now)))
 

@@ -21,10 +21,8 @@ changes whenever its engine (and so its cache) restarts, plus a status heartbeat
   loses a few batches of a cache of thousands of blocks), after it the view is too old to
   route on, and would otherwise be trusted for as long as the snapshots keep failing;
 - no message for ``heartbeat_misses * interval_s`` (the liveness window) -> dead: purge;
-- two engines heartbeating under one worker id (:mod:`.stream_sources`): found once, and
-  while it is held the stream sticks to the source it follows (another's epoch, even a
-  newer one, is refused until the followed one is dead); a dead worker takes the next
-  heartbeat heard, of a retired epoch too (heartbeats are never replayed: it runs now);
+- two engines heartbeating under one worker id: :mod:`.stream_sources`; a dead worker
+  takes the next heartbeat heard, of a retired epoch too (heartbeats are never replayed);
 - while the owner replays the events stream's history (``replaying``, from a router's start
   or a link set up again until it caught up, at most ``replay_wait_s``), a heartbeat of a
   worker none of whose batches is applied waits for them (AWAITING_REPLAY) instead of
@@ -52,8 +50,7 @@ resyncing worker's view misses what the lost and the buffered batches did, and a
 one's may miss what it is doing now. Routing may still use an inexact view; what it
 predicts from one must not be reported, or learnt from, as exact.
 
-The resync itself (the snapshot's paging, the batches buffered meanwhile) is
-:mod:`.stream_resync`; the conflicts over a worker's id, :mod:`.stream_sources`.
+The resync itself (the snapshot's paging, the batches buffered meanwhile) is :mod:`.stream_resync`.
 
 Time comes from the caller (an injected clock); nothing here does I/O.
 """
@@ -106,6 +103,7 @@ class WorkerStream(Generic[T]):
         self.interval_s = config.default_interval_s
         self.counters = StreamCounters()
         self.last_status: object | None = None
+        self.url: str | None = None  # the address the followed engine's heartbeat names
         self._retired: deque[str] = deque(maxlen=config.max_retired_epochs)
         self._resync: Resync[T] | None = None
         self._behind: tuple[int, float] | None = None  # (worker's seq, since)
@@ -113,7 +111,8 @@ class WorkerStream(Generic[T]):
         # When a never-heard stream got its first replayed batch: its silence runs from
         # there (a worker heard of only through its history is dead one window later).
         self._unproven_since: float | None = None
-        self._sources = SourceConflict(config.conflict_hold_s)
+        self._sources = SourceConflict(config.conflict_hold_s, config.conflict_confirm_s,
+                                       self.counters)
 
     # --- observations -------------------------------------------------------------
 
@@ -196,29 +195,24 @@ class WorkerStream(Generic[T]):
                                   now, size)
 
     def on_status(self, epoch: str, last_event_seq: int, interval_s: float, now: float,
-                  status: object | None = None, replaying: bool = False) -> Decision:
-        """A heartbeat. Returns a decision with no verdict (there is no batch).
-        ``replaying``: the owner is replaying the events stream's history (see the module
-        doc): a worker with nothing applied waits for it instead of resyncing."""
+                  status: object | None = None, replaying: bool = False,
+                  url: str | None = None) -> Decision:
+        """A heartbeat naming ``url``; a decision with no verdict (there is no batch).
+        ``replaying``: the owner is replaying the events stream's history (module doc): a
+        worker with nothing applied waits for it instead of resyncing."""
         stale = self._is_stale(epoch, heartbeat=True)
-        if stale or self._held_off(epoch, now):
-            if stale:
-                self.counters.stale_status += 1
-            else:
-                self.counters.other_source_dropped += 1
+        if stale or self._held_off(epoch, now, url):  # counted there
             window = (heartbeat_interval(interval_s, self.config.default_interval_s)
                       * self.config.heartbeat_misses)
-            if self._sources.refused(epoch, now, self.last_heard, window, status):
-                self.counters.id_conflicts += 1
-                return Decision(id_conflict=True)
-            return Decision()
+            return Decision(id_conflict=self._sources.refused(
+                OtherSource(epoch, now, window, status, url), self.last_heard, self.url, stale))
         self._note_source(epoch)
         self.last_heard = now
         self.interval_s = heartbeat_interval(interval_s, self.config.default_interval_s)
         if interval_s > 0 and self.interval_s != interval_s:
             self.counters.status_interval_bounded += 1
-        self.last_status = status
         purge = self._observe_epoch(epoch)
+        self.last_status, self.url = status, url
         self._reported_seq = last_event_seq
         if self.phase is StreamPhase.RESYNCING:
             return Decision(None, purge)
@@ -329,14 +323,13 @@ class WorkerStream(Generic[T]):
             # The engine restarted while we waited: buffered batches belong to the old one.
             # Handled as a live batch's new epoch is: counted in epoch_changes, and a purge
             # that the owner applies (and notices) before loading this snapshot.
-            # The conflict record is told, as for a heartbeat taken (_note_source): the
-            # source left is the other one now if a conflict is held.
+            # The conflict record is told, as for a heartbeat taken (_note_source).
             self._note_source(resync.page_epoch)
             if self.epoch is not None:
                 self._retired.append(self.epoch)
                 purge = self._count_restart(self.epoch, resync.page_epoch)
             self.counters.stale_epoch += resync.buffer.drop()
-            self.epoch = resync.page_epoch
+            self.epoch, self.url = resync.page_epoch, None  # its address: from its heartbeat
         ready, rest = resync.release()
         self.applied_seq = resync.base_seq + len(ready)
         self._resync = None
@@ -365,10 +358,11 @@ class WorkerStream(Generic[T]):
         self.phase = StreamPhase.NEW
         self.last_heard = None
         self._unproven_since = None
-        self._sources = SourceConflict(self.config.conflict_hold_s)
+        self._sources = SourceConflict(self.config.conflict_hold_s,
+                                       self.config.conflict_confirm_s, self.counters)
 
     def conflict(self, now: float) -> IdConflict | None:
-        """The conflict held over this worker's id (:mod:`.stream_sources`), or None."""
+        """The conflict reported and held over this worker's id (:mod:`.stream_sources`)."""
         return self._sources.current(now)
 
     # --- internals ----------------------------------------------------------------
@@ -389,10 +383,13 @@ class WorkerStream(Generic[T]):
         return (self.epoch is not None and epoch != self.epoch
                 and epoch_is_older(epoch, self.epoch))
 
-    def _held_off(self, epoch: str, now: float) -> bool:
-        """Another source's epoch, refused while a conflict is held and the source
-        followed is alive (heard within its window): the stream sticks to it."""
-        return (self.epoch is not None and epoch != self.epoch and self._sources.held(now)
+    def _held_off(self, epoch: str, now: float, url: str | None = None) -> bool:
+        """Another source's epoch while the source followed is alive (heard within its
+        window): refused while a conflict is held, unless a heartbeat's ``url`` is the
+        followed server's (its restart), or if it is of a server that came back."""
+        return (self.epoch is not None and epoch != self.epoch
+                and (self._sources.held(now) and not self._sources.same_server(url, self.url)
+                     or self._sources.came_back(url, self.url, now))
                 and self._heard_within_window(now))
 
     def _heard_within_window(self, now: float) -> bool:
@@ -405,7 +402,7 @@ class WorkerStream(Generic[T]):
         conflict record when it replaces the source followed."""
         if self.epoch is not None and epoch != self.epoch:
             left = None if self.last_heard is None else OtherSource(
-                self.epoch, self.last_heard, self.liveness_window_s, self.last_status)
+                self.epoch, self.last_heard, self.liveness_window_s, self.last_status, self.url)
             self._sources.adopted(epoch, left)
 
     def _observe_epoch(self, epoch: str) -> str | None:
@@ -431,6 +428,7 @@ class WorkerStream(Generic[T]):
             self._retired.remove(epoch)
         if self.epoch != epoch:
             self._reset_stream()
+            self.url = None  # another engine's: its heartbeat names its own
         self.epoch = epoch
         if self.phase is StreamPhase.DEAD:
             self.phase = StreamPhase.NEW

@@ -88,6 +88,12 @@ class StreamConfig:
     # its new engine take the id (a purge and a snapshot at each such swap). The
     # router's setting of the same name.
     conflict_hold_s: float = 600.0
+    # How long two engines must be heard side by side under one id before the conflict
+    # is reported (warned of, shown, held conflict_hold_s); until then it ends once the
+    # other is silent for its liveness window. Longer than a surge rollout's overlap
+    # (the new pod heartbeats from its start, the old one until it has drained: its
+    # terminationGracePeriodSeconds, 30 s by default). The router's setting of the name.
+    conflict_confirm_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +145,15 @@ class StreamCounters:
     resyncs_deferred: int = 0
     resyncs_avoided: int = 0
     replay_waits_expired: int = 0
-    # Conflicts found over the worker's id (two engines heartbeating under it), and the
+    # Conflicts reported over the worker's id (two engines heartbeating under it), and the
     # heartbeats and batches of a newer epoch refused as the other engine's while one is
     # held (of a retired or older epoch: stale_status and stale_epoch, as before; its
     # snapshot replies: snapshot_pages_ignored).
     id_conflicts: int = 0
     other_source_dropped: int = 0
+    # Conflicts found that ended unreported (the other engine silent for its window
+    # before conflict_confirm_s): a rollout's old engine draining beside the new one.
+    id_conflicts_unconfirmed: int = 0
 
 
 def heartbeat_interval(interval_s: float, default_s: float) -> float:

@@ -21,6 +21,8 @@ workers; both call the same functions.
   nothing learnt crosses tenants).
 - :mod:`.feedback` — :func:`apply_outcome` -> :class:`WorkerFeedback` (pin ask scale,
   disabled action types).
+- :mod:`.tenant_feedback` — :class:`SplitFeedback` (a worker's capabilities, shared by
+  every tenant, and each tenant's own feedback: no tenant's outcomes steer another's).
 - :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets).
 - :mod:`.donor` — :func:`choose_donor`.
 """
@@ -95,6 +97,7 @@ from kvhint.router.policy.stats import (
     is_user_kind,
     user_gap_kind,
 )
+from kvhint.router.policy.tenant_feedback import SplitFeedback, feedback_from_stored
 from kvhint.router.policy.tenant_stats import MAX_TENANTS, TenantStats
 
 __all__ = [
@@ -136,6 +139,7 @@ __all__ = [
     "SessionPlanState",
     "SharedPrefix",
     "SharedPrefixRetains",
+    "SplitFeedback",
     "TenantStats",
     "TurnRouted",
     "WorkerFeedback",
@@ -147,6 +151,7 @@ __all__ = [
     "cached_tokens",
     "choose_donor",
     "decay_recent",
+    "feedback_from_stored",
     "find_shared_prefixes",
     "is_user_kind",
     "next_idle_review",

@@ -19,7 +19,9 @@ more). Rules:
   filled a worker's inbox used to disable Pin and Retain there until its engine restarted.
 
 Feed it only the planner's own actions: an agent's actions say what the agent asked, and
-one tenant's agent must not turn the planner off on a worker for every tenant.
+one tenant's agent must not turn the planner off on a worker for every tenant. Nor may
+one tenant's planner actions: the router and the simulator keep one per worker for what
+the worker cannot do and one per tenant for the rest (:mod:`.tenant_feedback`).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def plan_turn_routed(
     new_state = replace(
         session,
         worker_id=event.worker_id,
-        turns=session.turns + 1,
+        turns=event.depth if event.depth is not None else session.turns + 1,
         context_tokens=max(session.context_tokens, event.prompt_tokens),
         prompt_tokens=event.prompt_tokens,
         added_tokens=max(event.prompt_tokens - session.context_tokens, 0) if session.turns else 0,

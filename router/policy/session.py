@@ -48,7 +48,9 @@ class Protection:
 class SessionPlanState:
     """What the planner remembers of one session.
 
-    ``turns``: turns routed so far (the depth of the current/last turn).
+    ``turns``: the depth of the current/last turn: the turns answered before it, plus
+    it. A turn that failed does not count (:class:`TurnRouted` ``depth``): its retry
+    has the same depth, as the session's record counts its answered turns.
     ``context_tokens``: tokens of the last turn's prompt + completion (the session's chain
     on its worker); ``prompt_tokens``: of the last turn's prompt alone; ``added_tokens``:
     how many tokens that prompt added beyond the turn before it (prompt + completion; 0
@@ -141,7 +143,11 @@ def _known_fields(cls: type, data: dict[str, object]) -> dict[str, object]:
 class TurnRouted:
     """A request of the session was routed to ``worker_id`` (after routing, before the
     response). ``cached_tokens``: the prompt tokens the router's index found cached on
-    that worker (None: not known)."""
+    that worker (None: not known). ``depth``: the turn's depth, its session's answered
+    turns plus one (the router counts them: a turn that was refused or failed, which
+    the agent retries, is no exchange, and would otherwise deepen every later turn);
+    None: one past the state's own ``turns`` (every turn answered, as in the
+    simulator)."""
 
     session_id: str
     tenant: str
@@ -149,6 +155,7 @@ class TurnRouted:
     prompt_tokens: int
     at: float
     cached_tokens: int | None = None
+    depth: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

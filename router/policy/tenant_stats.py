@@ -11,8 +11,8 @@ the kind length) is per tenant too.
 Everything a :class:`LearnedStats` learns is kept per tenant, completion reads included:
 whether a next turn reads the previous response's KV depends on what the client sends
 back (a framework that strips reasoning or re-renders tool calls does not read it), and
-that is the tenant's, not the fleet's. Outcome feedback stays per worker (it is what a
-worker does with hints), outside this class.
+that is the tenant's, not the fleet's. Outcome feedback is outside this class: what a
+worker cannot do is shared, the rest is each tenant's own (:mod:`.tenant_feedback`).
 
 Bounded: only the tenants in ``tenants`` (the router's configured ones plus its default
 tenant; the simulator's, its trace's) learn, at most :data:`MAX_TENANTS` when no list is
@@ -25,7 +25,7 @@ Plain data, no I/O: the caller applies, persists and restores (one row per tenan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.stats import LearnedStats, Observation
@@ -94,16 +94,3 @@ class TenantStats:
             return False
         self._own[tenant] = stats
         return True
-
-    def seed(self, pooled: LearnedStats, tenants: Iterable[str]) -> list[str]:
-        """Start each of ``tenants`` that learns and has nothing of its own from a copy of
-        ``pooled`` (an older router's statistics of all tenants together); returns those
-        seeded. Copies: a tenant's observations must not move another's from then on."""
-        seeded = []
-        data = pooled.to_dict()
-        for tenant in tenants:
-            if tenant not in self._own and self.learns(tenant):
-                self._own[tenant] = LearnedStats.from_dict(data)
-                seeded.append(tenant)
-        return seeded
-

@@ -4,7 +4,8 @@ a page on another site can make a browser send (:mod:`.cross_site`).
 
 Reads come from memory (sessions, workers, the index) and from the store (hint history,
 sessions no longer in memory); the writer is flushed first so a read sees every write
-made before it.
+made before it. A tenant admin reads hint reasons without the worker-wide budget figures
+(:mod:`.tenant_reasons`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import asyncio
 import dataclasses
 import heapq
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.service.cross_site import cross_site_refusal
@@ -25,6 +29,7 @@ from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord, SessionState
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
+from kvhint.router.service.tenant_reasons import rows_for
 from kvhint.router.store.reader import (
     count_hints_by_status,
     get_session,
@@ -49,13 +54,54 @@ def _path_name() -> Any:
     return Path(..., **_NAME)
 
 
+class Refusal(HTTPException):
+    """An admin call refused, with the reason ``admin_rejections_total`` counts it by
+    (metrics.ADMIN_REJECTIONS)."""
+
+    def __init__(self, reason: str, status: int, message: str) -> None:
+        super().__init__(status, message)
+        self.reason = reason
+
+
+class _CountedRoute(APIRoute):
+    """An admin route whose every refusal is counted: the handler's own
+    (:class:`Refusal`), its dependencies' (the key, the cross-site check) and FastAPI's
+    422 for a path or query parameter it refuses, all raised inside the route's
+    handler; the app's exception handlers then answer them as before."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def counted(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError:
+                _count_refusal(request, "bad_request")
+                raise
+            except StarletteHTTPException as exc:
+                _count_refusal(request, exc.reason if isinstance(exc, Refusal)
+                               else _REASON_OF_STATUS.get(exc.status_code, "bad_request"))
+                raise
+
+        return counted
+
+
+# A refusal raised without a reason of its own (none in this module; a guard).
+_REASON_OF_STATUS = {401: "unauthorized", 403: "forbidden"}
+
+
+def _count_refusal(request: Request, reason: str) -> None:
+    request.app.state.runtime.metrics.admin_rejections.labels(reason).inc()
+
+
 def admin_principal(request: Request) -> Principal:
     runtime: RouterRuntime = request.app.state.runtime
     key = api_key_of(request.headers)
     try:
         return runtime.directory.admin(key)
     except AuthError as exc:
-        raise HTTPException(exc.status, exc.message) from exc
+        raise Refusal("unauthorized" if exc.status == 401 else "forbidden", exc.status,
+                      exc.message) from exc
 
 
 def _refuse_cross_site(request: Request,
@@ -66,7 +112,7 @@ def _refuse_cross_site(request: Request,
     message = cross_site_refusal(request.method, request.headers,
                                  request.app.state.runtime.metrics, "admin")
     if message is not None:
-        raise HTTPException(403, message)
+        raise Refusal("cross_site", 403, message)
 
 
 def _scope(principal: Principal, tenant: str | None) -> str | None:
@@ -74,7 +120,8 @@ def _scope(principal: Principal, tenant: str | None) -> str | None:
     if principal.tenant is None:
         return tenant
     if tenant is not None and tenant != principal.tenant.name:
-        raise HTTPException(403, f"this key administers tenant {principal.tenant.name!r} only")
+        raise Refusal("forbidden", 403,
+                      f"this key administers tenant {principal.tenant.name!r} only")
     return principal.tenant.name
 
 
@@ -143,7 +190,7 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
       workers' rejection reasons with them). None of these is kept per tenant."""
     worker = runtime.workers.get(worker_id)
     if worker is None:
-        raise HTTPException(404, f"unknown worker {worker_id!r}")
+        raise Refusal("unknown_worker", 404, f"unknown worker {worker_id!r}")
     stream = runtime.ingestor.worker_views().get(worker_id)
     feedback = runtime.hints.feedback.get(worker_id)
     held = runtime.hints.holdings.worker(worker_id)
@@ -163,7 +210,7 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
                     "counters": dict(stream.counters) if fleet else None}
                    if stream is not None else None),
         # Two engines heartbeat under this id (kv_index/stream_sources.py): the one not
-        # followed. None: no conflict held. Shown to a tenant admin too: an address and
+        # followed. None: no conflict reported. Shown to a tenant admin too: an address and
         # an epoch, fleet configuration, no tenant's traffic.
         "conflict": (dataclasses.asdict(stream.conflict)
                      if stream is not None and stream.conflict is not None else None),
@@ -210,7 +257,7 @@ def _private_answer(response: Response) -> None:
 
 
 def build_admin_router() -> APIRouter:
-    router = APIRouter(prefix="/admin", tags=["admin"],
+    router = APIRouter(prefix="/admin", tags=["admin"], route_class=_CountedRoute,
                        dependencies=[Depends(_private_answer), Depends(_refuse_cross_site)])
 
     @router.get("/sessions")
@@ -239,14 +286,14 @@ def build_admin_router() -> APIRouter:
         runtime: RouterRuntime = request.app.state.runtime
         _scope(principal, tenant)
         await runtime.writer.flush()
-        hints = await asyncio.to_thread(query_hints, runtime.engine, None, tenant, session_id,
-                                        None, 200)
+        hints = rows_for(principal, await asyncio.to_thread(
+            query_hints, runtime.engine, None, tenant, session_id, None, 200))
         record = runtime.sessions.get(tenant, session_id)
         if record is not None:
             return {**session_view(runtime, record, detail=True), "hints": hints}
         row = await asyncio.to_thread(get_session, runtime.engine, tenant, session_id)
         if row is None:
-            raise HTTPException(404, f"unknown session {tenant}/{session_id}")
+            raise Refusal("unknown_session", 404, f"unknown session {tenant}/{session_id}")
         return {**row, "source": "store", "hints": hints}
 
     @router.post("/sessions/{tenant}/{session_id:path}/end")
@@ -258,7 +305,7 @@ def build_admin_router() -> APIRouter:
         await runtime.lifecycle.recall(tenant, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant, session_id)
         if record is None:
-            raise HTTPException(404, f"unknown session {tenant}/{session_id}")
+            raise Refusal("unknown_session", 404, f"unknown session {tenant}/{session_id}")
         await runtime.lifecycle.end(record)
         return session_view(runtime, record, detail=False)
 
@@ -287,7 +334,7 @@ def build_admin_router() -> APIRouter:
         rows = await asyncio.to_thread(query_hints, runtime.engine, status, scope, session_id,
                                        worker_id, limit)
         counts = await asyncio.to_thread(count_hints_by_status, runtime.engine, scope)
-        return {"hints": rows, "counts_by_status": counts}
+        return {"hints": rows_for(principal, rows), "counts_by_status": counts}
 
     @router.get("/overview")
     async def overview(request: Request, principal: Principal = Depends(admin_principal)
@@ -301,7 +348,8 @@ def build_admin_router() -> APIRouter:
 def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
     """Everything the dashboard draws, in one call. A tenant admin's holds its tenant's
     sessions and hints only; the fleet's traffic totals and timeline, which are not kept
-    per tenant, are left out (``totals`` None, ``timeline`` empty).
+    per tenant, are left out (``totals`` None, ``timeline`` empty), and its hints'
+    reasons carry no worker-wide budget figures (:mod:`.tenant_reasons`).
 
     ``learned``: what the planner learnt (:func:`learned_view`), per tenant, each
     tenant's from its own traffic only: a tenant admin's holds its own tenant; a global
@@ -317,7 +365,7 @@ def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
     pending = sorted((a for a in runtime.hints.pending.values()
                       if scope is None or a.tenant == scope),
                      key=lambda a: a.created_at, reverse=True)
-    hints = [a.row() for a in (pending[:50] + recent_hints)][:100]
+    hints = rows_for(principal, [a.row() for a in (pending[:50] + recent_hints)][:100])
     stats = runtime.index.stats()
     return {
         "now": time.time(), "started_at": runtime.started_at,

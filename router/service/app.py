@@ -41,6 +41,7 @@ from kvhint.router.service.inbound import (
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.origin_policy import OriginPolicy
+from kvhint.router.service.responses_api import ResponsesGateway
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sampling import check_parallel_samples
 from kvhint.router.service.sessions_api import build_sessions_router
@@ -52,7 +53,7 @@ log = logging.getLogger("kvhint.router")
 
 
 class RouterApp:
-    """The ASGI app uvicorn runs: the two inference routes go straight to their handler
+    """The ASGI app uvicorn runs: the inference routes go straight to their handler
     (the path every token takes: no middleware frames around each streamed chunk);
     everything else, lifespan included, is the FastAPI app."""
 
@@ -96,6 +97,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await RouterRuntime.start(settings)
         app.state.runtime = runtime
+        app.state.responses = ResponsesGateway(runtime)
         try:
             yield
         finally:
@@ -111,6 +113,10 @@ def create_app(settings: RouterSettings) -> RouterApp:
     # Also known to FastAPI (a GET gets 405, not 404); POSTs never reach these.
     app.router.add_route("/v1/chat/completions", _chat, methods=["POST"])
     app.router.add_route("/v1/completions", _completions, methods=["POST"])
+    app.router.add_route("/v1/responses", _responses, methods=["POST"])
+    app.router.add_route("/v1/responses/{response_id}", _response_get, methods=["GET"])
+    app.router.add_route("/v1/responses/{response_id}/cancel", _response_cancel,
+                         methods=["POST"])
     app.router.add_route("/v1/models", _models, methods=["GET"])
     app.router.add_route("/health", _health, methods=["GET"])
     app.router.add_route("/ready", _ready, methods=["GET"])
@@ -140,7 +146,7 @@ def _path_parameters_take_line_breaks(app: FastAPI) -> None:
             route.path_regex = re.compile(route.path_regex.pattern, re.DOTALL)
 
 
-_INFERENCE_PATHS = {Endpoint.CHAT.path: Endpoint.CHAT, Endpoint.COMPLETION.path: Endpoint.COMPLETION}
+_INFERENCE_PATHS = {e.path: e for e in Endpoint}
 
 
 def runtime_of(request: Request) -> RouterRuntime:
@@ -153,6 +159,18 @@ async def _chat(request: Request) -> Response:
 
 async def _completions(request: Request) -> Response:
     return await _inference(request, Endpoint.COMPLETION)
+
+
+async def _responses(request: Request) -> Response:
+    return await _inference(request, Endpoint.RESPONSES)
+
+
+async def _response_get(request: Request) -> Response:
+    return await request.app.state.responses.retrieve(request)
+
+
+async def _response_cancel(request: Request) -> Response:
+    return await request.app.state.responses.cancel(request)
 
 
 async def _inference(request: Request, endpoint: Endpoint) -> Response:
@@ -184,6 +202,8 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     # before its first byte); a streamed response then watches for itself.
     gone = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
+        if endpoint is Endpoint.RESPONSES:  # names, and may continue, a stored response
+            return await request.app.state.responses.create(inbound, gone)
         return await runtime.forwarder.forward(inbound, gone)
     finally:
         gone.cancel()

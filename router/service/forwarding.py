@@ -29,7 +29,8 @@ from kvhint.router.service.inbound import InboundRequest, openai_error
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
-from kvhint.router.service.response_scan import ResponseObservation, SseRelay
+from kvhint.router.service.response_scan import ResponseObservation
+from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sampling import parallel_samples
 from kvhint.router.service.sessions import SessionRecord
@@ -91,6 +92,7 @@ class _Flight:
     accounted: bool = False
     # It holds one of its tenant's in-flight slots (given back by _account).
     tenant_slot: bool = False
+    only_worker: str | None = None  # see Forwarder.forward
 
 
 class Forwarder:
@@ -116,16 +118,21 @@ class Forwarder:
         self.slots = TenantSlots(metrics)
 
     async def forward(self, inbound: InboundRequest,
-                      client_gone: asyncio.Future[None] | None = None) -> Response:
+                      client_gone: asyncio.Future[None] | None = None, *,
+                      only_worker: str | None = None,
+                      observation: ResponseObservation | None = None) -> Response:
         """``client_gone``: done when the client disconnects before the response to it
         starts (a streamed response then watches its own); the request to the worker, or
-        the worker's response, is then closed at once, not when it finishes."""
+        the worker's response, is then closed at once, not when it finishes.
+        ``only_worker``: there or nowhere, no retry (a stored response's: responses_api.py);
+        ``observation``: what reads the answer (a Responses one: responses_scan.py)."""
         # Admitted here; the slot is given back in _account, which every way a request
         # ends runs once (answered, failed, client gone, a stream's end, a cancellation).
         if (refusal := self.slots.take(inbound)) is not None:
             return refusal
         flight = _Flight(inbound, None, None, time.perf_counter())
         flight.tenant_slot = True
+        flight.only_worker, flight.observation = only_worker, observation or flight.observation
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -163,9 +170,12 @@ class Forwarder:
             flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
                                                        inbound.client_session_id)
         body = msgspec.json.encode(inbound.body)
-        excluded: frozenset[str] = frozenset()
+        # only_worker: every other worker out, and no second attempt.
+        excluded = frozenset(w.worker_id for w in self._workers.all()
+                             if flight.only_worker not in (None, w.worker_id))
+        attempts = MAX_ATTEMPTS if flight.only_worker is None else 1
         last_error: UpstreamUnavailable | None = None
-        for attempt in range(MAX_ATTEMPTS):
+        for attempt in range(attempts):
             record = flight.record
             try:
                 flight.plan = await self._routing.plan(
@@ -193,7 +203,7 @@ class Forwarder:
                     excluded = excluded | {worker_id}
                 # else it moved while the request was on its way: its new address may
                 # take the retry
-                if attempt + 1 < MAX_ATTEMPTS:
+                if attempt + 1 < attempts:
                     self._metrics.retries.labels(worker_id).inc()
                 continue
             return await self._respond(flight, upstream)
@@ -357,7 +367,7 @@ class Forwarder:
 
     async def _relay(self, flight: _Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:
-        relay = SseRelay(flight.observation, flight.inbound.strip_usage_chunk)
+        relay = relay_for(flight.observation, flight.inbound.strip_usage_chunk)
         status = upstream.status
         first = True
         try:
@@ -378,6 +388,9 @@ class Forwarder:
                 return
             status = 504 if exc.timed_out else 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
+            if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read
+                yield relay.failure_event(f"worker failed mid-stream: {exc}", status)
+                return
             error = openai_error(f"worker failed mid-stream: {exc}", status)
             # Finish events held for a fingerprint (SseRelay) go first, as they came.
             yield relay.release_held() + b"data: " + error + b"\n\n"
@@ -406,8 +419,12 @@ class Forwarder:
         flight.accounted = True
         # A 200 that carried the worker's error (vLLM's error event in a stream) failed:
         # counted, and settled for its session, by that error's status, as a stream
-        # that broke mid-way is by the router's own (502/504).
+        # that broke mid-way is by the router's own (502/504); and, as that one is, as
+        # a broken response: a 200 whose answer failed after it began.
+        worker_status = status
         status = flight.observation.turn_status(status)
+        if status != worker_status and flight.worker_id is not None:
+            self._metrics.broken_streams.labels(flight.worker_id).inc()
         if flight.tenant_slot:
             flight.tenant_slot = False
             self.slots.give_back(flight.inbound.tenant.name)

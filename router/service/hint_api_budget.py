@@ -47,7 +47,10 @@ class ApiBudgetGate:
         advertised budgets, the tenant's ``worker_share`` of them), or None; a None
         answer counts them against the rate. ``chain``: the session's last prompt's block
         hashes on the worker, so that blocks already held the same way (a shared system
-        prompt) are not counted again."""
+        prompt) are not counted again. The answer goes to the tenant's caller: it names
+        the tenant's own holdings, never what the worker holds for everyone (before, "worker
+        w0 would hold 56 pinned blocks" told a tenant what every other tenant pinned
+        there): only that the worker's shared budget has no room for these."""
         times = self._times.setdefault(tenant, deque())
         while times and now - times[0] > 60.0:
             times.popleft()
@@ -69,17 +72,18 @@ class ApiBudgetGate:
                         worker_id, tenant, action.action_type, action.blocks, keys)):
                     totals[i] += blocks
         held = self._holdings.tenant(tenant)
+        # (who, kind, held now, added, limit, whether "held now" is every tenant's)
         checks = [(f"tenant {tenant!r}", "pinned", held.pinned_blocks, pins[1],
-                   budget.max_pinned_blocks),
+                   budget.max_pinned_blocks, False),
                   (f"tenant {tenant!r}", "retained", held.retained_blocks, retains[1],
-                   budget.max_retained_blocks)]
+                   budget.max_retained_blocks, False)]
         worker = self._workers.get(worker_id)
         if worker is not None and worker.status is not None:
             # Pins only: a worker's retain budget is soft (a higher priority displaces a
             # lower one, an overflow is clipped), which the planner relies on too.
             checks.append((f"worker {worker_id}", "pinned",
                            self._holdings.worker(worker_id).pinned_blocks, pins[0],
-                           worker.status.budgets.max_pinned_blocks))
+                           worker.status.budgets.max_pinned_blocks, True))
             if worker_share < 1.0:
                 # A worker's budgets are every tenant's: one tenant's agents may take
                 # only its share (retains too: an agent's top priority displaces others).
@@ -87,11 +91,14 @@ class ApiBudgetGate:
                     tenant, worker_id)
                 who = f"tenant {tenant!r} on worker {worker_id} (share {worker_share:g})"
                 checks += [(who, "pinned", api_held.pinned_blocks, pins[2],
-                            int(budgets.max_pinned_blocks * worker_share)),
+                            int(budgets.max_pinned_blocks * worker_share), False),
                            (who, "retained", api_held.retained_blocks, retains[2],
-                            int(budgets.max_retained_blocks * worker_share))]
-        for who, kind, current, asked, limit in checks:
+                            int(budgets.max_retained_blocks * worker_share), False)]
+        for who, kind, current, asked, limit, everyones in checks:
             if asked and limit is not None and current + asked > limit:
+                if everyones:
+                    return (f"{who} has no room for these {kind} blocks (its limit {limit} "
+                            "is shared by every tenant)")
                 return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
         times.extend([now] * len(planned))
         return None

@@ -2,7 +2,8 @@
 
 The planner (pure, :mod:`kvhint.router.policy`) decides; this module does the rest:
 builds its frozen context from the workers' heartbeats, the holdings ledger and the
-per-worker outcome feedback; wraps each worker's actions in one ``KvHintsEnvelope`` on
+outcome feedback (each worker's capabilities and the planning tenant's own); wraps each
+worker's actions in one ``KvHintsEnvelope`` on
 ``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
 back into holdings, feedback, metrics, the store and any API caller waiting for it.
 What the planner learns (each tenant's statistics, each worker's outcome feedback) and
@@ -31,8 +32,8 @@ from kvhint.router.policy import (
     PlannedAction,
     PlannerConfig,
     PlannerContext,
+    SplitFeedback,
     TenantStats,
-    WorkerFeedback,
     WorkerPlanView,
     target_keys,
 )
@@ -107,14 +108,16 @@ class HintDispatcher:
         return self._learning.stats
 
     @property
-    def feedback(self) -> dict[str, WorkerFeedback]:
-        """Each worker's outcome feedback (:mod:`.hint_learned`)."""
+    def feedback(self) -> dict[str, SplitFeedback]:
+        """Each worker's outcome feedback, its capabilities and each tenant's own
+        (:mod:`.hint_learned`)."""
         return self._learning.feedback
 
     # --- planner context ----------------------------------------------------------------
 
     def context(self, now: float | None = None, tenant: str | None = None) -> PlannerContext:
-        """The planner's frozen view; with ``tenant``, that tenant's budget applies."""
+        """The planner's frozen view; with ``tenant``, that tenant's budget and outcome
+        feedback apply (no other tenant's outcomes turn its hints off or shrink them)."""
         now = self._clock() if now is None else now
         views = {}
         for worker in self._workers.all():
@@ -129,7 +132,8 @@ class HintDispatcher:
                 host_tier=status.host_tier,
                 evict_rest_first=evict_rest_supported(status.supported_actions),
                 held=self.holdings.worker(worker.worker_id),
-                feedback=self.feedback.get(worker.worker_id),
+                feedback=(None if (feedback := self.feedback.get(worker.worker_id)) is None
+                          else feedback.view(tenant)),
             )
         config = self.planner_config
         tenant_held = {}
@@ -175,6 +179,13 @@ class HintDispatcher:
         now = self._clock()
         for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
             self._expire(record, now, "worker forgotten")
+
+    def workers_pruned(self, worker_ids: Iterable[str]) -> None:
+        """Retention deleted these workers' rows (store.retention.prune), their feedback
+        rows with them: what they taught goes from memory too
+        (:meth:`LearnedState.worker_pruned`)."""
+        for worker_id in worker_ids:
+            self._learning.worker_pruned(worker_id)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -329,7 +340,7 @@ class HintDispatcher:
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
         self.holdings.settle(outcome)
         if record.source == PLANNER_SOURCE:  # an agent's actions never steer the planner
-            self._learning.learn_outcome(record.worker_id, outcome)
+            self._learning.learn_outcome(record.worker_id, record.tenant, outcome)
         self._finish(record)
         return record
 
@@ -393,14 +404,21 @@ class HintDispatcher:
         until its outcome settles it. The actions of a worker the registry (filled before
         this is called) does not hold are not restored (before, its holds counted against
         their tenant's budget until their TTL); their rows go with the worker's own row
-        (by the foreign key)."""
+        (by the foreign key). Each is counted (``hint_not_restored:worker_gone``), and so
+        is a held one whose holding cannot be rebuilt (``hint_not_restored:unscoped``:
+        a row that does not say what it protects)."""
         self._learning.restore(learned)
+        gone = sum(row["worker_id"] not in self._workers for row in (*held, *pending))
+        if gone:
+            self._metrics.drop("hint_not_restored:worker_gone", gone)
         held = [row for row in held if row["worker_id"] in self._workers]
         pending = [row for row in pending if row["worker_id"] in self._workers]
         for row in held:
             record = SentAction.from_row(row)
             blocks = record.held_after_release_blocks
-            self._hold(record, record.applied_blocks if blocks is None else blocks)
+            blocks = record.applied_blocks if blocks is None else blocks
+            if blocks > 0 and not self._hold(record, blocks):
+                self._metrics.drop("hint_not_restored:unscoped")
         now = self._clock()
         for row in pending:
             record = SentAction.from_row(row)
@@ -412,9 +430,10 @@ class HintDispatcher:
             self.pending[record.action_id] = record
             self._hold(record, record.requested_blocks)
 
-    def _hold(self, record: SentAction, blocks: int) -> None:
-        """Count a stored action's holding again. Only a target's own ``block_hashes``
-        are known here (session prompts are not stored): a session's blocks count as its
+    def _hold(self, record: SentAction, blocks: int) -> bool:
+        """Count a stored action's holding again; False when it cannot be (nothing held,
+        or a row without its scope or end). Only a target's own ``block_hashes`` are
+        known here (session prompts are not stored): a session's blocks count as its
         own until its next protection replaces the holding."""
         if blocks > 0 and record.scope is not None and record.expires_at is not None:
             keys = target_keys(record.action_type, record.payload, 1)
@@ -423,6 +442,8 @@ class HintDispatcher:
                                  action_type=record.action_type, blocks=blocks,
                                  expires_at=record.expires_at, keys=keys,
                                  api=record.source == API_SOURCE)
+            return True
+        return False
 
     def _block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)

@@ -23,7 +23,8 @@ HintStatus = Literal["pending", "expired", "failed", "accepted", "clipped", "def
 # An action with no terminal outcome after this long is marked expired.
 OUTCOME_DEADLINE_S = 120.0
 # Who an action is for (``SentAction.source``, the metrics' ``source`` label). Only the
-# planner's own actions teach the planner (their outcomes feed its per-worker feedback);
+# planner's own actions teach the planner (their outcomes feed its feedback: the worker's
+# capabilities, and the tenant's own, policy.tenant_feedback);
 # "api" marks an agent runtime's: what it sent through the sessions API, and the release
 # of those claims when its session ends.
 PLANNER_SOURCE = "planner"

@@ -68,10 +68,15 @@ def refusal_headers(status: int) -> dict[str, str] | None:
 class Endpoint(str, enum.Enum):
     CHAT = "chat"
     COMPLETION = "completion"
+    RESPONSES = "responses"  # POST /v1/responses (responses_api.py)
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self is Endpoint.CHAT else "/v1/completions"
+        return _PATHS[self]
+
+
+_PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETION: "/v1/completions",
+          Endpoint.RESPONSES: "/v1/responses"}
 
 
 class BadRequest(Exception):
@@ -166,10 +171,12 @@ def parse_inbound(
             raise BadRequest("'messages' must be a non-empty array", param="messages")
         if not all(isinstance(m, dict) for m in messages):
             raise BadRequest("every item of 'messages' must be an object", param="messages")
-    else:
+    elif endpoint is Endpoint.COMPLETION:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise BadRequest("'prompt' must be a string or a non-empty array", param="prompt")
+    elif not isinstance(body.get("input"), (str, list)):
+        raise BadRequest("'input' must be a string or an array", param="input")
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -204,9 +211,14 @@ def parse_inbound(
         body["cache_salt"] = tenant.cache_salt
         if endpoint is Endpoint.CHAT:
             _scope_media_uuids(body["messages"], tenant.cache_salt)
+        elif endpoint is Endpoint.RESPONSES and isinstance(body["input"], list):
+            # vLLM keeps a part's uuid through its Responses validation into the same
+            # chat parsing: the same scoping.
+            _scope_media_uuids(body["input"], tenant.cache_salt, "input")
 
     strip_usage = False
-    if stream:
+    # A Responses stream always ends in its usage (response.completed): nothing to ask.
+    if stream and endpoint is not Endpoint.RESPONSES:
         options = body.get("stream_options")
         if options is None:
             options = {}
@@ -235,7 +247,8 @@ def parse_inbound(
     )
 
 
-def _scope_media_uuids(messages: list[dict[str, Any]], salt: str) -> None:
+def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
+                       field: str = "messages") -> None:
     """Make every content part's ``uuid`` the tenant's own.
 
     vLLM 0.32 takes a part's client-given ``uuid`` as its media item's hash, and keys
@@ -247,7 +260,7 @@ def _scope_media_uuids(messages: list[dict[str, Any]], salt: str) -> None:
     of the tenant's salt and the uuid: one tenant's repeats still hit its cache; no two
     tenants share an entry."""
     for number, message in enumerate(messages):
-        content = message.get("content")
+        content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
@@ -256,7 +269,7 @@ def _scope_media_uuids(messages: list[dict[str, Any]], salt: str) -> None:
             uuid = part["uuid"]
             if not isinstance(uuid, str):
                 raise BadRequest("a content part's 'uuid' must be a string",
-                                 param=f"messages[{number}].content")
+                                 param=f"{field}[{number}].content")
             part["uuid"] = hashlib.sha256(f"{salt}\x00{uuid}".encode()).hexdigest()
 
 

@@ -149,8 +149,11 @@ class SessionLifecycle:
         if record.state == ENDED:  # ended while this turn was on its way: plan nothing
             self.sessions.save(record)
             return
+        # Its depth is the answered turns' (record.turns), as the operator's: a failed
+        # turn before it (refused, failed, the client gone) does not deepen it.
         event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now,
-                           predicted_cached if prediction_exact else None)
+                           predicted_cached if prediction_exact else None,
+                           depth=record.turns + 1)
         context = self.hints.context(now, record.tenant)
         await self._apply(record, plan_turn_routed(context, record.plan, event))
         self.sessions.save(record)
@@ -163,14 +166,20 @@ class SessionLifecycle:
         what an operator reads as its depth (and what a tool gap's depth records), not
         its attempts: a turn the worker refused (a prompt too long) or failed, which the
         agent retries, would count twice (the request metrics count those by status).
-        A refused one's block hashes are not kept either (the session keeps those of
-        its last answered prompt)."""
+        The planner's depth (``plan.turns``) counts the same turns. A refused one's
+        block hashes are not kept either (the session keeps those of its last answered
+        prompt)."""
         now = self._clock()
         if answered:
             record.turns += 1
             record.answered_block_hashes = record.last_block_hashes
         else:
             record.last_block_hashes = record.answered_block_hashes
+            if record.plan.turns != record.turns and record.inflight <= 1:
+                # The planner took the turn's depth when it was routed; failed, it is
+                # no turn of the session's: its depth is the answered turns' again
+                # (unless another turn is in flight, whose depth the planner holds).
+                record.plan = replace(record.plan, turns=record.turns)
         record.inflight = max(record.inflight - 1, 0)
         record.last_activity = now
         if observation is not None and observation.prompt_tokens is not None:

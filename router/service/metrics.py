@@ -49,8 +49,18 @@ SESSION_END_REJECTIONS = (
     "unknown_session",  # 404: no such session of the tenant
     "cross_site",       # 403: what a page on another site can send (cross_site.py)
 )
+# kvhint_router_admin_rejections_total{reason}: /admin calls answered with an error
+# (nothing read or changed), a bounded set (admin_api.py).
+ADMIN_REJECTIONS = (
+    "unauthorized",     # 401: no key, or a key the router does not know
+    "forbidden",        # 403: not an admin key, or another tenant's
+    "cross_site",       # 403: what a page on another site can send (cross_site.py)
+    "unknown_session",  # 404: no such session, in memory or in the store
+    "unknown_worker",   # 404: no such worker
+    "bad_request",      # 422: a path or query parameter refused (a bound, a name)
+)
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
-CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints")
+CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints", "responses_cancel")
 CROSS_SITE_REASONS = ("cross_site", "no_marker")
 # kvhint_router_cors_refusals_total{reason} (origin_policy.py): a bounded set.
 CORS_REFUSAL_REASONS = ("origin", "method", "headers")
@@ -70,6 +80,18 @@ CLIENT_TIMEOUT_PHASES = ("headers", "body")
 GATEWAY_REJECTIONS = (
     "over_in_flight",  # 429: the tenant's max_in_flight requests are in flight already
 )
+# kvhint_router_response_id_misses_total{reason}: a stored response id a request named
+# that the router did not send on (responses_ids.py), a bounded set.
+RESPONSE_ID_MISSES = (
+    "unknown",           # 404: never seen, or evicted past responses.max_ids
+    "other_tenant",      # 404 (as unknown): another tenant's response
+    "worker_gone",       # 404: the worker that holds it left the fleet
+    "worker_restarted",  # 404: its engine restarted since (vLLM's store is in memory)
+    "worker_down",       # 503: the worker that holds it is down now
+)
+# kvhint_router_response_id_requests_total{op, code}: GET /v1/responses/{id} and
+# POST /v1/responses/{id}/cancel (responses_api.py), a bounded set.
+RESPONSE_ID_OPS = ("get", "cancel")
 # kvhint_router_health_probes_total{worker, outcome} (health.py): a bounded set.
 HEALTH_PROBE_OUTCOMES = ("answered", "failed")
 _PROBE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
@@ -143,8 +165,9 @@ class _StateCollector(Collector):
         yield inflight
         conflicts = GaugeMetricFamily(
             "kvhint_router_worker_id_conflict",
-            "1 while two engines heartbeat under this worker id (or did within "
-            "conflict_hold_s, 10 min by default): "
+            "1 while two engines heartbeat under this worker id (once heard side by "
+            "side conflict_confirm_s, 5 min by default: a rollout's overlap is not; "
+            "then until the other was silent conflict_hold_s, 10 min by default): "
             "the index follows one and refuses the other's messages", labels=["worker"])
         for worker in s.worker_id_conflicts:
             conflicts.add_metric([worker], 1)
@@ -197,7 +220,9 @@ class RouterMetrics:
                                "Requests retried on the next-best worker",
                                _PER_WORKER["retries"], registry=r)
         self.broken_streams = Counter("kvhint_router_broken_responses",
-                                      "Responses that failed after bytes were sent",
+                                      "Responses that failed after the worker's began: broken "
+                                      "or silent mid-answer, or a 200 carrying vLLM's "
+                                      "error event",
                                       _PER_WORKER["broken_streams"], registry=r)
         self.ttfb = Histogram("kvhint_router_time_to_first_byte_seconds",
                               "Router receive to first response byte from the worker",
@@ -272,6 +297,12 @@ class RouterMetrics:
             "reason", ["reason"], registry=r)
         for reason in SESSION_END_REJECTIONS:
             self.session_end_rejections.labels(reason)
+        self.admin_rejections = Counter(
+            "kvhint_router_admin_rejections",
+            "/admin calls answered with an error (nothing read or changed), by reason",
+            ["reason"], registry=r)
+        for reason in ADMIN_REJECTIONS:
+            self.admin_rejections.labels(reason)
         self.session_end_skips = Counter(
             "kvhint_router_session_end_skips",
             "Turns with X-Session-End that did not end their session because the turn did "
@@ -335,6 +366,29 @@ class RouterMetrics:
             "Inference requests of the tenant in flight (admitted, not yet ended), as its "
             "max_in_flight counts them; kept for tenants without one too",
             ["tenant"], registry=r)
+        self.response_ids = Gauge(
+            "kvhint_router_response_ids",
+            "Stored Responses API response ids the router remembers (id -> worker, "
+            "tenant), at most responses.max_ids", registry=r)
+        self.response_ids_evicted = Counter(
+            "kvhint_router_response_ids_evicted",
+            "Response ids forgotten past responses.max_ids (least recently used): a "
+            "later request naming one is a 404", registry=r)
+        self.response_id_misses = Counter(
+            "kvhint_router_response_id_misses",
+            "Requests naming a stored response id (previous_response_id, GET, cancel) "
+            "the router did not send on, by reason", ["reason"], registry=r)
+        for reason in RESPONSE_ID_MISSES:
+            self.response_id_misses.labels(reason)
+        self.response_id_requests = Counter(
+            "kvhint_router_response_id_requests",
+            "GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, by op and code "
+            "(the worker's, or the router's own refusal)", ["op", "code"], registry=r)
+        self.responses_background = Counter(
+            "kvhint_router_responses_background",
+            "Background Responses API requests (background: true) answered while still "
+            "running: their generation, usage and turn outcome come after the answer, "
+            "unseen by the router", registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)

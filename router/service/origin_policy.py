@@ -54,7 +54,23 @@ CORS_PATHS: dict[str, frozenset[str]] = {
     "/v1/chat/completions": frozenset({"POST"}),
     "/v1/completions": frozenset({"POST"}),
     "/v1/models": frozenset({"GET", "HEAD"}),
+    "/v1/responses": frozenset({"POST"}),
 }
+# A stored response's own paths (responses_api.py): one path segment for its id.
+_RESPONSE_ID_PATH = re.compile(r"/v1/responses/[^/]+")
+
+
+def cors_methods(path: str) -> frozenset[str] | None:
+    """The methods a browser app may call ``path`` with across origins; None: not a
+    CORS path."""
+    methods = CORS_PATHS.get(path)
+    if methods is not None or not path.startswith("/v1/responses/"):
+        return methods
+    if _RESPONSE_ID_PATH.fullmatch(path):
+        return frozenset({"GET", "HEAD"})
+    if path.endswith("/cancel") and _RESPONSE_ID_PATH.fullmatch(path[:-len("/cancel")]):
+        return frozenset({"POST"})
+    return None
 # Response headers a browser app may read beyond the CORS-safelisted ones.
 _EXPOSED = "Retry-After, X-Kvhint-Worker"
 _PREFLIGHT_MAX_AGE_S = "600"
@@ -210,7 +226,7 @@ class OriginPolicy:
                             "counted in kvhint_router_host_refusals_total)",
                             headers.get("host"))
             return self._refuse(HOST_REFUSAL, 403)
-        methods = CORS_PATHS.get(scope["path"])
+        methods = cors_methods(scope["path"])
         if (not self._origins or methods is None or scope["method"] != "OPTIONS"
                 or "access-control-request-method" not in headers or "origin" not in headers):
             return None
@@ -229,7 +245,7 @@ class OriginPolicy:
     def cors_grant(self, scope: Scope) -> CorsGrant | None:
         """The CORS headers for a request's answer: None unless CORS is on, the path is
         one of :data:`CORS_PATHS` and the request's ``Origin`` is allowed."""
-        if not self._origins or scope["path"] not in CORS_PATHS:
+        if not self._origins or cors_methods(scope["path"]) is None:
             return None
         origin = Headers(scope=scope).get("origin")
         if origin is None or not (self._any_origin or origin in self._origins):

@@ -160,7 +160,12 @@ class SseRelay:
     unchanged before any other event: another choice's (``n`` > 1: a choice that ends
     while others still stream is not held back for them, and goes without it), an
     error, ``[DONE]``; at the stream's end; and (:meth:`release_held`) before the
-    router's own error event."""
+    router's own error event.
+
+    A worker that puts usage on every chunk unasked (vLLM's
+    ``--enable-force-include-usage``) gives a client that asked for none its usage chunk
+    too, with the fingerprint on it: seen on its first chunk, the stream then passes
+    unchanged, usage chunk included, as from the worker directly."""
 
     def __init__(self, observation: ResponseObservation, strip_usage_chunk: bool) -> None:
         self.observation = observation
@@ -168,8 +173,9 @@ class SseRelay:
         self._pending = b""
         # Finish events waiting for the usage chunk's fingerprint (whole events).
         self._held: list[bytes] = []
-        # The stream's terminal ``data: [DONE]`` event has been relayed: the client has
-        # the whole answer, and one that leaves now has not left early.
+        # The stream's terminal ``data: [DONE]`` event, or the worker's error event,
+        # has been relayed: the client has the whole answer (an error is one), and one
+        # that leaves now has not left early.
         self.finished = False
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -219,11 +225,27 @@ class SseRelay:
                 self.finished = True
             return self.release_held() + event
         body = self.observation.observe(payload)
-        if body is None or not self.strip_usage_chunk:
+        if body is None:
+            return self.release_held() + event
+        if body.error is not None:
+            # The worker's error ends its answer (vLLM sends only [DONE] after it), and
+            # the OpenAI SDKs raise at it and close the stream, often before that [DONE]
+            # arrives: a client that leaves now has its answer, the error.
+            self.finished = True
+            return self.release_held() + event
+        if not self.strip_usage_chunk:
             return self.release_held() + event
         if body.usage is not None and not body.choices:  # the chunk the router asked for
             return self.release_held(body.system_fingerprint)
-        if not body.choices or body.error is not None:
+        if body.usage is not None:
+            # Usage on a choice's chunk: the router dropped continuous_usage_stats from a
+            # request that asked for no usage (inbound.py), so the worker puts usage on
+            # every chunk unasked (vLLM's --enable-force-include-usage, which turns on
+            # continuous usage too, from the first chunk on). A client asking it directly
+            # gets the usage chunk as well: from here on it passes, as the worker sends it.
+            self.strip_usage_chunk = False
+            return self.release_held() + event
+        if not body.choices:
             return self.release_held() + event
         if body.system_fingerprint is None and any(c.finish_reason for c in body.choices):
             self._held.append(event)

@@ -281,6 +281,8 @@ def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any
     here); a completions batch is routed as one request by its first prompt."""
     if endpoint is Endpoint.CHAT:
         return hasher.hash_chat(body, config)
+    if endpoint is Endpoint.RESPONSES:
+        return hasher.hash_responses(body, config)
     prompts = hasher.hash_completion(body, config)
     return prompts[0] if prompts else None
 
@@ -301,6 +303,10 @@ def _estimate_tokens(inbound: InboundRequest) -> int:
         for key in ("tools", "documents"):
             if body.get(key):
                 chars += len(_json_encode(body[key]))
+    elif inbound.endpoint is Endpoint.RESPONSES:
+        body = inbound.body
+        chars = sum(len(value) if isinstance(value, str) else len(_json_encode(value))
+                    for key in ("instructions", "input", "tools") if (value := body.get(key)))
     else:
         prompt = inbound.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

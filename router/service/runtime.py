@@ -51,7 +51,7 @@ from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.reader import get_session, load_recovery
-from kvhint.router.store.retention import prune_history
+from kvhint.router.store.retention import prune
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Subjects
 
@@ -168,7 +168,8 @@ class RouterRuntime:
                                        forget_dead_after_s=max(
                                            3600.0, settings.events_stream_max_age_s),
                                        replay_wait_s=settings.replay_wait_s,
-                                       conflict_hold_s=settings.conflict_hold_s))
+                                       conflict_hold_s=settings.conflict_hold_s,
+                                       conflict_confirm_s=settings.conflict_confirm_s))
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
@@ -284,12 +285,14 @@ class RouterRuntime:
 
     async def _prune_store(self) -> None:
         before = time.time() - self.settings.store_retention_s
-        deleted = await asyncio.to_thread(prune_history, self.engine, before)
-        for table, rows in deleted.items():
+        pruned = await asyncio.to_thread(prune, self.engine, before)
+        # Their feedback rows went with them: what they taught goes from memory too.
+        self.hints.workers_pruned(pruned.workers)
+        for table, rows in pruned.deleted.items():
             if rows:
                 self.metrics.store_pruned.labels(table).inc(rows)
-        if any(deleted.values()):
-            log.info("store retention: deleted %s", deleted)
+        if any(pruned.deleted.values()):
+            log.info("store retention: deleted %s", pruned.deleted)
 
     def _feed_tick(self) -> None:
         if self.feed is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -27,6 +27,9 @@ MAX_GAPS_KEPT = 32  # closed tool gaps a session keeps (in memory and stored)
 # How far past the least recently opened session eviction looks for an ended one.
 _EVICTION_LOOKAHEAD = 64
 _STATE_OF = attrgetter("state")
+# Two stored copies of one clock reading (a float column, a JSON number) differ by no
+# more than this; an abandonment comes PlannerConfig.abandon_after_s (an hour) later.
+_SAME_READING_S = 1e-3
 
 
 @dataclass(slots=True)
@@ -94,6 +97,8 @@ class SessionRecord:
                     else SessionPlanState(worker_sid, row["tenant"]))
         except (TypeError, ValueError):
             plan = SessionPlanState(worker_sid, row["tenant"])
+        if _ended_explicitly_before_the_flag(row, plan_data, plan):
+            plan = replace(plan, ended_explicitly=True)
         stats = row.get("tool_gap_stats") or {}
         return cls(
             tenant=row["tenant"],
@@ -111,6 +116,24 @@ class SessionRecord:
             cached_tokens=row.get("cached_tokens") or 0,
             predicted_cached_tokens=row.get("predicted_cached_tokens") or 0,
         )
+
+
+def _ended_explicitly_before_the_flag(row: dict[str, Any], plan_data: Any,
+                                      plan: SessionPlanState) -> bool:
+    """Whether a stored session written without ``ended_explicitly`` (by a router from
+    before the flag: a rolling upgrade's older one still writes such rows, so this is
+    read, not migrated) was ended by its client. Such a session takes no agent hints
+    until its next turn; read as abandoned, it would take them again after a restart.
+    Every router stamps an explicit end with one clock reading, the row's ``ended_at``
+    and the plan's ``last_activity`` (``SessionLifecycle.end``, ``plan_session_end``);
+    the planner abandons a session ``abandon_after_s`` after its last activity, which
+    the plan keeps, at a tick that stamps ``ended_at`` alone. A session abandoned then
+    ended again by a DELETE left no trace of the second end, and stays abandoned."""
+    if (not isinstance(plan_data, dict) or "ended_explicitly" in plan_data
+            or row.get("state") != ENDED or not plan.ended):
+        return False
+    ended_at = row.get("ended_at")
+    return ended_at is not None and abs(float(ended_at) - plan.last_activity) < _SAME_READING_S
 
 
 class SessionRegistry:

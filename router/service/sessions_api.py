@@ -7,8 +7,9 @@
   checks tenancy, bounds and budgets before anything is sent; a request with any invalid
   action changes nothing (422), one over budget changes nothing (429). Otherwise the
   actions go to the session's worker and the answer carries their outcomes (202 when
-  some are still pending after ``wait_s``). A session its client ended (DELETE, or
-  ``X-Session-End``) takes no hints (409) until its next turn opens it again; one the
+  some are still pending after ``wait_s``; a tenant's key reads their reasons without
+  the worker-wide budget figures, :mod:`.tenant_reasons`). A session its client ended
+  (DELETE, or ``X-Session-End``) takes no hints (409) until its next turn opens it again; one the
   planner abandoned when idle still does. Pins, Retains and Demotes go as the agent's
   (``owner: agent``) to workers that take it, whatever ``owner`` the caller wrote, so the
   planner's re-planning of the session never undoes them; the router keeps them as their
@@ -42,6 +43,7 @@ from kvhint.router.service.inbound import (
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import ENDED
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
+from kvhint.router.service.tenant_reasons import rows_for
 from kvhint.schemas import (
     ACTION_VERSION,
     EVICT_REST_VERSION,
@@ -143,7 +145,8 @@ def build_sessions_router() -> APIRouter:
         refused = runtime.metrics.session_end_rejections  # each refusal, by reason
         try:
             check_session_id(session_id)
-            tenant_name = _tenant_for(_principal(runtime, request), tenant)
+            principal = _principal(runtime, request)
+            tenant_name = _tenant_for(principal, tenant)
         except AuthError as exc:
             refused.labels(_AUTH_REASONS.get(exc.status, "forbidden")).inc()
             return _json_error(exc.message, exc.status)
@@ -163,7 +166,8 @@ def build_sessions_router() -> APIRouter:
             return _json_error(f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
         sent = await runtime.lifecycle.end(record)
         return JSONResponse({"tenant": tenant_name, "session_id": session_id,
-                             "state": record.state, "hints": [a.row() for a in sent]})
+                             "state": record.state,
+                             "hints": rows_for(principal, [a.row() for a in sent])})
 
     @router.post("/v1/sessions/{session_id:path}/hints")
     async def send_hints(session_id: str, request: Request,
@@ -292,7 +296,7 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
         else min(max(hint_request.wait_s, 0.0), 60.0)
     await runtime.hints.wait_terminal(sent, wait_s)
     body = {"tenant": tenant_name, "session_id": session_id, "worker_id": worker.worker_id,
-            "actions": [a.row() for a in sent]}
+            "actions": rows_for(principal, [a.row() for a in sent])}
     status = 200 if all(a.terminal for a in sent) else 202
     return JSONResponse(body, status_code=status, headers=refusal_headers(status))
 

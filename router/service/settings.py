@@ -33,6 +33,7 @@ from pydantic_settings import (
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
 from kvhint.router.service.origin_policy import AllowedHost, CorsOrigin, cors_problem
+from kvhint.router.service.responses_ids import ResponsesSettings
 from kvhint.schemas import (
     MIN_STREAM_MAX_AGE_S,
     MIN_STREAM_MAX_BYTES,
@@ -273,6 +274,13 @@ class RouterSettings(BaseSettings):
     # plugin's longest heartbeat interval (300 s): a shorter hold ends between two of
     # the other engine's beats, and the conflict is found and warned of again each time.
     conflict_hold_s: float = Field(600.0, ge=300, le=86_400)
+    # How long two engines must be heard side by side under one id before that conflict
+    # is reported (warned of, kvhint_router_worker_id_conflict, held conflict_hold_s):
+    # longer than a surge rollout's overlap (the new pod heartbeats while the old one
+    # drains, its terminationGracePeriodSeconds, 30 s by default). Meanwhile the router
+    # already keeps to the engine it follows; a conflict that ends sooner (the other
+    # engine silent for its liveness window) is counted, not reported. 0: at once.
+    conflict_confirm_s: float = Field(300.0, ge=0, le=3600)
 
     database_url: str = "sqlite:///kvhint-router.db"
     migrate_on_start: bool = True
@@ -311,6 +319,8 @@ class RouterSettings(BaseSettings):
 
     routing: RoutingSettings = RoutingSettings()
     hints: HintSettings = HintSettings()
+    # The Responses API's stored-response ids (responses_ids.py).
+    responses: ResponsesSettings = ResponsesSettings()
     # Record the traffic served as session JSONL for `kvhint sim run` (block hashes and
     # lengths, no text; trace_recorder.py): one file per start in this directory. None: off.
     trace_dir: Path | None = None

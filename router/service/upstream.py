@@ -176,12 +176,16 @@ class UpstreamPool:
         return self._session
 
     async def open(self, worker_id: str, url: str, body: bytes,
-                   extra_headers: Mapping[str, str] | None = None) -> UpstreamResponse:
+                   extra_headers: Mapping[str, str] | None = None, *,
+                   method: str = "POST") -> UpstreamResponse:
+        """``method``: POST for inference; a stored response's GET (or its cancel's
+        POST) has no body (``b""``)."""
         headers = self._headers(worker_id)
         if extra_headers:
             headers.update(extra_headers)
         try:
-            response = await self.session.post(url, data=body, headers=headers)
+            response = await self.session.request(method, url, data=body or None,
+                                                  headers=headers)
         except aiohttp.SocketTimeoutError as exc:  # sent; a connect timeout is not one
             raise UpstreamTimeout(worker_id, self._request_timeout_s) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -58,9 +58,9 @@ from kvhint.router.policy import (
     SessionPlacement,
     SessionPlanState,
     SharedPrefixRetains,
+    SplitFeedback,
     TenantStats,
     TurnRouted,
-    WorkerFeedback,
     WorkerPlanView,
     plan_response_finished,
     plan_session_end,
@@ -115,7 +115,7 @@ class Simulation(HintLoop):
         self.ledger = HoldingsLedger()
         self.sessions: dict[str, SessionPlanState] = {}
         self.placements: dict[str, tuple[str, int]] = {}  # session -> (worker, turns)
-        self.feedback: dict[str, WorkerFeedback] = {}
+        self.feedback: dict[str, SplitFeedback] = {}
         self._planned: dict[str, PlannedAction] = {}
         # Per session: the block hashes of its last routed prompt (shared-prefix scans).
         self._last_hashes: dict[str, tuple[int, ...]] = {}
@@ -149,7 +149,7 @@ class Simulation(HintLoop):
             worker = build(worker_id, config, self._clock, self._on_worker_events)
             core = worker.core
             self.workers[worker_id] = worker
-            self.feedback[worker_id] = WorkerFeedback(worker_id)
+            self.feedback[worker_id] = SplitFeedback(worker_id)
             # What the worker's status heartbeat would say (fixed for a run).
             self._static_views[worker_id] = WorkerPlanView(
                 worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),

@@ -29,10 +29,9 @@ from kvhint.router.policy import (
     SessionChain,
     SessionPlanState,
     SharedPrefixRetains,
+    SplitFeedback,
     TenantStats,
-    WorkerFeedback,
     WorkerPlanView,
-    apply_outcome,
     find_shared_prefixes,
     next_idle_review,
     plan_idle,
@@ -60,7 +59,7 @@ class HintLoop:
     learned: TenantStats
     ledger: HoldingsLedger
     sessions: dict[str, SessionPlanState]
-    feedback: dict[str, WorkerFeedback]
+    feedback: dict[str, SplitFeedback]
     _planned: dict[str, PlannedAction]
     _last_hashes: dict[str, tuple[int, ...]]
     _prefix_retains: SharedPrefixRetains
@@ -98,11 +97,12 @@ class HintLoop:
                 yield chain
 
     def _planner_ctx(self, tenant: str | None) -> PlannerContext:
-        """The planner's view for a session of ``tenant`` (its statistics only)."""
+        """The planner's view for a session of ``tenant`` (its statistics and outcome
+        feedback only, and what each worker cannot do)."""
         views = {}
         for worker_id, static in self._static_views.items():
             views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
-                                       feedback=self.feedback[worker_id])
+                                       feedback=self.feedback[worker_id].view(tenant))
         return PlannerContext(now=self.now, stats=self.learned.of(tenant), workers=views,
                               rng=self._plan_rng, config=self.config.planner)
 
@@ -174,8 +174,9 @@ class HintLoop:
             if planned is not None and (session := self.sessions.get(planned.scope)):
                 self.sessions[planned.scope] = session.settled(outcome)
             worker_id = outcome.worker_id
-            if worker_id in self.feedback:
-                self.feedback[worker_id] = apply_outcome(self.feedback[worker_id], outcome)
+            if worker_id in self.feedback and planned is not None:
+                self.feedback[worker_id] = self.feedback[worker_id].learn(planned.tenant,
+                                                                          outcome)
 
     def _take_releases(self, worker: SimWorker | SchedulerSimWorker) -> None:
         """What the worker's holds lost unasked (displaced, relieved), as the live router

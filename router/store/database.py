@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from importlib.resources import files
 from pathlib import Path
 
@@ -16,8 +17,12 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import (Connection, Engine, TextClause, create_engine, event, inspect,
+                        make_url, text)
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+
+from kvhint.router.store.db_errors import sqlstate
+from kvhint.router.store.models import TABLES
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +162,79 @@ def _migrate(connection: Connection, config: Config, scripts: ScriptDirectory,
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
     return True
+
+
+# How long a migration tries to lock the store's tables without waiting on anyone while
+# it holds one (lock_for_migration), before it waits as any statement does.
+MIGRATION_LOCK_PATIENCE_S = 30.0
+# A try's wait for a lock, at most (and under half PostgreSQL's deadlock_timeout).
+_LOCK_TRY_MS = 100
+# 55P03 lock_not_available (lock_timeout), 40P01 deadlock_detected: try again.
+_LOCK_RETRY_SQLSTATES = frozenset({"55P03", "40P01"})
+
+
+def lock_for_migration(connection: Connection,
+                       patience_s: float = MIGRATION_LOCK_PATIENCE_S) -> None:
+    """On PostgreSQL, lock every table of the store that exists for writes (SHARE ROW
+    EXCLUSIVE: writes wait, reads go on) until ``connection``'s transaction ends, before
+    a migration alters them (migrations/env.py: only when the store is behind).
+
+    All or none: each try waits at most ``_LOCK_TRY_MS`` for a lock, and a try that did
+    not get them all lets go of those it got. Routers still running take the tables in
+    opposite orders: a flush workers, then sessions and hint_actions; retention
+    hint_actions and sessions, then workers. A migration that waited for a second table
+    while holding the first was one side of a deadlock with either, and PostgreSQL
+    aborted it when it detected it first (revision 0003 against a prune of the release
+    before: the router's start failed, the next one migrated). A try lets go before
+    PostgreSQL's deadlock_timeout, so the migration is never the one aborted, and
+    whoever waited on it goes on. Past ``patience_s`` (writes so busy that no try finds
+    every table free), it waits as any statement does."""
+    if connection.dialect.name != "postgresql":
+        return
+    names = sorted(set(TABLES) & set(inspect(connection).get_table_names()))
+    if not names:
+        return
+    quote = connection.dialect.identifier_preparer.quote
+    statement = text(f"LOCK TABLE {', '.join(map(quote, names))} IN SHARE ROW EXCLUSIVE MODE")
+    deadlock_ms = connection.execute(text(
+        "SELECT setting::int FROM pg_settings WHERE name = 'deadlock_timeout'")).scalar_one()
+    before = connection.execute(text("SELECT current_setting('lock_timeout')")).scalar_one()
+    _set_lock_timeout(connection, f"{max(1, min(_LOCK_TRY_MS, deadlock_ms // 2))}ms")
+    try:
+        locked = _try_locks(connection, statement, patience_s)
+    finally:
+        _set_lock_timeout(connection, before)
+    if not locked:
+        log.warning("could not lock the store's tables for %.0fs without waiting while "
+                    "holding one: waiting for them now", patience_s)
+        connection.execute(statement)
+
+
+def _try_locks(connection: Connection, statement: TextClause, patience_s: float) -> bool:
+    """Whether one of the tries within ``patience_s`` took every lock of ``statement``
+    (each in a savepoint: one that fails lets go of what it took)."""
+    deadline = time.monotonic() + patience_s
+    pause = 0.05
+    while True:
+        attempt = connection.begin_nested()
+        try:
+            connection.execute(statement)
+        except OperationalError as exc:
+            attempt.rollback()
+            if sqlstate(exc.orig) not in _LOCK_RETRY_SQLSTATES:
+                raise
+        else:
+            attempt.commit()
+            return True
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+
+
+def _set_lock_timeout(connection: Connection, value: str) -> None:
+    connection.execute(text("SELECT set_config('lock_timeout', :value, true)"),
+                       {"value": value})
 
 
 def _known_revision(scripts: ScriptDirectory, revision: str) -> bool:

@@ -47,7 +47,14 @@ class SessionRow(Base):
 
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(256), primary_key=True)
-    worker_id: Mapped[str | None] = mapped_column(String(128))
+    # The worker of its last turn, while that worker has a row: a session outlives its
+    # worker, so deleting the worker's row (forgotten, dropped from the config, pruned)
+    # sets this NULL (revision 0004), and the writer writes NULL for a worker without a
+    # row (writer.StoreWriter: a refused row would lose the session's turns). Before,
+    # it kept naming a worker the store no longer held.
+    worker_id: Mapped[str | None] = mapped_column(
+        String(128), ForeignKey("workers.worker_id", name="fk_sessions_worker",
+                                ondelete="SET NULL"))
     turns: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[float] = mapped_column(Float)
     last_activity: Mapped[float] = mapped_column(Float)
@@ -64,7 +71,11 @@ class SessionRow(Base):
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     predicted_cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
-    __table_args__ = (Index("ix_sessions_last_activity", "last_activity"),)
+    __table_args__ = (
+        Index("ix_sessions_last_activity", "last_activity"),
+        # A worker's deletion finds its sessions (the foreign key's SET NULL).
+        Index("ix_sessions_worker", "worker_id"),
+    )
 
 
 # The key of a worker's outcome feedback row in ``learned_stats``: (FEEDBACK_TENANT,

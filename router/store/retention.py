@@ -17,11 +17,22 @@ after waits for the commit; SQLite: the transaction's first statement, a delete,
 the database's write lock to the commit), and only the actions, feedback and rows of
 the workers locked are deleted. Before, each delete chose "not heard since" anew: a
 heartbeat between them left a worker's row without its actions and feedback.
+
+Feedback rows whose worker has no row go too, whenever they were written: another
+replica's late save of what a worker it still remembered taught (one this replica
+pruned meanwhile), or an older release's. Before, they stayed until a router's next
+start found their worker gone. (A feedback row rewritten, in the same transaction as its
+worker's row, by a replica that hears the worker again while this delete runs may go with
+them, PostgreSQL re-reading the row without the worker's: that replica writes it again at
+the worker's next outcome.) Sessions and actions need no such sweep: their foreign keys
+set NULL or delete them with the worker's row (revisions 0003, 0004).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Engine, delete, or_, select
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Engine, delete, exists, func, or_, select
 
 from kvhint.router.store.models import (
     FEEDBACK_KIND_PREFIX,
@@ -34,9 +45,24 @@ from kvhint.router.store.models import (
 from kvhint.router.store.reader import NON_TERMINAL
 
 
+@dataclass(frozen=True)
+class Pruned:
+    # Rows deleted per table.
+    deleted: dict[str, int]
+    # The workers whose rows were deleted (their actions and feedback with them).
+    workers: tuple[str, ...]
+
+
 def prune_history(engine: Engine, before: float) -> dict[str, int]:
     """Delete history older than ``before`` (seconds since the epoch); returns the rows
     deleted per table."""
+    return prune(engine, before).deleted
+
+
+def prune(engine: Engine, before: float) -> Pruned:
+    """Delete history older than ``before`` (seconds since the epoch), and feedback rows
+    whose worker has no row; returns the rows deleted per table and the workers pruned
+    (whose feedback the router lets go of in memory too)."""
     actions = delete(HintActionRow).where(
         HintActionRow.created_at < before,
         HintActionRow.status.not_in(NON_TERMINAL),
@@ -59,4 +85,15 @@ def prune_history(engine: Engine, before: float) -> dict[str, int]:
                     [FEEDBACK_KIND_PREFIX + worker_id for worker_id in ids]))).rowcount or 0
             deleted["workers"] += conn.execute(delete(WorkerRow).where(
                 WorkerRow.worker_id.in_(ids))).rowcount or 0
-    return deleted
+        deleted["learned_stats"] += _delete_orphan_feedback(conn)
+    return Pruned(deleted, tuple(ids))
+
+
+def _delete_orphan_feedback(conn: Connection) -> int:
+    """Delete the feedback rows (models.FEEDBACK_TENANT, FEEDBACK_KIND_PREFIX + worker)
+    of workers without a row; returns how many."""
+    named = func.substr(LearnedStatsRow.kind, len(FEEDBACK_KIND_PREFIX) + 1)
+    return conn.execute(delete(LearnedStatsRow).where(
+        LearnedStatsRow.tenant == FEEDBACK_TENANT,
+        LearnedStatsRow.kind.startswith(FEEDBACK_KIND_PREFIX, autoescape=True),
+        ~exists().where(WorkerRow.worker_id == named))).rowcount or 0

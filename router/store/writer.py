@@ -12,6 +12,12 @@ too long for its column, a constraint, a value that cannot be serialised), the r
 those it refuses are dropped and counted (``store_row_rejected``): one bad row must not
 hold every later write back forever.
 
+A whole-row write (upsert) of a column that references a row deleted with SET NULL (a
+session's worker, models.SessionRow) writes the referenced key only while its row exists,
+else NULL: what the delete leaves when it comes after the write. Refused instead, the
+whole row (a session's turns and state) would be dropped for one column that names a
+worker the store no longer holds (forgotten, pruned by another replica).
+
 A row may also be queued for deletion (:meth:`StoreWriter.delete`), in the same queue and
 order as the writes: a delete replaces what was queued for its row (none of it is
 written), a whole-row write (upsert) queued after it writes the row again, and an update
@@ -26,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, bindparam, delete, update
+from sqlalchemy import Engine, Table, bindparam, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
@@ -247,6 +253,11 @@ class StoreWriter:
                                              for r in rows])
                     continue
                 statement = self._insert(table_obj)
+                references = _nulled_references(table_obj, columns)
+                if references:
+                    statement = statement.values(references)
+                    rows = [{_REFERENCE_KEY + c if c in references else c: v
+                             for c, v in r.items()} for r in rows]
                 updates = {c: statement.excluded[c] for c in columns if c not in primary}
                 if updates:
                     statement = statement.on_conflict_do_update(index_elements=primary,
@@ -254,6 +265,24 @@ class StoreWriter:
                 else:
                     statement = statement.on_conflict_do_nothing(index_elements=primary)
                 conn.execute(statement, rows)
+
+
+# The parameter of a nulled reference's value (a column's own name is SQLAlchemy's).
+_REFERENCE_KEY = "ref_"
+
+
+def _nulled_references(table: Table, columns: tuple[str, ...]) -> dict[str, Any]:
+    """Of ``columns``, those whose foreign key sets them NULL when the referenced row is
+    deleted, each to the referenced key read in the same statement: itself while its row
+    exists, else NULL (module docstring). The value is bound as ``ref_<column>``."""
+    references: dict[str, Any] = {}
+    for name in columns:
+        for key in table.c[name].foreign_keys:
+            if key.ondelete is not None and key.ondelete.upper() == "SET NULL":
+                target = key.column
+                references[name] = select(target).where(
+                    target == bindparam(_REFERENCE_KEY + name)).scalar_subquery()
+    return references
 
 
 def _merged(kind: str, values: dict[str, Any], later_kind: str,

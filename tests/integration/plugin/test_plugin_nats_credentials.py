@@ -56,3 +56,21 @@ async def test_a_percent_encoded_password_reaches_nats_decoded_and_no_log_line(
             assert secret not in logged
     finally:
         await nc.drain()
+
+
+async def test_a_wrong_password_is_named_as_the_cause_not_an_unreachable_server(
+        password_nats: Any, subject_prefix: str) -> None:
+    """With a wrong NATS password, nats-py reports the authorization violation to the
+    error callback and keeps retrying inside its connect, so the attempt ran out of time:
+    the plugin's warning said the server was "unreachable (no connection within 5s)",
+    after an error line naming the real cause. The warning now names the last
+    connection error the attempt saw (the authorization violation)."""
+    url = password_nats.url.replace("nats://", f"nats://{password_nats.user}:wrong-pw@")
+    with plugin_log_lines() as lines:
+        with plugin(url, subject_prefix, create_events_stream=False) as h:
+            await until(lambda: any("retrying in the background" in line for line in lines),
+                        timeout_s=15)
+            assert not h.connector.transport.connected
+    (warning,) = [line for line in lines if "retrying in the background" in line]
+    assert "refused the connection: nats: 'Authorization Violation'" in warning, warning
+    assert "unreachable" not in warning and "wrong-pw" not in "\n".join(lines)

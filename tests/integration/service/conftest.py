@@ -75,6 +75,8 @@ class StubWorker:
     # "ok" | "status:<code>" | "html:<code>" (an HTML page) | "die_mid_stream" | "slow_stream" | "no_usage" (a 200 without
     # usage, streamed or not) | "unparsable" (a 200 whose body, or an event, is not JSON)
     # | "error_event:<code>" (a stream that fails after its first event as vLLM's does)
+    # | "error_event_no_done:<code>" (the same error event, then the stream's end with no
+    # [DONE]: a worker that ends its stream at the error)
     mode: str = "ok"
     finish_reason: str = "stop"
     tool_names: list[str] = field(default_factory=list)
@@ -191,16 +193,20 @@ class StubWorker:
                 await asyncio.sleep(0.1)  # let the first event reach the router
                 request.transport.close()  # type: ignore[union-attr]
                 return response
-            if self.mode.startswith("error_event:"):
+            if self.mode.startswith(("error_event:", "error_event_no_done:")):
                 # vLLM's bytes for a generation that fails once the stream has begun
                 # (create_streaming_error_response: json.dumps of its ErrorResponse),
-                # then [DONE] and a clean end: no usage chunk.
+                # then [DONE] (not in error_event_no_done) and a clean end, after
+                # linger_after_done_s: no usage chunk.
                 code = int(self.mode.split(":")[1])
                 kind = "InternalServerError" if code >= 500 else "BadRequestError"
                 await response.write(b"data: " + json.dumps({"error": {
                     "message": f"stub fails: {kind}", "type": kind, "param": None,
                     "code": code}}).encode() + b"\n\n")
-                await response.write(b"data: [DONE]\n\n")
+                if self.mode.startswith("error_event:"):
+                    await response.write(b"data: [DONE]\n\n")
+                if self.linger_after_done_s:
+                    await asyncio.sleep(self.linger_after_done_s)
                 await response.write_eof()
                 return response
             if number == 0 and self.chunk_gap_s:

@@ -87,7 +87,7 @@ async def test_a_tenant_admin_sees_no_other_tenants_data_in_any_admin_answer(
             # Two of b's rejected in a row: the planner stops sending that type to w0,
             # and the feedback keeps the reason (b's session id in it).
             await until(lambda: runtime.hints.feedback.get("w0") is not None
-                        and bool(runtime.hints.feedback["w0"].disabled_reasons))
+                        and bool(runtime.hints.feedback["w0"].view("b").disabled_reasons))
 
             async def read(path: str, headers: dict[str, str]) -> httpx.Response:
                 response = await client.get(f"{url}{path}", headers=headers)
@@ -121,7 +121,7 @@ async def test_a_tenant_admin_sees_no_other_tenants_data_in_any_admin_answer(
             fleet = {w["worker_id"]: w
                      for w in (await read("/admin/workers", ROOT)).json()["workers"]}
             assert fleet["w-dead"]["last_http_error"] and fleet["w-dead"]["http_failures"] >= 1
-            assert "b-private" in str(fleet["w0"]["feedback"]["disabled_reasons"])
+            assert "b-private" in str(fleet["w0"]["feedback"]["tenants"]["b"]["disabled_reasons"])
             assert fleet["w0"]["status"]["last_event_seq"] == 0
             assert fleet["w0"]["status"]["usage"]["gpu_blocks_total"] == 512
             assert fleet["w0"]["requests"] == 5

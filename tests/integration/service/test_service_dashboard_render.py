@@ -112,11 +112,14 @@ async def test_a_tenant_admins_overview_renders_without_the_fleets_figures(
 @needs_node
 @pytest.mark.usefixtures("throwaway_streams")
 async def test_a_worker_id_conflict_shows_in_the_workers_table(
-        tmp_path: Path, nats_url: str, subject_prefix: str) -> None:
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Two engines heartbeating under one worker id (over a real NATS server, as in
     test_service_feed_id_conflict): the overview's worker has a ``conflict``, which the
     workers table showed nowhere. Now its row names the other engine's address and
-    epoch; a worker without one shows "–" there."""
+    epoch; a worker without one shows "–" there. Reported at once here
+    (conflict_confirm_s 0, not the 5 min a rollout's overlap is told apart by)."""
+    monkeypatch.setenv("KVHINT_ROUTER_CONFLICT_CONFIRM_S", "0")
     subjects = Subjects(subject_prefix)
     first, second = new_epoch(1_000.0), new_epoch(2_000.0)
     async with router_hearing_nats(tmp_path, nats_url, subject_prefix) as (

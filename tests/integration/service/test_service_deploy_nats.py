@@ -10,6 +10,7 @@ before (``-js -sd /data -m 8222``)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -24,23 +25,33 @@ import yaml
 from nats.errors import Error as NatsError
 
 from kvhint.router.devstack.nats_server import free_port, nats_answers, nats_server_binary
+from kvhint.schemas.nats_address import nats_connection
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 _K8S_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 def _compose_nats(password: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
-    """compose's NATS: its arguments, its environment (``${VAR:?...}`` filled with the
-    password) and its mounted files (container path -> text)."""
-    text = re.sub(r"\$\{KVHINT_NATS_PASSWORD:\?[^}]*\}", password,
-                  (DEPLOY / "compose.yaml").read_text())
-    nats_service = yaml.safe_load(text)["services"]["nats"]
+    """compose's NATS: its start (entrypoint and command: the password check, which
+    execs nats-server), its environment (``${VAR:?...}`` filled with the password) and its
+    mounted files (container path -> text)."""
+    def filled(value: object) -> object:  # compose interpolates the parsed values
+        if isinstance(value, str):
+            return re.sub(r"\$\{KVHINT_NATS_PASSWORD:\?[^}]*\}", lambda _: password, value)
+        if isinstance(value, list):
+            return [filled(item) for item in value]
+        if isinstance(value, dict):
+            return {key: filled(item) for key, item in value.items()}
+        return value
+    nats_service = filled(yaml.safe_load((DEPLOY / "compose.yaml").read_text())[
+        "services"]["nats"])
     files = {}
     for volume in nats_service["volumes"]:
         source, _, target = volume.partition(":")
         if source.startswith("./"):
             files[target.split(":")[0]] = (DEPLOY / source).read_text()
-    return nats_service["command"], nats_service.get("environment", {}), files
+    return ([*nats_service["entrypoint"], *nats_service["command"]],
+            {"PATH": os.defpath, **nats_service.get("environment", {})}, files)
 
 
 def _k8s_nats(password: str) -> tuple[list[str], dict[str, str], dict[str, str]]:
@@ -71,7 +82,7 @@ def _k8s_nats(password: str) -> tuple[list[str], dict[str, str], dict[str, str]]
             files.update({f"{mounts[volume['name']]}/{key}": text for key, text in data.items()})
     args = [_K8S_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg)
             for arg in container.get("command", []) + container["args"]]
-    return args, env, files
+    return ["nats-server", *args], env, files  # the image's entrypoint, then its args
 
 
 def _local(text: str, store: Path, port: int, monitor: int) -> str:
@@ -89,20 +100,20 @@ def _local(text: str, store: Path, port: int, monitor: int) -> str:
 @contextmanager
 def _nats_server(args: list[str], env: dict[str, str], files: dict[str, str],
                  tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
-    """The real nats-server started with the shipped arguments and environment, each
-    mounted file a local copy (``_local``); yields it, its client URL (no credentials)
-    and its monitor URL."""
+    """The real nats-server started with the shipped start (``nats-server`` in it: the
+    binary here), arguments and environment, each mounted file a local copy (nats.conf
+    ``_local``); yields it, its client URL (no credentials) and its monitor URL."""
     port, monitor = free_port(), free_port()
-    local_args = list(args)
+    local_args = [nats_server_binary() if arg == "nats-server" else arg for arg in args]
     for path, text in files.items():
         copy = tmp_path / Path(path).name
-        copy.write_text(_local(text, tmp_path / "store", port, monitor))
+        copy.write_text(_local(text, tmp_path / "store", port, monitor)
+                        if copy.name == "nats.conf" else text)
         local_args = [str(copy) if arg == path else arg for arg in local_args]
-    assert local_args != args, "NATS reads no mounted file"
+    assert str(tmp_path / "nats.conf") in local_args, "NATS reads no mounted nats.conf"
     log = tmp_path / "nats.log"
     with log.open("wb") as out:
-        server = subprocess.Popen([nats_server_binary(), *local_args], env=env,
-                                  stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(local_args, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 15
         while not nats_answers(f"nats://127.0.0.1:{port}", timeout_s=0.5):
@@ -125,9 +136,13 @@ async def _refused(url: str, **credentials: str) -> bool:
     return False
 
 
-# A password from the documented alphabet (letters, digits, "-", "_", "."), and two that
-# nats-server would read as a number and a boolean without the quotes nats.conf asks for.
-@pytest.mark.parametrize("password", ["pw-from-env_1.x", "-1234", "true"])
+# A password of letters, digits, "-", "_" and "." (once the only ones the deploy files
+# allowed), two that nats-server would read as a number and a boolean without the quotes
+# nats.conf asks for, and ones holding what a URL's user info must percent-encode and a
+# shell or nats.conf might read (the router and the plugin get them through
+# nats-url-env.sh: connected with below).
+@pytest.mark.parametrize("password", ["pw-from-env_1.x", "-1234", "true", "p/a#s?s@w%rd,x",
+                                      "it's $HOME; a b {}"])
 @pytest.mark.parametrize("shipped", [_compose_nats, _k8s_nats], ids=["compose", "kubernetes"])
 async def test_the_shipped_nats_takes_its_password_from_its_environment(
         shipped, password: str, tmp_path: Path) -> None:
@@ -139,7 +154,10 @@ async def test_the_shipped_nats_takes_its_password_from_its_environment(
         assert password.encode() not in b" ".join(cmdline)
         assert not {b"--pass", b"--user", b"--auth"} & set(cmdline)
 
-        client = await nats.connect(url, user="kvhint", password=password,
+        # As the router and the plugin connect: the URL nats-url-env.sh builds, decoded.
+        connection = nats_connection(_client_url(url, password, tmp_path))
+        client = await nats.connect(list(connection.servers), user=connection.user,
+                                    password=connection.password,
                                     allow_reconnect=False, max_reconnect_attempts=0)
         try:
             info = await client.jetstream().account_info()  # JetStream answers
@@ -159,7 +177,16 @@ async def test_the_shipped_nats_takes_its_password_from_its_environment(
         assert varz["auth_required"] is True and varz["http_host"] == "127.0.0.1"
 
 
+def _client_url(server: str, password: str, tmp_path: Path) -> str:
+    """The URL deploy/nats-url-env.sh gives a client of ``server`` with ``password``."""
+    done = subprocess.run(["sh", str(DEPLOY / "nats-url-env.sh"), "URL", server, "sh", "-c",
+                           'printf %s "$URL"'], env={"PATH": os.defpath,
+                                                     "KVHINT_NATS_PASSWORD": password},
+                          capture_output=True, text=True, timeout=30, check=True)
+    return done.stdout
+
+
 def test_compose_and_kubernetes_ship_the_same_nats_conf() -> None:
-    (compose,) = _compose_nats("pw")[2].values()
+    compose = _compose_nats("pw")[2]["/etc/nats/nats.conf"]
     (k8s,) = _k8s_nats("pw")[2].values()
     assert compose == k8s

@@ -20,6 +20,7 @@ CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hello there"}
         "max_tokens": 4}
 END = {"x-session-id": "agent-1", "x-session-end": "true"}
 SKIPS = "kvhint_router_session_end_skips_total"
+BROKEN = "kvhint_router_broken_responses_total"
 
 
 async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
@@ -28,7 +29,8 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
     stream breaks mid-way (the client gets an error event) leaves the session open,
     counted in session_end_skips_total by reason; the retry that succeeds ends it.
     Before, every one of them ended the session. None of them counts in the session's
-    ``turns`` (before, each did: a refused prompt retried counted twice)."""
+    ``turns`` (before, each did: a refused prompt retried counted twice), nor in the
+    planner's depth (before, each deepened the session's later turns)."""
     stub = stub_workers[0]
     async with _session_on(tmp_path, stub) as (router, client, url, record):
         for mode, stream, code, reason in (("status:400", False, 400, "refused"),
@@ -43,7 +45,7 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
             assert record.state == "active", mode
             after = sample(await scrape(client, router.url), SKIPS, reason=reason)
             assert after == before + 1, (mode, before, after)
-            assert record.turns == 1, mode
+            assert record.turns == 1 and record.plan.turns == 1, mode
         # What an operator reads: the answered turns, not the attempts.
         admin = f"{router.url}/admin/sessions/default/agent-1"
         assert (await client.get(admin)).json()["turns"] == 1
@@ -51,7 +53,7 @@ async def test_a_failed_turn_does_not_end_its_session_and_the_retry_does(
         skipped = _skips(await scrape(client, router.url))
         retried = await client.post(url, json={**CHAT, "stream": True}, headers=END)
         assert retried.status_code == 200 and "[DONE]" in retried.text
-        assert record.state == "ended" and record.turns == 2
+        assert record.state == "ended" and record.turns == record.plan.turns == 2
         assert (await client.get(admin)).json()["turns"] == 2
         assert _skips(await scrape(client, router.url)) == skipped
 
@@ -63,10 +65,12 @@ async def test_a_stream_carrying_the_workers_error_event_is_a_failed_turn(
     client gets the stream as it came, its ``X-Session-End`` is skipped and counted by
     the error's code (500: failed; 400: refused), as is the request in requests_total,
     the session's ``turns`` leaves it out, and the retry that succeeds ends the session.
-    Before, it was a 200 whole: it ended the session, and counted as answered."""
+    Before, it was a 200 whole: it ended the session, and counted as answered. It is a
+    broken response, as a stream that breaks is (before, counted in requests_total
+    only)."""
     stub = stub_workers[0]
     async with _session_on(tmp_path, stub) as (router, client, url, record):
-        for code, reason in ((500, "failed"), (400, "refused")):
+        for broken, (code, reason) in enumerate(((500, "failed"), (400, "refused")), 1):
             stub.mode = f"error_event:{code}"
             before = sample(await scrape(client, router.url), SKIPS, reason=reason)
             answer = await client.post(url, json={**CHAT, "stream": True}, headers=END)
@@ -78,10 +82,54 @@ async def test_a_stream_carrying_the_workers_error_event_is_a_failed_turn(
             assert sample(samples, SKIPS, reason=reason) == before + 1, code
             assert sample(samples, "kvhint_router_requests_total", code=str(code),
                           endpoint="chat", worker="w0") == 1
+            assert sample(samples, BROKEN, worker="w0") == broken
         stub.mode = "ok"
         retried = await client.post(url, json={**CHAT, "stream": True}, headers=END)
         assert retried.status_code == 200 and "[DONE]" in retried.text
         assert record.state == "ended" and record.turns == 2
+
+
+async def test_an_error_event_without_done_fails_the_turn_and_nothing_hangs(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A worker that ends its stream at its error event, sending no ``[DONE]``: the client
+    gets every byte, the turn fails by the error's code (requests_total, a broken
+    response, the end skipped as failed, no turn counted). A client that leaves at the
+    error event, as the OpenAI SDKs do (they raise at it), while the worker's stream
+    stays open, got its answer, the error: the turn is settled at once, by the error's
+    code too, not as a client gone (before, a 499 and a client_gone skip)."""
+    stub = stub_workers[0]
+    stub.mode = "error_event_no_done:500"
+    async with _session_on(tmp_path, stub) as (router, client, url, record):
+        answer = await client.post(url, json={**CHAT, "stream": True}, headers=END,
+                                   timeout=5.0)
+        assert answer.status_code == 200
+        assert answer.text.endswith('"code": 500}}\n\n'), answer.text
+        assert "[DONE]" not in answer.text
+        assert record.inflight == 0 and record.state == "active" and record.turns == 1
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_requests_total", code="500",
+                      endpoint="chat", worker="w0") == 1
+        assert sample(samples, BROKEN, worker="w0") == 1
+        assert sample(samples, SKIPS, reason="failed") == 1
+
+        stub.linger_after_done_s = 6.0  # the worker's stream stays open past the error
+        async with client.stream("POST", url, json={**CHAT, "stream": True},
+                                 headers=END) as response:
+            async for line in response.aiter_lines():
+                if line.startswith('data: {"error"'):
+                    break  # the SDK raises here, and closes the stream
+        started = time.monotonic()
+        while record.inflight and time.monotonic() - started < 3.0:
+            await asyncio.sleep(0.05)
+        assert record.inflight == 0  # settled long before the worker's end
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_requests_total", code="500",
+                      endpoint="chat", worker="w0") == 2
+        assert sample(samples, "kvhint_router_requests_total", code="499",
+                      endpoint="chat", worker="w0") is None
+        assert sample(samples, BROKEN, worker="w0") == 2
+        assert sample(samples, SKIPS, reason="failed") == 2
+        assert record.state == "active" and record.turns == 1
 
 
 async def test_a_client_gone_mid_stream_does_not_end_its_session(

@@ -15,6 +15,7 @@ from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor
 from kvhint.router.kv_index.stream import StreamConfig
 from kvhint.router.policy import PlannerConfig
 from kvhint.router.policy.feedback import WorkerFeedback
+from kvhint.router.policy.tenant_feedback import SplitFeedback
 from kvhint.router.service.cluster_feed import ClusterFeed
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.metrics import RouterMetrics
@@ -31,11 +32,17 @@ NOW = 1_700_000_000.0
 
 
 def _feedback_rows(engine) -> dict[str, float]:
-    """Worker id -> the pin_ask_scale its stored feedback row says."""
+    """Worker id -> the pin_ask_scale its stored feedback row says (tenant default's)."""
     with engine.connect() as conn:
-        return {row.data["worker_id"]: row.data["pin_ask_scale"]
+        return {row.data["worker_id"]: row.data.get("tenants", {}).get(
+                    "default", row.data)["pin_ask_scale"]
                 for row in conn.execute(select(LearnedStatsRow.__table__))
                 if row.kind.startswith("feedback:")}
+
+
+def _scaled(worker: str, scale: float) -> SplitFeedback:
+    """Feedback of ``worker`` whose pin ask scale for tenant default is ``scale``."""
+    return SplitFeedback(worker, tenants={"default": WorkerFeedback(worker, pin_ask_scale=scale)})
 
 
 def _router(engine, configured: list[tuple[str, str]]) -> tuple[HintDispatcher, StoreWriter]:
@@ -59,13 +66,13 @@ def test_a_forgotten_workers_feedback_row_is_deleted_and_not_read_back(
             hints, writer = _router(engine, [("kept", "http://k"), ("dropped", "http://d")])
             hints._workers.ensure("gone", "http://g")  # learnt from its heartbeat
             for worker in ("kept", "dropped", "gone"):
-                hints.feedback[worker] = WorkerFeedback(worker, pin_ask_scale=0.5)
+                hints.feedback[worker] = _scaled(worker, 0.5)
             hints.save_learned(NOW)
             await writer.flush()
             assert _feedback_rows(engine) == {"kept": 0.5, "dropped": 0.5, "gone": 0.5}
             # Its feedback changed since (saved in the same batch as it is forgotten):
             # the delete, queued after, wins.
-            hints.feedback["gone"] = WorkerFeedback("gone", pin_ask_scale=0.25)
+            hints.feedback["gone"] = _scaled("gone", 0.25)
             hints.save_learned(NOW + 1)
             hints._workers.forget_silent(float("inf"), after_s=0.0)  # as the feed's tick
             hints.forget_worker("gone")
@@ -78,7 +85,7 @@ def test_a_forgotten_workers_feedback_row_is_deleted_and_not_read_back(
             hints, writer = _router(engine, [("kept", "http://k")])
             hints.restore(load_recovery(engine, active_since=0.0, max_sessions=10).learned, [])
             assert set(hints.feedback) == {"kept"}
-            assert hints.feedback["kept"].pin_ask_scale == 0.5
+            assert hints.feedback["kept"].view("default").pin_ask_scale == 0.5
             await writer.close()
 
         asyncio.run(restart())
@@ -108,7 +115,7 @@ def test_retention_deletes_a_pruned_workers_feedback_row_with_its_row(
             for worker in ("pruned", "live", "pruned_2"):
                 hints._workers.ensure(worker, f"http://{worker}")  # learnt from heartbeats
             for worker in ("pruned", "live", "cfg", "pruned_2"):
-                hints.feedback[worker] = WorkerFeedback(worker, pin_ask_scale=0.5)
+                hints.feedback[worker] = _scaled(worker, 0.5)
             hints.save_learned(NOW)
             writer.upsert("learned_stats", ("acme", "tenant_gaps"), {
                 "tenant": "acme", "kind": "tenant_gaps", "data": {}, "updated_at": NOW})

@@ -296,18 +296,23 @@ def test_a_restart_restores_no_action_of_a_worker_it_does_not_hold(
         database_url: str) -> None:
     """"dropped" left the config: at the restart its row goes, with its actions, and the
     router does not restore them either. Before, its held Retain counted against the
-    tenant's budget until its TTL ended, and its pending one waited for an answer."""
+    tenant's budget until its TTL ended, and its pending one waited for an answer.
+    Each action not restored is counted (drops_total what="hint_not_restored:..."):
+    "dropped"'s two, and "kept"'s held Retain whose row does not say what it protects
+    (its holding cannot be rebuilt). Before, none was."""
     engine = create_store_engine(database_url)
     drops: list[tuple[str, int]] = []
+    metrics = RouterMetrics()
     try:
         migrate(engine)
         _insert(engine, [_worker_row("kept", True, NOW), _worker_row("dropped", True, NOW)],
                 [_action("kept-held", "kept"), _action("dropped-held", "dropped"),
-                 _action("dropped-pending", "dropped", "pending")])
+                 _action("dropped-pending", "dropped", "pending"),
+                 _action("kept-unscoped", "kept") | {"scope": None}])
 
         async def restart() -> HintDispatcher:
             registry = WorkerRegistry([("kept", "http://kept")])
-            hints, writer = _dispatcher(engine, registry, RouterMetrics(), drops)
+            hints, writer = _dispatcher(engine, registry, metrics, drops)
             recovery = load_recovery(engine, 0.0, 10, now=NOW)
             _restore_workers(registry, recovery.workers, NOW, forget_s=86_400.0,
                              writer=writer)
@@ -319,6 +324,10 @@ def test_a_restart_restores_no_action_of_a_worker_it_does_not_hold(
         assert hints.holdings.tenant("acme") == Holdings(0, 8)
         assert hints.holdings.worker("dropped") == Holdings(0, 0)
         assert not hints.pending
-        assert _action_workers(engine) == {"kept-held": "kept"} and drops == []
+        assert _action_workers(engine) == {"kept-held": "kept", "kept-unscoped": "kept"}
+        assert drops == []
+        assert {what: metrics.drops.labels(what)._value.get() for what in (
+            "hint_not_restored:worker_gone", "hint_not_restored:unscoped")} == {
+            "hint_not_restored:worker_gone": 2, "hint_not_restored:unscoped": 1}
     finally:
         engine.dispose()

@@ -10,6 +10,7 @@ other's heartbeats (a retired epoch) stayed refused, the worker dead, until forg
 from __future__ import annotations
 
 import msgspec
+import pytest
 from ingest_fixtures import Clock, batch, headers, page, status, store
 from ingest_fixtures import make_paging_ingestor as make
 
@@ -24,17 +25,20 @@ from kvhint.router.kv_index import (
 )
 
 URL_A, URL_B = "http://server-a:8000", "http://server-b:8000"
-# Engine starts (ms order): A's first engine, B's, then each one's restart.
-A1, B1, A2, B2 = (s.new_epoch(t) for t in (1_000.0, 2_000.0, 3_000.0, 4_000.0))
+URL_C = "http://server-c:8000"
+SERVICE = "http://vllm:8000"  # one address for both servers (a Kubernetes Service's)
+# Engine starts (ms order): A's first engine, B's, then each one's restart, then C's.
+A1, B1, A2, B2, B3, C1 = (s.new_epoch(t) for t in (1_000.0, 2_000.0, 3_000.0, 4_000.0,
+                                                   5_000.0, 6_000.0))
 
 
-def beat(epoch: str, url: str, last_seq: int = 0) -> s.WorkerStatus:
+def beat(epoch: str, url: str | None, last_seq: int = 0) -> s.WorkerStatus:
     return msgspec.structs.replace(status(epoch=epoch, last_seq=last_seq, interval_s=1.0),
                                    http_url=url)
 
 
-def both_beat(ing: KvEventIngestor, clock: Clock, followed: tuple[str, str],
-              other: tuple[str, str], rounds: int) -> list[object]:
+def both_beat(ing: KvEventIngestor, clock: Clock, followed: tuple[str, str | None],
+              other: tuple[str, str | None], rounds: int) -> list[object]:
     """``rounds`` heartbeat intervals of both servers; the actions they caused."""
     actions: list[object] = []
     for _ in range(rounds):
@@ -46,14 +50,18 @@ def both_beat(ing: KvEventIngestor, clock: Clock, followed: tuple[str, str],
     return actions
 
 
-def conflicted(**config: float) -> tuple[KvEventIngestor, Clock]:
+def conflicted(url_a: str | None = URL_A, url_b: str | None = URL_B,
+               **config: float) -> tuple[KvEventIngestor, Clock]:
     """A (A1) heard first, then B (B1) starts: taken as A's restart (one purge, the
     only one); A's next beats are refused, and the second, after B spoke again, finds
-    the conflict."""
+    the conflict. Reported at once (conflict_confirm_s 0) unless ``config`` says
+    otherwise: these tests are about what a conflict held does; the confirm window's
+    are below."""
+    config.setdefault("conflict_confirm_s", 0.0)
     ing, _, clock = make(**config)
-    ing.on_status(beat(A1, URL_A))
+    ing.on_status(beat(A1, url_a))
     clock.now += 0.5
-    assert [type(a) for a in ing.on_status(beat(B1, URL_B))] == [WorkerPurgedNotice]
+    assert [type(a) for a in ing.on_status(beat(B1, url_b))] == [WorkerPurgedNotice]
     return ing, clock
 
 
@@ -108,24 +116,83 @@ def test_a_restart_without_a_conflict_is_taken_at_once() -> None:
     assert ing.stats().stream["resyncs_started"] == 0
 
 
-def test_the_followed_engines_restart_is_taken_once_it_is_silent() -> None:
-    """While a conflict is held, B's own restart (B2) waits until B1 is declared dead
-    (a liveness window at most), then is taken; A stays refused."""
-    ing, clock = conflicted()
-    both_beat(ing, clock, (B1, URL_B), (A1, URL_A), 3)
+@pytest.mark.parametrize("url_a, url_b", [(None, None), (SERVICE, SERVICE)],
+                         ids=["no-http-url", "one-service-url"])
+def test_the_followed_engines_restart_waits_where_addresses_tell_nothing(
+        url_a: str | None, url_b: str | None) -> None:
+    """While a conflict is held and the heartbeats' addresses do not tell the two servers
+    apart (none given, or both behind one Service URL), B's own restart (B2) cannot be
+    told from A's: it waits until B1 is declared dead (a liveness window at most), then
+    is taken; A stays refused."""
+    ing, clock = conflicted(url_a, url_b)
+    both_beat(ing, clock, (B1, url_b), (A1, url_a), 3)
     actions: list[object] = []
     for _ in range(5):  # B1 silent; B2 and A beat
         clock.now += 0.5
-        actions += ing.on_status(beat(B2, URL_B))
+        actions += ing.on_status(beat(B2, url_b))
         clock.now += 0.5
-        actions += ing.on_status(beat(A1, URL_A))
+        actions += ing.on_status(beat(A1, url_a))
         actions += ing.tick()
         if ing.follows("w0", B2):
             break
     assert ing.follows("w0", B2), ing.worker_views()["w0"]
     assert [type(a) for a in actions] == [WorkerDead, WorkerAlive]
-    assert both_beat(ing, clock, (B2, URL_B), (A1, URL_A), 5) == []  # same conflict
+    assert both_beat(ing, clock, (B2, url_b), (A1, url_a), 5) == []  # same conflict
     assert ing.stats().stream["id_conflicts"] == 1 and ing.follows("w0", B2)
+
+
+def test_the_followed_servers_restart_is_taken_at_once_during_a_conflict() -> None:
+    """B restarts while the conflict is held: B2's heartbeat names B1's address, one A
+    does not share, so it is server B's own restart (one address, one process: B1 has
+    stopped), taken at its first heartbeat as without a conflict: its seq 1 applies, no
+    snapshot, no death. Before, B2 was refused until B1 had been silent a liveness
+    window: w0 declared dead and purged, and B2's first batches dropped meanwhile. A,
+    at its own address, stays refused; B1's late last beat changes nothing."""
+    ing, clock = conflicted()
+    both_beat(ing, clock, (B1, URL_B), (A1, URL_A), 3)
+    clock.now += 0.5
+    acts = ing.on_status(beat(B2, URL_B))
+    assert [type(a) for a in acts] == [WorkerPurgedNotice] and ing.follows("w0", B2)
+    clock.now += 0.1
+    assert ing.on_status(beat(B1, URL_B)) == []  # B1's last beat, late
+    assert ing.on_event_message(headers("w0", B2, 1), batch(store([7]))) == []
+    assert both_beat(ing, clock, (B2, URL_B), (A1, URL_A), 10) == []
+    assert ing.follows("w0", B2) and ing.live_workers() == ("w0",)
+    assert ing.index.export_state().blocks == {"w0": {"GPU": frozenset({7})}}
+    view = ing.worker_views()["w0"].conflict
+    assert view is not None and (view.other_epoch, view.other_url) == (A1, URL_A), view
+    stream = ing.stats().stream
+    assert stream["deaths"] == 0 and stream["resyncs_started"] == 0
+    assert stream["epoch_changes"] == 2 and stream["id_conflicts"] == 1
+    # A's restart, at its own address, is still refused: no flip-flop.
+    assert both_beat(ing, clock, (B2, URL_B), (A2, URL_A), 5) == []
+    assert ing.follows("w0", B2) and ing.stats().stream["epoch_changes"] == 2
+
+
+def test_an_address_two_engines_were_heard_at_names_no_restart() -> None:
+    """Three engines under w0, two of them (B1, B2) at one address: once an engine at the
+    followed one's address was heard beside it, that address tells nothing, even after
+    A took the other engine's place in the record again. B1's restart (B3, newer than
+    B2) then waits like any other engine's: without that, each restart at the shared
+    address would swap the engine followed (a purge and a snapshot each time)."""
+    ing, clock = conflicted()
+    both_beat(ing, clock, (B1, URL_B), (A1, URL_A), 3)
+    clock.now += 0.5
+    ing.on_status(beat(B2, URL_B))  # taken: B's restart, as far as anyone can tell
+    for _ in range(4):  # ... but B1 runs on, beside B2 and A1
+        for epoch, url in ((B2, URL_B), (B1, URL_B), (B2, URL_B), (A1, URL_A)):
+            clock.now += 0.25
+            ing.on_status(beat(epoch, url))
+    view = ing.worker_views()["w0"].conflict
+    assert view is not None and view.other_epoch == A1  # A1 named again
+    actions: list[object] = []
+    for _ in range(5):  # B1 restarts as B3, at B's address
+        for epoch, url in ((B2, URL_B), (B3, URL_B), (A1, URL_A)):
+            clock.now += 0.3
+            actions += ing.on_status(beat(epoch, url))
+        actions += ing.tick()
+    assert actions == [] and ing.follows("w0", B2)
+    assert ing.stats().stream["epoch_changes"] == 2
 
 
 def test_the_other_engine_takes_the_id_once_the_followed_one_left() -> None:

@@ -52,17 +52,3 @@ def test_only_listed_tenants_learn_and_unlisted_ones_are_bounded() -> None:
     for n in range(MAX_TENANTS + 5):
         anyone.apply(f"t{n}", GapObserved("search", 1, 2.0))
     assert sum(anyone.has_own(f"t{n}") for n in range(MAX_TENANTS + 5)) == MAX_TENANTS
-
-
-def test_seeding_gives_each_tenant_without_its_own_a_copy() -> None:
-    pooled = LearnedStats()
-    for _ in range(20):
-        pooled.apply(GapObserved("search", 1, 2.0))
-    stats = TenantStats(frozenset({"a", "b", "c"}))
-    own = LearnedStats()
-    stats.put("a", own)
-    assert stats.seed(pooled, ["a", "b", "c", "unlisted"]) == ["b", "c"]
-    assert stats.of("a") is own
-    stats.apply("b", GapObserved("search", 1, 900.0))
-    assert stats.of("c").to_dict() == pooled.to_dict()  # b's observation moved b's only
-    assert stats.of("b").to_dict() != pooled.to_dict()

@@ -1,10 +1,16 @@
 """Reading deploy/'s compose file and Kubernetes manifests as compose and the kubelet do:
 compose's ``${VAR...}`` interpolation, and the environment, Secrets and ConfigMaps a
-Kubernetes container gets. Shared by the deploy tests."""
+Kubernetes container gets; and running a container's start here (``run_start``: its
+shell scripts for real, the server it ends in a stand-in). Shared by the deploy tests."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -82,3 +88,70 @@ def k8s_env(container: dict, secrets: dict[str, dict[str, str]],
         else:
             env[variable["name"]] = k8s_expanded(variable["value"], env)
     return env
+
+
+# --- a container's start, run here ---------------------------------------------------
+
+def run_start(argv: list[str], env: dict[str, str], mounts: dict[str, Path],
+              programs: list[str], tmp_path: Path) -> dict:
+    """Runs a container's start (compose's entrypoint + command, Kubernetes' command +
+    args, ``$(VAR)`` already filled) with ``env`` as its whole environment, each file
+    mounted at a container path (``mounts``: container path -> local file) read from
+    the local one, and each of ``programs`` (the server the start ends in: ``kvhint``,
+    ``vllm``, ``python3``) a stand-in. Returns what the stand-in was started with:
+    ``{"program", "argv", "env"}``; a start that fails raises, with its stderr."""
+    stubs = tmp_path / "stand-ins"
+    stubs.mkdir(exist_ok=True)
+    for name in programs:
+        stub = stubs / name
+        stub.write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps("
+                        "{'program': os.path.basename(sys.argv[0]), 'argv': sys.argv[1:], "
+                        "'env': dict(os.environ)}))\n")
+        stub.chmod(0o755)
+
+    def local(arg: str) -> str:
+        for path, file in mounts.items():
+            arg = arg.replace(path, str(file))
+        return arg
+    done = subprocess.run([local(arg) for arg in argv],
+                          env={**env, "PATH": f"{stubs}{os.pathsep}/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compose_mounts(service: dict) -> dict[str, Path]:
+    """A compose service's files mounted from deploy/ (``./x:/path[:ro]``): container path
+    -> the file here."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = DEPLOY / source
+    return mounts
+
+
+def k8s_mounts(workload: str, tmp_path: Path) -> dict[str, Path]:
+    """The ConfigMap files a Kubernetes workload's container mounts: container path ->
+    a local copy (written under ``tmp_path``)."""
+    pod = k8s_workload(workload)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        config_map = volumes[mount["name"]].get("configMap")
+        if config_map is None:
+            continue
+        folder = tmp_path / "config-maps" / config_map["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, text in k8s_config_map(config_map["name"])["data"].items():
+            (folder / key).write_text(text)
+            mounts[f"{mount['mountPath']}/{key}"] = folder / key
+    return mounts
+
+
+# Every POSIX shell here: the images run busybox's sh (the NATS check), dash (Debian's
+# sh) or bash; this machine may have several.
+POSIX_SHELLS = [[path] if name != "busybox" else [path, "sh"]
+                for name in ("sh", "dash", "busybox") if (path := shutil.which(name))] + (
+    [[shutil.which("bash"), "--posix"]] if shutil.which("bash") else [])

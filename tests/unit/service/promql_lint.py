@@ -467,3 +467,21 @@ def legend_labels(legend: str) -> set[str]:
 def template_labels(text: str) -> set[str]:
     """The ``$labels.x`` an alert's annotation reads."""
     return set(re.findall(r"\$labels\.([A-Za-z_][A-Za-z0-9_]*)", text))
+
+
+def selectors(node) -> list[Selector]:
+    """Every series selector in a parsed expression (:func:`parse`)."""
+    if isinstance(node, Selector):
+        return [node]
+    children = [getattr(node, name) for name in ("lhs", "rhs") if hasattr(node, name)]
+    children += list(getattr(node, "args", ()))
+    return [s for child in children if not isinstance(child, (str, float))
+            for s in selectors(child)]
+
+
+def selected(selector: Selector, series: dict[str, str]) -> bool:
+    """Whether ``selector``'s matchers select a series with labels ``series``."""
+    def one(op: str, value: str, actual: str) -> bool:
+        hit = re.fullmatch(value, actual) is not None if "~" in op else value == actual
+        return hit if op in ("=", "=~") else not hit
+    return all(one(op, value, series.get(label, "")) for label, op, value in selector.matchers)

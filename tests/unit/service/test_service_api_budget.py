@@ -45,7 +45,8 @@ def test_api_hints_are_held_to_the_tenants_budgets_and_the_workers_pin_budget() 
         RetainPayload(target=target, priority=50), 8)], time.time()) is None
     assert hints.api_budget_problem("t", budget, "w0", [planned(
         PinPayload(target=target, ttl_s=30), 8)], time.time()) == (
-        "worker w0 would hold 56 pinned blocks (limit 50)")
+        "worker w0 has no room for these pinned blocks (its limit 50 is shared by every "
+        "tenant)")
     assert "tenant 't' would hold 248 retained blocks" in hints.api_budget_problem(
         "t", TenantBudget(max_retained_blocks=240), "w0",
         [planned(RetainPayload(target=target, priority=50), 8)], time.time())
@@ -178,3 +179,20 @@ def test_each_configured_tenant_gets_an_equal_share_of_a_worker_unless_it_names_
     assert TenantDirectory(RouterSettings()).get("default").worker_share == 1.0
     with pytest.raises(ValueError, match="max_worker_share"):
         TenantBudget(max_worker_share=1.5)
+
+
+def test_a_refusal_for_the_workers_pin_budget_says_nothing_of_what_others_hold() -> None:
+    """w0 may pin 50 blocks, tenant b's sessions hold 43 or 48 of them; a's 8-block Pin
+    is refused either way, and a reads the same answer: that the worker's shared budget
+    has no room, not how much the others hold. Before, "worker w0 would hold 51 (or 56)
+    pinned blocks" told a what every other tenant pinned there."""
+    answers = set()
+    for held in (43, 48):
+        _registry, _m, _l, hints, _s, _lc, _i, _r = build(["w0"])
+        hints.holdings.record(action_id="b", worker_id="w0", tenant="b", scope="b/s",
+                              action_type="kv.pin", blocks=held, expires_at=1e12)
+        pin = PlannedAction("w0", make_action("kva-a", PinPayload(
+            target=Target(session_id="a/x"), ttl_s=30)), "a/x", "a", 8, 1e12, "api")
+        answers.add(hints.api_budget_problem("a", TenantBudget(), "w0", [pin], time.time()))
+    assert answers == {"worker w0 has no room for these pinned blocks (its limit 50 is "
+                       "shared by every tenant)"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvhint.router.service.cross_site import cross_site_reason, cross_site_refusal
-from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.metrics import CROSS_SITE_ENDPOINTS, CROSS_SITE_REASONS, RouterMetrics
 
 FORM = "application/x-www-form-urlencoded"
 
@@ -56,4 +56,5 @@ def test_a_refusal_is_counted_by_endpoint_and_reason_and_echoes_nothing() -> Non
                for family in metrics.cross_site_refusals.collect() for s in family.samples
                if s.name.endswith("_total")}
     assert counted[("admin", "no_marker")] == 1
-    assert sum(counted.values()) == 1 and len(counted) == 6  # every series, at 0 if unused
+    assert sum(counted.values()) == 1  # every series, at 0 if unused:
+    assert len(counted) == len(CROSS_SITE_ENDPOINTS) * len(CROSS_SITE_REASONS) == 8

@@ -12,7 +12,8 @@ import yaml
 
 from deploy_manifests import DEPLOY
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
-from kvhint.router.service.metrics import CLIENT_TIMEOUT_PHASES, CORS_REFUSAL_REASONS, \
+from kvhint.router.service.metrics import ADMIN_REJECTIONS, CLIENT_TIMEOUT_PHASES, \
+    CORS_REFUSAL_REASONS, \
     CROSS_SITE_REASONS, GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, \
     SESSION_END_SKIPS, RouterMetrics, StateSample
 
@@ -90,7 +91,8 @@ def test_every_refusal_counter_is_on_the_refusals_panel() -> None:
     # Its description names every reason the code can count (it lacked body_timeout,
     # session_ended and cross_site, added since).
     reasons = {*HINT_API_REJECTIONS, *SESSION_END_REJECTIONS, *SESSION_END_SKIPS,
-               *CROSS_SITE_REASONS, *CORS_REFUSAL_REASONS, *GATEWAY_REJECTIONS}
+               *CROSS_SITE_REASONS, *CORS_REFUSAL_REASONS, *GATEWAY_REJECTIONS,
+               *ADMIN_REJECTIONS}
     unnamed = sorted(r for r in reasons if not re.search(rf"\b{r}\b", panel["description"]))
     unnamed += [p for p in CLIENT_TIMEOUT_PHASES if f"{p}:" not in panel["description"]]
     assert not unnamed, f"the refusals panel's description lacks {unnamed}"
@@ -111,8 +113,9 @@ _INGEST_THROUGHPUT = {
     # and how those waits ended: bookkeeping (a resync that follows is counted as one).
     "stream_resyncs_deferred", "stream_resyncs_avoided", "stream_replay_waits_expired",
     # Conflicts found over a worker's id: each has its alert (KvhintWorkerIdConflict);
-    # what they make the router refuse is a loss (stream_other_source_dropped).
-    "stream_id_conflicts",
+    # what they make the router refuse is a loss (stream_other_source_dropped). Those
+    # that ended unreported (a rollout's overlap, most likely): bookkeeping.
+    "stream_id_conflicts", "stream_id_conflicts_unconfirmed",
     # Heartbeats whose interval_s was out of the plugin's bounds: taken, at the bound.
     "stream_status_interval_bounded"}
 

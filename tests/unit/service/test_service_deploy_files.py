@@ -9,15 +9,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deploy_manifests import DEPLOY, interpolated, k8s_config_map, k8s_container, k8s_docs, \
-    k8s_env, k8s_expanded, k8s_secrets, k8s_workload
+from deploy_manifests import DEPLOY, compose_mounts, interpolated, k8s_config_map, \
+    k8s_container, k8s_docs, k8s_env, k8s_expanded, k8s_mounts, k8s_secrets, k8s_workload, \
+    run_start
 from kvhint.router.service.settings import RouterSettings
+from kvhint.schemas.nats_address import NatsConnection, nats_connection
 
 
 def test_compose_and_kubernetes_manifests_parse() -> None:
@@ -67,19 +68,23 @@ def test_the_shipped_placeholder_secrets_are_refused(
     assert "change-me-admin" not in message and "change-me-nats" not in message
 
 
-def _k8s_router_as_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The Kubernetes router's settings file (from its ConfigMap, returned) and the
-    environment its Deployment sets from the Secret (set here)."""
-    docs = [doc for doc in yaml.safe_load_all(
-        (DEPLOY / "kubernetes" / "router.yaml").read_text()) if doc]
-    config_map = next(doc for doc in docs if doc["kind"] == "ConfigMap")
-    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
-    config = tmp_path / "router.yaml"
-    config.write_text(config_map["data"]["router.yaml"])
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    for name, value in k8s_env(container, k8s_secrets()).items():
-        monkeypatch.setenv(name, value)
-    return config
+def _k8s_router_as_shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           secrets: dict[str, dict[str, str]] | None = None) -> Path:
+    """The Kubernetes router's settings file (its ConfigMap's, returned) and the
+    environment its container starts the router with (set here): the Deployment's, from
+    the Secrets (``secrets``, else as shipped), and the NATS URL its start script
+    (nats-url-env.sh, run) adds."""
+    container = k8s_container("kvhint-router")
+    env = k8s_env(container, secrets or k8s_secrets())
+    started = run_start([k8s_expanded(arg, env) for arg in container["command"]
+                         + container["args"]], env, k8s_mounts("kvhint-router", tmp_path),
+                        ["kvhint"], tmp_path)
+    argv = started["argv"]
+    assert argv[0] == "router", argv
+    for name, value in started["env"].items():
+        if name.startswith("KVHINT_"):
+            monkeypatch.setenv(name, value)
+    return Path(argv[argv.index("--config") + 1])  # the ConfigMap's file
 
 
 def test_shipped_router_configs_are_valid_settings(example_secrets_allowed: None) -> None:
@@ -267,8 +272,10 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
     assert started.returncode == 0, started.stderr
 
 
+@pytest.mark.parametrize("password", ["pw-from-env_1.x", "p/a#s?s@w%rd,x"])
 def test_compose_nats_reads_its_password_from_its_environment_not_its_command_line(
-        monkeypatch: pytest.MonkeyPatch, example_secrets_allowed: None) -> None:
+        password: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        example_secrets_allowed: None) -> None:
     """Security review: compose's NATS took the password as ``--pass`` on its command
     line, which ``ps`` and /proc/PID/cmdline show. Now it starts with ``-c`` and the
     mounted nats.conf only, and gets the password (in double quotes: nats.conf says why)
@@ -276,52 +283,68 @@ def test_compose_nats_reads_its_password_from_its_environment_not_its_command_li
     the real nats-server so.) The router gets the URL with user kvhint and the password
     in its environment, over router.yaml's, and each worker in the variable its plugin's
     nats_url_env names: vLLM logs --kv-transfer-config, and no service's holds a NATS
-    URL, let alone a password."""
+    URL, let alone a password.
+
+    The URL is built at start by nats-url-env.sh (run here, the servers stand-ins), the
+    password percent-encoded: before, compose wrote it raw into the URL, and a password
+    with '/', '#', '?', '@', '%' or ',' gave a URL the router and the plugin refused (or
+    read another host from), so the deploy files allowed letters, digits, '-', '_' and
+    '.' only."""
     from kvhint.engine_plugin.config import load_plugin_config
 
-    password = "pw-from-env_1.x"
     env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
     services = yaml.safe_load(interpolated((DEPLOY / "compose.yaml").read_text(), env))[
         "services"]
     nats = services["nats"]
-    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert nats["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
     assert "./nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
-    assert nats["environment"] == {"NATS_PASSWORD_QUOTED": f'"{password}"'}
+    assert nats["environment"] == {"NATS_PASSWORD": password,  # nats-check-password.sh's
+                                   "NATS_PASSWORD_QUOTED": f'"{password}"'}
     for name, service in services.items():
-        command = json.dumps(service.get("command") or [])
+        command = json.dumps([*(service.get("entrypoint") or []), *(service.get("command")
+                                                                     or [])])
         assert password not in command and "--pass" not in command, name
-    url = f"nats://kvhint:{password}@nats:4222"
+    expected = NatsConnection(("nats://nats:4222",), user="kvhint", password=password)
 
     workers = 0
     for name, service in services.items():
         for config in _kv_transfer_configs(service):
             extra = config["kv_connector_extra_config"]
             assert password not in json.dumps(config) and "nats_url" not in extra, name
-            variable = extra["nats_url_env"]
-            assert service["environment"][variable] == url, name
-            monkeypatch.setenv(variable, service["environment"][variable])
-            assert load_plugin_config(extra).nats_url == url  # what the plugin connects to
+            started = run_start([*service["entrypoint"], *service["command"]],
+                                service["environment"], compose_mounts(service),
+                                ["python3"], tmp_path)
+            # vLLM's OpenAI server, with the service's arguments.
+            assert started["argv"] == ["-m", "vllm.entrypoints.openai.api_server",
+                                       *service["command"]], name
+            assert started["program"] == "python3"
+            url = started["env"][extra["nats_url_env"]]
+            assert password not in url
+            monkeypatch.setenv(extra["nats_url_env"], url)
+            # What the plugin connects with.
+            assert load_plugin_config(extra).nats_connection == expected, name
             workers += 1
     assert workers == 2
-    for variable, value in services["router"]["environment"].items():
-        monkeypatch.setenv(variable, value)
-    assert RouterSettings(config_file=DEPLOY / "router.yaml").nats_url == url
+    router = services["router"]
+    mounts = compose_mounts(router)
+    started = run_start([*router["entrypoint"], *router["command"]], router["environment"],
+                        mounts, ["kvhint"], tmp_path)
+    # The image's own entrypoint and command (router.Dockerfile), run by the script (the
+    # mounted router.yaml, here the local file).
+    dockerfile = (DEPLOY / "docker" / "router.Dockerfile").read_text()
+    image_start = [json.loads(m) for m in re.findall(r"^(?:ENTRYPOINT|CMD) (\[.*\])$",
+                                                      dockerfile, re.M)]
+    assert ["kvhint", *started["argv"]] == [str(mounts.get(arg, arg))
+                                            for arg in [*image_start[0], *image_start[1]]]
+    for variable, value in started["env"].items():
+        if variable.startswith("KVHINT_ROUTER_"):
+            monkeypatch.setenv(variable, value)
+    settings = RouterSettings(config_file=DEPLOY / "router.yaml")
+    assert password not in settings.nats_url
+    assert nats_connection(settings.nats_url) == expected
 
 
-def _worker_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[str]:
-    """The arguments the worker's shell script starts ``vllm`` with: the script run by
-    /bin/sh with the container's environment, ``vllm`` a stand-in that prints them (the
-    script builds --kv-transfer-config with shell quoting and variables)."""
-    stub = tmp_path / "vllm"
-    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    stub.chmod(0o755)
-    command = [k8s_expanded(part, env) for part in container["command"] + container["args"]]
-    done = subprocess.run(command, env={**env, "PATH": f"{tmp_path}{os.pathsep}/usr/bin:/bin"},
-                          capture_output=True, text=True, timeout=30, check=True)
-    return json.loads(done.stdout)
-
-
-@pytest.mark.parametrize("password", [None, "pw-from-secret_2.y"])
+@pytest.mark.parametrize("password", [None, "pw-from-secret_2.y", "p/a#s?s@w%rd,x"])
 def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
         password: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         example_secrets_allowed: None) -> None:
@@ -329,22 +352,27 @@ def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
     password), then took the password as ``--pass`` on its command line (ps shows it).
     Now it requires user kvhint and the password in Secret kvhint-nats (as shipped, and
     as an operator replaces it), which it reads from its environment through the
-    ConfigMap's nats.conf; the router and the workers compose the URL
-    with it from that Secret, the workers through the plugin's nats_url_env: vLLM logs
-    --kv-transfer-config, and none holds a NATS URL or the password. The password is
-    written nowhere in the manifests but the Secret."""
+    ConfigMap's nats.conf; the router and the workers start through nats-url-env.sh
+    (ConfigMap kvhint-nats-client), which puts the URL with that password,
+    percent-encoded, in their environment, the workers' through the plugin's
+    nats_url_env: vLLM logs --kv-transfer-config, and none holds a NATS URL or the
+    password. The password is written nowhere in the manifests but the Secret.
+
+    Before, the manifests composed the URL with Kubernetes' $(KVHINT_NATS_PASSWORD): the
+    raw password in the URL, so one with '/', '#', '?', '@', '%' or ',' was refused by
+    the router and the plugin (or read as another host)."""
     from kvhint.engine_plugin.config import load_plugin_config
 
     secrets = k8s_secrets()
     shipped = secrets["kvhint-nats"]["password"]
     assert shipped == "change-me-nats"
     manifests = "".join(p.read_text() for p in (DEPLOY / "kubernetes").glob("*.yaml"))
-    assert manifests.count(shipped) == 1 and "@kvhint-nats" not in re.sub(
-        r"nats://kvhint:\$\(KVHINT_NATS_PASSWORD\)@kvhint-nats", "", manifests)
+    assert manifests.count(shipped) == 1 and "@kvhint-nats" not in manifests
+    assert "$(KVHINT_NATS_PASSWORD)" not in manifests  # raw into a URL
     if password is not None:
         secrets["kvhint-nats"]["password"] = password
     secret = password or shipped
-    url = f"nats://kvhint:{secret}@kvhint-nats:4222"
+    expected = NatsConnection(("nats://kvhint-nats:4222",), user="kvhint", password=secret)
 
     # NATS: `-c` and the ConfigMap's nats.conf only on its command line (ps shows it),
     # the password from the Secret in its environment, in double quotes (nats.conf).
@@ -358,24 +386,26 @@ def test_kubernetes_nats_requires_a_password_kept_out_of_kv_transfer_config(
     assert {"name": volume["name"], "mountPath": "/etc/nats", "readOnly": True} in nats[
         "volumeMounts"]
     assert "nats.conf" in k8s_config_map("kvhint-nats")["data"]
+    client_script = k8s_config_map("kvhint-nats-client")["data"]["nats-url-env.sh"]
+    assert client_script == (DEPLOY / "nats-url-env.sh").read_text()
 
-    router = k8s_docs()
-    config_map = next(doc for doc in router if doc["kind"] == "ConfigMap"
-                      and doc["metadata"]["name"] == "kvhint-router")
-    config = tmp_path / "router.yaml"
-    config.write_text(config_map["data"]["router.yaml"])
-    for name, value in k8s_env(k8s_container("kvhint-router"), secrets).items():
-        monkeypatch.setenv(name, value)
-    assert RouterSettings(config_file=config).nats_url == url
+    config = _k8s_router_as_shipped(tmp_path, monkeypatch, secrets)
+    assert config.read_text() == k8s_config_map("kvhint-router")["data"]["router.yaml"]
+    assert nats_connection(RouterSettings(config_file=config).nats_url) == expected
 
     worker = k8s_container("vllm-worker")
     env = k8s_env(worker, secrets, pod_name="vllm-worker-1") | {"MODEL": "m"}
-    argv = _worker_argv(worker, env, tmp_path)
+    started = run_start([k8s_expanded(arg, env) for arg in worker["command"] + worker["args"]],
+                        env, k8s_mounts("vllm-worker", tmp_path), ["vllm"], tmp_path)
+    argv = started["argv"]
+    assert argv[:2] == ["serve", "m"]
     (config_arg,) = [argv[i + 1] for i, arg in enumerate(argv)
                      if arg == "--kv-transfer-config"]
     transfer = json.loads(config_arg)
     extra = transfer["kv_connector_extra_config"]
     assert secret not in config_arg and "nats_url" not in extra and "nats://" not in config_arg
-    assert extra["worker_id"] == "w1" and env[extra["nats_url_env"]] == url
-    monkeypatch.setenv(extra["nats_url_env"], env[extra["nats_url_env"]])
-    assert load_plugin_config(extra).nats_url == url  # what the plugin connects to
+    assert extra["worker_id"] == "w1"
+    url = started["env"][extra["nats_url_env"]]
+    assert secret not in url
+    monkeypatch.setenv(extra["nats_url_env"], url)
+    assert load_plugin_config(extra).nats_connection == expected  # what the plugin uses

@@ -1,38 +1,39 @@
-"""NATS does not start with the public placeholder password (or an empty one).
+"""NATS does not start with the public placeholder password (or an empty one, or one
+nats.conf cannot take).
 
 Before, the router and the plugin refused a ``change-me...`` NATS password, but NATS itself
 started with Kubernetes' shipped ``change-me-nats`` (and compose's NATS with any
 placeholder an operator typed) and took clients with it. Now deploy/nats-check-password.sh
 runs first (the StatefulSet's init container, from ConfigMap kvhint-nats-check; compose's
-nats-password-check, which NATS depends on) and exits non-zero with a message naming what
-to replace, never the password. Its prefix is the code's PLACEHOLDER_SECRET_PREFIX: the
-script is run here with sh on both sides of it."""
+NATS entrypoint, which then execs nats-server) and exits non-zero with a message naming
+what to replace, never the password. Its prefix is the code's PLACEHOLDER_SECRET_PREFIX:
+the script is run here with sh on both sides of it."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deploy_manifests import DEPLOY, interpolated, k8s_config_map, k8s_container, k8s_env, \
-    k8s_secrets, k8s_workload
+from deploy_manifests import DEPLOY, POSIX_SHELLS, compose_mounts, interpolated, \
+    k8s_config_map, k8s_container, k8s_env, k8s_secrets, k8s_workload, run_start
 from kvhint.schemas.nats_address import PLACEHOLDER_SECRET_PREFIX, is_placeholder_secret
 
 SCRIPT = DEPLOY / "nats-check-password.sh"
-# Every POSIX shell here: the images run busybox's sh, this machine dash or bash.
-_SHELLS = [[path] if name != "busybox" else [path, "sh"] for name in ("sh", "dash", "busybox")
-           if (path := shutil.which(name))] + ([[shutil.which("bash"), "--posix"]]
-                                               if shutil.which("bash") else [])
+_SHELLS = POSIX_SHELLS
 _PINNED_BUSYBOX = re.compile(r"busybox:\d+\.\d+\.\d+")
-_REAL = ["pw-from-env_1.x", "-1234", "true", "change-mx", "xchange-me", "0change-me"]
+_REAL = ["pw-from-env_1.x", "-1234", "true", "change-mx", "xchange-me", "0change-me",
+         "p/a#s?s@w%rd,x", "it's $HOME; a b"]
+# nats.conf reads the password in double quotes: a '"' ends it, a backslash escapes
+# (NATS refused to start, or took "a\tb" as a tab).
+_UNQUOTABLE = ['pw"x', "pw\\x", "a\\tb"]
 _REFUSED = [PLACEHOLDER_SECRET_PREFIX, f"{PLACEHOLDER_SECRET_PREFIX}-nats",
-            f"{PLACEHOLDER_SECRET_PREFIX.upper()}-Secret_1", ""]
+            f"{PLACEHOLDER_SECRET_PREFIX.upper()}-Secret_1", "", *_UNQUOTABLE]
 
 
 def _check(script: Path, env: dict[str, str], shell: list[str] | None = None
@@ -44,15 +45,17 @@ def _check(script: Path, env: dict[str, str], shell: list[str] | None = None
 
 @pytest.mark.parametrize("shell", _SHELLS, ids=lambda shell: Path(shell[0]).name)
 @pytest.mark.parametrize("password", _REFUSED + _REAL + [None])
-def test_the_check_refuses_exactly_what_the_router_and_plugin_refuse(
+def test_the_check_refuses_what_the_router_and_plugin_refuse_and_nats_conf_cannot_take(
         shell: list[str], password: str | None) -> None:
     env = {} if password is None else {"NATS_PASSWORD": password}
     done = _check(SCRIPT, env, shell)
-    refused = not password or is_placeholder_secret(password)
+    unquotable = password in _UNQUOTABLE
+    refused = not password or is_placeholder_secret(password) or unquotable
     assert (done.returncode != 0) == refused, done.stderr
     if refused:
         assert "refusing to start NATS" in done.stderr
-        assert ("placeholder" if password else "empty") in done.stderr
+        assert ("double quote or a backslash" if unquotable else "placeholder" if password
+                else "empty") in done.stderr
         assert "Secret kvhint-nats" in done.stderr and "KVHINT_NATS_PASSWORD" in done.stderr
     if password and len(password) > len(PLACEHOLDER_SECRET_PREFIX):
         assert password not in done.stdout + done.stderr  # never echoes the secret
@@ -92,23 +95,35 @@ def test_kubernetes_nats_runs_the_check_before_it_starts(tmp_path: Path) -> None
     assert _check(script, k8s_env(init, secrets)).returncode == 0
 
 
-@pytest.mark.parametrize("password", [f"{PLACEHOLDER_SECRET_PREFIX}-nats", "pw-from-env_1.x"])
-def test_compose_nats_waits_for_the_check(password: str, tmp_path: Path) -> None:
-    """compose's NATS depends on nats-password-check completing successfully; the check
-    gets KVHINT_NATS_PASSWORD, mounts the script and reaches no network."""
+@pytest.mark.parametrize("password", [f"{PLACEHOLDER_SECRET_PREFIX}-nats", 'pw"x',
+                                      "pw-from-env_1.x"])
+def test_compose_nats_runs_the_check_then_becomes_nats_server(password: str,
+                                                              tmp_path: Path) -> None:
+    """compose's NATS runs the check as its entrypoint, with KVHINT_NATS_PASSWORD, and the
+    check execs nats-server's command once it passed. Before, the check was a service of
+    its own that exited 0 (NATS waited for it to complete): `docker compose up
+    --abort-on-container-exit` stopped the whole stack as soon as it had. Now no service
+    waits for another to complete (none is a one-shot)."""
     env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
     services = yaml.safe_load(interpolated((DEPLOY / "compose.yaml").read_text(), env))[
         "services"]
-    (name,) = services["nats"]["depends_on"]
-    assert services["nats"]["depends_on"][name] == {
-        "condition": "service_completed_successfully"}
-    check = services[name]
-    assert _PINNED_BUSYBOX.fullmatch(check["image"]), check["image"]
-    assert check["network_mode"] == "none" and "ports" not in check
-    shell, path = check["command"]
-    assert shell == "sh"
-    (volume,) = check["volumes"]
-    source, target, mode = volume.split(":")
-    assert (target, mode) == (path, "ro") and DEPLOY / source == SCRIPT
-    done = _check(SCRIPT, check["environment"])
-    assert (done.returncode == 0) == (not is_placeholder_secret(password)), done.stderr
+    for name, service in services.items():
+        conditions = service.get("depends_on", {})
+        assert "service_completed_successfully" not in str(conditions), name
+    nats = services["nats"]
+    shell, path = nats["entrypoint"]
+    assert shell == "sh" and compose_mounts(nats)[path] == SCRIPT
+    assert nats["image"].startswith("nats:") and nats["image"].endswith("-alpine")  # a sh
+    start = [*nats["entrypoint"], *nats["command"]]
+    if is_placeholder_secret(password) or '"' in password:
+        done = _check(SCRIPT, nats["environment"])
+        assert done.returncode != 0 and "refusing to start NATS" in done.stderr
+        with pytest.raises(AssertionError, match="refusing to start NATS"):
+            run_start(start, nats["environment"], compose_mounts(nats), ["nats-server"],
+                      tmp_path)
+        return
+    started = run_start(start, nats["environment"], compose_mounts(nats), ["nats-server"],
+                        tmp_path)
+    assert started["program"] == "nats-server"  # execed: the container's process
+    # nats-server with the mounted nats.conf (here, the local copy it reads).
+    assert started["argv"] == ["-c", str(DEPLOY / "nats.conf")]

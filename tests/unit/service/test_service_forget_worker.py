@@ -14,6 +14,7 @@ from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor
 from kvhint.router.kv_index.stream import StreamConfig
 from kvhint.router.policy import PlannerConfig, RoutingConfig
 from kvhint.router.policy.feedback import WorkerFeedback
+from kvhint.router.policy.tenant_feedback import SplitFeedback
 from kvhint.router.service.cluster_feed import ClusterFeed
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
@@ -64,13 +65,15 @@ def test_a_forgotten_worker_takes_its_feedback_holdings_and_load_with_it() -> No
     for worker, heard in (("gone", now - 120.0), ("here", now)):
         registry.on_heartbeat(msgspec.structs.replace(status(worker),
                                                       http_url=f"http://{worker}"), now=heard)
-        hints.feedback[worker] = WorkerFeedback(worker, pin_ask_scale=0.5)
+        hints.feedback[worker] = SplitFeedback(
+            worker, tenants={"default": WorkerFeedback(worker, pin_ask_scale=0.5)})
         routing.dispatched(worker, uncached_tokens=64, prompt_tokens=64, block_size=4)
     hints.restore([], [], held=[_held_row("kvh-gone", "gone"), _held_row("kvh-here", "here")])
     assert hints.holdings.worker("gone").retained_blocks > 0
     feed.tick()
     assert registry.get("gone") is None and registry.get("here") is not None
-    assert "gone" not in hints.feedback and hints.feedback["here"].pin_ask_scale == 0.5
+    assert "gone" not in hints.feedback
+    assert hints.feedback["here"].view("default").pin_ask_scale == 0.5
     assert hints.holdings.worker("gone").retained_blocks == 0
     assert hints.holdings.worker("here").retained_blocks > 0
     # Its routing load figures too (the runtime wires the feed to the routing service).

@@ -216,7 +216,7 @@ async def test_the_release_of_an_agents_claims_at_the_end_never_teaches_the_plan
             action_type="kv.retain", worker_id="w0", status=OutcomeStatus.REJECTED,
             reason="agent-owned claims not supported", at=clock.now))
     feedback = hints.feedback.get("w0")
-    assert feedback is None or feedback.allows("kv.retain"), feedback
+    assert feedback is None or feedback.view("default").allows("kv.retain"), feedback
 
 
 async def test_shared_prefix_retains_keep_to_each_tenants_retain_budget() -> None:

@@ -141,7 +141,7 @@ def test_tool_gap_pins_and_outcomes_feed_back() -> None:
             requested=Amount(100, 400), applied=Amount(25, 100), at=time.time()))
         assert record_action.status == "clipped" and not hints.pending
         if kind == "kv.pin":
-            assert hints.feedback["w0"].pin_ask_scale < 1.0
+            assert hints.feedback["w0"].view("default").pin_ask_scale < 1.0
         assert hints.on_outcome(HintOutcome(
             message_id="m", action_id="unknown", worker_id="w0",
             status=OutcomeStatus.ACCEPTED, at=time.time())) is None
@@ -426,7 +426,7 @@ def test_only_the_planners_lasting_rejections_turn_an_action_type_off() -> None:
                 at=time.time()))
 
     def pins_allowed() -> bool:
-        return "w0" not in hints.feedback or hints.feedback["w0"].allows("kv.pin")
+        return "w0" not in hints.feedback or hints.feedback["w0"].view("default").allows("kv.pin")
 
     async def scenario() -> None:
         await reject("api", ["no such blocks here", "no such blocks here"])

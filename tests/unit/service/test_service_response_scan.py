@@ -165,3 +165,54 @@ def test_a_stream_with_the_workers_error_event_is_a_failed_turn() -> None:
         seen = ResponseObservation()
         seen.observe(json.dumps({"error": error}).encode())
         assert seen.turn_status(200) == status, error
+    # Older vLLM releases nested their flat ErrorResponse (``"object": "error"``) under
+    # "error" in a stream (a flat one alone they sent only with its error status, which
+    # the router reads as it is): read the same.
+    seen = ResponseObservation()
+    seen.observe(json.dumps({"error": {"object": "error", "message": "too long",
+                                       "type": "BadRequestError", "param": None,
+                                       "code": 400}}).encode())
+    assert seen.turn_status(200) == 400
+
+
+def test_the_workers_error_event_ends_the_answer_with_or_without_done() -> None:
+    """A client that leaves at the worker's error event (the OpenAI SDKs raise at it and
+    close the stream) has its answer: the relay counts the stream finished there, so the
+    turn is the error's, not a client gone; a worker that sends no [DONE] after it loses
+    nothing either."""
+    for strip in (True, False):
+        relay = SseRelay(ResponseObservation(), strip)
+        assert relay.feed(chunk(0, "a")) == chunk(0, "a") and not relay.finished
+        assert relay.feed(VLLM_ERROR) == VLLM_ERROR
+        assert relay.finished and relay.observation.turn_status(200) == 500
+        out, seen = relay_all([chunk(0, "a"), VLLM_ERROR], strip=strip)
+        assert out == chunk(0, "a") + VLLM_ERROR and seen.turn_status(200) == 500
+
+
+def forced(index: int, content: str | None, finish: str | None, completion: int) -> bytes:
+    """A chunk from a worker started with --enable-force-include-usage: vLLM turns on
+    include_usage and continuous_usage_stats for every request (should_include_usage), so
+    each chunk carries the usage so far, and no finish chunk the fingerprint."""
+    delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
+    return event({"id": "c1", "object": "chat.completion.chunk", "choices": [
+        {"index": index, "delta": delta, "finish_reason": finish}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": completion, "total_tokens":
+                  9 + completion}})
+
+
+def test_a_worker_forcing_usage_gives_the_client_its_usage_chunk() -> None:
+    """A client that asked for no usage gets, from a worker forcing it, usage on every
+    chunk, then the usage chunk with the fingerprint. The router, which asked for that
+    chunk itself, strips it otherwise; here the chunks' own usage shows the worker sends
+    it unasked (the router dropped continuous_usage_stats from the request), so the
+    client gets the stream unchanged, as from the worker directly. Before, the usage
+    chunk was dropped and the fingerprint moved onto the finish chunk."""
+    parts = [forced(0, None, None, 0), forced(0, "a", None, 1), forced(0, "b", "stop", 2),
+             USAGE, DONE]
+    out, seen = relay_all(parts, strip=True)
+    assert out == b"".join(parts)
+    assert (seen.prompt_tokens, seen.completion_tokens, seen.cached_tokens) == (9, 3, 0)
+    # Split anywhere: the same.
+    whole = b"".join(parts)
+    for cut in range(1, len(whole), 41):
+        assert relay_all([whole[:cut], whole[cut:]], strip=True)[0] == whole

@@ -123,7 +123,7 @@ def test_a_newer_plugins_terminal_status_settles_the_action_at_once() -> None:
             assert record is not None and record.status == "rejected"
             assert record.reason == "unknown status 'superseded'"
             assert action_id not in hints.pending
-        assert "w0" not in hints.feedback or hints.feedback["w0"].allows("kv.pin")
+        assert "w0" not in hints.feedback or hints.feedback["w0"].view("default").allows("kv.pin")
         assert hints.holdings.worker("w0").pinned_blocks == 0
 
     asyncio.run(scenario())

@@ -1,0 +1,238 @@
+"""vLLM's Responses API through the router: ``POST /v1/responses`` (routed like chat),
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``.
+
+A new response is routed as a chat request is (tenancy, session, prefix hashes where
+the prompt is all in the body: hashing/responses_input.py). The router names it: the
+forwarded body's ``request_id`` (vLLM's response id) is ``resp_<random>`` of the
+router's, never the client's, so no client can name (and overwrite, in a worker's store)
+another's response. Once a worker has answered it (status < 400, ``store`` not false),
+``id -> (tenant, worker, session)`` is remembered (responses_ids.py).
+
+A request naming a stored response goes to the worker that holds it, or nowhere:
+``previous_response_id`` (forwarded to that worker only, never retried elsewhere; a
+follow-up naming no session continues the session of the response it follows), the
+GET and the cancel. Another tenant's id is answered as an unknown one (404, as vLLM
+answers an id it does not hold); a worker gone or restarted since is a 404 saying so;
+one down now a 503 (retry later). Nothing is ever sent to a worker that does not hold
+the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from urllib.parse import quote, urlencode
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvhint.router.service.cross_site import cross_site_refusal
+from kvhint.router.service.forwarding import WORKER_HEADER
+from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.relay_response import RelayResponse
+from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
+from kvhint.router.service.responses_scan import ResponsesObservation
+from kvhint.router.service.runtime import RouterRuntime
+from kvhint.router.service.tenancy import AuthError, api_key_of
+from kvhint.router.service.upstream import (
+    DATA_PARALLEL_RANK_HEADER,
+    UpstreamBroken,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+# The query parameters vLLM's GET reads (the rest are not passed on).
+_GET_PARAMETERS = ("starting_after", "stream")
+_STORED_ONLY = ("vLLM keeps a stored response in the memory of the server that made it "
+                "only")
+
+
+class ResponsesGateway:
+    """The Responses API's routes, on the app's state (``app.state.responses``)."""
+
+    def __init__(self, runtime: RouterRuntime) -> None:
+        self._runtime = runtime
+        self.ids = ResponseIds(runtime.settings.responses.max_ids, runtime.workers,
+                               runtime.metrics)
+
+    # --- POST /v1/responses -------------------------------------------------------------
+
+    async def create(self, inbound: InboundRequest,
+                     gone: asyncio.Future[None] | None) -> Response:
+        """Forward a parsed ``POST /v1/responses`` (app.py checked the key, the body and
+        its type as for chat)."""
+        runtime = self._runtime
+        body = inbound.body
+        previous = body.get("previous_response_id")
+        only_worker: str | None = None
+        if previous is not None:
+            if not isinstance(previous, str):
+                return self._refused(_error("'previous_response_id' must be a string", 400,
+                                            "previous_response_id"))
+            found = self.ids.find(previous, inbound.tenant.name)
+            if isinstance(found, IdMiss):
+                return self._refused(_miss_answer(previous, found))
+            if (refusal := self._model_refusal(inbound, found)) is not None:
+                return self._refused(refusal)
+            only_worker = found.worker_id
+            if inbound.client_session_id is None and found.session_id is not None:
+                inbound = _in_session(inbound, found.session_id)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        body["request_id"] = response_id  # the router's name for it (module doc)
+        observation = ResponsesObservation()
+        response = await runtime.forwarder.forward(inbound, gone, only_worker=only_worker,
+                                                   observation=observation)
+        worker_id = response.headers.get(WORKER_HEADER)
+        if response.status_code < 400 and worker_id and body.get("store") is not False:
+            self.ids.learn(response_id, inbound.tenant.name, worker_id,
+                           inbound.client_session_id)
+        if observation.background:
+            runtime.metrics.responses_background.inc()
+        return response
+
+    def _refused(self, response: Response) -> Response:
+        self._runtime.metrics.record_request("responses", "none", response.status_code)
+        return response
+
+    def _model_refusal(self, inbound: InboundRequest, entry: IdEntry) -> Response | None:
+        """A follow-up naming a model its response's worker does not serve gets vLLM's
+        answer for such a model, not a 503 for the lack of any other worker."""
+        worker = self._runtime.workers.get(entry.worker_id)
+        if inbound.model is None or worker is None or worker.may_serve(inbound.model):
+            return None
+        return _error(f"The model `{inbound.model}` does not exist.", 404, "model",
+                      "NotFoundError")
+
+    # --- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel -------------------------
+
+    async def retrieve(self, request: Request) -> Response:
+        query = {k: request.query_params[k] for k in _GET_PARAMETERS
+                 if k in request.query_params}
+        return await self._stored(request, "get", "GET", "", query)
+
+    async def cancel(self, request: Request) -> Response:
+        return await self._stored(request, "cancel", "POST", "/cancel", {})
+
+    async def _stored(self, request: Request, op: str, method: str, suffix: str,
+                      query: dict[str, str]) -> Response:
+        runtime = self._runtime
+        counted = runtime.metrics.response_id_requests
+        response_id = request.path_params["response_id"]
+        try:
+            tenant = runtime.directory.client(api_key_of(request.headers))
+        except AuthError as exc:
+            counted.labels(op, str(exc.status)).inc()
+            return _error(exc.message, exc.status)
+        # After the key (none is still a 401): a cancel changes state.
+        refusal = cross_site_refusal(method, request.headers, runtime.metrics,
+                                     "responses_cancel") if op == "cancel" else None
+        if refusal is not None:
+            counted.labels(op, "403").inc()
+            return _error(refusal, 403)
+        found = self.ids.find(response_id, tenant.name)
+        if isinstance(found, IdMiss):
+            answer = _miss_answer(response_id, found)
+            counted.labels(op, str(answer.status_code)).inc()
+            return answer
+        worker = runtime.workers.get(found.worker_id)
+        assert worker is not None and worker.url is not None  # find() checked it
+        url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
+        if query:
+            url += "?" + urlencode(query)
+        dp_rank = worker.status.data_parallel_header if worker.status is not None else None
+        try:
+            upstream = await runtime.pool.open(
+                worker.worker_id, url, b"",
+                None if dp_rank is None else {DATA_PARALLEL_RANK_HEADER: str(dp_rank)},
+                method=method)
+        except UpstreamUnavailable as exc:
+            answer = _unavailable(exc)
+            counted.labels(op, str(answer.status_code)).inc()
+            return answer
+        except UpstreamTimeout as exc:
+            counted.labels(op, "504").inc()
+            return _error(str(exc), 504)
+        return await _relayed(upstream, lambda code: counted.labels(op, str(code)).inc())
+
+
+async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> Response:
+    """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
+    background response's events, ``?stream=true``) passed through as it comes."""
+    headers = dict(upstream.headers)
+    headers[WORKER_HEADER] = upstream.worker_id
+    if not headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            payload = await upstream.read()
+        except UpstreamBroken as exc:
+            code = 504 if exc.timed_out else 502
+            count(code)
+            return _error(f"worker failed while responding: {exc}", code)
+        count(upstream.status)
+        return Response(payload, status_code=upstream.status, headers=headers)
+    counted = False
+
+    async def chunks() -> AsyncGenerator[bytes, None]:
+        nonlocal counted
+        status = upstream.status
+        try:
+            async for chunk in upstream.chunks():
+                yield chunk
+        except UpstreamBroken as exc:
+            status = 504 if exc.timed_out else 502
+        except (GeneratorExit, asyncio.CancelledError):
+            status = 499
+            raise
+        finally:
+            upstream.close()
+            if not counted:
+                counted = True
+                count(status)
+
+    def on_gone(signal: asyncio.Future[None]) -> None:
+        if not signal.cancelled() and signal.exception() is None:
+            upstream.close()
+
+    async def on_unsent() -> None:
+        nonlocal counted
+        if not counted:  # the stream never started (the client left first)
+            counted = True
+            upstream.close()
+            count(499)
+
+    return RelayResponse(chunks(), upstream.status, headers, on_gone, on_unsent)
+
+
+def _in_session(inbound: InboundRequest, session_id: str) -> InboundRequest:
+    """``inbound`` continuing the client's session ``session_id``."""
+    inbound.body["session_id"] = inbound.tenant.worker_session_id(session_id)
+    return dataclasses.replace(inbound, client_session_id=session_id)
+
+
+def _miss_answer(response_id: str, miss: IdMiss) -> Response:
+    """What a client is told for a response id the router does not send on."""
+    if miss.reason in ("unknown", "other_tenant"):
+        # vLLM's own words for an id it does not hold: another tenant's id looks the same.
+        return _error(f"Response with id '{response_id}' not found.", 404, "response_id")
+    if miss.reason == "worker_down":
+        return _error(f"Response with id '{response_id}' is held by worker "
+                      f"{miss.worker_id}, which is unavailable now; retry later "
+                      f"({_STORED_ONLY}).", 503, "response_id")
+    why = ("has left the fleet" if miss.reason == "worker_gone"
+           else "has restarted since")
+    return _error(f"Response with id '{response_id}' not found: worker {miss.worker_id}, "
+                  f"which stored it, {why} ({_STORED_ONLY}).", 404, "response_id")
+
+
+def _unavailable(exc: UpstreamUnavailable) -> Response:
+    if exc.status is not None:  # the worker's own refusal (503 overloaded...): as it is
+        return Response(exc.body, status_code=exc.status, media_type="application/json")
+    return _error(f"worker unavailable: {exc.reason}", 502)
+
+
+def _error(message: str, status: int, param: str | None = None,
+           error_type: str | None = None) -> Response:
+    return Response(openai_error(message, status, param, error_type), status_code=status,
+                    media_type="application/json")

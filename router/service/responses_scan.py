@@ -1,0 +1,256 @@
+"""What the router learns from a worker's Responses API answer (``POST /v1/responses``),
+without changing a byte it forwards.
+
+A Responses answer is a response object (``{"id", "status", "output": [...], "usage":
+{"input_tokens", "output_tokens", "input_tokens_details": {"cached_tokens"}}, "error"}``),
+whole or as a stream of typed events (``event: <type>`` / ``data: {"type": <type>,
+"sequence_number": n, ...}``): ``response.created``, ``response.in_progress``, output
+deltas, then a terminal one carrying the final response object: ``response.completed``
+(vLLM sends it whatever the final status: ``completed``, ``incomplete``, ``failed``),
+``response.failed``/``response.incomplete`` (OpenAI's), or an ``error`` event. There is
+no ``[DONE]``. (vllm/entrypoints/openai/responses/serving.py, api_router.py.)
+
+:class:`ResponsesObservation` fills the same fields the chat path's
+:class:`ResponseObservation` does (usage, finish reason, tool names, a failed answer's
+status), so accounting, metrics and the session's turn read one shape.
+:class:`ResponsesRelay` is the stream's relay (the chat one's interface: ``relay``,
+``finished``, ``release_held``), parsing only the few events that say something.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvhint.router.service.response_scan import ResponseObservation, SseRelay
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tokens_details: _Details | None = None
+
+
+class _Item(msgspec.Struct):
+    type: str | None = None
+    name: str | None = None
+
+
+class _Error(msgspec.Struct):
+    code: Any = None
+    message: str | None = None
+
+
+class _Incomplete(msgspec.Struct):
+    reason: str | None = None
+
+
+class _Response(msgspec.Struct):
+    status: str | None = None
+    output: list[_Item] = []
+    usage: _Usage | None = None
+    error: _Error | None = None
+    incomplete_details: _Incomplete | None = None
+
+
+class _Event(msgspec.Struct):
+    type: str | None = None
+    response: _Response | None = None
+    code: Any = None
+
+
+_response_decoder = msgspec.json.Decoder(_Response)
+_event_decoder = msgspec.json.Decoder(_Event)
+_snapshot_decoder = msgspec.json.Decoder(dict)
+_encode = msgspec.json.Encoder().encode
+
+# Events that end a Responses stream (the client then has its whole answer).
+TERMINAL_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete",
+                             "error"})
+# Read for what they say; every other event passes unparsed (the deltas: nearly all).
+_READ_EVENTS = TERMINAL_EVENTS | {"response.created"}
+# Output items that are the model calling a tool the agent runs (a tool gap follows).
+_TOOL_CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})
+# A failed response's error code (OpenAI's ResponseError codes) as a status.
+_FAILED_CODES = {"rate_limit_exceeded": 429, "invalid_prompt": 400}
+# A response still running when the answer came: one started with ``background: true``.
+_RUNNING = frozenset({"queued", "in_progress"})
+
+
+@dataclass(slots=True)
+class ResponsesObservation(ResponseObservation):
+    """One Responses answer, in the chat observation's fields (module doc)."""
+
+    # The answer was a background response still queued or running: its generation
+    # (and usage) happens after the router's request ended.
+    background: bool = False
+    # The stream's ``response.created`` response object: the one a failure event the
+    # router sends itself is built from.
+    snapshot: dict[str, Any] | None = None
+    # Events seen so far (vLLM numbers them from 0: the next one's sequence_number).
+    events: int = 0
+
+    def observe_json(self, payload: bytes) -> bool:
+        """A whole (non-streamed) answer; never a usage-only chunk."""
+        try:
+            self._observe_response(_response_decoder.decode(payload))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.malformed_chunks += 1
+        return False
+
+    def observe_event(self, kind: str, payload: bytes) -> None:
+        """One stream event of type ``kind`` (one of the read ones) with its data."""
+        try:
+            event = _event_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.malformed_chunks += 1
+            return
+        if kind == "response.created":
+            self.snapshot = _snapshot_of(payload)
+        elif kind == "error":
+            if self.error_status is None:
+                self.error_status = _code_status(event.code)
+        elif event.response is not None:
+            self._observe_response(event.response)
+            if kind == "response.failed" and self.error_status is None:
+                self.error_status = 500
+
+    def usage_lost(self, status: int) -> str | None:
+        """A background response's usage is not lost: it has none yet (the router never
+        sees its generation, which ``kvhint_router_responses_background_total`` counts)."""
+        if self.background:
+            return None
+        return ResponseObservation.usage_lost(self, status)
+
+    def _observe_response(self, response: _Response) -> None:
+        status = response.status
+        if status in _RUNNING:
+            self.background = True
+            return
+        if status == "failed":
+            code = response.error.code if response.error is not None else None
+            self.error_status = _FAILED_CODES.get(code, 500) if isinstance(code, str) else 500
+        elif status == "cancelled":
+            self.error_status = 499  # cancelled by its client (POST .../cancel)
+        self.choices = 1
+        calls = [item.name for item in response.output
+                 if item.type in _TOOL_CALL_ITEMS and item.name]
+        self.tool_names.extend(calls)
+        if status == "incomplete":
+            details = response.incomplete_details
+            reason = details.reason if details is not None else None
+            self.finish_reason = "content_filter" if reason == "content_filter" else "length"
+        elif status == "completed":
+            self.finish_reason = "tool_calls" if calls else "stop"
+        usage = response.usage
+        if usage is not None:
+            self.prompt_tokens = usage.input_tokens
+            self.completion_tokens = usage.output_tokens
+            details = usage.input_tokens_details
+            self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
+
+
+class ResponsesRelay:
+    """Relays a Responses event stream event by event while filling ``observation``."""
+
+    def __init__(self, observation: ResponsesObservation) -> None:
+        self.observation = observation
+        self._pending = b""
+        # A terminal event has been relayed: a client that leaves now has its answer.
+        self.finished = False
+
+    async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            out = self.feed(chunk)
+            if out:
+                yield out
+        rest, self._pending = self._pending, b""
+        if rest:  # a stream that ended mid-event: passed through as it is
+            yield rest
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events of ``pending + chunk``, observed, to send now."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: end + 2], data[end + 2:]
+        for event in complete.split(b"\n\n")[:-1]:
+            self._inspect(event)
+        return complete
+
+    def release_held(self) -> bytes:
+        """Nothing is ever held back (the chat relay's interface)."""
+        return b""
+
+    def failure_event(self, message: str, status: int) -> bytes:
+        """The event that ends a stream the router cut short (its worker broke or went
+        silent mid-answer): ``response.failed`` with the response ``response.created``
+        announced, status ``failed`` and the error, the terminal event Responses clients
+        wait for; an ``error`` event where none was announced yet."""
+        sequence = self.observation.events
+        error = {"code": "server_error", "message": f"{message} (HTTP {status})"}
+        snapshot = self.observation.snapshot
+        if snapshot is not None:
+            kind = "response.failed"
+            body: dict[str, Any] = {"type": kind, "sequence_number": sequence,
+                                    "response": {**snapshot, "status": "failed", "error": error}}
+        else:
+            kind = "error"
+            body = {"type": kind, "sequence_number": sequence, "param": None, **error}
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
+
+    def _inspect(self, event: bytes) -> None:
+        kind, data = _split_event(event)
+        if data is None:
+            return
+        self.observation.events += 1
+        if kind not in _READ_EVENTS:
+            return
+        self.observation.observe_event(kind, data)
+        if kind in TERMINAL_EVENTS:
+            self.finished = True
+
+
+def relay_for(observation: ResponseObservation, strip_usage_chunk: bool
+              ) -> SseRelay | ResponsesRelay:
+    """The relay for a stream read by ``observation``: a Responses one's, or chat's."""
+    if isinstance(observation, ResponsesObservation):
+        return ResponsesRelay(observation)
+    return SseRelay(observation, strip_usage_chunk)
+
+
+def _split_event(event: bytes) -> tuple[str | None, bytes | None]:
+    """An SSE event's type (its ``event:`` line) and its data (None: a comment or an
+    empty event). vLLM writes one ``event:`` and one ``data:`` line per event."""
+    kind: str | None = None
+    data: bytes | None = None
+    for line in event.split(b"\n"):
+        if line.startswith(b"event:"):
+            kind = line[6:].strip().decode("utf-8", "replace")
+        elif line.startswith(b"data:"):
+            data = line[5:].strip()
+    return kind, data
+
+
+def _snapshot_of(payload: bytes) -> dict[str, Any] | None:
+    event = _snapshot_decoder.decode(payload)
+    response = event.get("response")
+    return response if isinstance(response, dict) else None
+
+
+def _code_status(code: Any) -> int:
+    """An ``error`` event's code as a status: an HTTP status it names, else 500."""
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if type(code) is int and 400 <= code < 600:
+        return code
+    return _FAILED_CODES.get(code, 500) if isinstance(code, str) else 500

@@ -1,0 +1,58 @@
+"""Every refused admin call is counted, by reason, in
+``kvhint_router_admin_rejections_total`` (the router app with a stub worker and a SQLite
+store): as the gateway's refusals are (requests_total by code), the hints API's and the
+DELETE's (their rejection counters). Before, the admin API's were counted nowhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from conftest import StubWorker, router_settings, running_router, sample, scrape
+from kvhint.router.service.metrics import ADMIN_REJECTIONS
+
+REJECTIONS = "kvhint_router_admin_rejections_total"
+TENANTS = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"]},
+           {"name": "b", "api_keys": ["kb"], "admin_keys": ["ab"]}]
+
+
+async def test_every_refused_admin_call_is_counted_by_its_reason(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)],
+                               admin_keys=["root"], tenants=TENANTS)
+    root, a_admin = {"authorization": "Bearer root"}, {"authorization": "Bearer aa"}
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        url = router.url
+        before = await _counts(client, url)
+        assert before == dict.fromkeys(ADMIN_REJECTIONS, 0.0)  # every series from the start
+        refusals = [
+            ("GET", "/admin/sessions", {}, 401, "unauthorized"),
+            ("GET", "/admin/sessions", {"authorization": "Bearer nope"}, 401, "unauthorized"),
+            ("GET", "/admin/sessions", {"authorization": "Bearer ka"}, 403, "forbidden"),
+            ("GET", "/admin/sessions?tenant=b", a_admin, 403, "forbidden"),
+            ("GET", "/admin/sessions/b/s1", a_admin, 403, "forbidden"),
+            ("POST", "/admin/sessions/a/s1/end", {**a_admin, "sec-fetch-site": "cross-site"},
+             403, "cross_site"),
+            ("GET", "/admin/sessions/a/nope", a_admin, 404, "unknown_session"),
+            ("POST", "/admin/sessions/a/nope/end", root, 404, "unknown_session"),
+            ("GET", "/admin/workers/nope", root, 404, "unknown_worker"),
+            ("GET", "/admin/sessions?limit=0", root, 422, "bad_request"),
+            ("GET", "/admin/hints?session_id=x%00", root, 422, "bad_request"),
+            ("GET", "/admin/workers/w%01", root, 422, "bad_request"),
+        ]
+        expected = dict(before)
+        for method, path, headers, status, reason in refusals:
+            response = await client.request(method, f"{url}{path}", headers=headers)
+            assert response.status_code == status, (path, response.text)
+            expected[reason] += 1
+            assert await _counts(client, url) == expected, (method, path)
+        # What is served is no refusal.
+        for path in ("/admin/sessions", "/admin/workers/w0", "/admin/overview"):
+            assert (await client.get(f"{url}{path}", headers=root)).status_code == 200
+        assert await _counts(client, url) == expected
+
+
+async def _counts(client: httpx.AsyncClient, url: str) -> dict[str, float | None]:
+    samples = await scrape(client, url)
+    return {reason: sample(samples, REJECTIONS, reason=reason) for reason in ADMIN_REJECTIONS}
