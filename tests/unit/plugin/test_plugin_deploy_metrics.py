@@ -55,3 +55,23 @@ def test_the_plugin_alert_watches_dropped_events_inbound_and_internal_errors() -
     assert {"kvhint:events_dropped_total", "kvhint:inbound_dropped_total",
             "kvhint:internal_errors_total"} <= watched
     assert watched <= exposed_names()
+
+
+def test_every_plugin_metric_an_alert_reads_is_on_a_panel() -> None:
+    """KvhintPluginEventsNotKept reads kvhint:events_kept and kvhint:nats_connected, which
+    were on no panel: an operator paged by it could not see which engines, since when, nor
+    whether the plugin was connected. Now one panel graphs both per instance and engine,
+    and says which alert they feed."""
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    alerted = set().union(*(_queried(rule["expr"]) for group in rules["groups"]
+                            for rule in group["rules"]))
+    graphed = set().union(*(_queried(t["expr"]) for p in dashboard["panels"]
+                            for t in p["targets"]))
+    assert {"kvhint:events_kept", "kvhint:nats_connected"} <= alerted
+    assert alerted <= graphed, f"alerted on, on no panel: {sorted(alerted - graphed)}"
+    (panel,) = [p for p in dashboard["panels"] if any(
+        "kvhint:events_kept" in _queried(t["expr"]) for t in p["targets"])]
+    for target in panel["targets"]:  # a line per engine, not one per fleet
+        assert "by (instance, engine)" in target["expr"], target
+    assert "KvhintPluginEventsNotKept" in panel["description"]
