@@ -213,6 +213,7 @@ class WorkerStream(Generic[T]):
             self.counters.status_interval_bounded += 1
         purge = self._observe_epoch(epoch)
         self.last_status, self.url = status, url
+        self._sources.followed_at(url)
         self._reported_seq = last_event_seq
         if self.phase is StreamPhase.RESYNCING:
             return Decision(None, purge)

@@ -28,7 +28,10 @@ server restarting does, at its own address: a heartbeat naming the address of th
 source of a conflict that ended unreported, within ``hold_s`` of its last beat, is
 refused, and the conflict found again at once, its batches held off too
 (:meth:`came_back`; no swap at each restart of a server that never stays up
-``confirm_s``); once heard beside the followed one it is reported at once.
+``confirm_s``), as found when the overlap it left was: it is reported once that was
+``confirm_s`` ago, a restart no new overlap. Not at once: the server that came back may
+be a rollout's new pod whose container restarted before it was ready (the old one serves
+meanwhile, and the stream fell back to it), and that overlap ends as any rollout's.
 
 While a conflict is held, a new epoch refused is either the other server restarting or
 the followed one's own restart (its old engine not yet silent for its window). Where the
@@ -95,8 +98,10 @@ class SourceConflict:
         # A source heard beside the followed one named its address: addresses do not
         # tell the servers apart (same_server no longer applies) until the conflict ends.
         self._shared_url = False
-        # The other source of the last conflict that ended unreported (came_back).
+        # The other source of the last conflict that ended unreported (came_back), and
+        # when that conflict was found: a server that came back resumes its count.
         self._left: OtherSource | None = None
+        self._left_since: float | None = None
 
     def held(self, now: float) -> bool:
         """Whether a conflict is held: found, and the other source heard within hold_s
@@ -127,6 +132,14 @@ class SourceConflict:
         return (url is not None and left is not None and url == left.url
                 and url != followed_url and now - left.heard <= self.hold_s)
 
+    def followed_at(self, url: str | None) -> None:
+        """The stream took a heartbeat of the engine it follows, naming ``url``. The
+        server that left an overlap and is followed now (the engine followed went silent,
+        or it was a rollout's new pod that restarted) came back to no other: it leaves
+        the record, and its next rollout's overlap is a rollout's like any other."""
+        if url is not None and self._left is not None and self._left.url == url:
+            self._left = self._left_since = None
+
     def refused(self, heard: OtherSource, followed_heard: float | None,
                 followed_url: str | None, stale: bool) -> bool:
         """A heartbeat the stream refused (``heard``: its epoch, when, window, status and
@@ -147,14 +160,15 @@ class SourceConflict:
             self.other = heard
             if followed_heard is None or followed_heard <= other.heard:
                 return False
-            return self._beside(heard, followed_url, back)
+            return self._beside(heard, followed_url)
         if self._since is None:
             # A source not heard before: nothing proves yet that it runs beside the
             # followed one; but a server that came back is found at once, so that its
-            # batches (which name no address) are held off too.
+            # batches (which name no address) are held off too, and as found when the
+            # overlap it left was: its restart is no new overlap (module doc).
             self.other = heard
             if back:
-                self._since = now
+                self._since = self._left_since
             return False
         # A new source while a conflict is held: the other server restarted, or the
         # followed one did. Pending until heard beside the followed one (module doc).
@@ -162,7 +176,7 @@ class SourceConflict:
         if (pending is not None and pending.epoch == heard.epoch
                 and followed_heard is not None and followed_heard > pending.heard):
             self.other, self.pending = heard, None
-            return self._beside(heard, followed_url, back)
+            return self._beside(heard, followed_url)
         self.pending = heard
         return False
 
@@ -191,7 +205,7 @@ class SourceConflict:
         if pending is not None and now - pending.heard > pending.window_s:
             self.pending = None  # silent for its window: never heard beside the followed one
         if self._left is not None and now - self._left.heard > self.hold_s:
-            self._left = None
+            self._left = self._left_since = None
         other = self.other
         if other is None:
             return
@@ -201,16 +215,16 @@ class SourceConflict:
         elif now - other.heard > other.window_s:
             self.other = None
 
-    def _beside(self, heard: OtherSource, followed_url: str | None, back: bool) -> bool:
+    def _beside(self, heard: OtherSource, followed_url: str | None) -> bool:
         """``heard`` was heard beside the followed source: a conflict is found (if none
-        was), and reported once the two were heard side by side confirm_s, or at once for
-        a server that came back. True when reported now."""
+        was), and reported once it was found confirm_s ago (for a server that came back,
+        since the overlap it left was found). True when reported now."""
         now = heard.heard
         if self._since is None:
             self._since = now
         if heard.url is not None and heard.url == followed_url:
             self._shared_url = True
-        if self._reported or (now - self._since < self.confirm_s and not back):
+        if self._reported or now - self._since < self.confirm_s:
             return False
         self._reported = True
         self._counters.id_conflicts += 1
@@ -219,6 +233,6 @@ class SourceConflict:
     def _end(self) -> None:
         if self._since is not None and not self._reported:
             self._counters.id_conflicts_unconfirmed += 1  # a rollout's overlap, most likely
-            self._left = self.other
+            self._left, self._left_since = self.other, self._since
         self.other, self.pending, self._since = None, None, None
         self._reported = self._shared_url = False

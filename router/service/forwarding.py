@@ -93,6 +93,7 @@ class _Flight:
     # It holds one of its tenant's in-flight slots (given back by _account).
     tenant_slot: bool = False
     only_worker: str | None = None  # see Forwarder.forward
+    name_for: Callable[[WorkerState], str] | None = None  # see Forwarder.forward
 
 
 class Forwarder:
@@ -120,12 +121,15 @@ class Forwarder:
     async def forward(self, inbound: InboundRequest,
                       client_gone: asyncio.Future[None] | None = None, *,
                       only_worker: str | None = None,
-                      observation: ResponseObservation | None = None) -> Response:
+                      observation: ResponseObservation | None = None,
+                      name_for: Callable[[WorkerState], str] | None = None) -> Response:
         """``client_gone``: done when the client disconnects before the response to it
         starts (a streamed response then watches its own); the request to the worker, or
         the worker's response, is then closed at once, not when it finishes.
         ``only_worker``: there or nowhere, no retry (a stored response's: responses_api.py);
-        ``observation``: what reads the answer (a Responses one: responses_scan.py)."""
+        ``observation``: what reads the answer (a Responses one: responses_scan.py);
+        ``name_for(worker)``: the body's ``request_id`` for each worker tried (a
+        Responses id names its worker: responses_id_codec.py)."""
         # Admitted here; the slot is given back in _account, which every way a request
         # ends runs once (answered, failed, client gone, a stream's end, a cancellation).
         if (refusal := self.slots.take(inbound)) is not None:
@@ -133,6 +137,7 @@ class Forwarder:
         flight = _Flight(inbound, None, None, time.perf_counter())
         flight.tenant_slot = True
         flight.only_worker, flight.observation = only_worker, observation or flight.observation
+        flight.name_for = name_for
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -189,6 +194,9 @@ class Forwarder:
             worker_id = flight.plan.decision.worker_id
             worker = self._workers.get(worker_id)
             assert worker is not None
+            if flight.name_for is not None:
+                inbound.body["request_id"] = flight.name_for(worker)
+                body = msgspec.json.encode(inbound.body)
             try:
                 upstream = await self._open(flight, worker, body)
             except ClientGone:

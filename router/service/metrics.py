@@ -83,8 +83,9 @@ GATEWAY_REJECTIONS = (
 # kvhint_router_response_id_misses_total{reason}: a stored response id a request named
 # that the router did not send on (responses_ids.py), a bounded set.
 RESPONSE_ID_MISSES = (
-    "unknown",           # 404: never seen, or evicted past responses.max_ids
+    "unknown",           # 404: never seen, and not in the router's id form
     "other_tenant",      # 404 (as unknown): another tenant's response
+    "unverified",        # 404 (as unknown): an id whose tag checks out for no tenant
     "worker_gone",       # 404: the worker that holds it left the fleet
     "worker_restarted",  # 404: its engine restarted since (vLLM's store is in memory)
     "worker_down",       # 503: the worker that holds it is down now
@@ -373,7 +374,13 @@ class RouterMetrics:
         self.response_ids_evicted = Counter(
             "kvhint_router_response_ids_evicted",
             "Response ids forgotten past responses.max_ids (least recently used): a "
-            "later request naming one is a 404", registry=r)
+            "later request naming one is reached from the id alone, its session not "
+            "continued", registry=r)
+        self.response_ids_read = Counter(
+            "kvhint_router_response_ids_read",
+            "Requests naming a response id this router does not remember (another "
+            "replica's, from before its restart, forgotten) whose worker and tenant were "
+            "read from the id itself and checked", registry=r)
         self.response_id_misses = Counter(
             "kvhint_router_response_id_misses",
             "Requests naming a stored response id (previous_response_id, GET, cancel) "

@@ -3,25 +3,25 @@
 
 A new response is routed as a chat request is (tenancy, session, prefix hashes where
 the prompt is all in the body: hashing/responses_input.py). The router names it: the
-forwarded body's ``request_id`` (vLLM's response id) is ``resp_<random>`` of the
-router's, never the client's, so no client can name (and overwrite, in a worker's store)
-another's response. Once a worker has answered it (status < 400, ``store`` not false),
-``id -> (tenant, worker, session)`` is remembered (responses_ids.py).
+forwarded body's ``request_id`` (vLLM's response id) is the router's, never the client's,
+so no client can name (and overwrite, in a worker's store) another's response. The id
+says which worker it was sent to, bound to the tenant (responses_id_codec.py), so every
+replica reaches it; once a worker has answered it (status < 400, ``store`` not false),
+``id -> (tenant, worker, session)`` is remembered too (responses_ids.py).
 
 A request naming a stored response goes to the worker that holds it, or nowhere:
 ``previous_response_id`` (forwarded to that worker only, never retried elsewhere; a
 follow-up naming no session continues the session of the response it follows), the
 GET and the cancel. Another tenant's id is answered as an unknown one (404, as vLLM
 answers an id it does not hold); a worker gone or restarted since is a 404 saying so;
-one down now a 503 (retry later). Nothing is ever sent to a worker that does not hold
-the response.
+one down now a 503 (retry later). Nothing is ever sent to a worker other than the one
+the id names for the requesting tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import uuid
 from collections.abc import AsyncGenerator, Callable
 from urllib.parse import quote, urlencode
 
@@ -32,6 +32,7 @@ from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.forwarding import WORKER_HEADER
 from kvhint.router.service.inbound import InboundRequest, openai_error
 from kvhint.router.service.relay_response import RelayResponse
+from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.responses_scan import ResponsesObservation
 from kvhint.router.service.runtime import RouterRuntime
@@ -43,6 +44,7 @@ from kvhint.router.service.upstream import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from kvhint.router.service.workers import WorkerState
 
 # The query parameters vLLM's GET reads (the rest are not passed on).
 _GET_PARAMETERS = ("starting_after", "stream")
@@ -55,8 +57,10 @@ class ResponsesGateway:
 
     def __init__(self, runtime: RouterRuntime) -> None:
         self._runtime = runtime
+        self.codec = ResponseIdCodec(runtime.settings.salt_secret)
         self.ids = ResponseIds(runtime.settings.responses.max_ids, runtime.workers,
-                               runtime.metrics)
+                               runtime.metrics, self.codec,
+                               frozenset(t.name for t in runtime.directory.tenants))
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -80,15 +84,26 @@ class ResponsesGateway:
             only_worker = found.worker_id
             if inbound.client_session_id is None and found.session_id is not None:
                 inbound = _in_session(inbound, found.session_id)
-        response_id = f"resp_{uuid.uuid4().hex}"
-        body["request_id"] = response_id  # the router's name for it (module doc)
+            elif inbound.client_session_id is None and found.in_unknown_session:
+                # Another replica's response (or one forgotten): its session is not in
+                # its id, so this turn continues none.
+                runtime.metrics.drop("response_session_unknown")
+        body.pop("request_id", None)  # a client's: replaced for each worker tried
+        tenant, in_session = inbound.tenant.name, inbound.client_session_id is not None
+
+        def name_for(worker: WorkerState) -> str:
+            """The router's name for the response (module doc)."""
+            return self.codec.mint(tenant, worker.worker_id, worker.epoch, in_session)
+
         observation = ResponsesObservation()
         response = await runtime.forwarder.forward(inbound, gone, only_worker=only_worker,
-                                                   observation=observation)
+                                                   observation=observation,
+                                                   name_for=name_for)
         worker_id = response.headers.get(WORKER_HEADER)
-        if response.status_code < 400 and worker_id and body.get("store") is not False:
-            self.ids.learn(response_id, inbound.tenant.name, worker_id,
-                           inbound.client_session_id)
+        response_id = body.get("request_id")
+        if (response.status_code < 400 and worker_id and response_id
+                and body.get("store") is not False):
+            self.ids.learn(response_id, tenant, worker_id, inbound.client_session_id)
         if observation.background:
             runtime.metrics.responses_background.inc()
         return response
@@ -213,7 +228,7 @@ def _in_session(inbound: InboundRequest, session_id: str) -> InboundRequest:
 
 def _miss_answer(response_id: str, miss: IdMiss) -> Response:
     """What a client is told for a response id the router does not send on."""
-    if miss.reason in ("unknown", "other_tenant"):
+    if miss.reason in ("unknown", "other_tenant", "unverified"):
         # vLLM's own words for an id it does not hold: another tenant's id looks the same.
         return _error(f"Response with id '{response_id}' not found.", 404, "response_id")
     if miss.reason == "worker_down":

@@ -9,10 +9,19 @@ router learns ``id -> (tenant, worker, session, epoch)`` from the answers it rel
 keeps the most recent ``responses.max_ids`` (least recently used evicted, counted).
 
 A lookup answers one of: the entry, or why there is none to use (:class:`IdMiss`):
-``unknown`` (never seen, or evicted: the router cannot tell them apart), ``other_tenant``
-(another tenant's id: answered to the client exactly as ``unknown``), ``worker_gone``
+``unknown`` (not in this map, nor in the router's form: a client's own, or an older
+router's ``resp_<32 hex>``), ``other_tenant`` (another tenant's id: answered to the
+client exactly as ``unknown``, as ``unverified`` is), ``worker_gone``
 (the worker left the fleet), ``worker_restarted`` (its engine's epoch changed since: the
 store went with the process), ``worker_down`` (marked down now; it may come back).
+
+An id this map does not hold (another replica's, one from before this router's
+restart, one forgotten past ``max_ids``) is read from the id itself
+(responses_id_codec.py): its worker, its engine's epoch and whether it was made in a
+session, sent on only when its tag checks out for the requesting tenant (``unverified``:
+it checks out for no tenant this router serves; forged, or made under another
+``salt_secret``). Only the session is lost that way: a follow-up that names none
+continues none (counted, ``drops_total{what="response_session_unknown"}``).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.responses_id_codec import ResponseIdCodec, epoch_tag
 from kvhint.router.service.workers import WorkerRegistry
 
 
@@ -41,6 +51,10 @@ class IdEntry:
     session_id: str | None
     # The worker's engine epoch when it answered (None: no plugin heartbeat yet).
     epoch: str | None
+    # Read from the id (not this map's): the tag of that epoch (responses_id_codec.py),
+    # and whether it was made in a session (``session_id`` is then unknown, None).
+    epoch_tag: str | None = None
+    in_unknown_session: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +66,15 @@ class IdMiss:
 class ResponseIds:
     """The bounded id -> :class:`IdEntry` map (loop thread only; no I/O)."""
 
-    def __init__(self, max_ids: int, workers: WorkerRegistry, metrics: RouterMetrics) -> None:
+    def __init__(self, max_ids: int, workers: WorkerRegistry, metrics: RouterMetrics,
+                 codec: ResponseIdCodec, tenants: frozenset[str]) -> None:
+        """``codec``: reads the ids this map does not hold; ``tenants``: the tenants this
+        router serves (a miss on another's id is told from a forged one by them)."""
         self._max = max_ids
         self._workers = workers
         self._metrics = metrics
+        self._codec = codec
+        self._tenants = tenants
         self._entries: OrderedDict[str, IdEntry] = OrderedDict()
 
     def __len__(self) -> int:
@@ -76,23 +95,39 @@ class ResponseIds:
     def find(self, response_id: str, tenant: str) -> IdEntry | IdMiss:
         """Where ``tenant`` may reach ``response_id`` now, or why not (counted)."""
         entry = self._entries.get(response_id)
-        miss = self._miss(entry, tenant)
-        if miss is not None:
-            self._metrics.response_id_misses.labels(miss.reason).inc()
-            return miss
-        assert entry is not None
-        self._entries.move_to_end(response_id)
-        return entry
+        if entry is not None:
+            found = self._miss(entry, tenant) or entry
+            if found is entry:
+                self._entries.move_to_end(response_id)
+        else:
+            found = self._read(response_id, tenant)
+            if isinstance(found, IdEntry):
+                self._metrics.response_ids_read.inc()
+                found = self._miss(found, tenant) or found
+        if isinstance(found, IdMiss):
+            self._metrics.response_id_misses.labels(found.reason).inc()
+        return found
 
-    def _miss(self, entry: IdEntry | None, tenant: str) -> IdMiss | None:
-        if entry is None:
+    def _read(self, response_id: str, tenant: str) -> IdEntry | IdMiss:
+        """An id this map does not hold, from what it says (module doc)."""
+        minted = self._codec.read(response_id)
+        if minted is None:
             return IdMiss("unknown")
+        if not self._codec.binds(minted, tenant):
+            others = any(self._codec.binds(minted, t) for t in self._tenants - {tenant})
+            return IdMiss("other_tenant" if others else "unverified")
+        return IdEntry(tenant, minted.worker_id, None, None, minted.epoch_tag,
+                       minted.in_session)
+
+    def _miss(self, entry: IdEntry, tenant: str) -> IdMiss | None:
         if entry.tenant != tenant:
             return IdMiss("other_tenant")
         worker = self._workers.get(entry.worker_id)
         if worker is None:
             return IdMiss("worker_gone", entry.worker_id)
-        if entry.epoch is not None and worker.epoch is not None and worker.epoch != entry.epoch:
+        if worker.epoch is not None and (
+                entry.epoch not in (None, worker.epoch)
+                or entry.epoch_tag not in (None, epoch_tag(worker.epoch))):
             return IdMiss("worker_restarted", entry.worker_id)
         if not worker.routable:
             return IdMiss("worker_down", entry.worker_id)

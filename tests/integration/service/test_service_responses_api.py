@@ -307,6 +307,34 @@ async def test_a_tenant_never_reaches_another_tenants_response(
                       worker="none", code="404") == 1
 
 
+async def test_a_response_retried_elsewhere_is_named_for_the_worker_that_made_it(
+        tmp_path: Path, stubs: list[ResponsesStub]) -> None:
+    """The id says its worker (responses_id_codec.py): a new response whose first worker
+    fails before taking it is named again for the worker the retry reaches."""
+    settings = router_settings(tmp_path, [("w0", stubs[0].url), ("w1", stubs[1].url)],
+                               responses={"max_ids": 1})
+    by_worker = {"w0": stubs[0], "w1": stubs[1]}
+    async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+        url = f"{router.url}/v1/responses"
+        first = await client.post(url, json=create(session_id="agent"))
+        gone = first.headers["x-kvhint-worker"]
+        other = next(w for w in by_worker if w != gone)
+        await by_worker[gone].stop()  # the session's worker, not yet known down
+        retried = await client.post(url, json=create(session_id="agent"))
+        assert retried.status_code == 200, retried.text
+        assert retried.headers["x-kvhint-worker"] == other
+        response_id = retried.json()["id"]
+        assert response_id == by_worker[other].received[-1]["request_id"]
+        assert response_id.startswith(f"resp_{other}_")
+        # Forgotten (max_ids 1), as on a replica that did not relay it: read from the id.
+        assert (await client.post(url, json=create())).status_code == 200
+        got = await client.get(f"{url}/{response_id}")
+        assert got.status_code == 200 and got.headers["x-kvhint-worker"] == other
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_retries_total", worker=gone) == 1
+        assert sample(samples, "kvhint_router_response_ids_read_total") == 1
+
+
 async def test_a_response_whose_worker_is_down_is_not_sent_elsewhere(
         tmp_path: Path, stubs: list[ResponsesStub]) -> None:
     holder, other = stubs

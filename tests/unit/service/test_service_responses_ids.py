@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import WorkerStatus
@@ -30,7 +31,8 @@ def _reason(found: IdEntry | IdMiss) -> str:
 
 def test_ids_are_bounded_least_recently_used_first_and_counted() -> None:
     metrics = RouterMetrics()
-    ids = ResponseIds(2, WorkerRegistry([("w0", "http://w0")]), metrics)
+    ids = ResponseIds(2, WorkerRegistry([("w0", "http://w0")]), metrics,
+                      ResponseIdCodec("secret"), frozenset({"acme"}))
     ids.learn("r1", "acme", "w0", "s1")
     ids.learn("r2", "acme", "w0", None)
     assert ids.find("r1", "acme") == IdEntry("acme", "w0", "s1", None)  # r1 now recent
@@ -48,7 +50,8 @@ def test_another_tenants_id_and_a_worker_down_gone_or_restarted() -> None:
     registry = WorkerRegistry([("w0", "http://w0")])
     _heartbeat(registry, "w1", "epoch-1", time.monotonic())  # learnt from its plugin
     _heartbeat(registry, "w2", "epoch-1", time.monotonic())
-    ids = ResponseIds(10, registry, metrics)
+    ids = ResponseIds(10, registry, metrics, ResponseIdCodec("secret"),
+                      frozenset({"acme", "beta"}))
     for number, worker in enumerate(("w0", "w1", "w2")):
         ids.learn(f"r{number}", "acme", worker, None)
     assert _reason(ids.find("r0", "beta")) == "other_tenant"
