@@ -6,8 +6,9 @@ the prompt is all in the body: hashing/responses_input.py). The router names it:
 forwarded body's ``request_id`` (vLLM's response id) is the router's, never the client's,
 so no client can name (and overwrite, in a worker's store) another's response. The id
 says which worker it was sent to, bound to the tenant (responses_id_codec.py), so every
-replica reaches it; once a worker has answered it (status < 400, ``store`` not false),
-``id -> (tenant, worker, session)`` is remembered too (responses_ids.py).
+replica reaches it; once a worker has answered it (status < 400, stored as vLLM reads
+``store``: :func:`stores_response`), ``id -> (tenant, worker, session)`` is remembered too
+(responses_ids.py).
 
 A request naming a stored response goes to the worker that holds it, or nowhere:
 ``previous_response_id`` (forwarded to that worker only, never retried elsewhere; a
@@ -23,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 from urllib.parse import quote, urlencode
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -50,6 +53,31 @@ from kvhint.router.service.workers import WorkerState
 _GET_PARAMETERS = ("starting_after", "stream")
 _STORED_ONLY = ("vLLM keeps a stored response in the memory of the server that made it "
                 "only")
+
+
+class _Storing(BaseModel):
+    """The fields deciding whether vLLM 0.32 stores a response, as its ``ResponsesRequest``
+    declares them, read by pydantic's lax rules as vLLM reads them: "false", 0, "0",
+    "no", "off", "n", "f" are False; an explicit null is None, for which vLLM stores
+    nothing (``if request.store``)."""
+
+    store: bool | None = True
+    background: bool | None = False
+
+
+def stores_response(body: dict[str, Any]) -> bool:
+    """Whether vLLM stores the response ``body`` asks for (``store`` absent: it does), so
+    the router never remembers an id its worker did not store. A background response is
+    stored, queued, whatever ``store`` reads as (vLLM refuses ``background`` with a
+    ``store`` falsy as it comes, false, 0 or null, but not with "false"). What vLLM
+    refuses is answered 400, so nothing is learnt whatever this says (a value pydantic
+    refuses reads as not stored)."""
+    try:
+        flags = _Storing.model_validate({k: body[k] for k in ("store", "background")
+                                         if k in body})
+    except ValidationError:
+        return False
+    return bool(flags.store) or bool(flags.background)
 
 
 class ResponsesGateway:
@@ -102,7 +130,7 @@ class ResponsesGateway:
         worker_id = response.headers.get(WORKER_HEADER)
         response_id = body.get("request_id")
         if (response.status_code < 400 and worker_id and response_id
-                and body.get("store") is not False):
+                and stores_response(body)):
             self.ids.learn(response_id, tenant, worker_id, inbound.client_session_id)
         if observation.background:
             runtime.metrics.responses_background.inc()

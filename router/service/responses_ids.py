@@ -6,7 +6,10 @@ vLLM keeps a stored response (``store: true``, on a server started with
 naming it (``previous_response_id``, ``GET /v1/responses/{id}``, ``POST
 /v1/responses/{id}/cancel``) works on the server that produced it and nowhere else. The
 router learns ``id -> (tenant, worker, session, epoch)`` from the answers it relays and
-keeps the most recent ``responses.max_ids`` (least recently used evicted, counted).
+keeps at most ``responses.max_ids``, evicted fairly between tenants (counted): past the
+bound, the tenant holding the most ids gives up its least recently used one, so one
+tenant's churn of stored responses evicts its own ids, never those of a tenant holding
+fewer (as the sessions registry bounds sessions per tenant: sessions.py).
 
 A lookup answers one of: the entry, or why there is none to use (:class:`IdMiss`):
 ``unknown`` (not in this map, nor in the router's form: a client's own, or an older
@@ -37,8 +40,9 @@ from kvhint.router.service.workers import WorkerRegistry
 
 
 class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
-    # Stored-response ids remembered (id -> worker, tenant), least recently used evicted
-    # past it (kvhint_router_response_ids_evicted_total); about 300 bytes each.
+    # Stored-response ids remembered (id -> worker, tenant); past it the tenant holding
+    # the most gives up its least recently used (kvhint_router_response_ids_evicted_total);
+    # about 300 bytes each.
     max_ids: int = Field(100_000, ge=1)
 
 
@@ -64,7 +68,10 @@ class IdMiss:
 
 
 class ResponseIds:
-    """The bounded id -> :class:`IdEntry` map (loop thread only; no I/O)."""
+    """The bounded id -> :class:`IdEntry` map (loop thread only; no I/O), evicted fairly
+    between tenants (module doc) at a constant cost per id learnt: each tenant's ids are
+    kept in use order, and the tenants by how many ids each holds, so the one to give an
+    id up is found without scanning tenants or ids."""
 
     def __init__(self, max_ids: int, workers: WorkerRegistry, metrics: RouterMetrics,
                  codec: ResponseIdCodec, tenants: frozenset[str]) -> None:
@@ -75,22 +82,63 @@ class ResponseIds:
         self._metrics = metrics
         self._codec = codec
         self._tenants = tenants
-        self._entries: OrderedDict[str, IdEntry] = OrderedDict()
+        self._entries: dict[str, IdEntry] = {}
+        # Each tenant's ids, least recently used first: its eviction takes the first.
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
+        # n -> the tenants holding n ids (n >= 1), and the largest such n. Counts move by
+        # one at a time, so the largest is kept exactly without a scan.
+        self._holding: dict[int, dict[str, None]] = {}
+        self._most = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def held_by(self, tenant: str) -> int:
+        """How many ids of ``tenant`` the map holds."""
+        return len(self._by_tenant.get(tenant, ()))
+
     def learn(self, response_id: str, tenant: str, worker_id: str,
               session_id: str | None) -> None:
-        """``worker_id`` answered ``response_id`` for ``tenant``."""
+        """``worker_id`` answered ``response_id`` for ``tenant``. Past ``max_ids`` the
+        tenant holding the most ids (this one, on a tie) forgets its least recently used,
+        counted: a tenant holding fewer than another loses none to that one's churn."""
         worker = self._workers.get(worker_id)
+        if response_id in self._entries:  # learnt again: counted once, as the newest
+            self._remove(response_id)
         self._entries[response_id] = IdEntry(tenant, worker_id, session_id,
                                              worker.epoch if worker is not None else None)
-        self._entries.move_to_end(response_id)
+        own = self._by_tenant.setdefault(tenant, OrderedDict())
+        own[response_id] = None
+        self._recount(tenant, len(own) - 1)
         while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+            most = self._holding[self._most]
+            victim = tenant if tenant in most else next(iter(most))
+            self._remove(next(iter(self._by_tenant[victim])))
             self._metrics.response_ids_evicted.inc()
         self._metrics.response_ids.set(len(self._entries))
+
+    def _remove(self, response_id: str) -> None:
+        tenant = self._entries.pop(response_id).tenant
+        own = self._by_tenant[tenant]
+        del own[response_id]
+        if not own:
+            del self._by_tenant[tenant]
+        self._recount(tenant, len(own) + 1)
+
+    def _recount(self, tenant: str, was: int) -> None:
+        """``tenant`` held ``was`` ids and holds one more or one fewer now."""
+        now = self.held_by(tenant)
+        if was:
+            bucket = self._holding[was]
+            del bucket[tenant]
+            if not bucket:
+                del self._holding[was]
+        if now:
+            self._holding.setdefault(now, {})[tenant] = None
+        if now > self._most or (was == self._most and was not in self._holding):
+            # A new largest, or the only tenant holding the most gave one up: it still
+            # holds the most (every other held fewer than ``was``).
+            self._most = now
 
     def find(self, response_id: str, tenant: str) -> IdEntry | IdMiss:
         """Where ``tenant`` may reach ``response_id`` now, or why not (counted)."""
@@ -98,7 +146,7 @@ class ResponseIds:
         if entry is not None:
             found = self._miss(entry, tenant) or entry
             if found is entry:
-                self._entries.move_to_end(response_id)
+                self._by_tenant[entry.tenant].move_to_end(response_id)
         else:
             found = self._read(response_id, tenant)
             if isinstance(found, IdEntry):

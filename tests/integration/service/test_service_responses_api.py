@@ -95,7 +95,7 @@ class ResponsesStub:
         final = self._response(body, "failed" if self.mode == "failed" else "completed")
         if self.mode == "failed":
             final["error"] = {"code": "server_error", "message": "generation failed"}
-        if body.get("store", True):
+        if self.stores(body):
             self.store[final["id"]] = final
         if not body.get("stream"):
             return web.json_response(final)
@@ -118,6 +118,11 @@ class ResponsesStub:
                 return stream
         await stream.write_eof()
         return stream
+
+    def stores(self, body: dict[str, Any]) -> bool:
+        """Whether this worker stores the response ``body`` asks for (vLLM's own reading
+        of ``store``: test_service_responses_learning.py)."""
+        return bool(body.get("store", True))
 
     async def _get(self, request: web.Request) -> web.Response:
         response_id = request.match_info["id"]
