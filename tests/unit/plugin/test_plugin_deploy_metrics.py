@@ -9,7 +9,8 @@ from pathlib import Path
 
 import yaml
 
-from kvhint.engine_plugin.metrics import COUNTERS, LABELLED_COUNTERS, exposed_names
+from kvhint.engine_plugin.metrics import COUNTERS, GAUGES, LABELLED_COUNTERS, PREFIX, \
+    exposed_names
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 _PLUGIN_METRIC = re.compile(r"\bkvhint:[a-z_]+")
@@ -75,3 +76,15 @@ def test_every_plugin_metric_an_alert_reads_is_on_a_panel() -> None:
     for target in panel["targets"]:  # a line per engine, not one per fleet
         assert "by (instance, engine)" in target["expr"], target
     assert "KvhintPluginEventsNotKept" in panel["description"]
+
+
+def test_every_plugin_gauge_is_on_a_panel_per_engine() -> None:
+    """kvhint:index_blocks and kvhint:index_sessions (the size of the plugin's session
+    index) were on no panel. Every gauge of the plugin is graphed, a line per instance
+    and engine (one per fleet would hide the engine that differs)."""
+    dashboard = json.loads((DEPLOY / "grafana" / "kvhint-router.json").read_text())
+    gauges = {f"{PREFIX}{key}" for key in GAUGES}
+    assert {"kvhint:index_blocks", "kvhint:index_sessions"} <= gauges <= exposed_names()
+    per_engine = set().union(*(_queried(t["expr"]) for p in dashboard["panels"]
+                               for t in p["targets"] if "by (instance, engine)" in t["expr"]))
+    assert gauges <= per_engine, f"not graphed per engine: {sorted(gauges - per_engine)}"

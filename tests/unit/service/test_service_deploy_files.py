@@ -251,7 +251,8 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
     for use in uses:
         assert use.startswith("${KVHINT_NATS_PASSWORD:?") and "deploy/.env.example" in use
     with pytest.raises(AssertionError, match="needs KVHINT_NATS_PASSWORD"):
-        interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": ""})
+        interpolated(text, {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": "",
+                            "KVHINT_WORKER_API_KEY": "wk"})
     example = (DEPLOY / ".env.example").read_text()
     # No secret ships with a value (it held change-me-admin, a public admin key).
     for secret in ("KVHINT_NATS_PASSWORD", "KVHINT_ADMIN_KEY"):
@@ -265,6 +266,7 @@ def test_compose_refuses_to_start_without_the_nats_password() -> None:
         return  # no docker compose here: the parse above is the check
     env = {k: v for k, v in os.environ.items() if k != "KVHINT_NATS_PASSWORD"}
     env["KVHINT_ADMIN_KEY"] = "adm"
+    env["KVHINT_WORKER_API_KEY"] = "wk"
     refused = subprocess.run(docker, env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "deploy/.env.example" in refused.stderr
     started = subprocess.run(docker, env=env | {"KVHINT_NATS_PASSWORD": "pw"},
@@ -292,7 +294,8 @@ def test_compose_nats_reads_its_password_from_its_environment_not_its_command_li
     '.' only."""
     from kvhint.engine_plugin.config import load_plugin_config
 
-    env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
+    env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password,
+           "KVHINT_WORKER_API_KEY": "wk"}
     services = yaml.safe_load(interpolated((DEPLOY / "compose.yaml").read_text(), env))[
         "services"]
     nats = services["nats"]

@@ -104,7 +104,8 @@ def test_compose_nats_runs_the_check_then_becomes_nats_server(password: str,
     its own that exited 0 (NATS waited for it to complete): `docker compose up
     --abort-on-container-exit` stopped the whole stack as soon as it had. Now no service
     waits for another to complete (none is a one-shot)."""
-    env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password}
+    env = {"KVHINT_ADMIN_KEY": "adm", "KVHINT_NATS_PASSWORD": password,
+           "KVHINT_WORKER_API_KEY": "wk"}
     services = yaml.safe_load(interpolated((DEPLOY / "compose.yaml").read_text(), env))[
         "services"]
     for name, service in services.items():
