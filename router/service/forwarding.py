@@ -19,23 +19,21 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 
 import msgspec
 from starlette.responses import Response
 
-from kvhint.router.policy import FinishReason, NoWorkerAvailable
+from kvhint.router.policy import NoWorkerAvailable
+from kvhint.router.service.flight_accounting import Flight, FlightAccounting
 from kvhint.router.service.inbound import InboundRequest, openai_error
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
-from kvhint.router.service.routing_service import RoutePlan, RoutingService
-from kvhint.router.service.sampling import parallel_samples
-from kvhint.router.service.sessions import SessionRecord
+from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.tenant_slots import TenantSlots
-from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
+from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream_opening import ClientGone, drop_opening, until_open
 from kvhint.router.service.upstream import (
     DATA_PARALLEL_RANK_HEADER,
@@ -56,7 +54,7 @@ MAX_ATTEMPTS = 2
 SUSPECT_AFTER_TIMEOUTS = 2
 
 
-def _closes_upstream_when_gone(flight: "_Flight", upstream: UpstreamResponse
+def _closes_upstream_when_gone(flight: Flight, upstream: UpstreamResponse
                                ) -> Callable[[asyncio.Future[None]], None]:
     """A done callback for a disconnect watcher: once the client went away, close the
     worker's response now, which ends a read waiting on a silent worker (and has vLLM
@@ -67,33 +65,6 @@ def _closes_upstream_when_gone(flight: "_Flight", upstream: UpstreamResponse
             flight.client_gone = True
             upstream.close()
     return on_done
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One request's state between routing and accounting."""
-
-    inbound: InboundRequest
-    record: SessionRecord | None
-    plan: RoutePlan | None
-    received: float
-    worker_id: str | None = None
-    uncached: int = 0
-    predicted_cached: int | None = 0
-    prefill_pending: int = 0
-    observation: ResponseObservation = field(default_factory=ResponseObservation)
-    trace_ticket: int | None = None
-    first_byte_at: float | None = None  # perf_counter
-    client_gone: bool = False
-    client_gone_signal: asyncio.Future[None] | None = None
-    # The worker's response once it started (closed if the request ends by an exception).
-    upstream: UpstreamResponse | None = None
-    # _account ran: every way a request ends settles it once, never twice.
-    accounted: bool = False
-    # It holds one of its tenant's in-flight slots (given back by _account).
-    tenant_slot: bool = False
-    only_worker: str | None = None  # see Forwarder.forward
-    name_for: Callable[[WorkerState], str] | None = None  # see Forwarder.forward
 
 
 class Forwarder:
@@ -117,6 +88,8 @@ class Forwarder:
         self._index_exact = index_exact
         # Each tenant's requests in flight, against its max_in_flight.
         self.slots = TenantSlots(metrics)
+        self._accounting = FlightAccounting(workers, routing, lifecycle, metrics,
+                                            self.slots, recorder)
 
     async def forward(self, inbound: InboundRequest,
                       client_gone: asyncio.Future[None] | None = None, *,
@@ -130,11 +103,12 @@ class Forwarder:
         ``observation``: what reads the answer (a Responses one: responses_scan.py);
         ``name_for(worker)``: the body's ``request_id`` for each worker tried (a
         Responses id names its worker: responses_id_codec.py)."""
-        # Admitted here; the slot is given back in _account, which every way a request
-        # ends runs once (answered, failed, client gone, a stream's end, a cancellation).
+        # Admitted here; the slot is given back by the accounting, which every way a
+        # request ends runs once (answered, failed, client gone, a stream's end, a
+        # cancellation).
         if (refusal := self.slots.take(inbound)) is not None:
             return refusal
-        flight = _Flight(inbound, None, None, time.perf_counter())
+        flight = Flight(inbound, None, None, time.perf_counter())
         flight.tenant_slot = True
         flight.only_worker, flight.observation = only_worker, observation or flight.observation
         flight.name_for = name_for
@@ -157,7 +131,7 @@ class Forwarder:
             await self._abandon(flight, 500)
             raise
 
-    async def _abandon(self, flight: _Flight, status: int) -> None:
+    async def _abandon(self, flight: Flight, status: int) -> None:
         """Settle a request that ends by an exception: close its worker's response if one
         is open, then account it (a no-op when it was accounted already). Shielded: a
         second cancellation while the session's turn is being closed does not cut the
@@ -166,9 +140,9 @@ class Forwarder:
             return
         if flight.upstream is not None:
             flight.upstream.close()
-        await asyncio.shield(self._account(flight, status))
+        await asyncio.shield(self._accounting.account(flight, status))
 
-    async def _forward(self, flight: _Flight) -> Response:
+    async def _forward(self, flight: Flight) -> Response:
         inbound = flight.inbound
         if inbound.client_session_id is not None:
             await self._lifecycle.recall(inbound.tenant.name, inbound.client_session_id)
@@ -189,7 +163,7 @@ class Forwarder:
             except NoWorkerAvailable as exc:
                 if last_error is not None:
                     break  # the retry found no other worker: report the first failure
-                await self._account(flight, 503)
+                await self._accounting.account(flight, 503)
                 return _error(f"no worker available: {exc}", 503)
             worker_id = flight.plan.decision.worker_id
             worker = self._workers.get(worker_id)
@@ -200,10 +174,10 @@ class Forwarder:
             try:
                 upstream = await self._open(flight, worker, body)
             except ClientGone:
-                await self._account(flight, 499)
+                await self._accounting.account(flight, 499)
                 return Response(status_code=499)
             except UpstreamTimeout as exc:
-                await self._account(flight, 504)
+                await self._accounting.account(flight, 504)
                 return _error(str(exc), 504)
             except UpstreamUnavailable as exc:
                 last_error = exc
@@ -216,14 +190,14 @@ class Forwarder:
                 continue
             return await self._respond(flight, upstream)
         assert last_error is not None
-        await self._account(flight, last_error.status or 502)
+        await self._accounting.account(flight, last_error.status or 502)
         if last_error.status is not None:
             # The worker's own refusal (e.g. 503 overloaded): pass it through as it is.
             return Response(last_error.body, status_code=last_error.status,
                             media_type="application/json")
         return _error(f"worker unavailable: {last_error.reason}", 502)
 
-    async def _open(self, flight: _Flight, worker: WorkerState, body: bytes
+    async def _open(self, flight: Flight, worker: WorkerState, body: bytes
                     ) -> UpstreamResponse:
         """Send the request to ``worker``'s address; returns once its response has started.
 
@@ -231,10 +205,10 @@ class Forwarder:
         on every way out before the worker has the request (ClientGone, a failure, a
         cancellation, an error), given back here exactly once, and the request to the
         worker cancelled (a response that opened anyway is closed). Once the worker has
-        it (:meth:`_took`: headers came, or it timed out holding the request),
-        :meth:`_account` settles them instead. What the worker's answer (or its failure,
-        or its silence) says of its address is noted on ``worker``, the state the request
-        went to (:meth:`_still_its_address`)."""
+        it (:meth:`_took`: headers came, or it timed out holding the request), the
+        accounting (flight_accounting.py) settles them instead. What the worker's answer
+        (or its failure, or its silence) says of its address is noted on ``worker``, the
+        state the request went to (:meth:`_still_its_address`)."""
         worker_id = worker.worker_id
         assert worker.url is not None and flight.plan is not None
         worker.inflight += 1
@@ -273,7 +247,8 @@ class Forwarder:
                 raise
             except UpstreamTimeout as exc:
                 # The worker took the request and may be running it: it stays up, the
-                # turn counts as routed there, and _account (504) gives its slot back.
+                # turn counts as routed there, and the accounting (504) gives its slot
+                # back.
                 # Several in a row and no headers in between: a worker that accepts
                 # connections but never answers (a hung server) looks just like this, and
                 # no failure ever marks it down, so the prober checks it now (a slow
@@ -325,9 +300,9 @@ class Forwarder:
                  worker.worker_id, what, worker.url)
         return False
 
-    async def _took(self, flight: _Flight, worker_id: str, predicted: int,
+    async def _took(self, flight: Flight, worker_id: str, predicted: int,
                     uncached: int) -> None:
-        """Worker ``worker_id`` has the request: from now on _account settles it."""
+        """Worker ``worker_id`` has the request: from now on the accounting settles it."""
         plan = flight.plan
         worker = self._workers.get(worker_id)  # the worker's count: by id (workers.py)
         assert plan is not None and worker is not None
@@ -342,7 +317,7 @@ class Forwarder:
             await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
                                          predicted, plan.block_hashes, exact)
 
-    async def _respond(self, flight: _Flight, upstream: UpstreamResponse) -> Response:
+    async def _respond(self, flight: Flight, upstream: UpstreamResponse) -> Response:
         headers = dict(upstream.headers)
         headers[WORKER_HEADER] = upstream.worker_id
         streaming = flight.inbound.stream and upstream.status < 400
@@ -355,11 +330,11 @@ class Forwarder:
                 payload = await upstream.read()
             except UpstreamBroken as exc:
                 if flight.client_gone:  # nobody reads this answer
-                    await self._account(flight, 499)
+                    await self._accounting.account(flight, 499)
                     return Response(status_code=499)
                 self._metrics.broken_streams.labels(upstream.worker_id).inc()
                 code = 504 if exc.timed_out else 502
-                await self._account(flight, code)
+                await self._accounting.account(flight, code)
                 return _error(f"worker failed while responding: {exc}", code)
             finally:
                 if signal is not None:
@@ -367,13 +342,13 @@ class Forwarder:
             self._first_byte(flight)
             if upstream.status < 400:
                 flight.observation.observe_json(payload)
-            await self._account(flight, upstream.status)
+            await self._accounting.account(flight, upstream.status)
             return Response(payload, status_code=upstream.status, headers=headers)
         return RelayResponse(self._relay(flight, upstream), upstream.status, headers,
                               _closes_upstream_when_gone(flight, upstream),
                               lambda: self._abandon(flight, 499))
 
-    async def _relay(self, flight: _Flight, upstream: UpstreamResponse
+    async def _relay(self, flight: Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:
         relay = relay_for(flight.observation, flight.inbound.strip_usage_chunk)
         status = upstream.status
@@ -409,107 +384,15 @@ class Forwarder:
             raise
         finally:
             upstream.close()
-            await self._account(flight, status)
+            await self._accounting.account(flight, status)
 
-    def _first_byte(self, flight: _Flight) -> None:
+    def _first_byte(self, flight: Flight) -> None:
         flight.first_byte_at = time.perf_counter()
         if flight.worker_id is not None and flight.prefill_pending:
             self._routing.first_byte(flight.worker_id, flight.prefill_pending)
             flight.prefill_pending = 0
         self._metrics.ttfb.labels(flight.inbound.endpoint.value).observe(
             time.perf_counter() - flight.received)
-
-    async def _account(self, flight: _Flight, status: int) -> None:
-        """Count the request and settle what it held (the worker's slot and routed load,
-        the session's turn, the trace); runs once per request, the first call wins."""
-        if flight.accounted:
-            return
-        flight.accounted = True
-        # A 200 that carried the worker's error (vLLM's error event in a stream) failed:
-        # counted, and settled for its session, by that error's status, as a stream
-        # that broke mid-way is by the router's own (502/504); and, as that one is, as
-        # a broken response: a 200 whose answer failed after it began.
-        worker_status = status
-        status = flight.observation.turn_status(status)
-        if status != worker_status and flight.worker_id is not None:
-            self._metrics.broken_streams.labels(flight.worker_id).inc()
-        if flight.tenant_slot:
-            flight.tenant_slot = False
-            self.slots.give_back(flight.inbound.tenant.name)
-        endpoint = flight.inbound.endpoint.value
-        worker_id = flight.worker_id or "none"
-        self._metrics.record_request(endpoint, worker_id, status)
-        self._metrics.duration.labels(endpoint).observe(time.perf_counter() - flight.received)
-        plan = flight.plan
-        if flight.worker_id is not None and plan is not None:
-            worker = self._workers.get(flight.worker_id)
-            if worker is not None:
-                worker.inflight = max(worker.inflight - 1, 0)
-            self._routing.finished(flight.worker_id, plan.prompt_tokens, plan.block_size,
-                                   flight.prefill_pending)
-        observation = flight.observation
-        if flight.worker_id is not None and (lost := observation.usage_lost(status)):
-            self._metrics.drop(lost)
-        if observation.prompt_tokens is not None and flight.worker_id is not None:
-            predicted = flight.predicted_cached
-            if predicted is not None and parallel_samples(flight.inbound.body) > 1:
-                # vLLM runs n > 1 as n child requests of one prompt, scheduled together:
-                # the first prefills it, the others hit the blocks it just allocated.
-                # usage counts the prompt once (as the prediction and the dispatched
-                # load do), but its cached_tokens is one child's, often a sibling's hit,
-                # not what the cache held before: not compared with the prediction.
-                self._metrics.drop("cached_prediction_unchecked:parallel_sampling")
-                predicted = None
-            self._metrics.record_usage(worker_id, observation.prompt_tokens,
-                                       observation.cached_tokens or 0, predicted)
-        if self._recorder is not None and flight.trace_ticket is not None:
-            self._recorder.finished(flight.trace_ticket, *_traced(flight, status))
-        if flight.record is not None:
-            answered = 200 <= status < 300
-            ok = answered and observation.prompt_tokens is not None
-            await self._lifecycle.finished(flight.record, flight.worker_id or "",
-                                           observation if ok else None,
-                                           self._ends_session(flight, answered, status),
-                                           answered)
-
-    def _ends_session(self, flight: _Flight, answered: bool, status: int) -> bool:
-        """Whether the turn ends its session: it asked to (``X-Session-End``) and it
-        succeeded. A turn that failed (the worker's error, as a status or as an error
-        event in its stream, a broken stream, the client gone before the whole answer)
-        is one its agent retries, into a session that must still be open: the end is
-        skipped, and counted by the turn's status."""
-        if not flight.inbound.session_end or answered:
-            return flight.inbound.session_end
-        reason = "client_gone" if status == 499 else "refused" if status < 500 else "failed"
-        self._metrics.session_end_skips.labels(reason).inc()
-        return False
-
-
-def _traced(flight: _Flight, status: int) -> tuple[TracedRequest | None, str]:
-    """What the trace recorder gets for a finished request, or why it gets nothing."""
-    plan, observation = flight.plan, flight.observation
-    if plan is None or not 200 <= status < 300 or observation.prompt_tokens is None:
-        return None, "trace_failed"
-    if not plan.exact:
-        return None, "trace_unhashed"
-    finish = observation.finish()
-    inbound = flight.inbound
-    # One completion's (n > 1: n decode side by side; a session continues one of them).
-    output = observation.completion_tokens_per_choice
-    itl_ms = ttft_ms = None
-    if inbound.stream and flight.first_byte_at is not None:
-        ttft_ms = (flight.first_byte_at - flight.received) * 1000.0
-        if output >= 2:  # the stream's first event to its end, per token after the first
-            itl_ms = (time.perf_counter() - flight.first_byte_at) * 1000.0 / (output - 1)
-    return TracedRequest(
-        tenant=inbound.tenant.name, session_id=inbound.client_session_id,
-        prompt_tokens=plan.prompt_tokens, block_hashes=plan.block_hashes,
-        block_size=plan.block_size, output_tokens=output,
-        finish_reason=finish.value if finish is not FinishReason.OTHER else "stop",
-        tool_names=tuple(observation.tool_names), end=inbound.session_end,
-        itl_ms=itl_ms, ttft_ms=ttft_ms), ""
-
-
 def _error(message: str, status: int) -> Response:
     return Response(openai_error(message, status), status_code=status,
                     media_type="application/json")

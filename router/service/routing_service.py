@@ -50,7 +50,7 @@ from kvhint.router.policy.routed_load import RoutedLoads
 from kvhint.router.service.hash_queue import FairHashQueue, TenantQueueFull
 from kvhint.router.service.inbound import Endpoint, InboundRequest
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.settings import RoutingSettings
+from kvhint.router.service.settings_sections import RoutingSettings
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
 RECENT_HALF_LIFE_S = 120.0

@@ -39,11 +39,8 @@ from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics, Sta
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.settings import (
-    DEFAULT_SALT_SECRET,
-    ModelPromptSettings,
-    RouterSettings,
-)
+from kvhint.router.service.settings import DEFAULT_SALT_SECRET, RouterSettings
+from kvhint.router.service.settings_sections import ModelPromptSettings
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.router.service.timeline import Timeline
 from kvhint.router.service.trace_recorder import TraceRecorder

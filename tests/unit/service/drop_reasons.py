@@ -84,12 +84,12 @@ _F_STRINGS: dict[str, Callable[[], set[str]]] = {
 # (file, variable): the values a drop named by that variable takes.
 _VARIABLES: dict[tuple[str, str], Callable[[], set[str]]] = {
     # lost := observation.usage_lost(status)
-    ("service/forwarding.py", "lost"): lambda: _returned(
+    ("service/flight_accounting.py", "lost"): lambda: _returned(
         _SERVICE / "response_scan.py", "usage_lost"),
-    # TraceRecorder.finished(ticket, request, reason): forwarding's _traced gives the
+    # TraceRecorder.finished(ticket, request, reason): flight_accounting's _traced gives the
     # reason, and finished() replaces it with its own for a request it cannot record.
     ("service/trace_recorder.py", "reason"): lambda: _returned(
-        _SERVICE / "forwarding.py", "_traced") | _assigned(
+        _SERVICE / "flight_accounting.py", "_traced") | _assigned(
         _SERVICE / "trace_recorder.py", "finished"),
 }
 

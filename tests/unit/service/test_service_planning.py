@@ -17,7 +17,8 @@ from kvhint.router.service.metrics import RouterMetrics, StateSample
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.settings import RoutingSettings, TenantBudget
+from kvhint.router.service.settings import TenantBudget
+from kvhint.router.service.settings_sections import RoutingSettings
 from kvhint.router.service.tenancy import Tenant
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.schemas import (

@@ -13,7 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-from kvhint.router.service.forwarding import Forwarder, _Flight
+from kvhint.router.service.flight_accounting import Flight
+from kvhint.router.service.forwarding import Forwarder
 from kvhint.router.service.inbound import Endpoint
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.upstream import UpstreamBroken
@@ -31,7 +32,7 @@ class _ClosedBetweenReads:
     worker_id = "w0"
     status = 200
 
-    def __init__(self, flight: _Flight, parts: list[bytes]) -> None:
+    def __init__(self, flight: Flight, parts: list[bytes]) -> None:
         self._flight = flight
         self._parts = parts
 
@@ -49,7 +50,7 @@ async def _status_counted(parts: list[bytes]) -> tuple[str, list[bytes]]:
     forwarder = Forwarder(None, None, None, None, metrics,  # type: ignore[arg-type]
                           on_worker_down=lambda _w: None)
     inbound = SimpleNamespace(endpoint=Endpoint.CHAT, stream=True, strip_usage_chunk=False)
-    flight = _Flight(inbound, None, None, time.perf_counter())  # type: ignore[arg-type]
+    flight = Flight(inbound, None, None, time.perf_counter())  # type: ignore[arg-type]
     upstream = _ClosedBetweenReads(flight, parts)
     relayed = [chunk async for chunk in
                forwarder._relay(flight, upstream)]  # type: ignore[arg-type]
@@ -101,7 +102,7 @@ def test_a_finish_chunk_held_for_its_fingerprint_precedes_a_mid_stream_error() -
                           on_worker_down=lambda _w: None)
     inbound = SimpleNamespace(endpoint=Endpoint.CHAT, stream=True, strip_usage_chunk=True,
                               session_end=False, tenant=SimpleNamespace(name="default"))
-    flight = _Flight(inbound, None, None, time.perf_counter())  # type: ignore[arg-type]
+    flight = Flight(inbound, None, None, time.perf_counter())  # type: ignore[arg-type]
 
     async def relayed() -> bytes:
         return b"".join([c async for c in forwarder._relay(
