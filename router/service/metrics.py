@@ -373,7 +373,8 @@ class RouterMetrics:
             "tenant), at most responses.max_ids", registry=r)
         self.response_ids_evicted = Counter(
             "kvhint_router_response_ids_evicted",
-            "Response ids forgotten past responses.max_ids (least recently used): a "
+            "Response ids forgotten past responses.max_ids (the least recently used of the "
+            "tenant holding the most): a "
             "later request naming one is reached from the id alone, its session not "
             "continued", registry=r)
         self.response_ids_read = Counter(
