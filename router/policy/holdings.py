@@ -4,7 +4,9 @@
 mutable helper (no I/O) the caller keeps to produce that view: it records each planned
 action, lets a newer protection of the same session on the same worker supersede the
 older one (the plugin applies the same rule), settles the amount from the outcome,
-shrinks it when the worker reports blocks it let go unasked, and expires by TTL.
+shrinks it when the worker reports blocks it let go unasked, and expires by TTL. An
+action recorded before it is published (``tentative``) is confirmed once published, or
+undone when its publish fails: the holding it superseded comes back.
 
 Blocks are counted once, as the worker counts them: a block under several holdings (a
 system prompt every session's Retain covers) is one block, pinned if any of them is a
@@ -110,6 +112,16 @@ class _Held:
         return self.keys[:self.blocks]
 
 
+@dataclass(slots=True)
+class _Unconfirmed:
+    """An action recorded before its publish (``record(tentative=True)``): what
+    :meth:`HoldingsLedger.undo` needs to put the ledger back as the worker still has it."""
+
+    worker_id: str
+    held: _Held | None  # its own holding (None: a Demote)
+    replaced: _Held | None  # the scope's holding it superseded, which the worker still has
+
+
 # Prefetch: the worker retains what it brought into G1 until the Prefetch's deadline.
 _HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
                             ActionType.PREFETCH.value})
@@ -193,6 +205,8 @@ class HoldingsLedger:
         self._workers = _BlockCounts()
         self._tenants = _BlockCounts()
         self._api = _BlockCounts()
+        # Actions recorded before their publish, not yet confirmed or undone.
+        self._unconfirmed: dict[str, _Unconfirmed] = {}
 
     def record(
         self,
@@ -206,8 +220,10 @@ class HoldingsLedger:
         expires_at: float,
         keys: Sequence[int] = (),
         api: bool = False,
+        tentative: bool = False,
     ) -> None:
-        """Note a sent action (``api``: an agent runtime's, through the sessions API).
+        """Note a sent action (``api``: an agent runtime's, through the sessions API;
+        ``tentative``: not published yet, :meth:`confirm` or :meth:`undo` follows).
         ``keys``: the hashes of the blocks it covers, root first, as far as known
         (:func:`target_keys`); the rest of its ``blocks`` count as its own. A Demote
         releases the scope's holding, since the plugin supersedes it the same way;
@@ -224,6 +240,8 @@ class HoldingsLedger:
         if action_type not in _HOLDING_TYPES:
             if old is not None and action_type == ActionType.DEMOTE.value:
                 self._drop(old)
+                if tentative:
+                    self._unconfirmed[action_id] = _Unconfirmed(worker_id, None, old)
             return
         held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,
                      tuple(keys), api)
@@ -236,11 +254,46 @@ class HoldingsLedger:
             kept = _common_prefix(old.named(), held.named())
         if old is not None:
             self._drop(old, kept_named=kept)
-        self._by_id[action_id] = held
-        self._by_scope[(worker_id, scope)] = action_id
-        self._workers_of_scope.setdefault(scope, set()).add(worker_id)
-        heapq.heappush(self._expiry, (expires_at, action_id))
-        self._count(held, +1, kept_named=kept)
+        self._insert(held, kept)
+        if tentative:
+            self._unconfirmed[action_id] = _Unconfirmed(worker_id, held, old)
+
+    def confirm(self, action_id: str) -> None:
+        """A tentative action was published (or may have been: its fate is unknown): it
+        stands as recorded."""
+        self._unconfirmed.pop(action_id, None)
+
+    def undo(self, action_id: str, now: float) -> None:
+        """A tentative action was never published: its holding goes, and the holding it
+        superseded (which the worker still has) comes back, unless it is over (its TTL,
+        its worker forgotten) or the scope has a newer holding meanwhile. A newer
+        tentative action that superseded this one, or took the scope this one (a Demote)
+        left empty, inherits what this one replaced, for its own undo.
+
+        Not known here: what the worker said of the superseded holding meanwhile (its
+        outcome, a release): it comes back as it was recorded. With the NATS client the
+        router uses, a publish fails before it first waits, so nothing comes between."""
+        entry = self._unconfirmed.pop(action_id, None)
+        if entry is None:
+            return
+        if entry.held is not None:
+            if self._by_id.get(action_id) is not entry.held:
+                # Gone meanwhile: superseded (its successor takes over what it replaced),
+                # expired, or its worker forgotten.
+                for other in self._unconfirmed.values():
+                    if other.replaced is entry.held:
+                        other.replaced = entry.replaced
+                return
+            self._drop(entry.held)
+        old = entry.replaced
+        if old is None or old.expires_at <= now or old.action_id in self._by_id:
+            return
+        current = self._by_scope.get((old.worker_id, old.scope))
+        if current is None:
+            self._insert(old)
+        elif (successor := self._unconfirmed.get(current)) is not None \
+                and successor.replaced is None:
+            successor.replaced = old
 
     def holds(self, worker_id: str, scope: str) -> bool:
         """Whether a live holding of ``scope`` is on the worker."""
@@ -284,11 +337,14 @@ class HoldingsLedger:
             self._set_blocks(held, still_held)
 
     def forget_worker(self, worker_id: str) -> int:
-        """The worker's engine restarted and holds nothing: forget its holdings; returns
-        how many."""
+        """The worker's engine restarted and holds nothing: forget its holdings (an
+        undo brings none of them back); returns how many."""
         gone = [h for h in self._by_id.values() if h.worker_id == worker_id]
         for held in gone:
             self._drop(held)
+        for entry in self._unconfirmed.values():
+            if entry.worker_id == worker_id:
+                entry.replaced = None
         return len(gone)
 
     def expire(self, now: float) -> int:
@@ -335,6 +391,15 @@ class HoldingsLedger:
     def __contains__(self, action_id: object) -> bool:
         """Whether a live holding is the action ``action_id``'s."""
         return action_id in self._by_id
+
+    def _insert(self, held: _Held, kept_named: int = 0) -> None:
+        """Make ``held`` its scope's live holding and count it (but its first
+        ``kept_named`` named blocks, which the holding it replaces left counted)."""
+        self._by_id[held.action_id] = held
+        self._by_scope[(held.worker_id, held.scope)] = held.action_id
+        self._workers_of_scope.setdefault(held.scope, set()).add(held.worker_id)
+        heapq.heappush(self._expiry, (held.expires_at, held.action_id))
+        self._count(held, +1, kept_named=kept_named)
 
     def _set_blocks(self, held: _Held, blocks: int) -> None:
         """Resize a holding; it keeps (or gains) its root-most blocks, as the worker

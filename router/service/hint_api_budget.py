@@ -3,8 +3,9 @@ holdings budgets, and the worker's advertised pin budget.
 
 :class:`ApiBudgetGate` is the dispatcher's (``HintDispatcher.api_rate_wait_s`` and
 ``api_budget_problem`` delegate to it). It reads the holdings ledger the dispatcher keeps
-(so an action counts once it is sent, and stops counting when its outcome or TTL says
-so) and keeps only each tenant's send times of the last minute.
+(so an action counts once it is sent, recorded before its publish: :mod:`.hint_send`,
+and stops counting when its outcome or TTL says so) and keeps only each tenant's send
+times of the last minute.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 The planner (pure, :mod:`kvhint.router.policy`) decides; this module does the rest:
 builds its frozen context from the workers' heartbeats, the holdings ledger and the
-outcome feedback (each worker's capabilities and the planning tenant's own); wraps each
-worker's actions in one ``KvHintsEnvelope`` on
-``<prefix>.v1.hints.<w>``; records every action (memory + store); and folds each outcome
+outcome feedback (each worker's capabilities and the planning tenant's own); sends each
+worker's actions in one ``KvHintsEnvelope`` on ``<prefix>.v1.hints.<w>``, every action
+recorded (memory + store) before it is published (:mod:`.hint_send`); and folds each outcome
 back into holdings, feedback, metrics, the store and any API caller waiting for it.
 What the planner learns (each tenant's statistics, each worker's outcome feedback) and
 its ``learned_stats`` rows are :mod:`.hint_learned`. The record of an action is
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -49,6 +48,7 @@ from kvhint.router.service.hint_records import (
     SentAction,
     outcome_columns,
 )
+from kvhint.router.service.hint_send import HintSender
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
 from kvhint.router.service.settings import TenantBudget
@@ -56,13 +56,10 @@ from kvhint.router.service.tenancy import DEFAULT_TENANT
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
-    PROTOCOL_VERSION,
     Amount,
     HintOutcome,
     HoldRelease,
-    KvHintsEnvelope,
     Subjects,
-    encode_hints,
     evict_rest_supported,
 )
 from kvhint.schemas.hints import ACTION_TYPE_VALUES
@@ -101,6 +98,8 @@ class HintDispatcher:
         # Actions per tenant (None: actions of no tenant) and status they ended in.
         self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_gate = ApiBudgetGate(self.holdings, workers, self._block_size)
+        self._sender = HintSender(link, subjects, self.holdings, self.pending, metrics,
+                                  self._block_size, self._save, self._finish, clock)
 
     @property
     def learned(self) -> TenantStats:
@@ -176,6 +175,7 @@ class HintDispatcher:
         with its row gone, the store would refuse them."""
         self._learning.forget_worker(worker_id)
         self.holdings.forget_worker(worker_id)
+        self._sender.forget_worker(worker_id)
         now = self._clock()
         for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
             self._expire(record, now, "worker forgotten")
@@ -192,54 +192,16 @@ class HintDispatcher:
     async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],
                    source: str = PLANNER_SOURCE,
                    chains: Mapping[str, Sequence[int]] | None = None) -> list[SentAction]:
-        """Publish ``planned`` (one envelope per worker). ``session_ids`` maps each action's
-        scope to the client session id for the record; ``chains`` a session scope to the
-        block hashes of its last prompt, so that its holdings count the blocks it shares
-        with others once (:func:`target_keys`)."""
+        """Publish ``planned`` (one envelope per worker), each action recorded before its
+        envelope is published and undone if NATS refuses it (:mod:`.hint_send`: a check
+        the caller makes before this call, with no await between, and the record are
+        one step). ``session_ids`` maps each action's scope to the client session id for
+        the record; ``chains`` a session scope to the block hashes of its last prompt, so
+        that its holdings count the blocks it shares with others once
+        (:func:`target_keys`)."""
         if not planned:
             return []
-        by_worker: dict[str, list[PlannedAction]] = {}
-        for action in planned:
-            by_worker.setdefault(action.worker_id, []).append(action)
-        now = self._clock()
-        sent: list[SentAction] = []
-        for worker_id, actions in by_worker.items():
-            message_id = f"kvm-{uuid.uuid4().hex[:16]}"
-            envelope = KvHintsEnvelope(protocol_version=PROTOCOL_VERSION, message_id=message_id,
-                                       actions=[a.action for a in actions])
-            ok = False
-            if self._link is not None:
-                ok = await self._link.publish(self._subjects.hints(worker_id),
-                                              encode_hints(envelope))
-            for action in actions:
-                record = SentAction(
-                    action_id=action.action.action_id, message_id=message_id,
-                    worker_id=worker_id, tenant=action.tenant,
-                    session_id=session_ids.get(action.scope), action_type=action.action_type,
-                    source=source, trigger=action.reason, payload=action.action.payload,
-                    status=PENDING if ok else FAILED, created_at=now, updated_at=now,
-                    reason="" if ok else "NATS not connected",
-                    requested_blocks=action.blocks, scope=action.scope,
-                    expires_at=action.expires_at,
-                )
-                if ok:
-                    keys = target_keys(action.action_type, action.action.payload,
-                                       self._block_size(worker_id),
-                                       (chains or {}).get(action.scope, ()))
-                    self.holdings.record(action_id=record.action_id, worker_id=worker_id,
-                                         tenant=action.tenant, scope=action.scope,
-                                         action_type=action.action_type, blocks=action.blocks,
-                                         expires_at=action.expires_at, keys=keys,
-                                         api=source == API_SOURCE)
-                    self.pending[record.action_id] = record
-                    self._metrics.hints_sent.labels(action.action_type, source).inc()
-                else:
-                    self._metrics.drop("hint_unsent")
-                    self._metrics.hints.labels(action.action_type, FAILED, source).inc()
-                    self._finish(record)
-                self._save(record)
-                sent.append(record)
-        return sent
+        return await self._sender.send(planned, session_ids, source, chains or {})
 
     @property
     def status_counts(self) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """The record of one hint action the router sent, as memory and the store keep it.
 
-A :class:`SentAction` is created when an action is published (or fails to be), updated by
+A :class:`SentAction` is created when an action is sent, before its envelope is published
+(:mod:`.hint_send`; ``failed`` when NATS refuses it), updated by
 its worker's outcome and by the worker's later reports of letting its blocks go unasked,
 and saved as one ``hint_actions`` row (:meth:`SentAction.row`, :meth:`SentAction.from_row`
 after a restart).

@@ -284,12 +284,11 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                         f"over budget; nothing was sent: {over}", 429,
                         {"retry-after": str(math.ceil(wait_s))} if wait_s else _NO_RETRY)
     scopes = {action.scope for action in planned}
+    # No await from the ended and budget checks to here: send records the actions before
+    # its first await, so the checks and the record are one step. An end or another call
+    # that comes while it publishes sees them (an end releases them, after them).
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))
-    if record.state == ENDED and record.plan.ended_explicitly:
-        # Ended while the send awaited its publish, before its holdings were recorded:
-        # that end released nothing of it, so release it now, as a repeated end would.
-        await runtime.lifecycle.end(record)
     if any(a.action_type == ActionType.DEMOTE.value and a.scope != worker_sid for a in planned):
         runtime.lifecycle.agent_demoted(record, worker.worker_id)
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \

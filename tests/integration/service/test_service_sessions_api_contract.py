@@ -314,13 +314,18 @@ async def test_a_hints_call_over_the_rate_is_a_rate_limit_error_as_on_the_gatewa
 async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
         tmp_path: Path, nats_url: str, subject_prefix: str,
         stub_workers: list[StubWorker]) -> None:
-    """A DELETE that lands while a hints call awaits its publish, before the router has
-    recorded what that call holds: the end finds nothing of it to release, so the hints
-    call releases it itself once its send is done. Before, the agent's top-priority
-    Retain stayed on the worker for its whole TTL.
+    """A DELETE that lands while a hints call awaits its publish finds the call's claim
+    recorded (the router records an action before it publishes it) and releases it
+    itself, after the claim: the worker gets the claim, then the release. Before, the end
+    found nothing of it to release, and the agent's top-priority Retain stayed on the
+    worker for its whole TTL (until the hints call was made to release it itself, once
+    its send was done).
 
     The publish is held on an event (wrapping the dispatcher's NATS link) because the
-    window is one await inside NATS's client: it cannot be hit on cue otherwise."""
+    window is one await inside NATS's client: it cannot be hit on cue otherwise. It is
+    held before the message is queued, so the end's release, were it not published after
+    the claim (one worker's envelopes leave in the order recorded), would reach the
+    worker first."""
     async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
                                         hints={"tick_s": 3600.0}) as (router, client, received):
         url, holdings = router.url, router.runtime.hints.holdings
@@ -337,19 +342,28 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
         link.publish = held_publish
         claim = {"actions": [{**RETAIN["actions"][0], "action_id": "race-claim"}],
                  "wait_s": 0}
-        hinting = asyncio.create_task(client.post(f"{url}/v1/sessions/race/hints", json=claim))
-        await asyncio.wait_for(reached.wait(), 30)
-        ended = await client.delete(f"{url}/v1/sessions/race")
-        assert ended.status_code == 200, ended.text
-        assert not holdings.workers_holding("agent:default/race")  # not recorded yet
-        go_on.set()
-        hinted = await hinting
+        try:
+            hinting = asyncio.create_task(client.post(f"{url}/v1/sessions/race/hints",
+                                                      json=claim))
+            await asyncio.wait_for(reached.wait(), 30)
+            assert holdings.workers_holding("agent:default/race") == ["w0"]  # recorded
+            # The end's release waits for the claim's publish (the worker's order).
+            ending = asyncio.create_task(client.delete(f"{url}/v1/sessions/race"))
+            await until(lambda: router.runtime.sessions.get("default", "race").state
+                        == "ended", timeout_s=30)
+        finally:
+            go_on.set()  # never left held: the router could not stop
+        hinted, ended = await hinting, await ending
         assert hinted.status_code in (200, 202), hinted.text
+        assert ended.status_code == 200, ended.text
         (claim,) = hinted.json()["actions"]
-        await until(lambda: any(p.priority == 0 and action_id != claim["action_id"]
-                                and getattr(p, "owner", None) is not None
-                                and p.owner.value == "agent" for action_id, p in received),
+        (release,) = [a for a in ended.json()["hints"] if a["trigger"] == "end:agent_release"]
+        assert release["scope"] == "agent:default/race" and release["payload"]["priority"] == 0
+        assert release["payload"]["owner"] == "agent"
+        both = [claim["action_id"], release["action_id"]]
+        await until(lambda: set(both) <= {action_id for action_id, _ in received},
                     timeout_s=30)
+        assert [action_id for action_id, _ in received if action_id in both] == both
         await until(lambda: not holdings.workers_holding("agent:default/race"), timeout_s=30)
 
 
