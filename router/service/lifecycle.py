@@ -221,6 +221,10 @@ class SessionLifecycle:
             return await self._release_agent_claims(record, self._clock(), None)
         now = self._clock()
         record.state = ENDED
+        # Ended by its client from here on, before the first await below: a hints call
+        # checked while this end publishes its releases is refused (session_ended), not
+        # sent with a claim the release, already under way, does not cover.
+        record.plan = replace(record.plan, ended_explicitly=True)
         record.ended_at = now
         record.open_gap = None
         if self._on_end is not None:

@@ -390,3 +390,46 @@ async def test_openais_sdk_does_not_retry_a_refusal_a_retry_cannot_change(
                frozenset({("reason", "session_ended")}))
         assert after[key] - before.get(key, 0) == 1
         await sdk.close()
+
+
+async def test_a_hints_call_during_an_ends_release_is_refused_as_ended(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A DELETE whose release of the agent's claim is being published has ended the
+    session: a hints call checked meanwhile is refused (409 session_ended) at once. Before,
+    the session was marked ended by its client only after that publish (the planner's
+    end), so the call passed the check, and its claim, which the release under way did
+    not cover, outlived the end on the worker.
+
+    The release's publish is held on an event (wrapping the dispatcher's NATS link): the
+    window is one await inside NATS's client, which cannot be hit on cue otherwise."""
+    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
+                                        hints={"tick_s": 3600.0}) as (router, client, _):
+        url = router.url
+        await _turn(client, url, "late")
+        first = {"actions": [{**RETAIN["actions"][0], "action_id": "first-claim"}],
+                 "wait_s": 0}
+        assert (await client.post(f"{url}/v1/sessions/late/hints", json=first)
+                ).status_code in (200, 202)
+        link = router.runtime.hints._link
+        publish, reached, go_on = link.publish, asyncio.Event(), asyncio.Event()
+
+        async def held_publish(subject: str, data: bytes) -> bool:
+            if any(a.payload.priority == 0 for a in decode_hints(data).actions):
+                reached.set()  # the end's release
+                await go_on.wait()
+            return await publish(subject, data)
+
+        link.publish = held_publish
+        try:
+            ending = asyncio.create_task(client.delete(f"{url}/v1/sessions/late"))
+            await asyncio.wait_for(reached.wait(), 30)
+            late = {"actions": [{**RETAIN["actions"][0], "action_id": "late-claim"}],
+                    "wait_s": 0}
+            hinted = await asyncio.wait_for(
+                client.post(f"{url}/v1/sessions/late/hints", json=late), 10)
+        finally:
+            go_on.set()  # never left held: the router could not stop
+        assert hinted.status_code == 409, hinted.text
+        assert "was ended" in hinted.json()["error"]["message"]
+        assert (await ending).status_code == 200
