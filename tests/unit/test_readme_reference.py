@@ -1,5 +1,5 @@
 """The reference tables are held to the code (REFERENCE.md: the router's settings and
-metrics; README.md: the plugin's extra config and metrics paragraph): every router setting
+metrics; docs/engine_plugin.md: the plugin's extra config and metrics paragraph): every router setting
 (nested ones included) and every key of the plugin's extra config has a row with its environment
 variable, default and bounds as the settings models declare them, and every metric the
 router exports has a row naming its labels and, for the labels the code bounds, exactly
@@ -36,7 +36,8 @@ from kvhint.schemas.releases import ReleaseReason
 from tests.unit.service.router_families import router_families
 
 _ROOT = Path(__file__).resolve().parents[2]
-README = (_ROOT / "README.md").read_text()
+# The plugin's part of the README (its extra config table, its metrics paragraph).
+PLUGIN_DOC = (_ROOT / "docs" / "engine_plugin.md").read_text()
 REFERENCE = (_ROOT / "REFERENCE.md").read_text()
 _TICKED = re.compile(r"`([^`]*)`")
 _BOUND = re.compile(r"^(>=|>|<=|<|length >=) (\S+)$")
@@ -45,7 +46,7 @@ _BOUND_TYPES = ((annotated_types.Ge, ">=", "ge"), (annotated_types.Gt, ">", "gt"
                 (annotated_types.MinLen, "length >=", "min_length"))
 
 
-def _table(heading_or_lead: str, document: str = README) -> dict[str, list[str]]:
+def _table(heading_or_lead: str, document: str = PLUGIN_DOC) -> dict[str, list[str]]:
     """The first Markdown table after ``heading_or_lead`` in ``document``: its first cell
     (the backticked name) -> its other cells."""
     start = document.index(heading_or_lead)
@@ -259,8 +260,8 @@ def test_every_bounded_label_set_of_the_router_is_checked_against_the_readme() -
 
 
 def test_the_plugin_metrics_paragraph_names_every_series_and_label_value() -> None:
-    start = README.index("Metrics appear on vLLM's own `/metrics`")
-    paragraph = README[start:README.index("\n\n", start)]
+    start = PLUGIN_DOC.index("Metrics appear on vLLM's own `/metrics`")
+    paragraph = PLUGIN_DOC[start:PLUGIN_DOC.index("\n\n", start)]
     problems = []
     for series in sorted(plugin_metrics.exposed_names()):
         base = re.sub(r"_(bucket|sum|count)$", "", series)

@@ -75,8 +75,8 @@ def test_nats_url_may_come_from_an_environment_variable(
 def test_the_readme_names_every_key_of_the_extra_config() -> None:
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "docs" / "engine_plugin.md").read_text()
     listing = readme[readme.index("Everything in `kv_connector_extra_config` is validated"):]
     listing = listing[:listing.index("\n\n")]
     missing = [key for key in PluginConfig.model_fields if f"`{key}`" not in listing]
-    assert not missing, f"README's extra-config list lacks {missing}"
+    assert not missing, f"docs/engine_plugin.md's extra-config list lacks {missing}"
