@@ -98,6 +98,15 @@ class SplitFeedback:
         return {**self.shared.to_dict(),
                 TENANTS_KEY: {t: f.to_dict() for t, f in sorted(self.tenants.items())}}
 
+    def to_dict_of(self, tenant: str) -> dict[str, Any]:
+        """What of :meth:`to_dict` ``tenant`` may read, in its shape: the capability part
+        (what the worker cannot do: learnt from any tenant's outcomes, about none of
+        them) and, under ``tenants``, ``tenant``'s own part alone (empty: none yet).
+        Another tenant's part (its outcomes, its reasons) is never in it."""
+        own = self.tenants.get(tenant)
+        return {**self.shared.to_dict(),
+                TENANTS_KEY: {} if own is None else {tenant: own.to_dict()}}
+
 
 def feedback_from_stored(data: Mapping[str, Any]) -> tuple[SplitFeedback, bool]:
     """A stored row's feedback, and whether part of it was left out. A row of a router

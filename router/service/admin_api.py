@@ -24,12 +24,13 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
+from kvhint.router.policy.tenant_feedback import TENANTS_KEY, SplitFeedback
 from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord, SessionState
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
-from kvhint.router.service.tenant_reasons import rows_for
+from kvhint.router.service.tenant_reasons import rows_for, tenant_reason
 from kvhint.router.store.reader import (
     count_hints_by_status,
     get_session,
@@ -186,8 +187,11 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
       ``index_blocks``, the stream's ``applied_seq`` and ``counters``, ``held_by_hints``
       (every tenant's requests, cached blocks and holds, counted); ``http_failures`` and
       ``last_http_error`` (the failures of other tenants' requests, and their error
-      text); ``feedback`` (what every tenant's hint outcomes taught the planner, the
-      workers' rejection reasons with them). None of these is kept per tenant."""
+      text). None of these is kept per tenant.
+    - ``feedback`` (what hint outcomes taught the planner) in part: the worker's
+      capability part and the tenant's own part, never another tenant's
+      (:meth:`SplitFeedback.to_dict_of`), its reasons without the worker-wide budget
+      figures (:mod:`.tenant_reasons`)."""
     worker = runtime.workers.get(worker_id)
     if worker is None:
         raise Refusal("unknown_worker", 404, f"unknown worker {worker_id!r}")
@@ -216,7 +220,7 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
                      if stream is not None and stream.conflict is not None else None),
         "held_by_hints": ({"pinned_blocks": held.pinned_blocks,
                            "retained_blocks": held.retained_blocks} if fleet else None),
-        "feedback": feedback.to_dict() if fleet and feedback is not None else None,
+        "feedback": _feedback_view(feedback, principal),
     }
 
 
@@ -237,6 +241,20 @@ def learned_view(stats: LearnedStats, quantile: float) -> dict[str, Any]:
         "return_probability_first_turn": stats.return_probability(1),
         "completion_read_probability": stats.completion_read_probability(),
     }
+
+
+def _feedback_view(feedback: SplitFeedback | None,
+                   principal: Principal | None) -> dict[str, Any] | None:
+    """A worker's outcome feedback as ``principal`` may read it (see :func:`worker_view`)."""
+    if feedback is None:
+        return None
+    if principal is None or principal.tenant is None:
+        return feedback.to_dict()
+    view = feedback.to_dict_of(principal.tenant.name)
+    for part in (view, *view[TENANTS_KEY].values()):
+        part["disabled_reasons"] = {kind: tenant_reason(reason)
+                                    for kind, reason in part["disabled_reasons"].items()}
+    return view
 
 
 def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:

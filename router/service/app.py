@@ -284,10 +284,35 @@ async def _metrics(request: Request) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own refusals (no route: 404; a route without the method: 405, with
     its ``Allow``) and the admin API's, in the OpenAI error shape every other answer has
-    (FastAPI's default body is ``{"detail": ...}``); status and headers unchanged."""
+    (FastAPI's default body is ``{"detail": ...}``); status and headers unchanged.
+    Starlette's are counted here (:func:`_count_unrouted`); the admin API counts its own."""
+    _count_unrouted(request, exc)
     response = _error(str(exc.detail), exc.status_code)
     response.headers.update(exc.headers or {})
     return response
+
+
+def _count_unrouted(request: Request, exc: HTTPException) -> None:
+    """Count a request Starlette's routing refused, by a bounded reason (never the path):
+    no route matched it (404: Starlette sets ``scope["route"]`` on a match only), or a
+    route matched its path without its method (405: raised by the route before its
+    handler; no handler raises 405). Under ``/admin`` in ``admin_rejections`` (the
+    refusals the admin API counts, its handlers' own included), elsewhere in
+    ``route_refusals``. Before, both were counted nowhere."""
+    if "route" not in request.scope:
+        reason = "unknown_path"
+    elif exc.status_code == 405:
+        reason = "method_not_allowed"
+    else:
+        return  # a handler's own refusal: its API counts it
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        return
+    path = request.scope.get("path", "")
+    if path == "/admin" or path.startswith("/admin/"):
+        runtime.metrics.admin_rejections.labels(reason).inc()
+    else:
+        runtime.metrics.route_refusals.labels(reason).inc()
 
 
 # Where FastAPI found a bad parameter (the first item of a validation error's ``loc``),

@@ -31,7 +31,7 @@ from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
-from kvhint.router.service.routing_service import RoutingService
+from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream_opening import ClientGone, drop_opening, until_open
@@ -309,13 +309,29 @@ class Forwarder:
         worker.requests += 1
         flight.worker_id = worker_id
         flight.uncached = flight.prefill_pending = uncached
-        # The prompt's hashes are vLLM's own (plan.exact) and the index's view of the
-        # worker is current: only then is the prediction what its cache holds.
-        exact = plan.exact and (self._index_exact is None or self._index_exact(worker_id))
+        # The prompt's hashes are vLLM's own (plan.exact), at the worker's block size,
+        # and the index's view of the worker is current: only then is the prediction
+        # what its cache holds.
+        exact = plan.exact and (self._index_exact is None or (
+            self._index_exact(worker_id) and self._hashed_as_it_does(worker, plan)))
         flight.predicted_cached = predicted if exact else None
         if flight.record is not None:
             await self._lifecycle.routed(flight.record, worker_id, plan.prompt_tokens,
                                          predicted, plan.block_hashes, exact)
+
+    def _hashed_as_it_does(self, worker: WorkerState, plan: RoutePlan) -> bool:
+        """Whether the plan's prompt was hashed at the block size the worker's heartbeat
+        gave. Before its first heartbeat (its KV events can come first, its stream live),
+        the prompt was hashed at another worker's block size or the router's
+        ``block_size`` setting (routing_service ``_hash_config``), which the worker may not
+        use (vLLM's default differs by platform); so it was too when another candidate
+        of another block size was heard first. No hash then matches its blocks, and the
+        prediction (nothing cached) says nothing of its cache: it is not checked against
+        the worker's answer, nor learnt from; counted. Routing is unchanged."""
+        if worker.status is not None and worker.status.block_size == plan.block_size:
+            return True
+        self._metrics.drop("cached_prediction_unchecked:block_size_unheard")
+        return False
 
     async def _respond(self, flight: Flight, upstream: UpstreamResponse) -> Response:
         headers = dict(upstream.headers)

@@ -58,6 +58,14 @@ ADMIN_REJECTIONS = (
     "unknown_session",  # 404: no such session, in memory or in the store
     "unknown_worker",   # 404: no such worker
     "bad_request",      # 422: a path or query parameter refused (a bound, a name)
+    "unknown_path",     # 404: no admin route has that path (app.py; never the path itself)
+    "method_not_allowed",  # 405: an admin route without that method (app.py)
+)
+# kvhint_router_route_refusals_total{reason}: requests outside /admin that no route serves
+# (app.py; /admin's are admin_rejections), a bounded set: never the path itself.
+ROUTE_REFUSALS = (
+    "unknown_path",        # 404: no route has that path
+    "method_not_allowed",  # 405: a route without that method (a GET of an inference path)
 )
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
 CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints", "responses_cancel")
@@ -89,6 +97,16 @@ RESPONSE_ID_MISSES = (
     "worker_gone",       # 404: the worker that holds it left the fleet
     "worker_restarted",  # 404: its engine restarted since (vLLM's store is in memory)
     "worker_down",       # 503: the worker that holds it is down now
+)
+# kvhint_router_response_session_reads_total{outcome}: the store read of the session a
+# response another replica relayed was made in (responses_sessions.py), a bounded set.
+RESPONSE_SESSION_READS = (
+    "found",         # continued
+    "missing",       # no row: written behind (store_flush_interval_s), pruned, older
+    "other_tenant",  # a row naming another tenant than the id's: not used
+    "error",         # the store failed the read
+    "timeout",       # no answer within responses.session_read_timeout_s
+    "busy",          # not read: as many reads in flight as allowed (the store is slow)
 )
 # kvhint_router_response_id_requests_total{op, code}: GET /v1/responses/{id} and
 # POST /v1/responses/{id}/cancel (responses_api.py), a bounded set.
@@ -304,6 +322,12 @@ class RouterMetrics:
             ["reason"], registry=r)
         for reason in ADMIN_REJECTIONS:
             self.admin_rejections.labels(reason)
+        self.route_refusals = Counter(
+            "kvhint_router_route_refusals",
+            "Requests outside /admin that no route serves, by reason (unknown_path: 404; "
+            "method_not_allowed: 405)", ["reason"], registry=r)
+        for reason in ROUTE_REFUSALS:
+            self.route_refusals.labels(reason)
         self.session_end_skips = Counter(
             "kvhint_router_session_end_skips",
             "Turns with X-Session-End that did not end their session because the turn did "
@@ -388,6 +412,13 @@ class RouterMetrics:
             "the router did not send on, by reason", ["reason"], registry=r)
         for reason in RESPONSE_ID_MISSES:
             self.response_id_misses.labels(reason)
+        self.response_session_reads = Counter(
+            "kvhint_router_response_session_reads",
+            "Store reads of the session a response was made in, for a follow-up naming "
+            "no session of a response this router did not relay, by outcome "
+            "(responses.session_read_timeout_s)", ["outcome"], registry=r)
+        for outcome in RESPONSE_SESSION_READS:
+            self.response_session_reads.labels(outcome)
         self.response_id_requests = Counter(
             "kvhint_router_response_id_requests",
             "GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, by op and code "

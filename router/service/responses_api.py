@@ -8,7 +8,8 @@ so no client can name (and overwrite, in a worker's store) another's response. T
 says which worker it was sent to, bound to the tenant (responses_id_codec.py), so every
 replica reaches it; once a worker has answered it (status < 400, stored as vLLM reads
 ``store``: :func:`stores_response`), ``id -> (tenant, worker, session)`` is remembered too
-(responses_ids.py).
+(responses_ids.py), and the session it was made in is written to the store for every
+replica (responses_sessions.py).
 
 A request naming a stored response goes to the worker that holds it, or nowhere:
 ``previous_response_id`` (forwarded to that worker only, never retried elsewhere; a
@@ -38,6 +39,7 @@ from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.responses_scan import ResponsesObservation
+from kvhint.router.service.responses_sessions import ResponseSessions
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import AuthError, api_key_of
 from kvhint.router.service.upstream import (
@@ -89,6 +91,8 @@ class ResponsesGateway:
         self.ids = ResponseIds(runtime.settings.responses.max_ids, runtime.workers,
                                runtime.metrics, self.codec,
                                frozenset(t.name for t in runtime.directory.tenants))
+        self.sessions = ResponseSessions(runtime.engine, runtime.writer, runtime.metrics,
+                                         runtime.settings.responses.session_read_timeout_s)
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -114,8 +118,10 @@ class ResponsesGateway:
                 inbound = _in_session(inbound, found.session_id)
             elif inbound.client_session_id is None and found.in_unknown_session:
                 # Another replica's response (or one forgotten): its session is not in
-                # its id, so this turn continues none.
-                runtime.metrics.drop("response_session_unknown")
+                # its id; the store has it once the replica that relayed it wrote it.
+                session_id = await self.sessions.session_of(previous, inbound.tenant.name)
+                if session_id is not None:
+                    inbound = _in_session(inbound, session_id)
         body.pop("request_id", None)  # a client's: replaced for each worker tried
         tenant, in_session = inbound.tenant.name, inbound.client_session_id is not None
 
@@ -132,6 +138,8 @@ class ResponsesGateway:
         if (response.status_code < 400 and worker_id and response_id
                 and stores_response(body)):
             self.ids.learn(response_id, tenant, worker_id, inbound.client_session_id)
+            if inbound.client_session_id is not None:
+                self.sessions.remember(response_id, tenant, inbound.client_session_id)
         if observation.background:
             runtime.metrics.responses_background.inc()
         return response

@@ -11,8 +11,9 @@ naming it must go to that worker; the id says which. The router names each respo
   schemas' worker id rule). Not a secret: every answer names it (``x-kvhint-worker``).
 - ``random``: 128 random bits, so no id can be guessed.
 - ``s``/``n``: the response was made in a client session or not (the session itself is
-  not in the id: a replica that did not relay the response cannot continue it, and
-  counts that, responses_api.py).
+  not in the id: client session ids may be long and say what they should not; a replica
+  that did not relay the response reads it from the store, responses_sessions.py, for
+  an ``s`` id only).
 - ``epoch tag``: 8 hex of a digest of the worker's engine epoch when it was sent there
   (``00000000``: none known), so a worker restarted since (its store gone with its
   process) is told apart from an id it never held.

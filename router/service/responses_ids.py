@@ -23,8 +23,9 @@ restart, one forgotten past ``max_ids``) is read from the id itself
 (responses_id_codec.py): its worker, its engine's epoch and whether it was made in a
 session, sent on only when its tag checks out for the requesting tenant (``unverified``:
 it checks out for no tenant this router serves; forged, or made under another
-``salt_secret``). Only the session is lost that way: a follow-up that names none
-continues none (counted, ``drops_total{what="response_session_unknown"}``).
+``salt_secret``). The session is not in the id: a follow-up that names none reads it
+from the store (responses_sessions.py), where the replica that relayed the response
+wrote it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
     # the most gives up its least recently used (kvhint_router_response_ids_evicted_total);
     # about 300 bytes each.
     max_ids: int = Field(100_000, ge=1)
+    # How long a follow-up naming no session waits for the store to say which session a
+    # response this router did not relay was made in (responses_sessions.py); past it,
+    # it continues none (kvhint_router_response_session_reads_total{outcome="timeout"}).
+    session_read_timeout_s: float = Field(0.5, gt=0, le=10)
 
 
 @dataclass(frozen=True, slots=True)

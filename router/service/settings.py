@@ -80,6 +80,11 @@ class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
             raise ValueError(f"worker url {value!r} must start with http:// or https://")
         return value.rstrip("/")
 
+    @field_validator("api_key")
+    @classmethod
+    def _api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        return refuse_empty_key(value, "api_key")
+
 
 class TenantBudget(BaseModel, frozen=True, extra="forbid"):
     """What one tenant may hold through hints at any time, across all workers (distinct
@@ -294,6 +299,11 @@ class RouterSettings(BaseSettings):
             return parse_worker_list(value)
         return value
 
+    @field_validator("worker_api_key")
+    @classmethod
+    def _worker_api_key(cls, value: SecretStr | None) -> SecretStr | None:
+        return refuse_empty_key(value, "worker_api_key")
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _log_level(cls, value: Any) -> Any:
@@ -402,6 +412,18 @@ class RouterSettings(BaseSettings):
                 raise FileNotFoundError(f"router config file not found: {path}")
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+
+def refuse_empty_key(value: SecretStr | None, name: str) -> SecretStr | None:
+    """A worker key given but empty (or blank): refused. Almost surely a mistake (an empty
+    Kubernetes Secret, a variable set to nothing), and the router would send the workers
+    no key at all, quietly; compose refuses an empty ``KVHINT_WORKER_API_KEY`` the same
+    way. Sending none is said by leaving the setting unset."""
+    if value is not None and not value.get_secret_value().strip():
+        raise ValueError(f"{name} is empty (an empty Secret or variable?): the router would "
+                         "send the workers no key; give the key their vLLM requires, or "
+                         "leave it unset to send none")
+    return value
 
 
 def parse_worker_list(value: str) -> list[dict[str, str]]:

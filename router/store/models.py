@@ -150,6 +150,28 @@ class HintActionRow(Base):
     )
 
 
+class ResponseSessionRow(Base):
+    """The client session a stored Responses API response was made in (revision 0005),
+    so that any replica continues it for a follow-up that names none
+    (service.responses_sessions). Written behind (one row per stored response made in a
+    session), read by the id on a replica's local miss, checked against the tenant the
+    id's tag was verified for; deleted by retention past ``store_retention_s``."""
+
+    __tablename__ = "response_sessions"
+
+    # The router's id (responses_id_codec.py: at most 199 characters).
+    response_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    # The client's own session id (the worker-visible one is "<tenant>/<session_id>").
+    session_id: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (
+        # Retention deletes by age (store.retention).
+        Index("ix_response_sessions_created", "created_at"),
+    )
+
+
 class CursorRow(Base):
     """Where the router is in a JetStream stream (resume point after a restart)."""
 
@@ -161,4 +183,5 @@ class CursorRow(Base):
 
 
 TABLES = {cls.__tablename__: cls for cls in
-          (TenantRow, WorkerRow, SessionRow, LearnedStatsRow, HintActionRow, CursorRow)}
+          (TenantRow, WorkerRow, SessionRow, LearnedStatsRow, HintActionRow, CursorRow,
+           ResponseSessionRow)}

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, func, select, text
 
 from kvhint.router.store.legacy_rows import (
     LEGACY_LOOKBACK_S,
@@ -21,6 +21,7 @@ from kvhint.router.store.models import (
     CursorRow,
     HintActionRow,
     LearnedStatsRow,
+    ResponseSessionRow,
     SessionRow,
     WorkerRow,
 )
@@ -169,3 +170,19 @@ def get_session(engine: Engine, tenant: str, session_id: str) -> dict[str, Any] 
     rows = _rows(engine, select(*SessionRow.__table__.columns).where(
         SessionRow.tenant == tenant, SessionRow.session_id == session_id))
     return rows[0] if rows else None
+
+
+def get_response_session(engine: Engine, response_id: str, timeout_s: float
+                         ) -> tuple[str, str] | None:
+    """(tenant, session id) the stored response ``response_id`` was made in, or None: one
+    lookup by the primary key. On PostgreSQL the statement gives up past ``timeout_s``
+    (``statement_timeout``, this transaction's only), so a read its caller stopped
+    waiting for (service.responses_sessions) does not hold a connection and a thread for
+    as long as a lock held on the table lasts."""
+    with engine.connect() as conn, conn.begin():
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT set_config('statement_timeout', :value, true)"),
+                         {"value": f"{max(1, round(timeout_s * 1000))}ms"})
+        row = conn.execute(select(ResponseSessionRow.tenant, ResponseSessionRow.session_id)
+                           .where(ResponseSessionRow.response_id == response_id)).first()
+    return None if row is None else (row.tenant, row.session_id)

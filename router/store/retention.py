@@ -1,7 +1,8 @@
 """How long the store keeps history: rows older than the retention window are deleted.
 
 Only history goes: answered hint actions (never one still pending or deferred, nor a
-Pin/Retain whose TTL is not over), sessions idle since before the window, and workers
+Pin/Retain whose TTL is not over), sessions idle since before the window, the sessions
+of Responses API responses made before it (models.ResponseSessionRow), and workers
 learned from heartbeats (never configured ones) not heard since, with every action of
 theirs (the foreign key would cascade to them anyway: deleted first, so that they are
 counted) and their outcome feedback row (``learned_stats``, models.FEEDBACK_TENANT /
@@ -39,6 +40,7 @@ from kvhint.router.store.models import (
     FEEDBACK_TENANT,
     HintActionRow,
     LearnedStatsRow,
+    ResponseSessionRow,
     SessionRow,
     WorkerRow,
 )
@@ -68,13 +70,17 @@ def prune(engine: Engine, before: float) -> Pruned:
         HintActionRow.status.not_in(NON_TERMINAL),
         or_(HintActionRow.expires_at.is_(None), HintActionRow.expires_at < before))
     sessions = delete(SessionRow).where(SessionRow.last_activity < before)
+    response_sessions = delete(ResponseSessionRow).where(
+        ResponseSessionRow.created_at < before)
     gone = (WorkerRow.from_config.is_(False),
             or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
-    deleted = dict.fromkeys(("hint_actions", "learned_stats", "sessions", "workers"), 0)
+    deleted = dict.fromkeys(("hint_actions", "learned_stats", "response_sessions",
+                             "sessions", "workers"), 0)
     with engine.begin() as conn:
         # First, a write: on SQLite it takes the write lock for the whole transaction.
         deleted["hint_actions"] += conn.execute(actions).rowcount or 0
         deleted["sessions"] += conn.execute(sessions).rowcount or 0
+        deleted["response_sessions"] += conn.execute(response_sessions).rowcount or 0
         ids = list(conn.execute(
             select(WorkerRow.worker_id).where(*gone).with_for_update()).scalars())
         if ids:

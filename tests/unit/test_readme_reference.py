@@ -205,6 +205,7 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
             "reason": set(m.SESSION_END_REJECTIONS)},
         "kvhint_router_session_end_skips_total": {"reason": set(m.SESSION_END_SKIPS)},
         "kvhint_router_admin_rejections_total": {"reason": set(m.ADMIN_REJECTIONS)},
+        "kvhint_router_route_refusals_total": {"reason": set(m.ROUTE_REFUSALS)},
         "kvhint_router_cross_site_refusals_total": {
             "endpoint": set(m.CROSS_SITE_ENDPOINTS), "reason": set(m.CROSS_SITE_REASONS)},
         "kvhint_router_cors_refusals_total": {"reason": set(m.CORS_REFUSAL_REASONS)},
@@ -213,6 +214,8 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
         "kvhint_router_health_probes_total": {"outcome": set(m.HEALTH_PROBE_OUTCOMES)},
         "kvhint_router_response_id_misses_total": {"reason": set(m.RESPONSE_ID_MISSES)},
         "kvhint_router_response_id_requests_total": {"op": set(m.RESPONSE_ID_OPS)},
+        "kvhint_router_response_session_reads_total": {
+            "outcome": set(m.RESPONSE_SESSION_READS)},
     }
 
 

@@ -6,7 +6,9 @@ the other tenant's session ids; the fleet admin still sees all of it.
 
 The plugin here is this test publishing wire messages (as in test_service_feed.py): it
 rejects every hint, naming the session in its reason, so the other tenant's session id
-lands in the worker's feedback and in that tenant's hint rows.
+lands in the worker's feedback and in that tenant's hint rows; b's first hint it rejects
+as a type the worker cannot do (a capability: the worker's feedback, every tenant's).
+A tenant admin sees the worker's capability feedback and its own tenant's, not another's.
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ from kvhint.schemas import (
     decode_hints,
     encode_outcome,
 )
+from kvhint.schemas.outcomes import REJECTED_UNSUPPORTED
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
 ROOT, A_ADMIN, B_ADMIN = ({"authorization": f"Bearer {key}"} for key in ("root", "aa", "ab"))
 # Null for a tenant admin: every tenant's traffic (admin_api.worker_view).
-FLEET_ONLY = ("http_failures", "last_http_error", "feedback", "requests", "inflight",
+FLEET_ONLY = ("http_failures", "last_http_error", "requests", "inflight",
               "index_blocks", "held_by_hints")
+# What the plugin answers b's first hint: nothing of b's in it (a worker's capability).
+CAPABILITY_REASON = f"{REJECTED_UNSUPPORTED}action version on this worker"
+# The worker-wide figures the plugin's reasons may name (tenant_reasons.py): a tenant
+# reads its reasons without them.
+BUDGET_CLAUSE = "retain budget: 0 of 4 blocks fit (max_retained_blocks=400)"
 
 
 async def _turn(client: httpx.AsyncClient, url: str, key: str, session: str) -> None:
@@ -58,10 +66,12 @@ async def test_a_tenant_admin_sees_no_other_tenants_data_in_any_admin_answer(
         decoded = decode_hints(msg.data)
         for action in decoded.actions:
             session = action.payload.target.session_id
+            reason = (CAPABILITY_REASON if session == "b/b-private-0"
+                      else f"not for {session}; {BUDGET_CLAUSE}")
             await nc.publish(subjects.outcomes("w0"), encode_outcome(HintOutcome(
                 message_id=decoded.message_id, action_id=action.action_id,
                 action_type=action.action_type.value, worker_id="w0",
-                status=OutcomeStatus.REJECTED, reason=f"not for {session}",
+                status=OutcomeStatus.REJECTED, reason=reason,
                 requested=Amount(4, 128), applied=Amount(0, 0), at=time.time())))
 
     await nc.subscribe(subjects.hints("w0"), cb=plugin)
@@ -113,6 +123,15 @@ async def test_a_tenant_admin_sees_no_other_tenants_data_in_any_admin_answer(
             assert status["usage"] is None and status["last_event_seq"] is None
             assert status["block_size"] == 32 and status["budgets"]["max_pinned_blocks"] == 100
             assert a_workers["w0"]["stream"]["applied_seq"] is None
+            # Its feedback: the worker's capability part (b's capability rejection, which
+            # says nothing of b) and a's own part (its one rejection); b's part is not in
+            # it (before: the whole feedback was null for a tenant admin).
+            feedback = a_workers["w0"]["feedback"]
+            assert set(feedback["tenants"]) == {"a"}, feedback
+            assert sum(feedback["rejections_in_row"].values()) >= 1, feedback
+            assert sum(feedback["tenants"]["a"]["rejections_in_row"].values()) == 1, feedback
+            assert {w["worker_id"]: w["feedback"] for w in overview["workers"]}["w0"] \
+                == feedback
             # a's own figures: its own session and hint (rejected), not b's.
             assert overview["hint_status_counts"] == {"rejected": 1}
             assert [h["session_id"] for h in overview["hints"]] == ["a-own"]
@@ -129,8 +148,15 @@ async def test_a_tenant_admin_sees_no_other_tenants_data_in_any_admin_answer(
                 assert "b-private" in (await read(path, ROOT)).text, path
             # And b's admin its own tenant's (the per-tenant figures).
             b_hints = (await read("/admin/hints", B_ADMIN)).json()
-            assert b_hints["hints"] and all("b-private" in h["reason"]
+            assert b_hints["hints"] and any("b-private" in h["reason"]
                                             for h in b_hints["hints"])
+            b_feedback = (await read("/admin/workers/w0", B_ADMIN)).json()["feedback"]
+            assert set(b_feedback["tenants"]) == {"b"}, b_feedback
+            assert "b-private" in str(b_feedback["tenants"]["b"]["disabled_reasons"])
+            assert "a-own" not in str(b_feedback)
+            assert "max_retained_blocks" not in str(b_feedback)
+            assert "max_retained_blocks" in str(fleet["w0"]["feedback"])
+            assert b_feedback["rejections_in_row"] == feedback["rejections_in_row"]
     finally:
         if beating is not None:
             beating.cancel()

@@ -2,8 +2,10 @@
 workers, tenants and salt_secret), as a load balancer spreads an agent's requests: a
 follow-up (``previous_response_id``), GET or cancel that lands on the replica that did not
 relay the response reaches the worker that holds it, and only for the tenant it was made
-for; a worker restarted since is still a 404 saying so. Before, the id -> worker map was
-each replica's own and the other replica answered 404.
+for, a follow-up naming no session continuing its response's session (read from the
+store: test_service_responses_shared_sessions.py has the rest); a worker restarted since
+is still a 404 saying so. Before, the id -> worker map was each replica's own and the
+other replica answered 404.
 
 Stand-in workers answer in vLLM 0.32's shapes (test_service_responses_api.py), as the
 same paths against real vLLM servers are single-router (tests/e2e/service)."""
@@ -102,6 +104,7 @@ async def test_a_replica_reaches_the_responses_another_relayed(
         await until(lambda: all(r.runtime.workers.get(w).epoch == epochs[w]
                                 for r in (a, b) for w in holders))
         made = await _make_on_both_workers(client, a)
+        await a.runtime.writer.flush()  # their sessions in the store (written behind)
         url = f"{b.url}/v1/responses"
         for response_id, (worker, session) in made.items():
             holder = holders[worker]
@@ -111,9 +114,11 @@ async def test_a_replica_reaches_the_responses_another_relayed(
                 assert follow.status_code == 200, follow.text
                 assert follow.headers["x-kvhint-worker"] == worker
                 assert holder.received[-1]["previous_response_id"] == response_id
-                # B cannot know the session A relayed it in: none is continued (counted)
-                # unless the client names it, as it should behind several replicas.
-                assert "session_id" not in holder.received[-1]
+                # B reads the session A relayed it in from the store, and continues it.
+                if session is None:
+                    assert "session_id" not in holder.received[-1]
+                else:
+                    assert holder.received[-1]["session_id"] == f"acme/{session}"
                 if session is not None:
                     named = await client.post(url, headers=ACME | {"X-Session-ID": session},
                                               json=create(previous_response_id=response_id))
@@ -126,9 +131,12 @@ async def test_a_replica_reaches_the_responses_another_relayed(
                 assert cancel.status_code == 400 and "synchronous" in cancel.text
             # And back: the follow-up B named is reached through A.
             streamed_id = events(follow.text)[0][1]["response"]["id"]
+            await b.runtime.writer.flush()
             back = await client.post(f"{a.url}/v1/responses", headers=ACME,
                                      json=create(previous_response_id=streamed_id))
             assert back.status_code == 200 and back.headers["x-kvhint-worker"] == worker
+            if session is not None:
+                assert holder.received[-1]["session_id"] == f"acme/{session}"
         # Another tenant, on either replica: the id is unknown to it, word for word as
         # one never made, and nothing reaches a worker.
         response_id = next(iter(made))
@@ -173,5 +181,8 @@ async def test_a_replica_reaches_the_responses_another_relayed(
                       reason="unverified") == 1
         assert sample(samples, "kvhint_router_response_id_misses_total",
                       reason="worker_restarted") == 1
+        # Each follow-up naming no session read its session from the store.
+        assert sample(samples, "kvhint_router_response_session_reads_total",
+                      outcome="found") == in_session
         assert sample(samples, "kvhint_router_drops_total",
-                      what="response_session_unknown") == in_session
+                      what="response_session_unknown") is None

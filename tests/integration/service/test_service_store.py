@@ -430,14 +430,16 @@ def test_history_past_the_retention_window_is_deleted_and_nothing_else(
                     worker_id=worker_id, url="http://x:1", from_config=configured,
                     last_seen=heard))
         assert prune_history(engine, before=5_000.0) == {
-            "hint_actions": 2, "learned_stats": 0, "sessions": 1, "workers": 1}
+            "hint_actions": 2, "learned_stats": 0,
+            "response_sessions": 0, "sessions": 1, "workers": 1}
         assert sorted(a["action_id"] for a in query_hints(engine)) == [
             "new-done", "old-pending", "old-still-held"]
         state = load_recovery(engine, active_since=0.0, max_sessions=10)
         assert [s["session_id"] for s in state.sessions] == ["new-s"]
         assert sorted(w["worker_id"] for w in state.workers) == ["cfg", "live", "w0"]
         assert prune_history(engine, before=5_000.0) == {
-            "hint_actions": 0, "learned_stats": 0, "sessions": 0, "workers": 0}
+            "hint_actions": 0, "learned_stats": 0,
+            "response_sessions": 0, "sessions": 0, "workers": 0}
     finally:
         engine.dispose()
 

@@ -124,7 +124,8 @@ def test_retention_deletes_a_pruned_workers_feedback_row_with_its_row(
         asyncio.run(run())
         assert set(_feedback_rows(engine)) == {"pruned", "live", "cfg", "pruned_2"}
         assert prune_history(engine, before=NOW - 3600.0) == {
-            "hint_actions": 0, "learned_stats": 1, "sessions": 0, "workers": 1}
+            "hint_actions": 0, "learned_stats": 1,
+            "response_sessions": 0, "sessions": 0, "workers": 1}
         assert _feedback_rows(engine) == {"live": 0.5, "cfg": 0.5, "pruned_2": 0.5}
         assert _worker_rows(engine) == {"live", "cfg", "pruned_2"}
         with engine.connect() as conn:

@@ -33,6 +33,7 @@ def _migration_locking(engine: sa.Engine) -> bool:
 @pytest.mark.parametrize("revision, first", [
     ("0002", "hint_actions"),  # the prune of the release before 0003, against 0003
     ("0003", "sessions"),      # the prune of the release before 0004, against 0004
+    ("0004", "hint_actions"),  # the prune of the release before 0005, against 0005
 ])
 def test_a_migration_and_a_routers_prune_at_once_both_finish(
         database_url: str, revision: str, first: str) -> None:

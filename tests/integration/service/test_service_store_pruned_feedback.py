@@ -90,11 +90,13 @@ def test_a_feedback_row_written_for_a_pruned_worker_goes_at_the_next_prune(
             await writer.close()
 
         assert prune_history(engine, before=now - WEEK_S) == {
-            "hint_actions": 0, "learned_stats": 0, "sessions": 0, "workers": 1}
+            "hint_actions": 0, "learned_stats": 0,
+            "response_sessions": 0, "sessions": 0, "workers": 1}
         asyncio.run(replica_b_saves())
         assert _feedback_rows(engine) == {"pruned", "live"}
         assert prune_history(engine, before=now - WEEK_S) == {
-            "hint_actions": 0, "learned_stats": 1, "sessions": 0, "workers": 0}
+            "hint_actions": 0, "learned_stats": 1,
+            "response_sessions": 0, "sessions": 0, "workers": 0}
         assert _feedback_rows(engine) == {"live"}
         with engine.connect() as conn:
             assert conn.execute(sa.select(LearnedStatsRow.kind).where(

@@ -150,7 +150,8 @@ def test_each_way_a_workers_row_goes_leaves_its_sessions_without_it(
 
         asyncio.run(run())
         assert prune_history(engine, before=NOW - 3600) == {
-            "hint_actions": 0, "learned_stats": 0, "sessions": 0, "workers": 1}
+            "hint_actions": 0, "learned_stats": 0,
+            "response_sessions": 0, "sessions": 0, "workers": 1}
         rows = _sessions(engine)
         assert {sid: row["worker_id"] for sid, row in rows.items()} == {
             "on-kept": "kept", "on-forgotten": None, "on-dropped": None, "on-pruned": None}

@@ -178,7 +178,8 @@ def test_each_way_a_workers_row_goes_takes_its_actions(database_url: str) -> Non
         asyncio.run(run())
         assert set(_action_workers(engine).values()) == {"kept", "pruned"}
         assert prune_history(engine, before=NOW - 3600) == {
-            "hint_actions": 2, "learned_stats": 0, "sessions": 0, "workers": 1}
+            "hint_actions": 2, "learned_stats": 0,
+            "response_sessions": 0, "sessions": 0, "workers": 1}
         assert _action_workers(engine) == {"kept-accepted": "kept", "kept-pending": "kept"}
         assert _orphans(engine) == 0 and drops == []
     finally:
@@ -232,7 +233,8 @@ def test_a_worker_heard_while_retention_prunes_it_keeps_its_actions_and_feedback
                 time.sleep(0.2)  # most likely waiting by now; the outcome is the same if not
             beat.commit()
             counts = pruned.result(timeout=60)
-        assert counts == {"hint_actions": 1, "learned_stats": 1, "sessions": 0, "workers": 1}
+        assert counts == {"hint_actions": 1, "learned_stats": 1,
+                          "response_sessions": 0, "sessions": 0, "workers": 1}
         assert _action_workers(engine) == {"heard-held": "heard", "heard-pending": "heard"}
         with engine.connect() as conn:
             assert conn.execute(sa.select(LearnedStatsRow.kind)).scalars().all() == [

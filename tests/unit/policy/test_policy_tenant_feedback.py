@@ -115,3 +115,23 @@ def test_stored_feedback_round_trips_and_a_pooled_row_keeps_the_workers_part_onl
     clean = WorkerFeedback("w0", disabled_actions=frozenset({DEMOTE}),
                            disabled_reasons={DEMOTE: NO_PREFIX_CACHE_REASON}).to_dict()
     assert feedback_from_stored(clean)[1] is False
+
+
+def test_a_tenants_dict_holds_the_workers_part_and_its_own_only() -> None:
+    """What a tenant admin's workers view shows (admin_api): the stored row's shape, the
+    worker's capability part at the top level and, under ``tenants``, that tenant's own
+    part alone (none yet: empty), never another tenant's."""
+    own = "prefix_tokens 16 is less than one block (32 tokens)"
+    feedback = _learn(SplitFeedback("w0"), "b",
+                      *[_outcome(DEMOTE, OutcomeStatus.REJECTED, NO_PREFIX_CACHE_REASON)] * 2,
+                      *[_outcome(RETAIN, OutcomeStatus.REJECTED, f"b's {own}")] * 2)
+    feedback = _learn(feedback, "a", _outcome(PIN, OutcomeStatus.CLIPPED, "", 8, 4))
+    whole = feedback.to_dict()
+    a = feedback.to_dict_of("a")
+    assert {k: v for k, v in a.items() if k != "tenants"} == {
+        k: v for k, v in whole.items() if k != "tenants"}
+    assert a["disabled_actions"] == [DEMOTE]
+    assert a["tenants"] == {"a": whole["tenants"]["a"]}
+    assert a["tenants"]["a"]["pin_ask_scale"] == 0.5
+    assert "b's" not in str(a)
+    assert feedback.to_dict_of("never-heard")["tenants"] == {}

@@ -312,7 +312,10 @@ _DROP_LOSSES = {
     "prompt_hashing:UnknownModel", "trace_block_size", "trace_write_error",
     # A held action restored without its holding (a row that does not say what it
     # protects): its worker's and tenant's budgets believe its blocks free.
-    "hint_not_restored:unscoped"}
+    "hint_not_restored:unscoped",
+    # A Responses follow-up whose session the store could not say (failed, slow): the
+    # turn continues none.
+    "response_session_unread"}
 # Normal under load or by design (on the Drops panel, no alert).
 _DROP_EXPECTED = {
     # Bounded memory and disk letting go, as designed.
@@ -327,6 +330,8 @@ _DROP_EXPECTED = {
     "prompt_hashing:PromptRenderError",
     # n > 1: the cached tokens are a sibling's, not compared with the prediction.
     "cached_prediction_unchecked:parallel_sampling",
+    # A prediction made before the worker's heartbeat gave its block size: unchecked.
+    "cached_prediction_unchecked:block_size_unheard",
     # Requests the trace does not record: failed (counted by code), not hashed exactly
     # (counted under prompt_hashing), unfinished past 30 min, in flight at shutdown.
     "trace_failed", "trace_unhashed", "trace_stalled", "trace_unfinished",
@@ -337,7 +342,8 @@ _DROP_EXPECTED = {
     # long: they go with its row, as the worker's holds went with it.
     "hint_not_restored:worker_gone",
     # A Responses follow-up naming no session on a replica that did not relay its
-    # response: the id does not carry the session; the client is to name it.
+    # response, whose session the store does not hold (yet: written behind; pruned):
+    # the client is to name it to be sure.
     "response_session_unknown"}
 
 

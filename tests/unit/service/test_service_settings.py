@@ -259,3 +259,29 @@ def test_a_period_or_stream_bound_under_its_floor_is_refused_naming_it(
     settings = RouterSettings()
     owner, _, name = key.rpartition(".")
     assert getattr(getattr(settings, owner) if owner else settings, name) == float(floor)
+
+
+def test_an_empty_worker_key_is_refused_not_sent_as_no_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker key set to nothing (an empty Kubernetes Secret behind
+    KVHINT_ROUTER_WORKER_API_KEY, a blank ``api_key``) is refused at validation, named;
+    before, the router started and quietly sent the workers no key. Unset: none sent."""
+    from kvhint.router.cli import main
+
+    for blank in ("", "  \n"):
+        with pytest.raises(ValidationError, match="worker_api_key is empty"):
+            RouterSettings(worker_api_key=blank)
+        with pytest.raises(ValidationError, match="api_key is empty"):
+            RouterSettings(workers=[{"id": "w0", "url": "http://h:8", "api_key": blank}])
+    monkeypatch.setenv("KVHINT_ROUTER_WORKER_API_KEY", "")
+    with pytest.raises(ValidationError, match="worker_api_key is empty"):
+        RouterSettings()
+    monkeypatch.delenv("KVHINT_ROUTER_WORKER_API_KEY")
+    assert RouterSettings().worker_api_key is None
+    assert RouterSettings(worker_api_key="k").worker_api_key.get_secret_value() == "k"
+    config = tmp_path / "router.yaml"
+    config.write_text('worker_api_key: ""\n')
+    assert main(["router", "--config", str(config), "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "worker_api_key: Value error, worker_api_key is empty" in err

@@ -1,0 +1,123 @@
+"""The store's ``response_sessions`` (revision 0005: the session each stored Responses API
+response was made in, for every replica), on SQLite and PostgreSQL: a store of the release
+before (0004) gains the table and keeps every row, whether one router migrates it or
+several replicas start on it together; the router's writes land in it and read back for
+the tenant; retention deletes the rows older than ``store_retention_s``, counted in
+``kvhint_router_store_pruned_rows_total{table="response_sessions"}``, and nothing newer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from kvhint.router.store.database import create_store_engine, migrate
+from kvhint.router.store.models import Base, ResponseSessionRow, SessionRow, WorkerRow
+from kvhint.router.store.reader import get_response_session
+
+from conftest import router_settings, running_router, sample, scrape
+from test_service_store_forgotten_workers import _worker_row
+from test_service_store_session_worker import _insert, _session, _sessions
+
+
+def _revision(engine: sa.Engine) -> str:
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
+
+
+def _response_sessions(engine: sa.Engine) -> dict[str, tuple[str, str, float]]:
+    """Response id -> (tenant, session, created_at) as stored."""
+    with engine.connect() as conn:
+        return {row.response_id: (row.tenant, row.session_id, row.created_at)
+                for row in conn.execute(sa.select(ResponseSessionRow.__table__))}
+
+
+def test_a_store_of_the_release_before_gains_the_table_and_keeps_its_rows(
+        database_url: str) -> None:
+    """At 0004, with a worker and sessions: the upgrade adds ``response_sessions`` (its
+    key, its index, as the models say) and changes no row; again, nothing. Rows written
+    to it read back by their id."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine, "0004")
+        assert "response_sessions" not in sa.inspect(engine).get_table_names()
+        sessions = [_session("on-w0", "w0"), _session("none", None)]
+        _insert(engine, [_worker_row("w0", True)], sessions)
+        assert migrate(engine) is True
+        assert migrate(engine) is True  # idempotent
+        assert _revision(engine) == "0005"
+        assert _sessions(engine) == {row["session_id"]: row for row in sessions}
+        inspector = sa.inspect(engine)
+        assert inspector.get_pk_constraint("response_sessions")["constrained_columns"] == [
+            "response_id"]
+        assert [(i["name"], i["column_names"]) for i in inspector.get_indexes(
+            "response_sessions")] == [("ix_response_sessions_created", ["created_at"])]
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        assert diff == [], f"models and migrations disagree: {diff}"
+        with engine.begin() as conn:
+            conn.execute(sa.insert(ResponseSessionRow), [
+                {"response_id": "resp_w0_x", "tenant": "acme", "session_id": "s" * 256,
+                 "created_at": 1.0}])
+        assert get_response_session(engine, "resp_w0_x", 1.0) == ("acme", "s" * 256)
+        assert get_response_session(engine, "resp_w0_y", 1.0) is None
+    finally:
+        engine.dispose()
+
+
+def test_replicas_upgrading_a_store_of_the_release_before_together(
+        database_url: str) -> None:
+    """Three replicas start together on a 0004 store: one migrates, the others find it
+    current; every row kept."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
+    engines = [create_store_engine(database_url) for _ in range(3)]
+    try:
+        migrate(engines[0], "0004")
+        _insert(engines[0], [_worker_row("w0", True)], [_session("on-w0", "w0")])
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            results = [f.result() for f in [pool.submit(migrate, e) for e in engines]]
+        assert results == [True, True, True]
+        assert _revision(engines[0]) == "0005"
+        assert list(_sessions(engines[0])) == ["on-w0"]
+        assert _response_sessions(engines[0]) == {}
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
+async def test_retention_deletes_the_response_sessions_past_the_window_counted(
+        tmp_path: Path, database_url: str) -> None:
+    """The router's hourly retention: the row of a response made before the window goes,
+    counted by table; the newer one, and the rest of the store, stay."""
+    settings = router_settings(tmp_path, [], database_url=database_url)
+    async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+        runtime = router.runtime
+        now = time.time()
+        old = now - settings.store_retention_s - 60.0
+        gateway = router.app.state.responses
+        gateway.sessions.remember("resp_new", "default", "agent")
+        await runtime.writer.flush()
+        with runtime.engine.begin() as conn:
+            conn.execute(sa.insert(ResponseSessionRow), [
+                {"response_id": "resp_old", "tenant": "default", "session_id": "agent",
+                 "created_at": old}])
+            conn.execute(sa.insert(SessionRow), [_session("agent", None)])
+            conn.execute(sa.insert(WorkerRow), [_worker_row("cfg", True, old)])
+        await runtime._prune_store()
+        assert set(_response_sessions(runtime.engine)) == {"resp_new"}
+        assert _response_sessions(runtime.engine)["resp_new"][:2] == ("default", "agent")
+        assert list(_sessions(runtime.engine)) == ["agent"]
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_store_pruned_rows_total",
+                      table="response_sessions") == 1
+        await runtime._prune_store()  # nothing more
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_store_pruned_rows_total",
+                      table="response_sessions") == 1
