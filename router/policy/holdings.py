@@ -118,8 +118,13 @@ class _Unconfirmed:
     :meth:`HoldingsLedger.undo` needs to put the ledger back as the worker still has it."""
 
     worker_id: str
+    scope: str
     held: _Held | None  # its own holding (None: a Demote)
     replaced: _Held | None  # the scope's holding it superseded, which the worker still has
+    # The next action recorded on the same scope of the worker (None: none yet): once that
+    # one is published, what this one replaced is over on the worker, whatever this one's
+    # fate (one worker's envelopes leave in the order recorded).
+    next_id: str | None = None
 
 
 # Prefetch: the worker retains what it brought into G1 until the Prefetch's deadline.
@@ -237,11 +242,14 @@ class HoldingsLedger:
             scope = PREFETCH_SCOPE + scope
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
+        if action_type in _HOLDING_TYPES or action_type == ActionType.DEMOTE.value:
+            self._follow(worker_id, scope, action_id)
         if action_type not in _HOLDING_TYPES:
-            if old is not None and action_type == ActionType.DEMOTE.value:
-                self._drop(old)
-                if tentative:
-                    self._unconfirmed[action_id] = _Unconfirmed(worker_id, None, old)
+            if action_type == ActionType.DEMOTE.value:
+                if old is not None:
+                    self._drop(old)
+                if tentative:  # on an empty scope too: see _Unconfirmed.next_id
+                    self._unconfirmed[action_id] = _Unconfirmed(worker_id, scope, None, old)
             return
         held = _Held(action_id, worker_id, tenant, scope, action_type, blocks, expires_at,
                      tuple(keys), api)
@@ -256,7 +264,7 @@ class HoldingsLedger:
             self._drop(old, kept_named=kept)
         self._insert(held, kept)
         if tentative:
-            self._unconfirmed[action_id] = _Unconfirmed(worker_id, held, old)
+            self._unconfirmed[action_id] = _Unconfirmed(worker_id, scope, held, old)
 
     def confirm(self, action_id: str) -> None:
         """A tentative action was published (or may have been: its fate is unknown): it
@@ -266,16 +274,21 @@ class HoldingsLedger:
     def undo(self, action_id: str, now: float) -> None:
         """A tentative action was never published: its holding goes, and the holding it
         superseded (which the worker still has) comes back, unless it is over (its TTL,
-        its worker forgotten) or the scope has a newer holding meanwhile. A newer
-        tentative action that superseded this one, or took the scope this one (a Demote)
-        left empty, inherits what this one replaced, for its own undo.
+        its worker forgotten) or an action recorded on the scope after this one (a
+        holding or a Demote) was published. One of those still in flight that superseded
+        this one, or came on the scope this one (a Demote) left empty, inherits what this
+        one replaced, for its own undo.
 
         Not known here: what the worker said of the superseded holding meanwhile (its
-        outcome, a release): it comes back as it was recorded. With the NATS client the
-        router uses, a publish fails before it first waits, so nothing comes between."""
+        outcome, a release): it comes back as it was recorded. A publish fails before the
+        NATS client first waits; before that, an envelope may wait for the one before it
+        on its worker (:mod:`kvhint.router.service.hint_send`)."""
         entry = self._unconfirmed.pop(action_id, None)
         if entry is None:
             return
+        for other in self._unconfirmed.values():
+            if other.next_id == action_id:  # this one never left: the one after it follows
+                other.next_id = entry.next_id
         if entry.held is not None:
             if self._by_id.get(action_id) is not entry.held:
                 # Gone meanwhile: superseded (its successor takes over what it replaced),
@@ -288,12 +301,25 @@ class HoldingsLedger:
         old = entry.replaced
         if old is None or old.expires_at <= now or old.action_id in self._by_id:
             return
-        current = self._by_scope.get((old.worker_id, old.scope))
-        if current is None:
+        if entry.next_id is not None:
+            # A later action on the scope: published, it superseded ``old`` on the worker
+            # (before, a Demote recorded on the scope a failed Demote had emptied was not
+            # followed, and ``old`` came back though the worker let it go); in flight, it
+            # takes ``old`` over if it replaced nothing.
+            later = self._unconfirmed.get(entry.next_id)
+            if later is not None and later.replaced is None:
+                later.replaced = old
+            return
+        if (old.worker_id, old.scope) not in self._by_scope:
             self._insert(old)
-        elif (successor := self._unconfirmed.get(current)) is not None \
-                and successor.replaced is None:
-            successor.replaced = old
+
+    def _follow(self, worker_id: str, scope: str, action_id: str) -> None:
+        """``action_id`` is recorded on ``scope`` of the worker: it is the next action of
+        the actions in flight there that have none yet."""
+        for entry_id, entry in self._unconfirmed.items():
+            if (entry.next_id is None and entry.worker_id == worker_id
+                    and entry.scope == scope and entry_id != action_id):
+                entry.next_id = action_id
 
     def holds(self, worker_id: str, scope: str) -> bool:
         """Whether a live holding of ``scope`` is on the worker."""

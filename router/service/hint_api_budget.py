@@ -41,6 +41,17 @@ class ApiBudgetGate:
             return 0.0
         return max(60.0 - (now - times[over - 1]), 0.0)
 
+    def refund(self, tenant: str, at: float, actions: int) -> None:
+        """``actions`` that :meth:`problem` counted at ``at`` never left the router (NATS
+        refused their publish): they do not count against the rate. An agent retrying
+        after a NATS outage is not throttled for what never reached a worker (the
+        failure is counted: ``hints_total{outcome="failed"}``)."""
+        times = self._times.get(tenant)
+        for _ in range(actions):
+            if not times or at not in times:
+                return  # gone meanwhile (older than the minute)
+            times.remove(at)
+
     def problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                 planned: Sequence[PlannedAction], now: float,
                 chain: Sequence[int] = (), worker_share: float = 1.0) -> str | None:

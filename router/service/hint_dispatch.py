@@ -175,7 +175,6 @@ class HintDispatcher:
         with its row gone, the store would refuse them."""
         self._learning.forget_worker(worker_id)
         self.holdings.forget_worker(worker_id)
-        self._sender.forget_worker(worker_id)
         now = self._clock()
         for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
             self._expire(record, now, "worker forgotten")
@@ -224,6 +223,10 @@ class HintDispatcher:
                         now: float) -> float | None:
         """:meth:`ApiBudgetGate.rate_wait_s`."""
         return self._api_gate.rate_wait_s(tenant, actions, budget, now)
+
+    def api_rate_refund(self, tenant: str, at: float, actions: int) -> None:
+        """:meth:`ApiBudgetGate.refund`."""
+        self._api_gate.refund(tenant, at, actions)
 
     def api_budget_problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                            planned: Sequence[PlannedAction], now: float,

@@ -18,7 +18,14 @@ Contracts (:class:`HintSender`):
   where the caller does not await between them;
 - one worker's envelopes leave in the order they were recorded (:class:`PublishOrder`),
   whatever the NATS client does while a publish awaits: a release that an end sent after
-  seeing a claim reaches the worker after the claim;
+  seeing a claim reaches the worker after the claim. Each envelope's place is taken when
+  it is recorded (a send to several workers keeps its place on each: before, it waited
+  for its first worker before it queued for the second, and a later send to the second
+  went first), and it waits only for the one before it on its worker;
+- an envelope waiting for the one before it fails at once (``NATS not connected``) when
+  the link goes down: the one before may be a publish nats-py cannot finish (its flush,
+  which has no timeout, waits for a server to answer again). Before, every later send to
+  that worker (the planner's tick, an end, agents' calls) waited with it;
 - a publish NATS refuses (not connected, closed) undoes its actions
   (:meth:`HoldingsLedger.undo`: the holding each superseded comes back) and ends them
   ``failed``, counted as before: ``hints_total{outcome="failed"}`` and
@@ -33,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvhint.router.policy import HoldingsLedger, PlannedAction, target_keys
 from kvhint.router.service.hint_records import API_SOURCE, FAILED, PENDING, SentAction
@@ -41,26 +49,60 @@ from kvhint.router.service.nats_link import NatsLink
 from kvhint.schemas import PROTOCOL_VERSION, KvHintsEnvelope, Subjects, encode_hints
 
 _NOT_CARRIED = "NATS not connected"
+# How often an envelope waiting for the one before it looks at the link (only while one
+# waits: an uncontended worker never polls).
+_ORDER_POLL_S = 0.1
+
+
+@dataclass(slots=True)
+class Place:
+    """One envelope's place in its worker's order: ``before`` is done once the envelope
+    recorded before it on the worker is (None: none in flight)."""
+
+    worker_id: str
+    before: asyncio.Future[None] | None
+    done: asyncio.Future[None]
 
 
 class PublishOrder:
-    """One lock per worker: its envelopes are published one at a time, in the order
-    their senders asked (an asyncio lock serves its waiters first come, first served)."""
+    """Each worker's envelopes published one at a time, in the order :meth:`take` gave
+    their places (at record time: no await between a send's records and its places).
+    Only envelopes in flight have an entry (bounded by them, a forgotten worker's too)."""
 
     def __init__(self) -> None:
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._last: dict[str, asyncio.Future[None]] = {}
 
-    def of(self, worker_id: str) -> asyncio.Lock:
-        lock = self._locks.get(worker_id)
-        if lock is None:
-            lock = self._locks[worker_id] = asyncio.Lock()
-        return lock
+    def take(self, worker_id: str) -> Place:
+        done = asyncio.get_running_loop().create_future()
+        place = Place(worker_id, self._last.get(worker_id), done)
+        self._last[worker_id] = done
+        return place
 
-    def forget(self, worker_id: str) -> None:
-        """The registry forgot the worker (a lock in use stays, for its waiters)."""
-        lock = self._locks.get(worker_id)
-        if lock is not None and not lock.locked():
-            del self._locks[worker_id]
+    async def turn(self, place: Place, carried: Callable[[], bool]) -> bool:
+        """Wait until the envelope before ``place`` is done; False, at once, while
+        ``carried()`` says the link is down (a publish waiting on a server that is gone
+        must not hold up those behind it: they fail as they would alone)."""
+        before = place.before
+        while before is not None and not before.done():
+            if not carried():
+                return False
+            await asyncio.wait((before,), timeout=_ORDER_POLL_S)
+        return True
+
+    def leave(self, place: Place) -> None:
+        """The envelope is published, or given up: the next may go once the one before
+        this is done too (one given up while that one is still publishing must not let
+        a later one overtake it)."""
+        if place.before is not None and not place.before.done():
+            place.before.add_done_callback(lambda _before: self._done(place))
+        else:
+            self._done(place)
+
+    def _done(self, place: Place) -> None:
+        if not place.done.done():
+            place.done.set_result(None)
+        if self._last.get(place.worker_id) is place.done:
+            del self._last[place.worker_id]
 
 
 class HintSender:
@@ -91,7 +133,7 @@ class HintSender:
         by_worker: dict[str, list[PlannedAction]] = {}
         for action in planned:
             by_worker.setdefault(action.worker_id, []).append(action)
-        envelopes: list[tuple[str, bytes, list[SentAction]]] = []
+        envelopes: list[tuple[Place, bytes, list[SentAction]]] = []
         sent: list[SentAction] = []
         for worker_id, actions in by_worker.items():
             message_id = f"kvm-{uuid.uuid4().hex[:16]}"
@@ -105,18 +147,16 @@ class HintSender:
                 continue
             for record, action in zip(records, actions):
                 self._hold(record, action, chains.get(action.scope, ()))
-            envelopes.append((worker_id, encode_hints(envelope), records))
-        for index, (worker_id, data, records) in enumerate(envelopes):
+            envelopes.append((self._order.take(worker_id), encode_hints(envelope), records))
+        for index, (place, data, records) in enumerate(envelopes):
             try:
-                await self._publish(worker_id, data, records)
+                await self._publish(place, data, records)
             except asyncio.CancelledError:
-                for _worker, _data, later in envelopes[index + 1:]:
-                    self._unsent(later, "cancelled before its publish")
+                for later, _data, unsent in envelopes[index + 1:]:
+                    self._order.leave(later)
+                    self._unsent(unsent, "cancelled before its publish")
                 raise
         return sent
-
-    def forget_worker(self, worker_id: str) -> None:
-        self._order.forget(worker_id)
 
     def _hold(self, record: SentAction, action: PlannedAction, chain: Sequence[int]) -> None:
         """Record ``record`` as sent before its publish: its holding (tentative), pending,
@@ -131,20 +171,25 @@ class HintSender:
         self._pending[record.action_id] = record
         self._save(record)
 
-    async def _publish(self, worker_id: str, data: bytes, records: list[SentAction]) -> None:
+    async def _publish(self, place: Place, data: bytes, records: list[SentAction]) -> None:
         """Publish one envelope in its worker's order, then confirm or undo its records."""
-        lock = self._order.of(worker_id)
+        assert self._link is not None
+        link = self._link
         try:
-            await lock.acquire()
+            its_turn = await self._order.turn(place, lambda: link.connected)
         except asyncio.CancelledError:
+            self._order.leave(place)
             self._unsent(records, "cancelled before its publish")
             raise
+        if not its_turn:
+            self._order.leave(place)
+            self._unsent(records, _NOT_CARRIED)
+            return
         ok: bool | None = None  # None: the publish did not return (its fate unknown)
         try:
-            assert self._link is not None
-            ok = await self._link.publish(self._subjects.hints(worker_id), data)
+            ok = await link.publish(self._subjects.hints(place.worker_id), data)
         finally:
-            lock.release()
+            self._order.leave(place)
             if ok is False:
                 self._unsent(records, _NOT_CARRIED)
             else:

@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from kvhint.router.policy import PlannedAction, agent_scope
 from kvhint.router.service.cross_site import cross_site_refusal
+from kvhint.router.service.hint_records import FAILED
 from kvhint.router.service.inbound import (
     BadRequest,
     BodyTimeout,
@@ -289,7 +290,12 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     # that comes while it publishes sees them (an end releases them, after them).
     sent = await runtime.hints.send(planned, dict.fromkeys(scopes, session_id), source="api",
                                     chains=dict.fromkeys(scopes, record.last_block_hashes))
-    if any(a.action_type == ActionType.DEMOTE.value and a.scope != worker_sid for a in planned):
+    # What NATS refused never reached the worker: it costs no rate, and a refused Demote
+    # leaves the planner's claims there standing (the worker never let them go).
+    if refused := sum(a.status == FAILED for a in sent):
+        runtime.hints.api_rate_refund(tenant_name, now, refused)
+    if any(a.action_type == ActionType.DEMOTE.value and a.scope != worker_sid
+           and a.status != FAILED for a in sent):
         runtime.lifecycle.agent_demoted(record, worker.worker_id)
     wait_s = runtime.settings.hints.api_outcome_timeout_s if hint_request.wait_s is None \
         else min(max(hint_request.wait_s, 0.0), 60.0)

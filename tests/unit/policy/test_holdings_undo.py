@@ -97,3 +97,40 @@ def test_nothing_comes_back_that_is_over_or_was_superseded_by_a_sent_action() ->
     ledger.confirm("newer")
     ledger.undo("new", NOW)
     assert _holder(ledger) == ["newer"] and ledger.worker("w0") == Holdings(0, 3)
+
+
+def _demote(ledger: HoldingsLedger, action_id: str) -> None:
+    ledger.record(action_id=action_id, worker_id="w0", tenant="t", scope="t/s",
+                  action_type="kv.demote", blocks=0, expires_at=NOW, tentative=True)
+
+
+def test_a_demote_published_after_a_failed_one_keeps_the_holding_gone() -> None:
+    # old (held) <- demote (in flight, fails) <- again (a second Demote, recorded on the
+    # scope the first emptied, published): the worker let old go. Before, the second was
+    # not followed (nothing to supersede) and the first's undo brought old back.
+    ledger = HoldingsLedger()
+    _record(ledger, "old", (1, 2), tentative=False)
+    _demote(ledger, "demote")
+    _demote(ledger, "again")
+    ledger.undo("demote", NOW)
+    ledger.confirm("again")
+    assert _holder(ledger) == [] and ledger.worker("w0") == Holdings()
+    # The same, the second confirmed first.
+    _record(ledger, "old", (1, 2), tentative=False)
+    _demote(ledger, "demote2")
+    _demote(ledger, "again2")
+    ledger.confirm("again2")
+    ledger.undo("demote2", NOW)
+    assert _holder(ledger) == [] and ledger.worker("w0") == Holdings()
+
+
+def test_two_demotes_that_both_fail_give_the_holding_back_in_either_order() -> None:
+    for first, second in (("demote", "again"), ("again", "demote")):
+        ledger = HoldingsLedger()
+        _record(ledger, "old", (1, 2), tentative=False)
+        _demote(ledger, "demote")
+        _demote(ledger, "again")
+        ledger.undo(first, NOW)
+        assert _holder(ledger) == []  # the other may still be published
+        ledger.undo(second, NOW)
+        assert _holder(ledger) == ["old"] and ledger.worker("w0") == Holdings(0, 2)
