@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import httpx
 import pytest
 import sqlalchemy as sa
 
