@@ -131,6 +131,12 @@ async def remove_streams(url: str, subjects: Subjects) -> None:
 
 # How often a burst of slow-consumer losses is logged (each lost message is counted).
 SLOW_CONSUMER_LOG_S = 10.0
+# The longest a publish waits on nats-py's forced flush (its pending buffer full: a server
+# that stopped reading). nats-py's default has no bound: a publish waited until a server
+# answered again, and with it the planner's tick, an end, an agent's hints call. Past
+# this, the publish returns with its message still queued (sent if the server reads
+# again), and nats-py reports a FlushTimeoutError, counted as a client error.
+PUBLISH_FLUSH_TIMEOUT_S = 2.0
 # What the client reports when it could not reach a server (refused, unreachable, timed
 # out): on_error's kind "connect".
 _CONNECT_ERRORS = (OSError, asyncio.TimeoutError, NoServersError)
@@ -198,6 +204,7 @@ class NatsLink:
                     servers=list(connection.servers), user=connection.user,
                     password=connection.password, token=connection.token,
                     name="kvhint-router", connect_timeout=2,
+                    flush_timeout=PUBLISH_FLUSH_TIMEOUT_S,
                     allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=1,
                     error_cb=self._error_cb, disconnected_cb=self._disconnected_cb,
                     reconnected_cb=self._reconnected_cb,

@@ -32,6 +32,7 @@ import pytest
 from conftest import StubWorker, router_settings, running_router
 from feed_helpers import ACTIONS_WITH_OWNER, until
 from kvhint.router.devstack.nats_server import NatsServerProcess
+from kvhint.router.service.nats_link import PUBLISH_FLUSH_TIMEOUT_S
 from kvhint.schemas import (
     Amount,
     Budgets,
@@ -297,3 +298,28 @@ async def test_actions_nats_refused_cost_no_rate(
         (sent,) = again.json()["actions"]
         assert sent["status"] != "failed"
         await until(lambda: sent["action_id"] in plugins.received["w0"])
+
+
+async def test_a_publish_to_a_server_that_stopped_reading_returns_in_bounded_time(
+        tmp_path: Path, nats_own: NatsServerProcess,
+        stub_workers: list[StubWorker]) -> None:
+    """The server frozen (its socket open, nothing read) and the router's connection full,
+    a publish waits on nats-py's forced flush, which had no bound: it returned only when
+    the server read again, and with it whatever sent it (the planner's tick, an end, an
+    agent's hints call) hung. It returns within PUBLISH_FLUSH_TIMEOUT_S now, its message
+    still queued (delivered once the server reads), the timeout counted as a client
+    error."""
+    async with fleet(tmp_path, nats_own, stub_workers) as (router, _client, _plugins):
+        runtime = router.runtime
+        _signal(nats_own, signal.SIGSTOP)
+        try:
+            junk = await _flush_blocked(runtime)
+            started = time.monotonic()
+            waited = await asyncio.wait_for(
+                runtime.link.publish("junk.fill", b"x"), PUBLISH_FLUSH_TIMEOUT_S + 3)
+            assert waited is True  # queued, not refused: the link is still connected
+            assert time.monotonic() - started < PUBLISH_FLUSH_TIMEOUT_S + 3
+            assert "FlushTimeoutError" in (runtime.link.last_error or "")
+        finally:
+            _signal(nats_own, signal.SIGCONT)
+        await asyncio.gather(*junk)
