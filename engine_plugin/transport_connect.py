@@ -30,6 +30,8 @@ logger = logging.getLogger(LOGGER_NAME)
 CONNECT_ATTEMPT_S = 5.0
 FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 5.0
+# How often a connect attempt nats-py has not let end is cancelled again (_cancelled).
+CANCEL_RETRY_S = 0.05
 
 
 async def connect_until_stopped(stop: asyncio.Event, connection: NatsConnection,
@@ -71,8 +73,7 @@ async def _attempt(nc: Client, stop: asyncio.Event, connection: NatsConnection,
     finally:
         stopped.cancel()
     if not attempt.done():
-        attempt.cancel()
-        await asyncio.gather(attempt, return_exceptions=True)  # its CancelledError
+        await _cancelled(attempt)
         return "stopped" if stop.is_set() else f"no connection within {CONNECT_ATTEMPT_S:g}s"
     error = attempt.exception()
     if error is not None and not isinstance(error, (NatsError, OSError, asyncio.TimeoutError)):
@@ -94,6 +95,18 @@ def _failure(error: BaseException | str, last_error: BaseException | None) -> st
         cause, (NatsTimeoutError, StaleConnectionError))
     text = f"{'refused the connection' if answered else 'unreachable'}: {cause}"
     return f"{text} ({error})" if isinstance(error, str) else text
+
+
+async def _cancelled(attempt: asyncio.Future[Any]) -> None:
+    """Cancel ``attempt`` until it is done. nats-py's connect can swallow one
+    cancellation (its ``_close`` between two tries catches CancelledError while it waits
+    for its reconnection task) and go on trying; awaited once, such an attempt kept the
+    transport's thread alive past ``stop()`` (seen in CI: stop took its whole 5 s join)."""
+    while not attempt.done():
+        attempt.cancel()
+        await asyncio.wait({attempt}, timeout=CANCEL_RETRY_S)
+    if not attempt.cancelled():
+        attempt.exception()  # retrieved: a late failure is no "never retrieved" warning
 
 
 async def _close_quietly(nc: Client) -> None:
