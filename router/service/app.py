@@ -34,10 +34,9 @@ from kvhint.router.service.inbound import (
     BodyTimeout,
     Endpoint,
     check_json_media_type,
-    openai_error,
+    error_response,
     parse_inbound,
     read_body_within,
-    refusal_headers,
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.origin_policy import OriginPolicy
@@ -131,7 +130,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
-    return RouterApp(app, OriginPolicy(settings, _error))
+    return RouterApp(app, OriginPolicy(settings, error_response))
 
 
 def _path_parameters_take_line_breaks(app: FastAPI) -> None:
@@ -187,12 +186,12 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         check_parallel_samples(inbound.body, runtime.settings.routing.max_n)
     except AuthError as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
-        return _error(exc.message, exc.status)
+        return error_response(exc.message, exc.status)
     except BadRequest as exc:
         if isinstance(exc, BodyTimeout):
             runtime.metrics.client_timeouts.labels("body").inc()
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
-        return _error(exc.message, exc.status, exc.param, exc.error_type)
+        return error_response(exc.message, exc.status, exc.param, exc.error_type)
     except ClientDisconnect:
         # Gone before its body was whole: nothing to forward, nobody to answer; a 499
         # like any client that leaves (forwarding.py), not an error of the router's.
@@ -216,10 +215,10 @@ async def _models(request: Request) -> Response:
     try:
         tenant = runtime.directory.client(api_key_of(request.headers))
     except AuthError as exc:
-        return _error(exc.message, exc.status)
+        return error_response(exc.message, exc.status)
     workers = [w for w in runtime.workers.routable() if w.url]
     if not workers:
-        return _error("no worker available", 503)
+        return error_response("no worker available", 503)
     results = await asyncio.gather(
         *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0, worker_id=w.worker_id)
           for w in workers),
@@ -233,7 +232,7 @@ async def _models(request: Request) -> Response:
                 if isinstance(item, dict) and "id" in item and tenant.may_use(str(item["id"])):
                     merged.setdefault(item["id"], item)
     if not answered:
-        return _error("no worker answered /v1/models", 502)
+        return error_response("no worker answered /v1/models", 502)
     return JSONResponse({"object": "list", "data": list(merged.values())})
 
 
@@ -277,7 +276,7 @@ async def _metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     token = runtime.settings.metrics_token
     if token is not None and not bearer_matches(request.headers.get("authorization"), token):
-        return _error("/metrics needs the metrics token (Authorization: Bearer <token>)", 401)
+        return error_response("/metrics needs the metrics token (Authorization: Bearer <token>)", 401)
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
 
 
@@ -287,7 +286,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     (FastAPI's default body is ``{"detail": ...}``); status and headers unchanged.
     Starlette's are counted here (:func:`_count_unrouted`); the admin API counts its own."""
     _count_unrouted(request, exc)
-    response = _error(str(exc.detail), exc.status_code)
+    response = error_response(str(exc.detail), exc.status_code)
     response.headers.update(exc.headers or {})
     return response
 
@@ -340,7 +339,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
             problems.append(f"{place} {name!r}: {error.get('msg', 'invalid')}")
         else:
             problems.append(f"request body: {error.get('msg', 'invalid')}")
-    return _error("; ".join(problems) or "invalid request", 422, param)
+    return error_response("; ".join(problems) or "invalid request", 422, param)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -348,10 +347,6 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     runtime = getattr(request.app.state, "runtime", None)
     if runtime is not None:
         runtime.metrics.drop("internal_error")
-    return _error(f"internal router error: {type(exc).__name__}", 500)
+    return error_response(f"internal router error: {type(exc).__name__}", 500)
 
 
-def _error(message: str, status: int, param: str | None = None,
-           error_type: str | None = None) -> Response:
-    return Response(openai_error(message, status, param, error_type), status_code=status,
-                    media_type="application/json", headers=refusal_headers(status))

@@ -25,7 +25,7 @@ from starlette.responses import Response
 
 from kvhint.router.policy import NoWorkerAvailable
 from kvhint.router.service.flight_accounting import Flight, FlightAccounting
-from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.inbound import InboundRequest, error_response, openai_error
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
@@ -164,7 +164,7 @@ class Forwarder:
                 if last_error is not None:
                     break  # the retry found no other worker: report the first failure
                 await self._accounting.account(flight, 503)
-                return _error(f"no worker available: {exc}", 503)
+                return error_response(f"no worker available: {exc}", 503)
             worker_id = flight.plan.decision.worker_id
             worker = self._workers.get(worker_id)
             assert worker is not None
@@ -178,7 +178,7 @@ class Forwarder:
                 return Response(status_code=499)
             except UpstreamTimeout as exc:
                 await self._accounting.account(flight, 504)
-                return _error(str(exc), 504)
+                return error_response(str(exc), 504)
             except UpstreamUnavailable as exc:
                 last_error = exc
                 if self._workers.is_current(worker):
@@ -191,11 +191,7 @@ class Forwarder:
             return await self._respond(flight, upstream)
         assert last_error is not None
         await self._accounting.account(flight, last_error.status or 502)
-        if last_error.status is not None:
-            # The worker's own refusal (e.g. 503 overloaded): pass it through as it is.
-            return Response(last_error.body, status_code=last_error.status,
-                            media_type="application/json")
-        return _error(f"worker unavailable: {last_error.reason}", 502)
+        return unavailable_answer(last_error)
 
     async def _open(self, flight: Flight, worker: WorkerState, body: bytes
                     ) -> UpstreamResponse:
@@ -351,7 +347,7 @@ class Forwarder:
                 self._metrics.broken_streams.labels(upstream.worker_id).inc()
                 code = 504 if exc.timed_out else 502
                 await self._accounting.account(flight, code)
-                return _error(f"worker failed while responding: {exc}", code)
+                return error_response(f"worker failed while responding: {exc}", code)
             finally:
                 if signal is not None:
                     signal.remove_done_callback(client_gone)
@@ -409,6 +405,11 @@ class Forwarder:
             flight.prefill_pending = 0
         self._metrics.ttfb.labels(flight.inbound.endpoint.value).observe(
             time.perf_counter() - flight.received)
-def _error(message: str, status: int) -> Response:
-    return Response(openai_error(message, status), status_code=status,
-                    media_type="application/json")
+
+
+def unavailable_answer(exc: UpstreamUnavailable) -> Response:
+    """What a client is told when its worker could not be reached: the worker's own
+    refusal (e.g. 503 overloaded) as it is, else a 502."""
+    if exc.status is not None:
+        return Response(exc.body, status_code=exc.status, media_type="application/json")
+    return error_response(f"worker unavailable: {exc.reason}", 502)

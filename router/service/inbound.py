@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from starlette.responses import Response
 
 from kvhint.router.service.tenancy import Tenant
 
@@ -318,3 +319,11 @@ def openai_error(message: str, status: int, param: str | None = None,
     return msgspec.json.encode(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   error_type: str | None = None) -> Response:
+    """The router's own error answer: :func:`openai_error`'s body, with
+    :func:`refusal_headers`."""
+    return Response(openai_error(message, status, param, error_type), status_code=status,
+                    media_type="application/json", headers=refusal_headers(status))

@@ -33,8 +33,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvhint.router.service.cross_site import cross_site_refusal
-from kvhint.router.service.forwarding import WORKER_HEADER
-from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.forwarding import WORKER_HEADER, unavailable_answer
+from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
@@ -106,7 +106,7 @@ class ResponsesGateway:
         only_worker: str | None = None
         if previous is not None:
             if not isinstance(previous, str):
-                return self._refused(_error("'previous_response_id' must be a string", 400,
+                return self._refused(error_response("'previous_response_id' must be a string", 400,
                                             "previous_response_id"))
             found = self.ids.find(previous, inbound.tenant.name)
             if isinstance(found, IdMiss):
@@ -154,7 +154,7 @@ class ResponsesGateway:
         worker = self._runtime.workers.get(entry.worker_id)
         if inbound.model is None or worker is None or worker.may_serve(inbound.model):
             return None
-        return _error(f"The model `{inbound.model}` does not exist.", 404, "model",
+        return error_response(f"The model `{inbound.model}` does not exist.", 404, "model",
                       "NotFoundError")
 
     # --- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel -------------------------
@@ -176,13 +176,13 @@ class ResponsesGateway:
             tenant = runtime.directory.client(api_key_of(request.headers))
         except AuthError as exc:
             counted.labels(op, str(exc.status)).inc()
-            return _error(exc.message, exc.status)
+            return error_response(exc.message, exc.status)
         # After the key (none is still a 401): a cancel changes state.
         refusal = cross_site_refusal(method, request.headers, runtime.metrics,
                                      "responses_cancel") if op == "cancel" else None
         if refusal is not None:
             counted.labels(op, "403").inc()
-            return _error(refusal, 403)
+            return error_response(refusal, 403)
         found = self.ids.find(response_id, tenant.name)
         if isinstance(found, IdMiss):
             answer = _miss_answer(response_id, found)
@@ -200,12 +200,12 @@ class ResponsesGateway:
                 None if dp_rank is None else {DATA_PARALLEL_RANK_HEADER: str(dp_rank)},
                 method=method)
         except UpstreamUnavailable as exc:
-            answer = _unavailable(exc)
+            answer = unavailable_answer(exc)
             counted.labels(op, str(answer.status_code)).inc()
             return answer
         except UpstreamTimeout as exc:
             counted.labels(op, "504").inc()
-            return _error(str(exc), 504)
+            return error_response(str(exc), 504)
         return await _relayed(upstream, lambda code: counted.labels(op, str(code)).inc())
 
 
@@ -220,7 +220,7 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
         except UpstreamBroken as exc:
             code = 504 if exc.timed_out else 502
             count(code)
-            return _error(f"worker failed while responding: {exc}", code)
+            return error_response(f"worker failed while responding: {exc}", code)
         count(upstream.status)
         return Response(payload, status_code=upstream.status, headers=headers)
     counted = False
@@ -266,24 +266,13 @@ def _miss_answer(response_id: str, miss: IdMiss) -> Response:
     """What a client is told for a response id the router does not send on."""
     if miss.reason in ("unknown", "other_tenant", "unverified"):
         # vLLM's own words for an id it does not hold: another tenant's id looks the same.
-        return _error(f"Response with id '{response_id}' not found.", 404, "response_id")
+        return error_response(f"Response with id '{response_id}' not found.", 404, "response_id")
     if miss.reason == "worker_down":
-        return _error(f"Response with id '{response_id}' is held by worker "
+        return error_response(f"Response with id '{response_id}' is held by worker "
                       f"{miss.worker_id}, which is unavailable now; retry later "
                       f"({_STORED_ONLY}).", 503, "response_id")
     why = ("has left the fleet" if miss.reason == "worker_gone"
            else "has restarted since")
-    return _error(f"Response with id '{response_id}' not found: worker {miss.worker_id}, "
+    return error_response(f"Response with id '{response_id}' not found: worker {miss.worker_id}, "
                   f"which stored it, {why} ({_STORED_ONLY}).", 404, "response_id")
 
-
-def _unavailable(exc: UpstreamUnavailable) -> Response:
-    if exc.status is not None:  # the worker's own refusal (503 overloaded...): as it is
-        return Response(exc.body, status_code=exc.status, media_type="application/json")
-    return _error(f"worker unavailable: {exc.reason}", 502)
-
-
-def _error(message: str, status: int, param: str | None = None,
-           error_type: str | None = None) -> Response:
-    return Response(openai_error(message, status, param, error_type), status_code=status,
-                    media_type="application/json")

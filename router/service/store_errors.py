@@ -64,7 +64,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvhint.router.service.inbound import openai_error
+from kvhint.router.service.inbound import error_response
 from kvhint.router.store.db_errors import sqlstate as driver_sqlstate
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class StoreReadErrors:
             log.warning("store unavailable on %s: %s", path, failure.cause)
             if runtime is not None:
                 runtime.metrics.drop("store_read_error")
-            return _error("the router's store cannot be read right now; retry later", 503)
+            return error_response("the router's store cannot be read right now; retry later", 503)
         if runtime is not None:
             runtime.metrics.drop("store_read_error:permanent")
         if failure.cause not in self._logged:
@@ -181,11 +181,11 @@ class StoreReadErrors:
                       "drops{what=\"store_read_error:permanent\"}", path, failure.cause,
                       statement or "-")
         if failure.config:
-            return _error(f"the router's store refuses its connection ({failure.cause}); "
+            return error_response(f"the router's store refuses its connection ({failure.cause}); "
                           "retrying will not help until the router's database_url (its "
                           "role, password or database) or the server's access rules are "
                           "fixed", 500)
-        return _error(f"the router's store cannot serve this read ({failure.cause}); "
+        return error_response(f"the router's store cannot serve this read ({failure.cause}); "
                       "retrying will not help until the store is fixed (its schema "
                       "migrated, its database restored)", 500)
 
@@ -193,8 +193,3 @@ class StoreReadErrors:
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else type(error).__name__
-
-
-def _error(message: str, status: int) -> Response:
-    return Response(openai_error(message, status), status_code=status,
-                    media_type="application/json")
