@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 import msgspec
 from starlette.responses import Response
 
+from kvhint.router.hashing import HashConfig
 from kvhint.router.policy import NoWorkerAvailable
 from kvhint.router.service.flight_accounting import Flight, FlightAccounting
 from kvhint.router.service.inbound import InboundRequest, error_response, openai_error
@@ -316,18 +317,27 @@ class Forwarder:
                                          predicted, plan.block_hashes, exact)
 
     def _hashed_as_it_does(self, worker: WorkerState, plan: RoutePlan) -> bool:
-        """Whether the plan's prompt was hashed at the block size the worker's heartbeat
-        gave. Before its first heartbeat (its KV events can come first, its stream live),
-        the prompt was hashed at another worker's block size or the router's
-        ``block_size`` setting (routing_service ``_hash_config``), which the worker may not
-        use (vLLM's default differs by platform); so it was too when another candidate
-        of another block size was heard first. No hash then matches its blocks, and the
+        """Whether the plan's prompt was hashed as the worker's heartbeat says it hashes:
+        block size, ``hash_algo`` and NONE_HASH seed. Before its first heartbeat (its KV
+        events can come first, its stream live), the prompt was hashed at another
+        worker's block size or the router's ``block_size`` setting (routing_service
+        ``_hash_config``), which the worker may not use (vLLM's default differs by
+        platform); so it was too when another candidate of another block size was heard
+        first (``block_size_unheard``). A worker of the same block size that hashes with
+        another algorithm or seed than the candidate heard first (a fleet configured
+        apart: ``--prefix-caching-hash-algo``, ``PYTHONHASHSEED``) holds none of these
+        hashes either (``hash_config_differs``; its cache is invisible to routing, which
+        is the operator's to fix). Either way no hash matches its blocks, and the
         prediction (nothing cached) says nothing of its cache: it is not checked against
         the worker's answer, nor learnt from; counted. Routing is unchanged."""
-        if worker.status is not None and worker.status.block_size == plan.block_size:
-            return True
-        self._metrics.drop("cached_prediction_unchecked:block_size_unheard")
-        return False
+        status = worker.status
+        if status is None or status.block_size != plan.block_size:
+            self._metrics.drop("cached_prediction_unchecked:block_size_unheard")
+            return False
+        if HashConfig.from_status(status) != plan.hash_config:
+            self._metrics.drop("cached_prediction_unchecked:hash_config_differs")
+            return False
+        return True
 
     async def _respond(self, flight: Flight, upstream: UpstreamResponse) -> Response:
         headers = dict(upstream.headers)

@@ -70,10 +70,17 @@ class RoutePlan:
     decision: RouteDecision
     prompt_tokens: int
     block_hashes: tuple[int, ...]
-    block_size: int
+    # How the prompt was (or would be) hashed: the block size, algorithm and seed of the
+    # first live candidate heard (``_hash_config``); a worker hashing otherwise cannot
+    # hold these hashes.
+    hash_config: HashConfig
     exact: bool  # prompt_tokens/block_hashes come from the real tokenizer
     # Only one worker could take it: decided without hashing; complete() hashes later.
     deferred: bool = False
+
+    @property
+    def block_size(self) -> int:
+        return self.hash_config.block_size
 
     def predicted_for(self, worker_id: str) -> int:
         """Cached tokens the decision predicted on ``worker_id``."""
@@ -133,17 +140,18 @@ class RoutingService:
             decision = RouteDecision(worker_id=only, fallbacks=(), predicted_cached_tokens=0,
                                      predicted_host_tokens=0, reason="only_worker")
             return RoutePlan(decision, _estimate_tokens(inbound), (),
-                             self._hash_config(candidates).block_size, exact=False,
-                             deferred=True)
+                             self._hash_config(candidates), exact=False, deferred=True)
+        config = self._hash_config(candidates)
         if earlier is not None and earlier.exact:
             block_hashes, prompt_tokens = earlier.block_hashes, earlier.prompt_tokens
-            block_size, exact = earlier.block_size, True
-        elif (hashes := await self._hash(inbound, candidates)) is not None:
+            config, exact = earlier.hash_config, True
+        elif (hashes := await self._hash(inbound, config)) is not None:
             block_hashes, prompt_tokens = hashes.block_hashes, hashes.num_tokens
-            block_size, exact = hashes.block_size, True
+            config, exact = replace(config, block_size=hashes.block_size), True
         else:  # not tokenizable here: routed on an estimate, without cache overlap
             block_hashes, prompt_tokens = (), _estimate_tokens(inbound)
-            block_size, exact = self._hash_config(candidates).block_size, False
+            exact = False
+        block_size = config.block_size
         started = time.perf_counter()
         now = self.clock()
         overlaps: dict[str, Overlap] = {}
@@ -167,12 +175,13 @@ class RoutingService:
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
             self._loads.session_placed(decision.worker_id, now)
-        return RoutePlan(decision, prompt_tokens, block_hashes, block_size, exact)
+        return RoutePlan(decision, prompt_tokens, block_hashes, config, exact)
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
         """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""
         chosen = self.workers.get(plan.decision.worker_id)
-        hashes = await self._hash(inbound, [chosen] if chosen is not None else [])
+        config = self._hash_config([chosen] if chosen is not None else [])
+        hashes = await self._hash(inbound, config)
         if hashes is None:
             return replace(plan, deferred=False)
         worker_id = plan.decision.worker_id
@@ -184,11 +193,10 @@ class RoutingService:
         score = WorkerScore(worker_id, 0.0, cached, host)
         decision = replace(plan.decision, predicted_cached_tokens=cached,
                            predicted_host_tokens=host, scores=(score,))
-        return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes, hashes.block_size,
-                         exact=True)
+        return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes,
+                         replace(config, block_size=hashes.block_size), exact=True)
 
-    async def _hash(self, inbound: InboundRequest,
-                    candidates: Sequence[WorkerState]) -> PromptHashes | None:
+    async def _hash(self, inbound: InboundRequest, config: HashConfig) -> PromptHashes | None:
         hasher = self.hasher
         if hasher is None:
             return None
@@ -198,7 +206,6 @@ class RoutingService:
         if self._surely_too_long(inbound):
             self.metrics.drop("prompt_hashing:over_max_length")
             return None
-        config = self._hash_config(candidates)  # read here: the registry belongs to the loop
         started = time.perf_counter()
         try:
             queue = self.hash_executor

@@ -315,7 +315,10 @@ _DROP_LOSSES = {
     "hint_not_restored:unscoped",
     # A Responses follow-up whose session the store could not say (failed, slow): the
     # turn continues none.
-    "response_session_unread"}
+    "response_session_unread",
+    # A worker hashing with another algorithm or seed than the one heard first: its
+    # cache is invisible to routing (a fleet configured apart).
+    "cached_prediction_unchecked:hash_config_differs"}
 # Normal under load or by design (on the Drops panel, no alert).
 _DROP_EXPECTED = {
     # Bounded memory and disk letting go, as designed.
