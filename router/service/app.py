@@ -183,7 +183,7 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         check_json_media_type(headers.get("content-type"))  # read first: no unread body
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
                                 headers.get(SESSION_END_HEADER))
-        check_parallel_samples(inbound.body, runtime.settings.routing.max_n)
+        check_parallel_samples(inbound.body, runtime.settings.routing.max_n, endpoint)
     except AuthError as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return error_response(exc.message, exc.status)

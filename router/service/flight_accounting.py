@@ -104,7 +104,8 @@ class FlightAccounting:
             self._metrics.drop(lost)
         if observation.prompt_tokens is not None and flight.worker_id is not None:
             predicted = flight.predicted_cached
-            if predicted is not None and parallel_samples(flight.inbound.body) > 1:
+            inbound = flight.inbound
+            if predicted is not None and parallel_samples(inbound.body, inbound.endpoint) > 1:
                 # vLLM runs n > 1 as n child requests of one prompt, scheduled together:
                 # the first prefills it, the others hit the blocks it just allocated.
                 # usage counts the prompt once (as the prediction and the dispatched

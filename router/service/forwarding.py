@@ -391,6 +391,12 @@ class Forwarder:
                 # right after [DONE]) was served: its usage counts, its session is planned.
                 status = status if relay.finished else 499
                 return
+            if relay.finished:
+                # The worker's connection broke after its terminal event ([DONE], a
+                # Responses stream's response.completed) was relayed, before the
+                # stream's own end: the client has its whole answer, and nothing goes
+                # after that event.
+                return
             status = 504 if exc.timed_out else 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
             if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read

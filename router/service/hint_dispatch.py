@@ -179,12 +179,31 @@ class HintDispatcher:
         for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
             self._expire(record, now, "worker forgotten")
 
-    def workers_pruned(self, worker_ids: Iterable[str]) -> None:
-        """Retention deleted these workers' rows (store.retention.prune), their feedback
-        rows with them: what they taught goes from memory too
-        (:meth:`LearnedState.worker_pruned`)."""
+    def workers_pruned(self, worker_ids: Iterable[str], retention_s: float) -> None:
+        """Retention deleted these workers' rows (store.retention.prune), their actions'
+        and feedback rows with them: what memory keeps of each goes too. What it taught
+        (:meth:`LearnedState.worker_pruned`); what it held (its Pins/Retains no longer
+        count against budgets); its actions still waiting for an outcome, which end
+        ``expired`` now, not saved (their rows are gone, and the store would refuse them
+        without the worker's). The actions let go are counted
+        (``hint_dropped:worker_pruned``). Before, its pending actions and holdings stayed
+        until their deadline and TTL, or until the registry forgot the worker
+        (:meth:`forget_worker`), which may be later (``events_stream_max_age_s``).
+        A worker this router heard within ``retention_s`` is live (a heartbeat the store
+        had not had yet, a plugin clock behind the router's) and keeps all of it: its
+        next heartbeat writes its row again."""
+        now = self._clock()
         for worker_id in worker_ids:
+            if self._workers.heard_within(worker_id, retention_s):
+                continue
             self._learning.worker_pruned(worker_id)
+            waiting = [r for r in self.pending.values() if r.worker_id == worker_id]
+            held_too = sum(record.action_id in self.holdings for record in waiting)
+            dropped = len(waiting) + self.holdings.forget_worker(worker_id) - held_too
+            for record in waiting:
+                self._expire(record, now, "worker pruned by store retention", save=False)
+            if dropped:
+                self._metrics.drop("hint_dropped:worker_pruned", dropped)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -320,12 +339,13 @@ class HintDispatcher:
             self._expire(record, now, f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s")
         return len(late)
 
-    def _expire(self, record: SentAction, now: float, reason: str) -> None:
+    def _expire(self, record: SentAction, now: float, reason: str, save: bool = True) -> None:
         record.status = EXPIRED
         record.reason = reason
         record.updated_at = now
         self._metrics.hints.labels(record.action_type, EXPIRED, record.source).inc()
-        self._save(record)
+        if save:
+            self._save(record)
         self._finish(record)
 
     def _finish(self, record: SentAction) -> None:

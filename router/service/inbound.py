@@ -214,8 +214,11 @@ def parse_inbound(
             _scope_media_uuids(body["messages"], tenant.cache_salt)
         elif endpoint is Endpoint.RESPONSES and isinstance(body["input"], list):
             # vLLM keeps a part's uuid through its Responses validation into the same
-            # chat parsing: the same scoping.
+            # chat parsing: the same scoping, for a message's content and for a tool
+            # output's parts (a ``function_call_output``'s ``output`` list is its tool
+            # message's content: responses/utils.py).
             _scope_media_uuids(body["input"], tenant.cache_salt, "input")
+            _scope_media_uuids(body["input"], tenant.cache_salt, "input", "output")
 
     strip_usage = False
     # A Responses stream always ends in its usage (response.completed): nothing to ask.
@@ -249,8 +252,8 @@ def parse_inbound(
 
 
 def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
-                       field: str = "messages") -> None:
-    """Make every content part's ``uuid`` the tenant's own.
+                       field: str = "messages", parts: str = "content") -> None:
+    """Make every content part's ``uuid`` (in each item's ``parts`` list) the tenant's own.
 
     vLLM 0.32 takes a part's client-given ``uuid`` as its media item's hash, and keys
     the processor's and the encoder's caches by it alone, not by ``cache_salt``
@@ -261,7 +264,7 @@ def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
     of the tenant's salt and the uuid: one tenant's repeats still hit its cache; no two
     tenants share an entry."""
     for number, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
+        content = message.get(parts) if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
@@ -270,7 +273,7 @@ def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
             uuid = part["uuid"]
             if not isinstance(uuid, str):
                 raise BadRequest("a content part's 'uuid' must be a string",
-                                 param=f"{field}[{number}].content")
+                                 param=f"{field}[{number}].{parts}")
             part["uuid"] = hashlib.sha256(f"{salt}\x00{uuid}".encode()).hexdigest()
 
 

@@ -28,6 +28,9 @@ which planner function it asks for hints.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -73,6 +76,8 @@ from kvhint.schemas import (
     make_action,
 )
 
+log = logging.getLogger(__name__)
+
 
 class SessionLifecycle:
     def __init__(self, sessions: SessionRegistry, hints: HintDispatcher, metrics: RouterMetrics,
@@ -100,14 +105,18 @@ class SessionLifecycle:
         self._load_session = load_session
         self._index_exact = index_exact
         self._max_prompt_blocks = max_prompt_blocks
+        # Each session's end in progress (:meth:`end`): a concurrent end joins it.
+        self._ending: dict[tuple[str, str], asyncio.Future[list[SentAction]]] = {}
 
     async def recall(self, tenant: str, session_id: str) -> None:
-        """Before a turn of a session not in memory: when the registry is not complete
-        (sessions were evicted, or not all restored), bring its stored record back, so
-        the turn continues its history instead of starting a blank one that the first
-        save writes over the stored row."""
-        if self.sessions.complete or self._load_session is None \
-                or self.sessions.get(tenant, session_id) is not None:
+        """Before a turn (an end, a hints call) of a session not in memory: bring its
+        stored record back, so the turn continues its history instead of starting a
+        blank one that the first save writes over the stored row. Any session id not in
+        memory is looked up, once (the turn then makes its record): the store is shared
+        with other replicas, whose sessions no registry's restore or bookkeeping can
+        know of (another replica's session continued here; or one forgotten, evicted, or
+        not restored). ``load_session`` bounds the wait (session_reads.py)."""
+        if self._load_session is None or self.sessions.get(tenant, session_id) is not None:
             return
         row = await self._load_session(tenant, session_id)
         if row is not None:
@@ -213,22 +222,45 @@ class SessionLifecycle:
         it is released (its claims outlive an abandonment, and an agent may hint a session
         the planner abandoned), so a repeated end sends nothing when nothing is held. Either
         way the session is now one its client ended (``ended_explicitly``: it takes no
-        more agent hints until its next turn)."""
+        more agent hints until its next turn).
+
+        An end that comes while another end of the session is still sending (a second
+        DELETE, or an admin's end, while the first publishes its releases) joins it: it
+        sends nothing itself and answers with what that end sent (run again, it would
+        send the same releases twice, and the planner's end after them). The end runs to
+        its last step even if the caller that started it goes away meanwhile."""
+        ending = self._ending.get(record.key)
+        if ending is None or ending.done() or record.state != ENDED:
+            # Marked ended before any await (hints checked from here on are refused);
+            # what the end sends, in a task of its own that every end of it awaits.
+            ending = asyncio.ensure_future(self._send_end(record, self._mark_ended(record)))
+            self._ending[record.key] = ending
+            ending.add_done_callback(functools.partial(self._end_done, record.key))
+        return list(await asyncio.shield(ending))
+
+    def _mark_ended(self, record: SessionRecord) -> float | None:
+        """The steps of :meth:`end` before its first await; the clock reading of a new
+        end, None for a session that had already ended (only the agent's claims left)."""
         if record.state == ENDED and record.plan.ended:
             if not record.plan.ended_explicitly:  # abandoned, now ended by its client too
                 record.plan = replace(record.plan, ended_explicitly=True)
                 self.sessions.save(record)
-            return await self._release_agent_claims(record, self._clock(), None)
+            return None
         now = self._clock()
         record.state = ENDED
-        # Ended by its client from here on, before the first await below: a hints call
-        # checked while this end publishes its releases is refused (session_ended), not
-        # sent with a claim the release, already under way, does not cover.
+        # Ended by its client from here on, before the first await: a hints call checked
+        # while this end publishes its releases is refused (session_ended), not sent
+        # with a claim the release, already under way, does not cover.
         record.plan = replace(record.plan, ended_explicitly=True)
         record.ended_at = now
         record.open_gap = None
         if self._on_end is not None:
             self._on_end(record.tenant, record.session_id)
+        return now
+
+    async def _send_end(self, record: SessionRecord, now: float | None) -> list[SentAction]:
+        if now is None:  # had already ended: what an agent runtime still holds, if any
+            return await self._release_agent_claims(record, self._clock(), None)
         event = SessionEnded(record.worker_session_id, now)
         # First, so that the planner's Demote that may follow can let go of those blocks.
         sent = await self._release_agent_claims(record, now, record.plan.worker_id)
@@ -236,6 +268,14 @@ class SessionLifecycle:
             self.hints.context(now, record.tenant), record.plan, event))
         self.sessions.save(record)
         return sent
+
+    def _end_done(self, key: tuple[str, str], ending: asyncio.Future[list[SentAction]]) -> None:
+        if self._ending.get(key) is ending:
+            del self._ending[key]
+        if not ending.cancelled() and (error := ending.exception()) is not None:
+            # Its callers, if any still wait, get the error too; one gone (a client that
+            # left) would leave it to asyncio's "never retrieved" at collection.
+            log.error("ending session %s/%s failed", *key, exc_info=error)
 
     async def _release_agent_claims(self, record: SessionRecord, now: float,
                                     planner_ends_on: str | None) -> list[SentAction]:

@@ -87,6 +87,9 @@ CLIENT_TIMEOUT_PHASES = ("headers", "body")
 # refused itself before any worker had them, by reason (a bounded set; forwarding.py).
 GATEWAY_REJECTIONS = (
     "over_in_flight",  # 429: the tenant's max_in_flight requests are in flight already
+    # 400: a background Responses request of a tenant with a max_in_flight (it would run
+    # past the cap: responses_api.py)
+    "background_over_cap",
 )
 # kvhint_router_response_id_misses_total{reason}: a stored response id a request named
 # that the router did not send on (responses_ids.py), a bounded set.
@@ -107,6 +110,16 @@ RESPONSE_SESSION_READS = (
     "error",         # the store failed the read
     "timeout",       # no answer within responses.session_read_timeout_s
     "busy",          # not read: as many reads in flight as allowed (the store is slow)
+)
+# kvhint_router_session_reads_total{outcome}: the store read of a session's row on a turn
+# (or an end, a hints call) of a session id this replica holds no record of
+# (session_reads.py), a bounded set.
+SESSION_READS = (
+    "found",    # continued from the stored row (another replica's, or forgotten here)
+    "missing",  # no row: a new session (or one written behind, store_flush_interval_s)
+    "error",    # the store failed the read: a record of its own
+    "timeout",  # no answer within routing.session_read_timeout_s: a record of its own
+    "busy",     # not read: no read slot came free within that time (the store is slow)
 )
 # kvhint_router_response_id_requests_total{op, code}: GET /v1/responses/{id} and
 # POST /v1/responses/{id}/cancel (responses_api.py), a bounded set.
@@ -384,7 +397,8 @@ class RouterMetrics:
         self.gateway_rejections = Counter(
             "kvhint_router_gateway_rejections",
             "Inference requests the router refused before any worker had them, by tenant "
-            "and reason (over_in_flight: past the tenant's max_in_flight)",
+            "and reason (over_in_flight: past the tenant's max_in_flight; "
+            "background_over_cap: a background Responses request of a tenant with one)",
             ["tenant", "reason"], registry=r)
         self.tenant_in_flight = Gauge(
             "kvhint_router_tenant_in_flight",
@@ -419,6 +433,13 @@ class RouterMetrics:
             "(responses.session_read_timeout_s)", ["outcome"], registry=r)
         for outcome in RESPONSE_SESSION_READS:
             self.response_session_reads.labels(outcome)
+        self.session_reads = Counter(
+            "kvhint_router_session_reads",
+            "Store reads of a session's row for a turn, end or hints call of a session id "
+            "this router holds no record of (another replica's, forgotten, or new), by "
+            "outcome (routing.session_read_timeout_s)", ["outcome"], registry=r)
+        for outcome in SESSION_READS:
+            self.session_reads.labels(outcome)
         self.response_id_requests = Counter(
             "kvhint_router_response_id_requests",
             "GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, by op and code "

@@ -82,6 +82,16 @@ def stores_response(body: dict[str, Any]) -> bool:
     return bool(flags.store) or bool(flags.background)
 
 
+def runs_in_background(body: dict[str, Any]) -> bool:
+    """Whether vLLM runs the response ``body`` asks for in the background (``background``
+    read as :class:`_Storing` reads it; a value pydantic refuses: vLLM answers 400)."""
+    try:
+        return bool(_Storing.model_validate(
+            {"background": body["background"]} if "background" in body else {}).background)
+    except ValidationError:
+        return False
+
+
 class ResponsesGateway:
     """The Responses API's routes, on the app's state (``app.state.responses``)."""
 
@@ -102,6 +112,16 @@ class ResponsesGateway:
         its type as for chat)."""
         runtime = self._runtime
         body = inbound.body
+        cap = inbound.tenant.max_in_flight
+        if cap is not None and runs_in_background(body):
+            # Answered queued, it runs on its worker after its slot is given back: a
+            # capped tenant could queue any number of them past its max_in_flight.
+            runtime.metrics.gateway_rejections.labels(inbound.tenant.name,
+                                                      "background_over_cap").inc()
+            return self._refused(error_response(
+                "background responses run on the worker after this request ends, outside "
+                f"your key's limit of {cap} requests in flight (max_in_flight): send it "
+                "without 'background'", 400, "background"))
         previous = body.get("previous_response_id")
         only_worker: str | None = None
         if previous is not None:
@@ -223,7 +243,7 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
             return error_response(f"worker failed while responding: {exc}", code)
         count(upstream.status)
         return Response(payload, status_code=upstream.status, headers=headers)
-    counted = False
+    counted = gone = False
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         nonlocal counted
@@ -231,8 +251,12 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
         try:
             async for chunk in upstream.chunks():
                 yield chunk
+            if gone:  # closed for the client gone: a response aiohttp had whole ends
+                status = 499
         except UpstreamBroken as exc:
-            status = 504 if exc.timed_out else 502
+            # Broken by the router's own close for a client gone (on_gone): the client
+            # left, the worker did not fail.
+            status = 499 if gone else 504 if exc.timed_out else 502
         except (GeneratorExit, asyncio.CancelledError):
             status = 499
             raise
@@ -243,7 +267,9 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
                 count(status)
 
     def on_gone(signal: asyncio.Future[None]) -> None:
+        nonlocal gone
         if not signal.cancelled() and signal.exception() is None:
+            gone = True
             upstream.close()
 
     async def on_unsent() -> None:

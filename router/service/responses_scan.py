@@ -162,7 +162,10 @@ class ResponsesRelay:
 
     def __init__(self, observation: ResponsesObservation) -> None:
         self.observation = observation
-        self._pending = b""
+        # The bytes after the last whole event: appended to in place, and only the new
+        # ones searched for an event's end, so a large event (the terminal one carries
+        # the whole response) cut into many reads costs its size, not its size squared.
+        self._pending = bytearray()
         # A terminal event has been relayed: a client that leaves now has its answer.
         self.finished = False
 
@@ -171,18 +174,20 @@ class ResponsesRelay:
             out = self.feed(chunk)
             if out:
                 yield out
-        rest, self._pending = self._pending, b""
+        rest, self._pending = bytes(self._pending), bytearray()
         if rest:  # a stream that ended mid-event: passed through as it is
             yield rest
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events of ``pending + chunk``, observed, to send now."""
-        data = self._pending + chunk if self._pending else chunk
-        end = data.rfind(b"\n\n")
+        pending = self._pending
+        searched = max(len(pending) - 1, 0)  # an event's end may straddle the two
+        pending += chunk
+        end = pending.rfind(b"\n\n", searched)
         if end < 0:
-            self._pending = data
             return b""
-        complete, self._pending = data[: end + 2], data[end + 2:]
+        complete = bytes(pending[: end + 2])
+        del pending[: end + 2]
         for event in complete.split(b"\n\n")[:-1]:
             self._inspect(event)
         return complete

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 
 from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
 from kvhint.router.kv_index import (
@@ -38,6 +37,7 @@ from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics, StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
+from kvhint.router.service.session_reads import StoredSessions
 from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import DEFAULT_SALT_SECRET, RouterSettings
 from kvhint.router.service.settings_sections import ModelPromptSettings
@@ -47,7 +47,7 @@ from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
-from kvhint.router.store.reader import get_session, load_recovery
+from kvhint.router.store.reader import load_recovery
 from kvhint.router.store.retention import prune
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Subjects
@@ -170,7 +170,8 @@ class RouterRuntime:
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
-            load_session=lambda tenant, sid: _stored_session(engine, metrics, tenant, sid),
+            load_session=StoredSessions(engine, metrics,
+                                        settings.routing.session_read_timeout_s).row,
             max_prompt_blocks=-(-settings.routing.max_prompt_tokens // settings.block_size),
             # Without NATS nothing feeds the index: its (empty) view says nothing either way.
             index_exact=ingestor.view_exact if link is not None else None)
@@ -283,8 +284,8 @@ class RouterRuntime:
     async def _prune_store(self) -> None:
         before = time.time() - self.settings.store_retention_s
         pruned = await asyncio.to_thread(prune, self.engine, before)
-        # Their feedback rows went with them: what they taught goes from memory too.
-        self.hints.workers_pruned(pruned.workers)
+        # Their actions and feedback rows went with them: what memory keeps of them too.
+        self.hints.workers_pruned(pruned.workers, self.settings.store_retention_s)
         for table, rows in pruned.deleted.items():
             if rows:
                 self.metrics.store_pruned.labels(table).inc(rows)
@@ -430,18 +431,6 @@ async def _warm_hasher(models: dict[str, str], block_size: int,
             return hasher
         sources.pop(failed)
     return None
-
-
-async def _stored_session(engine: Engine, metrics: RouterMetrics, tenant: str,
-                          session_id: str) -> dict[str, Any] | None:
-    """A session's stored row, or None (also when the store cannot be read: the turn
-    then starts a record of its own rather than failing; counted)."""
-    try:
-        return await asyncio.to_thread(get_session, engine, tenant, session_id)
-    except SQLAlchemyError as exc:
-        log.warning("could not read session %s/%s from the store: %s", tenant, session_id, exc)
-        metrics.drop("store_read_error")
-        return None
 
 
 async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,

@@ -13,27 +13,32 @@ a session continues at most one of them.
 
 from __future__ import annotations
 
-from kvhint.router.service.inbound import BadRequest
+from kvhint.router.service.inbound import BadRequest, Endpoint
 
 SAMPLING_KEYS = ("n", "best_of")
 
 
-def _asked(body: dict[str, object]) -> dict[str, int]:
-    """The sampling keys the body sets to an integer (a bool is not one), by key."""
+def _asked(body: dict[str, object], endpoint: Endpoint | None) -> dict[str, int]:
+    """The sampling keys the body sets to an integer (a bool is not one), by key. None on
+    ``/v1/responses``: vLLM 0.32's ResponsesRequest has no ``n`` nor ``best_of`` (it
+    takes and ignores extra fields), one output whatever they say."""
+    if endpoint is Endpoint.RESPONSES:
+        return {}
     return {key: value for key in SAMPLING_KEYS
             if isinstance(value := body.get(key), int) and not isinstance(value, bool)}
 
 
-def parallel_samples(body: dict[str, object]) -> int:
+def parallel_samples(body: dict[str, object], endpoint: Endpoint | None = None) -> int:
     """How many sequences the request asks the worker to sample per prompt (``n``, or
     ``best_of`` where a vLLM still takes it); 1 for anything unreadable."""
-    return max([1, *_asked(body).values()])
+    return max([1, *_asked(body, endpoint).values()])
 
 
-def check_parallel_samples(body: dict[str, object], max_n: int) -> None:
+def check_parallel_samples(body: dict[str, object], max_n: int,
+                           endpoint: Endpoint | None = None) -> None:
     """Raises :class:`BadRequest` (400, naming the field) for a request that asks for more
     than ``max_n`` sequences; anything else (a value vLLM refuses) is left to vLLM."""
-    for key, value in _asked(body).items():
+    for key, value in _asked(body, endpoint).items():
         if value > max_n:
             raise BadRequest(f"{key}={value} is over this router's limit of {max_n} "
                              "sequences per request (routing.max_n)", param=key)

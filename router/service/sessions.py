@@ -128,7 +128,9 @@ def _ended_explicitly_before_the_flag(row: dict[str, Any], plan_data: Any,
     and the plan's ``last_activity`` (``SessionLifecycle.end``, ``plan_session_end``);
     the planner abandons a session ``abandon_after_s`` after its last activity, which
     the plan keeps, at a tick that stamps ``ended_at`` alone. A session abandoned then
-    ended again by a DELETE left no trace of the second end, and stays abandoned."""
+    ended again by a DELETE on such a router left no trace of the second end, and stays
+    abandoned; one this router reads as abandoned and its client then ends is stored
+    with the flag set (``SessionLifecycle.end``), so it is read as ended by its client."""
     if (not isinstance(plan_data, dict) or "ended_explicitly" in plan_data
             or row.get("state") != ENDED or not plan.ended):
         return False
@@ -160,9 +162,10 @@ class SessionRegistry:
         self._tenant_cap = tenant_cap
         self._on_evict = on_evict
         # False once a session may be in the store and not in memory (one was forgotten
-        # or evicted, or the restore left some out): a session opened then is looked up
-        # in the store first (:meth:`adopt`), so its first save does not overwrite its
-        # history with a blank record.
+        # or evicted, or the restore left some out). What this registry knows only: the
+        # store is shared by replicas, so a session not in memory is looked up in it
+        # whatever this says (SessionLifecycle.recall, then :meth:`adopt`), so its first
+        # save does not overwrite its history with a blank record.
         self.complete = True
 
     def __len__(self) -> int:

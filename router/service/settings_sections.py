@@ -57,6 +57,11 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     max_prompt_tokens: int = Field(131072, ge=1)
     # How long (s) an ended or idle session stays in memory before it is forgotten.
     session_forget_s: float = Field(3600.0, gt=0)
+    # How long a turn (an end, a hints call) of a session id this router holds no record
+    # of waits for the store to give the session's row (another replica's session, or one
+    # forgotten): past it, or with the store failing, the turn starts a record of its own,
+    # counted (service/session_reads.py).
+    session_read_timeout_s: float = Field(0.5, gt=0, le=10)
     # The most sequences one request may ask to sample (``n``, or ``best_of``); more is a
     # 400. Each is a sequence decoding on the worker beside every other tenant's, and a
     # session continues at most one of them (response_scan.py).

@@ -155,6 +155,16 @@ class WorkerRegistry:
             del self._workers[worker_id]
         return gone
 
+    def heard_within(self, worker_id: str, window_s: float, now: float | None = None) -> bool:
+        """Whether the worker's plugin heartbeated to this router within the last
+        ``window_s`` (monotonic ``now``); False for one it does not hold, or has not heard
+        since it started (restored from the store)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.last_heartbeat is None:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - worker.last_heartbeat <= window_s
+
     def not_serving(self, model: str | None) -> frozenset[str]:
         """Workers a request for ``model`` must not go to: those whose model list lacks
         it, once some worker lists it (vLLM answers another model's name with a 404).

@@ -172,17 +172,36 @@ def get_session(engine: Engine, tenant: str, session_id: str) -> dict[str, Any] 
     return rows[0] if rows else None
 
 
+def get_session_within(engine: Engine, tenant: str, session_id: str, timeout_s: float
+                       ) -> dict[str, Any] | None:
+    """:func:`get_session`, one lookup by the primary key (tenant and session: never
+    another tenant's row), whose statement gives up past ``timeout_s`` on PostgreSQL
+    (:func:`_statement_timeout`): for a turn of a session this router has not seen, read
+    with a bounded wait (service.session_reads)."""
+    with engine.connect() as conn, conn.begin():
+        _statement_timeout(conn, timeout_s)
+        rows = _read(conn, select(*SessionRow.__table__.columns).where(
+            SessionRow.tenant == tenant, SessionRow.session_id == session_id))
+    return rows[0] if rows else None
+
+
+def _statement_timeout(conn: Connection, timeout_s: float) -> None:
+    """On PostgreSQL the statements of ``conn``'s transaction give up past ``timeout_s``
+    (``statement_timeout``, this transaction's only), so a read its caller stopped
+    waiting for does not hold a connection and a thread for as long as a lock held on
+    the table lasts. SQLite's reads (WAL) wait for no writer."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT set_config('statement_timeout', :value, true)"),
+                     {"value": f"{max(1, round(timeout_s * 1000))}ms"})
+
+
 def get_response_session(engine: Engine, response_id: str, timeout_s: float
                          ) -> tuple[str, str] | None:
     """(tenant, session id) the stored response ``response_id`` was made in, or None: one
-    lookup by the primary key. On PostgreSQL the statement gives up past ``timeout_s``
-    (``statement_timeout``, this transaction's only), so a read its caller stopped
-    waiting for (service.responses_sessions) does not hold a connection and a thread for
-    as long as a lock held on the table lasts."""
+    lookup by the primary key, given up past ``timeout_s`` on PostgreSQL
+    (:func:`_statement_timeout`; service.responses_sessions)."""
     with engine.connect() as conn, conn.begin():
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT set_config('statement_timeout', :value, true)"),
-                         {"value": f"{max(1, round(timeout_s * 1000))}ms"})
+        _statement_timeout(conn, timeout_s)
         row = conn.execute(select(ResponseSessionRow.tenant, ResponseSessionRow.session_id)
                            .where(ResponseSessionRow.response_id == response_id)).first()
     return None if row is None else (row.tenant, row.session_id)

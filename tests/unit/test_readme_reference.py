@@ -216,6 +216,7 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
         "kvhint_router_response_id_requests_total": {"op": set(m.RESPONSE_ID_OPS)},
         "kvhint_router_response_session_reads_total": {
             "outcome": set(m.RESPONSE_SESSION_READS)},
+        "kvhint_router_session_reads_total": {"outcome": set(m.SESSION_READS)},
     }
 
 

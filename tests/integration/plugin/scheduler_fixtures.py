@@ -134,17 +134,25 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 @asynccontextmanager
+async def nats_client(url: str) -> AsyncIterator[Any]:
+    """A NATS client on ``url`` (the test's side of the wire: the router's hints it sends,
+    the plugin's messages it reads), drained at the end."""
+    nc = await nats.connect(url)
+    try:
+        yield nc
+    finally:
+        await nc.drain()
+
+
+@asynccontextmanager
 async def events_stream_reader(nats_url: str, subjects: Subjects
                                ) -> AsyncIterator[tuple[Any, Any]]:
     """A NATS client and its JetStream context, for a test that reads what a plugin under
     ``subjects`` published; at the end, that events stream (the plugin made it) is deleted
     and the client drained."""
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
-        yield nc, js
-    finally:
+    async with nats_client(nats_url) as nc:
+        js = nc.jetstream()
         try:
-            await js.delete_stream(subjects.events_stream)
+            yield nc, js
         finally:
-            await nc.drain()
+            await js.delete_stream(subjects.events_stream)

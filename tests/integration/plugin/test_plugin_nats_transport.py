@@ -34,7 +34,7 @@ from kvhint.engine_plugin.headless import (
 )
 from kvhint.router.devstack.nats_server import NatsServerProcess, free_port
 from scheduler_fixtures import nats_plugin as plugin
-from scheduler_fixtures import until
+from scheduler_fixtures import events_stream_reader, nats_client, until
 from kvhint.schemas import (
     DonorAdvice,
     EventBatchDecoder,
@@ -92,9 +92,7 @@ async def collect(nc: Any, subject: str) -> asyncio.Queue:
 async def test_hints_outcomes_events_and_heartbeat_over_nats(nats_url: str,
                                                              subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    try:
+    async with events_stream_reader(nats_url, subjects) as (nc, js):
         outcomes = await collect(nc, subjects.outcomes("w0"))
         status = await collect(nc, subjects.status("w0"))
         with plugin(nats_url, subject_prefix, pin_budget_fraction=0.2) as h:
@@ -134,24 +132,18 @@ async def test_hints_outcomes_events_and_heartbeat_over_nats(nats_url: str,
                                                                       ("w0", epoch, 2)]
             assert "s" in stored_sessions
             assert beat.last_event_seq >= 1
-    finally:
-        try:
-            await js.delete_stream(subjects.events_stream)
-        finally:
-            await nc.drain()
 
 
 async def test_a_hold_that_loses_blocks_later_is_reported_on_the_releases_subject(
         nats_url: str, subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
 
     def retain(action_id: str, session: str, priority: int) -> bytes:
         return encode_hints(KvHintsEnvelope(
             protocol_version="1", message_id=f"m-{action_id}", actions=[make_action(
                 action_id, RetainPayload(target=Target(session_id=session), priority=priority))]))
 
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         releases = await collect(nc, subjects.releases("w0"))
         with plugin(nats_url, subject_prefix, create_events_stream=False,
@@ -170,14 +162,11 @@ async def test_a_hold_that_loses_blocks_later_is_reported_on_the_releases_subjec
                      r.held.blocks) for r in message.releases] == [("r-lo", "lo", "displaced",
                                                                      2, 2)]
             assert transport.counters.releases_published == 1
-    finally:
-        await nc.drain()
 
 
 async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
             await until(lambda: h.connector.transport.connected)
             turn(h, "a", [1, 2, 3])
@@ -204,8 +193,6 @@ async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -
                                                    timeout=5))
             await step_until(h, bad.done)
             assert b"error" in (await bad).data
-    finally:
-        await nc.drain()
 
 
 async def test_two_routers_paging_at_once_each_continue_their_own_snapshot(
@@ -215,15 +202,14 @@ async def test_two_routers_paging_at_once_each_continue_their_own_snapshot(
     kept only its latest snapshot, so one router's pages came from the other's and it
     started over, again and again."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
+    async with nats_client(nats_url) as nc:
 
-    async def page(h, request: SnapshotRequest):  # noqa: ANN001, ANN202
-        reply = asyncio.ensure_future(nc.request(
-            subjects.snapshot("w0"), encode_snapshot_request(request), timeout=5))
-        await step_until(h, reply.done)
-        return decode_snapshot((await reply).data)
+        async def page(h, request: SnapshotRequest):  # noqa: ANN001, ANN202
+            reply = asyncio.ensure_future(nc.request(
+                subjects.snapshot("w0"), encode_snapshot_request(request), timeout=5))
+            await step_until(h, reply.done)
+            return decode_snapshot((await reply).data)
 
-    try:
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
             await until(lambda: h.connector.transport.connected)
             turn(h, "a", [1, 2, 3, 4, 5, 6])
@@ -239,8 +225,6 @@ async def test_two_routers_paging_at_once_each_continue_their_own_snapshot(
             # A snapshot no longer kept is answered from a new one (the router restarts).
             gone = await page(h, SnapshotRequest(cursor=3, limit=3, seq=first_a.seq - 1))
             assert gone.seq == h.connector.core.event_seq
-    finally:
-        await nc.drain()
 
 
 async def test_snapshot_requests_taken_in_one_step_share_one_copy_of_the_index(
@@ -249,8 +233,7 @@ async def test_snapshot_requests_taken_in_one_step_share_one_copy_of_the_index(
     step answers all three from one copy of the index. Before, each copied the whole
     index on the scheduler thread (1M blocks: ~1 s of the engine's step each)."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
             await until(lambda: h.connector.transport.connected)
             turn(h, "a", [1, 2, 3])
@@ -266,8 +249,6 @@ async def test_snapshot_requests_taken_in_one_step_share_one_copy_of_the_index(
             pages = [decode_snapshot((await r).data) for r in requests]
             assert len(copies) == 1
             assert all(len(p.blocks) == 3 and p.seq == core.event_seq for p in pages)
-    finally:
-        await nc.drain()
 
 
 async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
@@ -275,8 +256,7 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
     """The engine is in a long step (here: not stepped at all): after defer_after_s the
     plugin answers ``deferred``, then the final outcome once the step comes."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, defer_after_s=0.05, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
@@ -307,8 +287,6 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
             assert h.connector.transport.counters.deferred_at_once == 1
             hints = h.connector._read_stats()[HINTS_KEY]
             assert hints["kv.pin|deferred"] == 1 and hints["kv.pin|accepted"] == 2
-    finally:
-        await nc.drain()
 
 
 async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_figures(
@@ -320,8 +298,7 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
     engine for one step when the skipped refresh falls due."""
     monkeypatch.setattr(core_status, "STATUS_REFRESH_S", 1.0)
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         status = await collect(nc, subjects.status("w0"))
         with plugin(nats_url, subject_prefix, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
@@ -351,8 +328,6 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
                     h.step()
                 beat = decode_status((await asyncio.wait_for(status.get(), 5)).data)
             assert beat.usage.pinned_blocks == 3
-    finally:
-        await nc.drain()
 
 
 async def test_donor_advice_is_decoded_off_the_scheduler_thread_and_bad_advice_answered(
@@ -363,8 +338,7 @@ async def test_donor_advice_is_decoded_off_the_scheduler_thread_and_bad_advice_a
     advice that cannot be decoded is answered rejected (with the reason, counted in
     hints_total) by the transport, without waiting for an engine step."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
             core = h.connector.core
@@ -393,15 +367,12 @@ async def test_donor_advice_is_decoded_off_the_scheduler_thread_and_bad_advice_a
             assert core.counters.internal_errors == 0
             assert h.connector._read_stats()[HINTS_KEY] == {
                 "kv.donor|rejected": 1, "kv.donor|accepted": 1}
-    finally:
-        await nc.drain()
 
 
 async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
                                                        subject_prefix: str) -> None:
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, inbound_buffer=1,
                     create_events_stream=False) as h:
@@ -420,8 +391,6 @@ async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
             # kvhint:hints_total counts the rejections the transport answered too.
             hints = h.connector._read_stats()[HINTS_KEY]
             assert hints == {"kv.pin|rejected": 2, "kv.pin|missing": 1}
-    finally:
-        await nc.drain()
 
 
 async def test_made_up_action_types_turned_away_by_a_full_inbox_count_under_one_key(
@@ -430,8 +399,7 @@ async def test_made_up_action_types_turned_away_by_a_full_inbox_count_under_one_
     may be any string. Before, each made-up type added a counter key for good (memory in
     the engine, and a fold of them all at every stats read on the scheduler thread)."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, inbound_buffer=1,
                     create_events_stream=False) as h:
@@ -447,8 +415,6 @@ async def test_made_up_action_types_turned_away_by_a_full_inbox_count_under_one_
             transport = h.connector.transport
             seen = transport.counters.outcomes_seen(h.connector.core.mailbox.lock)
             assert seen == {("other", "rejected"): 20}
-    finally:
-        await nc.drain()
 
 
 async def test_a_repeat_that_finds_the_inbox_full_gets_its_first_answer_or_nothing_new(
@@ -458,8 +424,7 @@ async def test_a_repeat_that_finds_the_inbox_full_gets_its_first_answer_or_nothi
     or still queued: the router got two contradicting answers for one id. Now an
     answered repeat gets the first outcome again and a queued one nothing new."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, inbound_buffer=1, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
@@ -498,8 +463,6 @@ async def test_a_repeat_that_finds_the_inbox_full_gets_its_first_answer_or_nothi
             h.step()
             retry = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (retry.action_id, retry.status.value) == ("n", "accepted")
-    finally:
-        await nc.drain()
 
 
 async def test_nats_down_never_blocks_the_engine_and_hints_flow_after_it_returns(
@@ -522,8 +485,7 @@ async def test_nats_down_never_blocks_the_engine_and_hints_flow_after_it_returns
         own_nats.start()
         await until(lambda: transport.connected, timeout_s=20)
         await until(lambda: not h.connector.core.mailbox.event_batches)
-        nc = await nats.connect(own_nats.url)
-        try:
+        async with nats_client(own_nats.url) as nc:
             outcomes = await collect(nc, subjects.outcomes("w0"))
             js = nc.jetstream()
             info = await js.stream_info(subjects.events_stream)
@@ -533,8 +495,6 @@ async def test_nats_down_never_blocks_the_engine_and_hints_flow_after_it_returns
             h.step()
             outcome = decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
             assert (outcome.action_id, outcome.status.value) == ("after", "accepted")
-        finally:
-            await nc.drain()
         assert h.connector.core.mailbox.counters.events_dropped == 0
 
 
@@ -598,24 +558,22 @@ async def test_a_stream_the_router_creates_meanwhile_is_used_not_reported_failed
         nats_url: str, subject_prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO", logger=LOGGER_NAME)
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
     config = PluginConfig(worker_id="w0", nats_url=nats_url, subject_prefix=subject_prefix,
                           events_stream_max_bytes=16 << 20)
     transport = NatsTransport(config, "w0", "e", Mailbox(8, 8, 8), status_of=None,
                               encode_events=None, block_size=BS)  # type: ignore[arg-type]
+    async with events_stream_reader(nats_url, subjects) as (_nc, js):
 
-    async def router_create() -> None:
-        await js.add_stream(StreamConfig(
-            name=subjects.events_stream, subjects=[subjects.all_of("events")],
-            storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
-            discard=DiscardPolicy.OLD, max_age=600, max_bytes=8 << 20))
+        async def router_create() -> None:
+            await js.add_stream(StreamConfig(
+                name=subjects.events_stream, subjects=[subjects.all_of("events")],
+                storage=StorageType.FILE, retention=RetentionPolicy.LIMITS,
+                discard=DiscardPolicy.OLD, max_age=600, max_bytes=8 << 20))
 
-    class _Nc:
-        def jetstream(self) -> Any:
-            return _RouterCreatesFirst(js, router_create)
+        class _Nc:
+            def jetstream(self) -> Any:
+                return _RouterCreatesFirst(js, router_create)
 
-    try:
         await transport._ensure_stream(_Nc())
         # The plugin's create got 10058; the router's stream stands and is used.
         assert (await js.stream_info(subjects.events_stream)).config.max_bytes == 8 << 20
@@ -624,11 +582,6 @@ async def test_a_stream_the_router_creates_meanwhile_is_used_not_reported_failed
         assert not any("could not create" in m for m in messages), messages
         assert any("created meanwhile" in m for m in messages), messages
         assert transport.counters.stream_create_failures == 0
-    finally:
-        try:
-            await js.delete_stream(subjects.events_stream)
-        finally:
-            await nc.drain()
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ from kvhint.router.devstack.nats_server import (
     nats_answers,
     nats_server_binary,
 )
-from scheduler_fixtures import nats_plugin, until
+from scheduler_fixtures import nats_client, nats_plugin, until
 from kvhint.schemas import (
     HintOutcome,
     KvHintsEnvelope,
@@ -119,13 +119,10 @@ async def test_an_outage_with_an_outcome_queued_costs_no_cpu_and_the_outcome_fol
         own_nats.start()
         await until(lambda: transport.connected, timeout_s=20)
         await until(lambda: not mailbox.outcomes)
-        nc = await nats.connect(own_nats.url)
-        try:
+        async with nats_client(own_nats.url) as nc:
             stored = await nc.jetstream().get_msg(stream, seq=1)
             assert decode_outcome(stored.data).action_id == "during-outage"
             await nc.jetstream().delete_stream(stream)
-        finally:
-            await nc.drain()
         # Down again with an outcome queued: the engine's shutdown is not held up.
         own_nats.stop()
         await until(lambda: not transport.connected)
@@ -165,8 +162,7 @@ async def test_a_bug_in_one_publisher_round_is_counted_and_the_transport_goes_on
     the publisher raise anything else today: the guard is for bugs, so one is injected,
     an event encoder failing twice."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         events = await nc.subscribe(subjects.events("w0"))
         with plugin_records() as records, plugin(nats_url, subject_prefix) as h:
             transport = h.connector.transport
@@ -191,8 +187,6 @@ async def test_a_bug_in_one_publisher_round_is_counted_and_the_transport_goes_on
             errors = [r for r in records if r.levelno >= logging.ERROR]
             assert len(errors) == 1 and errors[0].exc_info is not None  # once, traceback
             assert "injected encoder bug" in str(errors[0].exc_info[1])
-    finally:
-        await nc.drain()
 
 
 @contextmanager
@@ -220,8 +214,7 @@ async def test_stop_cancels_a_stream_lookup_jetstream_does_not_answer(
     to 5 s for an answer. Before, that lookup ran outside anything stop() could cut
     short: stop() waited its whole 5 s and returned with the thread still alive."""
     with nats_without_jetstream() as url:
-        nc = await nats.connect(url)
-        try:
+        async with nats_client(url) as nc:
             lookups = await nc.subscribe("$JS.API.STREAM.INFO.>")  # and never answers
             await nc.flush()  # on the server before the plugin (built blocking) asks
             with nats_plugin(url, subject_prefix, create_events_stream=True) as h:
@@ -229,8 +222,6 @@ async def test_stop_cancels_a_stream_lookup_jetstream_does_not_answer(
                 await asyncio.sleep(0.3)
                 elapsed, thread = stop_timed(h.connector.transport)
                 assert elapsed < 1.5 and not thread.is_alive()
-        finally:
-            await nc.drain()
 
 
 async def test_a_bug_in_the_transports_setup_is_counted_and_the_setup_retried(
@@ -250,8 +241,7 @@ async def test_a_bug_in_the_transports_setup_is_counted_and_the_setup_retried(
 
     monkeypatch.setattr(transport_module, "ensure_events_stream", faulty)
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    try:
+    async with nats_client(nats_url) as nc:
         outcomes = await nc.subscribe(subjects.outcomes("w0"))
         with plugin_records() as records, plugin(nats_url, subject_prefix) as h:
             transport = h.connector.transport
@@ -270,8 +260,6 @@ async def test_a_bug_in_the_transports_setup_is_counted_and_the_setup_retried(
             h.step()
             answer = decode_outcome((await outcomes.next_msg(timeout=5)).data)
             assert (answer.action_id, answer.status.value) == ("p1", "missing")
-    finally:
-        await nc.drain()
 
 
 @pytest.fixture(autouse=True)

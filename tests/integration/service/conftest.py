@@ -1,5 +1,5 @@
 """Helpers for the router's integration tests: the router app served in-process (uvicorn
-on the test's event loop) and stub workers.
+on the test's event loop), stub workers, and router replicas sharing one store.
 
 Stub workers stand in for vLLM only where a real one cannot produce the fault under test
 on demand (a connection that dies after the first streamed event, an exact chunk timing,
@@ -9,16 +9,18 @@ a 503); tests/e2e/service runs the same paths against real vLLM servers.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
+import sqlalchemy as sa
 import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +30,7 @@ from kvhint.router.service.app import RouterApp, create_app
 from kvhint.router.service.nats_link import remove_streams
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.settings import RouterSettings
+from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.schemas import Subjects
 
 
@@ -105,8 +108,12 @@ class StubWorker:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _middlewares(self) -> list[Any]:
+        """aiohttp middlewares in front of every route (a subclass's: none here)."""
+        return []
+
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=self._middlewares())
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
@@ -222,6 +229,9 @@ class StubWorker:
         return response
 
 
+W = TypeVar("W", bound=StubWorker)
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[tuple[str, frozenset], float]:
     """The router's /metrics: (sample name, its labels as items) -> value."""
     text = (await client.get(f"{url}/metrics")).text
@@ -241,10 +251,9 @@ async def throwaway_streams(nats_url: str, subject_prefix: str) -> AsyncIterator
     await remove_streams(nats_url, Subjects(subject_prefix))
 
 
-@pytest.fixture
-async def stub_workers(tiny_model_dir: Path) -> AsyncIterator[list[StubWorker]]:
-    workers = [StubWorker(model_root=str(tiny_model_dir)),
-               StubWorker(model_root=str(tiny_model_dir))]
+@asynccontextmanager
+async def serving(workers: list[W]) -> AsyncIterator[list[W]]:
+    """``workers`` started, stopped at the end."""
     for worker in workers:
         await worker.start()
     try:
@@ -252,6 +261,13 @@ async def stub_workers(tiny_model_dir: Path) -> AsyncIterator[list[StubWorker]]:
     finally:
         for worker in workers:
             await worker.stop()
+
+
+@pytest.fixture
+async def stub_workers(tiny_model_dir: Path) -> AsyncIterator[list[StubWorker]]:
+    async with serving([StubWorker(model_root=str(tiny_model_dir)),
+                        StubWorker(model_root=str(tiny_model_dir))]) as workers:
+        yield workers
 
 
 def router_settings(tmp_path: Path, workers: list[tuple[str, str]], **extra: Any
@@ -269,3 +285,24 @@ def router_settings(tmp_path: Path, workers: list[tuple[str, str]], **extra: Any
     }
     base.update(extra)
     return RouterSettings(**base)
+
+
+@pytest.fixture
+def replica_engines(database_url: str) -> Iterator[list[sa.Engine]]:
+    """Three router replicas' engines on one store, disposed at the end. Replicas share a
+    PostgreSQL store; a SQLite file is one router's own: skipped there."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
+    engines = [create_store_engine(database_url) for _ in range(3)]
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
+def migrate_together(engines: list[sa.Engine]) -> list[bool]:
+    """Every engine migrates its store at once, each on a thread of its own (replicas
+    starting together); what each migrate returned, in the engines' order."""
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        return [f.result() for f in [pool.submit(migrate, engine) for engine in engines]]

@@ -1,5 +1,6 @@
 """What the router's NATS-side tests publish as w0's plugin: heartbeats, KV events, hold
-releases, and a chat turn through the router (wire messages built with the schemas)."""
+releases, and a chat turn through the router (wire messages built with the schemas); and
+w0's plugin played whole, accepting every hint (:class:`AcceptingPlugin`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import httpx
 import nats
 from nats.aio.client import Client as NatsClient
-from conftest import router_settings, running_router
+from conftest import StubWorker, router_settings, running_router
 from nats.js import api
+from nats.js.errors import NotFoundError
 
 from kvhint.schemas import (
     Amount,
@@ -29,6 +31,7 @@ from kvhint.schemas import (
     Subjects,
     Usage,
     WorkerStatus,
+    decode_hints,
     encode_event_batch,
     encode_outcome,
     encode_releases,
@@ -61,6 +64,30 @@ async def add_blocking_stream(js: object, subjects: Subjects, prefix: str, kind:
         name=name, subjects=[subjects.all_of(kind)], storage=api.StorageType.MEMORY,
         max_bytes=1 << 20))
     return name
+
+
+@asynccontextmanager
+async def router_beside_blocking_stream(
+        tmp_path: Path, nats_url: str, subject_prefix: str, kind: str
+        ) -> AsyncIterator[tuple[Any, NatsClient, Any, str]]:
+    """A router with no configured worker, started while a stream of another name holds
+    its ``kind`` subjects (:func:`add_blocking_stream`); a NATS client and its JetStream
+    context; and that stream's name. At the end the stream is deleted (unless the test
+    did) and the client drained."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    blocker = await add_blocking_stream(js, subjects, subject_prefix, kind)
+    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
+    try:
+        async with running_router(settings) as router:
+            yield router, nc, js, blocker
+    finally:
+        try:
+            await js.delete_stream(blocker)
+        except NotFoundError:
+            pass
+        await nc.drain()
 
 
 ACTIONS = {"kv.pin": ["1.0"], "kv.retain": ["1.0"], "kv.demote": ["1.0"],
@@ -134,3 +161,61 @@ async def plugin_registered(runtime, nc, subjects: Subjects,  # noqa: ANN001
     await asyncio.sleep(0.3)
     await nc.publish(subjects.status("w0"), status("w0", "e1", 0, actions=actions))
     await until(lambda: runtime.workers.get("w0").plugin_alive)
+
+
+class AcceptingPlugin:
+    """w0's plugin as a test plays it: every claim accepted with 2 blocks, a release
+    (priority 0) holding none; ``answer`` False: it takes hints and answers none.
+    ``received``: the (action id, payload) of every action w0 was sent, in order."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, answer: bool = True) -> None:
+        self.nc, self.subjects, self.answer = nc, subjects, answer
+        self.received: list[tuple[str, Any]] = []
+
+    @property
+    def action_ids(self) -> list[str]:
+        return [action_id for action_id, _ in self.received]
+
+    async def on_hints(self, msg: Any) -> None:  # noqa: ANN401 - a NATS message
+        decoded = decode_hints(msg.data)
+        for action in decoded.actions:
+            self.received.append((action.action_id, action.payload))
+            if self.answer:
+                releases = getattr(action.payload, "priority", None) == 0
+                await publish_accepted(self.nc, self.subjects, decoded.message_id,
+                                       action.action_id, action.action_type.value,
+                                       0 if releases else 2)
+
+
+@asynccontextmanager
+async def router_with_accepting_plugin(
+        tmp_path: Path, nats_url: str, subject_prefix: str, stub: StubWorker,
+        actions: dict[str, list[str]] = ACTIONS_WITH_OWNER, answer: bool = True,
+        **settings: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient, AcceptingPlugin]]:
+    """A router over w0 (``stub``), whose plugin (1.2, or what ``actions``
+    advertises) the test plays (:class:`AcceptingPlugin`), heartbeats kept coming (the
+    worker stays live while the planner's idle review runs)."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    plugin = AcceptingPlugin(nc, subjects, answer)
+    await nc.subscribe(subjects.hints("w0"), cb=plugin.on_hints)
+
+    async def heartbeats() -> None:
+        for seq in range(1, 1_000_000):
+            await asyncio.sleep(0.25)
+            await nc.publish(subjects.status("w0"),
+                             status("w0", "e1", seq, actions=actions))
+
+    config = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
+                             subject_prefix=subject_prefix, **settings)
+    beating = None
+    try:
+        async with running_router(config) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            await plugin_registered(router.runtime, nc, subjects, actions)
+            beating = asyncio.create_task(heartbeats())
+            yield router, client, plugin
+    finally:
+        if beating is not None:
+            beating.cancel()
+        await nc.drain()

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import nats
 import pytest
-from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from conftest import router_settings, running_router
-from feed_helpers import add_blocking_stream, status, stored, until
+from feed_helpers import router_beside_blocking_stream, status, stored, until
 from kvhint.router.kv_index import KvEventIngestor
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.schemas import (
@@ -233,22 +232,12 @@ async def test_without_jetstream_there_is_no_replay_to_wait_for(
     """JetStream set-up fails (a stream of another name holds the events subjects): the
     feed runs on plain subscriptions, with no replay."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    blocker = await add_blocking_stream(js, subjects, subject_prefix, "events")
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router:
-            runtime = router.runtime
-            await until(lambda: runtime.feed is not None and runtime.feed.jetstream_error)
-            assert not runtime.feed.replay and not runtime.ingestor.replaying
-            await _asked_at_once(router, nc, subjects)
-    finally:
-        try:
-            await js.delete_stream(blocker)
-        except NotFoundError:
-            pass
-        await nc.drain()
+    async with router_beside_blocking_stream(tmp_path, nats_url, subject_prefix,
+                                             "events") as (router, nc, _js, _blocker):
+        runtime = router.runtime
+        await until(lambda: runtime.feed is not None and runtime.feed.jetstream_error)
+        assert not runtime.feed.replay and not runtime.ingestor.replaying
+        await _asked_at_once(router, nc, subjects)
 
 
 async def test_the_replay_wait_is_a_router_setting(

@@ -9,8 +9,8 @@ which no test can bring about on cue: :class:`PublishGate` holds one publish of 
 router's link on an event instead. It holds it after the real publish (the message is on
 its way, as when nats-py waits on its flush), or before it (a client that waits before it
 queues). Everything else is real: the router, NATS, the store, and w0's "plugin", this
-test answering w0's hints as a plugin does (every claim accepted with 2 blocks, a release,
-priority 0, holding none) and sending its heartbeats.
+test answering w0's hints as a plugin does (feed_helpers.AcceptingPlugin: every claim
+accepted with 2 blocks, a release, priority 0, holding none) and sending its heartbeats.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 import sqlalchemy as sa
 
 from conftest import StubWorker, router_settings, running_router, sample, scrape
-from feed_helpers import ACTIONS_WITH_OWNER, plugin_registered, publish_accepted, status, until
+from feed_helpers import router_with_accepting_plugin, until
 from kvhint.router.service.nats_link import NatsLink
-from kvhint.schemas import KvHintsEnvelope, Subjects, decode_hints
+from kvhint.schemas import KvHintsEnvelope, decode_hints
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -104,57 +103,6 @@ def priority(envelope: KvHintsEnvelope) -> int | None:
     return getattr(envelope.actions[0].payload, "priority", None)
 
 
-class Plugin:
-    """w0's plugin as this test plays it (module doc); ``answer`` False: it takes
-    hints and answers none."""
-
-    def __init__(self, nc: Any, subjects: Subjects, answer: bool) -> None:
-        self.nc, self.subjects, self.answer = nc, subjects, answer
-        self.received: list[str] = []  # action ids, in the order they came
-
-    async def on_hints(self, msg: Any) -> None:
-        decoded = decode_hints(msg.data)
-        for action in decoded.actions:
-            self.received.append(action.action_id)
-            if self.answer:
-                releases = getattr(action.payload, "priority", None) == 0
-                await publish_accepted(self.nc, self.subjects, decoded.message_id,
-                                       action.action_id, action.action_type.value,
-                                       0 if releases else 2)
-
-
-@asynccontextmanager
-async def router_and_plugin(tmp_path: Path, nats_url: str, subject_prefix: str,
-                            stub: StubWorker, answer: bool = True, **settings: Any
-                            ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, Plugin]]:
-    """A router over w0 (``stub``), whose plugin (1.2) this test plays (:class:`Plugin`),
-    heartbeats kept coming."""
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    plugin = Plugin(nc, subjects, answer)
-    await nc.subscribe(subjects.hints("w0"), cb=plugin.on_hints)
-
-    async def heartbeats() -> None:
-        for seq in range(1, 1_000_000):
-            await asyncio.sleep(0.25)
-            await nc.publish(subjects.status("w0"),
-                             status("w0", "e1", seq, actions=ACTIONS_WITH_OWNER))
-
-    config = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
-                             subject_prefix=subject_prefix, **settings)
-    beating = None
-    try:
-        async with running_router(config) as router, \
-                httpx.AsyncClient(timeout=30) as client:
-            await plugin_registered(router.runtime, nc, subjects, ACTIONS_WITH_OWNER)
-            beating = asyncio.create_task(heartbeats())
-            yield router, client, plugin
-    finally:
-        if beating is not None:
-            beating.cancel()
-        await nc.drain()
-
-
 async def _turn(client: httpx.AsyncClient, url: str, session: str) -> None:
     response = await client.post(f"{url}/v1/chat/completions", json={
         "model": "stub", "session_id": session,
@@ -171,8 +119,9 @@ async def test_two_hints_calls_of_a_tenant_cannot_both_take_room_for_one(
     and the tenant held twice its cap. The same action id sent again meanwhile is the
     pending action (409); before, it went out a second time."""
     cap = [{"name": "default", "budget": {"max_pinned_blocks": 2}}]
-    async with router_and_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                 tenants=cap) as (router, client, _plugin):
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix,
+                                            stub_workers[0], tenants=cap
+                                            ) as (router, client, _plugin):
         url, holdings = router.url, router.runtime.hints.holdings
         for session in ("s1", "s2", "s3"):
             await _turn(client, url, session)
@@ -205,8 +154,9 @@ async def test_a_planner_protection_published_during_an_end_is_not_held_after_it
     recorded after it, and the router counted its blocks (against the tenant's and the
     worker's budgets) until its TTL, though the worker had let it go."""
     stub = stub_workers[0]
-    async with router_and_plugin(tmp_path, nats_url, subject_prefix, stub,
-                                 hints={"tick_s": 3600.0}) as (router, client, plugin):
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix, stub,
+                                            hints={"tick_s": 3600.0}
+                                            ) as (router, client, plugin):
         url, runtime = router.url, router.runtime
         holdings, scope = runtime.hints.holdings, "default/gap"
         await _turn(client, url, "gap")
@@ -225,8 +175,8 @@ async def test_a_planner_protection_published_during_an_end_is_not_held_after_it
         assert ended.status_code == 200, ended.text
         (end_action,) = ended.json()["hints"]
         protection = held.action_id
-        await until(lambda: end_action["action_id"] in plugin.received)
-        assert plugin.received.index(protection) < plugin.received.index(
+        await until(lambda: end_action["action_id"] in plugin.action_ids)
+        assert plugin.action_ids.index(protection) < plugin.action_ids.index(
             end_action["action_id"])
         await until(lambda: any(r.action_id == end_action["action_id"]
                                 for r in runtime.hints.recent))  # the end's answered
@@ -243,8 +193,8 @@ async def test_an_outcome_that_comes_before_the_publish_returns_is_the_actions(
     returned yet. The outcome is that action's: accepted, holding what it applied.
     Before, the action was not recorded yet, its outcome was counted as another router's
     and lost, and the action waited pending for OUTCOME_DEADLINE_S."""
-    async with router_and_plugin(tmp_path, nats_url, subject_prefix,
-                                 stub_workers[0]) as (router, client, plugin):
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix,
+                                            stub_workers[0]) as (router, client, plugin):
         url, hints = router.url, router.runtime.hints
         await _turn(client, url, "early")
         before = await _foreign_outcomes(client, url)
@@ -284,12 +234,13 @@ async def test_a_send_the_stopping_router_cancels_mid_publish_is_stored_and_rest
     publish returned, never, and the router knew nothing of an action its worker got."""
     stub = stub_workers[0]
     settings: dict[str, Any] = {"hints": {"tick_s": 0.1}}
-    async with router_and_plugin(tmp_path, nats_url, subject_prefix, stub, answer=False,
-                                 **settings) as (router, client, plugin):
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix, stub,
+                                            answer=False, **settings
+                                            ) as (router, client, plugin):
         runtime = router.runtime
         stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
         await _turn(client, router.url, "idle")
-        await until(lambda: len(plugin.received) == 1)  # the planner's protection
+        await until(lambda: len(plugin.action_ids) == 1)  # the planner's protection
         # Only the tick sends from here: its idle review gives the session up. Left held
         # (no request waits on it): the stop cancels the tick inside its publish.
         held = PublishGate(runtime.hints._link, lambda e: True, after=True)
@@ -297,7 +248,7 @@ async def test_a_send_the_stopping_router_cancels_mid_publish_is_stored_and_rest
         runtime.hints.planner_config = dataclasses.replace(runtime.hints.planner_config,
                                                            abandon_after_s=0.3)
         await asyncio.wait_for(held.reached.wait(), 10)
-        await until(lambda: held.action_id in plugin.received)
+        await until(lambda: held.action_id in plugin.action_ids)
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'router.db'}")
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT status, source FROM hint_actions "
@@ -319,8 +270,8 @@ async def test_a_publish_nats_refuses_puts_back_what_its_action_superseded(
     ``failed``, counted as before, and the first, which the worker still holds, is held
     again. Before, the second was recorded only once published, so neither a budget
     check nor an end during its publish saw it."""
-    async with router_and_plugin(tmp_path, nats_url, subject_prefix,
-                                 stub_workers[0]) as (router, client, _plugin):
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix,
+                                            stub_workers[0]) as (router, client, _plugin):
         url, hints = router.url, router.runtime.hints
         holdings, scope = hints.holdings, "agent:default/s"
         await _turn(client, url, "s")

@@ -32,7 +32,8 @@ class ResponsesStub:
     port: int = field(default_factory=free_port)
     # "ok" | "tools" (ends in a function call) | "failed" (vLLM's completed event with a
     # failed response) | "die_mid_stream" (the connection dies after response.created) |
-    # "background" (answers at once, queued)
+    # "background" (answers at once, queued) | "die_after_end" (the connection dies after
+    # response.completed, before the stream's end)
     mode: str = "ok"
     received: list[dict[str, Any]] = field(default_factory=list)
     fetched: list[str] = field(default_factory=list)
@@ -116,6 +117,10 @@ class ResponsesStub:
                 await asyncio.sleep(0.1)  # both events reach the router first
                 request.transport.close()  # type: ignore[union-attr]
                 return stream
+        if self.mode == "die_after_end":  # every event sent, not the stream's own end
+            await asyncio.sleep(0.1)
+            request.transport.close()  # type: ignore[union-attr]
+            return stream
         await stream.write_eof()
         return stream
 
@@ -124,11 +129,25 @@ class ResponsesStub:
         of ``store``: test_service_responses_learning.py)."""
         return bool(body.get("store", True))
 
-    async def _get(self, request: web.Request) -> web.Response:
+    async def _get(self, request: web.Request) -> web.StreamResponse:
         response_id = request.match_info["id"]
         self.fetched.append(response_id)
         if response_id not in self.store:
             return _not_found(response_id)
+        if request.query.get("stream") == "true":
+            # A background response's events (vLLM's background stream generator): the
+            # one stored so far, then nothing while the response is still queued.
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            event = {"type": "response.created", "sequence_number": 0,
+                     "response": self.store[response_id]}
+            await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n"
+                               .encode())
+            for _ in range(600):  # silent until the router closes the connection
+                if request.transport is None or request.transport.is_closing():
+                    break
+                await asyncio.sleep(0.05)
+            return stream
         return web.json_response(self.store[response_id])
 
     async def _cancel(self, request: web.Request) -> web.Response:
@@ -451,3 +470,4 @@ async def test_the_inference_endpoints_checks_hold_for_responses(
                       endpoint="responses_cancel", reason="no_marker") == 1
         assert sample(samples, "kvhint_router_requests_total", endpoint="responses",
                       worker="none", code="413") == 1
+

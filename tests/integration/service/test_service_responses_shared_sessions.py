@@ -84,9 +84,9 @@ async def _follow(client: httpx.AsyncClient, router: RunningRouter, previous: st
 async def test_a_follow_up_on_another_replica_continues_its_responses_session(
         tmp_path: Path, database_url: str, holder: ResponsesStub) -> None:
     """A relays acme's response in session "agent". B's follow-up naming no session,
-    once A's write is in the store, goes in session "agent": the worker gets it, and B's
-    record of the session gets the turn (as a follow-up naming the session would: a
-    replica's records are its own). The response B relays is read the other way by A.
+    once A's write is in the store, goes in session "agent": the worker gets it, and B
+    continues A's record of the session from the store (test_service_replica_sessions.py:
+    as a turn naming the session does). The response B relays is read the other way by A.
     Within the write-behind window (A not flushed yet) B continues none, counted as
     before. beta never reaches acme's: not by the id, not by a row naming another
     tenant; beta's own session of the same name is beta's."""
@@ -104,7 +104,7 @@ async def test_a_follow_up_on_another_replica_continues_its_responses_session(
         follow = await _follow(client, b, made)
         assert holder.received[-1]["session_id"] == "acme/agent"
         record = b.runtime.sessions.get("acme", "agent")
-        assert record is not None and (record.turns, record.worker_id) == (1, "w0")
+        assert record is not None and (record.turns, record.worker_id) == (2, "w0")
         # And back: the response B relayed in the session, followed through A.
         await b.runtime.writer.flush()
         await _follow(client, a, follow.json()["id"])

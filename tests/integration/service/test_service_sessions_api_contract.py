@@ -4,8 +4,9 @@ after an end.
 
 The "plugin" is this test answering w0's hints as a plugin that keeps owners apart (1.2)
 does, or an older one (1.0/1.1, where they are not): every claim accepted with 2 blocks, a
-release (priority 0) holding none; heartbeats keep coming, so the worker stays live while
-the planner's idle review runs (tests/e2e/service runs the real plugin).
+release (priority 0) holding none (feed_helpers.AcceptingPlugin); heartbeats keep coming,
+so the worker stays live while the planner's idle review runs (tests/e2e/service runs the
+real plugin).
 """
 
 from __future__ import annotations
@@ -13,27 +14,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
-import nats
 import openai
 import pytest
 
-from conftest import StubWorker, router_settings, running_router, scrape
-from feed_helpers import (
-    ACTIONS,
-    ACTIONS_WITH_OWNER,
-    plugin_registered,
-    publish_accepted,
-    status,
-    until,
-)
+from conftest import StubWorker, scrape
+from feed_helpers import ACTIONS, ACTIONS_WITH_OWNER, router_with_accepting_plugin, until
 from kvhint.router.service.inbound import error_type_of
-from kvhint.schemas import Subjects, decode_hints
+from kvhint.schemas import decode_hints
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -45,48 +35,6 @@ WIRE_ACTIONS = {
     "1.1": {**ACTIONS, "kv.pin": ["1.0", "1.1"], "kv.retain": ["1.0", "1.1"]},
     "1.2": ACTIONS_WITH_OWNER,
 }
-
-
-@asynccontextmanager
-async def router_with_owner_plugin(tmp_path: Path, nats_url: str, subject_prefix: str,
-                                   stub: StubWorker,
-                                   actions: dict[str, list[str]] = ACTIONS_WITH_OWNER,
-                                   **settings: Any
-                                   ) -> AsyncIterator[tuple[Any, httpx.AsyncClient, list]]:
-    """A router over w0, whose plugin (1.2, or what ``actions`` advertises) this test
-    plays; yields the (action id, payload) of every action w0 was sent."""
-    subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    received: list[tuple[str, dict]] = []
-
-    async def answer(msg) -> None:  # noqa: ANN001 - a NATS message
-        decoded = decode_hints(msg.data)
-        for action in decoded.actions:
-            received.append((action.action_id, action.payload))
-            releases = getattr(action.payload, "priority", None) == 0
-            await publish_accepted(nc, subjects, decoded.message_id, action.action_id,
-                                   action.action_type.value, 0 if releases else 2)
-
-    async def heartbeats() -> None:
-        for seq in range(1, 1_000_000):
-            await asyncio.sleep(0.25)
-            await nc.publish(subjects.status("w0"),
-                             status("w0", "e1", seq, actions=actions))
-
-    await nc.subscribe(subjects.hints("w0"), cb=answer)
-    config = router_settings(tmp_path, [("w0", stub.url)], nats_url=nats_url,
-                             subject_prefix=subject_prefix, **settings)
-    beating = None
-    try:
-        async with running_router(config) as router, \
-                httpx.AsyncClient(timeout=30) as client:
-            await plugin_registered(router.runtime, nc, subjects, actions)
-            beating = asyncio.create_task(heartbeats())
-            yield router, client, received
-    finally:
-        if beating is not None:
-            beating.cancel()
-        await nc.drain()
 
 
 async def _turn(client: httpx.AsyncClient, url: str, session: str,
@@ -113,9 +61,9 @@ async def test_an_end_releases_what_an_agent_holds_for_a_session_already_ended(
     stub = stub_workers[0]
     owned = wire == "1.2"
     held = "agent:default/gap" if owned else "default/gap"  # the agent's claim's scope
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub,
-                                        WIRE_ACTIONS[wire],
-                                        hints={"tick_s": 0.1}) as (router, client, received):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub, WIRE_ACTIONS[wire],
+            hints={"tick_s": 0.1}) as (router, client, plugin):
         runtime, holdings = router.runtime, router.runtime.hints.holdings
         stub.finish_reason, stub.tool_names = "tool_calls", ["search"]
         await _turn(client, router.url, "gap")
@@ -144,7 +92,7 @@ async def test_an_end_releases_what_an_agent_holds_for_a_session_already_ended(
         assert release["trigger"] == "end:agent_release" and release["scope"] == held
         assert release["payload"].get("owner", "planner") == ("agent" if owned else "planner")
         assert release["payload"]["priority"] == 0
-        await until(lambda: release["action_id"] in [action_id for action_id, _ in received])
+        await until(lambda: release["action_id"] in plugin.action_ids)
         await until(lambda: not holdings.workers_holding(held))
 
         # Ended by its client now: a hint is refused, sends nothing, and the end again
@@ -165,8 +113,9 @@ async def test_a_session_its_client_ended_takes_no_hints_until_its_next_turn(
     {reason="session_ended"} and in no other refusal counter. The session's next turn opens
     it again (a new turn of an ended session is a turn like any), and its hints are taken
     again. Before, every one of them was sent."""
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        hints={"tick_s": 3600.0}) as (router, client, received):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0],
+            hints={"tick_s": 3600.0}) as (router, client, plugin):
         url, sessions = router.url, router.runtime.sessions
         holdings = router.runtime.hints.holdings
         for session in ("deleted", "header"):
@@ -180,7 +129,7 @@ async def test_a_session_its_client_ended_takes_no_hints_until_its_next_turn(
         assert {sessions.get("default", s).state for s in ("deleted", "header")} == {"ended"}
         await until(lambda: not holdings.workers_holding("default/deleted")
                     and not holdings.workers_holding("default/header"))
-        before, sent = await scrape(client, url), len(received)
+        before, sent = await scrape(client, url), len(plugin.received)
         for session in ("deleted", "header"):
             refused = await client.post(f"{url}/v1/sessions/{session}/hints", json=RETAIN)
             assert refused.status_code == 409, refused.text
@@ -191,7 +140,7 @@ async def test_a_session_its_client_ended_takes_no_hints_until_its_next_turn(
                  for (name, labels), value in after.items()
                  if "rejections" in name and value != before.get((name, labels), 0)}
         assert moved == {("kvhint_router_hint_api_rejections_total", "session_ended"): 2}
-        assert len(received) == sent
+        assert len(plugin.received) == sent
         assert not holdings.workers_holding("agent:default/deleted")
         assert not holdings.workers_holding("agent:default/header")
         # A new turn opens each again: its hints are taken.
@@ -214,9 +163,9 @@ async def test_a_retain_without_ttl_is_held_to_the_tenants_ttl_limit(
     tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
                 "budget": {"max_hint_ttl_s": 120}}]
     admin = {"authorization": "Bearer aa"}
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        tenants=tenants,
-                                        hints={"tick_s": 3600.0}) as (router, client, received):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0], tenants=tenants,
+            hints={"tick_s": 3600.0}) as (router, client, plugin):
         await _turn(client, router.url, "s", key="ka")
         url = f"{router.url}/v1/sessions/s/hints"
         too_long = await client.post(url, headers=admin, json={"actions": [
@@ -227,8 +176,8 @@ async def test_a_retain_without_ttl_is_held_to_the_tenants_ttl_limit(
         (action,) = hinted.json()["actions"]
         assert action["payload"]["ttl_s"] == 120
         assert action["expires_at"] - action["created_at"] == pytest.approx(120, abs=1)
-        await until(lambda: action["action_id"] in [a for a, _ in received])
-        (sent,) = [payload for a, payload in received if a == action["action_id"]]
+        await until(lambda: action["action_id"] in plugin.action_ids)
+        (sent,) = [payload for a, payload in plugin.received if a == action["action_id"]]
         assert sent.ttl_s == 120  # what the worker holds it for
         holdings = router.runtime.hints.holdings
         router.runtime.hints.expire(time.time() + 100)
@@ -247,9 +196,9 @@ async def test_every_refused_end_is_counted_and_ends_nothing(
     session "s"."""
     tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"]},
                {"name": "b", "api_keys": ["kb"], "admin_keys": ["bb"]}]
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        tenants=tenants, admin_keys=["root"],
-                                        hints={"tick_s": 3600.0}) as (router, client, _):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0], tenants=tenants,
+            admin_keys=["root"], hints={"tick_s": 3600.0}) as (router, client, _):
         sessions, url = router.runtime.sessions, router.url
         for session, key in (("b/s", "ka"), ("s", "kb")):
             response = await client.post(f"{url}/v1/chat/completions", json={
@@ -300,9 +249,9 @@ async def test_a_hints_call_over_the_rate_is_a_rate_limit_error_as_on_the_gatewa
     tenants = [{"name": "a", "api_keys": ["ka"], "admin_keys": ["aa"],
                 "budget": {"max_actions_per_minute": 1}}]
     admin = {"authorization": "Bearer aa"}
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        tenants=tenants,
-                                        hints={"tick_s": 3600.0}) as (router, client, _):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0], tenants=tenants,
+            hints={"tick_s": 3600.0}) as (router, client, _):
         await _turn(client, router.url, "s", key="ka")
         url = f"{router.url}/v1/sessions/s/hints"
         assert (await client.post(url, json=RETAIN, headers=admin)).status_code == 200
@@ -326,8 +275,9 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
     held before the message is queued, so the end's release, were it not published after
     the claim (one worker's envelopes leave in the order recorded), would reach the
     worker first."""
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        hints={"tick_s": 3600.0}) as (router, client, received):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0],
+            hints={"tick_s": 3600.0}) as (router, client, plugin):
         url, holdings = router.url, router.runtime.hints.holdings
         await _turn(client, url, "race")
         link = router.runtime.hints._link
@@ -361,9 +311,9 @@ async def test_an_end_during_a_hints_send_still_releases_what_it_sent(
         assert release["scope"] == "agent:default/race" and release["payload"]["priority"] == 0
         assert release["payload"]["owner"] == "agent"
         both = [claim["action_id"], release["action_id"]]
-        await until(lambda: set(both) <= {action_id for action_id, _ in received},
+        await until(lambda: set(both) <= set(plugin.action_ids),
                     timeout_s=30)
-        assert [action_id for action_id, _ in received if action_id in both] == both
+        assert [action_id for action_id in plugin.action_ids if action_id in both] == both
         await until(lambda: not holdings.workers_holding("agent:default/race"), timeout_s=30)
 
 
@@ -375,8 +325,9 @@ async def test_openais_sdk_does_not_retry_a_refusal_a_retry_cannot_change(
     every time: it is answered once, with that header. Before, the SDK sent it three
     times (three refusals counted for one call). A refusal that can pass later (a hint id
     still pending: 409 too) is left to the SDK's retries."""
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        hints={"tick_s": 3600.0}) as (router, client, _):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0],
+            hints={"tick_s": 3600.0}) as (router, client, _):
         url = router.url
         await _turn(client, url, "done")
         assert (await client.delete(f"{url}/v1/sessions/done")).status_code == 200
@@ -403,8 +354,9 @@ async def test_a_hints_call_during_an_ends_release_is_refused_as_ended(
 
     The release's publish is held on an event (wrapping the dispatcher's NATS link): the
     window is one await inside NATS's client, which cannot be hit on cue otherwise."""
-    async with router_with_owner_plugin(tmp_path, nats_url, subject_prefix, stub_workers[0],
-                                        hints={"tick_s": 3600.0}) as (router, client, _):
+    async with router_with_accepting_plugin(
+            tmp_path, nats_url, subject_prefix, stub_workers[0],
+            hints={"tick_s": 3600.0}) as (router, client, _):
         url = router.url
         await _turn(client, url, "late")
         first = {"actions": [{**RETAIN["actions"][0], "action_id": "first-claim"}],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import sqlite3
 import threading
 import time
@@ -11,12 +10,14 @@ import time
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import Engine, inspect, text
 
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import Base, HintActionRow, WorkerRow
 from kvhint.router.store.reader import count_hints_by_status, load_recovery, query_hints
 from kvhint.router.store.writer import StoreWriter
+
+from conftest import migrate_together
 
 
 def test_migrations_build_exactly_the_models(database_url: str) -> None:
@@ -64,21 +65,13 @@ def test_a_database_a_newer_router_migrated_is_used_as_it_is(
         engine.dispose()
 
 
-def test_routers_starting_together_migrate_a_fresh_database_once(database_url: str) -> None:
+def test_routers_starting_together_migrate_a_fresh_database_once(
+        replica_engines: list[Engine]) -> None:
     """Replicas starting together on a fresh database: one migrates, the others find the
     schema current. Before, on PostgreSQL all but one failed on a duplicate key (or
     hung). Replicas share a PostgreSQL store; a SQLite file is one router's own."""
-    if not database_url.startswith("postgresql"):
-        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
-    engines = [create_store_engine(database_url) for _ in range(3)]
-    try:
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            for result in [pool.submit(migrate, engine) for engine in engines]:
-                result.result()
-        assert "hint_actions" in inspect(engines[0]).get_table_names()
-    finally:
-        for engine in engines:
-            engine.dispose()
+    migrate_together(replica_engines)
+    assert "hint_actions" in inspect(replica_engines[0]).get_table_names()
 
 
 def test_a_store_made_before_hold_releases_keeps_its_rows(database_url: str) -> None:

@@ -7,12 +7,10 @@ the tenant; retention deletes the rows older than ``store_retention_s``, counted
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -21,7 +19,7 @@ from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import Base, ResponseSessionRow, SessionRow, WorkerRow
 from kvhint.router.store.reader import get_response_session
 
-from conftest import router_settings, running_router, sample, scrape
+from conftest import migrate_together, router_settings, running_router, sample, scrape
 from test_service_store_forgotten_workers import _worker_row
 from test_service_store_session_worker import _insert, _session, _sessions
 
@@ -72,24 +70,16 @@ def test_a_store_of_the_release_before_gains_the_table_and_keeps_its_rows(
 
 
 def test_replicas_upgrading_a_store_of_the_release_before_together(
-        database_url: str) -> None:
+        replica_engines: list[sa.Engine]) -> None:
     """Three replicas start together on a 0004 store: one migrates, the others find it
     current; every row kept."""
-    if not database_url.startswith("postgresql"):
-        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
-    engines = [create_store_engine(database_url) for _ in range(3)]
-    try:
-        migrate(engines[0], "0004")
-        _insert(engines[0], [_worker_row("w0", True)], [_session("on-w0", "w0")])
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = [f.result() for f in [pool.submit(migrate, e) for e in engines]]
-        assert results == [True, True, True]
-        assert _revision(engines[0]) == "0005"
-        assert list(_sessions(engines[0])) == ["on-w0"]
-        assert _response_sessions(engines[0]) == {}
-    finally:
-        for engine in engines:
-            engine.dispose()
+    engine = replica_engines[0]
+    migrate(engine, "0004")
+    _insert(engine, [_worker_row("w0", True)], [_session("on-w0", "w0")])
+    assert migrate_together(replica_engines) == [True, True, True]
+    assert _revision(engine) == "0005"
+    assert list(_sessions(engine)) == ["on-w0"]
+    assert _response_sessions(engine) == {}
 
 
 async def test_retention_deletes_the_response_sessions_past_the_window_counted(

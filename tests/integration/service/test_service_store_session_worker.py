@@ -10,21 +10,18 @@ worker the store no longer held."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 
-import pytest
 import sqlalchemy as sa
 
-from kvhint.router.service.runtime import _restore_workers
 from kvhint.router.service.sessions import SessionRegistry
-from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import SessionRow, WorkerRow
 from kvhint.router.store.reader import load_recovery
 from kvhint.router.store.retention import prune_history
-from kvhint.router.store.writer import StoreWriter
 
+from conftest import migrate_together
+from store_helpers import forget_then_restart, insert_rows, recording_writer
 from test_service_store_forgotten_workers import _worker_row
 
 NOW = time.time()
@@ -42,14 +39,7 @@ def _session(session_id: str, worker_id: str | None) -> dict:
 
 def _insert(engine: sa.Engine, workers: list[dict], sessions: list[dict]) -> None:
     """Rows as the store's tables are at the engine's revision (reflected)."""
-    meta = sa.MetaData()
-    worker_table = sa.Table("workers", meta, autoload_with=engine)
-    session_table = sa.Table("sessions", meta, autoload_with=engine)
-    with engine.begin() as conn:
-        for row in workers:
-            conn.execute(worker_table.insert().values(row))
-        for row in sessions:
-            conn.execute(session_table.insert().values(row))
+    insert_rows(engine, workers=workers, sessions=sessions)
 
 
 def _sessions(engine: sa.Engine) -> dict[str, dict]:
@@ -61,11 +51,6 @@ def _sessions(engine: sa.Engine) -> dict[str, dict]:
 
 def _session_workers(engine: sa.Engine) -> dict[str, str | None]:
     return {sid: row["worker_id"] for sid, row in _sessions(engine).items()}
-
-
-def _writer(engine: sa.Engine, drops: list[tuple[str, int]]) -> StoreWriter:
-    return StoreWriter(engine, flush_interval_s=10, queue_max=100,
-                       on_drop=lambda what, n: drops.append((what, n)))
 
 
 def test_a_store_of_the_release_before_keeps_its_sessions_without_gone_workers(
@@ -103,25 +88,17 @@ def test_a_store_of_the_release_before_keeps_its_sessions_without_gone_workers(
 
 
 def test_replicas_upgrading_a_store_together_repair_its_sessions_once(
-        database_url: str) -> None:
+        replica_engines: list[sa.Engine]) -> None:
     """Three replicas of the new release start together on a 0003 store with a session
     naming a gone worker: one migrates (repairing it, adding the key), the others find
     it current."""
-    if not database_url.startswith("postgresql"):
-        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
-    engines = [create_store_engine(database_url) for _ in range(3)]
-    try:
-        migrate(engines[0], "0003")
-        _insert(engines[0], [_worker_row("w0", True)],
-                [_session("on-w0", "w0"), _session("on-gone", "gone")])
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = [f.result() for f in [pool.submit(migrate, e) for e in engines]]
-        assert results == [True, True, True]
-        assert _session_workers(engines[0]) == {"on-w0": "w0", "on-gone": None}
-        assert len(sa.inspect(engines[0]).get_foreign_keys("sessions")) == 1
-    finally:
-        for engine in engines:
-            engine.dispose()
+    engine = replica_engines[0]
+    migrate(engine, "0003")
+    _insert(engine, [_worker_row("w0", True)],
+            [_session("on-w0", "w0"), _session("on-gone", "gone")])
+    assert migrate_together(replica_engines) == [True, True, True]
+    assert _session_workers(engine) == {"on-w0": "w0", "on-gone": None}
+    assert len(sa.inspect(engine).get_foreign_keys("sessions")) == 1
 
 
 def test_each_way_a_workers_row_goes_leaves_its_sessions_without_it(
@@ -139,16 +116,7 @@ def test_each_way_a_workers_row_goes_leaves_its_sessions_without_it(
                          _worker_row("dropped", True, NOW),
                          _worker_row("pruned", False, NOW - 7200.0)],
                 [_session(f"on-{worker}", worker) for worker in workers])
-
-        async def run() -> None:
-            writer = _writer(engine, drops)
-            writer.delete("workers", ("forgotten",))
-            registry = WorkerRegistry([("kept", "http://kept")])
-            _restore_workers(registry, load_recovery(engine, 0.0, 10).workers, NOW,
-                             forget_s=86_400.0, writer=writer)
-            await writer.close()
-
-        asyncio.run(run())
+        forget_then_restart(engine, drops, NOW)
         assert prune_history(engine, before=NOW - 3600) == {
             "hint_actions": 0, "learned_stats": 0,
             "response_sessions": 0, "sessions": 0, "workers": 1}
@@ -177,7 +145,7 @@ def test_a_session_saved_after_its_workers_row_went_is_written_without_it(
                          _worker_row("same", False, NOW)], [])
 
         async def run() -> None:
-            writer = _writer(engine, drops)
+            writer = recording_writer(engine, drops)
             writer.delete("workers", ("earlier",))
             await writer.flush()
             with engine.begin() as conn:  # another replica's retention

@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import time
 
-import pytest
 import sqlalchemy as sa
 
 from kvhint.router.kv_index import InMemoryClusterKvIndex, KvEventIngestor
@@ -36,6 +35,8 @@ from kvhint.router.store.retention import prune_history
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import Subjects
 
+from conftest import migrate_together
+from store_helpers import forget_then_restart, insert_rows, recording_writer
 from test_service_store_forgotten_workers import _heartbeat, _Unconnected, _worker_row
 
 NOW = time.time()
@@ -56,14 +57,7 @@ def _action(action_id: str, worker_id: str, status: str = "accepted") -> dict:
 
 def _insert(engine: sa.Engine, workers: list[dict], actions: list[dict]) -> None:
     """Rows as the store's tables are at the engine's revision (reflected)."""
-    meta = sa.MetaData()
-    worker_table = sa.Table("workers", meta, autoload_with=engine)
-    action_table = sa.Table("hint_actions", meta, autoload_with=engine)
-    with engine.begin() as conn:
-        for row in workers:
-            conn.execute(worker_table.insert().values(row))
-        for row in actions:
-            conn.execute(action_table.insert().values(row))
+    insert_rows(engine, workers=workers, hint_actions=actions)
 
 
 def _action_workers(engine: sa.Engine) -> dict[str, str]:
@@ -77,11 +71,6 @@ def _orphans(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return conn.execute(sa.select(sa.func.count()).select_from(actions).where(
             ~sa.exists().where(workers.c.worker_id == actions.c.worker_id))).scalar_one()
-
-
-def _writer(engine: sa.Engine, drops: list[tuple[str, int]]) -> StoreWriter:
-    return StoreWriter(engine, flush_interval_s=10, queue_max=100,
-                       on_drop=lambda what, n: drops.append((what, n)))
 
 
 def test_a_store_of_the_release_before_keeps_every_row_but_gone_workers_actions(
@@ -117,24 +106,17 @@ def test_a_store_of_the_release_before_keeps_every_row_but_gone_workers_actions(
         engine.dispose()
 
 
-def test_replicas_upgrading_a_store_together_migrate_it_once(database_url: str) -> None:
+def test_replicas_upgrading_a_store_together_migrate_it_once(
+        replica_engines: list[sa.Engine]) -> None:
     """Three replicas of the new release start together on a 0002 store with rows left
     behind: one migrates (deleting them, adding the key), the others find it current."""
-    if not database_url.startswith("postgresql"):
-        pytest.skip("replicas share a PostgreSQL store; SQLite is one router's own")
-    engines = [create_store_engine(database_url) for _ in range(3)]
-    try:
-        migrate(engines[0], "0002")
-        _insert(engines[0], [_worker_row("w0", True)],
-                [_action("a-w0", "w0"), _action("left-behind", "gone")])
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = [f.result() for f in [pool.submit(migrate, e) for e in engines]]
-        assert results == [True, True, True]
-        assert _action_workers(engines[0]) == {"a-w0": "w0"}
-        assert len(sa.inspect(engines[0]).get_foreign_keys("hint_actions")) == 1
-    finally:
-        for engine in engines:
-            engine.dispose()
+    engine = replica_engines[0]
+    migrate(engine, "0002")
+    _insert(engine, [_worker_row("w0", True)],
+            [_action("a-w0", "w0"), _action("left-behind", "gone")])
+    assert migrate_together(replica_engines) == [True, True, True]
+    assert _action_workers(engine) == {"a-w0": "w0"}
+    assert len(sa.inspect(engine).get_foreign_keys("hint_actions")) == 1
 
 
 def test_every_connection_to_a_sqlite_store_enforces_the_key(tmp_path) -> None:  # noqa: ANN001
@@ -166,16 +148,7 @@ def test_each_way_a_workers_row_goes_takes_its_actions(database_url: str) -> Non
                 [_action(f"{worker}-{status}", worker, status)
                  for worker in ("kept", "forgotten", "dropped", "pruned")
                  for status in ("accepted", "pending")])
-
-        async def run() -> None:
-            writer = _writer(engine, drops)
-            writer.delete("workers", ("forgotten",))
-            registry = WorkerRegistry([("kept", "http://kept")])
-            _restore_workers(registry, load_recovery(engine, 0.0, 10).workers, NOW,
-                             forget_s=86_400.0, writer=writer)
-            await writer.close()
-
-        asyncio.run(run())
+        forget_then_restart(engine, drops, NOW)
         assert set(_action_workers(engine).values()) == {"kept", "pruned"}
         assert prune_history(engine, before=NOW - 3600) == {
             "hint_actions": 2, "learned_stats": 0,
@@ -246,7 +219,7 @@ def test_a_worker_heard_while_retention_prunes_it_keeps_its_actions_and_feedback
 
 def _dispatcher(engine: sa.Engine, registry: WorkerRegistry, metrics: RouterMetrics,
                 drops: list[tuple[str, int]]) -> tuple[HintDispatcher, StoreWriter]:
-    writer = _writer(engine, drops)
+    writer = recording_writer(engine, drops)
     return HintDispatcher(None, Subjects("t"), registry, writer, metrics, PlannerConfig(),
                           seed=1, tenants=("acme",)), writer
 

@@ -18,7 +18,7 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from conftest import router_settings, running_router
-from feed_helpers import add_blocking_stream, until
+from feed_helpers import router_beside_blocking_stream, until
 from kvhint.router.service.nats_link import (
     NatsLink,
     StreamLimits,
@@ -169,39 +169,29 @@ async def test_a_failed_jetstream_set_up_is_retried_until_replay_works(
     fail: it runs on plain subscriptions, and once that stream is gone the next tries
     set JetStream up (the cursor moves again) without handling a message twice."""
     subjects = Subjects(subject_prefix)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    blocker = await add_blocking_stream(js, subjects, subject_prefix, "outcomes")
-    settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
-    try:
-        async with running_router(settings) as router:
-            runtime = router.runtime
-            await until(lambda: runtime.feed is not None
-                        and _drops(runtime, "jetstream_unavailable") >= 1)
-            feed = runtime.feed
-            assert not feed.replay
-            error = getattr(feed, "jetstream_error", None)
-            await js.delete_stream(blocker)
-            # Without the fix replay stays off for the router's whole life.
-            await until(lambda: feed.replay, timeout_s=15.0)
-            assert error and "10065" in error  # why it failed, told until it works
-            assert feed.jetstream_error == ""
-            outcome = HintOutcome(message_id="m", action_id="nobody's", action_type="kv.pin",
-                                  worker_id="w0", status=OutcomeStatus.ACCEPTED, at=0.0)
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
-            last = await js.stream_info(outcomes_stream_name(subjects))
-            await until(lambda: feed.outcomes.seq == last.state.last_seq)
-            await until(lambda: _foreign_outcomes(runtime) >= 1)
-            # Handled once: the plain subscription was drained, not kept beside.
-            await nc.flush()
-            await asyncio.sleep(0.5)
-            assert _foreign_outcomes(runtime) == 1
-    finally:
-        try:
-            await js.delete_stream(blocker)
-        except NotFoundError:
-            pass
-        await nc.drain()
+    async with router_beside_blocking_stream(tmp_path, nats_url, subject_prefix,
+                                             "outcomes") as (router, nc, js, blocker):
+        runtime = router.runtime
+        await until(lambda: runtime.feed is not None
+                    and _drops(runtime, "jetstream_unavailable") >= 1)
+        feed = runtime.feed
+        assert not feed.replay
+        error = getattr(feed, "jetstream_error", None)
+        await js.delete_stream(blocker)
+        # Without the fix replay stays off for the router's whole life.
+        await until(lambda: feed.replay, timeout_s=15.0)
+        assert error and "10065" in error  # why it failed, told until it works
+        assert feed.jetstream_error == ""
+        outcome = HintOutcome(message_id="m", action_id="nobody's", action_type="kv.pin",
+                              worker_id="w0", status=OutcomeStatus.ACCEPTED, at=0.0)
+        await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
+        last = await js.stream_info(outcomes_stream_name(subjects))
+        await until(lambda: feed.outcomes.seq == last.state.last_seq)
+        await until(lambda: _foreign_outcomes(runtime) >= 1)
+        # Handled once: the plain subscription was drained, not kept beside.
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        assert _foreign_outcomes(runtime) == 1
 
 
 async def test_dead_workers_are_remembered_as_long_as_the_events_stream_keeps_them(

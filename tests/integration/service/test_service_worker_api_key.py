@@ -24,7 +24,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from conftest import StubWorker, router_settings, running_router
+from conftest import StubWorker, router_settings, running_router, serving
 from kvhint.router.service.settings import RouterSettings
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -38,7 +38,7 @@ class KeyedWorker(StubWorker):
     key: str | None = None
     seen: list[tuple[str, str | None]] = field(default_factory=list)
 
-    async def start(self) -> None:
+    def _middlewares(self) -> list[Any]:
         @web.middleware
         async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
             authorization = request.headers.get("Authorization")
@@ -47,27 +47,15 @@ class KeyedWorker(StubWorker):
                 return web.json_response({"error": "Unauthorized"}, status=401)
             return await handler(request)
 
-        app = web.Application(middlewares=[require_key])
-        app.router.add_post("/v1/chat/completions", self._complete)
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return [require_key]
 
 
 @pytest.fixture
 async def keyed(tiny_model_dir: Path) -> AsyncIterator[list[KeyedWorker]]:
-    workers = [KeyedWorker(model_root=str(tiny_model_dir), key="worker-secret-0"),
-               KeyedWorker(model_root=str(tiny_model_dir), key="fleet-secret")]
-    for worker in workers:
-        await worker.start()
-    try:
+    async with serving([KeyedWorker(model_root=str(tiny_model_dir), key="worker-secret-0"),
+                        KeyedWorker(model_root=str(tiny_model_dir), key="fleet-secret")]
+                       ) as workers:
         yield workers
-    finally:
-        for worker in workers:
-            await worker.stop()
 
 
 def keyed_settings(tmp_path: Path, workers: list[dict[str, str]], **extra: Any

@@ -316,6 +316,9 @@ _DROP_LOSSES = {
     # A Responses follow-up whose session the store could not say (failed, slow): the
     # turn continues none.
     "response_session_unread",
+    # A turn of a session id this router holds no record of, whose stored row the store
+    # could not give in time (slow, busy): a record of its own overwrites the row.
+    "session_unread",
     # A worker hashing with another algorithm or seed than the one heard first: its
     # cache is invisible to routing (a fleet configured apart).
     "cached_prediction_unchecked:hash_config_differs"}
@@ -344,6 +347,9 @@ _DROP_EXPECTED = {
     # At a restart, the stored actions of a worker dropped from the config or silent too
     # long: they go with its row, as the worker's holds went with it.
     "hint_not_restored:worker_gone",
+    # Store retention pruned a worker not heard within store_retention_s: its actions
+    # (pending, held) go from memory with its rows.
+    "hint_dropped:worker_pruned",
     # A Responses follow-up naming no session on a replica that did not relay its
     # response, whose session the store does not hold (yet: written behind; pruned):
     # the client is to name it to be sure.

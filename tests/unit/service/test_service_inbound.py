@@ -139,6 +139,38 @@ def test_media_uuids_are_scoped_to_the_tenant() -> None:
     assert error.value.param == "messages[0].content"
 
 
+def test_media_uuids_in_a_responses_tool_output_are_scoped_too() -> None:
+    """A Responses ``function_call_output`` whose ``output`` is a list of parts becomes a
+    tool message with those parts as its content (vLLM's responses/utils.py), its
+    images' uuids read as their cache keys as a message's are: scoped the same way."""
+    def forwarded(tenant: Tenant) -> list[dict[str, object]]:
+        body = json.dumps({"model": "tiny", "input": [
+            {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_image", "image_url": "http://x/cat.png", "uuid": "img-1"},
+                {"type": "input_text", "text": "the screenshot"}]},
+            {"type": "custom_tool_call_output", "call_id": "c2", "output": [
+                {"type": "input_image", "image_url": "http://x/dog.png", "uuid": "img-2"}]},
+            {"type": "function_call_output", "call_id": "c3", "output": "plain text"},
+        ]}).encode()
+        return parse_inbound(Endpoint.RESPONSES, body, tenant, None, None).body["input"]
+
+    other = Tenant("other", "salt-other", TenantBudget())
+    mine, theirs = forwarded(ACME), forwarded(other)
+    uuids = [mine[1]["output"][0]["uuid"], mine[2]["output"][0]["uuid"]]
+    assert "img-1" not in uuids and "img-2" not in uuids
+    assert uuids[0] == forwarded(ACME)[1]["output"][0]["uuid"]  # repeats still hit
+    assert uuids[0] != theirs[1]["output"][0]["uuid"]
+    assert mine[1]["output"][1] == {"type": "input_text", "text": "the screenshot"}
+    assert mine[3]["output"] == "plain text"
+    assert forwarded(DEV)[1]["output"][0]["uuid"] == "img-1"
+    bad = json.dumps({"model": "tiny", "input": [{"type": "function_call_output",
+                      "call_id": "c1", "output": [{"type": "input_image", "uuid": 7}]}]})
+    with pytest.raises(BadRequest, match="'uuid' must be a string") as error:
+        parse_inbound(Endpoint.RESPONSES, bad.encode(), ACME, None, None)
+    assert error.value.param == "input[0].output"
+
+
 def test_a_tenant_limited_to_some_models_names_one_of_them() -> None:
     limited = Tenant("acme", "salt-acme", TenantBudget(), frozenset({"tiny"}))
     assert parse_inbound(Endpoint.CHAT, chat(), limited, None, None).model == "tiny"

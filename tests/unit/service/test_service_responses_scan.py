@@ -88,3 +88,25 @@ def test_the_routers_own_failure_event() -> None:
     assert kind == "event: response.failed" and body["sequence_number"] == 1
     assert body["response"] == _response("in_progress") | {"status": "failed", "error": {
         "code": "server_error", "message": "worker failed (HTTP 504)"}}
+
+
+def test_a_large_event_cut_small_is_relayed_in_linear_time() -> None:
+    """The terminal event carries the whole response (its output, the tools and
+    instructions echoed, input and output messages where asked): megabytes, which a
+    worker's connection delivers in small reads. Each read is searched alone, not the
+    whole event again: 8 MB in 4 KB reads took seconds of the event loop when the
+    pending bytes were copied and searched at every read (quadratic); it takes
+    milliseconds now, the bound below leaving a wide margin for a loaded machine."""
+    import time
+
+    text = "x" * 8_000_000
+    event = _event("response.completed", 5, response=_response(
+        "completed", output=[{"type": "message", "content": [
+            {"type": "output_text", "text": text}]}], usage=USAGE))
+    relay = ResponsesRelay(ResponsesObservation())
+    started = time.perf_counter()
+    out = b"".join(relay.feed(event[i:i + 4096]) for i in range(0, len(event), 4096))
+    elapsed = time.perf_counter() - started
+    assert out == event
+    assert relay.finished and relay.observation.prompt_tokens == 40
+    assert elapsed < 1.0, f"{elapsed:.2f} s to relay {len(event)} bytes"

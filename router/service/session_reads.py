@@ -1,0 +1,117 @@
+"""The stored row of a session this router holds no record of, read with a bounded wait.
+
+Replicas share the store, and each holds its own records in memory. A turn of a session
+id this replica has not seen (another replica served its earlier turns: a load balancer
+spreading an agent's requests, a Responses follow-up continued here; or a session this
+replica forgot, evicted, or did not restore) first reads the session's row, so the turn
+continues its turns, tool gap and planner state (``SessionRegistry.adopt``: the same
+``SessionRecord.from_row`` the start-up restore uses) instead of starting a blank record
+whose first save writes over the stored row. Only on first sight: a record in memory is
+never read again, and the record a turn of a new session makes is what later turns find
+(a new session pays one read, a lookup by the primary key that finds no row). Turns of
+one id arriving together share one read.
+
+The read is tenant-scoped (the primary key is the tenant and the client's session id),
+waited for at most ``routing.session_read_timeout_s``, and counted by outcome
+(``kvhint_router_session_reads_total``). Whatever the store does, the turn is served:
+
+- ``found``: continued from the row. ``missing``: no row (a new session; or one whose
+  earlier turns another replica has not flushed yet, ``store_flush_interval_s``): a
+  record of its own, as before.
+- ``error``: the store failed the read (``drops_total{what="store_read_error"}``);
+  ``timeout`` (no answer in time) and ``busy`` (no read slot came free in time:
+  :data:`MAX_READS_IN_FLIGHT` reads not over yet, the store slow):
+  ``drops_total{what="session_unread"}``. Each starts a record of its own, as before
+  this read existed, whose first save writes over the stored row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.store.db_errors import sqlstate
+from kvhint.router.store.reader import get_session_within
+
+log = logging.getLogger(__name__)
+
+# Reads not over yet (those given up on included: each keeps its thread and a connection
+# until the store answers; PostgreSQL gives up the statement after the same timeout) at
+# most. Beside responses_sessions' 4, this leaves the writer's flushes one of the
+# PostgreSQL pool's 8 connections when both kinds of read are stuck on a slow store.
+MAX_READS_IN_FLIGHT = 3
+# 57014 query_canceled: PostgreSQL's statement_timeout (reader.get_session_within).
+_STATEMENT_TIMEOUT = "57014"
+
+Row = dict[str, Any]
+
+
+class StoredSessions:
+    """Bounded, counted reads of sessions' stored rows (loop thread only)."""
+
+    def __init__(self, engine: Engine, metrics: RouterMetrics, timeout_s: float) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._timeout_s = timeout_s
+        self._slots = asyncio.Semaphore(MAX_READS_IN_FLIGHT)
+        # The read of each session id under way: a second turn of it waits for that one.
+        self._reading: dict[tuple[str, str], asyncio.Future[Row | None]] = {}
+
+    async def row(self, tenant: str, session_id: str) -> Row | None:
+        """``tenant``'s stored row of ``session_id`` as the store gives it within the
+        timeout, or None (module doc; counted either way)."""
+        key = (tenant, session_id)
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._counted(tenant, session_id))
+            self._reading[key] = reading
+            reading.add_done_callback(lambda _done: self._reading.pop(key, None))
+        # Shielded: a client that leaves does not cancel the read another turn waits for.
+        return await asyncio.shield(reading)
+
+    async def _counted(self, tenant: str, session_id: str) -> Row | None:
+        outcome, row = await self._read(tenant, session_id)
+        self._metrics.session_reads.labels(outcome).inc()
+        if outcome == "error":
+            self._metrics.drop("store_read_error")
+        elif outcome != "found" and outcome != "missing":
+            self._metrics.drop("session_unread")
+        return row
+
+    async def _read(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            return "busy", None
+        read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
+                                    session_id, self._timeout_s)
+        read.add_done_callback(self._read_over)
+        try:
+            # Shielded: giving up on the read leaves it to end in its thread, its slot
+            # held until then.
+            async with asyncio.timeout_at(deadline):
+                row = await asyncio.shield(read)
+        except TimeoutError:
+            return "timeout", None
+        except SQLAlchemyError as exc:
+            if isinstance(exc, DBAPIError) and sqlstate(exc.orig) == _STATEMENT_TIMEOUT:
+                return "timeout", None
+            log.warning("could not read session %s/%s from the store: %s", tenant,
+                        session_id, f"{type(exc).__name__}: {exc}"[:300])
+            return "error", None
+        return ("missing", None) if row is None else ("found", row)
+
+    def _read_over(self, read: asyncio.Future[Row | None]) -> None:
+        self._slots.release()
+        if not read.cancelled():
+            # Taken, so that a read given up on that fails later is not logged as an
+            # exception nobody retrieved.
+            read.exception()
