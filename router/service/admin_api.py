@@ -144,6 +144,9 @@ def session_view(runtime: RouterRuntime, record: SessionRecord, detail: bool) ->
                            if plan.protection is not None else None),
             "demoted": plan.demoted, "agent_demoted": plan.agent_demoted,
             "context_tokens": plan.context_tokens,
+            # As the store view's plan has it: an ended session its client (or an admin)
+            # ended, not one the planner abandoned when idle (both are state "ended").
+            "ended_explicitly": plan.ended_explicitly,
         },
         # Workers holding what an agent runtime asked for through the API (apart from the
         # planner's protection above).

@@ -190,6 +190,8 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
     except BadRequest as exc:
         if isinstance(exc, BodyTimeout):
             runtime.metrics.client_timeouts.labels("body").inc()
+        if exc.rejection is not None:  # a tenant policy's (parse_inbound: after the key)
+            runtime.metrics.gateway_rejections.labels(tenant.name, exc.rejection).inc()
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return error_response(exc.message, exc.status, exc.param, exc.error_type)
     except ClientDisconnect:

@@ -3,8 +3,9 @@ worker gets.
 
 The router owns three fields of the forwarded body: ``session_id`` (``<tenant>/<client
 id>``), ``cache_salt`` (the tenant's) and ``kv_transfer_params`` (never from a client);
-and it scopes media ``uuid`` s to the tenant. Everything else passes through untouched, so
-vLLM validates it and its errors reach the client as they are.
+it scopes media ``uuid`` s to the tenant, and holds a tenant's ``priority`` within its
+bounds (request_fields.py). Everything else passes through untouched, so vLLM validates
+it and its errors reach the client as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
+from kvhint.router.service.request_fields import (
+    PRIORITY_REJECTION,
+    priority_refusal,
+    read_stream,
+    wants_usage,
+)
 from kvhint.router.service.tenancy import Tenant
 
 SESSION_HEADER = "x-session-id"
@@ -84,12 +91,14 @@ class BadRequest(Exception):
     """A client error the router answers itself (400 unless said), OpenAI-style."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 error_type: str | None = None) -> None:
+                 error_type: str | None = None, rejection: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.error_type = error_type
+        # A tenant policy's refusal: its kvhint_router_gateway_rejections_total reason.
+        self.rejection = rejection
 
 
 class BodyTimeout(BadRequest):
@@ -192,10 +201,12 @@ def parse_inbound(
         if not tenant.may_use(model):
             raise BadRequest(f"The model `{model}` does not exist.", param="model",
                              status=404, error_type="NotFoundError")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
+    if (refusal := priority_refusal(body, tenant)) is not None:
+        raise BadRequest(refusal, param="priority", rejection=PRIORITY_REJECTION)
+    # Read as vLLM reads it ("true", 1, "yes" stream too: request_fields.py).
+    stream = read_stream(body)
+    if stream is None:
         raise BadRequest("'stream' must be a boolean", param="stream")
-    stream = bool(stream)
 
     client_session_id = _session_id(body, header_session_id)
     for field in ROUTER_OWNED_FIELDS:
@@ -228,7 +239,11 @@ def parse_inbound(
             options = {}
         if not isinstance(options, dict):
             raise BadRequest("'stream_options' must be an object", param="stream_options")
-        if not options.get("include_usage"):
+        include_usage = wants_usage(options)
+        if include_usage is None:
+            raise BadRequest("'stream_options.include_usage' must be a boolean",
+                             param="stream_options")
+        if not include_usage:
             # The worker's usage (cached tokens) is how the router learns what its
             # routing achieved; the client never sees the extra chunk.
             # ``continuous_usage_stats`` goes: vLLM reads it only with include_usage,

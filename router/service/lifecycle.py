@@ -243,7 +243,14 @@ class SessionLifecycle:
         end, None for a session that had already ended (only the agent's claims left)."""
         if record.state == ENDED and record.plan.ended:
             if not record.plan.ended_explicitly:  # abandoned, now ended by its client too
-                record.plan = replace(record.plan, ended_explicitly=True)
+                # Its end is the client's from here on (the abandonment's time goes),
+                # stamped as every explicit end is: one clock reading in ended_at and the
+                # plan's last_activity. A row of it that an older router saves again
+                # without the flag is then still read as ended by its client
+                # (sessions._ended_explicitly_before_the_flag).
+                now = self._clock()
+                record.ended_at = now
+                record.plan = replace(record.plan, ended_explicitly=True, last_activity=now)
                 self.sessions.save(record)
             return None
         now = self._clock()

@@ -90,6 +90,10 @@ GATEWAY_REJECTIONS = (
     # 400: a background Responses request of a tenant with a max_in_flight (it would run
     # past the cap: responses_api.py)
     "background_over_cap",
+    # 400: a request priority outside its tenant's tenants[].priority bounds (it would
+    # move its requests ahead of other tenants' on workers scheduling by priority:
+    # request_fields.py)
+    "priority_not_allowed",
 )
 # kvhint_router_response_id_misses_total{reason}: a stored response id a request named
 # that the router did not send on (responses_ids.py), a bounded set.
@@ -381,7 +385,8 @@ class RouterMetrics:
             "what=trace_*)", registry=r)
         self.store_pruned = Counter("kvhint_router_store_pruned_rows",
                                     "History rows deleted from the store past "
-                                    "store_retention_s, by table", ["table"], registry=r)
+                                    "store_retention_s (response_sessions: responses."
+                                    "session_retention_s), by table", ["table"], registry=r)
         self.client_timeouts = Counter(
             "kvhint_router_client_timeouts",
             "Client connections closed for sending a request too slowly, by phase "
@@ -398,7 +403,8 @@ class RouterMetrics:
             "kvhint_router_gateway_rejections",
             "Inference requests the router refused before any worker had them, by tenant "
             "and reason (over_in_flight: past the tenant's max_in_flight; "
-            "background_over_cap: a background Responses request of a tenant with one)",
+            "background_over_cap: a background Responses request of a tenant with one; "
+            "priority_not_allowed: a priority outside the tenant's bounds)",
             ["tenant", "reason"], registry=r)
         self.tenant_in_flight = Gauge(
             "kvhint_router_tenant_in_flight",

@@ -49,6 +49,14 @@ class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
     # response this router did not relay was made in (responses_sessions.py); past it,
     # it continues none (kvhint_router_response_session_reads_total{outcome="timeout"}).
     session_read_timeout_s: float = Field(0.5, gt=0, le=10)
+    # How long the store keeps a response's session row (``response_sessions``, one per
+    # stored response made in a session), deleted at the hourly retention
+    # (router/store/retention.py). A follow-up by ``previous_response_id`` comes within
+    # minutes to hours, and only works while the worker that made the response still
+    # holds it (vLLM keeps it in memory, lost at its restart): a day covers a follow-up
+    # the next morning at a seventh of the rows of ``store_retention_s`` (7 days). At most
+    # ``store_retention_s``: a longer value keeps them that long, no longer.
+    session_retention_s: float = Field(86_400.0, gt=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from kvhint.router.service.response_scan import ResponseObservation, SseRelay
+from kvhint.router.service.response_scan import ResponseObservation, SseRelay, whole_events
 
 
 class _Details(msgspec.Struct):
@@ -162,10 +162,12 @@ class ResponsesRelay:
 
     def __init__(self, observation: ResponsesObservation) -> None:
         self.observation = observation
-        # The bytes after the last whole event: appended to in place, and only the new
-        # ones searched for an event's end, so a large event (the terminal one carries
-        # the whole response) cut into many reads costs its size, not its size squared.
+        # The bytes after the last whole event (:func:`whole_events`): a large event (the
+        # terminal one carries the whole response) cut into many reads costs its size.
         self._pending = bytearray()
+        # Bytes searched for an event's end so far: at most the stream's size plus one
+        # per read (its tests hold the relay to that, rather than to a time).
+        self.searched = 0
         # A terminal event has been relayed: a client that leaves now has its answer.
         self.finished = False
 
@@ -180,14 +182,8 @@ class ResponsesRelay:
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events of ``pending + chunk``, observed, to send now."""
-        pending = self._pending
-        searched = max(len(pending) - 1, 0)  # an event's end may straddle the two
-        pending += chunk
-        end = pending.rfind(b"\n\n", searched)
-        if end < 0:
-            return b""
-        complete = bytes(pending[: end + 2])
-        del pending[: end + 2]
+        complete, searched = whole_events(self._pending, chunk)
+        self.searched += searched
         for event in complete.split(b"\n\n")[:-1]:
             self._inspect(event)
         return complete

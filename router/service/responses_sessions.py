@@ -17,10 +17,10 @@ is not (``other_tenant``). Whatever the store does, the follow-up is served, con
 no session when the read does not give one:
 
 - ``missing``: no row. A follow-up within the write-behind window of its response (the
-  other replica has not flushed yet), a row pruned past ``store_retention_s``, a response
-  made by a router before this release. Counted ``drops_total{what=
-  "response_session_unknown"}`` (by design: name the session to be sure of it), as
-  ``other_tenant`` is.
+  other replica has not flushed yet), a row pruned past ``responses.session_retention_s``
+  (at most ``store_retention_s``: store.retention), a response made by a router before
+  this release. Counted ``drops_total{what="response_session_unknown"}`` (by design:
+  name the session to be sure of it), as ``other_tenant`` is.
 - ``error``, ``timeout``, ``busy`` (not read: :data:`MAX_READS_IN_FLIGHT` reads in
   flight already, the store slow): counted ``drops_total{what="response_session_unread"}``.
 

@@ -138,8 +138,7 @@ class RouterRuntime:
             metrics.tenant_in_flight.labels(tenant.name)
             for reason in GATEWAY_REJECTIONS:
                 metrics.gateway_rejections.labels(tenant.name, reason)
-        # Complete only when the store held nothing older than what was loaded.
-        restored = sessions.restore(recovery.sessions, complete=recovery.sessions_complete)
+        restored = sessions.restore(recovery.sessions)
         recorder = None
         if settings.trace_dir is not None:
             # Fails the start-up if the folder cannot be made, not the first write.
@@ -282,8 +281,11 @@ class RouterRuntime:
                 self.metrics.drop("periodic_job_error")
 
     async def _prune_store(self) -> None:
-        before = time.time() - self.settings.store_retention_s
-        pruned = await asyncio.to_thread(prune, self.engine, before)
+        now = time.time()
+        before = now - self.settings.store_retention_s
+        # responses.session_retention_s, at most store_retention_s (prune takes the later).
+        responses_before = now - self.settings.responses.session_retention_s
+        pruned = await asyncio.to_thread(prune, self.engine, before, responses_before)
         # Their actions and feedback rows went with them: what memory keeps of them too.
         self.hints.workers_pruned(pruned.workers, self.settings.store_retention_s)
         for table, rows in pruned.deleted.items():

@@ -13,19 +13,32 @@ a session continues at most one of them.
 
 from __future__ import annotations
 
+from pydantic import TypeAdapter, ValidationError
+
 from kvhint.router.service.inbound import BadRequest, Endpoint
 
 SAMPLING_KEYS = ("n", "best_of")
+# vLLM declares them ``int`` (``int | None``) and pydantic reads them laxly: "64", 64.0
+# and " 64" are 64, true is 1. Read otherwise (an int only), "64" passed max_n as 1.
+_LAX_INT = TypeAdapter(int | None)
 
 
 def _asked(body: dict[str, object], endpoint: Endpoint | None) -> dict[str, int]:
-    """The sampling keys the body sets to an integer (a bool is not one), by key. None on
-    ``/v1/responses``: vLLM 0.32's ResponsesRequest has no ``n`` nor ``best_of`` (it
-    takes and ignores extra fields), one output whatever they say."""
+    """The sampling keys the body sets to what vLLM reads as an integer, by key; a value
+    vLLM refuses (64.5, "x") is left out, for vLLM's own 400. None on ``/v1/responses``:
+    vLLM 0.32's ResponsesRequest has no ``n`` nor ``best_of`` (it takes and ignores
+    extra fields), one output whatever they say."""
     if endpoint is Endpoint.RESPONSES:
         return {}
-    return {key: value for key in SAMPLING_KEYS
-            if isinstance(value := body.get(key), int) and not isinstance(value, bool)}
+    asked: dict[str, int] = {}
+    for key in SAMPLING_KEYS:
+        try:
+            value = _LAX_INT.validate_python(body.get(key))
+        except ValidationError:
+            continue
+        if value is not None:
+            asked[key] = value
+    return asked
 
 
 def parallel_samples(body: dict[str, object], endpoint: Endpoint | None = None) -> int:

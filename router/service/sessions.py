@@ -130,7 +130,10 @@ def _ended_explicitly_before_the_flag(row: dict[str, Any], plan_data: Any,
     the plan keeps, at a tick that stamps ``ended_at`` alone. A session abandoned then
     ended again by a DELETE on such a router left no trace of the second end, and stays
     abandoned; one this router reads as abandoned and its client then ends is stored
-    with the flag set (``SessionLifecycle.end``), so it is read as ended by its client."""
+    with the flag set (``SessionLifecycle.end``), so it is read as ended by its client,
+    and with that end's one clock reading in ``ended_at`` and the plan's
+    ``last_activity``, so a row of it an older router saves again without the flag is
+    read so too. Rows this router writes always carry the flag: none is inferred."""
     if (not isinstance(plan_data, dict) or "ended_explicitly" in plan_data
             or row.get("state") != ENDED or not plan.ended):
         return False
@@ -161,12 +164,6 @@ class SessionRegistry:
         self._on_drop = on_drop
         self._tenant_cap = tenant_cap
         self._on_evict = on_evict
-        # False once a session may be in the store and not in memory (one was forgotten
-        # or evicted, or the restore left some out). What this registry knows only: the
-        # store is shared by replicas, so a session not in memory is looked up in it
-        # whatever this says (SessionLifecycle.recall, then :meth:`adopt`), so its first
-        # save does not overwrite its history with a blank record.
-        self.complete = True
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -199,19 +196,19 @@ class SessionRegistry:
             self._writer.upsert("sessions", record.key, record.row())
 
     def forget(self, record: SessionRecord) -> None:
-        if self._pop(record.key) is not None:
-            self.complete = False
+        """Out of memory; the store keeps it (:meth:`adopt` brings it back)."""
+        self._pop(record.key)
 
     def count(self, tenant: str) -> int:
         """Sessions of ``tenant`` in memory."""
         return len(self._by_tenant.get(tenant, ()))
 
-    def restore(self, rows: list[dict[str, Any]], complete: bool = True) -> int:
-        """``complete``: ``rows`` are every session the store holds worth keeping (False
-        when the load was cut at the registry's bound)."""
+    def restore(self, rows: list[dict[str, Any]]) -> int:
+        """The stored sessions ``rows`` in memory (at start-up). Any left out, or not in
+        the store's recent rows, are read from the store on first sight
+        (``SessionLifecycle.recall``), as every session this registry does not hold is."""
         for record in sorted(map(SessionRecord.from_row, rows), key=lambda r: r.last_activity):
             self._put(record)
-        self.complete = self.complete and complete
         # A tenant's cap may be lower than at the last run: trim to it (least recent first).
         for tenant in list(self._by_tenant):
             self._make_room(tenant, 0)
@@ -284,7 +281,6 @@ class SessionRegistry:
         if victim is None:
             return False
         self._pop(victim.key)
-        self.complete = False
         if self._on_drop is not None:
             self._on_drop("session_evicted_from_memory", 1)
         if self._on_evict is not None:

@@ -109,6 +109,17 @@ class TenantBudget(BaseModel, frozen=True, extra="forbid"):
     max_worker_share: float | None = Field(None, gt=0, le=1)
 
 
+class PriorityBounds(BaseModel, frozen=True, extra="forbid"):
+    """The request ``priority`` values a tenant's keys may send (vLLM: lower is served
+    first on a worker started with ``--scheduling-policy priority``, and may preempt
+    requests running there; 0 when not sent). Both bounds take in 0, so a request
+    without ``priority`` is always allowed. The default, 0 to 0: a tenant's keys may not
+    move their requests ahead of (nor behind) any other tenant's (inbound.py)."""
+
+    min: int = Field(0, le=0)
+    max: int = Field(0, ge=0)
+
+
 class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     name: str
     # Keys a client sends as ``Authorization: Bearer <key>`` (or ``X-API-Key``).
@@ -130,6 +141,8 @@ class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     # Inference requests of this tenant in flight at once; one more is answered 429 with
     # Retry-After. None: no cap of the tenant's own (http_max_concurrency bounds all).
     max_in_flight: int | None = Field(None, ge=1)
+    # The request ``priority`` its keys may send; outside it, a 400 (PriorityBounds).
+    priority: PriorityBounds = PriorityBounds()
 
     @field_validator("name")
     @classmethod

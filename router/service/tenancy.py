@@ -32,6 +32,9 @@ class Tenant:
     worker_share: float = 1.0
     # Its requests in flight at once (``TenantConfig.max_in_flight``; None: no cap).
     max_in_flight: int | None = None
+    # The request ``priority`` values its keys may send, (min, max) (``TenantConfig.
+    # priority``); None: any (dev mode, and ``default``: a global admin's own traffic).
+    priority_range: tuple[int, int] | None = None
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -74,7 +77,10 @@ class TenantDirectory:
             share = config.budget.max_worker_share
             tenant = Tenant(config.name, salt, config.budget,
                             None if config.models is None else frozenset(config.models),
-                            equal_share if share is None else share, config.max_in_flight)
+                            equal_share if share is None else share, config.max_in_flight,
+                            # Dev mode has no tenants to keep apart: all is the operator's.
+                            None if self.dev_mode
+                            else (config.priority.min, config.priority.max))
             self._tenants[tenant.name] = tenant
             for key in config.api_keys:
                 self._client_keys[key] = tenant

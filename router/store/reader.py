@@ -41,8 +41,6 @@ class RecoveryState:
     learned: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
-    # Whether ``sessions`` are every session the store holds (none older, none cut).
-    sessions_complete: bool = True
 
 
 def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
@@ -88,8 +86,7 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
     Everything is read in one transaction (:func:`_snapshot`): routers sharing the store
     (replicas on one PostgreSQL) write while another starts. Before, each read was a
     transaction of its own, and together they mixed moments: an action without the
-    session it belongs to, a held action of a worker deleted meanwhile, a session count
-    that did not match the sessions read (``sessions_complete``)."""
+    session it belongs to, a held action of a worker deleted meanwhile."""
     with _snapshot(engine) as conn:
         sessions = _read(conn, select(*SessionRow.__table__.columns)
                          .where(SessionRow.last_activity >= active_since)
@@ -103,9 +100,7 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
         learned = _read(conn, select(*LearnedStatsRow.__table__.columns))
         cursors = {row["name"]: row["value"]
                    for row in _read(conn, select(*CursorRow.__table__.columns))}
-        stored = conn.execute(select(func.count()).select_from(SessionRow)).scalar_one()
-    return RecoveryState(sessions, pending, held, learned, workers, cursors,
-                         sessions_complete=stored == len(sessions))
+    return RecoveryState(sessions, pending, held, learned, workers, cursors)
 
 
 def _held_actions(conn: Connection, now: float, budgets: Mapping[str, Budgets]

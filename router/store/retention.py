@@ -2,7 +2,9 @@
 
 Only history goes: answered hint actions (never one still pending or deferred, nor a
 Pin/Retain whose TTL is not over), sessions idle since before the window, the sessions
-of Responses API responses made before it (models.ResponseSessionRow), and workers
+of Responses API responses made before a window of their own, no longer
+(models.ResponseSessionRow; ``responses.session_retention_s``: one a day by default, at
+100 responses/s ~9 million rows instead of ~60 million over 7 days), and workers
 learned from heartbeats (never configured ones) not heard since, with every action of
 theirs (the foreign key would cascade to them anyway: deleted first, so that they are
 counted) and their outcome feedback row (``learned_stats``, models.FEEDBACK_TENANT /
@@ -55,23 +57,29 @@ class Pruned:
     workers: tuple[str, ...]
 
 
-def prune_history(engine: Engine, before: float) -> dict[str, int]:
+def prune_history(engine: Engine, before: float,
+                  responses_before: float | None = None) -> dict[str, int]:
     """Delete history older than ``before`` (seconds since the epoch); returns the rows
     deleted per table."""
-    return prune(engine, before).deleted
+    return prune(engine, before, responses_before).deleted
 
 
-def prune(engine: Engine, before: float) -> Pruned:
+def prune(engine: Engine, before: float, responses_before: float | None = None) -> Pruned:
     """Delete history older than ``before`` (seconds since the epoch), and feedback rows
     whose worker has no row; returns the rows deleted per table and the workers pruned
-    (whose feedback the router lets go of in memory too)."""
+    (whose feedback the router lets go of in memory too).
+
+    Responses' sessions go from ``responses_before`` (``responses.session_retention_s``
+    ago), or ``before`` where that is later or None: never kept past the rest of history
+    (``store_retention_s``)."""
+    responses_before = before if responses_before is None else max(before, responses_before)
     actions = delete(HintActionRow).where(
         HintActionRow.created_at < before,
         HintActionRow.status.not_in(NON_TERMINAL),
         or_(HintActionRow.expires_at.is_(None), HintActionRow.expires_at < before))
     sessions = delete(SessionRow).where(SessionRow.last_activity < before)
     response_sessions = delete(ResponseSessionRow).where(
-        ResponseSessionRow.created_at < before)
+        ResponseSessionRow.created_at < responses_before)
     gone = (WorkerRow.from_config.is_(False),
             or_(WorkerRow.last_seen.is_(None), WorkerRow.last_seen < before))
     deleted = dict.fromkeys(("hint_actions", "learned_stats", "response_sessions",

@@ -3,7 +3,9 @@ response was made in, for every replica), on SQLite and PostgreSQL: a store of t
 before (0004) gains the table and keeps every row, whether one router migrates it or
 several replicas start on it together; the router's writes land in it and read back for
 the tenant; retention deletes the rows older than ``store_retention_s``, counted in
-``kvhint_router_store_pruned_rows_total{table="response_sessions"}``, and nothing newer."""
+``kvhint_router_store_pruned_rows_total{table="response_sessions"}``, and nothing newer,
+and those older than ``responses.session_retention_s`` (never kept past
+``store_retention_s``)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from alembic.migration import MigrationContext
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.models import Base, ResponseSessionRow, SessionRow, WorkerRow
 from kvhint.router.store.reader import get_response_session
+from kvhint.router.store.retention import prune
 
 from conftest import migrate_together, router_settings, running_router, sample, scrape
 from test_service_store_forgotten_workers import _worker_row
@@ -111,3 +114,72 @@ async def test_retention_deletes_the_response_sessions_past_the_window_counted(
         samples = await scrape(client, router.url)
         assert sample(samples, "kvhint_router_store_pruned_rows_total",
                       table="response_sessions") == 1
+
+
+async def test_response_sessions_are_kept_their_own_retention_counted(
+        tmp_path: Path, database_url: str) -> None:
+    """``responses.session_retention_s`` (an hour here; the rest of history 7 days): the
+    row of a response made more than an hour ago goes at the hourly retention, counted
+    by table, though well within ``store_retention_s``; a younger one, and the session
+    row as old, stay."""
+    settings = router_settings(tmp_path, [], database_url=database_url,
+                               responses={"session_retention_s": 3600.0})
+    async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+        runtime = router.runtime
+        now = time.time()
+        with runtime.engine.begin() as conn:
+            conn.execute(sa.insert(ResponseSessionRow), [
+                {"response_id": "resp_old", "tenant": "default", "session_id": "agent",
+                 "created_at": now - 3600.0 - 60.0},
+                {"response_id": "resp_young", "tenant": "default", "session_id": "agent",
+                 "created_at": now - 3600.0 + 60.0}])
+            session = _session("agent", None)
+            session["last_activity"] = now - 3600.0 - 60.0
+            conn.execute(sa.insert(SessionRow), [session])
+        await runtime._prune_store()
+        assert set(_response_sessions(runtime.engine)) == {"resp_young"}
+        assert list(_sessions(runtime.engine)) == ["agent"]
+        samples = await scrape(client, router.url)
+        assert sample(samples, "kvhint_router_store_pruned_rows_total",
+                      table="response_sessions") == 1
+
+
+async def test_response_sessions_are_kept_no_longer_than_the_rest_of_history(
+        tmp_path: Path, database_url: str) -> None:
+    """``responses.session_retention_s`` over ``store_retention_s`` (10 days, 1 day): the
+    rows go past ``store_retention_s`` as the rest of history does, no later."""
+    settings = router_settings(tmp_path, [], database_url=database_url,
+                               store_retention_s=86_400.0,
+                               responses={"session_retention_s": 10 * 86_400.0})
+    async with running_router(settings) as router:
+        runtime = router.runtime
+        now = time.time()
+        with runtime.engine.begin() as conn:
+            conn.execute(sa.insert(ResponseSessionRow), [
+                {"response_id": "resp_old", "tenant": "default", "session_id": "agent",
+                 "created_at": now - 2 * 86_400.0},
+                {"response_id": "resp_young", "tenant": "default", "session_id": "agent",
+                 "created_at": now - 43_200.0}])
+        await runtime._prune_store()
+        assert set(_response_sessions(runtime.engine)) == {"resp_young"}
+
+
+def test_prune_takes_the_later_of_the_two_cutoffs(database_url: str) -> None:
+    """store.retention.prune: response sessions go before ``responses_before`` or
+    ``before``, whichever is later; without ``responses_before``, before ``before``."""
+    engine = create_store_engine(database_url)
+    try:
+        migrate(engine)
+        rows = [{"response_id": f"resp_{at}", "tenant": "t", "session_id": "s",
+                 "created_at": float(at)} for at in (100, 200, 300, 400)]
+        with engine.begin() as conn:
+            conn.execute(sa.insert(ResponseSessionRow), rows)
+        assert prune(engine, before=150.0, responses_before=250.0).deleted[
+            "response_sessions"] == 2
+        assert set(_response_sessions(engine)) == {"resp_300", "resp_400"}
+        assert prune(engine, before=350.0, responses_before=50.0).deleted[
+            "response_sessions"] == 1
+        assert prune(engine, before=450.0).deleted["response_sessions"] == 1
+        assert _response_sessions(engine) == {}
+    finally:
+        engine.dispose()

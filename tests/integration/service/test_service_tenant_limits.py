@@ -90,6 +90,13 @@ async def test_a_tenants_session_churn_evicts_only_its_own_and_is_counted(
         samples = await scrape(client, router.url)
         assert sample(samples, "kvhint_router_sessions_evicted_total", tenant="acme") == 3
         assert sample(samples, "kvhint_router_sessions_evicted_total", tenant="beta") == 0
+        # An evicted session stays in the store: its next turn continues its history.
+        assert sessions.get("acme", "a0") is None
+        await router.runtime.writer.flush()
+        response = await client.post(URL(router.url), json={**CHAT, "session_id": "a0"},
+                                     headers=ACME)
+        assert response.status_code == 200
+        assert sessions.get("acme", "a0").turns == 2
 
 
 class ChoicesStub(StubWorker):

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
-from kvhint.router.service.response_scan import ResponseObservation, SseRelay
+from kvhint.router.service.response_scan import ResponseObservation, SseRelay, whole_events
 
 
 def event(obj: object) -> bytes:
@@ -216,3 +217,54 @@ def test_a_worker_forcing_usage_gives_the_client_its_usage_chunk() -> None:
     whole = b"".join(parts)
     for cut in range(1, len(whole), 41):
         assert relay_all([whole[:cut], whole[cut:]], strip=True)[0] == whole
+
+
+def test_a_large_event_cut_small_is_searched_once() -> None:
+    """A chunk can be megabytes (a tool call's arguments, logprobs, a worker that sends
+    a long answer in few events), which a worker's connection delivers in small reads.
+    Each read is searched for an event's end alone (with the byte before it, where an
+    end may straddle two reads), not all the waiting bytes again: copied and searched at
+    every read, 8 MB in 4 KB reads cost ~7.8 GB of searching, seconds of the event loop.
+    The bytes searched are counted, so the bound holds on any machine; the time it saves
+    is in BENCHMARKS.md (router, "Large events cut small"). What the client gets and the
+    router learns are those of the stream read whole."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "write_file", "arguments": "x" * 8_000_000}}
+    finish = event({"id": "c1", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": "tool_calls"}],
+        "system_fingerprint": None})
+    whole = chunk(0, "a") + finish + USAGE + DONE
+    for strip in (True, False):
+        expected, _ = relay_all([whole], strip=strip)
+        if strip:  # the usage chunk stripped, its fingerprint on the held finish chunk
+            assert fingerprints(expected)[-1] == (0, "tool_calls", FINGERPRINT)
+        for size in (4096, 4093):
+            relay = SseRelay(ResponseObservation(), strip)
+            reads = range(0, len(whole), size)
+            out = b"".join(relay.feed(whole[i:i + size]) for i in reads)
+            assert out == expected and relay.finished
+            seen = relay.observation
+            assert seen.tool_names == ["write_file"] and seen.prompt_tokens == 9
+            assert relay.searched <= len(whole) + len(reads) < 2 * len(whole), relay.searched
+
+
+def test_whole_events_cuts_where_searching_all_the_waiting_bytes_did() -> None:
+    """Both relays' split (:func:`whole_events`) searches only each read and the byte
+    before it: the same cuts, read by read, as searching all the waiting bytes again
+    (before), for streams of newlines and text cut anywhere (ends straddling two reads,
+    runs of blank lines, reads of a lone newline, empty reads)."""
+    def searching_all(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+        data = pending + chunk
+        end = data.rfind(b"\n\n")
+        return (b"", data) if end < 0 else (data[: end + 2], data[end + 2:])
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        stream = b"".join(rng.choice([b"\n", b"\n", b"a", b"data: x", b"\n\n", b"\n\n\n"])
+                          for _ in range(rng.randrange(1, 40)))
+        cuts = sorted(rng.randrange(len(stream) + 1) for _ in range(rng.randrange(6)))
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+        pending, before = bytearray(), b""
+        for read in reads:
+            complete, before = searching_all(before, read)
+            assert whole_events(pending, read)[0] == complete and pending == before, reads

@@ -90,23 +90,22 @@ def test_the_routers_own_failure_event() -> None:
         "code": "server_error", "message": "worker failed (HTTP 504)"}}
 
 
-def test_a_large_event_cut_small_is_relayed_in_linear_time() -> None:
+def test_a_large_event_cut_small_is_searched_once() -> None:
     """The terminal event carries the whole response (its output, the tools and
     instructions echoed, input and output messages where asked): megabytes, which a
-    worker's connection delivers in small reads. Each read is searched alone, not the
+    worker's connection delivers in small reads. Each read is searched for an event's
+    end alone (with the byte before it, where an end may straddle two reads), not the
     whole event again: 8 MB in 4 KB reads took seconds of the event loop when the
-    pending bytes were copied and searched at every read (quadratic); it takes
-    milliseconds now, the bound below leaving a wide margin for a loaded machine."""
-    import time
-
+    waiting bytes were copied and searched at every read (quadratic: ~7.8 GB searched
+    here). The bytes searched are counted, so the bound holds on any machine; the time
+    it saves is in BENCHMARKS.md (router, "Large events cut small")."""
     text = "x" * 8_000_000
     event = _event("response.completed", 5, response=_response(
         "completed", output=[{"type": "message", "content": [
             {"type": "output_text", "text": text}]}], usage=USAGE))
     relay = ResponsesRelay(ResponsesObservation())
-    started = time.perf_counter()
-    out = b"".join(relay.feed(event[i:i + 4096]) for i in range(0, len(event), 4096))
-    elapsed = time.perf_counter() - started
+    reads = range(0, len(event), 4096)
+    out = b"".join(relay.feed(event[i:i + 4096]) for i in reads)
     assert out == event
     assert relay.finished and relay.observation.prompt_tokens == 40
-    assert elapsed < 1.0, f"{elapsed:.2f} s to relay {len(event)} bytes"
+    assert relay.searched <= len(event) + len(reads) < 2 * len(event), relay.searched

@@ -48,7 +48,6 @@ def test_one_tenants_churn_of_session_ids_evicts_only_its_own_sessions() -> None
     assert [r.session_id for r in registry if r.tenant == "noisy"] == ["n47", "n48", "n49"]
     assert evicted == {"noisy": 47}
     assert drops == ["session_evicted_from_memory"] * 47
-    assert not registry.complete  # the evicted ones are looked up in the store again
     assert registry.counts_by_state("quiet")["active"] == 2
 
 
@@ -87,7 +86,7 @@ def test_a_restore_keeps_each_tenants_most_recent_sessions_within_its_cap() -> N
              "last_activity": float(n)} for tenant in ("a", "b") for n in range(4)]
     registry.restore(rows)
     assert sorted(r.session_id for r in registry if r.tenant == "a") == ["a2", "a3"]
-    assert registry.count("b") == 4 and evicted == {"a": 2} and not registry.complete
+    assert registry.count("b") == 4 and evicted == {"a": 2}
 
 
 def test_a_tenants_session_cap_defaults_to_an_equal_share() -> None:
@@ -186,6 +185,34 @@ def test_n_is_bounded_by_routing_max_n() -> None:
         assert "routing.max_n" in refused.value.message
     assert parallel_samples({"n": 3, "best_of": 5}) == 5
     assert parallel_samples({"n": True}) == 1
+
+
+@pytest.mark.parametrize("n", ["64", 64.0, " 64", "17", 17.0, True, "1", 64.5, "x", None, [2]])
+def test_n_is_read_as_vllm_reads_it(n: object) -> None:
+    """The router's count of ``n`` is vLLM's own (its request models, in-process): "64"
+    and 64.0 are 64 sequences to vLLM. Before, the router counted only a JSON integer,
+    and ``"n": "64"`` passed routing.max_n (16) as one sequence; a value vLLM refuses
+    is left to vLLM's 400."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    for model, body in ((ChatCompletionRequest, {"messages": []}),
+                        (CompletionRequest, {"prompt": "p"})):
+        try:
+            vllm_n = model.model_validate({"model": "m", **body, "n": n}).n
+        except ValidationError:
+            vllm_n = None
+        if vllm_n is None:  # vLLM refuses it (or null: its default)
+            check_parallel_samples({"n": n}, 16)
+            assert parallel_samples({"n": n}) == 1
+            continue
+        assert parallel_samples({"n": n}) == max(1, vllm_n)
+        if vllm_n > 16:
+            with pytest.raises(BadRequest):
+                check_parallel_samples({"n": n}, 16)
+        else:
+            check_parallel_samples({"n": n}, 16)
 
 
 # -- 4. the traffic recorder's memory and disk ------------------------------------------
