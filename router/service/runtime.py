@@ -34,7 +34,8 @@ from kvhint.router.service.hash_queue import FairHashQueue
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.lifecycle import SessionLifecycle
-from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics, StateSample
+from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics
+from kvhint.router.service.metrics_state import StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.session_reads import StoredSessions

@@ -7,7 +7,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.metrics_state import StateSample
 
 
 def router_families() -> tuple[RouterMetrics, list[tuple[Metric, frozenset[str]]]]:

@@ -15,7 +15,8 @@ from kvhint.engine_plugin.metrics import exposed_names as plugin_names
 from kvhint.router.service.metrics import ADMIN_REJECTIONS, CLIENT_TIMEOUT_PHASES, \
     CORS_REFUSAL_REASONS, \
     CROSS_SITE_REASONS, GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, \
-    SESSION_END_SKIPS, RouterMetrics, StateSample
+    SESSION_END_SKIPS, RouterMetrics
+from kvhint.router.service.metrics_state import StateSample
 
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")
 # The plugin's metrics appear on vLLM's /metrics under vLLM-style names (kvhint:...).

@@ -13,7 +13,8 @@ from kvhint.router.policy import GapObserved, PlannedAction, PlannerConfig, Rout
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.inbound import Endpoint, InboundRequest, parse_inbound
 from kvhint.router.service.lifecycle import SessionLifecycle
-from kvhint.router.service.metrics import RouterMetrics, StateSample
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.metrics_state import StateSample
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.routing_service import RoutePlan, RoutingService
 from kvhint.router.service.sessions import SessionRegistry
