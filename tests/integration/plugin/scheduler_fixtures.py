@@ -21,7 +21,15 @@ from kvhint.engine_plugin.headless import (
     build_scheduler,
     tokens_for_block_ids,
 )
-from kvhint.schemas import HintOutcome, KvHintsEnvelope, Subjects, encode_hints, make_action
+from kvhint.schemas import (
+    HintOutcome,
+    KvHintsEnvelope,
+    PinPayload,
+    Subjects,
+    Target,
+    encode_hints,
+    make_action,
+)
 
 BS = 32
 _ids = itertools.count(1)
@@ -131,6 +139,35 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+async def step_until(h: HeadlessScheduler, predicate: Callable[[], bool],
+                     timeout_s: float = 10.0) -> None:
+    """Step the scheduler like an awake engine until ``predicate`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        h.step()
+        await asyncio.sleep(0.01)
+
+
+def pin_message(action_id: str, session: str = "s", message_id: str | None = None) -> bytes:
+    """A hints message (the router's side of the wire) pinning ``session`` for 30 s."""
+    return encode_hints(KvHintsEnvelope(
+        protocol_version="1", message_id=message_id or f"m-{action_id}",
+        actions=[make_action(action_id, PinPayload(target=Target(session_id=session), ttl_s=30))]))
+
+
+async def collect(nc: Any, subject: str) -> asyncio.Queue:
+    """A queue of the messages the NATS client ``nc`` receives on ``subject`` from now."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg: Any) -> None:
+        await queue.put(msg)
+
+    await nc.subscribe(subject, cb=on_msg)
+    return queue
 
 
 @asynccontextmanager
