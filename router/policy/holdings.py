@@ -363,8 +363,9 @@ class HoldingsLedger:
             self._set_blocks(held, still_held)
 
     def forget_worker(self, worker_id: str) -> int:
-        """The worker's engine restarted and holds nothing: forget its holdings (an
-        undo brings none of them back); returns how many."""
+        """The worker holds nothing any more (its engine restarted; it is gone): forget
+        its holdings (an undo brings none of them back); returns how many, for the caller
+        to count."""
         gone = [h for h in self._by_id.values() if h.worker_id == worker_id]
         for held in gone:
             self._drop(held)

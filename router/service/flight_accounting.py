@@ -22,7 +22,11 @@ from kvhint.router.service.inbound import InboundRequest
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
-from kvhint.router.service.routing_service import RoutePlan, RoutingService
+from kvhint.router.service.routing_service import (
+    HeldConversation,
+    RoutePlan,
+    RoutingService,
+)
 from kvhint.router.service.sampling import parallel_samples
 from kvhint.router.service.sessions import SessionRecord
 from kvhint.router.service.tenant_slots import TenantSlots
@@ -56,6 +60,7 @@ class Flight:
     tenant_slot: bool = False
     only_worker: str | None = None  # see Forwarder.forward
     name_for: Callable[[WorkerState], str] | None = None  # see Forwarder.forward
+    conversation: HeldConversation | None = None  # see Forwarder.forward
 
 
 class FlightAccounting:

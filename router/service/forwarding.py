@@ -32,7 +32,11 @@ from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
-from kvhint.router.service.routing_service import RoutePlan, RoutingService
+from kvhint.router.service.routing_service import (
+    HeldConversation,
+    RoutePlan,
+    RoutingService,
+)
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream_opening import ClientGone, drop_opening, until_open
@@ -96,14 +100,17 @@ class Forwarder:
                       client_gone: asyncio.Future[None] | None = None, *,
                       only_worker: str | None = None,
                       observation: ResponseObservation | None = None,
-                      name_for: Callable[[WorkerState], str] | None = None) -> Response:
+                      name_for: Callable[[WorkerState], str] | None = None,
+                      conversation: HeldConversation | None = None) -> Response:
         """``client_gone``: done when the client disconnects before the response to it
         starts (a streamed response then watches its own); the request to the worker, or
         the worker's response, is then closed at once, not when it finishes.
         ``only_worker``: there or nowhere, no retry (a stored response's: responses_api.py);
         ``observation``: what reads the answer (a Responses one: responses_scan.py);
         ``name_for(worker)``: the body's ``request_id`` for each worker tried (a
-        Responses id names its worker: responses_id_codec.py)."""
+        Responses id names its worker: responses_id_codec.py); ``conversation``: the
+        stored turns its worker prepends to its prompt (a Responses follow-up's), counted
+        in the load it books (routing_service.py ``HeldConversation``)."""
         # Admitted here; the slot is given back by the accounting, which every way a
         # request ends runs once (answered, failed, client gone, a stream's end, a
         # cancellation).
@@ -112,7 +119,7 @@ class Forwarder:
         flight = Flight(inbound, None, None, time.perf_counter())
         flight.tenant_slot = True
         flight.only_worker, flight.observation = only_worker, observation or flight.observation
-        flight.name_for = name_for
+        flight.name_for, flight.conversation = name_for, conversation
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -160,7 +167,8 @@ class Forwarder:
             try:
                 flight.plan = await self._routing.plan(
                     inbound, record.worker_id if record else None,
-                    record.turns if record else 0, exclude=excluded, earlier=flight.plan)
+                    record.turns if record else 0, exclude=excluded, earlier=flight.plan,
+                    conversation=flight.conversation)
             except NoWorkerAvailable as exc:
                 if last_error is not None:
                     break  # the retry found no other worker: report the first failure
@@ -228,7 +236,7 @@ class Forwarder:
                 await asyncio.sleep(0)
                 plan = flight.plan = await self._routing.complete(plan, flight.inbound)
             predicted = plan.predicted_for(worker_id)
-            uncached = max(plan.prompt_tokens - predicted, 0)
+            uncached = plan.uncached_on(worker_id)
             self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
             dispatched = True
             try:

@@ -161,9 +161,17 @@ class HintDispatcher:
 
     def reset_worker(self, worker_id: str) -> None:
         """A new engine epoch: forget what the old engine taught us about this worker, and
-        what it held (a restarted engine holds nothing)."""
+        what it held (a restarted engine holds nothing). The holdings let go are counted,
+        one each (``hint_dropped:worker_restarted``, by design: the holds went with the
+        old engine, and the ledger now agrees with the worker); before, silently. Its
+        actions still waiting stay so: the old engine may have answered before it went
+        (the outcome is on its stream), else they expire at their deadline
+        (``hints_total{outcome="expired"}``); an answer no longer brings their holding
+        back."""
         self._learning.reset_worker(worker_id)
-        self.holdings.forget_worker(worker_id)
+        dropped = self.holdings.forget_worker(worker_id)
+        if dropped:
+            self._metrics.drop("hint_dropped:worker_restarted", dropped)
 
     def forget_worker(self, worker_id: str) -> None:
         """The registry forgot the worker (heard only by its heartbeats, silent for good):
@@ -172,12 +180,13 @@ class HintDispatcher:
         it back). A worker heard again under its id starts afresh (a new engine, as
         after :meth:`reset_worker`). Its actions still waiting expire now, saved in the
         batch that deletes its row (and, by the foreign key, its actions' rows): later,
-        with its row gone, the store would refuse them."""
+        with its row gone, the store would refuse them. The actions let go (held or
+        waiting) are counted, one each (``hint_dropped:worker_forgotten``, by design:
+        the worker is gone); before, silently."""
         self._learning.forget_worker(worker_id)
-        self.holdings.forget_worker(worker_id)
-        now = self._clock()
-        for record in [r for r in self.pending.values() if r.worker_id == worker_id]:
-            self._expire(record, now, "worker forgotten")
+        dropped = self._let_go(worker_id, "worker forgotten", save=True)
+        if dropped:
+            self._metrics.drop("hint_dropped:worker_forgotten", dropped)
 
     def workers_pruned(self, worker_ids: Iterable[str], retention_s: float) -> None:
         """Retention deleted these workers' rows (store.retention.prune), their actions'
@@ -192,18 +201,25 @@ class HintDispatcher:
         A worker this router heard within ``retention_s`` is live (a heartbeat the store
         had not had yet, a plugin clock behind the router's) and keeps all of it: its
         next heartbeat writes its row again."""
-        now = self._clock()
         for worker_id in worker_ids:
             if self._workers.heard_within(worker_id, retention_s):
                 continue
             self._learning.worker_pruned(worker_id)
-            waiting = [r for r in self.pending.values() if r.worker_id == worker_id]
-            held_too = sum(record.action_id in self.holdings for record in waiting)
-            dropped = len(waiting) + self.holdings.forget_worker(worker_id) - held_too
-            for record in waiting:
-                self._expire(record, now, "worker pruned by store retention", save=False)
+            dropped = self._let_go(worker_id, "worker pruned by store retention", save=False)
             if dropped:
                 self._metrics.drop("hint_dropped:worker_pruned", dropped)
+
+    def _let_go(self, worker_id: str, reason: str, save: bool) -> int:
+        """Forget the worker's holdings and expire its actions still waiting (``reason``;
+        their rows saved or not); returns how many actions that let go, each once (a
+        waiting Pin/Retain is held too)."""
+        now = self._clock()
+        waiting = [r for r in self.pending.values() if r.worker_id == worker_id]
+        held_too = sum(record.action_id in self.holdings for record in waiting)
+        dropped = len(waiting) + self.holdings.forget_worker(worker_id) - held_too
+        for record in waiting:
+            self._expire(record, now, reason, save=save)
+        return dropped
 
     # --- sending ------------------------------------------------------------------------
 

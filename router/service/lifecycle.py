@@ -88,7 +88,9 @@ class SessionLifecycle:
                  | None = None,
                  index_exact: Callable[[str], bool] | None = None,
                  max_prompt_blocks: int | None = None) -> None:
-        """``on_end(tenant, session_id)``: told of every end (the trace recorder).
+        """``on_end(tenant, session_id)``: told of every end by a client or an admin,
+        once each (the trace recorder), an abandoned session's too; never of the
+        planner's abandonment.
         ``load_session(tenant, session_id)``: the session's stored row, or None (the
         store), asked by :meth:`recall`. ``index_exact(worker_id)``: whether the cluster
         index's view of the worker is exact now (``KvEventIngestor.view_exact``); None:
@@ -252,6 +254,10 @@ class SessionLifecycle:
                 record.ended_at = now
                 record.plan = replace(record.plan, ended_explicitly=True, last_activity=now)
                 self.sessions.save(record)
+                # The client's end is told as every explicit end is, once (a repeated
+                # one finds it ended explicitly): the trace holds the client's events, not
+                # the planner's abandonment (a replay's planner abandons on its own).
+                self._told_of_end(record)
             return None
         now = self._clock()
         record.state = ENDED
@@ -261,9 +267,12 @@ class SessionLifecycle:
         record.plan = replace(record.plan, ended_explicitly=True)
         record.ended_at = now
         record.open_gap = None
+        self._told_of_end(record)
+        return now
+
+    def _told_of_end(self, record: SessionRecord) -> None:
         if self._on_end is not None:
             self._on_end(record.tenant, record.session_id)
-        return now
 
     async def _send_end(self, record: SessionRecord, now: float | None) -> list[SentAction]:
         if now is None:  # had already ended: what an agent runtime still holds, if any

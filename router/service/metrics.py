@@ -100,8 +100,8 @@ GATEWAY_REJECTIONS = (
 # that the router did not send on (responses_ids.py), a bounded set.
 RESPONSE_ID_MISSES = (
     "unknown",           # 404: never seen, and not in the router's id form
-    "other_tenant",      # 404 (as unknown): another tenant's response
-    "unverified",        # 404 (as unknown): an id whose tag checks out for no tenant
+    "other_tenant",      # 404 (as unknown): another tenant's response, held by this replica
+    "unverified",        # 404 (as unknown): not held here, its tag not the requester's
     "worker_gone",       # 404: the worker that holds it left the fleet
     "worker_restarted",  # 404: its engine restarted since (vLLM's store is in memory)
     "worker_down",       # 503: the worker that holds it is down now

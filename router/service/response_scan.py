@@ -265,10 +265,17 @@ def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
     before it (an end may straddle two reads): a large event cut into many reads costs its
     size, not its size squared (copying and searching all the waiting bytes at every
     read, an 8 MB event in 4 KB reads held the event loop for seconds). A read with
-    nothing waiting (the usual one: whole events) is searched and cut where it lies."""
+    nothing waiting (the usual one: whole events) is searched and cut where it lies.
+
+    An event ends at the first ``\\n\\n`` after its start, as the relays split them
+    (``bytes.split``): in a run of three or more newlines, at every second one from the
+    run's start (:func:`_last_end`). Cut at the run's end instead, the relays' split left
+    a lone ``\\n`` after the last event, which the chat relay dropped, and only where the
+    run came in one read. Cut so, the events do not depend on how the stream was read:
+    ``pending`` always starts an event and holds no end."""
     if not pending:
-        end = chunk.rfind(b"\n\n") + 2
-        if end == 1:  # none
+        end = _last_end(chunk, chunk.rfind(b"\n\n"))
+        if end < 0:  # none
             pending += chunk
             return b"", len(chunk)
         if end < len(chunk):
@@ -277,12 +284,29 @@ def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
         return chunk, len(chunk)
     start = len(pending) - 1
     pending += chunk
-    end = pending.rfind(b"\n\n", start)
+    end = _last_end(pending, pending.rfind(b"\n\n", start))
     if end < 0:
         return b"", len(pending) - start
-    complete = bytes(pending[: end + 2])
-    del pending[: end + 2]
+    complete = bytes(pending[:end])
+    del pending[:end]
     return complete, len(complete) + len(pending) - start
+
+
+def _last_end(data: bytes | bytearray, found: int) -> int:
+    """Where the last event of ``data`` (which starts one) ends, given the last ``\\n\\n``
+    in it (``found``; -1: none, returned as it is). That one ends a run of newlines (a
+    later newline would be a later ``\\n\\n``); events end every second newline from the
+    run's start, so an odd run leaves its last newline to the next event. The run is
+    walked back only where it is longer than two (no worker sends one): it lies within
+    the bytes searched, as ``data`` holds no end before them."""
+    if found < 0:
+        return found
+    if found == 0 or data[found - 1] != 0x0A:  # a run of two: every worker's
+        return found + 2
+    run_start = found - 1
+    while run_start > 0 and data[run_start - 1] == 0x0A:
+        run_start -= 1
+    return found + 2 - (found + 2 - run_start) % 2
 
 
 def _error_status(error: object) -> int:
@@ -294,12 +318,14 @@ def _error_status(error: object) -> int:
 
 
 def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:
-    """``event`` (``data: {...}`` and its blank line) with ``system_fingerprint`` set;
-    the event as it is where its JSON cannot be read (it was read once already)."""
+    """``event`` (``data: {...}`` and its blank line) with ``system_fingerprint`` set,
+    what comes before its ``data:`` line kept (a comment, a newline left over from a run
+    of blank lines); the event as it is where its JSON cannot be read (it was read once
+    already)."""
     start = event.find(b"data:")
     try:
         chunk = _event_decoder.decode(event[start + 5:].strip())
     except msgspec.DecodeError:
         return event
     chunk["system_fingerprint"] = fingerprint
-    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    return event[:start] + b"data: " + msgspec.json.encode(chunk) + b"\n\n"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -40,6 +41,7 @@ from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.responses_scan import ResponsesObservation
 from kvhint.router.service.responses_sessions import ResponseSessions
+from kvhint.router.service.routing_service import HeldConversation
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import AuthError, api_key_of
 from kvhint.router.service.upstream import (
@@ -99,8 +101,7 @@ class ResponsesGateway:
         self._runtime = runtime
         self.codec = ResponseIdCodec(runtime.settings.salt_secret)
         self.ids = ResponseIds(runtime.settings.responses.max_ids, runtime.workers,
-                               runtime.metrics, self.codec,
-                               frozenset(t.name for t in runtime.directory.tenants))
+                               runtime.metrics, self.codec)
         self.sessions = ResponseSessions(runtime.engine, runtime.writer, runtime.metrics,
                                          runtime.settings.responses.session_read_timeout_s)
 
@@ -124,6 +125,7 @@ class ResponsesGateway:
                 "without 'background'", 400, "background"))
         previous = body.get("previous_response_id")
         only_worker: str | None = None
+        conversation: HeldConversation | None = None
         if previous is not None:
             if not isinstance(previous, str):
                 return self._refused(error_response("'previous_response_id' must be a string", 400,
@@ -133,7 +135,7 @@ class ResponsesGateway:
                 return self._refused(_miss_answer(previous, found))
             if (refusal := self._model_refusal(inbound, found)) is not None:
                 return self._refused(refusal)
-            only_worker = found.worker_id
+            only_worker, conversation = found.worker_id, follow_up_of(found)
             if inbound.client_session_id is None and found.session_id is not None:
                 inbound = _in_session(inbound, found.session_id)
             elif inbound.client_session_id is None and found.in_unknown_session:
@@ -152,12 +154,18 @@ class ResponsesGateway:
         observation = ResponsesObservation()
         response = await runtime.forwarder.forward(inbound, gone, only_worker=only_worker,
                                                    observation=observation,
-                                                   name_for=name_for)
+                                                   name_for=name_for,
+                                                   conversation=conversation)
         worker_id = response.headers.get(WORKER_HEADER)
         response_id = body.get("request_id")
         if (response.status_code < 400 and worker_id and response_id
                 and stores_response(body)):
             self.ids.learn(response_id, tenant, worker_id, inbound.client_session_id)
+            # Its usage, for a follow-up's load: a whole answer's is read already, a
+            # stream's at its terminal event, after this.
+            observation.on_usage = partial(_measure, self.ids, response_id)
+            if observation.prompt_tokens is not None:
+                _measure(self.ids, response_id, observation)
             if inbound.client_session_id is not None:
                 self.sessions.remember(response_id, tenant, inbound.client_session_id)
         if observation.background:
@@ -280,6 +288,33 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
             count(499)
 
     return RelayResponse(chunks(), upstream.status, headers, on_gone, on_unsent)
+
+
+def follow_up_of(entry: IdEntry) -> HeldConversation | None:
+    """What a follow-up of ``entry``'s response prompts its worker with beyond its own
+    body: the conversation so far (the response's prompt and completion, its reasoning
+    left out, as vLLM renders it), of which that worker likely still holds the prompt it
+    just served in its prefix cache (a session's gap is protected there: DESIGN.md). An
+    estimate, booked as load only, never a prediction. None while the response's usage
+    is unknown (a stream not ended, a background response, an id read from itself):
+    the body alone is counted then, as before."""
+    if entry.prompt_tokens is None or entry.context_tokens is None:
+        return None
+    return HeldConversation(entry.worker_id, entry.context_tokens, entry.prompt_tokens)
+
+
+def _measure(ids: ResponseIds, response_id: str, observation: ResponsesObservation) -> None:
+    """Keep ``response_id``'s usage, once read, on its id (:func:`follow_up_of`). Of its
+    completion, vLLM renders into a follow-up's prompt the output messages' text only
+    (responses/utils.py ``construct_input_messages``): not the reasoning, nor a tool
+    call (an answer with one counts none of its completion: the text beside a call is
+    short, and a call's arguments may be long)."""
+    if observation.prompt_tokens is None:
+        return
+    completion = 0 if observation.tool_names else max(
+        (observation.completion_tokens or 0) - observation.reasoning_tokens, 0)
+    ids.measured(response_id, observation.prompt_tokens,
+                 observation.prompt_tokens + completion)
 
 
 def _in_session(inbound: InboundRequest, session_id: str) -> InboundRequest:

@@ -13,8 +13,8 @@ fewer (as the sessions registry bounds sessions per tenant: sessions.py).
 
 A lookup answers one of: the entry, or why there is none to use (:class:`IdMiss`):
 ``unknown`` (not in this map, nor in the router's form: a client's own, or an older
-router's ``resp_<32 hex>``), ``other_tenant`` (another tenant's id: answered to the
-client exactly as ``unknown``, as ``unverified`` is), ``worker_gone``
+router's ``resp_<32 hex>``), ``other_tenant`` (another tenant's id this map holds:
+answered to the client exactly as ``unknown``, as ``unverified`` is), ``worker_gone``
 (the worker left the fleet), ``worker_restarted`` (its engine's epoch changed since: the
 store went with the process), ``worker_down`` (marked down now; it may come back).
 
@@ -22,16 +22,19 @@ An id this map does not hold (another replica's, one from before this router's
 restart, one forgotten past ``max_ids``) is read from the id itself
 (responses_id_codec.py): its worker, its engine's epoch and whether it was made in a
 session, sent on only when its tag checks out for the requesting tenant (``unverified``:
-it checks out for no tenant this router serves; forged, or made under another
-``salt_secret``). The session is not in the id: a follow-up that names none reads it
-from the store (responses_sessions.py), where the replica that relayed the response
-wrote it.
+it does not; another tenant's, forged, changed, or made under another ``salt_secret``).
+The tag is checked for the requesting tenant only, one HMAC: telling another tenant's id
+from a forged one would take one per tenant served (1,000 tenants: milliseconds of the
+event loop), at every such request any key can send, for a metric's word alone (the
+client's answer is the same 404). The session is not in the id: a follow-up that names
+none reads it from the store (responses_sessions.py), where the replica that relayed the
+response wrote it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, Field
 
@@ -43,7 +46,7 @@ from kvhint.router.service.workers import WorkerRegistry
 class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
     # Stored-response ids remembered (id -> worker, tenant); past it the tenant holding
     # the most gives up its least recently used (kvhint_router_response_ids_evicted_total);
-    # about 300 bytes each.
+    # about 350 bytes each (its usage included).
     max_ids: int = Field(100_000, ge=1)
     # How long a follow-up naming no session waits for the store to say which session a
     # response this router did not relay was made in (responses_sessions.py); past it,
@@ -72,6 +75,13 @@ class IdEntry:
     # and whether it was made in a session (``session_id`` is then unknown, None).
     epoch_tag: str | None = None
     in_unknown_session: bool = False
+    # The response's usage once its answer ended (None: not yet, not stored, a
+    # background one's, or an id read from the id itself): ``prompt_tokens`` its
+    # prompt's, ``context_tokens`` the conversation a follow-up continues on its worker
+    # (prompt + completion, without its reasoning or tool calls: responses_api.py
+    # ``_measure``). What routing books for a follow-up's load (``follow_up_of``).
+    prompt_tokens: int | None = None
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +97,12 @@ class ResponseIds:
     id up is found without scanning tenants or ids."""
 
     def __init__(self, max_ids: int, workers: WorkerRegistry, metrics: RouterMetrics,
-                 codec: ResponseIdCodec, tenants: frozenset[str]) -> None:
-        """``codec``: reads the ids this map does not hold; ``tenants``: the tenants this
-        router serves (a miss on another's id is told from a forged one by them)."""
+                 codec: ResponseIdCodec) -> None:
+        """``codec``: reads the ids this map does not hold."""
         self._max = max_ids
         self._workers = workers
         self._metrics = metrics
         self._codec = codec
-        self._tenants = tenants
         self._entries: dict[str, IdEntry] = {}
         # Each tenant's ids, least recently used first: its eviction takes the first.
         self._by_tenant: dict[str, OrderedDict[str, None]] = {}
@@ -129,6 +137,14 @@ class ResponseIds:
             self._remove(next(iter(self._by_tenant[victim])))
             self._metrics.response_ids_evicted.inc()
         self._metrics.response_ids.set(len(self._entries))
+
+    def measured(self, response_id: str, prompt_tokens: int, context_tokens: int) -> None:
+        """``response_id``'s usage, read once its answer ended (a stream's, after its id
+        was learnt): kept on its entry while the map holds it; its use order unchanged."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries[response_id] = replace(entry, prompt_tokens=prompt_tokens,
+                                                 context_tokens=context_tokens)
 
     def _remove(self, response_id: str) -> None:
         tenant = self._entries.pop(response_id).tenant
@@ -174,9 +190,8 @@ class ResponseIds:
         minted = self._codec.read(response_id)
         if minted is None:
             return IdMiss("unknown")
-        if not self._codec.binds(minted, tenant):
-            others = any(self._codec.binds(minted, t) for t in self._tenants - {tenant})
-            return IdMiss("other_tenant" if others else "unverified")
+        if not self._codec.binds(minted, tenant):  # for this tenant only (module doc)
+            return IdMiss("unverified")
         return IdEntry(tenant, minted.worker_id, None, None, minted.epoch_tag,
                        minted.in_session)
 

@@ -19,7 +19,7 @@ status), so accounting, metrics and the session's turn read one shape.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,15 @@ class _Details(msgspec.Struct):
     cached_tokens: int | None = None
 
 
+class _OutputDetails(msgspec.Struct):
+    reasoning_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     input_tokens: int = 0
     output_tokens: int = 0
     input_tokens_details: _Details | None = None
+    output_tokens_details: _OutputDetails | None = None
 
 
 class _Item(msgspec.Struct):
@@ -96,6 +101,12 @@ class ResponsesObservation(ResponseObservation):
     snapshot: dict[str, Any] | None = None
     # Events seen so far (vLLM numbers them from 0: the next one's sequence_number).
     events: int = 0
+    # Of ``completion_tokens``, the reasoning ones (vLLM's output_tokens_details): a
+    # follow-up's prompt leaves them out (vLLM skips the reasoning of the response it
+    # continues: responses/utils.py construct_input_messages).
+    reasoning_tokens: int = 0
+    # Called once the answer's usage is read (a stream's: at its terminal event).
+    on_usage: Callable[[ResponsesObservation], None] | None = None
 
     def observe_json(self, payload: bytes) -> bool:
         """A whole (non-streamed) answer; never a usage-only chunk."""
@@ -155,6 +166,10 @@ class ResponsesObservation(ResponseObservation):
             self.completion_tokens = usage.output_tokens
             details = usage.input_tokens_details
             self.cached_tokens = (details.cached_tokens or 0) if details is not None else 0
+            output = usage.output_tokens_details
+            self.reasoning_tokens = (output.reasoning_tokens or 0) if output is not None else 0
+            if self.on_usage is not None:
+                self.on_usage(self)
 
 
 class ResponsesRelay:

@@ -17,7 +17,9 @@ stay on the loop.
 
 Load bookkeeping the policy needs (per worker): requests in flight, uncached prompt tokens
 routed there whose first byte has not come back (``pending_prefill_tokens``), and a
-time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens``).
+time-decayed sum of uncached prompt tokens routed there (``recent_prefill_tokens``). A
+Responses follow-up's prompt is mostly the conversation its worker prepends
+(:class:`HeldConversation`): it books that, less what the worker likely still caches.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ _json_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
+class HeldConversation:
+    """What the router knows of the conversation a request continues in a worker's
+    memory, which its body does not carry: a Responses follow-up by
+    ``previous_response_id`` (vLLM prepends the stored turns), from the usage of the
+    response it follows (responses_api.py :func:`follow_up_of`)."""
+
+    worker_id: str  # the worker holding the stored turns
+    tokens: int  # the conversation so far, about as the follow-up's prompt renders it
+    # Of those, what that worker likely still holds in its prefix cache (the previous
+    # prompt): an estimate, never a prediction (:attr:`RoutePlan.held_tokens`).
+    held: int
+
+
+@dataclass(frozen=True, slots=True)
 class RoutePlan:
     """The decision plus what the rest of the request needs from routing."""
 
@@ -77,10 +93,22 @@ class RoutePlan:
     exact: bool  # prompt_tokens/block_hashes come from the real tokenizer
     # Only one worker could take it: decided without hashing; complete() hashes later.
     deferred: bool = False
+    # Unhashed, continuing a conversation ``held_by`` holds (HeldConversation): the
+    # tokens of the prompt it likely has cached, counted off the load booked on it only.
+    # Not a prediction: not in the decision's scores, so never checked against the
+    # worker's answer, reported, or learnt from (forwarding.py ``_took``).
+    held_tokens: int = 0
+    held_by: str | None = None
 
     @property
     def block_size(self) -> int:
         return self.hash_config.block_size
+
+    def uncached_on(self, worker_id: str) -> int:
+        """Prompt tokens ``worker_id`` has to prefill, as its routed load books them: the
+        prompt less the cached tokens predicted there, or likely held there."""
+        held = self.held_tokens if worker_id == self.held_by else 0
+        return max(self.prompt_tokens - max(self.predicted_for(worker_id), held), 0)
 
     def predicted_for(self, worker_id: str) -> int:
         """Cached tokens the decision predicted on ``worker_id``."""
@@ -127,11 +155,13 @@ class RoutingService:
 
     async def plan(self, inbound: InboundRequest, session_worker: str | None,
                    session_turns: int, exclude: frozenset[str] = frozenset(),
-                   earlier: RoutePlan | None = None) -> RoutePlan:
+                   earlier: RoutePlan | None = None,
+                   conversation: HeldConversation | None = None) -> RoutePlan:
         """Rank the routable workers that serve ``inbound``'s model; raises
         ``NoWorkerAvailable``. ``exclude``: workers a failed attempt already tried.
         ``earlier``: this request's plan from a failed attempt; its prompt hashes, when
-        exact, are reused rather than computed again."""
+        exact, are reused rather than computed again. ``conversation``: what its prompt
+        carries that its body does not (:func:`_with_conversation`)."""
         retry = bool(exclude)
         exclude = exclude | self.workers.not_serving(inbound.model or self.default_model)
         candidates = [w for w in self.workers.routable() if w.worker_id not in exclude]
@@ -139,8 +169,10 @@ class RoutingService:
             only = candidates[0].worker_id
             decision = RouteDecision(worker_id=only, fallbacks=(), predicted_cached_tokens=0,
                                      predicted_host_tokens=0, reason="only_worker")
-            return RoutePlan(decision, _estimate_tokens(inbound), (),
-                             self._hash_config(candidates), exact=False, deferred=True)
+            return _with_conversation(
+                RoutePlan(decision, _estimate_tokens(inbound), (),
+                          self._hash_config(candidates), exact=False, deferred=True),
+                inbound, conversation)
         config = self._hash_config(candidates)
         if earlier is not None and earlier.exact:
             block_hashes, prompt_tokens = earlier.block_hashes, earlier.prompt_tokens
@@ -175,7 +207,8 @@ class RoutingService:
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
             self._loads.session_placed(decision.worker_id, now)
-        return RoutePlan(decision, prompt_tokens, block_hashes, config, exact)
+        plan = RoutePlan(decision, prompt_tokens, block_hashes, config, exact)
+        return plan if exact else _with_conversation(plan, inbound, conversation)
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
         """Fill a deferred plan's prompt hashes and its worker's predicted overlap."""
@@ -292,6 +325,32 @@ def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any
         return hasher.hash_responses(body, config)
     prompts = hasher.hash_completion(body, config)
     return prompts[0] if prompts else None
+
+
+def _with_conversation(plan: RoutePlan, inbound: InboundRequest,
+                       conversation: HeldConversation | None) -> RoutePlan:
+    """An unhashed ``plan`` whose prompt starts with ``conversation``: its prompt tokens
+    are the conversation's plus the new input's (the body's instructions and tools are
+    the conversation's own again, counted in its prompt: vLLM renders this request's in
+    place of the previous one's), its held tokens the conversation's held part (whole
+    blocks: vLLM caches no partial one) on the worker holding it. Never fewer prompt
+    tokens than the body alone estimates (a follow-up sending more tools than before)."""
+    if conversation is None:
+        return plan
+    prompt_tokens = max(plan.prompt_tokens,
+                        conversation.tokens + _estimate_chars(inbound.body.get("input")))
+    block = max(plan.block_size, 1)
+    held = min(conversation.held, prompt_tokens) // block * block
+    return replace(plan, prompt_tokens=prompt_tokens, held_tokens=held,
+                   held_by=conversation.worker_id)
+
+
+def _estimate_chars(value: Any) -> int:
+    """About how many tokens one body field renders to (0: absent)."""
+    if not value:
+        return 0
+    chars = len(value) if isinstance(value, str) else len(_json_encode(value))
+    return max(chars // _CHARS_PER_TOKEN, 1)
 
 
 def _estimate_tokens(inbound: InboundRequest) -> int:

@@ -35,7 +35,11 @@ Contracts:
 - an end through the sessions API after the session's last line is written as an end
   line, ``{"timestamp", "session_id", "tenant", "end": true}``, at the time the end came
   (the simulator ends the session then); an end the session's own request carried
-  (``X-Session-End``) is on that request's line instead.
+  (``X-Session-End``) is on that request's line instead. The file holds the clients'
+  events only: a session the planner abandoned when idle has no line for that (the
+  replay's planner abandons on its own); its client's end after it (or an admin's) is an
+  end line as any, once however often repeated (``SessionLifecycle`` tells each
+  explicit end once).
 - bounded memory: what the recorder remembers per session (its id in the file, ended or
   not, restarts) is kept for the ``max_sessions`` most recently written sessions; one
   forgotten is counted, ``trace_session_evicted``. A forgotten session that comes back

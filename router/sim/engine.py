@@ -401,9 +401,17 @@ class Simulation(HintLoop):
 
     def _on_session_end(self, session_key: str) -> None:
         state = self.sessions.get(session_key)
-        if state is not None:
-            self._apply_plan(plan_session_end(self._planner_ctx(state.tenant), state,
-                                              SessionEnded(session_key, self.now)), state.tenant)
+        if state is None:
+            return
+        if state.ended:
+            # Abandoned when idle before its client ended it: as the live router
+            # (SessionLifecycle._mark_ended), nothing of the planner's is left to end;
+            # the end is its client's from here on, at this time.
+            self.sessions[session_key] = replace(state, ended_explicitly=True,
+                                                 last_activity=self.now)
+            return
+        self._apply_plan(plan_session_end(self._planner_ctx(state.tenant), state,
+                                          SessionEnded(session_key, self.now)), state.tenant)
 
     def _record_admission(self, job: Job) -> None:
         result = self.result

@@ -27,8 +27,9 @@ it starts a session. Every response ends with ``stop``; no explicit ends.
 and one more kind of line, an **end line**: ``{"timestamp", "session_id", "tenant"?,
 "end": true}`` and nothing else. The session ended explicitly at that time (the router's
 ``DELETE /v1/sessions/{id}``), after the request on its latest line; the simulator ends
-it then, or when that response ends if the replay is later. A session with no request
-before it, or one already ended, is an error.
+it then, or when that response ends if the replay is later (one the simulator's planner
+abandoned before then is ended as the router ends it: nothing is sent again). A session
+with no request before it, or one already ended, is an error.
 
 A file is one format or the other (decided by the first line). Anything malformed stops
 the load with :class:`TraceError` naming the file, line and reason; nothing is simulated

@@ -14,9 +14,11 @@ import httpx
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import router_hearing_nats, status, until
+from feed_helpers import router_hearing_nats, router_with_accepting_plugin, status, until
 from kvhint.router.service.settings import RouterSettings
 from kvhint.schemas import Subjects, new_epoch
+from test_service_admin_session_ends import _abandon
+from test_service_sessions_api_contract import _turn
 
 DASHBOARD = (Path(__file__).resolve().parents[3] / "router" / "service" / "static"
              / "dashboard.html")
@@ -149,3 +151,33 @@ async def test_a_worker_id_conflict_shows_in_the_workers_table(
     assert shown in row0, row0
     (row1,) = [r for r in rows if "<td>w1</td>" in r]
     assert row1.endswith("<td class=>–</td>"), row1
+
+
+@needs_node
+@pytest.mark.usefixtures("throwaway_streams")
+async def test_the_sessions_table_tells_a_client_end_from_an_abandonment(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """Both sessions are ``state: ended``; the overview's ``planner.ended_explicitly``
+    tells them apart, which the table did not show (both read "ended"). A session not
+    ended shows its state alone."""
+    async with router_with_accepting_plugin(tmp_path, nats_url, subject_prefix,
+                                            stub_workers[0], hints={"tick_s": 0.1}
+                                            ) as (router, client, _):
+        for session in ("deleted", "abandoned"):
+            await _turn(client, router.url, session)
+        assert (await client.delete(f"{router.url}/v1/sessions/deleted")).status_code == 200
+        planner_config = router.runtime.hints.planner_config
+        await _abandon(router.runtime, "abandoned")
+        router.runtime.hints.planner_config = planner_config  # "active" is not abandoned
+        await _turn(client, router.url, "active")
+        overview = (await client.get(f"{router.url}/admin/overview")).json()
+    elements = render(tmp_path, overview, overview["now"])
+    assert elements["err"]["textContent"] == ""
+    rows = {row.split("</td>")[1].removeprefix("<td>"): row  # by the session column
+            for row in elements["sessions"]["innerHTML"].split("</tr>")[1:-1]}
+    assert set(rows) == {"deleted", "abandoned", "active"}
+    assert '<td title="ended by its client or an admin">ended (client)</td>' in rows["deleted"]
+    assert ('<td title="abandoned by the planner when idle">ended (idle)</td>'
+            in rows["abandoned"])
+    assert "<td>active</td>" in rows["active"] and "ended" not in rows["active"]

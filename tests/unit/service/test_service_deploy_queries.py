@@ -350,6 +350,10 @@ _DROP_EXPECTED = {
     # Store retention pruned a worker not heard within store_retention_s: its actions
     # (pending, held) go from memory with its rows.
     "hint_dropped:worker_pruned",
+    # The registry forgot a worker (silent for good): its actions (pending, held) go
+    # with it. An engine restarted (new epoch): its holds went with the old engine, and
+    # the ledger lets them go as the worker did.
+    "hint_dropped:worker_forgotten", "hint_dropped:worker_restarted",
     # A Responses follow-up naming no session on a replica that did not relay its
     # response, whose session the store does not hold (yet: written behind; pruned):
     # the client is to name it to be sure.

@@ -111,6 +111,27 @@ async def test_a_repeated_end_sends_nothing_again() -> None:
     assert len(ended) == 2
 
 
+async def test_a_client_end_after_an_abandonment_is_told_once() -> None:
+    """The planner abandons an idle session (no end is told: the trace recorder holds the
+    client's events); its client's end then is told once, however often repeated, and
+    sends nothing of the planner's. Before, it was never told."""
+    config = PlannerConfig()
+    clock, link, hints, sessions, lifecycle, ended = build(["w0"], 7200.0, config)
+    record = lifecycle.begin_turn("default", "s1")
+    await lifecycle.routed(record, "w0", 400, 0, ())
+    await lifecycle.finished(record, "w0", answer(), False)
+    while record.state != "ended":
+        clock.now += 60.0
+        await lifecycle.tick()
+    assert record.plan.ended and not record.plan.ended_explicitly and ended == []
+    sent = len(link.sent)
+    clock.now += 5.0
+    for _repeat in range(3):
+        assert await lifecycle.end(record) == []
+        assert ended == [("default", "s1")] and record.plan.ended_explicitly
+    assert record.ended_at == clock.now and len(link.sent) == sent
+
+
 async def test_idle_sessions_are_reviewed_on_the_planners_schedule_then_abandoned() -> None:
     """The live tick (every second) reviews an idle session when next_idle_review says
     so, the schedule the simulator keeps, not at every tick: an idle hour costs about as

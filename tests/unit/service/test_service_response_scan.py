@@ -250,13 +250,16 @@ def test_a_large_event_cut_small_is_searched_once() -> None:
 
 def test_whole_events_cuts_where_searching_all_the_waiting_bytes_did() -> None:
     """Both relays' split (:func:`whole_events`) searches only each read and the byte
-    before it: the same cuts, read by read, as searching all the waiting bytes again
-    (before), for streams of newlines and text cut anywhere (ends straddling two reads,
-    runs of blank lines, reads of a lone newline, empty reads)."""
-    def searching_all(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    before it: the same cuts, read by read, as splitting all the waiting bytes into
+    events again, an event ending at the first blank line after its start (the relays'
+    ``split(b"\\n\\n")``), for streams of newlines and text cut anywhere (ends straddling
+    two reads, runs of blank lines, reads of a lone newline, empty reads). Before, a run
+    of three or more newlines was cut at its end (``rfind``), not where its events end:
+    the split left a lone newline after the last event, which the chat relay dropped."""
+    def splitting_all(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
         data = pending + chunk
-        end = data.rfind(b"\n\n")
-        return (b"", data) if end < 0 else (data[: end + 2], data[end + 2:])
+        rest = data.split(b"\n\n")[-1]
+        return data[: len(data) - len(rest)], rest
 
     rng = random.Random(7)
     for _ in range(2000):
@@ -266,5 +269,5 @@ def test_whole_events_cuts_where_searching_all_the_waiting_bytes_did() -> None:
         reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
         pending, before = bytearray(), b""
         for read in reads:
-            complete, before = searching_all(before, read)
+            complete, before = splitting_all(before, read)
             assert whole_events(pending, read)[0] == complete and pending == before, reads

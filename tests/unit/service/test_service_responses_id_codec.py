@@ -71,7 +71,7 @@ def test_a_map_that_never_learnt_an_id_reaches_it_from_the_id() -> None:
     registry = WorkerRegistry([("w0", "http://w0")])
     _heartbeat(registry, "w1", "epoch-1")
     _heartbeat(registry, "w2", "epoch-1")
-    ids = ResponseIds(10, registry, metrics, CODEC, frozenset({"acme", "beta"}))
+    ids = ResponseIds(10, registry, metrics, CODEC)
     on_w0 = CODEC.mint("acme", "w0", None, in_session=True)
     on_w1 = CODEC.mint("acme", "w1", "epoch-1", in_session=False)
     on_w2 = CODEC.mint("acme", "w2", "epoch-1", in_session=False)
@@ -79,9 +79,13 @@ def test_a_map_that_never_learnt_an_id_reaches_it_from_the_id() -> None:
     assert ids.find(on_w1, "acme") == IdEntry("acme", "w1", None, None,
                                               epoch_tag("epoch-1"), False)
     assert len(ids) == 0  # read, not remembered
-    assert ids.find(on_w0, "beta") == IdMiss("other_tenant")
+    # Another tenant's id, not held here, reads as a forged one does (module doc): its
+    # tag is not the requester's. One this map holds says whose it is.
+    assert ids.find(on_w0, "beta") == IdMiss("unverified")
     forged = ResponseIdCodec("another-secret").mint("beta", "w0", None, False)
     assert ids.find(forged, "beta") == IdMiss("unverified")
+    ids.learn(on_w2, "acme", "w2", None)
+    assert ids.find(on_w2, "beta") == IdMiss("other_tenant")
     assert ids.find("resp_" + "a" * 32, "acme") == IdMiss("unknown")
     registry.get("w0").mark_http_failure("refused")
     assert ids.find(on_w0, "acme") == IdMiss("worker_down", "w0")
@@ -89,8 +93,49 @@ def test_a_map_that_never_learnt_an_id_reaches_it_from_the_id() -> None:
     assert ids.find(on_w1, "acme") == IdMiss("worker_restarted", "w1")
     assert registry.forget_silent(time.monotonic() + 7200, after_s=3600) == ["w1", "w2"]
     assert ids.find(on_w2, "acme") == IdMiss("worker_gone", "w2")
-    assert metrics.response_ids_read._value.get() == 5
+    assert metrics.response_ids_read._value.get() == 4
     counted = {r: metrics.response_id_misses.labels(r)._value.get()
                for r in ("other_tenant", "unverified", "unknown", "worker_down",
                          "worker_restarted", "worker_gone")}
-    assert counted == dict.fromkeys(counted, 1)
+    assert counted == dict.fromkeys(counted, 1) | {"unverified": 2}
+
+
+class _CountingCodec(ResponseIdCodec):
+    """The router's codec, counting the HMACs it computes (one per tag: mint, binds)."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__(secret)
+        self.hmacs = 0
+
+    def _tag(self, tenant: str, signed: str) -> str:
+        self.hmacs += 1
+        return super()._tag(tenant, signed)
+
+
+def test_an_id_not_held_costs_one_hmac_however_many_tenants() -> None:
+    """An id this map does not hold is checked for the requesting tenant only: one HMAC
+    per request, whatever the number of tenants. Before, a miss was checked against
+    every tenant the router serves, to count another tenant's id apart from a forged one
+    (the client's 404 the same either way): 999 HMACs here on the event loop, per GET,
+    cancel or previous_response_id any key could send (2-5 ms at 1,000 tenants)."""
+    codec = _CountingCodec("shared-secret")
+    metrics = RouterMetrics()
+    ids = ResponseIds(10, WorkerRegistry([("w0", "http://w0")]), metrics, codec)
+    tenants = [f"t{n}" for n in range(1000)]
+    theirs = codec.mint("t0", "w0", None, in_session=False)  # via another replica
+    forged = ResponseIdCodec("another-secret").mint("t1", "w0", None, False)
+    held = codec.mint("t0", "w0", None, in_session=False)
+    ids.learn(held, "t0", "w0", None)
+    for requester in tenants[1:4]:
+        codec.hmacs = 0
+        assert ids.find(theirs, requester) == IdMiss("unverified")
+        assert ids.find(forged, requester) == IdMiss("unverified")
+        assert codec.hmacs == 2, codec.hmacs
+        codec.hmacs = 0
+        assert ids.find(held, requester) == IdMiss("other_tenant")  # held: no HMAC
+        assert codec.hmacs == 0
+    codec.hmacs = 0
+    assert ids.find(theirs, "t0") == IdEntry("t0", "w0", None, None, None, False)
+    assert codec.hmacs == 1
+    assert metrics.response_id_misses.labels("unverified")._value.get() == 6
+    assert metrics.response_id_misses.labels("other_tenant")._value.get() == 3

@@ -33,7 +33,7 @@ def _reason(found: IdEntry | IdMiss) -> str:
 def test_ids_are_bounded_least_recently_used_first_and_counted() -> None:
     metrics = RouterMetrics()
     ids = ResponseIds(2, WorkerRegistry([("w0", "http://w0")]), metrics,
-                      ResponseIdCodec("secret"), frozenset({"acme"}))
+                      ResponseIdCodec("secret"))
     ids.learn("r1", "acme", "w0", "s1")
     ids.learn("r2", "acme", "w0", None)
     assert ids.find("r1", "acme") == IdEntry("acme", "w0", "s1", None)  # r1 now recent
@@ -51,8 +51,7 @@ def test_another_tenants_id_and_a_worker_down_gone_or_restarted() -> None:
     registry = WorkerRegistry([("w0", "http://w0")])
     _heartbeat(registry, "w1", "epoch-1", time.monotonic())  # learnt from its plugin
     _heartbeat(registry, "w2", "epoch-1", time.monotonic())
-    ids = ResponseIds(10, registry, metrics, ResponseIdCodec("secret"),
-                      frozenset({"acme", "beta"}))
+    ids = ResponseIds(10, registry, metrics, ResponseIdCodec("secret"))
     for number, worker in enumerate(("w0", "w1", "w2")):
         ids.learn(f"r{number}", "acme", worker, None)
     assert _reason(ids.find("r0", "beta")) == "other_tenant"
@@ -71,9 +70,9 @@ def test_another_tenants_id_and_a_worker_down_gone_or_restarted() -> None:
                        "worker_gone": 1}
 
 
-def _ids(max_ids: int, metrics: RouterMetrics, tenants: frozenset[str]) -> ResponseIds:
+def _ids(max_ids: int, metrics: RouterMetrics) -> ResponseIds:
     return ResponseIds(max_ids, WorkerRegistry([("w0", "http://w0")]), metrics,
-                       ResponseIdCodec("secret"), tenants)
+                       ResponseIdCodec("secret"))
 
 
 def test_one_tenants_churn_evicts_its_own_ids_never_anothers() -> None:
@@ -81,7 +80,7 @@ def test_one_tenants_churn_evicts_its_own_ids_never_anothers() -> None:
     a tenant creating many stored responses forgets its own, and another tenant's
     follow-ups keep their sessions (before, one LRU over all tenants lost them all)."""
     metrics = RouterMetrics()
-    ids = _ids(4, metrics, frozenset({"acme", "beta"}))
+    ids = _ids(4, metrics)
     ids.learn("a1", "acme", "w0", "s1")
     ids.learn("a2", "acme", "w0", "s2")
     for number in range(20):
@@ -105,7 +104,7 @@ def test_on_a_tie_the_tenant_learning_gives_up_its_own() -> None:
     """Holding as many as the largest after its new id, the tenant learning one forgets
     one of its own rather than take from a tenant that reached that many first."""
     metrics = RouterMetrics()
-    ids = _ids(3, metrics, frozenset({"acme", "beta"}))
+    ids = _ids(3, metrics)
     ids.learn("b1", "beta", "w0", None)
     ids.learn("b2", "beta", "w0", None)
     ids.learn("a1", "acme", "w0", None)
@@ -123,7 +122,7 @@ def test_evictions_always_take_from_a_tenant_holding_the_most() -> None:
     tenant that held the most ids at that moment, and the bound holds."""
     rng = random.Random(7)
     tenants = [f"t{n}" for n in range(6)]
-    ids = _ids(50, RouterMetrics(), frozenset(tenants))
+    ids = _ids(50, RouterMetrics())
     learnt: list[tuple[str, str]] = []
     for step in range(5000):
         if learnt and rng.random() < 0.3:
