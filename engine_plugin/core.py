@@ -150,8 +150,8 @@ class PluginCore(StatusMixin):
             core.guarded("allocate_slots:relieve_pressure", core.executor.relieve_pressure,
                          default=0),
             core.guarded("allocate_slots:observe_admission", core.observe_admission),
-            core.guarded("allocate_slots:releasable",
-                         lambda: core.executor.retained_blocks, default=0),
+            core.guarded("allocate_slots:releasable", core.executor.holds.releasable,
+                         default=0),
             core.guard)
         if core.adapter.events_enabled_by_plugin:
             logger.info("kvhint: KV cache events were off; the plugin turned them on in the "

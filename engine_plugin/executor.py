@@ -213,9 +213,10 @@ class HintExecutor(PrefetchMixin):
             times.append(expiry)
         return min(times) if times else None
 
-    def relieve_pressure(self, num_blocks: int) -> int:
-        """The engine cannot allocate: release up to ``num_blocks`` retained blocks."""
-        return self.holds.relieve(num_blocks)
+    def relieve_pressure(self, num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
+        """The engine cannot allocate: release up to ``num_blocks`` retained blocks (not
+        ``keep``, the allocating request's own hits)."""
+        return self.holds.relieve(num_blocks, keep)
 
     def release_all(self) -> int:
         """Give every held block back (before vLLM resets its prefix cache)."""
@@ -387,20 +388,25 @@ class HintExecutor(PrefetchMixin):
         if spared := len(handles) - len(mine):
             notes.append(f"{spared} blocks other claims hold stay in G1 (another session's, "
                          "a shared prefix's, or an agent's)")
-        demoted = with_host_copies(self.host_tier, mine)
+        copied = with_host_copies(self.host_tier, mine)
         # Retains left on them (only a block-hash Demote finds any) dropped, reported as
         # displaced; then the blocks go to the head of the eviction order, deepest first.
-        self.holds.unretain(demoted)
+        # Pins stay (hard until their TTL): their blocks stay in G1, not counted demoted.
+        self.holds.unretain(copied)
+        demoted = [h for h in copied if not self.holds.is_held(h.block_id)]
+        if pinned := len(copied) - len(demoted):
+            notes.append(f"{pinned} pinned blocks stay in G1 until their Pin ends")
         self.cache.evict_first(demoted)
-        if len(demoted) < len(mine):
+        if len(copied) < len(mine):
             uncopied = sum(1 for h in mine if not self.host_tier.contains(h.key))
-            notes.append(f"{len(demoted)} of {len(mine)} resident blocks demoted; the rest "
+            notes.append(f"{len(copied)} of {len(mine)} resident blocks demoted; the rest "
                          f"stay in G1 ({uncopied} without a finished host copy, and the "
                          "blocks before them)")
         # Nothing demoted because other claims hold every block is a clipped Demote (it
         # did all it may), not a rejected one: rejections in a row make the router stop
         # sending Demotes to this worker.
-        status = ACCEPTED if not notes else (CLIPPED if demoted or not mine else REJECTED)
+        status = ACCEPTED if not notes else (CLIPPED if demoted or not mine or pinned
+                                             else REJECTED)
         return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
 
     def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str,

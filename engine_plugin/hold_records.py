@@ -24,6 +24,35 @@ class Hold:
     retains: dict[str, int] = field(default_factory=dict)  # action id -> priority
     version: int = 0  # of its live entry in the pressure heap (older entries are stale)
     touched: int = 0  # sequence number of the latest retain claim (LRU among equals)
+    # Retain claims per priority (at most 101 keys): the hold's priority is read from it,
+    # not from ``retains``, which one block's claims can make long (before, each claim
+    # made or ended on a block rescanned them all: 10k on 4 blocks expired in 2.5 s).
+    levels: dict[int, int] = field(default_factory=dict)
+
+    def add_retain(self, action_id: str, priority: int) -> None:
+        self.drop_retain(action_id)
+        self.retains[action_id] = priority
+        self.levels[priority] = self.levels.get(priority, 0) + 1
+
+    def drop_retain(self, action_id: str) -> bool:
+        """Whether ``action_id`` had a retain claim here (now dropped)."""
+        priority = self.retains.pop(action_id, None)
+        if priority is None:
+            return False
+        if (left := self.levels[priority] - 1) > 0:
+            self.levels[priority] = left
+        else:
+            del self.levels[priority]
+        return True
+
+    def clear_retains(self) -> None:
+        self.retains.clear()
+        self.levels.clear()
+
+    @property
+    def priority(self) -> int:
+        """The highest priority of its retain claims."""
+        return max(self.levels)
 
 
 @dataclass(slots=True)

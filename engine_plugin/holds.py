@@ -187,7 +187,7 @@ class HoldLedger:
                 hold = self._new_hold(handle)
                 new_holds.append(handle)
                 self._retained += 1
-            hold.retains[action_id] = priority
+            hold.add_retain(action_id, priority)
             hold.touched = touched
             if not hold.pins:
                 self._push_pressure(hold)
@@ -235,7 +235,7 @@ class HoldLedger:
                 continue
             dropped += 1
             for action_id in mine:
-                del hold.retains[action_id]
+                hold.drop_retain(action_id)
                 claim = claims[action_id]
                 claim.block_ids.discard(handle.block_id)
                 if not claim.block_ids:
@@ -269,13 +269,27 @@ class HoldLedger:
         self._fit_retained()
         return ended
 
-    def relieve(self, num_blocks: int) -> int:
+    def relieve(self, num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
         """The engine needs memory: drop up to ``num_blocks`` retained blocks, only ones
-        whose release frees memory (a block a running request also uses stays held: its
-        protection would be lost for nothing)."""
-        released = self._drop_retained(num_blocks, 101, PRESSURE, only_freeing=True)
+        whose release frees memory (a block a running request also uses, or one in
+        ``keep``, the allocating request's own hits, stays held: its protection would be
+        lost for nothing)."""
+        released = self._drop_retained(num_blocks, 101, PRESSURE, only_freeing=True,
+                                       keep=keep)
         self.counters.released_under_pressure += released
         return released
+
+    def releasable(self, enough: int, keep: frozenset[int] = frozenset()) -> int:
+        """Retained blocks :meth:`relieve` could free now (see there), counted up to
+        ``enough``: relief that cannot free enough releases nothing."""
+        count, in_use = 0, self.cache.in_use
+        for hold in self._holds.values() if enough > 0 else ():
+            if hold.retains and not hold.pins and hold.handle.block_id not in keep \
+                    and not in_use(hold.handle):
+                count += 1
+                if count >= enough:
+                    break
+        return count
 
     def release_all(self) -> int:
         handles = self.handles()
@@ -392,7 +406,7 @@ class HoldLedger:
 
     @staticmethod
     def _pressure_entry(hold: Hold) -> tuple[int, int, int, int, int]:
-        return (max(hold.retains.values()), hold.touched, -hold.handle.depth,
+        return (hold.priority, hold.touched, -hold.handle.depth,
                 hold.handle.block_id, hold.version)
 
     def take_losses(self) -> list[ClaimLoss]:
@@ -415,7 +429,8 @@ class HoldLedger:
             else replace(earlier, released=earlier.released + blocks))
 
     def _drop_retained(self, num_blocks: int, below_priority: int, reason: str,
-                       only_freeing: bool = False) -> int:
+                       only_freeing: bool = False, keep: frozenset[int] = frozenset()
+                       ) -> int:
         """Release up to ``num_blocks`` retain-only holds with priority below
         ``below_priority``, in pressure order, noting the claims' losses as ``reason``;
         returns how many. ``only_freeing``: pass over (and keep) holds on blocks in use
@@ -432,7 +447,7 @@ class HoldLedger:
             if priority >= below_priority:
                 break
             entry = heapq.heappop(heap)
-            if only_freeing and self.cache.in_use(hold.handle):
+            if only_freeing and (block_id in keep or self.cache.in_use(hold.handle)):
                 passed_over.append(entry)
                 continue
             self._drop_hold(hold, released, lost_to=reason)
@@ -452,7 +467,7 @@ class HoldLedger:
                 claim.block_ids.discard(block_id)
                 if lost_to is not None:
                     self._note_loss(action_id, claim, lost_to, 1)
-        hold.retains.clear()
+        hold.clear_retains()
         self._retained -= 1
         self._forget_hold(block_id)
         released.append(hold.handle)
@@ -482,7 +497,7 @@ class HoldLedger:
                         self._retained += 1
                         self._push_pressure(hold)
             else:
-                if hold.retains.pop(action_id, None) is None:
+                if not hold.drop_retain(action_id):
                     continue
                 if not hold.pins:
                     if hold.retains:

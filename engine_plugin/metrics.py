@@ -50,7 +50,8 @@ COUNTERS = {
     "releases_dropped": "Hold-release reports dropped because the outbound buffer was full.",
     "retained_released_under_pressure": "Retained blocks released so vLLM could allocate.",
     "retained_kept_in_use_under_pressure": ("Retained blocks kept while vLLM needed memory "
-                                            "(a running request also used them), per "
+                                            "(a running request, or the one allocating, "
+                                            "also used them), per "
                                             "relief call."),
     "retained_displaced": "Retained blocks displaced by a higher-priority retain.",
     "claims_expired": "Pin/retain claims that reached their TTL.",

@@ -109,9 +109,9 @@ class VllmCacheAdapter:
 
     def install(self, on_events: Callable[[list[Any]], None],
                 before_reset: Callable[[], None],
-                relieve_pressure: Callable[[int], int],
+                relieve_pressure: Callable[[int, frozenset[int]], int],
                 on_hit: Callable[[Any, int], None],
-                releasable: Callable[[], int],
+                releasable: Callable[[int, frozenset[int]], int],
                 guard: Callable[..., Any]) -> None:
         """Shadow manager methods on the instance (see the module docstring). The
         callbacks are the plugin's, already guarded; ``guard(hook, fn, *args)`` runs this
@@ -135,6 +135,7 @@ class VllmCacheAdapter:
         if pop_blocks_for_free is not None:
             self._installed["pop_blocks_for_free"] = pop_blocks_for_free
         hit_position = _positional_index(allocate_slots, "num_new_computed_tokens")
+        computed_position = _positional_index(allocate_slots, "new_computed_blocks")
         block_size = self._block_size
         map_request, forget_request = self._map_request, self.forget_request
 
@@ -160,10 +161,16 @@ class VllmCacheAdapter:
             if blocks is None:
                 need = -(-num_new_tokens // block_size)  # less one if a block is partly full
                 free = pool.get_num_free_blocks()
-                if free + releasable() < need - 1:
-                    return None  # releasing every retained block would not be enough
+                # The request's own prefix hits: released, each frees a block and needs
+                # one back (vLLM counts a free hit block as one to allocate).
+                hits = guard("allocate_slots:hits", _block_ids, kwargs.get(
+                    "new_computed_blocks", args[computed_position]
+                    if computed_position is not None and len(args) > computed_position
+                    else None), default=frozenset())
+                if free + releasable(need - 1 - free, hits) < need - 1:
+                    return None  # releasing every releasable block would not be enough
                 chunk = max(1, need - free)
-                while blocks is None and relieve_pressure(chunk) > 0:
+                while blocks is None and relieve_pressure(chunk, hits) > 0:
                     blocks = allocate_slots(request, num_new_tokens, *args, **kwargs)
                     chunk *= 2
                 if blocks is None:
@@ -441,6 +448,12 @@ def _empty_lead(head: Any, moving: set[int]) -> int | None:
                 return None
         block = block.next_free_block
     return lead
+
+
+def _block_ids(computed: Any) -> frozenset[int]:
+    """The ids of the blocks of a ``KVCacheBlocks`` (one list per KV-cache group)."""
+    groups = getattr(computed, "blocks", None) or ()
+    return frozenset(b.block_id for group in groups for b in group)
 
 
 def _positional_index(fn: Callable[..., Any], name: str) -> int | None:
