@@ -293,8 +293,8 @@ def build_admin_router() -> APIRouter:
             await runtime.writer.flush()
             rows = await asyncio.to_thread(query_sessions, runtime.engine, scope, state, limit)
             return {"sessions": rows, "source": "store"}
-        records = [r for r in runtime.sessions
-                   if (scope is None or r.tenant == scope) and (state is None or r.state == state)]
+        records = [r for r in runtime.sessions.of_tenant(scope)
+                   if state is None or r.state == state]
         return {"sessions": [session_view(runtime, r, detail=False)
                              for r in _most_recent(records, limit)],
                 "total": len(records), "source": "memory"}
@@ -378,8 +378,9 @@ def overview_of(runtime: RouterRuntime, principal: Principal) -> dict[str, Any]:
     to show: no tenant plans from one)."""
     scope = principal.tenant.name if principal.tenant is not None else None
     quantile = runtime.hints.planner_config.gap_quantile
-    sessions = _most_recent((r for r in runtime.sessions if scope is None or r.tenant == scope),
-                            100)
+    # The tenant's own sessions only, not every tenant's walked and filtered (a tenant
+    # admin's dashboard polls this every 2 s: its cost grew with the other tenants').
+    sessions = _most_recent(runtime.sessions.of_tenant(scope), 100)
     # The tenant's own last 50, not its share of the fleet's last 50.
     recent_hints = [a for a in reversed(runtime.hints.recent)
                     if scope is None or a.tenant == scope][:50]

@@ -20,7 +20,8 @@ waited for at most ``routing.session_read_timeout_s``, and counted by outcome
   record of its own, as before.
 - ``error``: the store failed the read (``drops_total{what="store_read_error"}``);
   ``timeout`` (no answer in time) and ``busy`` (no read slot came free in time:
-  :data:`MAX_READS_IN_FLIGHT` reads not over yet, the store slow):
+  :data:`MAX_READS_IN_FLIGHT` reads not over yet, the store slow; or the tenant's own
+  :data:`MAX_READS_PER_TENANT`, so one tenant's burst never takes every slot):
   ``drops_total{what="session_unread"}``. Each starts a record of its own, as before
   this read existed, whose first save writes over the stored row.
 """
@@ -45,6 +46,13 @@ log = logging.getLogger(__name__)
 # most. Beside responses_sessions' 4, this leaves the writer's flushes one of the
 # PostgreSQL pool's 8 connections when both kinds of read are stuck on a slow store.
 MAX_READS_IN_FLIGHT = 3
+# Of those, one tenant's at most: its other reads wait for one of its own to end, so a
+# burst of one tenant's (a flood of session ids never seen: DELETEs, hints calls, new
+# sessions) always leaves a slot to every other tenant's. Before, one tenant's client
+# key sending a few hundred DELETEs of unknown ids held every slot: the turns of other
+# tenants' stored sessions read nothing ("busy", "timeout") and started blank records
+# that wrote over their stored rows (their turns, gaps and planner state lost).
+MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
 # 57014 query_canceled: PostgreSQL's statement_timeout (reader.get_session_within).
 _STATEMENT_TIMEOUT = "57014"
 
@@ -59,6 +67,9 @@ class StoredSessions:
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._slots = asyncio.Semaphore(MAX_READS_IN_FLIGHT)
+        # Each tenant's own slots, while one of its reads waits or is under way (the
+        # entry goes with its last: a global admin may name any tenant).
+        self._tenant_slots: dict[str, _TenantSlots] = {}
         # The read of each session id under way: a second turn of it waits for that one.
         self._reading: dict[tuple[str, str], asyncio.Future[Row | None]] = {}
 
@@ -86,14 +97,28 @@ class StoredSessions:
     async def _read(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
+        own = self._tenant_slots.get(tenant)
+        if own is None:
+            own = self._tenant_slots[tenant] = _TenantSlots()
+        own.users += 1
+        started = False
         try:
             async with asyncio.timeout_at(deadline):
-                await self._slots.acquire()
+                await own.slots.acquire()
+                try:
+                    await self._slots.acquire()
+                except BaseException:
+                    own.slots.release()
+                    raise
+            read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
+                                        session_id, self._timeout_s)
+            started = True
         except TimeoutError:
             return "busy", None
-        read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
-                                    session_id, self._timeout_s)
-        read.add_done_callback(self._read_over)
+        finally:
+            if not started:
+                self._leave(tenant, own)
+        read.add_done_callback(lambda done: self._read_over(done, tenant, own))
         try:
             # Shielded: giving up on the read leaves it to end in its thread, its slot
             # held until then.
@@ -109,9 +134,26 @@ class StoredSessions:
             return "error", None
         return ("missing", None) if row is None else ("found", row)
 
-    def _read_over(self, read: asyncio.Future[Row | None]) -> None:
+    def _leave(self, tenant: str, own: _TenantSlots) -> None:
+        own.users -= 1
+        if own.users == 0:
+            del self._tenant_slots[tenant]
+
+    def _read_over(self, read: asyncio.Future[Row | None], tenant: str,
+                   own: _TenantSlots) -> None:
         self._slots.release()
+        own.slots.release()
+        self._leave(tenant, own)
         if not read.cancelled():
             # Taken, so that a read given up on that fails later is not logged as an
             # exception nobody retrieved.
             read.exception()
+
+
+class _TenantSlots:
+    """One tenant's read slots (:data:`MAX_READS_PER_TENANT`) and how many of its reads
+    wait for one or hold one."""
+
+    def __init__(self) -> None:
+        self.slots = asyncio.Semaphore(MAX_READS_PER_TENANT)
+        self.users = 0

@@ -171,6 +171,14 @@ class SessionRegistry:
     def __iter__(self) -> Iterator[SessionRecord]:
         return iter(list(self._sessions.values()))
 
+    def of_tenant(self, tenant: str | None) -> list[SessionRecord]:
+        """``tenant``'s records (every tenant's for None), in opening order, a copy. A
+        tenant's reads (a tenant admin's views) walk its own sessions only: before, they
+        walked every tenant's, so their cost grew with the other tenants' sessions."""
+        if tenant is None:
+            return list(self._sessions.values())
+        return list(self._by_tenant.get(tenant, {}).values())
+
     def get(self, tenant: str, session_id: str) -> SessionRecord | None:
         return self._sessions.get((tenant, session_id))
 
