@@ -61,6 +61,7 @@ class Flight:
     only_worker: str | None = None  # see Forwarder.forward
     name_for: Callable[[WorkerState], str] | None = None  # see Forwarder.forward
     conversation: HeldConversation | None = None  # see Forwarder.forward
+    session_conversation: bool = False  # see Forwarder.forward
 
 
 class FlightAccounting:

@@ -36,6 +36,7 @@ from kvhint.router.service.routing_service import (
     HeldConversation,
     RoutePlan,
     RoutingService,
+    conversation_of_session,
 )
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder
@@ -101,7 +102,8 @@ class Forwarder:
                       only_worker: str | None = None,
                       observation: ResponseObservation | None = None,
                       name_for: Callable[[WorkerState], str] | None = None,
-                      conversation: HeldConversation | None = None) -> Response:
+                      conversation: HeldConversation | None = None,
+                      session_conversation: bool = False) -> Response:
         """``client_gone``: done when the client disconnects before the response to it
         starts (a streamed response then watches its own); the request to the worker, or
         the worker's response, is then closed at once, not when it finishes.
@@ -110,7 +112,10 @@ class Forwarder:
         ``name_for(worker)``: the body's ``request_id`` for each worker tried (a
         Responses id names its worker: responses_id_codec.py); ``conversation``: the
         stored turns its worker prepends to its prompt (a Responses follow-up's), counted
-        in the load it books (routing_service.py ``HeldConversation``)."""
+        in the load it books (routing_service.py ``HeldConversation``);
+        ``session_conversation``: without ``conversation``, the follow-up continues its
+        session's conversation on ``only_worker``, whose size the session's record then
+        gives, where it can (routing_service.py ``conversation_of_session``)."""
         # Admitted here; the slot is given back by the accounting, which every way a
         # request ends runs once (answered, failed, client gone, a stream's end, a
         # cancellation).
@@ -120,6 +125,7 @@ class Forwarder:
         flight.tenant_slot = True
         flight.only_worker, flight.observation = only_worker, observation or flight.observation
         flight.name_for, flight.conversation = name_for, conversation
+        flight.session_conversation = session_conversation
         flight.client_gone_signal = client_gone
         if self._recorder is not None:
             flight.trace_ticket = self._recorder.arrived()
@@ -156,6 +162,11 @@ class Forwarder:
             await self._lifecycle.recall(inbound.tenant.name, inbound.client_session_id)
             flight.record = self._lifecycle.begin_turn(inbound.tenant.name,
                                                        inbound.client_session_id)
+            if (flight.session_conversation and flight.conversation is None
+                    and flight.only_worker is not None):
+                # As read before this turn was routed: its own routing changes the plan.
+                flight.conversation = conversation_of_session(flight.record.plan,
+                                                              flight.only_worker)
         body = msgspec.json.encode(inbound.body)
         # only_worker: every other worker out, and no second attempt.
         excluded = frozenset(w.worker_id for w in self._workers.all()

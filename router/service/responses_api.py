@@ -126,6 +126,7 @@ class ResponsesGateway:
         previous = body.get("previous_response_id")
         only_worker: str | None = None
         conversation: HeldConversation | None = None
+        session_conversation = False
         if previous is not None:
             if not isinstance(previous, str):
                 return self._refused(error_response("'previous_response_id' must be a string", 400,
@@ -144,6 +145,9 @@ class ResponsesGateway:
                 session_id = await self.sessions.session_of(previous, inbound.tenant.name)
                 if session_id is not None:
                     inbound = _in_session(inbound, session_id)
+            # Its usage not kept here: its session's record may size it (forwarding.py).
+            session_conversation = (conversation is None
+                                    and _continues_its_session(found, inbound))
         body.pop("request_id", None)  # a client's: replaced for each worker tried
         tenant, in_session = inbound.tenant.name, inbound.client_session_id is not None
 
@@ -155,7 +159,8 @@ class ResponsesGateway:
         response = await runtime.forwarder.forward(inbound, gone, only_worker=only_worker,
                                                    observation=observation,
                                                    name_for=name_for,
-                                                   conversation=conversation)
+                                                   conversation=conversation,
+                                                   session_conversation=session_conversation)
         worker_id = response.headers.get(WORKER_HEADER)
         response_id = body.get("request_id")
         if (response.status_code < 400 and worker_id and response_id
@@ -297,10 +302,24 @@ def follow_up_of(entry: IdEntry) -> HeldConversation | None:
     just served in its prefix cache (a session's gap is protected there: DESIGN.md). An
     estimate, booked as load only, never a prediction. None while the response's usage
     is unknown (a stream not ended, a background response, an id read from itself):
-    the body alone is counted then, as before."""
+    the session's record may size it then (routing_service.py
+    ``conversation_of_session``), else the body alone is counted, as before."""
     if entry.prompt_tokens is None or entry.context_tokens is None:
         return None
     return HeldConversation(entry.worker_id, entry.context_tokens, entry.prompt_tokens)
+
+
+def _continues_its_session(entry: IdEntry, inbound: InboundRequest) -> bool:
+    """Whether ``inbound`` continues the session ``entry``'s response was made in, as
+    far as this replica can tell: the one this map holds for it, or, for an id read from
+    itself (made in a session not named in it), whichever the follow-up continues (the
+    one the store named for it, or the client's own: a client naming another session
+    than its response's is not told apart). A response made in no session: never."""
+    if inbound.client_session_id is None:
+        return False
+    if entry.session_id is not None:
+        return entry.session_id == inbound.client_session_id
+    return entry.in_unknown_session
 
 
 def _measure(ids: ResponseIds, response_id: str, observation: ResponsesObservation) -> None:

@@ -45,6 +45,7 @@ from kvhint.router.policy import (
     RoutingConfig,
     RoutingContext,
     SessionPlacement,
+    SessionPlanState,
     WorkerLoad,
     route,
 )
@@ -77,6 +78,24 @@ class HeldConversation:
     # Of those, what that worker likely still holds in its prefix cache (the previous
     # prompt): an estimate, never a prediction (:attr:`RoutePlan.held_tokens`).
     held: int
+
+
+def conversation_of_session(session: SessionPlanState, worker_id: str
+                            ) -> HeldConversation | None:
+    """A follow-up's conversation on ``worker_id`` as its session's planner state last
+    saw it, for a response whose usage this replica never kept (another replica relayed
+    it, or it was forgotten past ``responses.max_ids``): the last turn's prompt, as its
+    worker's usage counted it (``ResponseFinished``), for the conversation and its held
+    part alike (its completion is known only with its reasoning, which vLLM does not
+    render again: left out). None unless the session's last turn went to ``worker_id``
+    and was answered with usage (none since routed: ``gap_opened_at``, which a routed
+    turn clears; a background response, a failure or a turn still in flight leave it
+    cleared, and ``prompt_tokens`` then the router's own estimate). An estimate, booked
+    as load only, like :func:`responses_api.follow_up_of`'s."""
+    if (session.worker_id != worker_id or session.gap_opened_at is None
+            or session.prompt_tokens <= 0):
+        return None
+    return HeldConversation(worker_id, session.prompt_tokens, session.prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)

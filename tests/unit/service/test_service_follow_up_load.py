@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvhint.router.policy import RoutingConfig
+from kvhint.router.policy import RoutingConfig, SessionPlanState
 from kvhint.router.service.inbound import Endpoint, parse_inbound
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.routing_service import HeldConversation, RoutingService
+from kvhint.router.service.routing_service import (
+    HeldConversation,
+    RoutingService,
+    conversation_of_session,
+)
 from kvhint.router.service.tenancy import Tenant, TenantBudget
 from kvhint.router.service.workers import WorkerRegistry
 
@@ -60,3 +64,20 @@ async def test_without_a_conversation_the_body_alone_is_booked() -> None:
     plan = await routing.plan(_follow_up(), None, 0)
     assert (plan.prompt_tokens, plan.held_tokens, plan.held_by) == (10, 0, None)
     assert plan.uncached_on("w0") == 10
+
+
+def test_a_session_answered_on_the_worker_gives_its_last_prompt_for_both_parts() -> None:
+    """The session's last turn answered with usage on the follow-up's worker (a gap
+    open): its prompt, as the worker counted it, is the conversation and its held part
+    (never its context_tokens: those count the reasoning too). Another worker's session,
+    a turn routed since (no gap: in flight, failed, or answered without usage, when
+    prompt_tokens is the router's estimate) or a fresh record: nothing."""
+    answered = SessionPlanState("acme/s", "acme", worker_id="w0", turns=1,
+                                context_tokens=3300, prompt_tokens=3000,
+                                gap_opened_at=5.0)
+    assert conversation_of_session(answered, "w0") == HeldConversation("w0", 3000, 3000)
+    assert conversation_of_session(answered, "w1") is None
+    routed = SessionPlanState("acme/s", "acme", worker_id="w0", turns=2,
+                              context_tokens=3300, prompt_tokens=12)
+    assert conversation_of_session(routed, "w0") is None
+    assert conversation_of_session(SessionPlanState("acme/s", "acme"), "w0") is None
