@@ -22,7 +22,9 @@ no session when the read does not give one:
   this release. Counted ``drops_total{what="response_session_unknown"}`` (by design:
   name the session to be sure of it), as ``other_tenant`` is.
 - ``error``, ``timeout``, ``busy`` (not read: :data:`MAX_READS_IN_FLIGHT` reads in
-  flight already, the store slow): counted ``drops_total{what="response_session_unread"}``.
+  flight already, the store slow; or :data:`MAX_READS_PER_TENANT` of the requesting
+  tenant's, so one tenant's burst of follow-ups never takes every slot): counted
+  ``drops_total{what="response_session_unread"}``.
 
 Every read is counted by outcome (``kvhint_router_response_session_reads_total``).
 """
@@ -37,6 +39,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.read_slots import TenantReadSlots
 from kvhint.router.store.db_errors import sqlstate
 from kvhint.router.store.models import ResponseSessionRow
 from kvhint.router.store.reader import get_response_session
@@ -51,6 +54,11 @@ log = logging.getLogger(__name__)
 # store_connect_timeout_s): the bound keeps those from taking every thread of the loop's
 # executor and every connection of the store's pool (8) from the writer's flushes.
 MAX_READS_IN_FLIGHT = 4
+# Of those, one tenant's at most (tenancy review): past it, its follow-ups are ``busy``
+# while every other tenant's still find a slot. Before, one tenant's burst of follow-ups
+# of ids this replica does not hold (a plain load balancer, a restart) held all 4 and
+# every other tenant's follow-up meanwhile continued no session.
+MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
 _TABLE = ResponseSessionRow.__tablename__
 # 57014 query_canceled: PostgreSQL's statement_timeout (reader.get_response_session).
 _STATEMENT_TIMEOUT = "57014"
@@ -65,12 +73,17 @@ class ResponseSessions:
         self._writer = writer
         self._metrics = metrics
         self._timeout_s = timeout_s
-        self._in_flight = 0
+        self._slots = TenantReadSlots(MAX_READS_IN_FLIGHT, MAX_READS_PER_TENANT)
 
     @property
     def in_flight(self) -> int:
         """Reads not over yet, those given up on included."""
-        return self._in_flight
+        return self._slots.held
+
+    @property
+    def tenants_reading(self) -> int:
+        """Tenants with a read not over yet."""
+        return self._slots.tenants
 
     def remember(self, response_id: str, tenant: str, session_id: str) -> None:
         """``response_id`` (stored, ``tenant``'s) was made in ``session_id``: queued for
@@ -91,12 +104,15 @@ class ResponseSessions:
         return session
 
     async def _read(self, response_id: str, tenant: str) -> tuple[str, str | None]:
-        if self._in_flight >= MAX_READS_IN_FLIGHT:
+        if not await self._slots.try_acquire(tenant):
             return "busy", None
-        self._in_flight += 1
-        read = asyncio.get_running_loop().run_in_executor(
-            None, get_response_session, self._engine, response_id, self._timeout_s)
-        read.add_done_callback(self._read_over)
+        try:
+            read = asyncio.get_running_loop().run_in_executor(
+                None, get_response_session, self._engine, response_id, self._timeout_s)
+        except BaseException:
+            self._slots.release(tenant)
+            raise
+        read.add_done_callback(lambda done: self._read_over(done, tenant))
         try:
             # Shielded: giving up on the read (or the client leaving) leaves it to end in
             # its thread, counted in flight until then.
@@ -116,8 +132,9 @@ class ResponseSessions:
             return "other_tenant", None
         return "found", session_id
 
-    def _read_over(self, read: asyncio.Future[tuple[str, str] | None]) -> None:
-        self._in_flight -= 1
+    def _read_over(self, read: asyncio.Future[tuple[str, str] | None],
+                   tenant: str) -> None:
+        self._slots.release(tenant)
         if not read.cancelled():
             # Taken, so that a read given up on that fails later is not logged as an
             # exception nobody retrieved.

@@ -36,6 +36,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.read_slots import TenantReadSlots
 from kvhint.router.store.db_errors import sqlstate
 from kvhint.router.store.reader import get_session_within
 
@@ -66,10 +67,7 @@ class StoredSessions:
         self._engine = engine
         self._metrics = metrics
         self._timeout_s = timeout_s
-        self._slots = asyncio.Semaphore(MAX_READS_IN_FLIGHT)
-        # Each tenant's own slots, while one of its reads waits or is under way (the
-        # entry goes with its last: a global admin may name any tenant).
-        self._tenant_slots: dict[str, _TenantSlots] = {}
+        self._slots = TenantReadSlots(MAX_READS_IN_FLIGHT, MAX_READS_PER_TENANT)
         # The read of each session id under way: a second turn of it waits for that one.
         self._reading: dict[tuple[str, str], asyncio.Future[Row | None]] = {}
 
@@ -97,28 +95,18 @@ class StoredSessions:
     async def _read(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
-        own = self._tenant_slots.get(tenant)
-        if own is None:
-            own = self._tenant_slots[tenant] = _TenantSlots()
-        own.users += 1
-        started = False
         try:
             async with asyncio.timeout_at(deadline):
-                await own.slots.acquire()
-                try:
-                    await self._slots.acquire()
-                except BaseException:
-                    own.slots.release()
-                    raise
-            read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
-                                        session_id, self._timeout_s)
-            started = True
+                await self._slots.acquire(tenant)
         except TimeoutError:
             return "busy", None
-        finally:
-            if not started:
-                self._leave(tenant, own)
-        read.add_done_callback(lambda done: self._read_over(done, tenant, own))
+        try:
+            read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
+                                        session_id, self._timeout_s)
+        except BaseException:
+            self._slots.release(tenant)
+            raise
+        read.add_done_callback(lambda done: self._read_over(done, tenant))
         try:
             # Shielded: giving up on the read leaves it to end in its thread, its slot
             # held until then.
@@ -134,26 +122,9 @@ class StoredSessions:
             return "error", None
         return ("missing", None) if row is None else ("found", row)
 
-    def _leave(self, tenant: str, own: _TenantSlots) -> None:
-        own.users -= 1
-        if own.users == 0:
-            del self._tenant_slots[tenant]
-
-    def _read_over(self, read: asyncio.Future[Row | None], tenant: str,
-                   own: _TenantSlots) -> None:
-        self._slots.release()
-        own.slots.release()
-        self._leave(tenant, own)
+    def _read_over(self, read: asyncio.Future[Row | None], tenant: str) -> None:
+        self._slots.release(tenant)
         if not read.cancelled():
             # Taken, so that a read given up on that fails later is not logged as an
             # exception nobody retrieved.
             read.exception()
-
-
-class _TenantSlots:
-    """One tenant's read slots (:data:`MAX_READS_PER_TENANT`) and how many of its reads
-    wait for one or hold one."""
-
-    def __init__(self) -> None:
-        self.slots = asyncio.Semaphore(MAX_READS_PER_TENANT)
-        self.users = 0

@@ -54,6 +54,10 @@ from kvhint.schemas.nats_address import (
 ENV_PREFIX = "KVHINT_ROUTER_"
 # Published (it is in this file): salts derived from it are secret from nobody.
 DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
+# The tenant of a global admin's own traffic (its inference and hints naming no
+# ?tenant=) and, in dev mode, of all traffic (tenancy.py). A tenant configured with this
+# name only sets that traffic's budget and limits: keys of its own are refused.
+DEFAULT_TENANT = "default"
 # vLLM rejects salts with these characters (entrypoints/generate/base/protocol.py).
 _SALT_FORBIDDEN = re.compile(r"[@/\\\x00]")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -363,6 +367,15 @@ class RouterSettings(BaseSettings):
         keys = [k for t in self.tenants for k in (*t.api_keys, *t.admin_keys)] + self.admin_keys
         if len(keys) != len(set(keys)):
             raise ValueError("an API key appears twice (keys identify one tenant or admin)")
+        for n, tenant in enumerate(self.tenants):
+            if tenant.name == DEFAULT_TENANT and (tenant.api_keys or tenant.admin_keys):
+                raise ValueError(
+                    f"tenants[{n}].name {DEFAULT_TENANT!r} with api_keys or admin_keys: "
+                    f"{DEFAULT_TENANT!r} is the global admin's own traffic (its requests "
+                    "naming no ?tenant=, all traffic in dev mode); that tenant's keys "
+                    "would see and end the global admin's sessions and share its cache "
+                    "salt. Rename the tenant, or leave its keys out to configure only "
+                    "the budget and limits of that traffic")
         salted: dict[str, str] = {}
         for tenant in self.tenants:
             if tenant.cache_salt is None:

@@ -14,9 +14,10 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvhint.router.service.settings import RouterSettings, TenantBudget
+from kvhint.router.service.settings import DEFAULT_TENANT, RouterSettings, TenantBudget
 
-DEFAULT_TENANT = "default"
+# DEFAULT_TENANT: a global admin's own traffic's tenant (settings.py: a tenant configured
+# with that name may have no keys).
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,10 @@ from conftest import RunningRouter, router_settings, running_router, sample, scr
 from feed_helpers import until
 from test_service_responses_api import TENANTS, ResponsesStub, create
 
-from kvhint.router.service.responses_sessions import MAX_READS_IN_FLIGHT
+from kvhint.router.service.responses_sessions import (
+    MAX_READS_IN_FLIGHT,
+    MAX_READS_PER_TENANT,
+)
 from kvhint.router.service.settings import RouterSettings
 from kvhint.router.store.models import ResponseSessionRow
 
@@ -167,8 +170,8 @@ async def test_a_follow_up_is_served_whatever_the_store_does(
         tmp_path: Path, database_url: str, holder: ResponsesStub) -> None:
     """On PostgreSQL, replica B's reads of A's response's session: held up by a lock
     (another session's ACCESS EXCLUSIVE on the table) past the read timeout, they give
-    up (``timeout``); more at once than MAX_READS_IN_FLIGHT, the rest are not made
-    (``busy``); with the database refusing connections, they fail (``error``). Each
+    up (``timeout``); more at once than MAX_READS_PER_TENANT (one tenant's share of
+    MAX_READS_IN_FLIGHT), the rest are not made (``busy``); with the database refusing connections, they fail (``error``). Each
     follow-up is served, continuing no session, each counted; once the store is back,
     the session is continued again."""
     _postgresql_only(database_url)
@@ -215,7 +218,8 @@ async def test_a_follow_up_is_served_whatever_the_store_does(
         samples = await scrape(client, b.url)
         assert {o: sample(samples, READS, outcome=o) for o in (
             "found", "missing", "error", "timeout", "busy")} == {
-            "found": 1, "missing": 0, "error": 1, "timeout": MAX_READS_IN_FLIGHT, "busy": 2}
+            "found": 1, "missing": 0, "error": 1, "timeout": MAX_READS_PER_TENANT,
+            "busy": MAX_READS_IN_FLIGHT + 2 - MAX_READS_PER_TENANT}
         assert sample(samples, DROPS, what="response_session_unread") == (
             MAX_READS_IN_FLIGHT + 3)
         assert sample(samples, DROPS, what="response_session_unknown") is None

@@ -47,4 +47,4 @@ async def test_one_tenants_burst_of_reads_leaves_another_tenant_a_slot(
             "b's read waited behind a's burst and read nothing"
         await asyncio.gather(*burst)  # a's: most given up ("busy"), its own loss
         await asyncio.sleep(0.5)  # the reads given up on end in their threads
-        assert reads._tenant_slots == {}  # each tenant's entry goes with its last read
+        assert reads._slots.tenants == 0  # each tenant's entry goes with its last read
