@@ -124,7 +124,7 @@ class PluginCore(StatusMixin):
         self._status_at = 0.0
         # The index's copy for snapshot requests taken in the current pump(): one copy
         # serves them all (no event changes the index between them).
-        self._step_snapshot: tuple[Any, Any] | None = None
+        self._step_snapshot: tuple[int, Any, Any] | None = None
         self._event_log: list[IndexEvent] | None = None
         self._errors_logged: set[str] = set()
         if mailbox is not None and mailbox.event_bytes_limit is None:
@@ -322,7 +322,8 @@ class PluginCore(StatusMixin):
                                   NO_PREFIX_CACHE_REASON)
         try:
             return self.executor.submit(message_id,
-                                        within_pool(action, self.adapter.num_blocks))
+                                        within_pool(action, self.adapter.num_blocks,
+                                                    self.adapter.block_size))
         except Exception:  # one action's bug must not cost the others their outcomes
             self._internal_error("apply_hints")
             return self._rejected(message_id, action.action_id, type_name(action),
@@ -462,10 +463,15 @@ class PluginCore(StatusMixin):
             return
         if self._step_snapshot is None:
             # Copies the whole index on the scheduler thread (1M blocks: ~1 s): requests
-            # that come together (router replicas resyncing, retries) share one copy.
-            self._step_snapshot = (self.index.snapshot_raw(), self.index.snapshot_sessions())
-        raw, sessions = self._step_snapshot
-        self.mailbox.put_snapshot(SnapshotOut(self.event_seq, raw, sessions, item.reply_to,
+            # that come together (router replicas resyncing, retries) share one copy, in
+            # this step or with one still waiting for the transport (NATS down).
+            waiting = self.mailbox.waiting_snapshot()
+            self._step_snapshot = (
+                (waiting.seq, waiting.raw_blocks, waiting.sessions) if waiting is not None
+                else (self.event_seq, self.index.snapshot_raw(),
+                      self.index.snapshot_sessions()))
+        seq, raw, sessions = self._step_snapshot
+        self.mailbox.put_snapshot(SnapshotOut(seq, raw, sessions, item.reply_to,
                                               request.cursor, request.limit))
 
     def has_pending_work(self) -> bool:

@@ -42,12 +42,27 @@ def too_many_hashes(hashes: list[int] | None, limit: int, what: str) -> str | No
             f"{limit} blocks of this worker's GPU cache (more cannot be resident)")
 
 
-def within_pool(action: ParsedAction | InvalidAction, limit: int
+def too_many_tokens(prefix_tokens: int | None, limit: int, block_size: int) -> str | None:
+    """Why a target's ``prefix_tokens`` is refused on a pool of ``limit`` blocks of
+    ``block_size`` tokens, or None: as with :func:`too_many_hashes`, more cannot be
+    resident (and an unbounded number would be echoed back in the outcome's
+    ``requested``, past what the router can store)."""
+    if prefix_tokens is None or prefix_tokens <= limit * block_size:
+        return None
+    return (f"invalid payload: target prefix_tokens {prefix_tokens} is more than the "
+            f"{limit * block_size} tokens ({limit} blocks of {block_size}) of this "
+            "worker's GPU cache (more cannot be resident)")
+
+
+def within_pool(action: ParsedAction | InvalidAction, limit: int, block_size: int
                 ) -> ParsedAction | InvalidAction:
     """``action``, or an InvalidAction (answered ``rejected``) when its target names more
-    block hashes than the pool has blocks (:func:`too_many_hashes`)."""
+    block hashes than the pool has blocks (:func:`too_many_hashes`), or more prefix
+    tokens than they hold (:func:`too_many_tokens`)."""
     if isinstance(action, ParsedAction):
-        problem = too_many_hashes(action.payload.target.block_hashes, limit, "target")
+        target = action.payload.target
+        problem = (too_many_hashes(target.block_hashes, limit, "target")
+                   or too_many_tokens(target.prefix_tokens, limit, block_size))
         if problem is not None:
             return InvalidAction(action.action_id, action.action_type.value, problem)
     return action

@@ -329,6 +329,17 @@ class Mailbox:
         self.snapshots.append(snapshot)
         self.notify_transport()
 
+    def waiting_snapshot(self) -> SnapshotOut | None:
+        """The newest snapshot still waiting for the transport (not an error), or None.
+        A request handled meanwhile shares its copy (consistent at its own ``seq``: the
+        router replays the events after it) rather than copy the whole index again:
+        while NATS is down the waiting requests hold one copy, not one a step."""
+        try:
+            last = self.snapshots[-1]
+        except IndexError:  # empty, or emptied by the transport meanwhile
+            return None
+        return last if last.error is None else None
+
     def drop_event_batch(self, batch: EventBatchOut) -> None:
         """The transport gave up on a batch (counted as dropped)."""
         with self.lock:

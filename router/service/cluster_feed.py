@@ -53,6 +53,7 @@ from kvhint.router.kv_index import (
     WorkerPurgedNotice,
 )
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
+from kvhint.router.service.hint_records import MAX_STORED_AMOUNT, clamped_amounts
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import (
     NatsLink,
@@ -355,6 +356,14 @@ class ClusterFeed:
             # A newer plugin's status, read as a terminal rejection (schemas.outcomes).
             log.warning("outcome on %s: %s", msg.subject, outcome.reason)
             self._metrics.drop("outcome_unknown_status")
+        clamped = clamped_amounts(outcome)
+        if clamped is not None:
+            # Amounts past the store's 32-bit columns (a plugin that echoed an unbounded
+            # prefix_tokens) would cost the action its row: held to the bound, counted.
+            log.warning("outcome on %s: amounts %s/%s held to %d", msg.subject,
+                        outcome.requested, outcome.applied, MAX_STORED_AMOUNT)
+            self._metrics.drop("outcome_amount_clamped")
+            outcome = clamped
         outcome = self._hints.effective(outcome)
         sent = self._hints.on_outcome(outcome)
         if sent is not None:

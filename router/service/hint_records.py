@@ -13,7 +13,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvhint.schemas import HintOutcome, OutcomeStatus
+import msgspec
+
+from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
 
 PENDING = "pending"
 EXPIRED = "expired"
@@ -21,6 +23,11 @@ FAILED = "failed"
 # Every status a stored action can have: the router's own three and the workers' answers.
 HintStatus = Literal["pending", "expired", "failed", "accepted", "clipped", "deferred",
                      "rejected", "missing"]
+# The most a stored amount may be: the store's requested_/applied_ columns are 32-bit
+# integers (migrations 0001). A worker's answer past it (an older plugin echoed a
+# target's unbounded prefix_tokens) is kept at this bound, counted, rather than losing
+# the whole row to the store (store_row_rejected).
+MAX_STORED_AMOUNT = 2**31 - 1
 # An action with no terminal outcome after this long is marked expired.
 OUTCOME_DEADLINE_S = 120.0
 # Who an action is for (``SentAction.source``, the metrics' ``source`` label). Only the
@@ -101,3 +108,14 @@ def outcome_columns(outcome: HintOutcome) -> dict[str, Any]:
             "requested_blocks": outcome.requested.blocks,
             "requested_tokens": outcome.requested.tokens,
             "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens}
+
+
+def clamped_amounts(outcome: HintOutcome) -> HintOutcome | None:
+    """``outcome`` with its amounts held to :data:`MAX_STORED_AMOUNT`, or None when they
+    are within it already."""
+    amounts = (outcome.requested, outcome.applied)
+    if all(max(a.blocks, a.tokens) <= MAX_STORED_AMOUNT for a in amounts):
+        return None
+    requested, applied = (Amount(min(a.blocks, MAX_STORED_AMOUNT),
+                                 min(a.tokens, MAX_STORED_AMOUNT)) for a in amounts)
+    return msgspec.structs.replace(outcome, requested=requested, applied=applied)

@@ -397,6 +397,18 @@ def _target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -
     return session_blocks
 
 
+def _beyond_pool(payload: HintPayload, worker: Any) -> str | None:
+    """Why a target's ``prefix_tokens`` is refused: more than the worker's GPU cache can
+    hold (as its plugin refuses it; the wire type leaves it unbounded), or None."""
+    target = getattr(payload, "target", None)
+    tokens = target.prefix_tokens if target is not None else None
+    pool = worker.status.usage.gpu_blocks_total * worker.status.block_size
+    if tokens is None or pool <= 0 or tokens <= pool:
+        return None
+    return (f"target.prefix_tokens={tokens} is more than the {pool} tokens of worker "
+            f"{worker.worker_id}'s GPU cache")
+
+
 def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
                     principal: Principal, budget: Any, worker: Any,
                     runtime: RouterRuntime
@@ -444,6 +456,9 @@ def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
         if value is not None and value > budget.max_hint_ttl_s:
             return (f"{field_name}={value} exceeds this tenant's limit of "
                     f"{budget.max_hint_ttl_s}s"), None
+    problem = _beyond_pool(parsed.payload, worker)
+    if problem is not None:
+        return problem, None
     if parsed.action_type.value not in worker.status.supported_actions:
         return f"worker {worker.worker_id} does not support {parsed.action_type.value}", None
     if parsed.action_type is ActionType.SHARE:

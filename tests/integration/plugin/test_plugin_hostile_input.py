@@ -20,7 +20,9 @@ from kvhint.schemas import (
     REJECTED_INTERNAL_ERROR,
     HintOutcome,
     OutcomeStatus,
+    SnapshotRequest,
     decode_hints,
+    encode_snapshot_request,
     is_transient_rejection,
 )
 
@@ -208,6 +210,52 @@ def test_targets_naming_more_blocks_than_the_pool_are_rejected_before_any_lookup
     assert fits.status is OutcomeStatus.CLIPPED and fits.applied.blocks == len(keys)
     advice = core.apply_advice(_advice("d1", many, core.cache_namespace))
     assert advice.status is OutcomeStatus.REJECTED and "more than the" in advice.reason
+
+
+def test_prefix_tokens_beyond_the_pool_are_rejected_not_echoed_back() -> None:
+    """As block_hashes past the pool's size: a ``prefix_tokens`` more than the pool's
+    blocks could hold is rejected with that reason, not resolved (10**30 was echoed back
+    as ``requested.blocks`` ~6e28, past the router's 32-bit column). Up to the pool's
+    tokens it is applied as before."""
+    cache, core, mailbox = _plugin()
+    keys = _cached(cache, core, "s", 1000)
+    limit = core.adapter.num_blocks
+    (huge,) = core.apply_hints(_hints(("p1", "kv.retain", {"target": {
+        "session_id": "s", "prefix_tokens": 10**30}})))
+    assert huge.status is OutcomeStatus.REJECTED
+    assert f"prefix_tokens {10**30} is more than the {limit * BS} tokens" in huge.reason
+    assert huge.requested.blocks == 0 and core.executor.retained_blocks == 0
+    (over,) = core.apply_hints(_hints(("p2", "kv.retain", {"target": {
+        "session_id": "s", "prefix_tokens": limit * BS + 1}})))
+    assert over.status is OutcomeStatus.REJECTED and "more than the" in over.reason
+    (fits,) = core.apply_hints(_hints(("p3", "kv.retain", {"target": {
+        "session_id": "s", "prefix_tokens": limit * BS}})))
+    assert fits.status is not OutcomeStatus.REJECTED
+    assert fits.applied.blocks == len(keys)
+
+
+def test_snapshot_requests_waiting_for_the_transport_share_one_copy_of_the_index() -> None:
+    """Each step that handled a snapshot request copied the whole index (1M blocks:
+    ~100 MB) and queued it for the transport: with NATS down and ~150 requests queued,
+    ~150 copies piled up. A request handled while a snapshot still waits shares that
+    copy (at its seq, which the router replays events after); once the transport took
+    it, the next request copies the index as it is then."""
+    cache, core, mailbox = _plugin()
+    _cached(cache, core, "s1", 1000)
+    request = encode_snapshot_request(SnapshotRequest())
+    for reply in ("r1", "r2"):
+        mailbox.post(Inbound("snapshot", request, 0.0, reply))
+        core.pump()  # a step each: the index changes in between
+        _cached(cache, core, f"t{reply}", 2000 if reply == "r1" else 3000)
+    first, second = mailbox.snapshots
+    assert second.raw_blocks is first.raw_blocks and second.sessions is first.sessions
+    assert second.seq == first.seq and second.reply_to == "r2"
+    mailbox.snapshots.clear()  # the transport published them
+    mailbox.post(Inbound("snapshot", request, 0.0, "r3"))
+    core.pump()
+    (third,) = mailbox.snapshots
+    assert third.seq == core.event_seq > first.seq
+    assert len(third.raw_blocks) == len(first.raw_blocks) + 8
 
 
 def test_a_step_takes_inbound_messages_within_a_byte_budget() -> None:

@@ -303,7 +303,7 @@ def test_frequent_resyncs_counts_snapshots_taken_not_pages_asked() -> None:
 _DROP_LOSSES = {
     "internal_error", "periodic_job_error", "nats_slow_consumer", "jetstream_unavailable",
     "stream_setting_not_applied", "hint_unsent", "outcome_malformed",
-    "outcome_unknown_status", "releases_malformed", "release_unreadable",
+    "outcome_unknown_status", "outcome_amount_clamped", "releases_malformed", "release_unreadable",
     "snapshot_wrong_worker", "learned_stats_unknown_tenant", "learned_stats_unreadable",
     "store_write", "store_row_rejected", "store_read_error", "store_read_error:permanent",
     "response_unparsable", "response_usage_missing", "dashboard_key_in_query",
