@@ -4,14 +4,28 @@ review).
 
 Used by the store reads made for requests: session_reads.py (a first-sight session's
 row; waits for a slot) and responses_sessions.py (a Responses follow-up's session; takes
-one only if free now). Each tenant's entry is made with its first read waiting or under
-way and goes with its last (a global admin may name any tenant: no entry outlives its
-reads). Not tenant_slots.py: that one is each tenant's requests in flight.
+one only if free now), both through :meth:`TenantReadSlots.read`. Each tenant's entry is
+made with its first read waiting or under way and goes with its last (a global admin may
+name any tenant: no entry outlives its reads). Not tenant_slots.py: that one is each
+tenant's requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+
+from kvhint.router.store.db_errors import sqlstate
+
+log = logging.getLogger(__name__)
+
+# 57014 query_canceled: PostgreSQL's statement_timeout (the readers set it to the wait).
+_STATEMENT_TIMEOUT = "57014"
+ReadOutcome = Literal["read", "busy", "timeout", "error"]
 
 
 class TenantReadSlots:
@@ -72,6 +86,51 @@ class TenantReadSlots:
         self._slots.release()
         own.slots.release()
         self._leave(tenant, own)
+
+    async def read(self, tenant: str, timeout_s: float, read: Callable[..., Any],
+                   *args: Any, wait: bool, what: str) -> tuple[ReadOutcome, Any]:
+        """``read(*args)`` (a store read) in the loop's executor, on one of ``tenant``'s
+        slots, waited for at most ``timeout_s`` from now, slot included: ("read", its
+        result), or ("busy", None): no slot (``wait``: none came free in time; else
+        none free now), ("timeout", None): no answer in time (or PostgreSQL's
+        statement_timeout), ("error", None): the store failed it (logged, naming
+        ``what``). A read given up on ends in its thread, its slot held until then."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if wait:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.acquire(tenant)
+            except TimeoutError:
+                return "busy", None
+        elif not await self.try_acquire(tenant):
+            return "busy", None
+        try:
+            running = loop.run_in_executor(None, read, *args)
+        except BaseException:
+            self.release(tenant)
+            raise
+        running.add_done_callback(lambda done: self._read_over(done, tenant))
+        try:
+            # Shielded: giving up on the read (or the client leaving) leaves it to end
+            # in its thread, its slot held until then.
+            async with asyncio.timeout_at(deadline):
+                return "read", await asyncio.shield(running)
+        except TimeoutError:
+            return "timeout", None
+        except SQLAlchemyError as exc:
+            if isinstance(exc, DBAPIError) and sqlstate(exc.orig) == _STATEMENT_TIMEOUT:
+                return "timeout", None
+            log.warning("could not read %s from the store: %s", what,
+                        f"{type(exc).__name__}: {exc}"[:300])
+            return "error", None
+
+    def _read_over(self, running: asyncio.Future[Any], tenant: str) -> None:
+        self.release(tenant)
+        if not running.cancelled():
+            # Taken, so that a read given up on that fails later is not logged as an
+            # exception nobody retrieved.
+            running.exception()
 
     def _enter(self, tenant: str) -> _Own:
         own = self._tenants.get(tenant)

@@ -31,21 +31,15 @@ Every read is counted by outcome (``kvhint_router_response_session_reads_total``
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.read_slots import TenantReadSlots
-from kvhint.router.store.db_errors import sqlstate
 from kvhint.router.store.models import ResponseSessionRow
 from kvhint.router.store.reader import get_response_session
 from kvhint.router.store.writer import StoreWriter
-
-log = logging.getLogger(__name__)
 
 # Reads waited for (or given up on, their thread still running) at once, at most: past
 # it a follow-up is not held for a store that is slow already (``busy``). A read given up
@@ -60,8 +54,6 @@ MAX_READS_IN_FLIGHT = 4
 # every other tenant's follow-up meanwhile continued no session.
 MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
 _TABLE = ResponseSessionRow.__tablename__
-# 57014 query_canceled: PostgreSQL's statement_timeout (reader.get_response_session).
-_STATEMENT_TIMEOUT = "57014"
 
 
 class ResponseSessions:
@@ -104,38 +96,14 @@ class ResponseSessions:
         return session
 
     async def _read(self, response_id: str, tenant: str) -> tuple[str, str | None]:
-        if not await self._slots.try_acquire(tenant):
-            return "busy", None
-        try:
-            read = asyncio.get_running_loop().run_in_executor(
-                None, get_response_session, self._engine, response_id, self._timeout_s)
-        except BaseException:
-            self._slots.release(tenant)
-            raise
-        read.add_done_callback(lambda done: self._read_over(done, tenant))
-        try:
-            # Shielded: giving up on the read (or the client leaving) leaves it to end in
-            # its thread, counted in flight until then.
-            row = await asyncio.wait_for(asyncio.shield(read), self._timeout_s)
-        except TimeoutError:
-            return "timeout", None
-        except SQLAlchemyError as exc:
-            if isinstance(exc, DBAPIError) and sqlstate(exc.orig) == _STATEMENT_TIMEOUT:
-                return "timeout", None
-            log.warning("could not read the session of response %s from the store: %s",
-                        response_id, f"{type(exc).__name__}: {exc}"[:300])
-            return "error", None
+        outcome, row = await self._slots.read(
+            tenant, self._timeout_s, get_response_session, self._engine, response_id,
+            self._timeout_s, wait=False, what=f"the session of response {response_id}")
+        if outcome != "read":
+            return outcome, None
         if row is None:
             return "missing", None
         stored_tenant, session_id = row
         if stored_tenant != tenant:
             return "other_tenant", None
         return "found", session_id
-
-    def _read_over(self, read: asyncio.Future[tuple[str, str] | None],
-                   tenant: str) -> None:
-        self._slots.release(tenant)
-        if not read.cancelled():
-            # Taken, so that a read given up on that fails later is not logged as an
-            # exception nobody retrieved.
-            read.exception()

@@ -29,18 +29,13 @@ waited for at most ``routing.session_read_timeout_s``, and counted by outcome
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.read_slots import TenantReadSlots
-from kvhint.router.store.db_errors import sqlstate
 from kvhint.router.store.reader import get_session_within
-
-log = logging.getLogger(__name__)
 
 # Reads not over yet (those given up on included: each keeps its thread and a connection
 # until the store answers; PostgreSQL gives up the statement after the same timeout) at
@@ -54,8 +49,6 @@ MAX_READS_IN_FLIGHT = 3
 # tenants' stored sessions read nothing ("busy", "timeout") and started blank records
 # that wrote over their stored rows (their turns, gaps and planner state lost).
 MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
-# 57014 query_canceled: PostgreSQL's statement_timeout (reader.get_session_within).
-_STATEMENT_TIMEOUT = "57014"
 
 Row = dict[str, Any]
 
@@ -93,38 +86,9 @@ class StoredSessions:
         return row
 
     async def _read(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._slots.acquire(tenant)
-        except TimeoutError:
-            return "busy", None
-        try:
-            read = loop.run_in_executor(None, get_session_within, self._engine, tenant,
-                                        session_id, self._timeout_s)
-        except BaseException:
-            self._slots.release(tenant)
-            raise
-        read.add_done_callback(lambda done: self._read_over(done, tenant))
-        try:
-            # Shielded: giving up on the read leaves it to end in its thread, its slot
-            # held until then.
-            async with asyncio.timeout_at(deadline):
-                row = await asyncio.shield(read)
-        except TimeoutError:
-            return "timeout", None
-        except SQLAlchemyError as exc:
-            if isinstance(exc, DBAPIError) and sqlstate(exc.orig) == _STATEMENT_TIMEOUT:
-                return "timeout", None
-            log.warning("could not read session %s/%s from the store: %s", tenant,
-                        session_id, f"{type(exc).__name__}: {exc}"[:300])
-            return "error", None
+        outcome, row = await self._slots.read(
+            tenant, self._timeout_s, get_session_within, self._engine, tenant, session_id,
+            self._timeout_s, wait=True, what=f"session {tenant}/{session_id}")
+        if outcome != "read":
+            return outcome, None
         return ("missing", None) if row is None else ("found", row)
-
-    def _read_over(self, read: asyncio.Future[Row | None], tenant: str) -> None:
-        self._slots.release(tenant)
-        if not read.cancelled():
-            # Taken, so that a read given up on that fails later is not logged as an
-            # exception nobody retrieved.
-            read.exception()
