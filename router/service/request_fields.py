@@ -7,7 +7,8 @@ vLLM validates a request body with its pydantic models (``ChatCompletionRequest`
 router reads those fields with the same declarations, so what it acts on (relaying an
 event stream, asking for the usage chunk, a tenant's priority bounds) is what the worker
 does. A reader answers None for a value vLLM refuses: the caller refuses it too (400,
-naming the field), as vLLM would (inbound.py).
+naming the field), as vLLM would (inbound.py). The Responses API's ``store`` and
+``background`` too (responses_api.py): whether vLLM stores a response, runs it queued.
 """
 
 from __future__ import annotations
@@ -87,3 +88,38 @@ def priority_refusal(body: dict[str, Any], tenant: Tenant) -> str | None:
                 "workers scheduling by priority); send the request without it, or 0")
     return (f"priority={priority} is not allowed for your key: its tenant may set "
             f"'priority' from {low} to {high} (lower is served first)")
+
+
+class _Storing(BaseModel):
+    """The fields deciding whether vLLM 0.32 stores a response, as its ``ResponsesRequest``
+    declares them, read by pydantic's lax rules as vLLM reads them: "false", 0, "0",
+    "no", "off", "n", "f" are False; an explicit null is None, for which vLLM stores
+    nothing (``if request.store``)."""
+
+    store: bool | None = True
+    background: bool | None = False
+
+
+def stores_response(body: dict[str, Any]) -> bool:
+    """Whether vLLM stores the response ``body`` asks for (``store`` absent: it does), so
+    the router never remembers an id its worker did not store. A background response is
+    stored, queued, whatever ``store`` reads as (vLLM refuses ``background`` with a
+    ``store`` falsy as it comes, false, 0 or null, but not with "false"). What vLLM
+    refuses is answered 400, so nothing is learnt whatever this says (a value pydantic
+    refuses reads as not stored)."""
+    try:
+        flags = _Storing.model_validate({k: body[k] for k in ("store", "background")
+                                         if k in body})
+    except ValidationError:
+        return False
+    return bool(flags.store) or bool(flags.background)
+
+
+def runs_in_background(body: dict[str, Any]) -> bool:
+    """Whether vLLM runs the Responses request ``body`` in the background (``background``
+    read as :class:`_Storing` reads it; a value pydantic refuses: vLLM answers 400)."""
+    try:
+        return bool(_Storing.model_validate(
+            {"background": body["background"]} if "background" in body else {}).background)
+    except ValidationError:
+        return False

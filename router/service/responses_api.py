@@ -26,10 +26,8 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
-from typing import Any
 from urllib.parse import quote, urlencode
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -37,6 +35,7 @@ from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.forwarding import WORKER_HEADER, unavailable_answer
 from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.relay_response import RelayResponse
+from kvhint.router.service.request_fields import runs_in_background, stores_response
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.responses_scan import ResponsesObservation
@@ -57,41 +56,6 @@ from kvhint.router.service.workers import WorkerState
 _GET_PARAMETERS = ("starting_after", "stream")
 _STORED_ONLY = ("vLLM keeps a stored response in the memory of the server that made it "
                 "only")
-
-
-class _Storing(BaseModel):
-    """The fields deciding whether vLLM 0.32 stores a response, as its ``ResponsesRequest``
-    declares them, read by pydantic's lax rules as vLLM reads them: "false", 0, "0",
-    "no", "off", "n", "f" are False; an explicit null is None, for which vLLM stores
-    nothing (``if request.store``)."""
-
-    store: bool | None = True
-    background: bool | None = False
-
-
-def stores_response(body: dict[str, Any]) -> bool:
-    """Whether vLLM stores the response ``body`` asks for (``store`` absent: it does), so
-    the router never remembers an id its worker did not store. A background response is
-    stored, queued, whatever ``store`` reads as (vLLM refuses ``background`` with a
-    ``store`` falsy as it comes, false, 0 or null, but not with "false"). What vLLM
-    refuses is answered 400, so nothing is learnt whatever this says (a value pydantic
-    refuses reads as not stored)."""
-    try:
-        flags = _Storing.model_validate({k: body[k] for k in ("store", "background")
-                                         if k in body})
-    except ValidationError:
-        return False
-    return bool(flags.store) or bool(flags.background)
-
-
-def runs_in_background(body: dict[str, Any]) -> bool:
-    """Whether vLLM runs the response ``body`` asks for in the background (``background``
-    read as :class:`_Storing` reads it; a value pydantic refuses: vLLM answers 400)."""
-    try:
-        return bool(_Storing.model_validate(
-            {"background": body["background"]} if "background" in body else {}).background)
-    except ValidationError:
-        return False
 
 
 class ResponsesGateway:

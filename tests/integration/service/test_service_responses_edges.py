@@ -18,7 +18,7 @@ from test_service_responses_api import ResponsesStub, create
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.exceptions import VLLMClientError
 
-from kvhint.router.service.responses_api import runs_in_background
+from kvhint.router.service.request_fields import runs_in_background
 
 
 @pytest.fixture

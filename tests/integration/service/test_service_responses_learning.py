@@ -22,7 +22,7 @@ from test_service_responses_api import TENANTS, ResponsesStub, create
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 from vllm.exceptions import VLLMClientError
 
-from kvhint.router.service.responses_api import stores_response
+from kvhint.router.service.request_fields import stores_response
 
 ACME, BETA = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
 
