@@ -366,10 +366,14 @@ def _with_conversation(plan: RoutePlan, inbound: InboundRequest,
 
 def _estimate_chars(value: Any) -> int:
     """About how many tokens one body field renders to (0: absent)."""
+    return max(_field_chars(value) // _CHARS_PER_TOKEN, 1) if value else 0
+
+
+def _field_chars(value: Any) -> int:
+    """The characters one body field (text, or anything as JSON) brings: 0 when absent."""
     if not value:
         return 0
-    chars = len(value) if isinstance(value, str) else len(_json_encode(value))
-    return max(chars // _CHARS_PER_TOKEN, 1)
+    return len(value) if isinstance(value, str) else len(_json_encode(value))
 
 
 def _estimate_tokens(inbound: InboundRequest) -> int:
@@ -390,8 +394,7 @@ def _estimate_tokens(inbound: InboundRequest) -> int:
                 chars += len(_json_encode(body[key]))
     elif inbound.endpoint is Endpoint.RESPONSES:
         body = inbound.body
-        chars = sum(len(value) if isinstance(value, str) else len(_json_encode(value))
-                    for key in ("instructions", "input", "tools") if (value := body.get(key)))
+        chars = sum(_field_chars(body.get(key)) for key in ("instructions", "input", "tools"))
     else:
         prompt = inbound.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
