@@ -170,7 +170,7 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         if self._host_tier is not None:
             self._host_tier.tee_events(self.core.guarded("take_events",
                                                          self.core.on_engine_events))
-            self._host_reset = HostTierReset()
+            self._host_reset = HostTierReset(self.core.adapter.event_group)
         self.core.refresh_status()
         if not self.core.adapter.prefix_caching:
             logger.warning("kvhint: vLLM runs without prefix caching: nothing is cached, so "
@@ -188,7 +188,8 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
         encoder = EventBatchEncoder()
         self.transport = NatsTransport(
             config, identity.worker_id, identity.epoch, mailbox, self._status_of,
-            lambda ts, events: encoder.encode(ts, events, rank), self.core.adapter.block_size)
+            lambda ts, events: encoder.encode(ts, events, rank), self.core.adapter.block_size,
+            self.core.adapter.event_group)
         self.transport.start()
         logger.info("kvhint: engine plugin up: worker %s, epoch %s, NATS %s, prefix %s",
                     identity.worker_id, identity.epoch, loggable_nats_url(config.nats_url),

@@ -51,6 +51,7 @@ from kvhint.schemas import (
     decode_snapshot_request,
     new_epoch,
 )
+from kvhint.schemas.hints import one_per_action_id
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -87,6 +88,9 @@ class EngineIdentity:
 class CoreCounters:
     event_batches: int = 0
     events: int = 0
+    # Block events of a KV-cache group other than the one followed (a hybrid model's):
+    # neither indexed nor published (the router would drop them).
+    events_other_group: int = 0
     hits_observed: int = 0
     hint_messages: int = 0
     advice_messages: int = 0
@@ -229,21 +233,27 @@ class PluginCore(StatusMixin):
         batch is published under the next sequence number even when the index update
         fails (a plugin bug: the exception goes on to the hook's guard, which counts it):
         the router mirrors vLLM's events, not this index, and a batch never published
-        would leave no sequence gap to make it resync."""
+        would leave no sequence gap to make it resync. A hybrid model's block events of
+        KV-cache groups other than the one followed are not published (the router would
+        drop them: ``schemas.events.follows_group``), counted in ``events_other_group``;
+        a batch left with no event is not published and takes no sequence number."""
         try:
             self._index_engine_events(events)
         finally:
             self.counters.event_batches += 1
             self.counters.events += len(events)
-            if self.mailbox is not None:
+            published, other_group = self.adapter.followed_events(events)
+            self.counters.events_other_group += other_group
+            if self.mailbox is not None and published:
                 self.event_seq += 1
-                self.mailbox.put_events(EventBatchOut(self.event_seq, time.time(), events))
+                self.mailbox.put_events(EventBatchOut(self.event_seq, time.time(), published))
 
     def _index_engine_events(self, events: list[Any]) -> None:
         index, adapter, log = self.index, self.adapter, self._event_log
         removed: list[int] = []
         cleared = False
-        for event in adapter.index_events(events):
+        for event in adapter.index_events(events, adapter.event_group,
+                                          adapter.re_reports_in(events)):
             index.apply(event)
             if log is not None:
                 log.append(event)
@@ -305,7 +315,10 @@ class PluginCore(StatusMixin):
         self.counters.hint_messages += 1
         if not decoded.actions:
             return self.executor.apply(decoded)
-        return [self._submit(decoded.message_id, action) for action in decoded.actions]
+        # One outcome per action id (decode_hints did this already; a DecodedHints built
+        # in-process may not have).
+        return [self._submit(decoded.message_id, action)
+                for action in one_per_action_id(decoded.actions)]
 
     def _decode_hints(self, data: bytes | str) -> DecodedHints:
         """``data`` decoded (the transport does it off this thread; an in-process caller

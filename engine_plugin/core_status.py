@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from msgspec import UNSET
+
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.mailbox import Mailbox
@@ -94,7 +96,10 @@ class StatusMixin:
             host_tier=self.executor.host_tier is not None, budgets=self.budgets(),
             usage=usage or self.status_usage(), last_event_seq=self.event_seq,
             interval_s=interval_s or self.config.heartbeat_interval_s, at=time.time(),
-            http_url=self.config.http_url)
+            http_url=self.config.http_url,
+            # Sent only when the chain is finer than a block (the 1.1 form otherwise).
+            hash_block_size=(UNSET if self.adapter.hash_block_size == self.adapter.block_size
+                             else self.adapter.hash_block_size))
 
     def supported_actions(self) -> dict[str, list[str]]:
         """What this worker applies (Demote and Share need a host tier; nothing without

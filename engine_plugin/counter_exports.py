@@ -30,6 +30,7 @@ EXPORTS: dict[type, dict[str, Export]] = {
     CoreCounters: {
         "internal_errors": Export("internal_errors"),
         "latency_samples_dropped": Export("hint_apply_samples_dropped"),
+        "events_other_group": Export("events_other_group"),
     },
     ExecutorCounters: {
         "duplicates": Export("hint_duplicates"),

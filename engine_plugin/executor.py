@@ -7,6 +7,11 @@ vLLM adapter implements over the real BlockPool.
 Semantics (DESIGN §2, issue 3):
 - every action gets exactly one terminal outcome; Prefetch may send ``deferred`` first;
   actions are idempotent by ``action_id`` (a duplicate gets the latest outcome again).
+  An id one message names twice is answered once, ``rejected``, none of its actions
+  applied (:func:`~kvhint.schemas.hints.one_per_action_id`). A Prefetch still waiting is
+  replaced by a newer action under its id (one its memory forgot the Prefetch for): it
+  never settles over that action's claim. Demote handling is :mod:`.demote_apply`'s,
+  Prefetch's :mod:`.prefetch`'s.
 - a block is *held* (one extra reference in the pool, out of the free queue) while it has
   at least one claim. Pin claims are hard until their TTL; retain claims are soft: they
   are dropped whenever the engine needs the memory (:meth:`relieve_pressure`), lowest
@@ -30,7 +35,9 @@ Semantics (DESIGN §2, issue 3):
   forgotten by the memory, is a duplicate; a new id for the same session target
   supersedes the waiting one and keeps its deadline).
 - pins are clipped to a block budget and a max TTL; retains to their own budget, where a
-  higher-priority retain displaces lower-priority retained blocks.
+  higher-priority retain displaces lower-priority retained blocks, an agent runtime's
+  (owner ``agent``) above every planner claim whatever the numbers
+  (:func:`~kvhint.engine_plugin.hold_records.retain_rank`).
 - Demote, Share and the load half of Prefetch need a host tier; without one (the CPU
   backend) Demote and Share are rejected with that reason, and Prefetch succeeds only for
   blocks already in G1 (waiting, ``deferred``, until the deadline for the others). With
@@ -49,13 +56,9 @@ from dataclasses import dataclass, field
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
-from kvhint.engine_plugin.demotion import (
-    PendingDemote,
-    copies_on_their_way,
-    demotable,
-    with_host_copies,
-)
-from kvhint.engine_plugin.hold_records import PIN
+from kvhint.engine_plugin.demote_apply import DemoteMixin
+from kvhint.engine_plugin.demotion import PendingDemote
+from kvhint.engine_plugin.hold_records import PIN, ClaimKey, DonorClaim, claim_action_id
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
 from kvhint.engine_plugin.outcome_counts import counted_action_type
@@ -82,6 +85,7 @@ from kvhint.schemas import (
     SharePayload,
     Target,
 )
+from kvhint.schemas.hints import one_per_action_id
 from kvhint.schemas.outcomes import REJECTED_NO_HOST_TIER, REJECTED_NO_SHARED_TIER
 
 ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
@@ -103,7 +107,7 @@ class ExecutorCounters:
         self.outcomes[(counted_action_type(action_type), status.value)] += 1
 
 
-class HintExecutor(PrefetchMixin):
+class HintExecutor(PrefetchMixin, DemoteMixin):
     """Applies hints against a :class:`BlockCache`; see the module docstring."""
 
     def __init__(self, cache: BlockCache, index: SessionPrefixIndex, config: PluginConfig,
@@ -158,7 +162,8 @@ class HintExecutor(PrefetchMixin):
             outcome = self._outcome(decoded.message_id, "", "", REJECTED, reason)
             self.counters.count("", REJECTED)
             return [outcome]
-        return [self.submit(decoded.message_id, action) for action in decoded.actions]
+        return [self.submit(decoded.message_id, action)
+                for action in one_per_action_id(decoded.actions)]
 
     def submit(self, message_id: str, action: ParsedAction | InvalidAction) -> HintOutcome:
         """Apply one action and return its outcome (the remembered one for a duplicate)."""
@@ -173,6 +178,7 @@ class HintExecutor(PrefetchMixin):
             # would keep it waiting for good).
             self.counters.duplicates += 1
             return waiting.deferred
+        self._replace_waiting_prefetch(action.action_id)
         if isinstance(action, InvalidAction):
             outcome = self._outcome(message_id, action.action_id, action.action_type,
                                     REJECTED, action.reason)
@@ -223,13 +229,16 @@ class HintExecutor(PrefetchMixin):
         return self.holds.release_all()
 
     def take_releases(self) -> list[HoldRelease]:
-        """What accepted Pins and Retains lost unasked since the last call, each with the
-        ledger's reason as the wire's (a block vLLM dropped from its cache by another path
-        is ``gone``, HoldsReleased 1.1; a router of an earlier version reads it as
-        ``other``, its figures applied the same)."""
+        """What accepted Pins and Retains (and donor advice's retains) lost unasked since
+        the last call, each with the ledger's reason as the wire's (a block vLLM dropped
+        from its cache by another path is ``gone``, HoldsReleased 1.1; a router of an
+        earlier version reads it as ``other``, its figures applied the same)."""
         return [HoldRelease(
-            action_id=loss.action_id,
-            action_type=(ActionType.PIN if loss.kind == PIN else ActionType.RETAIN).value,
+            action_id=claim_action_id(loss.action_id),
+            # A donor advice's claim is reported under its advice's id and type (the
+            # kv.donor outcome's), never as a hint action of the same id.
+            action_type=DONOR_ACTION_TYPE if isinstance(loss.action_id, DonorClaim) else (
+                ActionType.PIN if loss.kind == PIN else ActionType.RETAIN).value,
             session_id=loss.scope,
             reason=ReleaseReason(loss.reason),
             released=self._amount(loss.released), held=self._amount(loss.held))
@@ -338,7 +347,7 @@ class HintExecutor(PrefetchMixin):
         keys = self.index.session_blocks(session_id)
         return keys, len(keys)
 
-    # --- pin / retain / demote ------------------------------------------------------------------
+    # --- pin / retain -----------------------------------------------------------------------
 
     def _pin(self, action_id: str, ttl: float, handles: list[BlockHandle], notes: list[str],
              scope: str | None, owner: str) -> int:
@@ -350,7 +359,7 @@ class HintExecutor(PrefetchMixin):
             notes.append(note)
         return applied
 
-    def _retain(self, action_id: str, priority: int, ttl_s: float | None,
+    def _retain(self, action_id: ClaimKey, priority: int, ttl_s: float | None,
                 handles: list[BlockHandle], notes: list[str], scope: str | None,
                 owner: str) -> int:
         ttl = ttl_s if ttl_s is not None else self.config.max_retain_ttl_s
@@ -376,84 +385,6 @@ class HintExecutor(PrefetchMixin):
                    and (keep is None or h.key not in keep)]
         return self.cache.evict_first(handles)
 
-    def _demote(self, answer: Callable[..., HintOutcome], scope: str | None, owner: str,
-                handles: list[BlockHandle], requested: Amount, notes: list[str]
-                ) -> HintOutcome:
-        assert self.host_tier is not None
-        if scope is not None:
-            self.holds.supersede(scope, owner)
-            if owner == AGENT:
-                self.holds.supersede(scope, PLANNER)
-        mine = demotable(self.holds, handles, owner, scope)
-        if spared := len(handles) - len(mine):
-            notes.append(f"{spared} blocks other claims hold stay in G1 (another session's, "
-                         "a shared prefix's, or an agent's)")
-        copied = with_host_copies(self.host_tier, mine)
-        # Retains left on them (only a block-hash Demote finds any) dropped, reported as
-        # displaced; then the blocks go to the head of the eviction order, deepest first.
-        # Pins stay (hard until their TTL): their blocks stay in G1, not counted demoted.
-        self.holds.unretain(copied)
-        demoted = [h for h in copied if not self.holds.is_held(h.block_id)]
-        if pinned := len(copied) - len(demoted):
-            notes.append(f"{pinned} pinned blocks stay in G1 until their Pin ends")
-        self.cache.evict_first(demoted)
-        if len(copied) < len(mine):
-            uncopied = sum(1 for h in mine if not self.host_tier.contains(h.key))
-            notes.append(f"{len(copied)} of {len(mine)} resident blocks demoted; the rest "
-                         f"stay in G1 ({uncopied} without a finished host copy, and the "
-                         "blocks before them)")
-        # Nothing demoted because other claims hold every block is a clipped Demote (it
-        # did all it may), not a rejected one: rejections in a row make the router stop
-        # sending Demotes to this worker.
-        status = ACCEPTED if not notes else (CLIPPED if demoted or not mine or pinned
-                                             else REJECTED)
-        return answer(status, "; ".join(notes), requested, self._amount(len(demoted)))
-
-    def _copies_to_wait_for(self, handles: list[BlockHandle], owner: str,
-                            scope: str | None) -> int:
-        """How many of a Demote's own blocks (:func:`demotable`) have a host copy still
-        on its way (:func:`copies_on_their_way`); 0 when the plugin does not wait."""
-        assert self.host_tier is not None
-        if self.config.demote_copy_wait_s <= 0:
-            return 0
-        return copies_on_their_way(self.host_tier, self.cache,
-                                   demotable(self.holds, handles, owner, scope))
-
-    def _supersede_waiting_demotes(self, session_id: str, owner: str, by: str
-                                   ) -> list[PendingDemote]:
-        """A newer session-targeted action of the same owner (the session's next turn came:
-        a new protection) ends a Demote of that session still waiting for copies,
-        unapplied; applied later, it would undo the newer action. Returns those ended."""
-        ended: list[PendingDemote] = []
-        for action_id, pending in list(self._pending_demotes.items()):
-            if action_id == by or pending.scope != (session_id, owner):
-                continue
-            del self._pending_demotes[action_id]
-            outcome = self._outcome(
-                pending.message_id, action_id, ActionType.DEMOTE.value, REJECTED,
-                f"superseded by {by} for the session while waiting for host copies; nothing "
-                "changed")
-            self._remember(("hint", action_id), outcome)
-            self._settled.append(outcome)
-            ended.append(pending)
-        return ended
-
-    def _settle_demotes(self, now: float) -> list[HintOutcome]:
-        """Apply the waiting Demotes whose copies are done or whose deadline came."""
-        done: list[HintOutcome] = []
-        for action_id, pending in list(self._pending_demotes.items()):
-            if now < pending.deadline:
-                resolved = self._resolve(pending.action.payload.target)
-                keys = resolved[0] if isinstance(resolved, tuple) else []
-                handles = [h for h in map(self.cache.lookup, keys) if h is not None]
-                if self._copies_to_wait_for(handles, pending.scope[1], pending.scope[0]):
-                    continue
-            del self._pending_demotes[action_id]
-            outcome = self._dispatch(pending.message_id, pending.action, may_wait=False)
-            self._remember(("hint", action_id), outcome)
-            done.append(outcome)
-        return done
-
     # --- donor -------------------------------------------------------------------------------
 
     def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
@@ -477,8 +408,10 @@ class HintExecutor(PrefetchMixin):
         if len(handles) < len(keys):
             notes.append(f"{len(handles)} of {len(keys)} donor blocks resident")
         if self.config.donor_retain:
-            retained = self._retain(advice.advice_id, self.config.donor_retain_priority,
-                                    advice.ttl_s, handles, [], None, PLANNER)
+            # Under its own key: never a hint action's claim (nor a Prefetch's).
+            retained = self._retain(DonorClaim(advice.advice_id),
+                                    self.config.donor_retain_priority, advice.ttl_s,
+                                    handles, [], None, PLANNER)
             notes.append(f"{retained} donor blocks retained for {advice.ttl_s:g}s")
         status = CLIPPED if len(handles) < len(keys) else ACCEPTED
         return answer(status, "; ".join(notes), requested, self._amount(len(handles)))

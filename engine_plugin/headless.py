@@ -168,9 +168,11 @@ class HeadlessCache:
 
 def build_kv_cache_manager(block_size: int = 512, num_blocks: int = 5_000, *,
                            max_model_len: int | None = None, hash_algo: str = "sha256",
-                           enable_events: bool = True) -> HeadlessCache:
+                           enable_events: bool = True, watermark: float = 0.0
+                           ) -> HeadlessCache:
     """vLLM's real KVCacheManager + BlockPool (prefix caching on). ``num_blocks`` usable
-    blocks (vLLM adds its null block)."""
+    blocks (vLLM adds its null block); ``watermark``: vLLM's ``--watermark``, the share
+    of the blocks it keeps free when admitting a waiting request."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
@@ -185,7 +187,8 @@ def build_kv_cache_manager(block_size: int = 512, num_blocks: int = 5_000, *,
         kv_cache_config=config,
         max_model_len=max_model_len or num_blocks * block_size,
         scheduler_block_size=block_size, hash_block_size=block_size,
-        enable_caching=True, log_stats=False, enable_kv_cache_events=enable_events)
+        enable_caching=True, log_stats=False, enable_kv_cache_events=enable_events,
+        watermark=watermark)
     return HeadlessCache(manager, block_size, _request_factory(_block_hasher(block_size,
                                                                             hash_algo)))
 

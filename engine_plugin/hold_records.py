@@ -1,5 +1,6 @@
 """The hold ledger's records: a hold on one block, one action's claim, what a claim lost
-unasked (:class:`ClaimLoss`), the ledger's counters, and the claim kinds and loss reasons.
+unasked (:class:`ClaimLoss`), the ledger's counters, the claim kinds and loss reasons,
+and the retain order (:func:`retain_rank`: an agent runtime's claims above the planner's).
 Plain data; :class:`~kvhint.engine_plugin.holds.HoldLedger` keeps them consistent."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvhint.engine_plugin.block_cache import BlockHandle
+from kvhint.schemas import HintOwner
 
 PIN, RETAIN = "pin", "retain"
 # Loss reasons. Each is its wire value (schemas.releases.ReleaseReason), sent as is.
@@ -15,26 +17,72 @@ DISPLACED, PRESSURE, RESET = "displaced", "pressure", "reset"
 # failed KV load, a cache-entry move): the hold protected nothing any more.
 GONE = "gone"
 
+# The order retained blocks go in (displaced by the retain budget, relieved under
+# pressure): a claim's *rank*, its priority, plus AGENT_RANK for an agent runtime's claim
+# (owner "agent", hints API): every agent claim outranks every claim of the router's
+# planner (and the plugin's own donor and Prefetch retains), whatever their priorities;
+# within each, the higher priority first. An agent runtime's explicit claim is kept ahead
+# of the planner's predictions; the router caps what one tenant's agents claim on a
+# worker (``budget.max_worker_share``).
+AGENT_RANK = 101
+ANY_RANK = 2 * AGENT_RANK  # above every rank: what relief and the budget's fit may take
+
+
+def retain_rank(priority: int, owner: str) -> int:
+    """A retain claim's rank (see AGENT_RANK)."""
+    return priority + AGENT_RANK if owner == HintOwner.AGENT.value else priority
+
+
+def retain_room_holders(priority: int, owner: str) -> str:
+    """What holds the retain budget's room a Retain at ``priority`` of ``owner`` could not
+    displace (every retained block left ranks at or above it). No figures, no tenant:
+    the router shows it to the tenant whose action it answers."""
+    if owner == HintOwner.AGENT.value:
+        return (f"the room is held by agent runtimes' Retains of priority {priority} or "
+                "more (an agent's Retains rank above the router planner's)")
+    return (f"the room is held by the planner's (and this plugin's own) Retains of "
+            f"priority {priority} or more and by any agent runtime's (an agent's Retains "
+            "rank above the planner's)")
+
+
+@dataclass(frozen=True, slots=True)
+class DonorClaim:
+    """The ledger key of a donor advice's retain claim: its own key space, never equal to
+    a hint action's id (a str), so an advice and a hint sharing an id never replace each
+    other's claim (nor does a waiting Prefetch settling under that id). Reports to the
+    router name ``advice_id`` (:func:`claim_action_id`)."""
+
+    advice_id: str
+
+
+# A claim's key in the ledger: a hint action's id, or a donor advice's DonorClaim.
+ClaimKey = str | DonorClaim
+
+
+def claim_action_id(key: ClaimKey) -> str:
+    """The id the router knows a claim by (its action's, its advice's)."""
+    return key.advice_id if isinstance(key, DonorClaim) else key
 
 
 @dataclass(slots=True)
 class Hold:
     handle: BlockHandle
-    pins: dict[str, float] = field(default_factory=dict)  # action id -> expiry
-    retains: dict[str, int] = field(default_factory=dict)  # action id -> priority
+    pins: dict[ClaimKey, float] = field(default_factory=dict)  # claim key -> expiry
+    retains: dict[ClaimKey, int] = field(default_factory=dict)  # claim key -> rank
     version: int = 0  # of its live entry in the pressure heap (older entries are stale)
     touched: int = 0  # sequence number of the latest retain claim (LRU among equals)
-    # Retain claims per priority (at most 101 keys): the hold's priority is read from it,
+    # Retain claims per rank (priority, AGENT_RANK up for an agent's; at most 202 keys):
+    # the hold's priority (its highest rank) is read from it,
     # not from ``retains``, which one block's claims can make long (before, each claim
     # made or ended on a block rescanned them all: 10k on 4 blocks expired in 2.5 s).
     levels: dict[int, int] = field(default_factory=dict)
 
-    def add_retain(self, action_id: str, priority: int) -> None:
+    def add_retain(self, action_id: ClaimKey, priority: int) -> None:
         self.drop_retain(action_id)
         self.retains[action_id] = priority
         self.levels[priority] = self.levels.get(priority, 0) + 1
 
-    def drop_retain(self, action_id: str) -> bool:
+    def drop_retain(self, action_id: ClaimKey) -> bool:
         """Whether ``action_id`` had a retain claim here (now dropped)."""
         priority = self.retains.pop(action_id, None)
         if priority is None:
@@ -51,7 +99,7 @@ class Hold:
 
     @property
     def priority(self) -> int:
-        """The highest priority of its retain claims."""
+        """The highest rank (:func:`retain_rank`) of its retain claims."""
         return max(self.levels)
 
 
@@ -69,7 +117,7 @@ class ClaimLoss:
     """Blocks one claim lost for ``reason`` since the last :meth:`HoldLedger.take_losses`;
     ``held``: the blocks it still holds (0 once it holds none or has ended)."""
 
-    action_id: str
+    action_id: ClaimKey  # claim_action_id() gives the id the router knows
     kind: str
     scope: str | None
     reason: str

@@ -5,7 +5,8 @@ and cannot be evicted) while at least one *claim* covers it. A claim is one acti
 on its blocks, ending at its expiry:
 - pin claims are hard until their expiry, within ``max_pinned_blocks``;
 - retain claims are soft: :meth:`HoldLedger.relieve` drops them whenever the engine needs
-  the memory, lowest priority first, then least recently claimed, then leaf first,
+  the memory, lowest priority first (an agent runtime's claims after every planner
+  claim: :func:`~.hold_records.retain_rank`), then least recently claimed, then leaf first,
   passing over blocks a running request also uses (dropping those frees nothing). A
   block under several retains has the highest of their priorities. Re-prioritising is a
   heap push (stale entries are skipped lazily), never a re-sort.
@@ -21,7 +22,8 @@ cache by another path: :meth:`HoldLedger.release_gone`) are remembered as
 expiry and supersession are not (the sender knows of them).
 
 Counts: ``pinned`` = holds with a pin claim; ``retained`` = holds with retain claims and
-no pin claim. Single-threaded (the scheduler thread).
+no pin claim. Single-threaded (the scheduler thread). Relief, displacement and the
+pressure heap are :mod:`.hold_relief`'s; the records are :mod:`.hold_records`'.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
+from kvhint.engine_plugin.hold_relief import COMPACT_SLACK, HoldReliefMixin
 from kvhint.engine_plugin.hold_records import (
     DISPLACED,
     GONE,
@@ -43,16 +46,15 @@ from kvhint.engine_plugin.hold_records import (
     HoldCounters,
     Claim,
     Hold,
+    retain_rank,
+    retain_room_holders,
 )
 
 __all__ = ["DISPLACED", "GONE", "PIN", "PRESSURE", "RESET", "RETAIN", "BlockCache",
            "BlockHandle", "ClaimLoss", "HoldCounters", "HoldLedger"]
 
-# Entries a lazily-cleaned heap may hold beyond twice its live ones before it is rebuilt.
-_COMPACT_SLACK = 1024
 
-
-class HoldLedger:
+class HoldLedger(HoldReliefMixin):
     def __init__(self, cache: BlockCache, max_pinned: int, max_retained: int) -> None:
         self.cache = cache
         self.max_pinned = max_pinned
@@ -161,20 +163,27 @@ class HoldLedger:
     def retain(self, action_id: str, priority: int, handles: list[BlockHandle], expiry: float,
                scope: str | None, owner: str) -> tuple[int, str | None]:
         """Retain ``handles`` (root-most first); a full budget first displaces retained
-        blocks of lower priority. Returns (blocks retained, budget note)."""
+        blocks of lower rank (:func:`retain_rank`: an agent's claims above the planner's).
+        Returns (blocks retained, budget note)."""
         self._replace_claim(action_id)
         note = None
+        rank = retain_rank(priority, owner)
         fresh = [h for h in handles if h.block_id not in self._holds]
         room = self.max_retained - self._retained
         if len(fresh) > room:
-            self.counters.displaced += self._drop_retained(len(fresh) - room, priority,
-                                                           DISPLACED)
+            # Never the target's own blocks: held by a lower-ranked claim (the planner's
+            # on the same session), they need no room; displaced, they would need it
+            # again and the Retain would be clipped all the same.
+            self.counters.displaced += self._drop_retained(
+                len(fresh) - room, rank, DISPLACED,
+                keep=frozenset(h.block_id for h in handles))
             room = self.max_retained - self._retained
             fresh = [h for h in handles if h.block_id not in self._holds]
         if len(fresh) > room:
             room = max(room, 0)
             note = (f"retain budget: {room} of {len(fresh)} new blocks fit "
-                    f"(max_retained_blocks={self.max_retained})")
+                    f"(max_retained_blocks={self.max_retained}); "
+                    f"{retain_room_holders(priority, owner)}")
             keep = {h.block_id for h in fresh[:room]}
             handles = [h for h in handles if h.block_id in self._holds or h.block_id in keep]
         if not handles:
@@ -187,7 +196,7 @@ class HoldLedger:
                 hold = self._new_hold(handle)
                 new_holds.append(handle)
                 self._retained += 1
-            hold.add_retain(action_id, priority)
+            hold.add_retain(action_id, rank)
             hold.touched = touched
             if not hold.pins:
                 self._push_pressure(hold)
@@ -269,28 +278,6 @@ class HoldLedger:
         self._fit_retained()
         return ended
 
-    def relieve(self, num_blocks: int, keep: frozenset[int] = frozenset()) -> int:
-        """The engine needs memory: drop up to ``num_blocks`` retained blocks, only ones
-        whose release frees memory (a block a running request also uses, or one in
-        ``keep``, the allocating request's own hits, stays held: its protection would be
-        lost for nothing)."""
-        released = self._drop_retained(num_blocks, 101, PRESSURE, only_freeing=True,
-                                       keep=keep)
-        self.counters.released_under_pressure += released
-        return released
-
-    def releasable(self, enough: int, keep: frozenset[int] = frozenset()) -> int:
-        """Retained blocks :meth:`relieve` could free now (see there), counted up to
-        ``enough``: relief that cannot free enough releases nothing."""
-        count, in_use = 0, self.cache.in_use
-        for hold in self._holds.values() if enough > 0 else ():
-            if hold.retains and not hold.pins and hold.handle.block_id not in keep \
-                    and not in_use(hold.handle):
-                count += 1
-                if count >= enough:
-                    break
-        return count
-
     def release_all(self) -> int:
         handles = self.handles()
         for action_id, claim in self._claims.items():
@@ -368,15 +355,6 @@ class HoldLedger:
             self._release(released)
             self._fit_retained()
 
-    def _fit_retained(self) -> None:
-        """Back within ``max_retained``: a block whose pin ended while a retain also
-        covered it becomes retained without the retain budget having counted it (a
-        retain charges only blocks not held already), so the excess is displaced, lowest
-        priority first."""
-        excess = self._retained - self.max_retained
-        if excess > 0:
-            self.counters.displaced += self._drop_retained(excess, 101, DISPLACED)
-
     def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
                    expiry: float, scope: str | None, owner: str) -> None:
         self._claims[action_id] = Claim(kind, {h.block_id for h in handles}, expiry, scope,
@@ -384,30 +362,10 @@ class HoldLedger:
         if scope is not None:
             self._by_scope.setdefault((scope, owner), set()).add(action_id)
         heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))
-        if len(self._expiry_heap) > 2 * len(self._claims) + _COMPACT_SLACK:
+        if len(self._expiry_heap) > 2 * len(self._claims) + COMPACT_SLACK:
             # A superseded claim's entry stays until its expiry: rebuild from live claims.
             self._expiry_heap = [(c.expiry, next(self._seq), a) for a, c in self._claims.items()]
             heapq.heapify(self._expiry_heap)
-
-    def _push_pressure(self, hold: Hold) -> None:
-        # Versions come from the ledger-wide sequence, not a per-hold count: a superseded
-        # claim's hold is deleted and a new one made for the same block, and a per-hold
-        # count would restart there and match the old hold's stale entries (its old,
-        # lower priority would then decide when the block goes).
-        hold.version = next(self._seq)
-        heapq.heappush(self._pressure_heap, self._pressure_entry(hold))
-        if len(self._pressure_heap) > 2 * len(self._holds) + _COMPACT_SLACK:
-            # Stale entries leave the heap only when they reach its top, and a high
-            # priority's may never do: re-prioritising every idle review would grow the
-            # heap without bound. Rebuild it from the live entries (amortised O(1)).
-            self._pressure_heap = [self._pressure_entry(h) for h in self._holds.values()
-                                   if h.retains and not h.pins]
-            heapq.heapify(self._pressure_heap)
-
-    @staticmethod
-    def _pressure_entry(hold: Hold) -> tuple[int, int, int, int, int]:
-        return (hold.priority, hold.touched, -hold.handle.depth,
-                hold.handle.block_id, hold.version)
 
     def take_losses(self) -> list[ClaimLoss]:
         """The losses since the last call, one per (claim, reason), with what each claim
@@ -427,50 +385,6 @@ class HoldLedger:
         self._losses[key] = (
             ClaimLoss(action_id, claim.kind, claim.scope, reason, blocks, 0) if earlier is None
             else replace(earlier, released=earlier.released + blocks))
-
-    def _drop_retained(self, num_blocks: int, below_priority: int, reason: str,
-                       only_freeing: bool = False, keep: frozenset[int] = frozenset()
-                       ) -> int:
-        """Release up to ``num_blocks`` retain-only holds with priority below
-        ``below_priority``, in pressure order, noting the claims' losses as ``reason``;
-        returns how many. ``only_freeing``: pass over (and keep) holds on blocks in use
-        elsewhere."""
-        heap = self._pressure_heap
-        released: list[BlockHandle] = []
-        passed_over: list[tuple[int, int, int, int, int]] = []
-        while heap and len(released) < num_blocks:
-            priority, _, _, block_id, version = heap[0]
-            hold = self._holds.get(block_id)
-            if hold is None or hold.version != version or hold.pins or not hold.retains:
-                heapq.heappop(heap)
-                continue
-            if priority >= below_priority:
-                break
-            entry = heapq.heappop(heap)
-            if only_freeing and (block_id in keep or self.cache.in_use(hold.handle)):
-                passed_over.append(entry)
-                continue
-            self._drop_hold(hold, released, lost_to=reason)
-        for entry in passed_over:
-            heapq.heappush(heap, entry)
-        self.counters.kept_in_use_under_pressure += len(passed_over)
-        self._release(released)
-        return len(released)
-
-    def _drop_hold(self, hold: Hold, released: list[BlockHandle], lost_to: str | None) -> None:
-        """Forget a retain-only hold; its block goes to ``released``. ``lost_to``: the
-        reason its claims lost it unasked (None: their sender asked)."""
-        block_id = hold.handle.block_id
-        for action_id in hold.retains:
-            claim = self._claims.get(action_id)
-            if claim is not None and block_id in claim.block_ids:
-                claim.block_ids.discard(block_id)
-                if lost_to is not None:
-                    self._note_loss(action_id, claim, lost_to, 1)
-        hold.clear_retains()
-        self._retained -= 1
-        self._forget_hold(block_id)
-        released.append(hold.handle)
 
     def _end_claim(self, action_id: str, released: list[BlockHandle],
                    keep_scope: bool = False) -> None:

@@ -76,6 +76,9 @@ COUNTERS = {
                               "or timed out): batches went out as plain messages, not kept "
                               "for replay."),
     "index_events": "KV events applied to the session index.",
+    "events_other_group": ("KV block events of a KV-cache group other than the one the "
+                           "router follows (a hybrid model's, one per other group): "
+                           "neither indexed nor published, by design."),
     "index_sessions_evicted": ("Sessions the session index forgot to stay within its "
                                "session bound (least recently used first): a hint naming "
                                "one finds no blocks."),

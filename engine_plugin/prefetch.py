@@ -71,11 +71,6 @@ class PrefetchMixin:
                   keys: list[int], handles: list[BlockHandle], requested: Amount
                   ) -> HintOutcome:
         type_ = ActionType.PREFETCH.value
-        if (earlier := self._pending.pop(action_id, None)) is not None:
-            # A repeat of a Prefetch still waiting, which the idempotency memory forgot:
-            # applied again (as any forgotten repeat), it replaces the first copy, whose
-            # share of the budget is given back (before, it was lost for good).
-            self._prefetch_waiting -= earlier.cost
         if requested.blocks and len(handles) >= requested.blocks:
             retained = self._retain_until(action_id, handles, payload.deadline_s)
             return self._outcome(message_id, action_id, type_, ACCEPTED,
@@ -116,6 +111,17 @@ class PrefetchMixin:
             notes.append(f"{clipped}: waiting for the first {len(keys)}")
         return self._outcome(message_id, action_id, type_, DEFERRED, "; ".join(notes),
                              requested, self._amount(len(handles)))
+
+    def _replace_waiting_prefetch(self, action_id: str) -> None:
+        """A newer action under the id of a Prefetch still waiting replaces it (a repeat
+        the idempotency memory forgot, applied again as any forgotten repeat, or another
+        action under that id): the Prefetch is waited for no more and its share of the
+        budget is given back (before, a repeat's was lost for good). It never settles, so
+        it can neither answer the id a second time nor replace the newer action's claim
+        (before, settling retained its blocks under the id, which ended a Retain sent
+        meanwhile under it)."""
+        if (earlier := self._pending.pop(action_id, None)) is not None:
+            self._prefetch_waiting -= earlier.cost
 
     def _settle_prefetches(self, now: float) -> list[HintOutcome]:
         done: list[HintOutcome] = []

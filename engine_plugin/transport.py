@@ -93,7 +93,7 @@ class NatsTransport:
     def __init__(self, config: PluginConfig, worker_id: str, epoch: str, mailbox: Mailbox,
                  status_of: Callable[[Usage | None, int], WorkerStatus],
                  encode_events: Callable[[float, list[Any]], bytes],
-                 block_size: int) -> None:
+                 block_size: int, event_group: int = 0) -> None:
         self.config = config
         self.worker_id = worker_id
         self.epoch = epoch
@@ -102,6 +102,8 @@ class NatsTransport:
         self._status_of = status_of
         self._encode_events = encode_events
         self._block_size = block_size
+        # The KV-cache group the router follows, named in each batch's headers.
+        self._event_group = event_group
         self.counters = TransportCounters()
         self._nats_errors = NatsErrorLog(self.counters)
         self._thread: threading.Thread | None = None
@@ -434,7 +436,7 @@ class NatsTransport:
                            "dropped", batch.seq, len(payload))
             self.mailbox.drop_event_batch(batch)
             return
-        meta = EventBatchMeta(self.worker_id, self.epoch, batch.seq)
+        meta = EventBatchMeta(self.worker_id, self.epoch, batch.seq, self._event_group)
         await nc.publish(self.subjects.events(self.worker_id), payload,
                          headers=meta.to_headers())
         self.counters.event_batches_published += 1

@@ -6,8 +6,9 @@ The payload is vLLM's own msgpack ``KVEventBatch`` (``vllm/distributed/kv_events
 those bytes without importing vLLM; fields vLLM may add later are ignored, and an event
 type we do not know is counted in :attr:`DecodedEventBatch.unknown_events`, not fatal.
 
-The per-worker sequence number and the engine epoch travel as NATS headers
-(:class:`EventBatchMeta`), so the payload stays byte-for-byte what vLLM would publish.
+The per-worker sequence number, the engine epoch and (a hybrid model's) KV-cache group to
+follow travel as NATS headers (:class:`EventBatchMeta`, :func:`follows_group`), so the
+payload stays byte-for-byte what vLLM would publish.
 Block hashes are unsigned 64-bit ints (vLLM's default
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``); a publisher that sends raw bytes is
 normalised with :func:`external_hash_to_int`, the same low-64-bits rule vLLM applies.
@@ -41,6 +42,21 @@ def cleared_medium(follows_a_clear: bool) -> str:
 HEADER_WORKER = "Kvhint-Worker"
 HEADER_EPOCH = "Kvhint-Epoch"
 HEADER_SEQ = "Kvhint-Seq"
+# The KV-cache group whose block events the index follows; absent: group 0.
+HEADER_GROUP = "Kvhint-Group"
+
+
+def follows_group(group_idx: int | None, group: int) -> bool:
+    """Whether an event of KV-cache group ``group_idx`` (None: vLLM named none, group 0)
+    is one an index follows when it follows ``group``. A hybrid model's vLLM repeats each
+    block hash once per group, and the groups evict apart: a sliding-window or Mamba
+    group drops blocks the full-attention group keeps, and keeps ones it dropped. vLLM
+    orders groups by the layer types' first appearance, so group 0 is the sliding-window
+    group of Gemma 3 and gpt-oss and the Mamba group of most Mamba hybrids; the plugin
+    follows the first full-attention group (the one its prefix lookups use) and names it
+    in each batch's ``Kvhint-Group`` header. The plugin's index and every router read the
+    stream by this one rule."""
+    return (group_idx or 0) == group
 
 
 def external_hash_to_int(value: int | bytes) -> int:
@@ -231,9 +247,16 @@ class EventBatchMeta:
     worker_id: str
     epoch: str
     seq: int
+    # The KV-cache group the batch's reader follows (:func:`follows_group`); sent only
+    # when not 0, so a single-group engine's headers are what they were.
+    group: int = 0
 
     def to_headers(self) -> dict[str, str]:
-        return {HEADER_WORKER: self.worker_id, HEADER_EPOCH: self.epoch, HEADER_SEQ: str(self.seq)}
+        headers = {HEADER_WORKER: self.worker_id, HEADER_EPOCH: self.epoch,
+                   HEADER_SEQ: str(self.seq)}
+        if self.group:
+            headers[HEADER_GROUP] = str(self.group)
+        return headers
 
     @classmethod
     def from_headers(cls, headers: dict[str, str] | None) -> EventBatchMeta:
@@ -241,13 +264,17 @@ class EventBatchMeta:
             raise WireDecodeError("KV event batch has no headers (need worker, epoch, seq)")
         try:
             seq = int(headers[HEADER_SEQ])
-            meta = cls(headers[HEADER_WORKER], headers[HEADER_EPOCH], seq)
+            group = int(headers.get(HEADER_GROUP) or 0)
+            meta = cls(headers[HEADER_WORKER], headers[HEADER_EPOCH], seq, group)
         except KeyError as exc:
             raise WireDecodeError(f"KV event batch lacks header {exc.args[0]}") from exc
         except ValueError as exc:
-            raise WireDecodeError(f"KV event batch has a non-integer {HEADER_SEQ}") from exc
+            raise WireDecodeError(
+                f"KV event batch has a non-integer {HEADER_SEQ} or {HEADER_GROUP}") from exc
         if seq < 1:
             raise WireDecodeError(f"KV event batch has {HEADER_SEQ} {seq} (they start at 1)")
+        if group < 0:
+            raise WireDecodeError(f"KV event batch has {HEADER_GROUP} {group} (a group index)")
         if (problem := epoch_problem(meta.epoch)) is not None:
             raise WireDecodeError(f"KV event batch: {problem}")
         return meta

@@ -17,6 +17,7 @@ Encoding: JSON. Block hashes are the unsigned 64-bit ints vLLM publishes in KV e
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -41,6 +42,10 @@ EVICT_REST_VERSION = "1.1"
 # kv.retain, kv.pin and kv.demote 1.2 add ``owner`` (1.2 keeps what 1.1 added); an action
 # of the default owner is sent as before.
 OWNER_VERSION = "1.2"
+
+# The reason's start for an action id named more than once in one envelope
+# (one_per_action_id): the sender's bug, not transient.
+DUPLICATE_ACTION_ID = "invalid envelope: duplicate action_id"
 
 # Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
 MAX_TTL_S = 86_400.0
@@ -296,6 +301,7 @@ def decode_hints(data: bytes | str) -> DecodedHints:
             )
             continue
         actions.append(parse_action(action))
+    actions = one_per_action_id(actions)
     if loose.protocol_version != PROTOCOL_VERSION:
         reason = (
             f"unsupported protocol_version {loose.protocol_version!r} "
@@ -308,6 +314,32 @@ def decode_hints(data: bytes | str) -> DecodedHints:
         rejected = [InvalidAction(a.action_id, _type_name(a), reason) for a in actions]
         return DecodedHints("", rejected, error=reason)
     return DecodedHints(loose.message_id, actions)
+
+
+def one_per_action_id(actions: Sequence[ParsedAction | InvalidAction]
+                      ) -> list[ParsedAction | InvalidAction]:
+    """``actions`` with each action id at most once. An id an envelope names more than
+    once names no one action: none of its actions is applied, and the id is answered
+    once, ``rejected`` (an :class:`InvalidAction` in the first one's place). Answering
+    each copy (before: the first applied, every later copy answered the first's outcome
+    again) gave the receiver's outcomes, keyed by action id, two answers for one id, the
+    second of which may describe another action. An empty id is no id: such actions
+    stay, each rejected on its own."""
+    counts = Counter(a.action_id for a in actions if a.action_id)
+    if all(n == 1 for n in counts.values()):
+        return list(actions)
+    out: list[ParsedAction | InvalidAction] = []
+    for action in actions:
+        n = counts.get(action.action_id, 1)
+        if n == 1:
+            out.append(action)
+        elif n > 1:
+            counts[action.action_id] = 0  # answered once, here
+            out.append(InvalidAction(
+                action.action_id, _type_name(action),
+                f"{DUPLICATE_ACTION_ID} {action.action_id!r}: named {n} times in this "
+                "message; none of them applied"))
+    return out
 
 
 def _type_name(action: ParsedAction | InvalidAction) -> str:

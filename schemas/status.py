@@ -12,8 +12,15 @@ wire when the plugin has no header to ask for, so a single-rank worker sends the
 byte for byte; a 1.0 router ignores the field (unknown fields are ignored) and reaches
 every rank of such a server through vLLM's own balancing, as before; a 1.1 router reads
 a 1.0 plugin's status as "no header". No new subject or action version: what a receiver
-does without the field is what it did before. Each version has its golden JSON
-(``tests/golden/worker_status.json`` 1.0, ``worker_status_v1_1.json`` 1.1).
+does without the field is what it did before. 1.2 adds ``hash_block_size``: the tokens
+per hash of vLLM's block-hash chain when it is finer than ``block_size`` (a hybrid model
+whose KV-cache groups have different block sizes, or ``prefix_match_unit``: vLLM hashes at
+their greatest common divisor and names each cache block by the chain's hash at the
+block's end). It is off the wire when it equals ``block_size``, so other workers send the
+1.1 form byte for byte; a 1.2 router reads its absence as "equal". (A 1.1 router hashing
+such a worker at ``block_size`` matched none of its blocks.) Each version has its golden
+JSON (``tests/golden/worker_status.json`` 1.0, ``worker_status_v1_1.json`` 1.1,
+``worker_status_v1_2.json`` 1.2).
 """
 
 from __future__ import annotations
@@ -116,6 +123,8 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     # 1.1: the X-data-parallel-rank value that reaches this engine through that server
     # (module doc). UNSET (off the wire) or None: no header.
     http_dp_rank: Annotated[int, Meta(ge=0)] | None | UnsetType = UNSET
+    # 1.2: the tokens per hash of vLLM's block-hash chain (module doc); UNSET: block_size.
+    hash_block_size: Annotated[int, Meta(gt=0)] | UnsetType = UNSET
 
     @property
     def data_parallel_header(self) -> int | None:

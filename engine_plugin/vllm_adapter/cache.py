@@ -10,10 +10,17 @@ from typing import Any
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.block_cache import BlockHandle
 from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
+from kvhint.engine_plugin.vllm_adapter.allocation_args import (
+    block_ids,
+    need_reader,
+    positional_index,
+)
 from kvhint.schemas import external_hash_to_int
-from kvhint.schemas.events import cleared_medium
+from kvhint.schemas.events import cleared_medium, follows_group
 
 logger = logging.getLogger(LOGGER_NAME)
+
+_NO_GROUP = object()  # an event kind with no group_idx field
 
 U64_MASK = (1 << 64) - 1
 
@@ -43,9 +50,11 @@ class VllmCacheAdapter:
         self.manager = kv_cache_manager
         self.pool = kv_cache_manager.block_pool
         groups = kv_cache_manager.kv_cache_config.kv_cache_groups
-        self._block_size = self._group_block_size(groups)
-        self._hash_block_size = int(self.pool.hash_block_size)
         self._group_ids = self._full_attention_groups(groups)
+        self._block_size = self._group_block_size(groups, self._group_ids[0])
+        # The smallest group's: a floor of the blocks an allocation needs (need_reader).
+        self._min_block_size = min(int(g.kv_cache_spec.block_size) for g in groups)
+        self._hash_block_size = int(self.pool.hash_block_size)
         self._resolve_hashes = self._hash_resolver()
         from vllm.v1.core import kv_cache_utils
 
@@ -61,6 +70,11 @@ class VllmCacheAdapter:
         self.events_enabled_by_plugin = False
         # What the last reset_prefix_cache() returned, until take_reset_result() reads it.
         self._reset_result: bool | None = None
+        # The BlockStored events vLLM re-announces reused blocks with (a request's
+        # kv_cache_report_mode "full": emit_cached_block_events), until the batch that
+        # carries them is indexed (re_reports_in): a hit, not one more physical copy.
+        self._re_reports: list[Any] = []
+        self._coordinator_emit: tuple[Any, Any] | None = None
 
     # --- feature detection ------------------------------------------------------------------
 
@@ -77,12 +91,18 @@ class VllmCacheAdapter:
                                          "needs it")
 
     @staticmethod
-    def _group_block_size(groups: Sequence[Any]) -> int:
-        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-        if len(sizes) != 1:
-            logger.warning("kvhint: KV cache groups have block sizes %s; using the smallest",
-                           sorted(sizes))
-        return min(sizes)
+    def _group_block_size(groups: Sequence[Any], followed: int) -> int:
+        """The block size of the group whose events the plugin and the router follow
+        (:attr:`event_group`): its BlockStored events name one hash per block of that
+        size (the chain's hash at the block's end, vLLM's hash_block_size a divisor of
+        it), so the router hashes at it. vLLM 0.32 lets groups differ (hash_block_size
+        their gcd); the smallest one's, reported before, made the router's hashes miss
+        every block of a larger full-attention group."""
+        sizes = [int(g.kv_cache_spec.block_size) for g in groups]
+        if len(set(sizes)) != 1:
+            logger.info("kvhint: KV cache groups have block sizes %s; following group %d's "
+                        "(%d tokens)", sizes, followed, sizes[followed])
+        return sizes[followed]
 
     @staticmethod
     def _full_attention_groups(groups: Sequence[Any]) -> list[int]:
@@ -134,9 +154,10 @@ class VllmCacheAdapter:
                            "allocate_slots": allocate_slots, "free": free}
         if pop_blocks_for_free is not None:
             self._installed["pop_blocks_for_free"] = pop_blocks_for_free
-        hit_position = _positional_index(allocate_slots, "num_new_computed_tokens")
-        computed_position = _positional_index(allocate_slots, "new_computed_blocks")
-        block_size = self._block_size
+        hit_position = positional_index(allocate_slots, "num_new_computed_tokens")
+        computed_position = positional_index(allocate_slots, "new_computed_blocks")
+        need_of = need_reader(manager, allocate_slots, self._min_block_size)
+        block_size = self._min_block_size
         map_request, forget_request = self._map_request, self.forget_request
 
         def tee_take_events() -> list[Any]:
@@ -144,6 +165,7 @@ class VllmCacheAdapter:
             events = take_events()
             if events:
                 on_events(list(events))
+            self._re_reports.clear()  # all were in this batch: indexed, or lost with it
             return events
 
         def reset_releasing_holds() -> bool:
@@ -159,14 +181,16 @@ class VllmCacheAdapter:
             # Pass-through wrapper: the signature varies across vLLM releases.
             blocks = allocate_slots(request, num_new_tokens, *args, **kwargs)
             if blocks is None:
-                need = -(-num_new_tokens // block_size)  # less one if a block is partly full
                 free = pool.get_num_free_blocks()
                 # The request's own prefix hits: released, each frees a block and needs
                 # one back (vLLM counts a free hit block as one to allocate).
-                hits = guard("allocate_slots:hits", _block_ids, kwargs.get(
+                hits = guard("allocate_slots:hits", block_ids, kwargs.get(
                     "new_computed_blocks", args[computed_position]
                     if computed_position is not None and len(args) > computed_position
                     else None), default=frozenset())
+                # Less one if a block is partly full (need_reader says what it counts).
+                need = guard("allocate_slots:need", need_of, request, num_new_tokens, args,
+                             kwargs, hits, default=-(-num_new_tokens // block_size))
                 if free + releasable(need - 1 - free, hits) < need - 1:
                     return None  # releasing every releasable block would not be enough
                 chunk = max(1, need - free)
@@ -200,6 +224,43 @@ class VllmCacheAdapter:
         manager.free = free_mapping_last_hashes
         if pop_blocks_for_free is not None:
             manager.pop_blocks_for_free = pop_blocks_mapping_last_hashes
+        self._mark_re_reports(guard)
+
+    def _mark_re_reports(self, guard: Callable[..., Any]) -> None:
+        """Shadow the coordinator's ``emit_cached_block_events`` to note the events it
+        queues: re-announcements of blocks already cached, which the session index must
+        not count as new copies (no BlockRemoved ever retires them: the blocks stayed
+        "resident" in it, and in the snapshots a router resyncs from, after vLLM evicted
+        them). A vLLM without the method announces no re-reports."""
+        coordinator = getattr(self.manager, "coordinator", None)
+        emit = getattr(coordinator, "emit_cached_block_events", None)
+        if emit is None:
+            return
+        pools = list({id(m.block_pool): m.block_pool for m in getattr(
+            coordinator, "single_type_managers", ())}.values()) or [self.pool]
+        re_reports = self._re_reports
+
+        def mark(before: list[tuple[Any, int]]) -> None:
+            for pool, n in before:
+                re_reports.extend(pool.kv_event_queue[n:])
+
+        def emit_marking_re_reports(request: Any, computed_blocks: Any) -> None:
+            before = [(pool, len(pool.kv_event_queue)) for pool in pools]
+            emit(request, computed_blocks)
+            guard("emit_cached_block_events:mark", mark, before)
+
+        coordinator.emit_cached_block_events = emit_marking_re_reports
+        self._coordinator_emit = (coordinator, emit)
+
+    def re_reports_in(self, events: Iterable[Any]) -> frozenset[int]:
+        """The ids of the events of ``events`` that re-announce cached blocks (see
+        :meth:`_mark_re_reports`), for :meth:`index_events` to skip; forgotten here."""
+        if not self._re_reports:
+            return frozenset()
+        batch = {id(e) for e in events}
+        ids = frozenset(id(e) for e in self._re_reports if id(e) in batch)
+        self._re_reports[:] = [e for e in self._re_reports if id(e) not in ids]
+        return ids
 
     def take_reset_result(self) -> bool | None:
         """Whether the last ``reset_prefix_cache()`` reset the GPU pool (its
@@ -212,6 +273,10 @@ class VllmCacheAdapter:
         for name, original in self._installed.items():
             setattr(self.manager, name, original)
         self._installed = {}
+        if self._coordinator_emit is not None:
+            coordinator, emit = self._coordinator_emit
+            coordinator.emit_cached_block_events = emit
+            self._coordinator_emit = None
 
     # --- BlockCache port ----------------------------------------------------------------------
 
@@ -225,6 +290,12 @@ class VllmCacheAdapter:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per hash of vLLM's block-hash chain (``Request.block_hashes``): the block
+        size, or a divisor of it in a hybrid model (the router hashes at it)."""
+        return self._hash_block_size
 
     @property
     def num_blocks(self) -> int:
@@ -254,6 +325,26 @@ class VllmCacheAdapter:
     @property
     def full_attention_group_ids(self) -> tuple[int, ...]:
         return tuple(self._group_ids)
+
+    @property
+    def event_group(self) -> int:
+        """The KV-cache group whose block events the plugin's index and the router follow
+        (``schemas.events.follows_group``): the first full-attention group, the one
+        prefix lookups use; group 0 of a single-group model."""
+        return self._group_ids[0]
+
+    def followed_events(self, events: list[Any]) -> tuple[list[Any], int]:
+        """``events`` less the block events of KV-cache groups other than
+        :attr:`event_group` (``schemas.events.follows_group``, the rule the router drops
+        them by), and how many were left out: what the plugin publishes. A hybrid model's
+        vLLM repeats every block event once per group (Gemma 3: six groups); the router
+        applies only the followed group's. Events naming no group (AllBlocksCleared, a
+        kind this plugin does not know) all stay."""
+        group = self.event_group
+        kept = [e for e in events
+                if (g := getattr(e, "group_idx", _NO_GROUP)) is _NO_GROUP
+                or follows_group(g, group)]
+        return kept, len(events) - len(kept)
 
     @property
     def blocks_are_hash_blocks(self) -> bool:
@@ -402,8 +493,12 @@ class VllmCacheAdapter:
     # --- events -------------------------------------------------------------------------------
 
     @staticmethod
-    def index_events(events: Iterable[Any]) -> list[IndexEvent]:
-        """vLLM KV events -> the index's domain events (unknown kinds are skipped).
+    def index_events(events: Iterable[Any], group: int = 0,
+                     re_reports: frozenset[int] = frozenset()) -> list[IndexEvent]:
+        """vLLM KV events -> the index's domain events (unknown kinds are skipped, and so
+        are the block events of KV-cache groups other than ``group``, as the router skips
+        and counts them: ``schemas.events.follows_group``, and the re-announcements of
+        cached blocks, by id in ``re_reports``: the hit that caused them is a ``Hit``).
 
         vLLM's AllBlocksCleared names no medium: its tier is read by the rule the router
         reads the same batch by (``schemas.events.cleared_medium``), so the plugin's index
@@ -413,6 +508,9 @@ class VllmCacheAdapter:
         out: list[IndexEvent] = []
         for event in events:
             name = type(event).__name__
+            if name != "AllBlocksCleared" and not follows_group(
+                    getattr(event, "group_idx", None), group) or id(event) in re_reports:
+                continue
             if name == "BlockStored":
                 parent = event.parent_block_hash
                 out.append(Stored(
@@ -448,21 +546,3 @@ def _empty_lead(head: Any, moving: set[int]) -> int | None:
                 return None
         block = block.next_free_block
     return lead
-
-
-def _block_ids(computed: Any) -> frozenset[int]:
-    """The ids of the blocks of a ``KVCacheBlocks`` (one list per KV-cache group)."""
-    groups = getattr(computed, "blocks", None) or ()
-    return frozenset(b.block_id for group in groups for b in group)
-
-
-def _positional_index(fn: Callable[..., Any], name: str) -> int | None:
-    """Position of parameter ``name`` among ``fn``'s positional args after the first two
-    (request, num_new_tokens), or None when it has no such parameter."""
-    import inspect
-
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    return params.index(name) - 2 if name in params[2:] else None

@@ -43,11 +43,15 @@ class HostTierReset:
     """Builds the vLLM events for a connector reset (module docstring). The classes are
     looked up once, at bind time."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int = 0) -> None:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
         self._cleared = AllBlocksCleared
         self._removed = BlockRemoved
+        # The KV-cache group the stream follows (``VllmCacheAdapter.event_group``): a
+        # removal of another group's (group 0's, a hybrid model's window group) would be
+        # dropped by the plugin's index and every router.
+        self._group = group
 
     def events(self, gpu_reset: bool | None, host_copies: Sequence[int],
                medium: str) -> list[Any]:
@@ -59,4 +63,5 @@ class HostTierReset:
             return [self._cleared(), self._cleared()]
         if not host_copies:
             return []
-        return [self._removed(block_hashes=list(host_copies), medium=medium)]
+        return [self._removed(block_hashes=list(host_copies), medium=medium,
+                              group_idx=self._group)]

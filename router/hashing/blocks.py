@@ -9,8 +9,15 @@ cryptographic algorithms (random and secret for xxhash, which we then cannot rep
 ``(("cache_salt", salt),)`` (``generate_block_hash_extra_keys``). KV events publish the low
 64 bits of each digest as an unsigned int; that is what this module returns.
 
+A hybrid model whose KV-cache groups have different block sizes (or one run with
+``prefix_match_unit``) hashes the chain at a finer ``hash_block_size``, a divisor of the
+block size, and names each cache block by the chain's hash at the block's end
+(``BlockHashListWithBlockSize``): we hash at that size and keep every
+``block_size // hash_block_size``-th hash.
+
 Everything a router needs to pick the right parameters travels in the worker's status
-heartbeat (``WorkerStatus.block_size``, ``hash_algo``, ``none_hash_seed``).
+heartbeat (``WorkerStatus.block_size``, ``hash_block_size``, ``hash_algo``,
+``none_hash_seed``).
 """
 
 from __future__ import annotations
@@ -34,17 +41,23 @@ class HashConfig:
 
     ``none_hash_seed`` None means the worker's seed is secret (xxhash without
     ``PYTHONHASHSEED``): such a config is refused by :class:`BlockHasher`.
+    ``hash_block_size`` None: the chain is hashed per block (``block_size``).
     """
 
     block_size: int
     hash_algo: str = "sha256"
     none_hash_seed: str | None = DEFAULT_NONE_HASH_SEED
+    hash_block_size: int | None = None
 
     @classmethod
     def from_status(cls, status: Any) -> HashConfig:
-        """From a ``kvhint.schemas.WorkerStatus`` (or anything with the same fields)."""
+        """From a ``kvhint.schemas.WorkerStatus`` (or anything with the same fields; a
+        status without ``hash_block_size``, or with it UNSET, hashes per block)."""
+        finer = getattr(status, "hash_block_size", None)
         return cls(block_size=status.block_size, hash_algo=status.hash_algo,
-                   none_hash_seed=status.none_hash_seed)
+                   none_hash_seed=status.none_hash_seed,
+                   hash_block_size=finer if isinstance(finer, int)
+                   and finer != status.block_size else None)
 
 
 def _pickle_serialize(obj: Any) -> bytes:
@@ -84,6 +97,10 @@ def _sha256_digest(data: bytes) -> bytes:
 def _resolve(config: HashConfig) -> tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]:
     if config.block_size <= 0:
         raise UnsupportedHashConfig(f"block_size must be positive, got {config.block_size}")
+    finer = config.hash_block_size
+    if finer is not None and (finer <= 0 or config.block_size % finer):
+        raise UnsupportedHashConfig(
+            f"hash_block_size {finer} does not divide block_size {config.block_size}")
     if config.hash_algo not in SUPPORTED_HASH_ALGOS:
         raise UnsupportedHashConfig(
             f"cannot reproduce hash_algo {config.hash_algo!r}; supported: "
@@ -115,8 +132,16 @@ class BlockHasher:
 
     def digest_chain(self, token_ids: Sequence[int], cache_salt: str | None = None
                      ) -> list[bytes]:
-        """Full digests of every full block (what vLLM chains with)."""
-        size = self.config.block_size
+        """Full digests of every full block (what vLLM chains with): the chain's digest
+        at each block's end, the chain hashed per ``hash_block_size`` when that is set."""
+        finer = self.config.hash_block_size
+        if finer is None:
+            return self._chain(token_ids, cache_salt, self.config.block_size)
+        step = self.config.block_size // finer
+        return self._chain(token_ids, cache_salt, finer)[step - 1::step]
+
+    def _chain(self, token_ids: Sequence[int], cache_salt: str | None, size: int
+               ) -> list[bytes]:
         serialize, digest = self._serialize, self._digest
         parent = self._none_hash
         salt_keys = (("cache_salt", cache_salt),) if cache_salt else None

@@ -6,8 +6,10 @@ hashes), and consecutive ``BlockRemoved`` events of one tier (vLLM sends one has
 merged into a single ``BlocksRemoved``; no per-block objects.
 
 Dropped on purpose, and counted in :class:`AdapterCounters`: events of a KV-cache group
-other than the first (``group_idx > 0``: hybrid models repeat each hash per group, and the
-first group decides prefix hits for full attention) and event types we do not know.
+other than the one followed (``other_group_events``: hybrid models repeat each hash per
+group and the groups evict apart; the batch's ``Kvhint-Group`` header names the group to
+follow, the engine's first full-attention group, by ``schemas.events.follows_group``) and
+event types we do not know.
 
 ``AllBlocksCleared`` names no medium. In vLLM 0.32 only ``BlockPool.reset_prefix_cache``
 emits it, once per pool that ``KVCacheCoordinator.reset_prefix_cache`` resets, into the
@@ -85,8 +87,9 @@ class EventBatchAdapter:
         self._tiers: dict[str | None, str] = {None: TIER_GPU, **{t: t for t in TIERS}}
         self._kinds = dict(_KINDS)
 
-    def decode(self, worker_id: str, payload: bytes) -> list[IndexEvent]:
-        """Raises ``kvhint.schemas.WireDecodeError`` (counted) for undecodable bytes."""
+    def decode(self, worker_id: str, payload: bytes, group: int = 0) -> list[IndexEvent]:
+        """Raises ``kvhint.schemas.WireDecodeError`` (counted) for undecodable bytes.
+        ``group``: the KV-cache group followed (the batch's ``Kvhint-Group`` header)."""
         try:
             batch = self._decoder.decode(payload)
         except wire.WireDecodeError:
@@ -95,11 +98,13 @@ class EventBatchAdapter:
         counters = self.counters
         counters.batches += 1
         counters.unknown_events += batch.unknown_events
-        return self.convert_events(worker_id, batch.events)
+        return self.convert_events(worker_id, batch.events, group)
 
-    def convert_events(self, worker_id: str, events: Sequence[object]) -> list[IndexEvent]:
+    def convert_events(self, worker_id: str, events: Sequence[object],
+                       group: int = 0) -> list[IndexEvent]:
         """Events as decoded by ``kvhint.schemas`` or vLLM's own event objects (the
-        simulator passes those); unknown types are counted and skipped."""
+        simulator passes those); unknown types, and events of a KV-cache group other than
+        ``group``, are counted and skipped."""
         self.counters.events += len(events)
         out: list[IndexEvent] = []
         removed: list[int] = []
@@ -108,7 +113,7 @@ class EventBatchAdapter:
         for ev in events:
             kind = kinds.get(type(ev)) or self._learn_kind(ev)
             if kind == _REMOVED:
-                if ev.group_idx:  # type: ignore[attr-defined]
+                if (ev.group_idx or 0) != group:  # type: ignore[attr-defined]
                     self.counters.other_group_events += 1
                     continue
                 tier = tiers.get(ev.medium) or self._tier(ev.medium)  # type: ignore[attr-defined]
@@ -128,7 +133,7 @@ class EventBatchAdapter:
                 out.append(AllBlocksCleared(worker_id, tier_of_medium(
                     wire.cleared_medium(again))))
                 continue
-            if ev.group_idx:  # type: ignore[attr-defined]
+            if (ev.group_idx or 0) != group:  # type: ignore[attr-defined]
                 self.counters.other_group_events += 1
                 continue
             tier = tiers.get(ev.medium) or self._tier(ev.medium)  # type: ignore[attr-defined]

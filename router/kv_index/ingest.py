@@ -52,6 +52,10 @@ from kvhint.schemas.snapshot import WorkerSnapshot
 from kvhint.schemas.status import WorkerStatus, decode_status
 from kvhint.schemas.subjects import Subjects
 
+# An event batch as a worker's stream buffers it: (the KV-cache group its headers name,
+# vLLM's msgpack payload).
+_Batch = tuple[int, bytes]
+
 
 @dataclass(frozen=True, slots=True)
 class IdConflictView:
@@ -101,7 +105,7 @@ class KvEventIngestor:
         self.config = config or StreamConfig()
         self._subjects = subjects
         self._adapter = EventBatchAdapter()
-        self._streams: dict[str, WorkerStream[bytes]] = {}
+        self._streams: dict[str, WorkerStream[_Batch]] = {}
         self._malformed = 0
         self._subject_mismatch = 0
         self._unknown_pages = 0
@@ -134,17 +138,20 @@ class KvEventIngestor:
         """Same, with the headers already parsed."""
         stream = self._streams.get(meta.worker_id) or self._stream(meta.worker_id)
         was_alive = stream.alive
-        decision = stream.on_batch(meta.epoch, meta.seq, payload, self._clock(), len(payload),
+        # The KV-cache group travels with the payload: a batch buffered during a resync is
+        # applied later, by the group its own headers named.
+        batch = (meta.group, payload)
+        decision = stream.on_batch(meta.epoch, meta.seq, batch, self._clock(), len(payload),
                                    age_s)
         if was_alive and decision.purge_reason is None and decision.resync_reason is None:
             # The hot path: an in-order batch (or a dropped one) of a known worker.
             if decision.verdict is BatchVerdict.APPLY:
-                return self._apply_payload(stream, payload)
+                return self._apply_payload(stream, batch)
             return []
         actions = self._alive_actions(stream, was_alive)
         actions += self._carry_out(stream, decision)
         if decision.verdict is BatchVerdict.APPLY:
-            actions += self._apply_payload(stream, payload)
+            actions += self._apply_payload(stream, batch)
         return actions
 
     def on_status_message(self, payload: bytes,
@@ -214,8 +221,8 @@ class KvEventIngestor:
         # as for a live batch's new epoch; then the snapshot, then what was buffered.
         actions += self._carry_out(stream, replace(decision, resync_reason=None))
         self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
-        for payload in ready:
-            actions += self._apply_payload(stream, payload)
+        for batch in ready:
+            actions += self._apply_payload(stream, batch)
         if decision.resync_reason:  # a hole after the snapshot
             actions.append(self._request_page(stream, decision.resync_reason))
         return actions
@@ -348,19 +355,19 @@ class KvEventIngestor:
 
     # --- internals ------------------------------------------------------------------
 
-    def _forget_stream(self, stream: WorkerStream[bytes]) -> None:
+    def _forget_stream(self, stream: WorkerStream[_Batch]) -> None:
         del self._streams[stream.worker_id]
         stream.forget()  # first: it counts the batches its buffer drops
         for name, value in _as_dict(stream.counters).items():
             self._forgotten_counters[name] += value
 
-    def _stream(self, worker_id: str) -> WorkerStream[bytes]:
+    def _stream(self, worker_id: str) -> WorkerStream[_Batch]:
         stream = self._streams.get(worker_id)
         if stream is None:
             stream = self._streams[worker_id] = WorkerStream(worker_id, self.config)
         return stream
 
-    def _alive_actions(self, stream: WorkerStream[bytes], was_alive: bool) -> list[IngestAction]:
+    def _alive_actions(self, stream: WorkerStream[_Batch], was_alive: bool) -> list[IngestAction]:
         """A worker that came alive with this message; none for a message its stream
         dropped (a stale epoch's leaves a dead worker dead) or a replayed batch (no proof
         the worker runs now)."""
@@ -368,7 +375,7 @@ class KvEventIngestor:
             return []
         return [WorkerAlive(stream.worker_id, stream.epoch)]
 
-    def _carry_out(self, stream: WorkerStream[bytes], decision: Decision) -> list[IngestAction]:
+    def _carry_out(self, stream: WorkerStream[_Batch], decision: Decision) -> list[IngestAction]:
         actions: list[IngestAction] = []
         if decision.id_conflict and (held := stream.conflict(self._clock())) is not None \
                 and stream.epoch is not None:
@@ -383,7 +390,7 @@ class KvEventIngestor:
         return actions
 
     @staticmethod
-    def _conflict_view(stream: WorkerStream[bytes], now: float) -> IdConflictView | None:
+    def _conflict_view(stream: WorkerStream[_Batch], now: float) -> IdConflictView | None:
         held = stream.conflict(now)
         if held is None:
             return None
@@ -391,15 +398,16 @@ class KvEventIngestor:
                               found_s_ago=now - held.since,
                               other_heard_s_ago=now - held.other.heard)
 
-    def _request_page(self, stream: WorkerStream[bytes], reason: str) -> RequestSnapshot:
+    def _request_page(self, stream: WorkerStream[_Batch], reason: str) -> RequestSnapshot:
         stream.page_requested(self._clock())
         cursor = stream.resync_cursor
         return RequestSnapshot(stream.worker_id, cursor if cursor is not None else 0,
                                self.config.snapshot_page_limit, reason, stream.resync_seq)
 
-    def _apply_payload(self, stream: WorkerStream[bytes], payload: bytes) -> list[IngestAction]:
+    def _apply_payload(self, stream: WorkerStream[_Batch], batch: _Batch) -> list[IngestAction]:
+        group, payload = batch
         try:
-            events = self._adapter.decode(stream.worker_id, payload)
+            events = self._adapter.decode(stream.worker_id, payload, group)
         except WireDecodeError:
             # The batch is lost for good: its effect on the cache is unknown, so resync.
             decision = stream.force_resync("undecodable event batch", self._clock())

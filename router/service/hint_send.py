@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -128,7 +129,14 @@ class HintSender:
     async def send(self, planned: Sequence[PlannedAction], session_ids: dict[str, str | None],
                    source: str, chains: Mapping[str, Sequence[int]]) -> list[SentAction]:
         """Record, then publish, ``planned`` (one envelope per worker); returns the
-        records (``failed`` ones included)."""
+        records (``failed`` ones included). An action id may appear once in a call: the
+        router tracks an action, and a worker answers one, by its id (a worker answers an
+        envelope naming an id twice with one ``rejected`` for that id and applies none
+        of its actions), so a call naming one twice is a bug: ValueError, nothing
+        recorded or sent."""
+        named = Counter(action.action.action_id for action in planned)
+        if twice := sorted(action_id for action_id, n in named.items() if n > 1):
+            raise ValueError(f"action ids named more than once in one send: {twice}")
         now = self._clock()
         by_worker: dict[str, list[PlannedAction]] = {}
         for action in planned:

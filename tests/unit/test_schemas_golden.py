@@ -110,6 +110,17 @@ SAMPLES: dict[str, tuple[object, type]] = {
         usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
         last_event_seq=42, interval_s=1.0, at=AT, http_url="http://gpu-0:8000",
         http_dp_rank=1), s.WorkerStatus),
+    # WorkerStatus 1.2: hash_block_size, a hybrid model's chain hashed per 16 tokens under
+    # 32-token blocks (other workers send the 1.1 form above, unchanged).
+    "worker_status_v1_2": (s.WorkerStatus(
+        worker_id="w0", epoch="e-5f2c", model="tiny-hybrid",
+        cache_namespace="tiny-hybrid|sha256|32", block_size=32, hash_algo="sha256",
+        none_hash_seed="vllm-none-hash", data_parallel_rank=0,
+        supported_actions={"kv.retain": ["1.0"]}, host_tier=False,
+        budgets=s.Budgets(max_pinned_blocks=51, max_pin_ttl_s=600.0, max_retained_blocks=256,
+                          max_retain_ttl_s=3600.0),
+        usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
+        last_event_seq=42, interval_s=1.0, at=AT, hash_block_size=16), s.WorkerStatus),
     "snapshot_request": (s.SnapshotRequest(cursor=2000, limit=1000, seq=41), s.SnapshotRequest),
     "worker_snapshot": (s.WorkerSnapshot(
         worker_id="w0", epoch="e-5f2c", seq=42, block_size=32,

@@ -143,8 +143,7 @@ def test_blocks_a_hold_loses_unasked_are_reported_once_with_what_is_left() -> No
 
 def test_a_claim_under_an_id_already_claimed_replaces_it_and_still_expires() -> None:
     """Ids are meant to be unique, and the executor answers a repeat from memory; but a
-    repeat it no longer remembers, or a donor advice under a hint's id, made a second
-    claim under the same id. The first claim's holds then had no claim behind them: no
+    repeat it no longer remembers made a second claim under the same id. The first claim's holds then had no claim behind them: no
     expiry ever ended them, and they used the pin budget for good."""
     h = sched(max_remembered_actions=1)
     core = h.connector.core
@@ -160,12 +159,13 @@ def test_a_claim_under_an_id_already_claimed_replaces_it_and_still_expires() -> 
     again = hint(h, PinPayload(target=Target(session_id="t"), ttl_s=10), "x")
     assert (again.status.value, again.applied.blocks) == ("accepted", 2)
     assert executor.pinned_blocks == 2
-    # A donor advice under the same id replaces it in turn.
+    # A donor advice under the same id has a claim of its own (DonorClaim): the Pin stays
+    # (test_plugin_donor_claim_keys.py; before, the advice replaced it).
     advice = DonorAdvice(advice_id="x", session_id="u", namespace=core.cache_namespace,
                          donor_block_hashes=core.index.session_blocks("s")[:1],
                          similarity=0.9, ttl_s=5, at=now[0])
     assert core.apply_advice(encode_advice(advice)).status.value == "accepted"
-    assert executor.pinned_blocks == 0
+    assert (executor.pinned_blocks, executor.retained_blocks) == (2, 1)  # t pinned; s[0]
     now[0] += 4_000
     core.advance()
     assert (executor.pinned_blocks, executor.retained_blocks) == (0, 0)

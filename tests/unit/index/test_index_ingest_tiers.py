@@ -70,3 +70,24 @@ def test_the_adapter_remembers_a_bounded_number_of_spellings() -> None:
     assert {e.tier for e in events} == {"STORAGE"}
     assert adapter.counters.unknown_medium_events == 0
     assert len(adapter._tiers) <= 5 + EventBatchAdapter._MAX_LEARNT_MEDIUMS  # noqa: SLF001
+
+
+def test_a_batch_buffered_during_a_resync_is_read_by_the_group_its_headers_name() -> None:
+    """A hybrid engine's batches name the KV-cache group to follow (Kvhint-Group). One
+    that waits out a resync is applied later by its own header, not by group 0."""
+    from ingest_fixtures import page
+
+    index = InMemoryClusterKvIndex()
+    ing = KvEventIngestor(index, Clock())
+
+    def send(seq: int, *events: s.BlockStored | s.BlockRemoved) -> None:
+        meta = s.EventBatchMeta("w0", "e1", seq, 5)
+        ing.on_event_message(meta.to_headers(), batch(*events))
+
+    send(1, store([1], group=0), store([1], group=5))
+    send(3, store([3], parent=2, group=5), store([30], group=0))  # a gap: buffered
+    send(4, remove(1), store([4], parent=3, group=5))  # remove(1) is group 0's
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1})}}
+    ing.on_snapshot_page(page("w0", "e1", 2, [(1, None, "GPU"), (2, 1, "GPU")]))
+    assert index.export_state().blocks == {"w0": {"GPU": frozenset({1, 2, 3, 4})}}
+    assert ing.stats().adapter["other_group_events"] == 3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from ingest_fixtures import Clock, batch, headers, remove, store
+from ingest_fixtures import Clock, batch, store
 
 from kvhint import schemas as s
 from kvhint.router.kv_index import (
@@ -22,12 +22,15 @@ from kvhint.router.kv_index import (
 )
 
 WORKERS = ("w0", "w1", "w2")
+# The KV-cache group each worker's batches name (Kvhint-Group): w2 is a hybrid model
+# whose full-attention group is 1, its group 0 a sliding-window one.
+GROUPS = {"w0": 0, "w1": 0, "w2": 1}
 
 
 def _history(seed: int) -> list[tuple[str, str, int, bytes]]:
     """What the events stream holds, in stream order: three workers' batches, numbered
-    per epoch, with engine restarts, prefix-cache resets, CPU stores, a second KV-cache
-    group and sessions."""
+    per epoch, with engine restarts, prefix-cache resets (runs of two: GPU, then CPU),
+    CPU stores and removals, a KV-cache group not followed and sessions."""
     rng = random.Random(seed)
     chains = [[rng.getrandbits(63) for _ in range(8)] for _ in range(6)]
     epochs = {w: s.new_epoch(1000.0 + i) for i, w in enumerate(WORKERS)}
@@ -39,7 +42,8 @@ def _history(seed: int) -> list[tuple[str, str, int, bytes]]:
         if rng.random() < 0.01:
             t += 1.0
             epochs[w], seqs[w] = s.new_epoch(t), 0
-        events = []
+        events: list[s.BlockStored | s.BlockRemoved | s.AllBlocksCleared] = []
+        group, other = GROUPS[w], 1 - GROUPS[w]
         for _ in range(rng.randint(1, 3)):
             roll, chain = rng.random(), rng.choice(chains)
             if roll < 0.55:
@@ -47,13 +51,15 @@ def _history(seed: int) -> list[tuple[str, str, int, bytes]]:
                 j = rng.randint(i + 1, len(chain))
                 events.append(store(chain[i:j], chain[i - 1] if i else None,
                                     rng.choice(("GPU", None, "CPU")),
-                                    rng.choice((None, "t/a", "t/b", "t/c"))))
+                                    rng.choice((None, "t/a", "t/b", "t/c")), group=group))
             elif roll < 0.93:
-                events.append(remove(rng.choice(chain), rng.choice(("GPU", "CPU"))))
-            elif roll < 0.99:
-                events.append(store([rng.getrandbits(63)], group=1))
+                events.append(s.BlockRemoved(block_hashes=[rng.choice(chain)],
+                                             medium=rng.choice(("GPU", "CPU")),
+                                             group_idx=rng.choice((group, group, other))))
+            elif roll < 0.98:
+                events.append(store([rng.getrandbits(63)], group=other))
             else:
-                events.append(s.AllBlocksCleared())
+                events += [s.AllBlocksCleared()] * rng.randint(1, 2)
         seqs[w] += 1
         out.append((w, epochs[w], seqs[w], batch(*events)))
     return out
@@ -61,7 +67,8 @@ def _history(seed: int) -> list[tuple[str, str, int, bytes]]:
 
 def _feed(ing: KvEventIngestor, messages: list[tuple[str, str, int, bytes]]) -> None:
     for w, epoch, seq, payload in messages:
-        acts = ing.on_event_message(headers(w, epoch, seq), payload)
+        meta = s.EventBatchMeta(w, epoch, seq, GROUPS[w])
+        acts = ing.on_event_message(meta.to_headers(), payload)
         assert not any(isinstance(a, RequestSnapshot) for a in acts), (w, epoch, seq)
 
 
@@ -95,5 +102,8 @@ def test_replaying_the_stream_rebuilds_the_live_index(seed: int,
     # Not vacuous: several workers, tiers and sessions; restarts and drops happened.
     assert len(want.blocks) >= 2 and want.sessions
     assert any("CPU" in tiers for tiers in want.blocks.values())
+    assert "w2" in want.blocks  # the worker that follows group 1 was followed
+    adapter = live.stats().adapter
+    assert adapter["other_group_events"] > 0 and adapter["unknown_events"] == 0
     stats = live.stats().stream
     assert stats["epoch_changes"] > 0 and stats["duplicates"] > 0 and stats["stale_epoch"] > 0
