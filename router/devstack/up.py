@@ -35,6 +35,11 @@ ROUTER_MODULE = "kvhint.router.server_cli"
 # server exits in about a second (it aborts what is in flight); one whose engine is
 # still starting ignores SIGTERM, so waiting longer only delays Ctrl-C.
 WORKER_STOP_GRACE_S = 10.0
+# A worker that exits this many times within CRASH_LOOP_WINDOW_S (started again each
+# time, and each time it came up) is crash-looping (out of memory at its first request, a
+# bad flag read late): the stack stops, saying so, instead of restarting it forever.
+CRASH_LOOP_EXITS = 3
+CRASH_LOOP_WINDOW_S = 600.0
 ROUTER_STOP_GRACE_S = 15.0
 
 
@@ -62,6 +67,28 @@ def plugin_transfer_config(worker_id: str, nats_url: str) -> dict[str, object]:
         "kv_role": "kv_producer",  # kvhint.engine_plugin.config.KV_ROLE (a test checks)
         "kv_connector_extra_config": {"worker_id": worker_id, "nats_url": nats_url},
     }
+
+
+# An agent's request with `tools` (tool_choice "auto", the OpenAI SDKs' default) was a
+# 400 from plain vLLM ("auto" tool choice requires --enable-auto-tool-choice and
+# --tool-call-parser); the dev workers take it as a tool-calling model's server does.
+# hermes: the common `<tool_call>{json}</tool_call>` form, no special tokens needed.
+DEV_WORKER_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def worker_spec(options: DevStackOptions, model_dir: Path, index: int,
+                plugin_nats_url: str | None, cores: int) -> VllmWorkerSpec:
+    """Worker ``w<index>``'s vLLM server; with the engine plugin on ``plugin_nats_url``
+    (None: plain vLLM, the plugin not installed)."""
+    return VllmWorkerSpec(
+        model_dir=model_dir,
+        port=options.worker_base_port + index,
+        kv_cache_tokens=options.kv_cache_tokens,
+        kv_transfer_config=plugin_transfer_config(f"w{index}", plugin_nats_url)
+        if plugin_nats_url is not None else None,
+        cpu_bind=str(index % cores) if options.workers > 1 else None,
+        extra_args=DEV_WORKER_ARGS,
+    )
 
 
 def _say(message: str) -> None:
@@ -144,14 +171,7 @@ def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path
     stack.callback(lambda: stop_servers([s for _, s in servers], WORKER_STOP_GRACE_S, hurry))
     for index in range(options.workers):
         worker_id = f"w{index}"
-        spec = VllmWorkerSpec(
-            model_dir=model_dir,
-            port=options.worker_base_port + index,
-            kv_cache_tokens=options.kv_cache_tokens,
-            kv_transfer_config=plugin_transfer_config(worker_id, nats.url)
-            if with_plugin else None,
-            cpu_bind=str(index % cores) if options.workers > 1 else None,
-        )
+        spec = worker_spec(options, model_dir, index, nats.url if with_plugin else None, cores)
         server = VllmServer(spec, logs / f"worker-{worker_id}.log", preexec=preexec)
         servers.append((worker_id, server))
         server.start()
@@ -183,11 +203,49 @@ def _start_and_serve(options: DevStackOptions, stack: ExitStack, model_dir: Path
 
     for line in ready_lines(entry, [(wid, server.url) for wid, server in servers], with_router):
         _say(line)
-    while not stop.wait(1.0):
-        dead = [wid for wid, server in servers if not server.running]
-        if dead:
-            _say(f"worker(s) {', '.join(dead)} exited (see {logs})")
+    return supervise(servers, router if with_router else None, logs, stop, hurry)
+
+
+def supervise(servers: list[tuple[str, VllmServer]], router: subprocess.Popen[bytes] | None,
+              logs: Path, stop: threading.Event, hurry: threading.Event,
+              poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> int:
+    """Until a stop signal: a worker that exits (crashed, killed, out of memory) is
+    started again while the router routes its requests to the others, as a fleet's
+    supervisor would (before, one worker's exit stopped the whole stack, so killing a
+    worker to watch the router route around it took everything down); one that fails to
+    start again stops the stack with its log's tail. The router exiting stops the stack
+    (before, nothing said so and ``kvhint up`` went on waiting with no entry point). A
+    worker exiting :data:`CRASH_LOOP_EXITS` times within :data:`CRASH_LOOP_WINDOW_S`
+    stops the stack too (before, it was started again forever)."""
+    exits: dict[str, list[float]] = {}
+    while not stop.wait(poll_s):
+        if router is not None and router.poll() is not None:
+            _say(f"the router exited with code {router.returncode} "
+                 f"(see {logs / 'router.log'}); stopping")
             return 1
+        for worker_id, server in servers:
+            if server.running or stop.is_set():
+                continue
+            now = clock()
+            recent = [at for at in exits.get(worker_id, []) if now - at < CRASH_LOOP_WINDOW_S]
+            exits[worker_id] = recent + [now]
+            if len(exits[worker_id]) >= CRASH_LOOP_EXITS:
+                _say(f"worker {worker_id} exited with code {server.exit_code}, its "
+                     f"{CRASH_LOOP_EXITS}th exit in {CRASH_LOOP_WINDOW_S:.0f} s (log: "
+                     f"{server.log_path}): it is crash-looping; stopping")
+                return 1
+            meanwhile = ("the router sends its requests to the other workers meanwhile"
+                         if len(servers) > 1 else "requests fail until it is back")
+            _say(f"worker {worker_id} exited with code {server.exit_code} "
+                 f"(log: {server.log_path}); {meanwhile}; starting it again")
+            try:
+                server.restart(WORKER_STOP_GRACE_S, hurry)
+                server.wait_ready(stop=stop)
+            except RuntimeError as exc:
+                _say(f"worker {worker_id} failed to start again: {exc}")
+                return 1
+            if not stop.is_set():
+                _say(f"worker {worker_id} is back on {server.url}")
     return 0
 
 

@@ -148,6 +148,21 @@ class VllmServer:
                     continue  # the thread exited meanwhile
         return bound
 
+    @property
+    def exit_code(self) -> int | None:
+        """The server process's exit status (negative: the signal that ended it), or
+        None while it runs or before it started."""
+        return None if self._proc is None else self._proc.poll()
+
+    def restart(self, grace_s: float = 10.0, hurry: threading.Event | None = None) -> None:
+        """Start the server again after its process exited: what is left of its process
+        group (an EngineCore whose API server was killed) is stopped first, so the new
+        one does not share the CPU and the port with it."""
+        proc = self.take_process()
+        if proc is not None:
+            stop_process_groups([proc], grace_s, hurry)
+        self.start()
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:

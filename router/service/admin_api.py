@@ -30,6 +30,7 @@ from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import SessionRecord, SessionState
 from kvhint.router.service.tenancy import AuthError, Principal, api_key_of
+from kvhint.router.service.tenant_call_rate import CALL_RATE_REJECTION
 from kvhint.router.service.tenant_reasons import rows_for, tenant_reason
 from kvhint.router.store.reader import (
     count_hints_by_status,
@@ -59,8 +60,9 @@ class Refusal(HTTPException):
     """An admin call refused, with the reason ``admin_rejections_total`` counts it by
     (metrics.ADMIN_REJECTIONS)."""
 
-    def __init__(self, reason: str, status: int, message: str) -> None:
-        super().__init__(status, message)
+    def __init__(self, reason: str, status: int, message: str,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, headers)
         self.reason = reason
 
 
@@ -114,6 +116,17 @@ def _refuse_cross_site(request: Request,
                                  request.app.state.runtime.metrics, "admin")
     if message is not None:
         raise Refusal("cross_site", 403, message)
+
+
+def _charge_call(request: Request, principal: Principal = Depends(admin_principal)) -> None:
+    """Every admin call, after the key and the cross-site check: one of its key's
+    tenant's ``api_calls`` (a global admin's: ``default``'s), else a 429 with
+    ``Retry-After`` (:mod:`.tenant_call_rate`). A tenant admin's key may read the store
+    (a view of its sessions or hints) and end sessions: no more often than that."""
+    over = request.app.state.runtime.call_rate.take(principal.tenant)
+    if over is not None:
+        raise Refusal(CALL_RATE_REJECTION, 429, over.message,
+                      {"retry-after": str(over.retry_after_s)})
 
 
 def _scope(principal: Principal, tenant: str | None) -> str | None:
@@ -279,7 +292,8 @@ def _private_answer(response: Response) -> None:
 
 def build_admin_router() -> APIRouter:
     router = APIRouter(prefix="/admin", tags=["admin"], route_class=_CountedRoute,
-                       dependencies=[Depends(_private_answer), Depends(_refuse_cross_site)])
+                       dependencies=[Depends(_private_answer), Depends(_refuse_cross_site),
+                                     Depends(_charge_call)])
 
     @router.get("/sessions")
     async def list_sessions(request: Request, tenant: str | None = _query_name(),

@@ -68,6 +68,22 @@ class RouterApp:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
             return
+        if _ambiguous_length(scope):
+            # Content-Length and Transfer-Encoding both: h11 reads the chunked body and
+            # kept the connection open. A proxy in front that goes by Content-Length
+            # (one connection carrying every tenant's requests) then sends the rest of
+            # this body's bytes, or the next client's request, as what the router
+            # takes for this body's end or the next request: one client's bytes in
+            # another's request (RFC 9112 6.1: reject it, or close after it). Refused,
+            # unread, and the connection closed; counted.
+            runtime = getattr(self.api.state, "runtime", None)
+            if runtime is not None:
+                runtime.metrics.route_refusals.labels("ambiguous_length").inc()
+            answer = error_response("a request may carry Content-Length or "
+                                    "Transfer-Encoding, not both", 400)
+            answer.headers["connection"] = "close"
+            await answer(scope, receive, send)
+            return
         grant = None
         if self.origins.active:  # dev mode's Host check, CORS (origin_policy.py)
             answer = self.origins.screen(scope, self.api.state.runtime.metrics)
@@ -89,6 +105,19 @@ class RouterApp:
                 await response(scope, receive, send)
                 return
         await self.api(scope, receive, send if grant is None else grant.wrap(send))
+
+
+def _ambiguous_length(scope: Scope) -> bool:
+    """Whether the request's headers carry both a Content-Length and a
+    Transfer-Encoding (a request smuggling attempt, or a broken client). ASGI servers
+    give header names lower-cased."""
+    length = coded = False
+    for name, _ in scope["headers"]:
+        if name == b"content-length":
+            length = True
+        elif name == b"transfer-encoding":
+            coded = True
+    return length and coded
 
 
 def create_app(settings: RouterSettings) -> RouterApp:

@@ -108,6 +108,7 @@ class FlightAccounting:
         observation = flight.observation
         if flight.worker_id is not None and (lost := observation.usage_lost(status)):
             self._metrics.drop(lost)
+        predicted = None
         if observation.prompt_tokens is not None and flight.worker_id is not None:
             predicted = flight.predicted_cached
             inbound = flight.inbound
@@ -129,7 +130,7 @@ class FlightAccounting:
             await self._lifecycle.finished(flight.record, flight.worker_id or "",
                                            observation if ok else None,
                                            self._ends_session(flight, answered, status),
-                                           answered)
+                                           answered, predicted if ok else None)
 
     def _ends_session(self, flight: Flight, answered: bool, status: int) -> bool:
         """Whether the turn ends its session: it asked to (``X-Session-End``) and it

@@ -31,6 +31,7 @@ from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation
+from kvhint.router.service.responses_cancels import cancel_end
 from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
 from kvhint.router.service.routing_service import (
     HeldConversation,
@@ -253,13 +254,7 @@ class Forwarder:
             try:
                 upstream = await until_open(opening, flight.client_gone_signal)
             except UpstreamUnavailable as exc:
-                worker.mark_http_failure(exc.reason)
-                if self._still_its_address(worker, "failure"):
-                    self._on_worker_down(worker)
-                    log.warning("worker %s failed before responding: %s", worker_id,
-                                exc.reason)
-                    if exc.unreachable:
-                        self._address_down(worker, exc.reason)
+                self.note_failure(worker, exc)
                 raise
             except UpstreamTimeout as exc:
                 # The worker took the request and may be running it: it stays up, the
@@ -271,10 +266,7 @@ class Forwarder:
                 # worker answers its /health and stays up).
                 log.warning("%s", exc)
                 taken = True
-                silent = worker.note_timeout()
-                if (self._still_its_address(worker, "timeout")
-                        and silent >= SUSPECT_AFTER_TIMEOUTS):
-                    self._on_worker_down(worker)
+                self.note_silence(worker)
                 await self._took(flight, worker_id, predicted, uncached)
                 raise
             taken = True
@@ -293,6 +285,27 @@ class Forwarder:
                     self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size,
                                            uncached)
                 drop_opening(opening)
+
+    def note_failure(self, worker: WorkerState, exc: UpstreamUnavailable) -> None:
+        """A request failed before ``worker`` (the state it was sent to) had it: the
+        worker is marked down and probed, and where its address took no connection at
+        all, the other workers there too (module doc). Every request to a worker notes
+        it so, a stored response's GET and cancel as well (responses_api.py)."""
+        worker.mark_http_failure(exc.reason)
+        if self._still_its_address(worker, "failure"):
+            self._on_worker_down(worker)
+            log.warning("worker %s failed before responding: %s", worker.worker_id,
+                        exc.reason)
+            if exc.unreachable:
+                self._address_down(worker, exc.reason)
+
+    def note_silence(self, worker: WorkerState) -> None:
+        """``worker`` held a request past ``request_timeout_s`` without answering: slow,
+        not down; several in a row and no headers in between, the prober
+        checks it (see :meth:`_open`)."""
+        silent = worker.note_timeout()
+        if self._still_its_address(worker, "timeout") and silent >= SUSPECT_AFTER_TIMEOUTS:
+            self._on_worker_down(worker)
 
     def _address_down(self, worker: WorkerState, reason: str) -> None:
         """``worker``'s address took no connection: the other workers there (the other
@@ -394,16 +407,28 @@ class Forwarder:
         relay = relay_for(flight.observation, flight.inbound.strip_usage_chunk)
         status = upstream.status
         first = True
+        # A background response's stream, which its cancel may leave open for good.
+        watch = (relay.observation.watch_cancel(upstream.close)
+                 if isinstance(relay, ResponsesRelay)
+                 and relay.observation.watch_cancel is not None else None)
         try:
             async for chunk in relay.relay(upstream.chunks()):
                 if first:
                     self._first_byte(flight)
                     first = False
                 yield chunk
+                if watch is not None and relay.finished:
+                    # vLLM ends a background response's stream at response.completed
+                    # only: after its error event (a generation error) the stream stays
+                    # open, silent, for good (responses_cancels.py). The client has its
+                    # answer.
+                    break
             if flight.client_gone and not relay.finished:
                 # Closed for a client gone while no read was pending: a response aiohttp
                 # had whole then ends cleanly, yet the client never got its [DONE].
                 status = 499
+            elif watch is not None and watch.fired and not relay.finished:
+                yield cancel_end(relay, watch, self._metrics)  # type: ignore[arg-type]
         except UpstreamBroken as exc:
             if flight.client_gone:  # our own doing: the upstream closed for a client gone
                 # A client that leaves once it has the whole answer (the OpenAI SDK closes
@@ -415,6 +440,11 @@ class Forwarder:
                 # Responses stream's response.completed) was relayed, before the
                 # stream's own end: the client has its whole answer, and nothing goes
                 # after that event.
+                return
+            if watch is not None and watch.fired:
+                # Closed by the router: its response was cancelled, and vLLM sends no
+                # terminal event after a cancel (responses_cancels.py).
+                yield cancel_end(relay, watch, self._metrics)  # type: ignore[arg-type]
                 return
             status = 504 if exc.timed_out else 502
             self._metrics.broken_streams.labels(upstream.worker_id).inc()
@@ -430,6 +460,8 @@ class Forwarder:
             status = status if relay.finished else 499
             raise
         finally:
+            if watch is not None:
+                watch.end()
             upstream.close()
             await self._accounting.account(flight, status)
 
@@ -447,4 +479,4 @@ def unavailable_answer(exc: UpstreamUnavailable) -> Response:
     refusal (e.g. 503 overloaded) as it is, else a 502."""
     if exc.status is not None:
         return Response(exc.body, status_code=exc.status, media_type="application/json")
-    return error_response(f"worker unavailable: {exc.reason}", 502)
+    return error_response(f"worker unavailable: {exc.client_reason}", 502)

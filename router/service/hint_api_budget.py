@@ -98,7 +98,8 @@ class ApiBudgetGate:
                            worker.status.budgets.max_pinned_blocks, True))
             if worker_share < 1.0:
                 # A worker's budgets are every tenant's: one tenant's agents may take
-                # only its share (retains too: an agent's top priority displaces others).
+                # only its share (retains too: an agent's Retain displaces every planner
+                # claim and other agents' of lower priority, another tenant's included).
                 budgets, api_held = worker.status.budgets, self._holdings.api_on_worker(
                     tenant, worker_id)
                 who = f"tenant {tenant!r} on worker {worker_id} (share {worker_share:g})"

@@ -36,6 +36,12 @@ MAX_SESSION_ID_LEN = 256
 # and the salt; transfer params are for connectors, which a client must not steer.
 ROUTER_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "cache_salt",
                        "prompt_cache_key", "session_id")
+# Stripped from a client's vllm_xargs only: ``kv_cache_report_mode: "full"`` makes vLLM
+# announce every prefix hit as a BlockStored of the reused blocks. The router reads those
+# as no-ops, but the plugin's index counts each as one more GPU copy that no BlockRemoved
+# ever retires: the blocks stay "resident" in it, and in the snapshots a router resyncs
+# from, after vLLM evicted them (false hits for good).
+ENGINE_OWNED_XARGS = ("kv_cache_report_mode",)
 
 _json_decoder = msgspec.json.Decoder()
 
@@ -215,7 +221,7 @@ def parse_inbound(
     if isinstance(xargs, dict):
         # vLLM copies vllm_xargs into the request's extra_args and reads a session id, KV
         # transfer params and a cache salt from them too; only the router may set those.
-        for field in ROUTER_OWNED_FIELDS:
+        for field in ROUTER_OWNED_FIELDS + ENGINE_OWNED_XARGS:
             xargs.pop(field, None)
     if client_session_id is not None:
         body["session_id"] = tenant.worker_session_id(client_session_id)
@@ -308,7 +314,9 @@ def check_session_id(value: Any, source: str = "session_id") -> str:
     if len(value) > MAX_SESSION_ID_LEN:
         raise BadRequest(f"{source} is longer than {MAX_SESSION_ID_LEN} characters",
                          param=source)
-    if any(ord(ch) < 32 for ch in value):
+    # DEL too: the admin API refuses it in a path (admin_api.py ``_NAME``), so a session
+    # named with one could be made here but never read or ended there.
+    if any(ord(ch) < 32 or ch == "\x7f" for ch in value):
         raise BadRequest(f"{source} contains control characters", param=source)
     return value
 

@@ -87,7 +87,10 @@ class SessionLifecycle:
                  load_session: Callable[[str, str], Awaitable[dict[str, Any] | None]]
                  | None = None,
                  index_exact: Callable[[str], bool] | None = None,
-                 max_prompt_blocks: int | None = None) -> None:
+                 max_prompt_blocks: int | None = None,
+                 latest_session: Callable[[str, str],
+                                          Awaitable[tuple[str, dict[str, Any] | None]]]
+                 | None = None) -> None:
         """``on_end(tenant, session_id)``: told of every end by a client or an admin,
         once each (the trace recorder), an abandoned session's too; never of the
         planner's abandonment.
@@ -95,7 +98,10 @@ class SessionLifecycle:
         store), asked by :meth:`recall`. ``index_exact(worker_id)``: whether the cluster
         index's view of the worker is exact now (``KvEventIngestor.view_exact``); None:
         always (no index feed to ask). ``max_prompt_blocks``: the most block hashes a
-        session keeps of its last prompt (the longest prompt the workers take)."""
+        session keeps of its last prompt (the longest prompt the workers take).
+        ``latest_session(tenant, session_id)``: the read's outcome and the stored row of
+        a session held in memory (session_reads.StoredSessions.latest), asked by
+        :meth:`recall` before each turn."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -105,6 +111,7 @@ class SessionLifecycle:
         self._prefix_retains = SharedPrefixRetains()
         self._on_end = on_end
         self._load_session = load_session
+        self._latest_session = latest_session
         self._index_exact = index_exact
         self._max_prompt_blocks = max_prompt_blocks
         # Each session's end in progress (:meth:`end`): a concurrent end joins it.
@@ -117,12 +124,25 @@ class SessionLifecycle:
         memory is looked up, once (the turn then makes its record): the store is shared
         with other replicas, whose sessions no registry's restore or bookkeeping can
         know of (another replica's session continued here; or one forgotten, evicted, or
-        not restored). ``load_session`` bounds the wait (session_reads.py)."""
-        if self._load_session is None or self.sessions.get(tenant, session_id) is not None:
+        not restored). ``load_session`` bounds the wait (session_reads.py).
+
+        A session in memory with no turn of it in flight here is read again
+        (``latest_session``): another replica's saves since are merged into the record
+        (``SessionRegistry.refresh``), so the turn continues the session as it is, not
+        as this replica last saw it; counted (``session_refreshes``)."""
+        record = self.sessions.get(tenant, session_id)
+        if record is None:
+            if self._load_session is not None:
+                row = await self._load_session(tenant, session_id)
+                if row is not None:
+                    self.sessions.adopt(row)
             return
-        row = await self._load_session(tenant, session_id)
+        if self._latest_session is None or record.inflight:
+            return
+        outcome, row = await self._latest_session(tenant, session_id)
         if row is not None:
-            self.sessions.adopt(row)
+            outcome = "merged" if self.sessions.refresh(record, row) else "current"
+        self._metrics.session_refreshes.labels(outcome).inc()
 
     def begin_turn(self, tenant: str, session_id: str) -> SessionRecord:
         now = self._clock()
@@ -155,7 +175,6 @@ class SessionLifecycle:
         if record.worker_id is not None and record.worker_id != worker_id:
             self._metrics.session_moves.inc()
         record.worker_id = worker_id
-        record.predicted_cached_tokens += predicted_cached
         record.last_block_hashes = block_hashes[:self._max_prompt_blocks]
         if record.state == ENDED:  # ended while this turn was on its way: plan nothing
             self.sessions.save(record)
@@ -171,7 +190,7 @@ class SessionLifecycle:
 
     async def finished(self, record: SessionRecord, worker_id: str,
                        observation: ResponseObservation | None, session_end: bool,
-                       answered: bool = True) -> None:
+                       answered: bool = True, predicted_cached: int | None = None) -> None:
         """``answered``: the worker answered the turn (2xx, no error in its stream). Only
         an answered turn counts in the session's ``turns``: the exchanges it has had,
         what an operator reads as its depth (and what a tool gap's depth records), not
@@ -179,7 +198,15 @@ class SessionLifecycle:
         agent retries, would count twice (the request metrics count those by status).
         The planner's depth (``plan.turns``) counts the same turns. A refused one's
         block hashes are not kept either (the session keeps those of its last answered
-        prompt)."""
+        prompt).
+
+        ``predicted_cached``: what routing predicted the worker's cache held of the turn's
+        prompt, where that prediction is checked against the usage (as
+        ``kvhint_router_cached_tokens_predicted_total`` counts it); it joins the session's
+        ``predicted_cached_tokens`` with the usage's tokens, so a failed turn's prediction
+        no longer counts without the cached tokens to compare it with (before, it was added
+        when the turn was routed: a session whose turn failed showed more predicted than
+        its answered turns could hit)."""
         now = self._clock()
         if answered:
             record.turns += 1
@@ -196,6 +223,7 @@ class SessionLifecycle:
         if observation is not None and observation.prompt_tokens is not None:
             record.prompt_tokens += observation.prompt_tokens
             record.cached_tokens += observation.cached_tokens or 0
+            record.predicted_cached_tokens += predicted_cached or 0
         if record.state == ENDED:  # ended while the worker answered: plan nothing
             self.sessions.save(record)
             return

@@ -40,6 +40,8 @@ HINT_API_REJECTIONS = (
     "no_plugin",        # 503: the worker runs no kvhint plugin, or it is silent
     "client_gone",      # 499: the client left while sending its body
     "cross_site",       # 403: what a page on another site can send (cross_site.py)
+    "over_call_rate",   # 429: past the key's tenant's tenants[].api_calls (tenant_call_rate.py)
+    "over_open_hints",  # 429: its tenant's hints.api_max_open_calls open (hint_open_calls.py)
 )
 # kvhint_router_session_end_rejections_total{reason}: DELETE /v1/sessions/{id} calls
 # answered with an error (nothing ended), a bounded set (sessions_api.py).
@@ -49,6 +51,7 @@ SESSION_END_REJECTIONS = (
     "forbidden",        # 403: another tenant's key
     "unknown_session",  # 404: no such session of the tenant
     "cross_site",       # 403: what a page on another site can send (cross_site.py)
+    "over_call_rate",   # 429: past the key's tenant's tenants[].api_calls (tenant_call_rate.py)
 )
 # kvhint_router_admin_rejections_total{reason}: /admin calls answered with an error
 # (nothing read or changed), a bounded set (admin_api.py).
@@ -61,12 +64,14 @@ ADMIN_REJECTIONS = (
     "bad_request",      # 422: a path or query parameter refused (a bound, a name)
     "unknown_path",     # 404: no admin route has that path (app.py; never the path itself)
     "method_not_allowed",  # 405: an admin route without that method (app.py)
+    "over_call_rate",   # 429: past the key's tenant's tenants[].api_calls (tenant_call_rate.py)
 )
 # kvhint_router_route_refusals_total{reason}: requests outside /admin that no route serves
 # (app.py; /admin's are admin_rejections), a bounded set: never the path itself.
 ROUTE_REFUSALS = (
     "unknown_path",        # 404: no route has that path
     "method_not_allowed",  # 405: a route without that method (a GET of an inference path)
+    "ambiguous_length",    # 400: Content-Length and Transfer-Encoding both (app.py)
 )
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
 CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints", "responses_cancel")
@@ -85,7 +90,8 @@ SESSION_END_SKIPS = (
 # kvhint_router_client_timeouts_total{phase} (service/client_deadlines.py, inbound.py).
 CLIENT_TIMEOUT_PHASES = ("headers", "body")
 # kvhint_router_gateway_rejections_total{tenant, reason}: inference requests the router
-# refused itself before any worker had them, by reason (a bounded set; forwarding.py).
+# refused itself before any worker had them, and session and admin calls past their
+# tenant's rate, by reason (a bounded set; forwarding.py, tenant_call_rate.py).
 GATEWAY_REJECTIONS = (
     "over_in_flight",  # 429: the tenant's max_in_flight requests are in flight already
     # 400: a background Responses request of a tenant with a max_in_flight (it would run
@@ -95,6 +101,13 @@ GATEWAY_REJECTIONS = (
     # move its requests ahead of other tenants' on workers scheduling by priority:
     # request_fields.py)
     "priority_not_allowed",
+    # 429: a call to the session or admin endpoints (DELETE /v1/sessions/{id}, a hints
+    # call, /admin, a plain GET or a cancel of a stored response) past its key's
+    # tenant's tenants[].api_calls (tenant_call_rate.py)
+    "over_call_rate",
+    # 429: a hints call while its key's tenant has hints.api_max_open_calls open
+    # (hint_open_calls.py)
+    "over_open_hints",
 )
 # kvhint_router_response_id_misses_total{reason}: a stored response id a request named
 # that the router did not send on (responses_ids.py), a bounded set.
@@ -125,6 +138,25 @@ SESSION_READS = (
     "error",    # the store failed the read: a record of its own
     "timeout",  # no answer within routing.session_read_timeout_s: a record of its own
     "busy",     # not read: no read slot came free within that time (the store is slow)
+)
+# kvhint_router_session_save_conflicts_total{outcome}: a session's save that found its
+# row saved by another replica since this one read or wrote it (sessions.py,
+# session_merge.py), a bounded set. Either way saved again: nothing is written over.
+SESSION_SAVE_CONFLICTS = (
+    "merged",    # merged with the stored row (both replicas' turns), then saved
+    "row_gone",  # the row was deleted meanwhile (retention): saved as this record
+)
+# kvhint_router_session_refreshes_total{outcome}: the store read of a session's row
+# before a turn (or an end, a hints call) of a session this replica holds a record of,
+# with none of its turns in flight here (session_reads.py), a bounded set. All but
+# "merged" leave the record as it is (its save still merges: session_merge.py).
+SESSION_REFRESHES = (
+    "current",  # the row is the record's revision (or this router's flush in progress)
+    "merged",   # another replica saved it since: merged into the record
+    "missing",  # no row (not saved yet, store_flush_interval_s; or deleted)
+    "error",    # the store failed the read
+    "timeout",  # no answer within routing.session_read_timeout_s
+    "busy",     # not read: no read slot came free within that time
 )
 # kvhint_router_response_id_requests_total{op, code}: GET /v1/responses/{id} and
 # POST /v1/responses/{id}/cancel (responses_api.py), a bounded set.
@@ -261,7 +293,8 @@ class RouterMetrics:
         self.route_refusals = Counter(
             "kvhint_router_route_refusals",
             "Requests outside /admin that no route serves, by reason (unknown_path: 404; "
-            "method_not_allowed: 405)", ["reason"], registry=r)
+            "method_not_allowed: 405; ambiguous_length: 400, Content-Length and "
+            "Transfer-Encoding both, on any path)", ["reason"], registry=r)
         for reason in ROUTE_REFUSALS:
             self.route_refusals.labels(reason)
         self.session_end_skips = Counter(
@@ -323,11 +356,17 @@ class RouterMetrics:
             "Inference requests the router refused before any worker had them, by tenant "
             "and reason (over_in_flight: past the tenant's max_in_flight; "
             "background_over_cap: a background Responses request of a tenant with one; "
-            "priority_not_allowed: a priority outside the tenant's bounds)",
+            "priority_not_allowed: a priority outside the tenant's bounds; "
+            "over_in_flight too: a streamed GET of a stored response); and "
+            "calls to the session and admin endpoints (ends, hints, /admin; a plain GET "
+            "or a cancel of a stored response) past the tenant's api_calls rate "
+            "(over_call_rate); hints calls past hints.api_max_open_calls open "
+            "(over_open_hints)",
             ["tenant", "reason"], registry=r)
         self.tenant_in_flight = Gauge(
             "kvhint_router_tenant_in_flight",
-            "Inference requests of the tenant in flight (admitted, not yet ended), as its "
+            "Inference requests (and streamed GETs of stored responses) of the tenant in "
+            "flight (admitted, not yet ended), as its "
             "max_in_flight counts them; kept for tenants without one too",
             ["tenant"], registry=r)
         self.response_ids = Gauge(
@@ -365,6 +404,20 @@ class RouterMetrics:
             "outcome (routing.session_read_timeout_s)", ["outcome"], registry=r)
         for outcome in SESSION_READS:
             self.session_reads.labels(outcome)
+        self.session_refreshes = Counter(
+            "kvhint_router_session_refreshes",
+            "Store reads of a session's row before a turn, end or hints call of a session "
+            "this router holds a record of, by outcome (merged: another replica's saves "
+            "since merged in)", ["outcome"], registry=r)
+        for outcome in SESSION_REFRESHES:
+            self.session_refreshes.labels(outcome)
+        self.session_save_conflicts = Counter(
+            "kvhint_router_session_save_conflicts",
+            "Saves of a session whose row another replica saved since this router read "
+            "or wrote it: not written over, merged with it and saved again, by outcome",
+            ["outcome"], registry=r)
+        for outcome in SESSION_SAVE_CONFLICTS:
+            self.session_save_conflicts.labels(outcome)
         self.response_id_requests = Counter(
             "kvhint_router_response_id_requests",
             "GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, by op and code "
@@ -374,6 +427,11 @@ class RouterMetrics:
             "Background Responses API requests (background: true) answered while still "
             "running: their generation, usage and turn outcome come after the answer, "
             "unseen by the router", registry=r)
+        self.responses_cancel_ends = Counter(
+            "kvhint_router_responses_cancel_ends",
+            "Streams of a cancelled background response the router ended itself (a "
+            "response.failed, status cancelled): the worker sent no terminal event within "
+            "responses.cancel_grace_s of the cancel it relayed", registry=r)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)

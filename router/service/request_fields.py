@@ -70,7 +70,8 @@ def priority_refusal(body: dict[str, Any], tenant: Tenant) -> str | None:
     counted as :data:`PRIORITY_REJECTION`), or None. On a worker scheduling by priority a
     lower value is served first and may preempt what runs there: a tenant free to set it
     could take every other tenant's turn. A tenant without bounds (dev mode, a global
-    admin's own traffic) sends what it likes. A value vLLM refuses is refused (and
+    admin's own traffic with no ``default`` configured: a configured one's bounds hold
+    it, tenancy.py) sends what it likes. A value vLLM refuses is refused (and
     counted) here too: fail closed, never a priority the router did not read."""
     bounds = tenant.priority_range
     if bounds is None or "priority" not in body:

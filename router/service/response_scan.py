@@ -175,6 +175,9 @@ class SseRelay:
         # Bytes searched for an event's end so far: at most the stream's size plus one
         # per read (its tests hold the relay to that, rather than to a time).
         self.searched = 0
+        # The stream's line ending (:func:`line_ending`; None: no line has ended yet).
+        self._nl: bytes | None = None
+        self._end: bytes | None = None  # two of them: an event's end
         # Finish events waiting for the usage chunk's fingerprint (whole events).
         self._held: list[bytes] = []
         # The stream's terminal ``data: [DONE]`` event, or the worker's error event,
@@ -195,21 +198,29 @@ class SseRelay:
 
     def feed(self, chunk: bytes) -> bytes:
         """Whole events of ``pending + chunk`` to send now (may be empty)."""
-        complete, searched = whole_events(self._pending, chunk)
+        end = self._end
+        if end is None:
+            complete, searched, nl = cut_events(self._pending, chunk, None)
+            if nl is not None:
+                self._nl = nl
+                end = self._end = _ENDS[nl]
+        else:
+            complete, searched = whole_events(self._pending, chunk, end)
         self.searched += searched
         if not complete:
             return b""
-        if complete.count(b"\n\n") == 1:
+        assert end is not None  # known once an event has ended
+        if complete.count(end) == 1:
             return self._inspect(complete)
-        return b"".join([self._inspect(event + b"\n\n")
-                         for event in complete.split(b"\n\n")[:-1]])
+        return b"".join([self._inspect(event + end) for event in complete.split(end)[:-1]])
 
     def release_held(self, fingerprint: str | None = None) -> bytes:
         """The held finish events, with ``fingerprint`` written in where given."""
         held, self._held = self._held, []
         if fingerprint is None:
             return b"".join(held)
-        return b"".join([_with_fingerprint(event, fingerprint) for event in held])
+        end = _ENDS[self._nl or b"\n"]
+        return b"".join([_with_fingerprint(event, fingerprint, end) for event in held])
 
     def _inspect(self, event: bytes) -> bytes:
         """Observe one whole event; what of it (and of the held ones) to send now."""
@@ -258,7 +269,44 @@ class SseRelay:
         return self.release_held() + event
 
 
-def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
+# An event's end in each line ending (:func:`whole_events`).
+_ENDS = {b"\n": b"\n\n", b"\r\n": b"\r\n\r\n", b"\r": b"\r\r"}
+
+
+def line_ending(pending: bytes | bytearray, chunk: bytes) -> bytes | None:
+    """The line ending of a stream whose bytes so far are ``pending + chunk``, as its
+    first line ends (the SSE spec allows ``\\r\\n``, ``\\n`` and ``\\r``; a proxy between
+    the router and its worker may rewrite vLLM's ``\\n``); None while undecided (no line
+    has ended, or one ended in a ``\\r`` whose next byte has not come). ``pending`` holds
+    no line ending then, but perhaps a last ``\\r``: only ``chunk`` is searched. One per
+    stream: a stream mixing them (no server or proxy writes one) is cut at its first
+    one's, its other events passed through at its end."""
+    if pending and pending[-1] == 0x0D:
+        return None if not chunk else b"\r\n" if chunk[0] == 0x0A else b"\r"
+    cr = chunk.find(b"\r")
+    lf = chunk.find(b"\n", 0, None if cr < 0 else cr)
+    if lf >= 0:
+        return b"\n"
+    if cr < 0 or cr + 1 == len(chunk):
+        return None
+    return b"\r\n" if chunk[cr + 1] == 0x0A else b"\r"
+
+
+def cut_events(pending: bytearray, chunk: bytes, nl: bytes | None
+               ) -> tuple[bytes, int, bytes | None]:
+    """:func:`whole_events` in the stream's line ending ``nl``, read from its first line
+    (:func:`line_ending`) while it is None; returned with it."""
+    if nl is None:
+        nl = line_ending(pending, chunk)
+        if nl is None:
+            pending += chunk
+            return b"", len(chunk), None
+    complete, searched = whole_events(pending, chunk, _ENDS[nl])
+    return complete, searched, nl
+
+
+def whole_events(pending: bytearray, chunk: bytes, ends: bytes = b"\n\n"
+                 ) -> tuple[bytes, int]:
     """The whole events of ``pending + chunk`` (empty: none yet), ``pending`` left holding
     the bytes after them (appended to in place); and how many bytes were searched for an
     event's end. ``pending`` holds no end, so only ``chunk`` is searched, with the byte
@@ -272,9 +320,12 @@ def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
     run's start (:func:`_last_end`). Cut at the run's end instead, the relays' split left
     a lone ``\\n`` after the last event, which the chat relay dropped, and only where the
     run came in one read. Cut so, the events do not depend on how the stream was read:
-    ``pending`` always starts an event and holds no end."""
+    ``pending`` always starts an event and holds no end.
+
+    ``ends``: two of the stream's line ending (:func:`line_ending`), ``\\n\\n`` above
+    (``\\r\\n\\r\\n``, ``\\r\\r``), the bytes passed on as they came."""
     if not pending:
-        end = _last_end(chunk, chunk.rfind(b"\n\n"))
+        end = _last_end(chunk, chunk.rfind(ends), ends)
         if end < 0:  # none
             pending += chunk
             return b"", len(chunk)
@@ -282,9 +333,9 @@ def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
             pending += chunk[end:]
             return chunk[:end], len(chunk)
         return chunk, len(chunk)
-    start = len(pending) - 1
+    start = max(len(pending) - len(ends) + 1, 0)
     pending += chunk
-    end = _last_end(pending, pending.rfind(b"\n\n", start))
+    end = _last_end(pending, pending.rfind(ends, start), ends)
     if end < 0:
         return b"", len(pending) - start
     complete = bytes(pending[:end])
@@ -292,21 +343,26 @@ def whole_events(pending: bytearray, chunk: bytes) -> tuple[bytes, int]:
     return complete, len(complete) + len(pending) - start
 
 
-def _last_end(data: bytes | bytearray, found: int) -> int:
+def _last_end(data: bytes | bytearray, found: int, ends: bytes) -> int:
     """Where the last event of ``data`` (which starts one) ends, given the last ``\\n\\n``
     in it (``found``; -1: none, returned as it is). That one ends a run of newlines (a
     later newline would be a later ``\\n\\n``); events end every second newline from the
     run's start, so an odd run leaves its last newline to the next event. The run is
     walked back only where it is longer than two (no worker sends one): it lies within
-    the bytes searched, as ``data`` holds no end before them."""
+    the bytes searched, as ``data`` holds no end before them. In other line endings
+    (``ends``, two of them: :func:`whole_events`), a run of them."""
     if found < 0:
         return found
-    if found == 0 or data[found - 1] != 0x0A:  # a run of two: every worker's
-        return found + 2
-    run_start = found - 1
-    while run_start > 0 and data[run_start - 1] == 0x0A:
-        run_start -= 1
-    return found + 2 - (found + 2 - run_start) % 2
+    if found == 0 or data[found - 1] != ends[-1]:  # a run of two: every worker's
+        return found + len(ends)
+    size = len(ends) // 2
+    nl = ends[:size]
+    if found < size or data[found - size:found] != nl:
+        return found + 2 * size
+    run_start = found - size
+    while run_start >= size and data[run_start - size:run_start] == nl:
+        run_start -= size
+    return found + 2 * size - ((found + 2 * size - run_start) // size) % 2 * size
 
 
 def _error_status(error: object) -> int:
@@ -317,7 +373,7 @@ def _error_status(error: object) -> int:
     return code if type(code) is int and 400 <= code < 600 else 500
 
 
-def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:
+def _with_fingerprint(event: bytes, fingerprint: str, end: bytes) -> bytes:
     """``event`` (``data: {...}`` and its blank line) with ``system_fingerprint`` set,
     what comes before its ``data:`` line kept (a comment, a newline left over from a run
     of blank lines); the event as it is where its JSON cannot be read (it was read once
@@ -328,4 +384,4 @@ def _with_fingerprint(event: bytes, fingerprint: str) -> bytes:
     except msgspec.DecodeError:
         return event
     chunk["system_fingerprint"] = fingerprint
-    return event[:start] + b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+    return event[:start] + b"data: " + msgspec.json.encode(chunk) + end

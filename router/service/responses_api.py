@@ -7,7 +7,8 @@ forwarded body's ``request_id`` (vLLM's response id) is the router's, never the 
 so no client can name (and overwrite, in a worker's store) another's response. The id
 says which worker it was sent to, bound to the tenant (responses_id_codec.py), so every
 replica reaches it; once a worker has answered it (status < 400, stored as vLLM reads
-``store``: :func:`stores_response`), ``id -> (tenant, worker, session)`` is remembered too
+``store``: :func:`stores_response`; a stream not in the background at its terminal
+event, when vLLM has stored it), ``id -> (tenant, worker, session)`` is remembered too
 (responses_ids.py), and the session it was made in is written to the store for every
 replica (responses_sessions.py).
 
@@ -17,15 +18,26 @@ follow-up naming no session continues the session of the response it follows), t
 GET and the cancel. Another tenant's id is answered as an unknown one (404, as vLLM
 answers an id it does not hold); a worker gone or restarted since is a 404 saying so;
 one down now a 503 (retry later). Nothing is ever sent to a worker other than the one
-the id names for the requesting tenant.
+the id names for the requesting tenant. A worker a GET or cancel cannot reach is
+marked down as for any request (forwarding.py ``note_failure``). A background
+response's streams are ended by the router where vLLM leaves them open: after a cancel
+(responses_cancels.py) or an ``error`` event; one its worker breaks (or leaves silent
+for ``request_timeout_s``) ends with ``response.failed``, as a POST's stream does.
+
+A GET and a cancel are bounded per tenant: a streamed GET holds its worker's connection
+while the response lasts, so it takes one of the tenant's ``max_in_flight`` slots
+(tenant_slots.py), given back once however its stream ends; a plain GET and a cancel
+take one of its ``api_calls`` (tenant_call_rate.py). Past either, a 429 sent nowhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from starlette.requests import Request
@@ -38,11 +50,13 @@ from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.request_fields import runs_in_background, stores_response
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
-from kvhint.router.service.responses_scan import ResponsesObservation
+from kvhint.router.service.responses_cancels import CancelWatch, CancelWatches, cancel_end
+from kvhint.router.service.responses_scan import ResponsesObservation, ResponsesRelay
 from kvhint.router.service.responses_sessions import ResponseSessions
 from kvhint.router.service.routing_service import HeldConversation
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import AuthError, api_key_of
+from kvhint.router.service.tenant_slots import over_in_flight_answer
 from kvhint.router.service.upstream import (
     DATA_PARALLEL_RANK_HEADER,
     UpstreamBroken,
@@ -54,6 +68,8 @@ from kvhint.router.service.workers import WorkerState
 
 # The query parameters vLLM's GET reads (the rest are not passed on).
 _GET_PARAMETERS = ("starting_after", "stream")
+# pydantic's lax bool's false strings (vLLM reads ``?stream=`` as a bool).
+_FALSE_VALUES = frozenset({"0", "off", "f", "false", "n", "no"})
 _STORED_ONLY = ("vLLM keeps a stored response in the memory of the server that made it "
                 "only")
 
@@ -68,6 +84,8 @@ class ResponsesGateway:
                                runtime.metrics, self.codec)
         self.sessions = ResponseSessions(runtime.engine, runtime.writer, runtime.metrics,
                                          runtime.settings.responses.session_read_timeout_s)
+        # The background responses' streams relayed now, for their cancels.
+        self.cancels = CancelWatches(runtime.settings.responses.cancel_grace_s)
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -129,17 +147,36 @@ class ResponsesGateway:
         response_id = body.get("request_id")
         if (response.status_code < 400 and worker_id and response_id
                 and stores_response(body)):
-            self.ids.learn(response_id, tenant, worker_id, inbound.client_session_id)
-            # Its usage, for a follow-up's load: a whole answer's is read already, a
-            # stream's at its terminal event, after this.
-            observation.on_usage = partial(_measure, self.ids, response_id)
-            if observation.prompt_tokens is not None:
-                _measure(self.ids, response_id, observation)
-            if inbound.client_session_id is not None:
-                self.sessions.remember(response_id, tenant, inbound.client_session_id)
+            learn = partial(self._learn, response_id, tenant, worker_id,
+                            inbound.client_session_id)
+            background = runs_in_background(body)
+            if isinstance(response, RelayResponse) and not background:
+                # vLLM stores a streamed response once it has made it all, just before
+                # its response.completed (responses/serving.py responses_stream_generator
+                # ends in responses_full_generator), never one whose stream failed or was
+                # left: learnt at that event, before the client has it (a follow-up can
+                # only come after), not at the stream's start.
+                observation.on_end = learn
+            else:  # answered whole, or a background one: stored queued before its answer
+                learn(observation)
+            if isinstance(response, RelayResponse) and background:
+                # Its cancel may leave its stream open for good (responses_cancels.py).
+                observation.watch_cancel = partial(self.cancels.watch, response_id)
         if observation.background:
             runtime.metrics.responses_background.inc()
         return response
+
+    def _learn(self, response_id: str, tenant: str, worker_id: str, session_id: str | None,
+               observation: ResponsesObservation) -> None:
+        """``worker_id`` holds ``response_id`` now (module doc)."""
+        self.ids.learn(response_id, tenant, worker_id, session_id)
+        # Its usage, for a follow-up's load: a whole answer's is read already, a
+        # stream's at its terminal event, after this.
+        observation.on_usage = partial(_measure, self.ids, response_id)
+        if observation.prompt_tokens is not None:
+            _measure(self.ids, response_id, observation)
+        if session_id is not None:
+            self.sessions.remember(response_id, tenant, session_id)
 
     def _refused(self, response: Response) -> Response:
         self._runtime.metrics.record_request("responses", "none", response.status_code)
@@ -180,11 +217,37 @@ class ResponsesGateway:
         if refusal is not None:
             counted.labels(op, "403").inc()
             return error_response(refusal, 403)
+        # A streamed GET holds its worker's connection for the response's life: one of
+        # the tenant's max_in_flight slots, as an inference request, taken below. A plain
+        # GET and a cancel are short calls (a cancel ends work): one of its api_calls,
+        # as a session end is.
+        streamed = op == "get" and _asks_stream(query.get("stream"))
+        if not streamed and (over := runtime.call_rate.take(tenant)) is not None:
+            counted.labels(op, "429").inc()
+            answer = error_response(over.message, 429)
+            answer.headers["retry-after"] = str(over.retry_after_s)
+            return answer
         found = self.ids.find(response_id, tenant.name)
         if isinstance(found, IdMiss):
             answer = _miss_answer(response_id, found)
             counted.labels(op, str(answer.status_code)).inc()
             return answer
+        slots = runtime.forwarder.slots
+        if streamed and not slots.admit(tenant):
+            counted.labels(op, "429").inc()
+            return over_in_flight_answer(tenant)
+        slot = _Slot(partial(slots.give_back, tenant.name) if streamed else None)
+        try:
+            return await self._opened(found, response_id, op, method, suffix, query,
+                                      counted, slot)
+        finally:
+            if not slot.relayed:  # answered whole, refused, or cancelled: given back now
+                slot.give_back()
+
+    async def _opened(self, found: IdEntry, response_id: str, op: str, method: str,
+                      suffix: str, query: dict[str, str], counted: Any,
+                      slot: _Slot) -> Response:
+        runtime = self._runtime
         worker = runtime.workers.get(found.worker_id)
         assert worker is not None and worker.url is not None  # find() checked it
         url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}{suffix}"
@@ -197,48 +260,119 @@ class ResponsesGateway:
                 None if dp_rank is None else {DATA_PARALLEL_RANK_HEADER: str(dp_rank)},
                 method=method)
         except UpstreamUnavailable as exc:
-            answer = unavailable_answer(exc)
+            # What any request's failure says of the worker (forwarding.py): down now,
+            # probed, its address's other ranks too where it took no connection.
+            runtime.forwarder.note_failure(worker, exc)
+            answer = (unavailable_answer(exc) if exc.status is not None else error_response(
+                f"Response with id '{response_id}' is held by worker {worker.worker_id}, "
+                f"which could not be reached ({exc.client_reason}); retry later "
+                f"({_STORED_ONLY}).", 502, "response_id"))
             counted.labels(op, str(answer.status_code)).inc()
             return answer
         except UpstreamTimeout as exc:
+            runtime.forwarder.note_silence(worker)
             counted.labels(op, "504").inc()
             return error_response(str(exc), 504)
-        return await _relayed(upstream, lambda code: counted.labels(op, str(code)).inc())
+        worker.note_answered()
+        return await self._relayed(upstream, lambda code: counted.labels(op, str(code)).inc(),
+                                   response_id, op, query.get("starting_after"),
+                                   found.cancelled, slot)
+
+    async def _relayed(self, upstream: UpstreamResponse, count: Callable[[int], None],
+                       response_id: str, op: str, starting_after: str | None,
+                       cancelled: bool, slot: _Slot) -> Response:
+        """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
+        background response's events, ``?stream=true``) relayed as it comes, each event
+        whole, ended by the router where a cancel left it open (responses_cancels.py). A
+        cancel the worker accepted starts the grace of that response's streams; a stream
+        of a response cancelled before (``cancelled``) starts in it."""
+        headers = dict(upstream.headers)
+        headers[WORKER_HEADER] = upstream.worker_id
+        if not headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                payload = await upstream.read()
+            except UpstreamBroken as exc:
+                code = 504 if exc.timed_out else 502
+                count(code)
+                return error_response(f"worker failed while responding: {exc}", code)
+            count(upstream.status)
+            if op == "cancel" and 200 <= upstream.status < 300:
+                self.ids.cancelled(response_id)
+                self.cancels.cancelled(response_id, _json_object(payload))
+            return Response(payload, status_code=upstream.status, headers=headers)
+        # vLLM numbers a GET's events on from starting_after (the router's own last one
+        # goes on from there).
+        first = int(starting_after) + 1 if starting_after and starting_after.isdigit() else 0
+        relay = ResponsesRelay(ResponsesObservation(events=first))
+        watch = self.cancels.watch(response_id, upstream.close)
+        if cancelled:
+            watch.cancelled(None, self.cancels.grace_s)
+        slot.relayed = True  # given back by the stream, at its end
+        return _streamed(upstream, headers, count, relay, watch, self._runtime, slot)
 
 
-async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> Response:
-    """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
-    background response's events, ``?stream=true``) passed through as it comes."""
-    headers = dict(upstream.headers)
-    headers[WORKER_HEADER] = upstream.worker_id
-    if not headers.get("content-type", "").startswith("text/event-stream"):
-        try:
-            payload = await upstream.read()
-        except UpstreamBroken as exc:
-            code = 504 if exc.timed_out else 502
-            count(code)
-            return error_response(f"worker failed while responding: {exc}", code)
-        count(upstream.status)
-        return Response(payload, status_code=upstream.status, headers=headers)
+class _Slot:
+    """A streamed GET's tenant slot (``give_back`` None: a call that took none), given
+    back once: when its answer is whole, or its stream ends, however it ends."""
+
+    def __init__(self, give_back: Callable[[], None] | None) -> None:
+        self._give_back = give_back
+        # Its stream's relay gives it back (:func:`_streamed`), not the call.
+        self.relayed = False
+
+    def give_back(self) -> None:
+        give_back, self._give_back = self._give_back, None
+        if give_back is not None:
+            give_back()
+
+
+def _asks_stream(value: str | None) -> bool:
+    """Whether vLLM may stream a GET with ``?stream=value``: anything but absent or a
+    false value of pydantic's lax bool, which vLLM's ``stream: bool`` query reads (a
+    value it refuses is its 422 at once: the slot taken for it comes back then)."""
+    return value is not None and value.lower() not in _FALSE_VALUES
+
+
+def _streamed(upstream: UpstreamResponse, headers: dict[str, str],
+              count: Callable[[int], None], relay: ResponsesRelay, watch: CancelWatch,
+              runtime: RouterRuntime, slot: _Slot) -> Response:
+    """A GET's event stream (:meth:`ResponsesGateway._relayed`); a worker that breaks or
+    goes silent mid-stream ends it as a POST's does (forwarding.py): with
+    ``response.failed`` (an ``error`` event before ``response.created``), counted."""
     counted = gone = False
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         nonlocal counted
         status = upstream.status
         try:
-            async for chunk in upstream.chunks():
+            async for chunk in relay.relay(upstream.chunks()):
                 yield chunk
+                if relay.finished:  # vLLM may send nothing after an error event, for good
+                    break
             if gone:  # closed for the client gone: a response aiohttp had whole ends
                 status = 499
+            elif watch.fired and not relay.finished:
+                yield cancel_end(relay, watch, runtime.metrics)
         except UpstreamBroken as exc:
             # Broken by the router's own close for a client gone (on_gone): the client
-            # left, the worker did not fail.
-            status = 499 if gone else 504 if exc.timed_out else 502
+            # left, the worker did not fail; or for a cancel that left it open.
+            if not gone and watch.fired and not relay.finished:
+                yield cancel_end(relay, watch, runtime.metrics)
+            elif gone:
+                status = 499
+            elif not relay.finished:
+                # The worker broke or went silent mid-stream: the client's SDK waits for
+                # a terminal event, as after a POST's (forwarding.py).
+                status = 504 if exc.timed_out else 502
+                runtime.metrics.broken_streams.labels(upstream.worker_id).inc()
+                yield relay.failure_event(f"worker failed mid-stream: {exc}", status)
         except (GeneratorExit, asyncio.CancelledError):
             status = 499
             raise
         finally:
+            watch.end()
             upstream.close()
+            slot.give_back()
             if not counted:
                 counted = True
                 count(status)
@@ -251,12 +385,23 @@ async def _relayed(upstream: UpstreamResponse, count: Callable[[int], None]) -> 
 
     async def on_unsent() -> None:
         nonlocal counted
+        watch.end()
+        slot.give_back()
         if not counted:  # the stream never started (the client left first)
             counted = True
             upstream.close()
             count(499)
 
     return RelayResponse(chunks(), upstream.status, headers, on_gone, on_unsent)
+
+
+def _json_object(payload: bytes) -> dict[str, Any] | None:
+    """``payload`` as a JSON object, or None."""
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def follow_up_of(entry: IdEntry) -> HeldConversation | None:

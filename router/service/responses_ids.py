@@ -60,6 +60,11 @@ class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
     # the next morning at a seventh of the rows of ``store_retention_s`` (7 days). At most
     # ``store_retention_s``: a longer value keeps them that long, no longer.
     session_retention_s: float = Field(86_400.0, gt=0)
+    # After the router relayed a cancel of a background response, how long each stream
+    # of it it relays waits for a terminal event before the router ends it itself with
+    # one (vLLM sends none after a cancel: responses_cancels.py), counted
+    # (kvhint_router_responses_cancel_ends_total).
+    cancel_grace_s: float = Field(5.0, gt=0, le=300)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,9 @@ class IdEntry:
     # ``_measure``). What routing books for a follow-up's load (``follow_up_of``).
     prompt_tokens: int | None = None
     context_tokens: int | None = None
+    # Its worker accepted a cancel of it (relayed here): a stream of it opened later
+    # gets no terminal event from vLLM either (responses_cancels.py).
+    cancelled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +153,13 @@ class ResponseIds:
         if entry is not None:
             self._entries[response_id] = replace(entry, prompt_tokens=prompt_tokens,
                                                  context_tokens=context_tokens)
+
+    def cancelled(self, response_id: str) -> None:
+        """``response_id``'s worker accepted a cancel of it: kept on its entry while the
+        map holds it (:attr:`IdEntry.cancelled`); its use order unchanged."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries[response_id] = replace(entry, cancelled=True)
 
     def _remove(self, response_id: str) -> None:
         tenant = self._entries.pop(response_id).tenant

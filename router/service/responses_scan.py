@@ -21,11 +21,19 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvhint.router.service.response_scan import ResponseObservation, SseRelay, whole_events
+from kvhint.router.service.response_scan import (
+    ResponseObservation,
+    SseRelay,
+    cut_events,
+    whole_events,
+)
+
+if TYPE_CHECKING:
+    from kvhint.router.service.responses_cancels import CancelWatch
 
 
 class _Details(msgspec.Struct):
@@ -107,6 +115,12 @@ class ResponsesObservation(ResponseObservation):
     reasoning_tokens: int = 0
     # Called once the answer's usage is read (a stream's: at its terminal event).
     on_usage: Callable[[ResponsesObservation], None] | None = None
+    # Called at a stream's terminal event carrying the response (vLLM has stored a
+    # streamed response then, not before: responses_api.py), before its usage is read.
+    on_end: Callable[[ResponsesObservation], None] | None = None
+    # Starts watching the stream for a cancel of its response, given what closes the
+    # worker's side (a background response's stream: responses_cancels.py).
+    watch_cancel: Callable[[Callable[[], None]], CancelWatch] | None = None
 
     def observe_json(self, payload: bytes) -> bool:
         """A whole (non-streamed) answer; never a usage-only chunk."""
@@ -129,6 +143,8 @@ class ResponsesObservation(ResponseObservation):
             if self.error_status is None:
                 self.error_status = _code_status(event.code)
         elif event.response is not None:
+            if self.on_end is not None:
+                self.on_end(self)
             self._observe_response(event.response)
             if kind == "response.failed" and self.error_status is None:
                 self.error_status = 500
@@ -183,6 +199,9 @@ class ResponsesRelay:
         # Bytes searched for an event's end so far: at most the stream's size plus one
         # per read (its tests hold the relay to that, rather than to a time).
         self.searched = 0
+        # The stream's line ending (response_scan.py ``line_ending``; None: none yet).
+        self._nl: bytes | None = None
+        self._end = b"\n\n"  # two of them: an event's end
         # A terminal event has been relayed: a client that leaves now has its answer.
         self.finished = False
 
@@ -197,10 +216,18 @@ class ResponsesRelay:
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events of ``pending + chunk``, observed, to send now."""
-        complete, searched = whole_events(self._pending, chunk)
+        nl = self._nl
+        if nl is None:
+            complete, searched, nl = cut_events(self._pending, chunk, None)
+            if nl is not None:
+                self._nl, self._end = nl, nl + nl
+        else:
+            complete, searched = whole_events(self._pending, chunk, self._end)
         self.searched += searched
-        for event in complete.split(b"\n\n")[:-1]:
-            self._inspect(event)
+        if complete:
+            assert nl is not None  # known once an event has ended
+            for event in complete.split(self._end)[:-1]:
+                self._inspect(event, nl)
         return complete
 
     def release_held(self) -> bytes:
@@ -224,8 +251,34 @@ class ResponsesRelay:
             body = {"type": kind, "sequence_number": sequence, "param": None, **error}
         return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
 
-    def _inspect(self, event: bytes) -> None:
-        kind, data = _split_event(event)
+    def cancelled_event(self, answer: dict[str, Any] | None) -> bytes:
+        """The event that ends a stream whose response was cancelled, its worker sending
+        none (responses_cancels.py): ``response.failed`` with the response, status
+        ``cancelled``, as the cancel answered it (else as ``response.created`` announced
+        it); an ``error`` event where neither is known. OpenAI defines no
+        ``response.cancelled`` event (openai 3.63 types/responses: the terminal ones are
+        ``response.completed``, ``.failed``, ``.incomplete``), and the SDK's stream
+        refuses a ``response.completed`` whose output lacks an item still streaming
+        ("Cannot complete response with unfinished output items"), where
+        ``response.failed`` keeps the output streamed so far."""
+        self.finished = True
+        if self.observation.error_status is None:
+            self.observation.error_status = 499  # cancelled by its client
+        sequence = self.observation.events
+        response = answer if isinstance(answer, dict) and "id" in answer else (
+            self.observation.snapshot)
+        if response is not None:
+            kind = "response.failed"
+            body: dict[str, Any] = {"type": kind, "sequence_number": sequence,
+                                    "response": {**response, "status": "cancelled"}}
+        else:
+            kind = "error"
+            body = {"type": kind, "sequence_number": sequence, "param": None,
+                    "code": "cancelled", "message": "the response was cancelled"}
+        return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
+
+    def _inspect(self, event: bytes, nl: bytes) -> None:
+        kind, data = _split_event(event, nl)
         if data is None:
             return
         self.observation.events += 1
@@ -244,12 +297,13 @@ def relay_for(observation: ResponseObservation, strip_usage_chunk: bool
     return SseRelay(observation, strip_usage_chunk)
 
 
-def _split_event(event: bytes) -> tuple[str | None, bytes | None]:
+def _split_event(event: bytes, nl: bytes) -> tuple[str | None, bytes | None]:
     """An SSE event's type (its ``event:`` line) and its data (None: a comment or an
-    empty event). vLLM writes one ``event:`` and one ``data:`` line per event."""
+    empty event), its lines ending in ``nl``. vLLM writes one ``event:`` and one
+    ``data:`` line per event."""
     kind: str | None = None
     data: bytes | None = None
-    for line in event.split(b"\n"):
+    for line in event.split(nl):
         if line.startswith(b"event:"):
             kind = line[6:].strip().decode("utf-8", "replace")
         elif line.startswith(b"data:"):

@@ -43,6 +43,7 @@ from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import DEFAULT_SALT_SECRET, RouterSettings
 from kvhint.router.service.settings_sections import ModelPromptSettings
 from kvhint.router.service.tenancy import TenantDirectory
+from kvhint.router.service.tenant_call_rate import TenantCallRate
 from kvhint.router.service.timeline import Timeline
 from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream import UpstreamPool
@@ -81,6 +82,8 @@ class RouterRuntime:
     index: InMemoryClusterKvIndex
     ingestor: KvEventIngestor
     timeline: Timeline
+    # Each tenant's calls to the session and admin endpoints, tenants[].api_calls.
+    call_rate: TenantCallRate
     link: NatsLink | None = None
     feed: ClusterFeed | None = None
     models: dict[str, str] = field(default_factory=dict)  # served name -> tokenizer path
@@ -133,7 +136,8 @@ class RouterRuntime:
         sessions = SessionRegistry(
             writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop,
             tenant_cap=lambda name: directory.session_cap(name, MAX_SESSIONS_IN_MEMORY),
-            on_evict=lambda name: metrics.sessions_evicted.labels(name).inc())
+            on_evict=lambda name: metrics.sessions_evicted.labels(name).inc(),
+            on_conflict=lambda outcome: metrics.session_save_conflicts.labels(outcome).inc())
         for tenant in directory.tenants:
             metrics.sessions_evicted.labels(tenant.name)
             metrics.tenant_in_flight.labels(tenant.name)
@@ -167,11 +171,13 @@ class RouterRuntime:
                                        replay_wait_s=settings.replay_wait_s,
                                        conflict_hold_s=settings.conflict_hold_s,
                                        conflict_confirm_s=settings.conflict_confirm_s))
+        stored_sessions = StoredSessions(engine, metrics,
+                                         settings.routing.session_read_timeout_s)
         lifecycle = SessionLifecycle(
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
-            load_session=StoredSessions(engine, metrics,
-                                        settings.routing.session_read_timeout_s).row,
+            load_session=stored_sessions.row, latest_session=stored_sessions.latest
+            if settings.routing.session_refresh else None,
             max_prompt_blocks=-(-settings.routing.max_prompt_tokens // settings.block_size),
             # Without NATS nothing feeds the index: its (empty) view says nothing either way.
             index_exact=ingestor.view_exact if link is not None else None)
@@ -205,7 +211,8 @@ class RouterRuntime:
                               index_exact=ingestor.view_exact if link is not None else None)
         runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
-                      link=link, models=models, recorder=recorder)
+                      TenantCallRate(directory, metrics), link=link, models=models,
+                      recorder=recorder)
         metrics.bind_state(runtime.state_sample)
         for tenant in directory.tenants:
             writer.upsert("tenants", (tenant.name,), {"name": tenant.name,

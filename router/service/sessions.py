@@ -4,7 +4,9 @@ A :class:`SessionRecord` is the service's view (counters, the open tool gap, wha
 show an operator) plus the planner's own :class:`SessionPlanState`, which only the
 planner functions change. Every change is written through the store writer (batched,
 off the request path); :meth:`SessionRegistry.restore` rebuilds the registry from the
-store after a restart.
+store after a restart. A save is written only over the row's revision the record was
+made from: one another replica saved since is read again and merged
+(session_merge.py), never written over.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from operator import attrgetter
 from typing import Any, Literal
 
 from kvhint.router.policy.session import SessionPlanState
-from kvhint.router.store.writer import StoreWriter
+from kvhint.router.service.session_merge import MAX_GAPS_KEPT, SessionBase, merge_into
+from kvhint.router.store.writer import NOT_STORED, StoreWriter
 
 ACTIVE = "active"
 TOOL_GAP = "tool_gap"
 ENDED = "ended"
 # Every state a session is in (the admin API refuses any other with a 422).
 SessionState = Literal["active", "tool_gap", "ended"]
-MAX_GAPS_KEPT = 32  # closed tool gaps a session keeps (in memory and stored)
 # How far past the least recently opened session eviction looks for an ended one.
 _EVICTION_LOOKAHEAD = 64
 _STATE_OF = attrgetter("state")
@@ -61,6 +63,11 @@ class SessionRecord:
     # When plan_idle last reviewed the session (memory only): the next review is due at
     # next_idle_review(config, plan, max(this, the gap's opening)).
     idle_reviewed_at: float | None = None
+    # The stored row's revision this record was last read from or written as
+    # (NOT_STORED: none yet), and its counters and gaps then (memory only): a save is
+    # written only over that revision, else merged (session_merge.py).
+    revision: int = NOT_STORED
+    base: SessionBase | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -115,6 +122,8 @@ class SessionRecord:
             prompt_tokens=row.get("prompt_tokens") or 0,
             cached_tokens=row.get("cached_tokens") or 0,
             predicted_cached_tokens=row.get("predicted_cached_tokens") or 0,
+            revision=row.get("revision") or 0,
+            base=SessionBase.of(row),
         )
 
 
@@ -153,7 +162,8 @@ class SessionRegistry:
     def __init__(self, writer: StoreWriter | None, max_sessions: int,
                  on_drop: Callable[[str, int], None] | None = None,
                  tenant_cap: Callable[[str], int | None] | None = None,
-                 on_evict: Callable[[str], None] | None = None) -> None:
+                 on_evict: Callable[[str], None] | None = None,
+                 on_conflict: Callable[[str], None] | None = None) -> None:
         # In opening order (least recently opened first): eviction takes from the front.
         self._sessions: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
         # The same records per tenant, in the same order: a tenant's eviction scans only
@@ -164,6 +174,7 @@ class SessionRegistry:
         self._on_drop = on_drop
         self._tenant_cap = tenant_cap
         self._on_evict = on_evict
+        self._on_conflict = on_conflict
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -200,8 +211,41 @@ class SessionRegistry:
         return record
 
     def save(self, record: SessionRecord) -> None:
+        """Queue ``record``'s row, written over the revision it was made from only
+        (:class:`_VersionedSession`)."""
         if self._writer is not None:
-            self._writer.upsert("sessions", record.key, record.row())
+            self._writer.upsert_versioned("sessions", record.key, record.row(),
+                                          _VersionedSession(self, record))
+
+    def _conflicted(self, record: SessionRecord, stored: dict[str, Any] | None) -> None:
+        """``record``'s save found the row saved by another replica since (or deleted:
+        ``stored`` None): merged with it, then saved again (session_merge.py); counted
+        (``on_conflict``, by outcome)."""
+        if stored is None:  # retention deleted it meanwhile: this record is all there is
+            record.revision, record.base = NOT_STORED, None
+            outcome = "row_gone"
+        else:
+            _merge_stored(record, stored)
+            outcome = "merged"
+        if self._on_conflict is not None:
+            self._on_conflict(outcome)
+        self.save(record)
+
+    def refresh(self, record: SessionRecord, row: dict[str, Any]) -> bool:
+        """``record`` with another replica's save of its session merged in, when
+        ``row`` (the stored row, read before a turn) is newer than the revision the
+        record was made from; saved then. False when it is not (nothing to merge), or
+        when this router's own flush of the row is in progress (the row may be that
+        write: its save tells). Read before each turn (``SessionLifecycle.recall``), so
+        a turn continues what another replica's turns did since (its turns, open tool
+        gap, planner state), not this replica's older record."""
+        if self._writer is not None and self._writer.writing("sessions", record.key):
+            return False
+        if (row.get("revision") or 0) <= record.revision:
+            return False
+        _merge_stored(record, row)
+        self.save(record)  # a save queued before the merge must not be written as it was
+        return True
 
     def forget(self, record: SessionRecord) -> None:
         """Out of memory; the store keeps it (:meth:`adopt` brings it back)."""
@@ -294,3 +338,29 @@ class SessionRegistry:
         if self._on_evict is not None:
             self._on_evict(tenant)
         return True
+
+
+def _merge_stored(record: SessionRecord, stored: dict[str, Any]) -> None:
+    """``stored`` (another replica's save) merged into ``record``, which is now made
+    from it (session_merge.py)."""
+    merge_into(record, SessionRecord.from_row(stored))
+    record.revision, record.base = stored.get("revision") or 0, SessionBase.of(stored)
+
+
+class _VersionedSession:
+    """A session's save, as the writer's versioned row owner (store.writer.VersionedSave)."""
+
+    __slots__ = ("_registry", "_record")
+
+    def __init__(self, registry: SessionRegistry, record: SessionRecord) -> None:
+        self._registry = registry
+        self._record = record
+
+    def expected_revision(self) -> int:
+        return self._record.revision
+
+    def written(self, revision: int, values: dict[str, Any]) -> None:
+        self._record.revision, self._record.base = revision, SessionBase.of(values)
+
+    def conflicted(self, stored: dict[str, Any] | None) -> None:
+        self._registry._conflicted(self._record, stored)

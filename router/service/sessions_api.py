@@ -15,7 +15,8 @@
   planner's re-planning of the session never undoes them; the router keeps them as their
   own holding (:func:`agent_scope`).
 - Both refuse what a page on another site can make a browser send (:mod:`.cross_site`:
-  they are open in dev mode).
+  they are open in dev mode), and calls past their key's tenant's ``api_calls`` rate
+  (429 with ``Retry-After``, :mod:`.tenant_call_rate`), before they read the store.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from starlette.requests import ClientDisconnect
 
 from kvhint.router.policy import PlannedAction, agent_scope
 from kvhint.router.service.cross_site import cross_site_refusal
+from kvhint.router.service.hint_open_calls import OPEN_HINTS_REJECTION, HintOpenCalls
+from kvhint.router.service.hint_open_calls import RETRY_AFTER_S as OPEN_HINTS_RETRY_AFTER_S
 from kvhint.router.service.hint_records import FAILED
 from kvhint.router.service.inbound import (
     BadRequest,
@@ -44,6 +47,7 @@ from kvhint.router.service.inbound import (
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import ENDED
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
+from kvhint.router.service.tenant_call_rate import CALL_RATE_REJECTION
 from kvhint.router.service.tenant_reasons import rows_for
 from kvhint.schemas import (
     ACTION_VERSION,
@@ -138,6 +142,7 @@ def _tenant_for(principal: Principal, tenant: str | None) -> str:
 
 def build_sessions_router() -> APIRouter:
     router = APIRouter(tags=["sessions"])
+    open_calls = HintOpenCalls()  # each tenant's hints calls open now
 
     @router.delete("/v1/sessions/{session_id:path}")
     async def end_session(session_id: str, request: Request,
@@ -160,6 +165,12 @@ def build_sessions_router() -> APIRouter:
         if refusal is not None:
             refused.labels("cross_site").inc()
             return _json_error(refusal, 403)
+        # Before the store read and the end's sends: a tenant's ends are bounded too.
+        if (over := runtime.call_rate.take(principal.tenant)) is not None:
+            refused.labels(CALL_RATE_REJECTION).inc()
+            response = _json_error(over.message, 429)
+            response.headers["retry-after"] = str(over.retry_after_s)
+            return response
         await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant_name, session_id)
         if record is None:
@@ -177,8 +188,17 @@ def build_sessions_router() -> APIRouter:
         try:
             principal, tenant_name, hint_request = await _read_call(
                 runtime, request, session_id, tenant)
-            return await _send_hints(runtime, principal, tenant_name, session_id,
-                                     hint_request)
+            # Charged as the call rate is (hint_open_calls.py), before anything is sent.
+            charged = principal.tenant.name if principal.tenant else DEFAULT_TENANT
+            if (over := open_calls.enter(charged, runtime.settings.hints.api_max_open_calls,
+                                         runtime.metrics)) is not None:
+                raise _Rejected(OPEN_HINTS_REJECTION, over, 429,
+                                {"retry-after": str(OPEN_HINTS_RETRY_AFTER_S)})
+            try:
+                return await _send_hints(runtime, principal, tenant_name, session_id,
+                                         hint_request)
+            finally:
+                open_calls.leave(charged)
         except _Rejected as rejected:
             return _rejection(runtime, rejected)
 
@@ -200,6 +220,11 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
                                      "session_hints")
         if refusal is not None:
             raise _Rejected("cross_site", refusal, 403)
+        # Before the body, the store read and anything sent: every call counts, not only
+        # the actions sent (budget.max_actions_per_minute counts those).
+        if (over := runtime.call_rate.take(principal.tenant)) is not None:
+            raise _Rejected(CALL_RATE_REJECTION, over.message, 429,
+                            {"retry-after": str(over.retry_after_s)})
         body = await read_body_within(request.stream(), request.headers.get("content-length"),
                                       runtime.settings.max_body_bytes,
                                       runtime.settings.http_body_timeout_s)
@@ -281,9 +306,26 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
         # Over the per-minute rate: when a retry fits (None: never, too many in one
         # call); 0, the rate has room: a budget (budgets have no time).
         wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)
-        raise _Rejected("over_budget" if wait_s == 0 else "over_rate",
-                        f"over budget; nothing was sent: {over}", 429,
-                        {"retry-after": str(math.ceil(wait_s))} if wait_s else _NO_RETRY)
+        if wait_s is None:
+            # The call itself can never pass, now or later: a 422 (a 429, even with
+            # x-should-retry: false, says "later"), naming the bound.
+            rate = tenant.budget.max_actions_per_minute
+            raise _Rejected("invalid_action", f"{len(planned)} actions in one call: more "
+                            f"than tenant {tenant_name!r} may send in a minute (its "
+                            f"budget.max_actions_per_minute is {rate}); nothing was sent"
+                            + (", send fewer per call" if rate else ""), 422)
+        if wait_s:
+            raise _Rejected("over_rate", f"over its rate; nothing was sent: {over} (its "
+                            "budget.max_actions_per_minute): retry after Retry-After "
+                            "seconds", 429, {"retry-after": str(math.ceil(wait_s))})
+        # A budget: a retry passes only once room comes back, which no wait the router
+        # knows says (holds end by their TTL, or when released): not retried for nothing
+        # by OpenAI's SDKs, and told what frees room.
+        raise _Rejected("over_budget", f"over budget; nothing was sent: {over}. Sent again "
+                        "now it is refused the same way: room comes back as held blocks' "
+                        "TTLs pass, or when they are released (this tenant's own: a "
+                        "kv.retain with priority 0 releases a session's agent holds, and "
+                        "so does the session's end)", 429, _NO_RETRY)
     scopes = {action.scope for action in planned}
     # No await from the ended and budget checks to here: send records the actions before
     # its first await, so the checks and the record are one step. An end or another call

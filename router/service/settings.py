@@ -104,8 +104,9 @@ class TenantBudget(BaseModel, frozen=True, extra="forbid"):
     max_actions_per_minute: int = Field(600, ge=0)
     # The most of one worker's pin budget, and of its retain budget, that this tenant's
     # agent runtimes may hold there through the sessions API. A worker's budgets are
-    # shared by every tenant, and an agent's Retain at priority 100 displaces any lower
-    # claim, another tenant's included: without a share, one tenant's agents could take a
+    # shared by every tenant, and an agent's Retain displaces any planner claim (workers
+    # rank agents' Retains above the planner's) and any agent's of lower priority,
+    # another tenant's included: without a share, one tenant's agents could take a
     # worker's whole pin budget, or push every other tenant's protections off it. None:
     # an equal share, 1 / the number of configured tenants (no limit with one tenant).
     # The planner's own protections are not counted here: it orders every tenant's
@@ -122,6 +123,20 @@ class PriorityBounds(BaseModel, frozen=True, extra="forbid"):
 
     min: int = Field(0, le=0)
     max: int = Field(0, ge=0)
+
+
+class ApiCallRate(BaseModel, frozen=True, extra="forbid"):
+    """The calls a tenant's keys may make to the router's session and admin endpoints
+    (``DELETE /v1/sessions/{id}``, ``POST /v1/sessions/{id}/hints``, ``/admin``), a token
+    bucket: ``burst`` at once, refilled at ``per_s``. Each such call may read the store
+    (a session id not in memory, an admin view) and send hint actions to a worker; the
+    hints' own rate (``TenantBudget.max_actions_per_minute``) counts only the actions
+    sent, not the calls refused after a read, and ends had no bound at all. One more is a
+    429 with ``Retry-After`` (tenant_call_rate.py). The default is far above an agent's
+    use (one end per session, a few hints calls per turn)."""
+
+    per_s: float = Field(100.0, gt=0)
+    burst: int = Field(1000, ge=1)
 
 
 class TenantConfig(BaseModel, frozen=True, extra="forbid"):
@@ -147,6 +162,9 @@ class TenantConfig(BaseModel, frozen=True, extra="forbid"):
     max_in_flight: int | None = Field(None, ge=1)
     # The request ``priority`` its keys may send; outside it, a 400 (PriorityBounds).
     priority: PriorityBounds = PriorityBounds()
+    # Its keys' calls to the session and admin endpoints (ends, hints, /admin), a token
+    # bucket (ApiCallRate); a global admin key's, and dev mode's, are ``default``'s.
+    api_calls: ApiCallRate = ApiCallRate()
 
     @field_validator("name")
     @classmethod

@@ -62,6 +62,12 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # forgotten): past it, or with the store failing, the turn starts a record of its own,
     # counted (service/session_reads.py).
     session_read_timeout_s: float = Field(0.5, gt=0, le=10)
+    # Whether each turn (end, hints call) of a session held in memory reads its row first,
+    # to continue turns another replica served since (session_reads.StoredSessions.latest):
+    # one primary-key read per turn. Off: a router that is the store's only replica, or
+    # behind a load balancer keeping each session on one replica, saves that read; saves
+    # still merge another replica's (session_merge.py).
+    session_refresh: bool = True
     # The most sequences one request may ask to sample (``n``, or ``best_of``); more is a
     # 400. Each is a sequence decoding on the worker beside every other tenant's, and a
     # session continues at most one of them (response_scan.py).
@@ -86,6 +92,9 @@ class HintSettings(BaseModel, frozen=True, extra="forbid"):
     # has not heard yet waits for the first heartbeat (the plugin's default interval is
     # 2 s) instead of answering 503 at once. 0: never wait.
     api_heartbeat_wait_s: float = Field(5.0, ge=0, le=60)
+    # Hints calls of one tenant open at once (each waits up to its wait_s, 60 s at most,
+    # for its actions' outcomes); one more is a 429 with Retry-After (hint_open_calls.py).
+    api_max_open_calls: int = Field(64, ge=1)
     # Planner tick (idle decay, expiries), seconds.
     tick_s: float = Field(1.0, ge=0.05, description=(
         "At least 0.05 s: each tick walks every session in memory on the event loop; "

@@ -14,7 +14,12 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvhint.router.service.settings import DEFAULT_TENANT, RouterSettings, TenantBudget
+from kvhint.router.service.settings import (
+    DEFAULT_TENANT,
+    ApiCallRate,
+    RouterSettings,
+    TenantBudget,
+)
 
 # DEFAULT_TENANT: a global admin's own traffic's tenant (settings.py: a tenant configured
 # with that name may have no keys).
@@ -34,8 +39,14 @@ class Tenant:
     # Its requests in flight at once (``TenantConfig.max_in_flight``; None: no cap).
     max_in_flight: int | None = None
     # The request ``priority`` values its keys may send, (min, max) (``TenantConfig.
-    # priority``); None: any (dev mode, and ``default``: a global admin's own traffic).
+    # priority``); None: any. A configured ``default`` (keyless: a global admin's own
+    # traffic) is bounded as every configured tenant is, by its ``priority`` (0 to 0
+    # unless set): the operator's choice for that traffic. None in dev mode, and for a
+    # ``default`` not configured.
     priority_range: tuple[int, int] | None = None
+    # Its keys' calls to the session and admin endpoints (``TenantConfig.api_calls``;
+    # the default for a ``default`` not configured).
+    api_calls: ApiCallRate = ApiCallRate()
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -81,7 +92,8 @@ class TenantDirectory:
                             equal_share if share is None else share, config.max_in_flight,
                             # Dev mode has no tenants to keep apart: all is the operator's.
                             None if self.dev_mode
-                            else (config.priority.min, config.priority.max))
+                            else (config.priority.min, config.priority.max),
+                            config.api_calls)
             self._tenants[tenant.name] = tenant
             for key in config.api_keys:
                 self._client_keys[key] = tenant

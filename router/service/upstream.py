@@ -37,7 +37,7 @@ DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
 # Never copied from a worker's response to the client.
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-    "server", "date", "proxy-authenticate", "trailer", "upgrade",
+    "server", "date", "proxy-authenticate", "trailer", "upgrade", "proxy-connection", "te",
 })
 
 
@@ -47,13 +47,18 @@ class UpstreamUnavailable(Exception):
     accepted within the connect timeout): a fact of the address, not of the request."""
 
     def __init__(self, worker_id: str, reason: str, status: int | None = None,
-                 body: bytes = b"", *, unreachable: bool = False) -> None:
+                 body: bytes = b"", *, unreachable: bool = False,
+                 client_reason: str | None = None) -> None:
         super().__init__(f"worker {worker_id}: {reason}")
         self.worker_id = worker_id
         self.reason = reason
         self.status = status
         self.body = body
         self.unreachable = unreachable
+        # What a client is told (``reason`` less what names the worker's address, which
+        # aiohttp's connection errors spell out: host, port, resolver text). The whole
+        # ``reason`` is for the log and a fleet admin's ``last_http_error`` only.
+        self.client_reason = reason if client_reason is None else client_reason
 
 
 class UpstreamTimeout(Exception):
@@ -189,9 +194,13 @@ class UpstreamPool:
         except aiohttp.SocketTimeoutError as exc:  # sent; a connect timeout is not one
             raise UpstreamTimeout(worker_id, self._request_timeout_s) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            raise UpstreamUnavailable(worker_id, f"{type(exc).__name__}: {exc}", unreachable=(
-                isinstance(exc, (aiohttp.ClientConnectorError,
-                                 aiohttp.ConnectionTimeoutError)))) from exc
+            unreachable = isinstance(exc, (aiohttp.ClientConnectorError,
+                                           aiohttp.ConnectionTimeoutError))
+            raise UpstreamUnavailable(
+                worker_id, f"{type(exc).__name__}: {exc}", unreachable=unreachable,
+                client_reason=f"{type(exc).__name__}: " + (
+                    "no connection could be made" if unreachable
+                    else "the connection failed before any answer")) from exc
         if response.status == 401:
             # No client credential is ever sent to a worker: its 401 refuses the router's
             # own key (vLLM's --api-key against worker_api_key / workers[].api_key).
@@ -248,10 +257,33 @@ class UpstreamPool:
 _RELAYED_MEDIA_TYPES = frozenset({"application/json", "text/event-stream", "text/plain"})
 # Not copied either: set below for every relayed answer.
 _NOT_COPIED = _HOP_BY_HOP | {"content-type", "x-content-type-options"}
+# Nor what a worker's answer would set for the router's whole origin, where the dashboard
+# runs and keeps an admin key, and whose browser policy is the router's own
+# (origin_policy.py: no CORS header but its grant's, ever): cookies, CORS grants (a
+# worker's "*" let any site read the answer), HSTS, alternative services (where a
+# browser sends this origin's next requests), site-data clearing, a CSP or refresh, an
+# HTTP-auth challenge (a browser's login prompt on the router's origin), a redirect.
+# vLLM sends none of them; relayed, a worker's (or a proxy's before it) spoke for the
+# router's origin.
+_ORIGIN_SCOPED = frozenset({
+    "set-cookie", "set-cookie2", "strict-transport-security", "alt-svc", "clear-site-data",
+    "content-security-policy", "content-security-policy-report-only", "refresh",
+    "www-authenticate", "location",
+    # The router's own (forwarding.py WORKER_HEADER), set on every relayed answer: a
+    # worker's, in another case, went out beside it and was the one read back (the
+    # Responses API records a response id as held by that worker).
+    "x-kvhint-worker",
+})
 
 
 def _copy_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_COPIED}
+    # The worker's hop-by-hop headers include those its ``Connection`` header names
+    # (RFC 9110 7.6.1): meant for the router's connection to it, not for the client.
+    named = {token.strip().lower() for value in response.headers.getall("connection", ())
+             for token in value.split(",")}
+    headers = {k: v for k, v in response.headers.items()
+               if (name := k.lower()) not in _NOT_COPIED and name not in _ORIGIN_SCOPED
+               and name not in named and not name.startswith("access-control-")}
     media_type = (response.content_type or "").lower()
     headers["content-type"] = (response.headers.get("content-type", media_type)
                                if media_type in _RELAYED_MEDIA_TYPES

@@ -70,6 +70,11 @@ class SessionRow(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     predicted_cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # How many saves the row has had (revision 0006): a router saves its record of the
+    # session only where the row is still at the revision it last read or wrote, else it
+    # reads the row again and merges (writer.StoreWriter.upsert_versioned,
+    # service.session_merge). A router of the release before leaves it as it is.
+    revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     __table_args__ = (
         Index("ix_sessions_last_activity", "last_activity"),

@@ -22,6 +22,13 @@ A row may also be queued for deletion (:meth:`StoreWriter.delete`), in the same 
 order as the writes: a delete replaces what was queued for its row (none of it is
 written), a whole-row write (upsert) queued after it writes the row again, and an update
 queued after it finds no row.
+
+A versioned whole-row write (:meth:`StoreWriter.upsert_versioned`, a session's row) is
+written only where the row is still at the revision its owner last read or wrote (or,
+for a row its owner never saw stored, only where there is none): replicas share the
+store, and one must not silently write over another's newer save of the same row. The
+row it finds instead is read in the same transaction and handed to the owner
+(:meth:`VersionedSave.conflicted`), which merges and saves again.
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from sqlalchemy import Engine, Table, bindparam, delete, select, update
+from sqlalchemy import Connection, Engine, Table, bindparam, delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
@@ -75,6 +82,32 @@ def _is_row_error(exc: Exception) -> bool:
 UPSERT = "upsert"
 UPDATE = "update"
 DELETE = "delete"
+# The revision of a row its owner never saw stored: written only where there is none.
+NOT_STORED = -1
+# Writes in one flush at most: the batch, then (twice at most) the versioned rows merged
+# after a conflict, with whatever was queued meanwhile.
+_CONFLICT_ROUNDS = 3
+# Rows a versioned write found at another revision: the row now (None: gone meanwhile).
+Conflicts = dict[RowKey, dict[str, Any] | None]
+
+
+class VersionedSave(Protocol):
+    """The owner of a versioned row (:meth:`StoreWriter.upsert_versioned`), asked in
+    the loop thread only."""
+
+    def expected_revision(self) -> int:
+        """The revision the row is at as its owner last read or wrote it (NOT_STORED:
+        none), asked when its flush begins."""
+        ...
+
+    def written(self, revision: int, values: dict[str, Any]) -> None:
+        """``values`` (the whole row) were written, the row now at ``revision``."""
+        ...
+
+    def conflicted(self, stored: dict[str, Any] | None) -> None:
+        """Not written: the row was at another revision, ``stored`` as it is now (None:
+        deleted since). The owner merges and saves again."""
+        ...
 
 
 class StoreWriter:
@@ -87,6 +120,10 @@ class StoreWriter:
         # row -> [kind, values]; kind is UPSERT (a whole row) or UPDATE (some columns of
         # a row that already exists).
         self._pending: dict[RowKey, list[Any]] = {}
+        # The owners of the versioned rows queued or being written.
+        self._versioned: dict[RowKey, VersionedSave] = {}
+        # The rows of the flush in progress (its transaction may have committed already).
+        self._writing: frozenset[RowKey] = frozenset()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
         self.flushes = 0
@@ -104,6 +141,20 @@ class StoreWriter:
         """Queue a whole-row write (insert or replace the given columns). ``values`` holds
         every non-null column and the primary key."""
         self._queue(UPSERT, table, key, values)
+
+    def upsert_versioned(self, table: str, key: tuple[Any, ...], values: dict[str, Any],
+                         owner: VersionedSave) -> None:
+        """Queue a whole-row write of a table with a ``revision`` column, written only
+        over the revision ``owner`` expects when the flush begins (module docstring)."""
+        self._queue(UPSERT, table, key, values)
+        row_key = (table, key)
+        if row_key in self._pending:  # else dropped, counted
+            self._versioned[row_key] = owner
+
+    def writing(self, table: str, key: tuple[Any, ...]) -> bool:
+        """Whether the row is in the flush in progress: a read of it meanwhile may find
+        this writer's own write, its owner not yet told (``VersionedSave.written``)."""
+        return (table, key) in self._writing
 
     def update(self, table: str, key: tuple[Any, ...], values: dict[str, Any]) -> None:
         """Queue an update of some columns of a row that exists (or is queued)."""
@@ -163,42 +214,92 @@ class StoreWriter:
                       len(self._pending), self.last_error)
             self._on_drop("store_write", len(self._pending))
             self._pending = {}
+            self._versioned = {}
 
     async def flush(self) -> None:
+        """Write what is queued. Versioned rows found saved by another replica are merged
+        by their owners and queued again: written in this flush too (a few rounds at
+        most; a row still conflicting then waits for the next flush)."""
         async with self._flush_lock:
-            if not self._pending:
-                return
-            batch, self._pending = self._pending, {}
-            try:
-                await asyncio.to_thread(self._write, batch)
-            except _WRITE_ERRORS as exc:
-                if _is_row_error(exc):
-                    self._failed(exc, "writing its rows one by one", len(batch))
-                    await self._write_each(batch)
-                else:
-                    self._failed(exc, "rows kept for retry", len(batch))
-                    self._requeue(batch)
-                return
-            except Exception as exc:  # noqa: BLE001 - nothing foreseen may end the loop
-                self._failed(exc, "rows dropped", len(batch))
-                self._on_drop("store_write", len(batch))
-                return
-            self.flushes += 1
-            self.rows_written += len(batch)
+            for _round in range(_CONFLICT_ROUNDS):
+                if not self._pending:
+                    return
+                batch, self._pending = self._pending, {}
+                self._writing = frozenset(batch)
+                try:
+                    conflicted = await self._flush_batch(batch)
+                finally:
+                    self._writing = frozenset()
+                if not conflicted:
+                    return
+
+    async def _flush_batch(self, batch: dict[RowKey, list[Any]]) -> bool:
+        """Write ``batch``; whether some versioned row of it conflicted."""
+        expected = self._expected(batch)
+        try:
+            conflicts = await asyncio.to_thread(self._write, batch, expected)
+        except _WRITE_ERRORS as exc:
+            if _is_row_error(exc):
+                self._failed(exc, "writing its rows one by one", len(batch))
+                await self._write_each(batch, expected)
+            else:
+                self._failed(exc, "rows kept for retry", len(batch))
+                self._requeue(batch)
+            return False
+        except Exception as exc:  # noqa: BLE001 - nothing foreseen may end the loop
+            self._failed(exc, "rows dropped", len(batch))
+            self._on_drop("store_write", len(batch))
+            for row_key in expected:
+                self._settled(row_key)
+            return False
+        self.flushes += 1
+        self.rows_written += len(batch) - len(conflicts)
+        self._answer(batch, expected, conflicts)
+        return bool(conflicts)
+
+    def _expected(self, batch: dict[RowKey, list[Any]]
+                  ) -> dict[RowKey, tuple[VersionedSave, int]]:
+        """The versioned rows of ``batch``: each one's owner and expected revision."""
+        expected = {}
+        for row_key, owner in self._versioned.items():
+            entry = batch.get(row_key)
+            if entry is not None and entry[0] == UPSERT:
+                expected[row_key] = (owner, owner.expected_revision())
+        return expected
+
+    def _settled(self, row_key: RowKey) -> None:
+        """The versioned row's write is over: its owner is kept only for a newer one."""
+        if row_key not in self._pending:
+            self._versioned.pop(row_key, None)
+
+    def _answer(self, batch: dict[RowKey, list[Any]],
+                expected: dict[RowKey, tuple[VersionedSave, int]],
+                conflicts: Conflicts) -> None:
+        """Tell each versioned row's owner what became of its write."""
+        for row_key, (owner, revision) in expected.items():
+            if row_key not in batch:
+                continue
+            self._settled(row_key)
+            if row_key in conflicts:
+                owner.conflicted(conflicts[row_key])
+            else:
+                owner.written(revision + 1, batch[row_key][1])
 
     def _failed(self, exc: Exception, then: str, rows: int) -> None:
         self.flush_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:500]
         log.warning("store flush of %d rows failed (%s): %s", rows, then, self.last_error)
 
-    async def _write_each(self, batch: dict[RowKey, list[Any]]) -> None:
+    async def _write_each(self, batch: dict[RowKey, list[Any]],
+                          expected: dict[RowKey, tuple[VersionedSave, int]]) -> None:
         """Each row in its own transaction: the rows the database refuses are dropped and
         counted; if it goes away meanwhile, the rest are kept for the next flush."""
         rejected = 0
         rows = list(batch.items())
         for index, (row_key, entry) in enumerate(rows):
+            mine = {row_key: expected[row_key]} if row_key in expected else {}
             try:
-                await asyncio.to_thread(self._write, {row_key: entry})
+                conflicts = await asyncio.to_thread(self._write, {row_key: entry}, mine)
             except _WRITE_ERRORS as exc:
                 if not _is_row_error(exc):
                     self._failed(exc, "rows kept for retry", len(rows) - index)
@@ -207,8 +308,11 @@ class StoreWriter:
                 rejected += 1
                 log.error("store refused a %s row, dropped: %s", row_key[0],
                           f"{type(exc).__name__}: {exc}"[:300])
+                if mine:
+                    self._settled(row_key)
                 continue
-            self.rows_written += 1
+            self.rows_written += 1 - len(conflicts)
+            self._answer({row_key: entry}, mine, conflicts)
         if rejected:
             self._on_drop("store_row_rejected", rejected)
         self.flushes += 1
@@ -228,13 +332,26 @@ class StoreWriter:
             await asyncio.sleep(self._interval)
             await self.flush()
 
-    def _write(self, batch: dict[RowKey, list[Any]]) -> None:
+    def _write(self, batch: dict[RowKey, list[Any]],
+               expected: dict[RowKey, tuple[VersionedSave, int]]) -> Conflicts:
+        """Write ``batch`` in one transaction; the versioned rows (``expected``) only
+        over their expected revision: those found at another are returned, each with the
+        row as it is now (read in the same transaction)."""
         # Group by kind, table and column set: one executemany per group. Upserts first,
         # so an update queued after a flushed insert finds its row.
         groups: dict[tuple[str, str, tuple[str, ...]], list[dict[str, Any]]] = {}
-        for (table, _key), (kind, values) in batch.items():
-            groups.setdefault((kind, table, tuple(sorted(values))), []).append(values)
+        versioned: dict[tuple[str, tuple[str, ...]], list[tuple[RowKey, dict[str, Any]]]] = {}
+        for row_key, (kind, values) in batch.items():
+            if row_key in expected:
+                versioned.setdefault((row_key[0], tuple(sorted(values))), []).append(
+                    (row_key, {**values, "revision": expected[row_key][1] + 1}))
+                continue
+            groups.setdefault((kind, row_key[0], tuple(sorted(values))), []).append(values)
+        conflicts: Conflicts = {}
         with self._engine.begin() as conn:
+            for (table, columns), keyed in sorted(versioned.items()):
+                conflicts.update(self._write_versioned(conn, TABLES[table].__table__,
+                                                       (*columns, "revision"), keyed))
             for (kind, table, columns), rows in sorted(groups.items(), reverse=True):
                 model = TABLES[table]
                 table_obj = model.__table__
@@ -265,6 +382,52 @@ class StoreWriter:
                 else:
                     statement = statement.on_conflict_do_nothing(index_elements=primary)
                 conn.execute(statement, rows)
+        return conflicts
+
+    def _write_versioned(self, conn: Connection, table: Table, columns: tuple[str, ...],
+                         keyed: list[tuple[RowKey, dict[str, Any]]]) -> Conflicts:
+        """Insert each row where there is none, else update it where it is still at the
+        revision before the one it carries (``revision``: the expected one plus 1; a row
+        never seen stored expects NOT_STORED, which no stored row is at). Those not
+        written are read again (:func:`_written_keys` says which were)."""
+        primary = [c.name for c in table.primary_key.columns]
+        statement = self._insert(table)
+        references = _nulled_references(table, columns)
+        rows = [values for _row_key, values in keyed]
+        if references:
+            statement = statement.values(references)
+            rows = [{_REFERENCE_KEY + c if c in references else c: v
+                     for c, v in r.items()} for r in rows]
+        statement = statement.on_conflict_do_update(
+            index_elements=primary,
+            set_={c: statement.excluded[c] for c in columns if c not in primary},
+            where=table.c.revision == statement.excluded.revision - 1)
+        written = _written_keys(conn, statement, primary, rows)
+        conflicts: Conflicts = {}
+        for row_key, values in keyed:
+            key = tuple(values[p] for p in primary)
+            if key not in written:
+                found = conn.execute(select(*table.columns).where(
+                    *(table.c[p] == v for p, v in zip(primary, key)))).mappings().first()
+                conflicts[row_key] = dict(found) if found is not None else None
+        return conflicts
+
+
+# Rows per statement of a versioned write: measured on PostgreSQL, 1,000 sessions take
+# ~140 ms so against ~190 ms in one statement (a plain upsert's executemany: ~70 ms).
+_RETURNING_PAGE_ROWS = 100
+
+
+def _written_keys(conn: Connection, statement: Any, primary: list[str],
+                  rows: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
+    """The primary keys of ``rows`` the conditional upsert ``statement`` wrote: sent in
+    statements of many rows, RETURNING the keys of the rows written (a row count cannot
+    say which: SQLAlchemy sends many rows as one statement, whose count it does not
+    give)."""
+    returning = statement.returning(*(statement.table.c[p] for p in primary)).execution_options(
+        insertmanyvalues_page_size=_RETURNING_PAGE_ROWS)
+    return {tuple(row) for row in conn.execute(returning, rows)}
+
 
 
 # The parameter of a nulled reference's value (a column's own name is SQLAlchemy's).

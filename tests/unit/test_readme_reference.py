@@ -217,6 +217,9 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
         "kvhint_router_response_session_reads_total": {
             "outcome": set(m.RESPONSE_SESSION_READS)},
         "kvhint_router_session_reads_total": {"outcome": set(m.SESSION_READS)},
+        "kvhint_router_session_refreshes_total": {"outcome": set(m.SESSION_REFRESHES)},
+        "kvhint_router_session_save_conflicts_total": {
+            "outcome": set(m.SESSION_SAVE_CONFLICTS)},
     }
 
 

@@ -73,7 +73,7 @@ class BaselineResponsesRelay(ResponsesRelay):
             return b""
         complete, self._pending = data[: end + 2], data[end + 2:]
         for event in complete.split(b"\n\n")[:-1]:
-            self._inspect(event)
+            self._inspect(event, b"\n")
         return complete
 
 

@@ -85,8 +85,8 @@ async def test_a_path_no_route_serves_is_counted_by_reason_never_by_its_path(
         missing = await client.get(f"{url}/v1/responses/resp_nope",
                                    headers={"authorization": "Bearer ka"})
         assert missing.status_code == 404, missing.text
-        assert await _route_counts(client, url) == {"unknown_path": 3.0,
-                                                    "method_not_allowed": 2.0}
+        assert await _route_counts(client, url) == dict.fromkeys(ROUTE_REFUSALS, 0.0) | {
+            "unknown_path": 3.0, "method_not_allowed": 2.0}
         assert await _counts(client, url) == dict.fromkeys(ADMIN_REJECTIONS, 0.0)
         text = (await client.get(f"{url}/metrics")).text
         assert "nope-a-path" not in text and "embeddings" not in text

@@ -43,10 +43,11 @@ def _insert(engine: sa.Engine, workers: list[dict], sessions: list[dict]) -> Non
 
 
 def _sessions(engine: sa.Engine) -> dict[str, dict]:
-    """Session id -> its stored row."""
+    """Session id -> its stored row, as :func:`_session` writes it: without the
+    ``revision`` a later migration adds (0006, test_service_store_session_revisions)."""
     with engine.connect() as conn:
-        return {row["session_id"]: dict(row) for row in
-                conn.execute(sa.select(SessionRow.__table__)).mappings()}
+        return {row["session_id"]: {k: v for k, v in row.items() if k != "revision"}
+                for row in conn.execute(sa.select(SessionRow.__table__)).mappings()}
 
 
 def _session_workers(engine: sa.Engine) -> dict[str, str | None]:

@@ -1,8 +1,8 @@
 """A request's ``priority`` through the real router to stand-in workers: a tenant's key
 may send only what its ``tenants[].priority`` bounds allow (default: none but vLLM's
 0), so no tenant moves its requests ahead of another's on workers scheduling by
-priority; dev mode and a global admin's own traffic are not bounded. And ``stream`` as
-vLLM reads it ("true" streams)."""
+priority; dev mode is not bounded, and a global admin's own traffic only by a configured
+``default`` tenant's bounds. And ``stream`` as vLLM reads it ("true" streams)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,33 @@ async def test_a_tenant_key_sends_only_the_priority_its_tenant_allows(
                       reason="priority_not_allowed") == refused - 3
         assert sample(samples, "kvhint_router_gateway_rejections_total", tenant="beta",
                       reason="priority_not_allowed") == 3
+
+
+async def test_a_configured_default_bounds_the_global_admins_own_traffic(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A keyless ``default`` in the config sets the global admin's own traffic's limits:
+    its ``priority`` bounds that traffic as any tenant's bound its keys (0 to 0 unless
+    set); with none configured (the test above) that traffic has no bounds."""
+    for default, allowed, refused in (({"name": "default"}, (0,), (-1, 1)),
+                                      ({"name": "default", "priority": {"min": -2, "max": 0}},
+                                       (-2, 0), (-3, 1))):
+        settings = router_settings(tmp_path, [("w0", stub_workers[0].url)],
+                                   tenants=[TENANTS[0], default], admin_keys=["root"])
+        async with running_router(settings) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            url = router.url + "/v1/chat/completions"
+            for value in allowed:
+                answer = await client.post(url, json={**BODIES["/v1/chat/completions"],
+                                                      "priority": value}, headers=ROOT)
+                assert answer.status_code == 200, answer.text
+            for value in refused:
+                answer = await client.post(url, json={**BODIES["/v1/chat/completions"],
+                                                      "priority": value}, headers=ROOT)
+                assert answer.status_code == 400, answer.text
+                assert answer.json()["error"]["param"] == "priority"
+            samples = await scrape(client, router.url)
+            assert sample(samples, "kvhint_router_gateway_rejections_total",
+                          tenant="default", reason="priority_not_allowed") == len(refused)
 
 
 async def test_dev_mode_passes_any_priority_on(

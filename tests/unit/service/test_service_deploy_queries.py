@@ -393,6 +393,8 @@ _PLUGIN_LOSSES = {
 _PLUGIN_EXPECTED = {
     # Throughput.
     "events_published", "outcomes_published", "releases_published", "index_events",
+    # A hybrid model's block events of the KV-cache groups the router does not follow.
+    "events_other_group",
     # Hints doing what they say: holds released, displaced, expired, given back, clipped;
     # repeats of an answered action (at-least-once delivery).
     "retained_released_under_pressure", "retained_kept_in_use_under_pressure",

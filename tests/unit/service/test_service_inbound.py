@@ -32,7 +32,7 @@ def test_router_owns_session_salt_and_transfer_params() -> None:
     body = chat(session_id="s1", cache_salt="mine", kv_transfer_params={"do_remote": True},
                 ec_transfer_params={"x": 1}, prompt_cache_key="k",
                 vllm_xargs={"session_id": "evil", "kv_transfer_params": "x",
-                            "cache_salt": "mine", "x": 1})
+                            "cache_salt": "mine", "kv_cache_report_mode": "full", "x": 1})
     inbound = parse_inbound(Endpoint.CHAT, body, ACME, None, None)
     forwarded = inbound.body
     assert forwarded["session_id"] == "acme/s1"
