@@ -1,6 +1,8 @@
 """The one place that touches vLLM internals (KVCacheManager, BlockPool, Request, events,
-connectors): :mod:`.cache` (the block cache port and the tees), :mod:`.offloading` (the
-host tier over vLLM's OffloadingConnector), :mod:`.connector_reset` (what the plugin
+connectors): :mod:`.cache` (the block cache port and the tees; :mod:`.free_queue`, where
+it moves blocks in vLLM's free queue; :mod:`.event_translation`, vLLM's KV events read
+into the session index's), :mod:`.offloading` (the host tier over vLLM's
+OffloadingConnector), :mod:`.connector_reset` (what the plugin
 publishes when vLLM's connector reset empties that host tier, which vLLM announces with no
 event), :mod:`.engine` (wake-up, registration, role, event encoding), :mod:`.data_parallel`
 (which data-parallel rank an EngineCore is, read from its config at bind time).

@@ -1,5 +1,7 @@
 """VllmCacheAdapter: the executor's BlockCache port over vLLM's KVCacheManager and
-BlockPool, with the tees and wrappers the plugin installs (see the package docstring)."""
+BlockPool, with the tees and wrappers the plugin installs (see the package docstring).
+Where it puts blocks in vLLM's free queue is :mod:`.free_queue`; how it reads vLLM's KV
+events into the session index's, :mod:`.event_translation`."""
 
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME
 from kvhint.engine_plugin.block_cache import BlockHandle
-from kvhint.engine_plugin.index_events import GPU, Cleared, IndexEvent, Removed, Stored
 from kvhint.engine_plugin.vllm_adapter.allocation_args import (
     block_ids,
     need_reader,
     positional_index,
 )
-from kvhint.schemas import external_hash_to_int
-from kvhint.schemas.events import cleared_medium, follows_group
+from kvhint.engine_plugin.vllm_adapter.event_translation import index_events as _index_events
+from kvhint.engine_plugin.vllm_adapter.free_queue import evict_first
+from kvhint.schemas.events import follows_group
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -360,38 +362,9 @@ class VllmCacheAdapter:
             self.pool.free_blocks([b for h in handles for b in h.blocks])
 
     def evict_first(self, handles: Sequence[BlockHandle]) -> int:
-        """Put the free ones of these blocks first among the *cached* free blocks: behind
-        the free blocks that hold nothing (never filled, or emptied), which vLLM hands out
-        from the same queue and which cost no hit when taken. Before, they went to the
-        very head and the next allocation evicted them while empty blocks waited behind
-        (at low pressure kvhint then lost hits plain LRU kept). With more than
-        :data:`EMPTY_LEAD_LIMIT` empty blocks at the head there is no pressure: the blocks
-        stay where they are (LRU), as the walk would cost more than it saves."""
-        queue = self.pool.free_block_queue
-        head = getattr(queue, "fake_free_list_head", None)
-        if head is None or not hasattr(queue, "remove"):
-            return 0
-        # Deepest first: the head of the queue is evicted first, and a chain is worth
-        # most from its root.
-        ordered = sorted(handles, key=lambda h: h.depth, reverse=True)
-        free = [b for h in ordered for b in h.blocks if b.ref_cnt == 0]
-        if not free:
-            return 0
-        lead = _empty_lead(head, {id(b) for b in free})
-        if lead is None:
-            return 0
-        for block in free:
-            queue.remove(block)
-        anchor = head
-        for _ in range(lead):
-            anchor = anchor.next_free_block
-        after = anchor.next_free_block
-        for block in free:
-            block.prev_free_block, anchor.next_free_block = anchor, block
-            anchor = block
-        anchor.next_free_block, after.prev_free_block = after, anchor
-        queue.num_free_blocks += len(free)
-        return len(free)
+        """Put the free ones of these blocks first among the *cached* free blocks, behind
+        the empty ones (:func:`.free_queue.evict_first`); how many moved."""
+        return evict_first(self.pool.free_block_queue, handles)
 
     def in_use(self, handle: BlockHandle) -> bool:
         # The plugin's hold is one reference (BlockPool.touch); a running request adds one.
@@ -492,57 +465,5 @@ class VllmCacheAdapter:
 
     # --- events -------------------------------------------------------------------------------
 
-    @staticmethod
-    def index_events(events: Iterable[Any], group: int = 0,
-                     re_reports: frozenset[int] = frozenset()) -> list[IndexEvent]:
-        """vLLM KV events -> the index's domain events (unknown kinds are skipped, and so
-        are the block events of KV-cache groups other than ``group``, as the router skips
-        and counts them: ``schemas.events.follows_group``, and the re-announcements of
-        cached blocks, by id in ``re_reports``: the hit that caused them is a ``Hit``).
-
-        vLLM's AllBlocksCleared names no medium: its tier is read by the rule the router
-        reads the same batch by (``schemas.events.cleared_medium``), so the plugin's index
-        and the router's view of this worker stay one function of the published stream.
-        The plugin publishes a pair itself when vLLM's connector reset drops the host tier
-        (:mod:`.connector_reset`)."""
-        out: list[IndexEvent] = []
-        for event in events:
-            name = type(event).__name__
-            if name != "AllBlocksCleared" and not follows_group(
-                    getattr(event, "group_idx", None), group) or id(event) in re_reports:
-                continue
-            if name == "BlockStored":
-                parent = event.parent_block_hash
-                out.append(Stored(
-                    tuple(external_hash_to_int(h) for h in event.block_hashes),
-                    None if parent is None else external_hash_to_int(parent),
-                    getattr(event, "session_id", None), event.medium or GPU))
-            elif name == "BlockRemoved":
-                out.append(Removed(tuple(external_hash_to_int(h) for h in event.block_hashes),
-                                   event.medium or GPU))
-            elif name == "AllBlocksCleared":
-                medium = getattr(event, "medium", None)
-                if medium is None:
-                    medium = cleared_medium(bool(out) and isinstance(out[-1], Cleared))
-                out.append(Cleared(medium))
-        return out
-
-
-# The most empty free blocks evict_first walks past at the head of vLLM's free queue.
-EMPTY_LEAD_LIMIT = 1024
-
-
-def _empty_lead(head: Any, moving: set[int]) -> int | None:
-    """How many free blocks holding no cache entry lead vLLM's free queue (from its fake
-    ``head``), passing over the blocks about to move (``moving``, by id): all of them
-    when nothing cached follows; None when more than :data:`EMPTY_LEAD_LIMIT` do."""
-    lead, block = 0, head.next_free_block
-    while block is not None and block.next_free_block is not None:  # not the fake tail
-        if id(block) not in moving:
-            if block.block_hash is not None:
-                return lead
-            lead += 1
-            if lead > EMPTY_LEAD_LIMIT:
-                return None
-        block = block.next_free_block
-    return lead
+    # vLLM KV events -> the index's domain events (:func:`.event_translation.index_events`).
+    index_events = staticmethod(_index_events)

@@ -212,7 +212,8 @@ async def _inference(request: Request, endpoint: Endpoint) -> Response:
         check_json_media_type(headers.get("content-type"))  # read first: no unread body
         inbound = parse_inbound(endpoint, body, tenant, headers.get(SESSION_HEADER),
                                 headers.get(SESSION_END_HEADER))
-        check_parallel_samples(inbound.body, runtime.settings.routing.max_n, endpoint)
+        check_parallel_samples(inbound.body, runtime.settings.routing.max_n,
+                               runtime.settings.routing.max_sequences, endpoint)
     except AuthError as exc:
         runtime.metrics.record_request(endpoint.value, "none", exc.status)
         return error_response(exc.message, exc.status)
@@ -261,23 +262,45 @@ async def _models(request: Request) -> Response:
             answered = True
             for item in result.get("data", []):
                 if isinstance(item, dict) and "id" in item and tenant.may_use(str(item["id"])):
-                    merged.setdefault(item["id"], item)
+                    merged.setdefault(item["id"], _client_model_card(item))
     if not answered:
         return error_response("no worker answered /v1/models", 502)
     return JSONResponse({"object": "list", "data": list(merged.values())})
 
 
+# What a worker's model card holds that is no client's business: ``root``, the model's (or
+# a LoRA adapter's) path on the worker's disk. The router reads it itself at start
+# (runtime.py, for the tokenizer); OpenAI's card has id, object, created and owned_by,
+# vLLM's adds parent, max_model_len (clients size prompts by it) and permission: kept.
+_WORKER_ONLY_MODEL_FIELDS = frozenset({"root"})
+
+
+def _client_model_card(item: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in item.items() if k not in _WORKER_ONLY_MODEL_FIELDS}
+
+
 async def _health(request: Request) -> Response:
+    """Liveness: always 200. Counts for anyone (a load balancer or kubelet probes it
+    without a key; ``/ready`` likewise gives counts only); each worker's id and state only
+    to an admin key (any, in dev mode), as ``/admin/workers`` does. Before, every caller
+    got the fleet's worker ids, heartbeat-learned ones included. Never URLs nor errors."""
     runtime = runtime_of(request)
     workers = runtime.workers.all()
-    return JSONResponse({
+    body: dict[str, Any] = {
         "status": "ok",
         "dev_mode": runtime.directory.dev_mode,
-        "workers": {w.worker_id: {"http_up": w.http_up, "plugin_alive": w.plugin_alive}
-                    for w in workers},
+        "known_workers": len(workers),
         "routable_workers": sum(1 for w in workers if w.routable),
+        "plugins_alive": sum(1 for w in workers if w.plugin_alive),
         "nats_connected": runtime.link.connected if runtime.link is not None else False,
-    })
+    }
+    try:
+        runtime.directory.admin(api_key_of(request.headers))
+    except AuthError:
+        return JSONResponse(body)
+    body["workers"] = {w.worker_id: {"http_up": w.http_up, "plugin_alive": w.plugin_alive}
+                       for w in workers}
+    return JSONResponse(body)
 
 
 async def _ready(request: Request) -> Response:

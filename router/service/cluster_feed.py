@@ -61,6 +61,7 @@ from kvhint.router.service.nats_link import (
     outcomes_stream_name,
     releases_stream_name,
 )
+from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
@@ -130,7 +131,8 @@ class ClusterFeed:
                  on_hold_released: Callable[[HoldRelease], None],
                  on_worker_forgotten: Callable[[str], None] | None = None,
                  wall_clock: Callable[[], float] = time.time,
-                 jetstream_retry_s: float = JETSTREAM_RETRY_S) -> None:
+                 jetstream_retry_s: float = JETSTREAM_RETRY_S,
+                 url_policy: HeartbeatUrlPolicy = HeartbeatUrlPolicy()) -> None:
         self._link = link
         self._subjects = link.subjects
         self.ingestor = ingestor
@@ -145,6 +147,10 @@ class ClusterFeed:
         self._snapshot_timeout_s = snapshot_timeout_s
         self._wall = wall_clock
         self._tasks: set[asyncio.Task[None]] = set()
+        # Which http_url a heartbeat may give a worker not configured (worker_urls.py),
+        # and the URL last refused per worker (logged once; dropped when it is forgotten).
+        self._url_policy = url_policy
+        self._refused_urls: dict[str, str] = {}
         self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
         self.releases = _StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
         # False while JetStream set-up fails and the feed runs on plain subscriptions;
@@ -331,7 +337,7 @@ class ClusterFeed:
             # every beat, each swap a "restart" that reset the worker's hints.
             self._perform(actions)
             return
-        verdict = self._workers.on_heartbeat(status)
+        verdict = self._workers.on_heartbeat(self._admitted(status))
         if verdict is HeartbeatVerdict.NEW_EPOCH:
             self._hints.reset_worker(status.worker_id)
         worker = self._workers.get(status.worker_id)
@@ -343,6 +349,27 @@ class ClusterFeed:
                 "block_size": status.block_size, "last_seen": status.at,
                 "status": _status_dict(status)})
         self._perform(actions)
+
+    def _admitted(self, status: WorkerStatus) -> WorkerStatus:
+        """``status`` as the registry may take it: without its ``http_url`` where that may
+        not be the address of a worker not configured (worker_urls.py; a configured
+        worker's URL is never taken from a heartbeat). Each refused heartbeat is counted,
+        logged once per worker and URL."""
+        url = status.http_url
+        worker = self._workers.get(status.worker_id)
+        if url is None or (worker is not None and worker.from_config):
+            return status
+        reason = self._url_policy.refusal(url)
+        if reason is None:
+            self._refused_urls.pop(status.worker_id, None)
+            return status
+        self._metrics.drop("worker_url_refused")
+        if self._refused_urls.get(status.worker_id) != url:
+            self._refused_urls[status.worker_id] = url
+            log.warning("worker %s: its heartbeat's http_url %r refused (%s): not routed "
+                        "to there, no worker key sent; configure it in workers or allow its "
+                        "host in heartbeat_worker_hosts", status.worker_id, url[:200], reason)
+        return msgspec.structs.replace(status, http_url=None)
 
     async def _on_outcome(self, msg: Msg) -> None:
         self.outcomes.handled(msg)  # only a JetStream delivery moves the cursor
@@ -400,6 +427,7 @@ class ClusterFeed:
                      self.ingestor.config.forget_dead_after_s)
             self._metrics.forget_worker(worker_id)
             self._hints.forget_worker(worker_id)
+            self._refused_urls.pop(worker_id, None)
             if self._writer is not None:
                 # Its stored row too: a restarted router whose session_forget_s is longer
                 # than forget_dead_after_s read it back and routed to the gone pod again.

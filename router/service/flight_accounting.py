@@ -120,6 +120,12 @@ class FlightAccounting:
                 # not what the cache held before: not compared with the prediction.
                 self._metrics.drop("cached_prediction_unchecked:parallel_sampling")
                 predicted = None
+            elif predicted is not None and observation.prompts > 1:
+                # A completions batch is routed (and predicted) by its first prompt, but
+                # usage sums every prompt's tokens and its cached_tokens is one prompt's
+                # (vLLM reports the last to finish): not comparable with the prediction.
+                self._metrics.drop("cached_prediction_unchecked:batched_prompts")
+                predicted = None
             self._metrics.record_usage(worker_id, observation.prompt_tokens,
                                        observation.cached_tokens or 0, predicted)
         if self._recorder is not None and flight.trace_ticket is not None:

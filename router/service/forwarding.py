@@ -39,6 +39,7 @@ from kvhint.router.service.routing_service import (
     RoutingService,
     conversation_of_session,
 )
+from kvhint.router.service.sampling import batched_prompts
 from kvhint.router.service.tenant_slots import TenantSlots
 from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream_opening import ClientGone, drop_opening, until_open
@@ -125,6 +126,7 @@ class Forwarder:
         flight = Flight(inbound, None, None, time.perf_counter())
         flight.tenant_slot = True
         flight.only_worker, flight.observation = only_worker, observation or flight.observation
+        flight.observation.prompts = batched_prompts(inbound.body, inbound.endpoint)
         flight.name_for, flight.conversation = name_for, conversation
         flight.session_conversation = session_conversation
         flight.client_gone_signal = client_gone
@@ -478,5 +480,9 @@ def unavailable_answer(exc: UpstreamUnavailable) -> Response:
     """What a client is told when its worker could not be reached: the worker's own
     refusal (e.g. 503 overloaded) as it is, else a 502."""
     if exc.status is not None:
-        return Response(exc.body, status_code=exc.status, media_type="application/json")
+        # Labelled JSON whatever it is (a proxy's HTML error page in front of a worker):
+        # nosniff, so no browser reads it as HTML from the origin that serves the
+        # dashboard (upstream._copy_headers does the same for every other relayed answer).
+        return Response(exc.body, status_code=exc.status, media_type="application/json",
+                        headers={"x-content-type-options": "nosniff"})
     return error_response(f"worker unavailable: {exc.client_reason}", 502)

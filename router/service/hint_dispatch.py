@@ -42,6 +42,7 @@ from kvhint.router.service.hint_records import (
     API_SOURCE,
     EXPIRED,
     FAILED,
+    HINT_RELEASE_TYPES,
     OUTCOME_DEADLINE_S,
     PENDING,
     PLANNER_SOURCE,
@@ -56,13 +57,13 @@ from kvhint.router.service.tenancy import DEFAULT_TENANT
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
+    DONOR_ACTION_TYPE,
     Amount,
     HintOutcome,
     HoldRelease,
     Subjects,
     evict_rest_supported,
 )
-from kvhint.schemas.hints import ACTION_TYPE_VALUES
 
 __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
            "PLANNER_SOURCE", "HintDispatcher", "SentAction"]
@@ -289,15 +290,26 @@ class HintDispatcher:
         (for a still pending action, its coming outcome is capped; :meth:`effective`), and
         its stored row says why and what is left. Counted in the metrics only by the
         router that sent the action (or restored it): every replica hears every release,
-        and a fleet's total must count each once."""
+        and a fleet's total must count each once.
+
+        Only a release of a hint action's type (:data:`HINT_RELEASE_TYPES`) is looked up
+        by its id: a donor advice's (``kv.donor``, keyed apart on the worker, its id
+        possibly a hint action's) changes no hint action and is counted
+        (``foreign_hint_messages{kind="donor_release"}``: the router keeps no record of
+        advice); one of any other type is dropped, counted
+        (``release_unknown_type``)."""
+        if release.action_type not in HINT_RELEASE_TYPES:
+            if release.action_type == DONOR_ACTION_TYPE:
+                self._metrics.foreign_messages.labels("donor_release").inc()
+            else:
+                self._metrics.drop("release_unknown_type")
+            return
         now = self._clock()
         pending = self.pending.get(release.action_id)
         record = pending or self._recent_by_id.get(release.action_id)
         if record is not None or release.action_id in self.holdings:
-            # The label's value is the router's own record's, or bounded: the wire's
-            # action_type is any string a (buggy, newer) plugin sends.
-            action = record.action_type if record is not None else (
-                release.action_type if release.action_type in ACTION_TYPE_VALUES else "other")
+            # The label's value is the router's own record's, or a hint type (above).
+            action = record.action_type if record is not None else release.action_type
             self._metrics.hold_releases.labels(action, release.reason.value).inc(
                 release.released.blocks)
         else:

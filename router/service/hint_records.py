@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
+from kvhint.schemas import ActionType, Amount, HintOutcome, OutcomeStatus
 
 PENDING = "pending"
 EXPIRED = "expired"
@@ -37,6 +37,13 @@ OUTCOME_DEADLINE_S = 120.0
 # of those claims when its session ends.
 PLANNER_SOURCE = "planner"
 API_SOURCE = "api"
+# The action types a worker reports a hint action's lost blocks under (HoldRelease): a
+# Pin's, a Retain's and a Prefetch's (it retains what it brought in until its deadline;
+# this plugin reports those as kv.retain). Only a release of one of these is a hint
+# action's: the plugin keys a donor advice's retain apart and reports its release as
+# kv.donor under the advice's id, which may equal a hint action's.
+HINT_RELEASE_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
+                                ActionType.PREFETCH.value})
 
 
 @dataclass(slots=True)

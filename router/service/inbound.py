@@ -72,11 +72,15 @@ async def read_body_within(chunks: AsyncIterator[bytes], declared_length: str | 
     return bytes(body)
 
 
-def refusal_headers(status: int) -> dict[str, str] | None:
+def refusal_headers(status: int) -> dict[str, str]:
     """Headers for an error answer: a 413 or 408 closes the connection, because the rest
     of the body is still unread and a keep-alive connection would have the server read
-    (and discard) all of it, and let the client go on sending."""
-    return {"connection": "close"} if status in (408, 413) else None
+    (and discard) all of it, and let the client go on sending. Every one is ``nosniff``:
+    its body is JSON, never to be read as anything else from the dashboard's origin."""
+    headers = {"x-content-type-options": "nosniff"}
+    if status in (408, 413):
+        headers["connection"] = "close"
+    return headers
 
 
 class Endpoint(str, enum.Enum):

@@ -57,6 +57,7 @@ from kvhint.router.policy import (
     session_chain,
 )
 from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
+from kvhint.router.service.hint_records import HINT_RELEASE_TYPES
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import (
@@ -233,9 +234,10 @@ class SessionLifecycle:
                 record.state = TOOL_GAP
                 record.open_gap = {"tools": sorted(set(observation.tool_names)),
                                    "started_at": now, "worker_id": worker_id}
-            # One completion's tokens (n > 1: the session continues one of them).
+            # One prompt's and one completion's tokens (a batch of prompts, n > 1: the
+            # session continues one of them).
             event = ResponseFinished(
-                record.worker_session_id, reason, observation.prompt_tokens,
+                record.worker_session_id, reason, observation.prompt_tokens_per_prompt or 0,
                 observation.completion_tokens_per_choice, now,
                 tuple(sorted(set(observation.tool_names))))
             await self._apply(record, plan_response_finished(
@@ -381,9 +383,11 @@ class SessionLifecycle:
 
     def on_hold_released(self, release: HoldRelease) -> None:
         """A worker let blocks of a session's Pin/Retain go unasked: the session's
-        protection covers what is left (none: the next idle review asks again)."""
-        if release.session_id is None:
-            return  # not a session's action (a shared prefix's)
+        protection covers what is left (none: the next idle review asks again). A
+        release of another type than a hint's (a donor advice's, whose id may equal a
+        hint action's) is not one (counted by :meth:`HintDispatcher.on_release`)."""
+        if release.session_id is None or release.action_type not in HINT_RELEASE_TYPES:
+            return  # not a session's action (a shared prefix's, a donor advice's)
         record = self.sessions.by_worker_session_id(release.session_id)
         if record is None:
             return

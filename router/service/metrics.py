@@ -108,6 +108,9 @@ GATEWAY_REJECTIONS = (
     # 429: a hints call while its key's tenant has hints.api_max_open_calls open
     # (hint_open_calls.py)
     "over_open_hints",
+    # 400: n or best_of over routing.max_n, or a completions batch's prompts x
+    # max(n, best_of) over routing.max_sequences (sampling.py)
+    "over_max_n",
 )
 # kvhint_router_response_id_misses_total{reason}: a stored response id a request named
 # that the router did not send on (responses_ids.py), a bounded set.
@@ -245,7 +248,7 @@ class RouterMetrics:
             "a higher-priority retain; pressure: relieved for memory; reset: a prefix-cache "
             "reset; gone: vLLM dropped them from its cache by another path; other: a "
             "reason this router does not know, from a newer plugin) and action (the type "
-            "the router sent; other: a type it does not know, on a restored holding)",
+            "the router sent)",
             ["action", "reason"], registry=r)
         self.event_lag = Histogram("kvhint_router_event_lag_seconds",
                                    "Event batch timestamp to router ingestion",
@@ -330,7 +333,9 @@ class RouterMetrics:
             "Hint outcomes and hold releases (kind) for actions this router did not send or "
             "no longer knows: another replica's (every replica hears every worker), or sent "
             "before this router restarted and settled since. Not drops: the action's stored "
-            "row is still updated, and its own router counts it", ["kind"], registry=r)
+            "row is still updated, and its own router counts it. donor_release: a donor "
+            "advice's retain released (kv.donor), which no hint action's record takes",
+            ["kind"], registry=r)
         self.trace_written = Counter(
             "kvhint_router_trace_requests_written",
             "Requests the traffic recorder wrote (trace_dir; what it could not: drops_total "

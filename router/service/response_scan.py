@@ -73,6 +73,9 @@ class ResponseObservation:
     # Completions in the response (``n`` > 1: several; highest choice index seen + 1).
     # Every choice of a stream ends in an event with its finish_reason, which is read.
     choices: int = 0
+    # Prompts the request batched (a /v1/completions list: sampling.batched_prompts):
+    # usage sums their tokens, a session continues at most one of them.
+    prompts: int = 1
 
     def observe_json(self, payload: bytes) -> bool:
         """Take one response body or chunk; True when it is a usage-only chunk."""
@@ -124,6 +127,16 @@ class ResponseObservation:
         mean, rounded up (usage does not say each choice's own)."""
         total = self.completion_tokens or 0
         return -(-total // self.choices) if self.choices > 1 else total
+
+    @property
+    def prompt_tokens_per_prompt(self) -> int | None:
+        """The tokens of one prompt: a batched request's usage sums every prompt's, but a
+        session continues at most one of them (as :attr:`completion_tokens_per_choice`
+        does one completion). The mean, rounded up; None without a usage."""
+        total = self.prompt_tokens
+        if total is None or self.prompts <= 1:
+            return total
+        return -(-total // self.prompts)
 
     def usage_lost(self, status: int) -> str | None:
         """What of a worker's successful response (``status``) the router lost, as a

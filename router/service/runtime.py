@@ -47,6 +47,7 @@ from kvhint.router.service.tenant_call_rate import TenantCallRate
 from kvhint.router.service.timeline import Timeline
 from kvhint.router.service.trace_recorder import TraceRecorder
 from kvhint.router.service.upstream import UpstreamPool
+from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.database import create_store_engine, migrate
 from kvhint.router.store.reader import load_recovery
@@ -110,8 +111,10 @@ class RouterRuntime:
                              on_drop=metrics.drop)
 
         workers = WorkerRegistry([(w.id, w.url) for w in settings.workers])
+        url_policy = HeartbeatUrlPolicy.from_entries(settings.learn_workers_from_heartbeats,
+                                                     settings.heartbeat_worker_hosts)
         _restore_workers(workers, recovery.workers, now, settings.routing.session_forget_s,
-                         writer)
+                         writer, url_policy)
         subjects = Subjects(settings.subject_prefix)
         link = None
         if settings.nats_url:
@@ -230,7 +233,8 @@ class RouterRuntime:
                                        snapshot_timeout_s=5.0,
                                        on_hint_outcome=lifecycle.on_hint_outcome,
                                        on_hold_released=lifecycle.on_hold_released,
-                                       on_worker_forgotten=routing.forget_worker)
+                                       on_worker_forgotten=routing.forget_worker,
+                                       url_policy=url_policy)
             link.start(runtime.feed.on_connected)
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
@@ -357,7 +361,8 @@ _INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missi
 
 
 def _restore_workers(workers: WorkerRegistry, rows: list[dict[str, Any]], now: float,
-                     forget_s: float, writer: StoreWriter) -> None:
+                     forget_s: float, writer: StoreWriter,
+                     url_policy: HeartbeatUrlPolicy = HeartbeatUrlPolicy()) -> None:
     """Add to ``workers`` (the configured ones) the stored workers that come back, and
     queue the deletion of the stored row of every worker it does not hold then.
 
@@ -366,11 +371,14 @@ def _restore_workers(workers: WorkerRegistry, rows: list[dict[str, Any]], now: f
     be routed to, retried and probed forever), do not, and their rows go (as their
     feedback rows do, HintDispatcher.restore): before, a configured worker's row stayed
     for good (retention prunes only heartbeat-learned ones). A live one that was silent
-    longer is back, and its row written again, at its next heartbeat."""
+    longer is back, and its row written again, at its next heartbeat. One whose stored
+    URL ``url_policy`` refuses now (heartbeat_worker_hosts narrowed since) does not: its
+    next heartbeat is judged again."""
     for row in rows:
         heard = row.get("last_seen") or 0.0
         if not row.get("from_config") and row["worker_id"] not in workers \
-                and row.get("url") and now - heard <= forget_s:
+                and row.get("url") and now - heard <= forget_s \
+                and url_policy.refusal(row["url"]) is None:
             workers.ensure(row["worker_id"], row["url"])
         # The engine epoch last seen: a first heartbeat from another one says the engine
         # restarted while the router was down (what it held, restored, is gone).

@@ -4,8 +4,9 @@
   the planner demotes or releases what the session held.
 - ``POST /v1/sessions/{id}/hints``: explicit hints from an agent runtime (admin key; a
   tenant admin key acts for its own tenant, a global one names ``?tenant=``). The router
-  checks tenancy, bounds and budgets before anything is sent; a request with any invalid
-  action changes nothing (422), one over budget changes nothing (429). Otherwise the
+  checks tenancy, bounds (each action's: :mod:`.hint_api_actions`) and budgets before
+  anything is sent; a request with any invalid action changes nothing (422), one over
+  budget changes nothing (429). Otherwise the
   actions go to the session's worker and the answer carries their outcomes (202 when
   some are still pending after ``wait_s``; a tenant's key reads their reasons without
   the worker-wide budget figures, :mod:`.tenant_reasons`). A session its client ended
@@ -22,7 +23,6 @@
 from __future__ import annotations
 
 import math
-import re
 import time
 from typing import Any
 
@@ -31,8 +31,17 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from kvhint.router.policy import PlannedAction, agent_scope
+from kvhint.router.policy import PlannedAction
 from kvhint.router.service.cross_site import cross_site_refusal
+from kvhint.router.service.hint_api_actions import (
+    STILL_PENDING,
+    HintRequestAction,
+    call_action_ids,
+    checked_action,
+    held_for_s,
+    holding_scope,
+    target_blocks,
+)
 from kvhint.router.service.hint_open_calls import OPEN_HINTS_REJECTION, HintOpenCalls
 from kvhint.router.service.hint_open_calls import RETRY_AFTER_S as OPEN_HINTS_RETRY_AFTER_S
 from kvhint.router.service.hint_records import FAILED
@@ -49,41 +58,9 @@ from kvhint.router.service.sessions import ENDED
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
 from kvhint.router.service.tenant_call_rate import CALL_RATE_REJECTION
 from kvhint.router.service.tenant_reasons import rows_for
-from kvhint.schemas import (
-    ACTION_VERSION,
-    EVICT_REST_VERSION,
-    MAX_HEARTBEAT_INTERVAL_S,
-    OWNER_VERSION,
-    ActionType,
-    Budgets,
-    HintOwner,
-    HintPayload,
-    InvalidAction,
-    KvHintAction,
-    PinPayload,
-    RetainPayload,
-    owner_supported,
-    parse_action,
-)
-from kvhint.schemas.hints import PAYLOAD_TYPES
+from kvhint.schemas import MAX_HEARTBEAT_INTERVAL_S, ActionType
 
 MAX_ACTIONS_PER_CALL = 16
-# Versions an agent's action may be sent as 1.2 instead of (1.2 carries what they do).
-_OWNER_UPGRADES = frozenset({ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION})
-
-
-# A caller's own action id (see _action_ids); with the tenant name (64) it fits the
-# store's 128-character column.
-MAX_CALLER_ACTION_ID_LEN = 48
-_CALLER_ACTION_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_ACTION_ID_LEN}}}")
-_STILL_PENDING = "is still pending: wait for its outcome, or send another action_id"
-
-
-class HintRequestAction(msgspec.Struct, forbid_unknown_fields=True):
-    action_type: str
-    payload: dict[str, Any] = {}
-    action_version: str = ACTION_VERSION
-    action_id: str | None = None
 
 
 class HintRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -258,9 +235,9 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                         f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
     if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
         raise _Rejected("invalid_action", f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
-    action_ids, id_problems = _action_ids(hint_request.actions, tenant_name, runtime)
+    action_ids, id_problems = call_action_ids(hint_request.actions, tenant_name, runtime)
     if id_problems:
-        if all(p["reason"].endswith(_STILL_PENDING) for p in id_problems):
+        if all(p["reason"].endswith(STILL_PENDING) for p in id_problems):
             raise _Rejected("conflict", "invalid action ids; nothing was sent", 409,
                             actions=id_problems)
         raise _Rejected("invalid_action", "invalid action ids; nothing was sent", 422,
@@ -285,17 +262,17 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     planned: list[PlannedAction] = []
     problems: list[dict[str, str]] = []
     for index, (item, action_id) in enumerate(zip(hint_request.actions, action_ids)):
-        problem, checked = _checked_action(item, action_id, worker_sid, principal,
-                                           tenant.budget, worker, runtime)
+        problem, checked = checked_action(item, action_id, worker_sid, principal,
+                                          tenant.budget, worker, runtime)
         if problem is not None:
             problems.append({"index": str(index), "action_id": action_id, "reason": problem})
             continue
         assert checked is not None
         action, payload = checked
-        planned.append(PlannedAction(worker.worker_id, action, _scope(action, worker_sid),
-                                     tenant_name,
-                                     _target_blocks(action, blocks, worker.status.block_size),
-                                     now + _held_for_s(payload, worker.status.budgets), "api"))
+        planned.append(PlannedAction(worker.worker_id, action,
+                                     holding_scope(action, worker_sid), tenant_name,
+                                     target_blocks(action, blocks, worker.status.block_size),
+                                     now + held_for_s(payload, worker.status.budgets), "api"))
     if problems:
         raise _Rejected("invalid_action", "invalid hint actions; nothing was sent", 422,
                         actions=problems)
@@ -348,38 +325,6 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     return JSONResponse(body, status_code=status, headers=refusal_headers(status))
 
 
-def _action_ids(actions: list[HintRequestAction], tenant_name: str, runtime: RouterRuntime
-                ) -> tuple[list[str], list[dict[str, str]]]:
-    """The ids the actions go out under, and what is wrong with the ones given.
-
-    A caller's ``action_id`` is its tenant's: it goes out as ``kva-<tenant>:<id>``, so two
-    tenants choosing the same id never meet in the worker's duplicate memory, the router's
-    pending table or the store, and the same id again from the same tenant is the same
-    action (idempotent, as the worker answers a repeat). Without one, the router picks
-    ``kva-<random>``."""
-    ids: list[str] = []
-    problems: list[dict[str, str]] = []
-    for index, item in enumerate(actions):
-        given = item.action_id
-        if given is None:
-            ids.append(f"kva-{runtime.hints.new_id()}")
-            continue
-        action_id = f"kva-{tenant_name}:{given}"
-        if not _CALLER_ACTION_ID.fullmatch(given):
-            reason = (f"action_id must be 1-{MAX_CALLER_ACTION_ID_LEN} letters, digits, "
-                      f"'.', '_', ':' or '-'")
-        elif action_id in ids:
-            reason = "action_id is given twice in this call"
-        elif action_id in runtime.hints.pending:
-            reason = f"action {action_id} {_STILL_PENDING}"
-        else:
-            reason = ""
-        if reason:
-            problems.append({"index": str(index), "action_id": given, "reason": reason})
-        ids.append(action_id)
-    return ids, problems
-
-
 def _heartbeat_wait_s(runtime: RouterRuntime) -> float:
     """How long a hints call may still wait for a worker's first heartbeat: only within
     ``hints.api_heartbeat_wait_s`` of the router's start, when it has heard no plugin yet
@@ -405,107 +350,3 @@ def _no_plugin(runtime: RouterRuntime, worker_id: str) -> _Rejected:
     return _Rejected("no_plugin", message, 503,
                      {"Retry-After": str(max(math.ceil(interval), 1))})
 
-
-def _scope(action: KvHintAction, worker_sid: str) -> str:
-    """The router's holding scope of an API action: the agent's own, apart from the
-    planner's, where the worker keeps owners apart (the action says ``owner``); else the
-    session's, which the planner's next protection replaces, as the worker does."""
-    if action.payload.get("owner") == HintOwner.AGENT.value:
-        return agent_scope(worker_sid)
-    return worker_sid
-
-
-def _held_for_s(payload: HintPayload, budgets: Budgets) -> float:
-    """How long the worker holds what an action asks for, as it reads and clips it (the
-    payload as parsed, so with the wire defaults a caller left out: a Pin's 60 s): a Pin's
-    TTL to ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one
-    without a TTL gets; other actions their ``ttl_s`` or ``deadline_s`` (0 for one-shots)."""
-    asked = getattr(payload, "ttl_s", None)
-    if isinstance(payload, PinPayload):
-        return min(float(asked), budgets.max_pin_ttl_s)
-    if isinstance(payload, RetainPayload):
-        return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
-    return float(asked or getattr(payload, "deadline_s", None) or 0.0)
-
-
-def _target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -> int:
-    """The blocks an action's target can cover, as far as the router knows before the
-    worker answers: its ``block_hashes``, or the session's chain up to ``prefix_tokens``."""
-    target = action.payload.get("target") or {}
-    if target.get("block_hashes"):
-        return len(target["block_hashes"])
-    if target.get("prefix_tokens") is not None:
-        return min(session_blocks, target["prefix_tokens"] // max(block_size, 1))
-    return session_blocks
-
-
-def _beyond_pool(payload: HintPayload, worker: Any) -> str | None:
-    """Why a target's ``prefix_tokens`` is refused: more than the worker's GPU cache can
-    hold (as its plugin refuses it; the wire type leaves it unbounded), or None."""
-    target = getattr(payload, "target", None)
-    tokens = target.prefix_tokens if target is not None else None
-    pool = worker.status.usage.gpu_blocks_total * worker.status.block_size
-    if tokens is None or pool <= 0 or tokens <= pool:
-        return None
-    return (f"target.prefix_tokens={tokens} is more than the {pool} tokens of worker "
-            f"{worker.worker_id}'s GPU cache")
-
-
-def _checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
-                    principal: Principal, budget: Any, worker: Any,
-                    runtime: RouterRuntime
-                    ) -> tuple[str | None, tuple[KvHintAction, HintPayload] | None]:
-    """(problem, None) or (None, (the action with its target bound to this session, its
-    payload as the worker will parse it))."""
-    payload = dict(item.payload)
-    target = payload.get("target")
-    if target is None:
-        payload["target"] = {"session_id": worker_sid}
-    elif isinstance(target, dict):
-        target = dict(target)
-        if target.get("block_hashes") is not None:
-            if principal.tenant is not None:
-                return "block_hashes targets need a global admin key (tenancy)", None
-        else:
-            given = target.get("session_id")
-            client_sid = worker_sid.partition("/")[2]
-            if given not in (None, client_sid, worker_sid):
-                return "target.session_id must be this session", None
-            target["session_id"] = worker_sid
-        payload["target"] = target
-    if item.action_type == ActionType.RETAIN.value and payload.get("ttl_s") is None:
-        # The worker holds an untimed Retain for its max_retain_ttl_s (an hour by
-        # default): past the tenant's max_hint_ttl_s, which a ttl_s given is held to.
-        payload["ttl_s"] = min(budget.max_hint_ttl_s, worker.status.budgets.max_retain_ttl_s)
-    version = item.action_version
-    # An agent's claims must outlive the planner's re-planning of the session: the worker
-    # keeps them apart when it takes ``owner``. The API decides the owner, not the caller.
-    payload.pop("owner", None)
-    if version in _OWNER_UPGRADES and owner_supported(worker.status.supported_actions,
-                                                      item.action_type):
-        payload["owner"] = HintOwner.AGENT.value
-        version = OWNER_VERSION
-    action = KvHintAction(action_id=action_id, action_type=item.action_type,
-                          action_version=version, payload=payload)
-    parsed = parse_action(action)
-    if isinstance(parsed, InvalidAction):
-        return parsed.reason, None
-    expires_at = parsed.payload.expires_at
-    if expires_at is not None and expires_at <= time.time():
-        return f"expires_at={expires_at} has passed (unix seconds)", None
-    for field_name in ("ttl_s", "deadline_s"):
-        value = getattr(parsed.payload, field_name, None)
-        if value is not None and value > budget.max_hint_ttl_s:
-            return (f"{field_name}={value} exceeds this tenant's limit of "
-                    f"{budget.max_hint_ttl_s}s"), None
-    problem = _beyond_pool(parsed.payload, worker)
-    if problem is not None:
-        return problem, None
-    if parsed.action_type.value not in worker.status.supported_actions:
-        return f"worker {worker.worker_id} does not support {parsed.action_type.value}", None
-    if parsed.action_type is ActionType.SHARE:
-        destination = parsed.payload.destination_worker  # type: ignore[union-attr]
-        if runtime.workers.get(destination) is None:
-            return f"unknown destination_worker {destination!r}", None
-    assert parsed.action_type in PAYLOAD_TYPES
-    return None, (action, parsed.payload)

@@ -37,6 +37,7 @@ from kvhint.router.service.settings_sections import (
     ModelPromptSettings,
     RoutingSettings,
 )
+from kvhint.router.service.worker_urls import parse_host_entry
 from kvhint.schemas import (
     MIN_STREAM_MAX_AGE_S,
     MIN_STREAM_MAX_BYTES,
@@ -193,6 +194,13 @@ class RouterSettings(BaseSettings):
     # too): vLLM's --api-key. Never logged nor shown (SecretStr); a client's own key is
     # never sent to a worker in its place.
     worker_api_key: SecretStr | None = None
+    # A worker heard only by its heartbeats (not in ``workers``) is routed to, and sent
+    # worker_api_key, at the heartbeat's http_url (worker_urls.py): only where it is
+    # http(s) and its host is one of these (an exact name, "*.domain", an IP or CIDR, "*"
+    # for any). Empty: private-network hosts only (localhost, a name without a dot, a
+    # loopback/private/link-local IP). learn_workers_from_heartbeats false: none at all.
+    learn_workers_from_heartbeats: bool = True
+    heartbeat_worker_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
     # NATS with JetStream; None runs without the cluster feed (routing by load and
     # session affinity only, no hints), said loudly at start.
@@ -350,12 +358,18 @@ class RouterSettings(BaseSettings):
         Subjects(value)  # its WireDecodeError is a ValueError: pydantic reports it
         return value
 
-    @field_validator("admin_keys", "cors_allowed_origins", "allowed_hosts", mode="before")
+    @field_validator("admin_keys", "cors_allowed_origins", "allowed_hosts",
+                     "heartbeat_worker_hosts", mode="before")
     @classmethod
     def _parse_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @field_validator("heartbeat_worker_hosts")
+    @classmethod
+    def _heartbeat_worker_hosts(cls, value: list[str]) -> list[str]:
+        return [parse_host_entry(entry) for entry in value]
 
     @field_validator("nats_url")
     @classmethod

@@ -13,7 +13,7 @@ import codecs
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from kvhint.router.policy import RoutingConfig, RoutingPolicy
 
@@ -68,10 +68,14 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # behind a load balancer keeping each session on one replica, saves that read; saves
     # still merge another replica's (session_merge.py).
     session_refresh: bool = True
-    # The most sequences one request may ask to sample (``n``, or ``best_of``); more is a
-    # 400. Each is a sequence decoding on the worker beside every other tenant's, and a
-    # session continues at most one of them (response_scan.py).
+    # The most sequences one prompt may ask to sample (``n``, or ``best_of``); more is a
+    # 400 (sampling.py). Each is a sequence decoding on the worker beside every other
+    # tenant's, and a session continues at most one of them (response_scan.py).
     max_n: int = Field(16, ge=1)
+    # The most sequences one request may ask in all: its prompts (a /v1/completions batch:
+    # vLLM runs each as a request of its own) x max(n, best_of); more is a 400. At least
+    # max_n (one prompt's n is never refused by the total).
+    max_sequences: int = Field(256, ge=1)
     seed: int = 0
 
     @field_validator("policy")
@@ -82,6 +86,13 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
         except ValueError:
             known = ", ".join(p.value for p in RoutingPolicy)
             raise ValueError(f"routing.policy {value!r}: one of {known}") from None
+
+    @model_validator(mode="after")
+    def _sequences_hold_one_prompts_n(self) -> RoutingSettings:
+        if self.max_sequences < self.max_n:
+            raise ValueError(f"routing.max_sequences {self.max_sequences} is under "
+                             f"routing.max_n {self.max_n}: one prompt's n would be refused")
+        return self
 
 
 class HintSettings(BaseModel, frozen=True, extra="forbid"):

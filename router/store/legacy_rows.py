@@ -17,9 +17,10 @@ derives them by the rules the router applies when it sends an action now:
   row); the planner's shared-prefix Retain, ``prefix:<tenant>:<hash>``
   (:func:`shared_prefix_scope`); ``agent:`` before it when the payload says
   ``owner: agent`` (:func:`kvhint.router.policy.agent_scope`). See
-  ``router/service/sessions_api.py`` ``_scope`` and ``router/policy/shared_prefixes.py``.
+  ``router/service/hint_api_actions.py`` ``holding_scope`` and
+  ``router/policy/shared_prefixes.py``.
 - ``expires_at``: ``created_at`` plus how long the worker holds it, as the worker reads
-  and clips the payload (``_held_for_s`` in ``sessions_api.py``): a Pin its ``ttl_s``
+  and clips the payload (``held_for_s`` in ``hint_api_actions.py``): a Pin its ``ttl_s``
   (the wire default, 60 s, when the payload leaves it out) up to the worker's
   ``max_pin_ttl_s``; a Retain its ``ttl_s`` up to ``max_retain_ttl_s``, or that maximum
   when it has none; a Prefetch its ``deadline_s``, a Share its ``ttl_s``, a Demote 0.

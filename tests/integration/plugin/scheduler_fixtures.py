@@ -23,8 +23,10 @@ from kvhint.engine_plugin.headless import (
 )
 from kvhint.schemas import (
     HintOutcome,
+    HintOwner,
     KvHintsEnvelope,
     PinPayload,
+    RetainPayload,
     Subjects,
     Target,
     encode_hints,
@@ -118,6 +120,20 @@ def hint(h: HeadlessScheduler, payload: Any, action_id: str | None = None) -> Hi
                                actions=[make_action(action_id, payload)])
     (outcome,) = h.connector.core.apply_hints(encode_hints(envelope))
     return outcome
+
+
+def owned_retain(h: HeadlessScheduler, session: str, priority: int, owner: HintOwner,
+                 action_id: str | None = None) -> HintOutcome:
+    """A Retain of ``session`` for ``owner`` (10 minutes)."""
+    return hint(h, RetainPayload(target=Target(session_id=session), priority=priority,
+                                 ttl_s=600, owner=owner), action_id)
+
+
+def retained_of(h: HeadlessScheduler, session: str) -> int:
+    """How many of ``session``'s blocks the plugin retains now."""
+    core = h.connector.core
+    retained = set(core.executor.holds.keys()["retained"])
+    return len(retained.intersection(core.index.session_blocks(session)))
 
 
 def cached_tokens(h: HeadlessScheduler, block_ids: list[int]) -> int:

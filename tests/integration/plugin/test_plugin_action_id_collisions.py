@@ -4,8 +4,9 @@ Prefetch still waiting never settles over a newer action sent under its id."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from core_fixtures import cached_blocks, hints_message
 
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.core import PluginCore
@@ -26,22 +27,8 @@ def _plugin(clock: list[float], **extra: Any) -> tuple[HeadlessCache, PluginCore
     return cache, core
 
 
-def _cached(cache: HeadlessCache, core: PluginCore, session: str, first: int) -> list[int]:
-    request = cache.make_request(list(range(first, first + 4 * BS + 1)), session_id=session)
-    assert cache.admit(request) is not None
-    cache.finish(request)
-    core.sync()
-    return core.index.session_blocks(session)
-
-
-def _hints(*actions: tuple[str, str, dict], message_id: str = "m") -> bytes:
-    return json.dumps({"protocol_version": "1", "message_id": message_id, "actions": [
-        {"action_id": aid, "action_type": type_, "action_version": "1.0", "payload": payload}
-        for aid, type_, payload in actions]}).encode()
-
-
 def test_decoding_answers_an_id_named_twice_once_and_keeps_empty_ids_apart() -> None:
-    decoded = decode_hints(_hints(
+    decoded = decode_hints(hints_message(
         ("a", "kv.pin", {"target": {"session_id": "s"}, "ttl_s": 5}),
         ("b", "kv.retain", {"target": {"session_id": "s"}, "priority": 5}),
         ("a", "kv.retain", {"target": {"session_id": "s"}, "priority": 5}),
@@ -63,8 +50,8 @@ def test_an_envelope_naming_an_id_twice_applies_neither_and_answers_it_once() ->
     # action (a Retain) that was never applied; the router keys outcomes by id.
     now = [1_000.0]
     cache, core = _plugin(now)
-    _cached(cache, core, "s", 1)
-    message = _hints(("a", "kv.pin", {"target": {"session_id": "s"}, "ttl_s": 30}),
+    cached_blocks(cache, core, "s", 1)
+    message = hints_message(("a", "kv.pin", {"target": {"session_id": "s"}, "ttl_s": 30}),
                      ("a", "kv.retain", {"target": {"session_id": "s"}, "priority": 50}),
                      ("b", "kv.retain", {"target": {"session_id": "s"}, "priority": 40}))
     outcomes = core.apply_hints(message)
@@ -76,9 +63,9 @@ def test_an_envelope_naming_an_id_twice_applies_neither_and_answers_it_once() ->
     # A redelivery is a repeat: the same answers, nothing applied again.
     assert core.apply_hints(message) == outcomes
     # An id answered before and now named twice is a repeat too: its answer once.
-    (pinned,) = core.apply_hints(_hints(
+    (pinned,) = core.apply_hints(hints_message(
         ("c", "kv.pin", {"target": {"session_id": "s"}, "ttl_s": 30})))
-    again = core.apply_hints(_hints(
+    again = core.apply_hints(hints_message(
         ("c", "kv.pin", {"target": {"session_id": "s"}, "ttl_s": 30}),
         ("c", "kv.retain", {"target": {"session_id": "s"}, "priority": 5})))
     assert again == [pinned] and pinned.status is OutcomeStatus.ACCEPTED
@@ -92,14 +79,14 @@ def test_a_waiting_prefetch_never_settles_over_a_newer_action_under_its_id() -> 
     now = [1_000.0]
     cache, core = _plugin(now, max_remembered_actions=1, retain_budget_fraction=1.0)
     executor = core.executor
-    resident = _cached(cache, core, "s", 1)
+    resident = cached_blocks(cache, core, "s", 1)
     later = cache.make_request(list(range(500, 500 + 4 * BS + 1)), session_id="later")
     coming = [digest_to_int(h) for h in later.block_hashes]
-    (deferred,) = core.apply_hints(_hints(("x", "kv.prefetch", {
+    (deferred,) = core.apply_hints(hints_message(("x", "kv.prefetch", {
         "target": {"block_hashes": coming}, "deadline_s": 60})))
     assert deferred.status is OutcomeStatus.DEFERRED and executor.pending_actions == 1
-    core.apply_hints(_hints(("y", "kv.pin", {"target": {"block_hashes": [7]}, "ttl_s": 5})))
-    (retained,) = core.apply_hints(_hints(("x", "kv.retain", {
+    core.apply_hints(hints_message(("y", "kv.pin", {"target": {"block_hashes": [7]}, "ttl_s": 5})))
+    (retained,) = core.apply_hints(hints_message(("x", "kv.retain", {
         "target": {"session_id": "s"}, "priority": 30, "ttl_s": 600})))
     assert retained.status is OutcomeStatus.ACCEPTED and retained.applied.blocks == 4
     assert cache.admit(later) is not None  # the Prefetch's blocks arrive

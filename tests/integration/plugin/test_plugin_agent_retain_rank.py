@@ -7,25 +7,13 @@ budget clips says what holds the room, in words a tenant may read
 
 from __future__ import annotations
 
-from scheduler_fixtures import hint, sched, turn
+from scheduler_fixtures import owned_retain, retained_of, sched, turn
 
 from kvhint.engine_plugin.headless import HeadlessScheduler
 from kvhint.router.service.tenant_reasons import tenant_reason
-from kvhint.schemas import HintOwner, RetainPayload, Target
+from kvhint.schemas import HintOwner
 
 AGENT, PLANNER = HintOwner.AGENT, HintOwner.PLANNER
-
-
-def _retain(h: HeadlessScheduler, session: str, priority: int, owner: HintOwner,
-            action_id: str | None = None):
-    return hint(h, RetainPayload(target=Target(session_id=session), priority=priority,
-                                 ttl_s=600, owner=owner), action_id)
-
-
-def _held(h: HeadlessScheduler, session: str) -> int:
-    core = h.connector.core
-    retained = set(core.executor.holds.keys()["retained"])
-    return len(retained.intersection(core.index.session_blocks(session)))
 
 
 def _releases(h: HeadlessScheduler) -> dict[tuple[str, str], int]:
@@ -41,18 +29,18 @@ def test_an_agents_retain_displaces_the_planners_top_priority_ones() -> None:
     turn(h, "p-top", [1, 2, 3, 4])
     turn(h, "p-mid", [5, 6])
     turn(h, "agent", [11, 12, 13, 14])
-    assert _retain(h, "p-top", 100, PLANNER, "p1").status.value == "accepted"
-    assert _retain(h, "p-mid", 60, PLANNER, "p2").status.value == "accepted"
+    assert owned_retain(h, "p-top", 100, PLANNER, "p1").status.value == "accepted"
+    assert owned_retain(h, "p-mid", 60, PLANNER, "p2").status.value == "accepted"
     assert h.connector.core.executor.retained_blocks == 6
-    outcome = _retain(h, "agent", 90, AGENT)
+    outcome = owned_retain(h, "agent", 90, AGENT)
     assert (outcome.status.value, outcome.applied.blocks) == ("accepted", 4), outcome
-    assert [_held(h, s) for s in ("agent", "p-top", "p-mid")] == [4, 2, 0]
+    assert [retained_of(h, s) for s in ("agent", "p-top", "p-mid")] == [4, 2, 0]
     assert _releases(h) == {("p2", "displaced"): 2, ("p1", "displaced"): 2}
     # At priority 5 too: the agent's number orders only its own claims.
     turn(h, "agent-low", [21, 22])
-    low = _retain(h, "agent-low", 5, AGENT)
+    low = owned_retain(h, "agent-low", 5, AGENT)
     assert (low.status.value, low.applied.blocks) == ("accepted", 2), low
-    assert [_held(h, s) for s in ("agent", "agent-low", "p-top")] == [4, 2, 0]
+    assert [retained_of(h, s) for s in ("agent", "agent-low", "p-top")] == [4, 2, 0]
 
 
 def test_a_clipped_retain_says_what_holds_the_room_without_figures_for_a_tenant() -> None:
@@ -63,22 +51,22 @@ def test_a_clipped_retain_says_what_holds_the_room_without_figures_for_a_tenant(
     turn(h, "a-hi", [1, 2, 3, 4, 5, 6])
     turn(h, "a-lo", [11, 12])
     turn(h, "p", [21, 22])
-    assert _retain(h, "a-hi", 90, AGENT).applied.blocks == 6
-    lower = _retain(h, "a-lo", 50, AGENT)
+    assert owned_retain(h, "a-hi", 90, AGENT).applied.blocks == 6
+    lower = owned_retain(h, "a-lo", 50, AGENT)
     assert (lower.status.value, lower.applied.blocks) == ("clipped", 0), lower
     words = "the room is held by agent runtimes' Retains of priority 50 or more"
     assert words in lower.reason and "max_retained_blocks=6" in lower.reason, lower.reason
     shown = tenant_reason(lower.reason)
     assert words in shown and "max_" not in shown and "0 of 2" not in shown, shown
-    planner = _retain(h, "p", 100, PLANNER)
+    planner = owned_retain(h, "p", 100, PLANNER)
     assert (planner.status.value, planner.applied.blocks) == ("clipped", 0), planner
     assert ("the room is held by the planner's (and this plugin's own) Retains of priority "
             "100 or more and by any agent runtime's") in planner.reason, planner.reason
     # Among agents' claims the higher priority still displaces the lower.
     turn(h, "a-top", [31, 32])
-    top = _retain(h, "a-top", 95, AGENT)
+    top = owned_retain(h, "a-top", 95, AGENT)
     assert (top.status.value, top.applied.blocks) == ("accepted", 2), top
-    assert [_held(h, s) for s in ("a-hi", "a-top")] == [4, 2]
+    assert [retained_of(h, s) for s in ("a-hi", "a-top")] == [4, 2]
 
 
 def test_pressure_relieves_every_planner_retain_before_an_agents() -> None:
@@ -87,9 +75,9 @@ def test_pressure_relieves_every_planner_retain_before_an_agents() -> None:
     h = sched(retain_budget_fraction=0.3)  # 19 blocks
     turn(h, "p", [1, 2, 3, 4])
     turn(h, "agent", [11, 12, 13, 14])
-    _retain(h, "p", 100, PLANNER, "p1")
-    _retain(h, "agent", 1, AGENT, "a1")
+    owned_retain(h, "p", 100, PLANNER, "p1")
+    owned_retain(h, "agent", 1, AGENT, "a1")
     # A prompt needing every free block and 3 more relieves 3 retained blocks.
     turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
-    assert [_held(h, s) for s in ("agent", "p")] == [4, 1]
+    assert [retained_of(h, s) for s in ("agent", "p")] == [4, 1]
     assert _releases(h) == {("p1", "pressure"): 3}

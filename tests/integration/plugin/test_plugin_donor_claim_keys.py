@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core_fixtures import cached_blocks
+
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.core import PluginCore
 from kvhint.engine_plugin.headless import HeadlessCache, build_kv_cache_manager
@@ -27,14 +29,6 @@ def _plugin(clock: list[float], **extra: Any) -> tuple[HeadlessCache, PluginCore
     core = PluginCore.attach(cache.manager, PluginConfig(
         worker_id="w0", retain_budget_fraction=1.0, **extra), clock=lambda: clock[0])
     return cache, core
-
-
-def _cached(cache: HeadlessCache, core: PluginCore, session: str, first: int) -> list[int]:
-    request = cache.make_request(list(range(first, first + 4 * BS + 1)), session_id=session)
-    assert cache.admit(request) is not None
-    cache.finish(request)
-    core.sync()
-    return core.index.session_blocks(session)
 
 
 def _hints(action_id: str, type_: str, payload: dict) -> bytes:
@@ -59,8 +53,8 @@ def _retains(core: PluginCore, keys: list[int]) -> list[dict]:
 def test_a_donor_advice_and_a_hint_sharing_an_id_keep_both_claims() -> None:
     now = [1_000.0]
     cache, core = _plugin(now)
-    mine = _cached(cache, core, "s", 1)
-    donor = _cached(cache, core, "d", 300)
+    mine = cached_blocks(cache, core, "s", 1)
+    donor = cached_blocks(cache, core, "d", 300)
     (retained,) = core.apply_hints(_hints("x", "kv.retain", {
         "target": {"session_id": "s"}, "priority": 30, "ttl_s": 600}))
     assert retained.status is OutcomeStatus.ACCEPTED and retained.applied.blocks == 4
@@ -85,7 +79,7 @@ def test_a_donor_advice_and_a_hint_sharing_an_id_keep_both_claims() -> None:
 def test_a_waiting_prefetch_settling_leaves_a_donor_claim_under_its_id() -> None:
     now = [1_000.0]
     cache, core = _plugin(now)
-    donor = _cached(cache, core, "d", 300)
+    donor = cached_blocks(cache, core, "d", 300)
     later = cache.make_request(list(range(500, 500 + 4 * BS + 1)), session_id="later")
     coming = [digest_to_int(h) for h in later.block_hashes]
     (deferred,) = core.apply_hints(_hints("y", "kv.prefetch", {
@@ -105,8 +99,8 @@ def test_a_waiting_prefetch_settling_leaves_a_donor_claim_under_its_id() -> None
 def test_losses_are_reported_under_the_id_and_type_the_router_knows() -> None:
     now = [1_000.0]
     cache, core = _plugin(now)
-    _cached(cache, core, "s", 1)
-    donor = _cached(cache, core, "d", 300)
+    cached_blocks(cache, core, "s", 1)
+    donor = cached_blocks(cache, core, "d", 300)
     core.apply_hints(_hints("x", "kv.retain", {
         "target": {"session_id": "s"}, "priority": 30, "ttl_s": 600}))
     core.apply_advice(_advice(core, "x", donor))

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from core_fixtures import cached_blocks, hints_message
 
 from kvhint.engine_plugin import core as core_module
 from kvhint.engine_plugin import inbound_checks
@@ -40,21 +41,6 @@ def _plugin(num_blocks: int = 64, clock: list[float] | None = None, **extra: Any
     return cache, core, mailbox
 
 
-def _cached(cache: HeadlessCache, core: PluginCore, session: str, first: int) -> list[int]:
-    """Four blocks of ``session`` cached and freed; their hashes, root first."""
-    request = cache.make_request(list(range(first, first + 4 * BS + 1)), session_id=session)
-    cache.admit(request)
-    cache.finish(request)
-    core.sync()
-    return core.index.session_blocks(session)
-
-
-def _hints(*actions: tuple[str, str, dict], message_id: str = "m") -> bytes:
-    return json.dumps({"protocol_version": "1", "message_id": message_id, "actions": [
-        {"action_id": aid, "action_type": type_, "action_version": "1.0", "payload": payload}
-        for aid, type_, payload in actions]}).encode()
-
-
 def _advice(advice_id: str, hashes: list[int], namespace: str = "ns") -> bytes:
     return json.dumps({"advice_id": advice_id, "session_id": "s", "namespace": namespace,
                        "donor_block_hashes": hashes, "similarity": 0.5, "at": 1.0}).encode()
@@ -78,11 +64,11 @@ def test_made_up_action_types_are_counted_under_one_bounded_key() -> None:
     thread. They are folded when counted now; the outcome still names the real type."""
     _, core, _ = _plugin()
     for i in range(300):
-        (outcome,) = core.apply_hints(_hints((f"a{i}", f"kv.bogus-{i}", {})))
+        (outcome,) = core.apply_hints(hints_message((f"a{i}", f"kv.bogus-{i}", {})))
         assert outcome.status is OutcomeStatus.REJECTED
         assert outcome.action_type == f"kv.bogus-{i}"
     core.apply_hints(b"{not json")
-    core.apply_hints(_hints(("p", "kv.pin", {"target": {"block_hashes": [7]}})))
+    core.apply_hints(hints_message(("p", "kv.pin", {"target": {"block_hashes": [7]}})))
     counts = core.executor.counters.outcomes
     assert dict(counts) == {("other", "rejected"): 300, ("", "rejected"): 1,
                             ("kv.pin", "missing"): 1}
@@ -97,12 +83,12 @@ def test_deeply_nested_messages_are_rejected_and_the_step_goes_on() -> None:
     for the step (the hints after it waited, no outcome for the advice), and a hints
     message or snapshot request with it got no answer at all."""
     cache, core, mailbox = _plugin()
-    keys = _cached(cache, core, "s", 1000)
+    keys = cached_blocks(cache, core, "s", 1000)
     mailbox.post(Inbound("advice", b'{"advice_id": "d1", "x": ' + DEEP + b"}", 0.0))
     _post_hints(mailbox, b'{"protocol_version": "1", "message_id": "m1", "actions": '
                 + DEEP + b"}")
     mailbox.post(Inbound("snapshot", b'{"x": ' + DEEP + b"}", 0.0, "reply"))
-    _post_hints(mailbox, _hints(("ok", "kv.pin", {"target": {"block_hashes": keys}})))
+    _post_hints(mailbox, hints_message(("ok", "kv.pin", {"target": {"block_hashes": keys}})))
     core.pump()
     assert not mailbox.inbound
     outcomes = list(mailbox.outcomes)
@@ -125,8 +111,8 @@ def test_a_message_the_plugin_fails_on_is_answered_and_the_rest_of_the_step_runs
     and everything else in the step is done."""
     now = [1_000.0]
     cache, core, mailbox = _plugin(clock=now, pin_budget_fraction=0.5)
-    keys = _cached(cache, core, "s", 1000)
-    (pin,) = core.apply_hints(_hints(("pin", "kv.pin", {"target": {"block_hashes": keys},
+    keys = cached_blocks(cache, core, "s", 1000)
+    (pin,) = core.apply_hints(hints_message(("pin", "kv.pin", {"target": {"block_hashes": keys},
                                                        "ttl_s": 5})))
     assert pin.status is OutcomeStatus.ACCEPTED and core.executor.pinned_blocks == 4
     submit = core.executor.submit
@@ -142,7 +128,7 @@ def test_a_message_the_plugin_fails_on_is_answered_and_the_rest_of_the_step_runs
     monkeypatch.setattr(core.executor, "advise", broken_advise)
     monkeypatch.setattr(core.executor, "submit", submit_failing_on_boom)
     mailbox.post(Inbound("advice", _advice("d1", keys, core.cache_namespace), 0.0))
-    _post_hints(mailbox, _hints(("boom", "kv.retain", {"target": {"block_hashes": keys}}),
+    _post_hints(mailbox, hints_message(("boom", "kv.retain", {"target": {"block_hashes": keys}}),
                                 ("ok", "kv.retain", {"target": {"block_hashes": keys}})))
     now[0] += 10  # the pin's TTL has passed: this step expires it
     core.pump()
@@ -168,8 +154,8 @@ def test_a_hints_message_the_decoder_fails_on_is_answered_rejected_in_its_step(
     and the rest of the step was skipped. Now it is answered rejected with the reason,
     as a malformed message is, and counted once as an internal error."""
     cache, core, mailbox = _plugin()
-    keys = _cached(cache, core, "s", 1000)
-    broken = _hints(("x", "kv.pin", {"target": {"block_hashes": keys}}), message_id="broken")
+    keys = cached_blocks(cache, core, "s", 1000)
+    broken = hints_message(("x", "kv.pin", {"target": {"block_hashes": keys}}), message_id="broken")
 
     def decode(data: bytes | str) -> Any:
         if data == broken:
@@ -179,7 +165,7 @@ def test_a_hints_message_the_decoder_fails_on_is_answered_rejected_in_its_step(
     for module in (core_module, inbound_checks):  # wherever the plugin takes it from
         monkeypatch.setattr(module, "decode_hints", decode, raising=False)
     mailbox.post(Inbound("hints", broken, 0.0))
-    _post_hints(mailbox, _hints(("ok", "kv.pin", {"target": {"block_hashes": keys}})))
+    _post_hints(mailbox, hints_message(("ok", "kv.pin", {"target": {"block_hashes": keys}})))
     core.pump()
     outcomes = list(mailbox.outcomes)
     assert [(o.action_id, o.status.value) for o in outcomes] == [
@@ -197,15 +183,15 @@ def test_targets_naming_more_blocks_than_the_pool_are_rejected_before_any_lookup
     more than the pool's blocks cannot be resident, so such a target (or donor list) is
     rejected with that reason. Up to the pool's size it is applied as before."""
     cache, core, mailbox = _plugin()
-    keys = _cached(cache, core, "s", 1000)
+    keys = cached_blocks(cache, core, "s", 1000)
     limit = core.adapter.num_blocks
     many = keys + [(1 << 63) + i for i in range(limit + 1 - len(keys))]
-    (too_many,) = core.apply_hints(_hints(("r1", "kv.retain",
+    (too_many,) = core.apply_hints(hints_message(("r1", "kv.retain",
                                            {"target": {"block_hashes": many}})))
     assert too_many.status is OutcomeStatus.REJECTED
     assert f"names {limit + 1} block hashes, more than the {limit} blocks" in too_many.reason
     assert core.executor.retained_blocks == 0
-    (fits,) = core.apply_hints(_hints(("r2", "kv.retain",
+    (fits,) = core.apply_hints(hints_message(("r2", "kv.retain",
                                        {"target": {"block_hashes": many[:limit]}})))
     assert fits.status is OutcomeStatus.CLIPPED and fits.applied.blocks == len(keys)
     advice = core.apply_advice(_advice("d1", many, core.cache_namespace))
@@ -218,17 +204,17 @@ def test_prefix_tokens_beyond_the_pool_are_rejected_not_echoed_back() -> None:
     as ``requested.blocks`` ~6e28, past the router's 32-bit column). Up to the pool's
     tokens it is applied as before."""
     cache, core, mailbox = _plugin()
-    keys = _cached(cache, core, "s", 1000)
+    keys = cached_blocks(cache, core, "s", 1000)
     limit = core.adapter.num_blocks
-    (huge,) = core.apply_hints(_hints(("p1", "kv.retain", {"target": {
+    (huge,) = core.apply_hints(hints_message(("p1", "kv.retain", {"target": {
         "session_id": "s", "prefix_tokens": 10**30}})))
     assert huge.status is OutcomeStatus.REJECTED
     assert f"prefix_tokens {10**30} is more than the {limit * BS} tokens" in huge.reason
     assert huge.requested.blocks == 0 and core.executor.retained_blocks == 0
-    (over,) = core.apply_hints(_hints(("p2", "kv.retain", {"target": {
+    (over,) = core.apply_hints(hints_message(("p2", "kv.retain", {"target": {
         "session_id": "s", "prefix_tokens": limit * BS + 1}})))
     assert over.status is OutcomeStatus.REJECTED and "more than the" in over.reason
-    (fits,) = core.apply_hints(_hints(("p3", "kv.retain", {"target": {
+    (fits,) = core.apply_hints(hints_message(("p3", "kv.retain", {"target": {
         "session_id": "s", "prefix_tokens": limit * BS}})))
     assert fits.status is not OutcomeStatus.REJECTED
     assert fits.applied.blocks == len(keys)
@@ -241,12 +227,12 @@ def test_snapshot_requests_waiting_for_the_transport_share_one_copy_of_the_index
     copy (at its seq, which the router replays events after); once the transport took
     it, the next request copies the index as it is then."""
     cache, core, mailbox = _plugin()
-    _cached(cache, core, "s1", 1000)
+    cached_blocks(cache, core, "s1", 1000)
     request = encode_snapshot_request(SnapshotRequest())
     for reply in ("r1", "r2"):
         mailbox.post(Inbound("snapshot", request, 0.0, reply))
         core.pump()  # a step each: the index changes in between
-        _cached(cache, core, f"t{reply}", 2000 if reply == "r1" else 3000)
+        cached_blocks(cache, core, f"t{reply}", 2000 if reply == "r1" else 3000)
     first, second = mailbox.snapshots
     assert second.raw_blocks is first.raw_blocks and second.sessions is first.sessions
     assert second.seq == first.seq and second.reply_to == "r2"
@@ -266,7 +252,7 @@ def test_a_step_takes_inbound_messages_within_a_byte_budget() -> None:
     _, core, mailbox = _plugin(num_blocks=20_000)
     hashes = [(1 << 63) + i for i in range(15_000)]  # ~300 KB of JSON each
     for i in range(3):
-        _post_hints(mailbox, _hints((f"big{i}", "kv.retain",
+        _post_hints(mailbox, hints_message((f"big{i}", "kv.retain",
                                      {"target": {"block_hashes": hashes}}), message_id=f"m{i}"))
     core.pump()
     assert [o.action_id for o in mailbox.outcomes] == ["big0"]
@@ -276,7 +262,7 @@ def test_a_step_takes_inbound_messages_within_a_byte_budget() -> None:
     assert [o.action_id for o in mailbox.outcomes] == ["big0", "big1", "big2"]
     mailbox.outcomes.clear()
     for i in range(MAX_INBOUND_PER_STEP + 1):
-        _post_hints(mailbox, _hints((f"s{i}", "kv.pin", {"target": {"session_id": "x"}}),
+        _post_hints(mailbox, hints_message((f"s{i}", "kv.pin", {"target": {"session_id": "x"}}),
                                     message_id=f"n{i}"))
     core.pump()
     assert len(mailbox.outcomes) == MAX_INBOUND_PER_STEP and len(mailbox.inbound) == 1
@@ -294,12 +280,13 @@ def test_a_prefetch_repeated_after_it_was_forgotten_does_not_leak_prefetch_budge
     budget = executor.max_prefetch_blocks
 
     def prefetch(action_id: str, hashes: list[int]) -> HintOutcome:
-        (outcome,) = core.apply_hints(_hints((action_id, "kv.prefetch", {
+        (outcome,) = core.apply_hints(hints_message((action_id, "kv.prefetch", {
             "target": {"block_hashes": hashes}, "deadline_s": 10})))
         return outcome
 
     assert prefetch("p1", [1, 2, 3, 4, 5]).status is OutcomeStatus.DEFERRED
-    core.apply_hints(_hints(("x1", "kv.pin", {"target": {"block_hashes": [9]}})))  # p1 forgotten
+    # p1 forgotten
+    core.apply_hints(hints_message(("x1", "kv.pin", {"target": {"block_hashes": [9]}})))
     assert prefetch("p1", [1, 2, 3, 4, 5]).status is OutcomeStatus.DEFERRED
     assert executor._prefetch_waiting == 5 and executor.pending_actions == 1
     now[0] += 11

@@ -5,39 +5,26 @@ again, and the Retain was clipped anyway while a claim it outranks kept its bloc
 
 from __future__ import annotations
 
-from scheduler_fixtures import hint, sched, turn
+from scheduler_fixtures import owned_retain, retained_of, sched, turn
 
-from kvhint.engine_plugin.headless import HeadlessScheduler
-from kvhint.schemas import HintOwner, RetainPayload, Target
+from kvhint.schemas import HintOwner
 
 AGENT, PLANNER = HintOwner.AGENT, HintOwner.PLANNER
-
-
-def _retain(h: HeadlessScheduler, session: str, priority: int, owner: HintOwner,
-            action_id: str):
-    return hint(h, RetainPayload(target=Target(session_id=session), priority=priority,
-                                 ttl_s=600, owner=owner), action_id)
-
-
-def _held(h: HeadlessScheduler, session: str) -> int:
-    core = h.connector.core
-    retained = set(core.executor.holds.keys()["retained"])
-    return len(retained.intersection(core.index.session_blocks(session)))
 
 
 def test_a_retain_displaces_other_claims_not_its_own_targets_lower_claim() -> None:
     h = sched(retain_budget_fraction=0.1)  # 6 blocks
     turn(h, "s", [1, 2, 3, 4])
     turn(h, "t", [5, 6])
-    assert _retain(h, "s", 60, PLANNER, "p-s").applied.blocks == 4
-    assert _retain(h, "t", 70, PLANNER, "p-t").applied.blocks == 2
+    assert owned_retain(h, "s", 60, PLANNER, "p-s").applied.blocks == 4
+    assert owned_retain(h, "t", 70, PLANNER, "p-t").applied.blocks == 2
     turn(h, "s", [1, 2, 3, 4, 7, 8])  # the session's next turn: 2 blocks more
     assert len(h.connector.core.index.session_blocks("s")) == 6
-    outcome = _retain(h, "s", 50, AGENT, "a-s")
+    outcome = owned_retain(h, "s", 50, AGENT, "a-s")
     # Before: the planner's claim on s (the lowest rank) was displaced first, 2 of s's own
     # blocks, which then needed room too: clipped to 4 of 6, and t kept its 2 blocks.
     assert (outcome.status.value, outcome.applied.blocks) == ("accepted", 6), outcome
-    assert [_held(h, s) for s in ("s", "t")] == [6, 0]
+    assert [retained_of(h, s) for s in ("s", "t")] == [6, 0]
     releases = {(r.action_id, r.reason.value): r.released.blocks
                 for r in h.connector.core.executor.take_releases()}
     assert releases == {("p-t", "displaced"): 2}

@@ -20,7 +20,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import RunningRouter, StubWorker, router_settings, running_router, sample, scrape
+from conftest import (
+    RunningRouter,
+    StubWorker,
+    router_settings,
+    running_router,
+    sample,
+    scrape,
+    serving,
+)
 
 from kvhint.router.store.reader import get_session
 
@@ -34,12 +42,8 @@ REFRESHES = "kvhint_router_session_refreshes_total"
 
 @pytest.fixture
 async def worker(tiny_model_dir: Path) -> AsyncIterator[StubWorker]:
-    stub = StubWorker(model_root=str(tiny_model_dir))
-    await stub.start()
-    try:
+    async with serving([StubWorker(model_root=str(tiny_model_dir))]) as (stub,):
         yield stub
-    finally:
-        await stub.stop()
 
 
 async def _replicas(stack: AsyncExitStack, tmp_path: Path, worker: StubWorker,

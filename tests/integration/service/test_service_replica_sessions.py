@@ -23,7 +23,15 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import RunningRouter, StubWorker, router_settings, running_router, sample, scrape
+from conftest import (
+    RunningRouter,
+    StubWorker,
+    router_settings,
+    running_router,
+    sample,
+    scrape,
+    serving,
+)
 from sqlalchemy import text
 
 from kvhint.router.service.session_reads import StoredSessions
@@ -64,12 +72,8 @@ async def _turn(client: httpx.AsyncClient, router: RunningRouter, session: str,
 
 @pytest.fixture
 async def worker(tiny_model_dir: Path) -> AsyncIterator[StubWorker]:
-    stub = StubWorker(model_root=str(tiny_model_dir))
-    await stub.start()
-    try:
+    async with serving([StubWorker(model_root=str(tiny_model_dir))]) as (stub,):
         yield stub
-    finally:
-        await stub.stop()
 
 
 async def test_a_replica_continues_the_session_another_served(

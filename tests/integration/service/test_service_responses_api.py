@@ -17,7 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from conftest import router_settings, running_router, sample, scrape
+from conftest import router_settings, running_router, sample, scrape, serving
 from kvhint.router.devstack.nats_server import free_port
 
 TENANTS = [{"name": "acme", "api_keys": ["ka"]}, {"name": "beta", "api_keys": ["kb"]}]
@@ -171,14 +171,9 @@ def _not_found(response_id: str) -> web.Response:
 
 @pytest.fixture
 async def stubs(tiny_model_dir: Path) -> AsyncIterator[list[ResponsesStub]]:
-    workers = [ResponsesStub(str(tiny_model_dir)), ResponsesStub(str(tiny_model_dir))]
-    for worker in workers:
-        await worker.start()
-    try:
+    async with serving([ResponsesStub(str(tiny_model_dir)),
+                        ResponsesStub(str(tiny_model_dir))]) as workers:
         yield workers
-    finally:
-        for worker in workers:
-            await worker.stop()
 
 
 def create(**extra: Any) -> dict[str, Any]:

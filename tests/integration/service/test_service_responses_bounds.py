@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from aiohttp import web
-from conftest import router_settings, running_router, sample, scrape
+from conftest import router_settings, running_router, sample, scrape, serving
 from pydantic import TypeAdapter, ValidationError
 from test_service_responses_api import ResponsesStub, create, events
 
@@ -44,14 +44,9 @@ class BreakingStub(ResponsesStub):
 
 @pytest.fixture
 async def stubs(tiny_model_dir: Path) -> AsyncIterator[list[ResponsesStub]]:
-    workers = [ResponsesStub(str(tiny_model_dir)), BreakingStub(str(tiny_model_dir))]
-    for worker in workers:
-        await worker.start()
-    try:
+    async with serving([ResponsesStub(str(tiny_model_dir)),
+                        BreakingStub(str(tiny_model_dir))]) as workers:
         yield workers
-    finally:
-        for worker in workers:
-            await worker.stop()
 
 
 ACME = {"Authorization": "Bearer ka"}

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import router_settings, running_router, sample, scrape
+from conftest import router_settings, running_router, sample, scrape, serving
 from pydantic import ValidationError
 from test_service_responses_api import ResponsesStub, create
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -23,14 +23,8 @@ from kvhint.router.service.request_fields import runs_in_background
 
 @pytest.fixture
 async def stubs(tiny_model_dir: Path) -> AsyncIterator[list[ResponsesStub]]:
-    workers = [ResponsesStub(str(tiny_model_dir))]
-    for worker in workers:
-        await worker.start()
-    try:
+    async with serving([ResponsesStub(str(tiny_model_dir))]) as workers:
         yield workers
-    finally:
-        for worker in workers:
-            await worker.stop()
 
 
 BACKGROUND_VALUES: list[Any] = [True, False, None, "true", "false", "1", "0", 1, 0, "yes",

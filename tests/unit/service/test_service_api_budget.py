@@ -9,7 +9,7 @@ import pytest
 
 from kvhint.router.policy import HoldingsLedger, PlannedAction
 from kvhint.router.policy.holdings import Holdings
-from kvhint.router.service.sessions_api import _target_blocks
+from kvhint.router.service.hint_api_actions import target_blocks
 from kvhint.router.service.settings import RouterSettings, TenantBudget
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.schemas import (
@@ -109,10 +109,10 @@ def test_an_api_actions_blocks_are_what_its_target_can_cover() -> None:
     def action(target: dict) -> KvHintAction:
         return KvHintAction("kva-x", "kv.retain", "1.0", {"target": target, "priority": 50})
 
-    assert _target_blocks(action({"session_id": "t/s"}), 10, 16) == 10
-    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
-    assert _target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
-    assert _target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
+    assert target_blocks(action({"session_id": "t/s"}), 10, 16) == 10
+    assert target_blocks(action({"session_id": "t/s", "prefix_tokens": 40}), 10, 16) == 2
+    assert target_blocks(action({"session_id": "t/s", "prefix_tokens": 4000}), 10, 16) == 10
+    assert target_blocks(action({"block_hashes": [1, 2, 3]}), 10, 16) == 3
 
 
 def test_one_tenants_agents_hold_at_most_their_share_of_a_workers_budgets() -> None:

@@ -304,6 +304,9 @@ _DROP_LOSSES = {
     "internal_error", "periodic_job_error", "nats_slow_consumer", "jetstream_unavailable",
     "stream_setting_not_applied", "hint_unsent", "outcome_malformed",
     "outcome_unknown_status", "outcome_amount_clamped", "releases_malformed", "release_unreadable",
+    # A release of a type neither a hint's nor kv.donor (a newer plugin's): applied to
+    # nothing; if it was a hint's, its blocks stay counted until their TTL.
+    "release_unknown_type",
     "snapshot_wrong_worker", "learned_stats_unknown_tenant", "learned_stats_unreadable",
     "store_write", "store_row_rejected", "store_read_error", "store_read_error:permanent",
     "response_unparsable", "response_usage_missing", "dashboard_key_in_query",
@@ -321,7 +324,10 @@ _DROP_LOSSES = {
     "session_unread",
     # A worker hashing with another algorithm or seed than the one heard first: its
     # cache is invisible to routing (a fleet configured apart).
-    "cached_prediction_unchecked:hash_config_differs"}
+    "cached_prediction_unchecked:hash_config_differs",
+    # A heartbeat's http_url refused (form, or a host heartbeat_worker_hosts does not
+    # allow): the worker it names is not routed to; a setting or a publisher is wrong.
+    "worker_url_refused"}
 # Normal under load or by design (on the Drops panel, no alert).
 _DROP_EXPECTED = {
     # Bounded memory and disk letting go, as designed.
@@ -336,6 +342,9 @@ _DROP_EXPECTED = {
     "prompt_hashing:PromptRenderError",
     # n > 1: the cached tokens are a sibling's, not compared with the prediction.
     "cached_prediction_unchecked:parallel_sampling",
+    # A completions batch: the usage's cached tokens are one prompt's, its prompt tokens
+    # every prompt's; the prediction is the first prompt's.
+    "cached_prediction_unchecked:batched_prompts",
     # A prediction made before the worker's heartbeat gave its block size: unchecked.
     "cached_prediction_unchecked:block_size_unheard",
     # Requests the trace does not record: failed (counted by code), not hashed exactly

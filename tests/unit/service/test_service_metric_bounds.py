@@ -36,7 +36,8 @@ def _release(action_id: str, action_type: str) -> HoldRelease:
 
 def test_a_hold_releases_action_label_is_the_routers_own_or_bounded() -> None:
     """Before, the label was the release's action_type as the wire had it: any string a
-    plugin sent became a series of its own."""
+    plugin sent became a series of its own. A type not a hint's is applied to no action
+    (not even one of its id) and makes no series: it is a drop, counted."""
     metrics = RouterMetrics()
     hints = HintDispatcher(None, Subjects("t"), WorkerRegistry([("w0", "http://w0")]), None,
                            metrics, PlannerConfig(), seed=1)
@@ -50,7 +51,8 @@ def test_a_hold_releases_action_label_is_the_routers_own_or_bounded() -> None:
     series = {(s.labels["action"], s.value)
               for family in metrics.hold_releases.collect() for s in family.samples
               if s.name.endswith("_total")}
-    assert series == {("kv.pin", 2.0), ("kv.retain", 2.0), ("other", 2.0)}
+    assert series == {("kv.retain", 2.0)}
+    assert metrics.drops.labels("release_unknown_type")._value.get() == 2
 
 
 def test_a_forgotten_workers_totals_are_kept_apart_and_the_timeline_starts_it_afresh(

@@ -30,7 +30,7 @@ from kvhint.router.policy import (
     plan_turn_routed,
 )
 from kvhint.router.service.hint_records import API_SOURCE, PLANNER_SOURCE, SentAction
-from kvhint.router.service.sessions_api import _held_for_s, _scope
+from kvhint.router.service.hint_api_actions import held_for_s, holding_scope
 from kvhint.router.store.legacy_rows import with_derived_columns, worker_budgets
 from kvhint.schemas import Budgets, KvHintAction, parse_action
 from kvhint.schemas.hints import OWNER_VERSION, ParsedAction
@@ -116,8 +116,8 @@ def test_api_actions_get_the_scope_and_end_they_were_sent_with(
     action = KvHintAction("kva-1", action_type, OWNER_VERSION, payload)
     parsed = parse_action(action)
     assert isinstance(parsed, ParsedAction), parsed
-    planned = PlannedAction("w0", action, _scope(action, "t/s"), "t", 4,
-                            NOW + _held_for_s(parsed.payload, BUDGETS), "api")
+    planned = PlannedAction("w0", action, holding_scope(action, "t/s"), "t", 4,
+                            NOW + held_for_s(parsed.payload, BUDGETS), "api")
     row = with_derived_columns(_row_without_columns(planned, API_SOURCE, "s"), BUDGETS)
     assert (row["scope"], row["expires_at"]) == (planned.scope, planned.expires_at)
 

@@ -176,11 +176,11 @@ async def test_the_planner_learns_one_completion_of_an_n_choice_answer() -> None
 
 def test_n_is_bounded_by_routing_max_n() -> None:
     assert RouterSettings().routing.max_n == 16
-    check_parallel_samples({"n": 16}, 16)
-    check_parallel_samples({"n": "many"}, 16)  # vLLM answers for what it cannot read
+    check_parallel_samples({"n": 16}, 16, 16)
+    check_parallel_samples({"n": "many"}, 16, 16)  # vLLM answers for what it cannot read
     for key in ("n", "best_of"):
         with pytest.raises(BadRequest) as refused:
-            check_parallel_samples({key: 17}, 16)
+            check_parallel_samples({key: 17}, 16, 16)
         assert refused.value.status == 400 and refused.value.param == key
         assert "routing.max_n" in refused.value.message
     assert parallel_samples({"n": 3, "best_of": 5}) == 5
@@ -204,15 +204,15 @@ def test_n_is_read_as_vllm_reads_it(n: object) -> None:
         except ValidationError:
             vllm_n = None
         if vllm_n is None:  # vLLM refuses it (or null: its default)
-            check_parallel_samples({"n": n}, 16)
+            check_parallel_samples({"n": n}, 16, 16)
             assert parallel_samples({"n": n}) == 1
             continue
         assert parallel_samples({"n": n}) == max(1, vllm_n)
         if vllm_n > 16:
             with pytest.raises(BadRequest):
-                check_parallel_samples({"n": n}, 16)
+                check_parallel_samples({"n": n}, 16, 16)
         else:
-            check_parallel_samples({"n": n}, 16)
+            check_parallel_samples({"n": n}, 16, 16)
 
 
 # -- 4. the traffic recorder's memory and disk ------------------------------------------
