@@ -34,7 +34,10 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
     subjects = Subjects(subject_prefix)
     async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
-        with plugin(nats_url, subject_prefix, defer_after_s=0.05, pin_budget_fraction=0.2,
+        # 0.5 s: long enough that the "fast" message below, stepped every 10 ms, is taken
+        # in time on a loaded 2-core machine (at 0.05 s a clean-clone CI run saw it
+        # deferred), short enough that "slow" shows the deferral well under 2 s.
+        with plugin(nats_url, subject_prefix, defer_after_s=0.5, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
             await until(lambda: h.connector.transport.connected)
             turn(h, "s", [1, 2, 3])

@@ -43,7 +43,11 @@ NOW = time.time()
 
 
 def _action(action_id: str, worker_id: str, status: str = "accepted") -> dict:
-    """A Retain of 600 s sent 10 s ago (held until NOW + 590), as the router stores it."""
+    """A Retain of 600 s sent 10 s ago (held until 590 s from now), as the router stores
+    it. Now is read at the call, not at import: a router a test starts expires holds by
+    the real clock, and a full suite reaches some tests more than 590 s after importing
+    this module (a clean-clone CI run: the pruned-worker test restored expired Retains)."""
+    now = time.time()
     scope = f"acme/{action_id}"
     return {"action_id": action_id, "message_id": "m1", "tenant": "acme",
             "session_id": action_id, "worker_id": worker_id, "action_type": "kv.retain",
@@ -51,8 +55,8 @@ def _action(action_id: str, worker_id: str, status: str = "accepted") -> dict:
             "payload": {"target": {"session_id": scope}, "ttl_s": 600.0}, "status": status,
             "reason": "", "requested_blocks": 8, "requested_tokens": 0,
             "applied_blocks": 8 if status == "accepted" else 0, "applied_tokens": 0,
-            "created_at": NOW - 10, "updated_at": NOW - 10, "scope": scope,
-            "expires_at": NOW + 590}
+            "created_at": now - 10, "updated_at": now - 10, "scope": scope,
+            "expires_at": now + 590}
 
 
 def _insert(engine: sa.Engine, workers: list[dict], actions: list[dict]) -> None:
