@@ -14,6 +14,15 @@ cannot move. Reported: p50/p90 latency per target at 1 stream
 (non-streaming completion, 1 output token: the proxy's cost dominates the spread) and the
 added p50 over direct; at 32 concurrent streams (streaming chat, 16 tokens): requests/s
 and p50 latency, with the ratio to direct. Medians of per-round values.
+
+Both phases run twice: once as before (no session id), once with a session id
+(``x-session-id``) on every request, as agents send: at 1 stream, ``--sessions`` ids taken
+in turn (each id's turns share its first words), at 32 streams one id per stream, kept
+across rounds; so every turn after a session's first is one of a session the router holds
+in memory. Two kvhint routers run side by side: ``kvhint`` with ``routing.session_refresh``
+on (the default: each such turn first reads the session's stored row) and
+``kvhint-norefresh`` with it off, so the difference between them is that read's cost.
+``--sessions 0`` leaves the session phases out; ``--no-refresh-off`` the second router.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import httpx
 import psutil
 
 from kvhint.router.bench.vllm_router import VllmRouterProcess
@@ -50,13 +60,31 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choice("abcdefghij") for _ in range(5)) for _ in range(n))
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, n: int, rng: random.Random
-                     ) -> list[float]:
+SESSION_HEADER = "x-session-id"
+
+
+def session_prefix(session_id: str) -> str:
+    """A session's first 16 words, the same in each of its turns (a prompt prefix reused)."""
+    return words(random.Random(session_id), 16)
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, n: int, rng: random.Random,
+                     sessions: int = 0) -> list[float]:
+    """``sessions`` > 0: each request carries one of that many session ids, in turn; the
+    same 24-word prompt size, its first 16 words the session's own."""
     latencies = []
-    for _ in range(n):
-        body = {"model": "tiny", "prompt": words(rng, 24), "max_tokens": 1}
+    for number in range(n):
+        headers = {}
+        if sessions:
+            sid = f"bench-one-{number % sessions}"
+            headers[SESSION_HEADER] = sid
+            prompt = f"{session_prefix(sid)} {words(rng, 8)}"
+        else:
+            prompt = words(rng, 24)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
         started = time.perf_counter()
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with session.post(f"{url}/v1/completions", json=body,
+                                headers=headers) as response:
             await response.read()
             assert response.status == 200, await response.text()
         latencies.append(time.perf_counter() - started)
@@ -64,24 +92,35 @@ async def one_stream(session: aiohttp.ClientSession, url: str, n: int, rng: rand
 
 
 async def many_streams(session: aiohttp.ClientSession, url: str, streams: int,
-                       duration_s: float, rng: random.Random) -> tuple[float, list[float]]:
+                       duration_s: float, rng: random.Random, with_sessions: bool = False
+                       ) -> tuple[float, list[float]]:
+    """``with_sessions``: stream ``i`` is an agent with session id ``bench-many-i`` (the
+    same across rounds), its system message the session's own words."""
     latencies: list[float] = []
     deadline = time.perf_counter() + duration_s
 
-    async def loop(seed: int) -> None:
+    async def loop(index: int, seed: int) -> None:
         local = random.Random(seed)
+        headers = {}
+        messages_head = []
+        if with_sessions:
+            sid = f"bench-many-{index}"
+            headers[SESSION_HEADER] = sid
+            messages_head = [{"role": "system", "content": session_prefix(sid)}]
         while time.perf_counter() < deadline:
             body = {"model": "tiny", "max_tokens": 16, "stream": True,
-                    "messages": [{"role": "user", "content": words(local, 24)}]}
+                    "messages": [*messages_head, {"role": "user",
+                                                  "content": words(local, 24)}]}
             started = time.perf_counter()
-            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            async with session.post(f"{url}/v1/chat/completions", json=body,
+                                    headers=headers) as response:
                 async for _chunk in response.content.iter_any():
                     pass
                 assert response.status == 200
             latencies.append(time.perf_counter() - started)
 
     started = time.perf_counter()
-    await asyncio.gather(*(loop(rng.randrange(1 << 30)) for _ in range(streams)))
+    await asyncio.gather(*(loop(index, rng.randrange(1 << 30)) for index in range(streams)))
     return len(latencies) / (time.perf_counter() - started), latencies
 
 
@@ -99,56 +138,78 @@ def cpu_s(pid: int | None) -> float:
 
 
 async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: int,
-                  per_round: int, duration_s: float, streams: int) -> dict:
+                  per_round: int, duration_s: float, streams: int, sessions: int) -> dict:
     rng = random.Random(0)
-    single: dict[str, list[list[float]]] = {name: [] for name in targets}
-    multi: dict[str, list[tuple[float, float]]] = {name: [] for name in targets}
+    # Phases: (report key, 1 stream or 32, with session ids).
+    phases = [("one_stream", False, False), ("many_streams", True, False)]
+    if sessions:
+        phases += [("one_stream_sessions", False, True), ("many_streams_sessions", True, True)]
+    single: dict[str, dict[str, list[list[float]]]] = {
+        key: {name: [] for name in targets} for key, many, _ in phases if not many}
+    multi: dict[str, dict[str, list[tuple[float, float]]]] = {
+        key: {name: [] for name in targets} for key, many, _ in phases if many}
     # Proxy CPU per request (noise-proof: what the proxy itself burns per request).
-    cpu_single: dict[str, list[float]] = {name: [] for name in targets}
-    cpu_multi: dict[str, list[float]] = {name: [] for name in targets}
+    cpu: dict[str, dict[str, list[float]]] = {
+        key: {name: [] for name in targets} for key, _, _ in phases}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for name, url in targets.items():  # warm up connections and caches
             await one_stream(session, url, 20, rng)
+            if sessions:
+                await one_stream(session, url, 2 * sessions, rng, sessions)
         for number in range(rounds):
             order = list(targets)
-            rng.shuffle(order)
-            for name in order:
-                before = cpu_s(pids[name])
-                single[name].append(await one_stream(session, targets[name], per_round, rng))
-                cpu_single[name].append((cpu_s(pids[name]) - before) / per_round)
-            rng.shuffle(order)
-            for name in order:
-                before = cpu_s(pids[name])
-                rate, latencies = await many_streams(session, targets[name], streams,
-                                                     duration_s, rng)
-                multi[name].append((rate, statistics.median(latencies)))
-                cpu_multi[name].append((cpu_s(pids[name]) - before) / max(len(latencies), 1))
-            print(f"round {number + 1}/{rounds}: " + ", ".join(
-                f"{n} p50 {1000 * statistics.median(single[n][-1]):.2f} ms / "
-                f"{multi[n][-1][0]:.1f} req/s" for n in targets), flush=True)
-    report: dict = {"one_stream": {}, "many_streams": {}}
-    direct_p50 = statistics.median(statistics.median(r) for r in single["direct"])
-    for name in targets:
-        p50 = statistics.median(statistics.median(r) for r in single[name])
-        p90 = statistics.median(q(r, 0.9) for r in single[name])
-        # Added latency: per round, p50(target) - p50(direct) (same round, same noise).
-        added = statistics.median(statistics.median(t) - statistics.median(d)
-                                  for t, d in zip(single[name], single["direct"], strict=True))
-        rate = statistics.median(r for r, _ in multi[name])
-        lat = statistics.median(m for _, m in multi[name])
-        report["one_stream"][name] = {
-            "p50_ms": round(1000 * p50, 3), "p90_ms": round(1000 * p90, 3),
-            "added_p50_ms": round(1000 * added, 3),
-            "proxy_cpu_ms_per_request": round(1000 * statistics.median(cpu_single[name]), 3)}
-        report["many_streams"][name] = {
-            "req_per_s": round(rate, 2), "p50_ms": round(1000 * lat, 1),
-            "proxy_cpu_ms_per_request": round(1000 * statistics.median(cpu_multi[name]), 3)}
-    for name in targets:
-        base = report["many_streams"]["direct"]["req_per_s"]
-        report["many_streams"][name]["throughput_vs_direct"] = round(
-            report["many_streams"][name]["req_per_s"] / base, 3)
-    report["direct_p50_ms"] = round(1000 * direct_p50, 3)
+            for key, many, with_sessions in phases:
+                rng.shuffle(order)
+                for name in order:
+                    before = cpu_s(pids[name])
+                    if many:
+                        rate, latencies = await many_streams(
+                            session, targets[name], streams, duration_s, rng, with_sessions)
+                        multi[key][name].append((rate, statistics.median(latencies)))
+                        count = len(latencies)
+                    else:
+                        single[key][name].append(await one_stream(
+                            session, targets[name], per_round, rng,
+                            sessions if with_sessions else 0))
+                        count = per_round
+                    cpu[key][name].append((cpu_s(pids[name]) - before) / max(count, 1))
+            print(f"round {number + 1}/{rounds}: " + "; ".join(
+                f"{key}: " + ", ".join(
+                    f"{n} {1000 * statistics.median(single[key][n][-1]):.2f} ms"
+                    if key in single else f"{n} {multi[key][n][-1][0]:.1f} req/s"
+                    for n in targets) for key, _, _ in phases), flush=True)
+    report: dict = {}
+    for key, values in single.items():
+        report[key] = {}
+        for name in targets:
+            p50 = statistics.median(statistics.median(r) for r in values[name])
+            p90 = statistics.median(q(r, 0.9) for r in values[name])
+            # Added latency: per round, p50(target) - p50(direct) (same round, same noise).
+            added = statistics.median(
+                statistics.median(t) - statistics.median(d)
+                for t, d in zip(values[name], values["direct"], strict=True))
+            report[key][name] = {
+                "p50_ms": round(1000 * p50, 3), "p90_ms": round(1000 * p90, 3),
+                "added_p50_ms": round(1000 * added, 3),
+                "proxy_cpu_ms_per_request": round(1000 * statistics.median(cpu[key][name]), 3),
+                "per_round_p50_ms": [round(1000 * statistics.median(r), 3)
+                                     for r in values[name]],
+                "per_round_cpu_ms": [round(1000 * c, 3) for c in cpu[key][name]]}
+    for key, values in multi.items():
+        report[key] = {}
+        for name in targets:
+            report[key][name] = {
+                "req_per_s": round(statistics.median(r for r, _ in values[name]), 2),
+                "p50_ms": round(1000 * statistics.median(m for _, m in values[name]), 1),
+                "proxy_cpu_ms_per_request": round(1000 * statistics.median(cpu[key][name]), 3),
+                "per_round_req_per_s": [round(r, 1) for r, _ in values[name]],
+                "per_round_cpu_ms": [round(1000 * c, 3) for c in cpu[key][name]]}
+        base = report[key]["direct"]["req_per_s"]
+        for name in targets:
+            report[key][name]["throughput_vs_direct"] = round(
+                report[key][name]["req_per_s"] / base, 3)
+    report["direct_p50_ms"] = report["one_stream"]["direct"]["p50_ms"]
     return report
 
 
@@ -158,6 +219,10 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=60)
     parser.add_argument("--duration-s", type=float, default=8.0)
     parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--sessions", type=int, default=8,
+                        help="session ids of the 1-stream session phase (0: no session phases)")
+    parser.add_argument("--no-refresh-off", dest="refresh_off", action="store_false",
+                        help="leave out the second kvhint router (routing.session_refresh off)")
     parser.add_argument("--vllm-router-policy", default="cache_aware")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -172,37 +237,67 @@ def main() -> int:
     worker = VllmServer(replace(VllmWorkerSpec(model_dir=model, port=free_port()),
                                 cpu_bind="1"), work / "worker.log")
     kvhint = None
+    kvhint_norefresh = None
     baseline = None
     try:
         with running_nats("nats://127.0.0.1:4222") as nats:
             worker.start()
             worker.wait_ready()
-            prefix = f"kvhintbench{free_port()}"
-            kvhint = RouterProcess({
-                "KVHINT_ROUTER_WORKERS": f"w0={worker.url}",
-                "KVHINT_ROUTER_NATS_URL": nats.url,
-                "KVHINT_ROUTER_SUBJECT_PREFIX": prefix,
-                "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(16 << 20),
-                "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(16 << 20),
-                "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(16 << 20),
-                "KVHINT_ROUTER_DATABASE_URL": f"sqlite:///{work / 'router.db'}",
-                "KVHINT_ROUTER_LOG_LEVEL": "warning",
-            }, work / "kvhint-router.log", port=free_port())
+            prefixes = [f"kvhintbench{free_port()}", f"kvhintbenchnr{free_port()}"]
+
+            def router(prefix: str, name: str, refresh: bool) -> RouterProcess:
+                # Each its own subject prefix and store: two routers of two deployments.
+                return RouterProcess({
+                    "KVHINT_ROUTER_WORKERS": f"w0={worker.url}",
+                    "KVHINT_ROUTER_NATS_URL": nats.url,
+                    "KVHINT_ROUTER_SUBJECT_PREFIX": prefix,
+                    "KVHINT_ROUTER_EVENTS_STREAM_MAX_BYTES": str(16 << 20),
+                    "KVHINT_ROUTER_OUTCOMES_STREAM_MAX_BYTES": str(16 << 20),
+                    "KVHINT_ROUTER_RELEASES_STREAM_MAX_BYTES": str(16 << 20),
+                    "KVHINT_ROUTER_DATABASE_URL": f"sqlite:///{work / f'{name}.db'}",
+                    "KVHINT_ROUTER_LOG_LEVEL": "warning",
+                    "KVHINT_ROUTER_ROUTING__SESSION_REFRESH": "true" if refresh else "false",
+                }, work / f"{name}.log", port=free_port())
+
+            kvhint = router(prefixes[0], "kvhint-router", True)
             kvhint.start()
+            if args.refresh_off:
+                kvhint_norefresh = router(prefixes[1], "kvhint-norefresh", False)
+                kvhint_norefresh.start()
             baseline = VllmRouterProcess(free_port(), [worker.url], args.vllm_router_policy,
                                          work / "vllm-router.log")
             baseline.start()
-            targets = {"direct": worker.url, "kvhint": kvhint.url, "vllm-router": baseline.url}
-            pids = {"direct": None, "kvhint": kvhint.pid, "vllm-router": baseline.pid}
+            targets = {"direct": worker.url, "kvhint": kvhint.url}
+            pids = {"direct": None, "kvhint": kvhint.pid}
+            if kvhint_norefresh is not None:
+                targets["kvhint-norefresh"] = kvhint_norefresh.url
+                pids["kvhint-norefresh"] = kvhint_norefresh.pid
+            targets["vllm-router"] = baseline.url
+            pids["vllm-router"] = baseline.pid
             report = asyncio.run(measure(targets, pids, args.rounds, args.per_round,
-                                         args.duration_s, args.streams))
-            kvhint.stop()
-            asyncio.run(remove_streams(nats.url, Subjects(prefix)))
+                                         args.duration_s, args.streams, args.sessions))
+            for process in (kvhint, kvhint_norefresh):
+                if process is not None:
+                    # What the session phases made the router read (a check that the
+                    # refresh read is on the measured path), and any error it logged.
+                    metrics = httpx.get(f"{process.url}/metrics", timeout=10).text
+                    report.setdefault("router_session_reads", {})[process.log_path.stem] = [
+                        line for line in metrics.splitlines()
+                        if line.startswith(("kvhint_router_session_refreshes_total",
+                                            "kvhint_router_session_reads_total"))
+                        and not line.endswith(" 0.0")]
+                    report.setdefault("router_logs_errors", {})[process.log_path.stem] = sum(
+                        " ERROR " in line or "Traceback" in line
+                        for line in process.log_path.read_text(errors="replace").splitlines())
+                    process.stop()
+            for prefix in prefixes[:2 if kvhint_norefresh is not None else 1]:
+                asyncio.run(remove_streams(nats.url, Subjects(prefix)))
     finally:
         if baseline is not None:
             baseline.stop()
-        if kvhint is not None:
-            kvhint.stop()
+        for process in (kvhint, kvhint_norefresh):
+            if process is not None:
+                process.stop()
         worker.stop()
         fcntl.flock(lock, fcntl.LOCK_UN)
     report["config"] = vars(args) | {"json": str(args.json) if args.json else None}
