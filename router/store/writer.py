@@ -29,6 +29,13 @@ for a row its owner never saw stored, only where there is none): replicas share 
 store, and one must not silently write over another's newer save of the same row. The
 row it finds instead is read in the same transaction and handed to the owner
 (:meth:`VersionedSave.conflicted`), which merges and saves again.
+
+A flush writes its tables in the order of their foreign keys (:func:`_write_order`): the
+whole-row writes (versioned or not) and updates of a referenced table (a worker's row)
+before those of the tables naming it (sessions, hint actions), deletes last, the naming
+tables' first; the rows written one by one likewise. A session first saved in the same
+batch as its worker's row so keeps its worker; written before it (versioned rows went
+first), the guard above found no row and wrote NULL.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingEr
                             SQLAlchemyError, StatementError)
 
 from kvhint.router.store.db_errors import SCHEMA_SQLSTATES, sqlstate
-from kvhint.router.store.models import TABLES
+from kvhint.router.store.models import TABLES, Base
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +302,7 @@ class StoreWriter:
         """Each row in its own transaction: the rows the database refuses are dropped and
         counted; if it goes away meanwhile, the rest are kept for the next flush."""
         rejected = 0
-        rows = list(batch.items())
+        rows = sorted(batch.items(), key=lambda item: _write_order(item[1][0], item[0][0]))
         for index, (row_key, entry) in enumerate(rows):
             mine = {row_key: expected[row_key]} if row_key in expected else {}
             try:
@@ -337,8 +344,9 @@ class StoreWriter:
         """Write ``batch`` in one transaction; the versioned rows (``expected``) only
         over their expected revision: those found at another are returned, each with the
         row as it is now (read in the same transaction)."""
-        # Group by kind, table and column set: one executemany per group. Upserts first,
-        # so an update queued after a flushed insert finds its row.
+        # Group by kind, table and column set: one executemany per group, in the order
+        # of _write_order (foreign keys; upserts before updates, so an update queued
+        # after a flushed insert finds its row). The versioned rows are upserts in it.
         groups: dict[tuple[str, str, tuple[str, ...]], list[dict[str, Any]]] = {}
         versioned: dict[tuple[str, tuple[str, ...]], list[tuple[RowKey, dict[str, Any]]]] = {}
         for row_key, (kind, values) in batch.items():
@@ -347,12 +355,19 @@ class StoreWriter:
                     (row_key, {**values, "revision": expected[row_key][1] + 1}))
                 continue
             groups.setdefault((kind, row_key[0], tuple(sorted(values))), []).append(values)
+        # (order, versioned?, kind, table, columns): a table's versioned rows after its
+        # plain upserts (no row is both).
+        steps = sorted([(_write_order(k, t), False, k, t, c) for k, t, c in groups]
+                       + [(_write_order(UPSERT, t), True, UPSERT, t, c) for t, c in versioned])
         conflicts: Conflicts = {}
         with self._engine.begin() as conn:
-            for (table, columns), keyed in sorted(versioned.items()):
-                conflicts.update(self._write_versioned(conn, TABLES[table].__table__,
-                                                       (*columns, "revision"), keyed))
-            for (kind, table, columns), rows in sorted(groups.items(), reverse=True):
+            for _order, is_versioned, kind, table, columns in steps:
+                if is_versioned:
+                    conflicts.update(self._write_versioned(
+                        conn, TABLES[table].__table__, (*columns, "revision"),
+                        versioned[(table, columns)]))
+                    continue
+                rows = groups[(kind, table, columns)]
                 model = TABLES[table]
                 table_obj = model.__table__
                 primary = [c.name for c in table_obj.primary_key.columns]
@@ -428,6 +443,24 @@ def _written_keys(conn: Connection, statement: Any, primary: list[str],
         insertmanyvalues_page_size=_RETURNING_PAGE_ROWS)
     return {tuple(row) for row in conn.execute(returning, rows)}
 
+
+
+# Each table's place in the order of the foreign keys: a referenced table (workers)
+# before the tables naming it (sessions, hint_actions). Derived from the models, so a new
+# table or key takes its place by itself.
+_TABLE_RANK = {table.name: rank for rank, table in enumerate(Base.metadata.sorted_tables)}
+_KIND_RANK = {UPSERT: 0, UPDATE: 1, DELETE: 2}
+
+
+def _write_order(kind: str, table: str) -> tuple[int, int]:
+    """Where a ``kind`` write of ``table`` goes in a flush (sorted ascending): whole rows
+    (upserts, versioned or not), then updates, then deletes; within the writes, a
+    referenced table's before the tables naming it (their rows' keys find it: a session's
+    worker is kept, not nulled, a hint action is not refused); within the deletes, the
+    naming tables' first (their rows go before the one they name, which sets NULL or
+    cascades either way)."""
+    rank = _TABLE_RANK[table]
+    return _KIND_RANK[kind], -rank if kind == DELETE else rank
 
 
 # The parameter of a nulled reference's value (a column's own name is SQLAlchemy's).
