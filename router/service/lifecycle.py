@@ -63,6 +63,7 @@ from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import (
     ACTIVE,
     ENDED,
+    MAX_BEGINS_KEPT,
     MAX_GAPS_KEPT,
     TOOL_GAP,
     SessionRecord,
@@ -155,6 +156,8 @@ class SessionLifecycle:
                                 "depth": record.turns})
             del record.gaps[:-MAX_GAPS_KEPT]  # the stored row keeps as many
             record.open_gap = None
+        record.began.append(now)
+        del record.began[:-MAX_BEGINS_KEPT]
         record.state = ACTIVE
         record.ended_at = None
         record.last_activity = now

@@ -15,6 +15,14 @@ replica saw is dropped:
   except one at a depth the row already has a gap at (a gap follows each turn once: a
   replica behind the other closes the gap the other already closed, measured from an
   older response), kept in depth order, the newest ``MAX_GAPS_KEPT``;
+- the open tool gap of the record behind (the one not saying where the session is now,
+  below), when the other began a turn after it opened and holds it no longer: that
+  turn closed it, though its replica served it from a record without that gap (its
+  read of the row came before the gap's flush, or was busy, timed out, or skipped) and
+  so closed its own older one again, at a depth the row already had. Kept closed at
+  the depth it followed, measured to the first turn begun after it (each record keeps
+  when its latest turns began, :data:`MAX_BEGINS_KEPT`). Before, where neither
+  record held it closed, it was lost (its turn's gap missing from the row);
 - what says where the session is now (its worker, state, open tool gap, end, last
   activity, and the planner's state) is the record with the later latest event's (its
   last activity, or an end its client asked for: not an abandonment, which a replica
@@ -32,6 +40,9 @@ if TYPE_CHECKING:
     from kvhint.router.service.sessions import SessionRecord
 
 MAX_GAPS_KEPT = 32  # closed tool gaps a session keeps (in memory and stored)
+# When its latest turns began, a session keeps as many (in memory and stored, beside
+# its gaps): what a merge closes the other record's open gap at (:func:`_closed_by`).
+MAX_BEGINS_KEPT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +86,20 @@ def merge_into(record: SessionRecord, theirs: SessionRecord) -> None:
     depths = {gap.get("depth") for gap in theirs.gaps}
     added = [gap for gap in record.gaps
              if _gap_key(gap) not in known and gap.get("depth") not in depths]
-    gaps = sorted([*theirs.gaps, *added], key=lambda gap: gap.get("depth") or 0)
+    gaps = [*theirs.gaps, *added]
+    later = _latest_event(theirs) > _latest_event(record)
+    # The open gap of the record that does not say where the session is now, closed by
+    # a turn the other record began after it opened (module docstring).
+    behind, ahead, depth = ((record, theirs, mine_turns) if later
+                            else (theirs, record, theirs.turns))
+    closed = _closed_by(behind.open_gap, depth, ahead, {gap.get("depth") for gap in gaps})
+    if closed is not None:
+        gaps.append(closed)
+    gaps.sort(key=lambda gap: gap.get("depth") or 0)
     record.gaps = gaps[-MAX_GAPS_KEPT:]
+    record.began = sorted({*record.began, *theirs.began})[-MAX_BEGINS_KEPT:]
     record.created_at = min(record.created_at, theirs.created_at)
-    if _latest_event(theirs) > _latest_event(record):
+    if later:
         record.worker_id = theirs.worker_id
         record.state = theirs.state
         record.ended_at = theirs.ended_at
@@ -88,6 +109,28 @@ def merge_into(record: SessionRecord, theirs: SessionRecord) -> None:
     else:
         plan, shift = record.plan, record.turns - mine_turns
     record.plan = replace(plan, turns=plan.turns + shift) if shift else plan
+
+
+def _closed_by(gap: dict[str, Any] | None, depth: int, ahead: SessionRecord,
+               depths: set[Any]) -> dict[str, Any] | None:
+    """The tool gap ``gap`` (opened after the turn at ``depth`` in the record behind)
+    closed, where ``ahead`` (the record saying where the session is now) began a turn
+    after it opened without closing it: that turn's replica served it from a record
+    that did not hold ``gap`` yet (its read of the row came before the other's flush,
+    was busy, timed out, or skipped), and closed its own older gap instead, at a depth
+    the row already has. None where ``ahead`` holds the same gap still open, began no
+    turn since it opened, or a gap at ``depth`` is kept already."""
+    if gap is None or depth in depths or depth < 1:
+        return None
+    opened = gap.get("started_at")
+    held = ahead.open_gap
+    if opened is None or (held is not None and held.get("started_at") == opened):
+        return None
+    after = [began for began in ahead.began if began >= opened]
+    if not after:
+        return None
+    return {"tools": gap.get("tools", []), "seconds": round(min(after) - opened, 3),
+            "depth": depth}
 
 
 def _latest_event(record: SessionRecord) -> float:

@@ -18,7 +18,12 @@ from operator import attrgetter
 from typing import Any, Literal
 
 from kvhint.router.policy.session import SessionPlanState
-from kvhint.router.service.session_merge import MAX_GAPS_KEPT, SessionBase, merge_into
+from kvhint.router.service.session_merge import (
+    MAX_BEGINS_KEPT,
+    MAX_GAPS_KEPT,
+    SessionBase,
+    merge_into,
+)
 from kvhint.router.store.writer import NOT_STORED, StoreWriter
 
 ACTIVE = "active"
@@ -50,6 +55,9 @@ class SessionRecord:
     open_gap: dict[str, Any] | None = None
     # Closed gaps, newest last: [{"tools": [...], "seconds": s, "depth": d}].
     gaps: list[dict[str, Any]] = field(default_factory=list)
+    # When its latest turns began (at most MAX_BEGINS_KEPT, oldest first; stored beside
+    # the gaps): where a merge closes the other replica's open gap (session_merge.py).
+    began: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
@@ -88,7 +96,8 @@ class SessionRecord:
             "ended_at": self.ended_at,
             "state": self.state,
             "open_gap": self.open_gap,
-            "tool_gap_stats": {"gaps": self.gaps[-MAX_GAPS_KEPT:]},
+            "tool_gap_stats": {"gaps": self.gaps[-MAX_GAPS_KEPT:],
+                               "began": self.began[-MAX_BEGINS_KEPT:]},
             "plan": self.plan.to_dict(),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
@@ -119,12 +128,20 @@ class SessionRecord:
             ended_at=row.get("ended_at"),
             open_gap=row.get("open_gap"),
             gaps=list(stats.get("gaps", [])),
+            began=_began(stats.get("began")),
             prompt_tokens=row.get("prompt_tokens") or 0,
             cached_tokens=row.get("cached_tokens") or 0,
             predicted_cached_tokens=row.get("predicted_cached_tokens") or 0,
             revision=row.get("revision") or 0,
             base=SessionBase.of(row),
         )
+
+
+def _began(stored: Any) -> list[float]:
+    """A row's turn beginnings (none in a row of a router from before them)."""
+    if not isinstance(stored, list):
+        return []
+    return sorted(float(t) for t in stored if isinstance(t, (int, float)))[-MAX_BEGINS_KEPT:]
 
 
 def _ended_explicitly_before_the_flag(row: dict[str, Any], plan_data: Any,

@@ -88,3 +88,66 @@ def test_an_end_its_client_asked_for_is_an_event_an_abandonment_is_not() -> None
     assert (abandoned.state, abandoned.ended_at, abandoned.plan.ended) == (
         "active", None, False)
     assert abandoned.turns == 3
+
+
+def _open(started_at: float) -> dict:
+    return {"tools": ["fetch"], "started_at": started_at, "worker_id": "w0"}
+
+
+def test_a_turn_served_from_an_older_record_closes_the_other_replicas_open_gap() -> None:
+    """Turn 1 on this replica (its gap opened at 10), turn 2 on the other (began at 20,
+    closed gap 1, opened its own at 25), turn 3 here at 30 from a record without turn 2
+    (its read came first, or was skipped): it closed its own gap 1 again. Turn 3 closed
+    turn 2's gap: kept at depth 2, 5 s. Before, gaps [1] only."""
+    mine = _record(2, 32.0, [_gap(1, 20.0)], state="tool_gap", open_gap=_open(32.0))
+    mine.began = [0.0, 30.0]
+    mine.base = SessionBase(turns=1, prompt_tokens=40)
+    theirs = _record(2, 25.0, [_gap(1, 10.0)], state="tool_gap", open_gap=_open(25.0))
+    theirs.began = [0.0, 20.0]
+    merge_into(mine, theirs)
+    assert mine.turns == 3 and mine.plan.turns == 3
+    assert mine.gaps == [_gap(1, 10.0), {"tools": ["fetch"], "seconds": 5.0, "depth": 2}]
+    assert mine.open_gap == _open(32.0) and mine.began == [0.0, 20.0, 30.0]
+
+
+def test_the_other_replicas_turn_from_an_older_record_closes_this_ones_open_gap() -> None:
+    """The same turns, the other way round: this replica served turn 2 (its gap opened
+    at 25, not saved yet), the other served turn 3 at 30 from turn 1's row and saved
+    first. Merged here: turn 2's gap closed by turn 3, at depth 2."""
+    mine = _record(2, 25.0, [_gap(1, 10.0)], state="tool_gap", open_gap=_open(25.0))
+    mine.began = [0.0, 20.0]
+    mine.base = SessionBase(turns=1, prompt_tokens=40)
+    theirs = _record(2, 32.0, [_gap(1, 20.0)], state="tool_gap", open_gap=_open(32.0))
+    theirs.began = [0.0, 30.0]
+    merge_into(mine, theirs)
+    assert mine.turns == 3 and mine.plan.turns == 3
+    assert [(g["depth"], g["seconds"]) for g in mine.gaps] == [(1, 20.0), (2, 5.0)]
+    assert mine.open_gap == _open(32.0)
+
+
+def test_a_stale_turn_with_no_gap_of_its_own_still_closes_the_other_ones() -> None:
+    """This replica's record had no open gap (turn 1 ended in a stop): its turn 3 closed
+    nothing it knew of, yet began after turn 2's gap opened."""
+    mine = _record(2, 32.0, [], state="active")
+    mine.began = [0.0, 30.0]
+    mine.base = SessionBase(turns=1, prompt_tokens=40)
+    theirs = _record(2, 25.0, [], state="tool_gap", open_gap=_open(25.0))
+    theirs.began = [0.0, 20.0]
+    merge_into(mine, theirs)
+    assert mine.gaps == [{"tools": ["fetch"], "seconds": 5.0, "depth": 2}]
+
+
+def test_an_open_gap_no_turn_began_after_stays_unclosed() -> None:
+    """A turn that began before the other's gap opened (turns of both at the same
+    moment) did not close it; nor does a gap both records hold open close."""
+    mine = _record(2, 32.0, [], state="active")
+    mine.began = [0.0, 22.0]  # began before the other's gap opened at 25
+    mine.base = SessionBase(turns=1, prompt_tokens=40)
+    theirs = _record(2, 25.0, [], state="tool_gap", open_gap=_open(25.0))
+    merge_into(mine, theirs)
+    assert mine.gaps == []
+    same = _record(2, 40.0, [], state="tool_gap", open_gap=_open(25.0))
+    same.began = [0.0, 30.0]  # held open by both: still open, whatever began says
+    same.base = SessionBase(turns=2, prompt_tokens=80)
+    merge_into(same, _record(2, 25.0, [], state="tool_gap", open_gap=_open(25.0)))
+    assert same.gaps == [] and same.open_gap == _open(25.0)
