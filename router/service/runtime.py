@@ -180,7 +180,7 @@ class RouterRuntime:
             sessions, hints, metrics, settings.hints.enabled, settings.routing.session_forget_s,
             on_end=recorder.session_ended if recorder else None,
             load_session=stored_sessions.row, latest_session=stored_sessions.latest
-            if settings.routing.session_refresh else None,
+            if _refreshes_sessions(settings.routing.session_refresh, engine) else None,
             max_prompt_blocks=-(-settings.routing.max_prompt_tokens // settings.block_size),
             # Without NATS nothing feeds the index: its (empty) view says nothing either way.
             index_exact=ingestor.view_exact if link is not None else None)
@@ -489,3 +489,10 @@ async def _listed_models(pool: UpstreamPool, worker_id: str, url: str
         return None
     return [item for item in listing["data"]
             if isinstance(item, dict) and isinstance(item.get("id"), str)]
+
+
+def _refreshes_sessions(setting: bool | None, engine: Engine) -> bool:
+    """``routing.session_refresh``; unset: on for a PostgreSQL store (the store router
+    replicas share), off for a SQLite file (one router's own: no other replica saves its
+    sessions, so a read before each turn would find only its own saves)."""
+    return engine.dialect.name == "postgresql" if setting is None else setting

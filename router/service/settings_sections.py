@@ -64,10 +64,12 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     session_read_timeout_s: float = Field(0.5, gt=0, le=10)
     # Whether each turn (end, hints call) of a session held in memory reads its row first,
     # to continue turns another replica served since (session_reads.StoredSessions.latest):
-    # one primary-key read per turn. Off: a router that is the store's only replica, or
-    # behind a load balancer keeping each session on one replica, saves that read; saves
-    # still merge another replica's (session_merge.py).
-    session_refresh: bool = True
+    # one primary-key read per turn, 0.4-0.8 ms of the router's CPU (BENCHMARKS.md). None:
+    # on with a PostgreSQL store (the store replicas share), off with a SQLite file (one
+    # router's own). Off: a router that is the store's only replica, or behind a load
+    # balancer keeping each session on one replica, saves that read; saves still merge
+    # another replica's (session_merge.py).
+    session_refresh: bool | None = None
     # The most sequences one prompt may ask to sample (``n``, or ``best_of``); more is a
     # 400 (sampling.py). Each is a sequence decoding on the worker beside every other
     # tenant's, and a session continues at most one of them (response_scan.py).

@@ -48,9 +48,12 @@ async def worker(tiny_model_dir: Path) -> AsyncIterator[StubWorker]:
 
 async def _replicas(stack: AsyncExitStack, tmp_path: Path, worker: StubWorker,
                     database_url: str) -> tuple[RunningRouter, RunningRouter, httpx.AsyncClient]:
-    """Both on the empty store; writes wait for the test's flushes (an hour's interval)."""
+    """Both on the empty store; writes wait for the test's flushes (an hour's interval).
+    The read before each turn is asked for: on a SQLite file it is off unless set (a file
+    is one router's own), and these tests share one between two replicas."""
     settings = router_settings(tmp_path, [("w0", worker.url)], tenants=TENANTS,
-                               database_url=database_url, store_flush_interval_s=3600.0)
+                               database_url=database_url, store_flush_interval_s=3600.0,
+                               routing={"session_refresh": True})
     a = await stack.enter_async_context(running_router(settings))
     b = await stack.enter_async_context(running_router(settings))
     return a, b, await stack.enter_async_context(httpx.AsyncClient(timeout=30))
@@ -130,7 +133,8 @@ async def test_alternating_turns_with_the_replicas_own_flushes(
     every turn and gap; nothing is dropped."""
     worker.finish_reason, worker.tool_names = "tool_calls", ["search"]
     settings = router_settings(tmp_path, [("w0", worker.url)], tenants=TENANTS,
-                               database_url=database_url, store_flush_interval_s=0.05)
+                               database_url=database_url, store_flush_interval_s=0.05,
+                               routing={"session_refresh": True})
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(running_router(settings))
         b = await stack.enter_async_context(running_router(settings))
@@ -177,3 +181,22 @@ async def test_with_refresh_off_turns_read_nothing_and_saves_still_merge(
             assert not any(value for (name, _labels), value in samples.items()
                            if name == REFRESHES)
         assert sample(await scrape(client, a.url), CONFLICTS, outcome="merged") == 1
+
+
+async def test_the_read_before_each_turn_is_on_for_postgresql_and_off_for_sqlite_by_default(
+        tmp_path: Path, database_url: str, worker: StubWorker) -> None:
+    """Unset, ``routing.session_refresh`` follows the store: a PostgreSQL store is the one
+    replicas share, so each later turn reads the row; a SQLite file is one router's own,
+    so none does (0.4-0.8 ms of router CPU a turn saved, BENCHMARKS.md). Before, every
+    router read the row before every turn."""
+    settings = router_settings(tmp_path, [("w0", worker.url)], tenants=TENANTS,
+                               database_url=database_url)
+    async with AsyncExitStack() as stack:
+        router = await stack.enter_async_context(running_router(settings))
+        client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
+        for _ in range(3):
+            await _turn(client, router, "one-replica")
+        samples = await scrape(client, router.url)
+        refreshed = sum(value for (name, _labels), value in samples.items()
+                        if name == REFRESHES)
+        assert refreshed == (2 if database_url.startswith("postgresql") else 0)
