@@ -159,7 +159,7 @@ SESSION_REFRESHES = (
     "missing",  # no row (not saved yet, store_flush_interval_s; or deleted)
     "error",    # the store failed the read
     "timeout",  # no answer within routing.session_read_timeout_s
-    "busy",     # not read: no read slot came free within that time
+    "busy",     # not read: no read slot free at once (it never queues the turn)
 )
 # kvhint_router_response_id_requests_total{op, code}: GET /v1/responses/{id} and
 # POST /v1/responses/{id}/cancel (responses_api.py), a bounded set.

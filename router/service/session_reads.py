@@ -32,7 +32,9 @@ read, counted in ``kvhint_router_session_refreshes_total``): another replica may
 served turns of it since, which the record then merges in (``SessionRegistry.refresh``),
 so the turn continues them. One lookup by the primary key per turn (measured: ~0.2 ms on
 a local SQLite file, ~0.7 ms on a local PostgreSQL, docs/router.md). One not read in time
-leaves the turn on the record as it is; its save still merges.
+leaves the turn on the record as it is; its save still merges. Such a read takes a slot
+only if one is free at once (else ``busy``, at once): it never queues the turn behind
+the tenant's other reads (:meth:`StoredSessions.latest`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,14 @@ class StoredSessions:
         key = (tenant, session_id)
         reading = self._refreshing.get(key)
         if reading is None:
-            reading = asyncio.ensure_future(self._read(tenant, session_id))
+            # A slot only if one is free now ("busy" else): the record in memory serves
+            # the turn and its save still merges, while waiting queued each turn behind
+            # the tenant's other reads. Measured (tests/benchmarks/service/
+            # bench_service_overhead.py, 32 streams, one tenant, one vLLM CPU worker):
+            # the read itself 0.8 ms in its thread, but ~30 ms from the loop and back on
+            # a busy 2-core machine, 2 slots a tenant: turns waited 230 ms on average
+            # for a slot, 0.5 s (the timeout) when it came to "busy" anyway.
+            reading = asyncio.ensure_future(self._read(tenant, session_id, wait=False))
             self._refreshing[key] = reading
             reading.add_done_callback(lambda _done: self._refreshing.pop(key, None))
         return await asyncio.shield(reading)
@@ -108,10 +117,11 @@ class StoredSessions:
             self._metrics.drop("session_unread")
         return row
 
-    async def _read(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
+    async def _read(self, tenant: str, session_id: str, wait: bool = True
+                    ) -> tuple[str, Row | None]:
         outcome, row = await self._slots.read(
             tenant, self._timeout_s, get_session_within, self._engine, tenant, session_id,
-            self._timeout_s, wait=True, what=f"session {tenant}/{session_id}")
+            self._timeout_s, wait=wait, what=f"session {tenant}/{session_id}")
         if outcome != "read":
             return outcome, None
         return ("missing", None) if row is None else ("found", row)
