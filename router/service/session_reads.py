@@ -40,7 +40,8 @@ the tenant's other reads (:meth:`StoredSessions.latest`).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
@@ -62,6 +63,7 @@ MAX_READS_IN_FLIGHT = 3
 MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
 
 Row = dict[str, Any]
+T = TypeVar("T")
 
 
 class StoredSessions:
@@ -80,33 +82,22 @@ class StoredSessions:
     async def row(self, tenant: str, session_id: str) -> Row | None:
         """``tenant``'s stored row of ``session_id`` as the store gives it within the
         timeout, or None (module doc; counted either way)."""
-        key = (tenant, session_id)
-        reading = self._reading.get(key)
-        if reading is None:
-            reading = asyncio.ensure_future(self._counted(tenant, session_id))
-            self._reading[key] = reading
-            reading.add_done_callback(lambda _done: self._reading.pop(key, None))
-        # Shielded: a client that leaves does not cancel the read another turn waits for.
-        return await asyncio.shield(reading)
+        return await _joined(self._reading, (tenant, session_id),
+                             lambda: self._counted(tenant, session_id))
 
     async def latest(self, tenant: str, session_id: str) -> tuple[str, Row | None]:
         """The outcome (``found``, ``missing``, ``error``, ``timeout``, ``busy``) and
         row of a read of a session this replica holds a record of (module doc), not
         counted here (the caller counts what it made of it)."""
-        key = (tenant, session_id)
-        reading = self._refreshing.get(key)
-        if reading is None:
-            # A slot only if one is free now ("busy" else): the record in memory serves
-            # the turn and its save still merges, while waiting queued each turn behind
-            # the tenant's other reads. Measured (tests/benchmarks/service/
-            # bench_service_overhead.py, 32 streams, one tenant, one vLLM CPU worker):
-            # the read itself 0.8 ms in its thread, but ~30 ms from the loop and back on
-            # a busy 2-core machine, 2 slots a tenant: turns waited 230 ms on average
-            # for a slot, 0.5 s (the timeout) when it came to "busy" anyway.
-            reading = asyncio.ensure_future(self._read(tenant, session_id, wait=False))
-            self._refreshing[key] = reading
-            reading.add_done_callback(lambda _done: self._refreshing.pop(key, None))
-        return await asyncio.shield(reading)
+        # A slot only if one is free now ("busy" else): the record in memory serves the
+        # turn and its save still merges, while waiting queued each turn behind the
+        # tenant's other reads. Measured (tests/benchmarks/service/
+        # bench_service_overhead.py, 32 streams, one tenant, one vLLM CPU worker): the
+        # read itself 0.8 ms in its thread, but ~30 ms from the loop and back on a busy
+        # 2-core machine, 2 slots a tenant: turns waited 230 ms on average for a slot,
+        # 0.5 s (the timeout) when it came to "busy" anyway.
+        return await _joined(self._refreshing, (tenant, session_id),
+                             lambda: self._read(tenant, session_id, wait=False))
 
     async def _counted(self, tenant: str, session_id: str) -> Row | None:
         outcome, row = await self._read(tenant, session_id)
@@ -125,3 +116,16 @@ class StoredSessions:
         if outcome != "read":
             return outcome, None
         return ("missing", None) if row is None else ("found", row)
+
+
+async def _joined(under_way: dict[tuple[str, str], asyncio.Future[T]],
+                     key: tuple[str, str], start: Callable[[], Awaitable[T]]) -> T:
+    """The read of ``key`` under way in ``under_way``, else one ``start`` begins there
+    (gone from it when done): turns of one session arriving together share one read.
+    Shielded: a client that leaves does not cancel the read another turn waits for."""
+    reading = under_way.get(key)
+    if reading is None:
+        reading = asyncio.ensure_future(start())
+        under_way[key] = reading
+        reading.add_done_callback(lambda _done: under_way.pop(key, None))
+    return await asyncio.shield(reading)

@@ -384,12 +384,7 @@ class StoreWriter:
                                               **{c: r[c] for c in columns if c not in primary}}
                                              for r in rows])
                     continue
-                statement = self._insert(table_obj)
-                references = _nulled_references(table_obj, columns)
-                if references:
-                    statement = statement.values(references)
-                    rows = [{_REFERENCE_KEY + c if c in references else c: v
-                             for c, v in r.items()} for r in rows]
+                statement, rows = self._insert_rows(table_obj, columns, rows)
                 updates = {c: statement.excluded[c] for c in columns if c not in primary}
                 if updates:
                     statement = statement.on_conflict_do_update(index_elements=primary,
@@ -399,6 +394,19 @@ class StoreWriter:
                 conn.execute(statement, rows)
         return conflicts
 
+    def _insert_rows(self, table: Table, columns: tuple[str, ...],
+                     rows: list[dict[str, Any]]) -> tuple[Any, list[dict[str, Any]]]:
+        """An insert of ``rows`` (each with ``columns``) into ``table``, and the rows as
+        it binds them: a reference its foreign key nulls on delete is read in the same
+        statement (:func:`_nulled_references`), bound under its ``ref_`` name."""
+        statement = self._insert(table)
+        references = _nulled_references(table, columns)
+        if not references:
+            return statement, rows
+        return statement.values(references), [
+            {_REFERENCE_KEY + c if c in references else c: v for c, v in r.items()}
+            for r in rows]
+
     def _write_versioned(self, conn: Connection, table: Table, columns: tuple[str, ...],
                          keyed: list[tuple[RowKey, dict[str, Any]]]) -> Conflicts:
         """Insert each row where there is none, else update it where it is still at the
@@ -406,13 +414,8 @@ class StoreWriter:
         never seen stored expects NOT_STORED, which no stored row is at). Those not
         written are read again (:func:`_written_keys` says which were)."""
         primary = [c.name for c in table.primary_key.columns]
-        statement = self._insert(table)
-        references = _nulled_references(table, columns)
-        rows = [values for _row_key, values in keyed]
-        if references:
-            statement = statement.values(references)
-            rows = [{_REFERENCE_KEY + c if c in references else c: v
-                     for c, v in r.items()} for r in rows]
+        statement, rows = self._insert_rows(table, columns,
+                                            [values for _row_key, values in keyed])
         statement = statement.on_conflict_do_update(
             index_elements=primary,
             set_={c: statement.excluded[c] for c in columns if c not in primary},
@@ -442,7 +445,6 @@ def _written_keys(conn: Connection, statement: Any, primary: list[str],
     returning = statement.returning(*(statement.table.c[p] for p in primary)).execution_options(
         insertmanyvalues_page_size=_RETURNING_PAGE_ROWS)
     return {tuple(row) for row in conn.execute(returning, rows)}
-
 
 
 # Each table's place in the order of the foreign keys: a referenced table (workers)
