@@ -73,7 +73,8 @@ class SessionRow(Base):
     # How many saves the row has had (revision 0006): a router saves its record of the
     # session only where the row is still at the revision it last read or wrote, else it
     # reads the row again and merges (writer.StoreWriter.upsert_versioned,
-    # service.session_merge). A router of the release before leaves it as it is.
+    # service.session_merge). A router of the release before leaves it as it is; on
+    # PostgreSQL a trigger (revision 0007) then moves it on, so its saves are merged too.
     revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     __table_args__ = (
