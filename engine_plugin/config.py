@@ -38,6 +38,7 @@ from kvhint.schemas.nats_address import (
     nats_url_problem,
     url_secret,
 )
+from kvhint.schemas.worker_url import http_url_form
 
 # Under vLLM's "vllm" logger, so plugin lines appear in the engine's log with vLLM's format
 # and follow VLLM_LOGGING_LEVEL (vLLM configures only that logger in EngineCore).
@@ -77,6 +78,7 @@ class PluginConfig(BaseModel):
     nats_url_env: str | None = None
     subject_prefix: str = "kvhint"
     # Where operators reach this worker over HTTP (put in the heartbeat), if known.
+    # Checked at start-up by the rule every router applies to it (schemas/worker_url.py).
     http_url: str | None = None
 
     # Budgets. Pins are hard: they may cost a preemption, so they get a small budget.
@@ -196,6 +198,21 @@ class PluginConfig(BaseModel):
                              "kvhint-nats Secret, KVHINT_NATS_PASSWORD)")
         return value
 
+    @field_validator("http_url")
+    @classmethod
+    def _check_http_url(cls, value: str | None) -> str | None:
+        # A router routes to (and sends its worker_api_key to) a heartbeat's http_url only
+        # in this form: one that is not fails here, with the reason, rather than being
+        # refused by every router that reads the heartbeats (worker_url_refused).
+        if value is None:
+            return None
+        problem, _host = http_url_form(value)
+        if problem is not None:
+            raise ValueError(f"{problem}: use http(s)://host[:port][/path], the address "
+                             "the router reaches this worker at, without credentials, "
+                             "query or fragment")
+        return value
+
     @field_validator("demote_copy_wait_s")
     @classmethod
     def _check_demote_copy_wait(cls, value: float) -> float:
@@ -270,14 +287,15 @@ class PluginConfig(BaseModel):
 
 def _problem(err: Any) -> str:
     """One validation error as the message shows it: the key, what is wrong, and the
-    value given, except where it may be secret: a nats_url (and the whole config, the
-    input of a config-level error) and an unknown key's (a misspelt nats_url)."""
+    value given, except where it may be secret: a nats_url, an http_url (refused, it
+    may carry a password), the whole config (the input of a config-level error) and an
+    unknown key's (a misspelt nats_url)."""
     key = ".".join(str(p) for p in err["loc"]) or "(config)"
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, PluginConfig.model_fields, n=1)
         return (f"kv_connector_extra_config[{key!r}]: unknown key"
                 + (f" (did you mean {close[0]!r}?)" if close else ""))
-    got = "" if key in ("nats_url", "(config)") else f" (got {err.get('input')!r})"
+    got = "" if key in ("nats_url", "http_url", "(config)") else f" (got {err.get('input')!r})"
     return f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}"
 
 

@@ -36,6 +36,7 @@ EXPORTS: dict[type, dict[str, Export]] = {
         "duplicates": Export("hint_duplicates"),
         "remembered_forgotten": Export("applied_ids_forgotten"),
         "prefetch_clipped_blocks": Export("prefetch_clipped_blocks"),
+        "prefetches_replaced": Export("prefetches_replaced"),
     },
     HoldCounters: {
         "released_under_pressure": Export("retained_released_under_pressure"),

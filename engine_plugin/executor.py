@@ -10,7 +10,8 @@ Semantics (DESIGN §2, issue 3):
   An id one message names twice is answered once, ``rejected``, none of its actions
   applied (:func:`~kvhint.schemas.hints.one_per_action_id`). A Prefetch still waiting is
   replaced by a newer action under its id (one its memory forgot the Prefetch for): it
-  never settles over that action's claim. Demote handling is :mod:`.demote_apply`'s,
+  never settles over that action's claim; it is counted (``prefetches_replaced``) and
+  that action's outcome, which answers the id, says so. Demote handling is :mod:`.demote_apply`'s,
   Prefetch's :mod:`.prefetch`'s.
 - a block is *held* (one extra reference in the pool, out of the free queue) while it has
   at least one claim. Pin claims are hard until their TTL; retain claims are soft: they
@@ -54,6 +55,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.demote_apply import DemoteMixin
@@ -62,7 +65,7 @@ from kvhint.engine_plugin.hold_records import PIN, ClaimKey, DonorClaim, claim_a
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
 from kvhint.engine_plugin.outcome_counts import counted_action_type
-from kvhint.engine_plugin.prefetch import PendingPrefetch, PrefetchMixin
+from kvhint.engine_plugin.prefetch import REPLACED_PREFETCH_NOTE, PendingPrefetch, PrefetchMixin
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
@@ -102,6 +105,9 @@ class ExecutorCounters:
     remembered_forgotten: int = 0
     # Target blocks Prefetches did not wait for because the prefetch budget was full.
     prefetch_clipped_blocks: int = 0
+    # Prefetches still waiting that a newer action under their id replaced (the memory
+    # had forgotten them): waited for no more; that action's outcome answers the id.
+    prefetches_replaced: int = 0
 
     def count(self, action_type: str, status: OutcomeStatus) -> None:
         self.outcomes[(counted_action_type(action_type), status.value)] += 1
@@ -178,12 +184,15 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
             # would keep it waiting for good).
             self.counters.duplicates += 1
             return waiting.deferred
-        self._replace_waiting_prefetch(action.action_id)
+        replaced = self._replace_waiting_prefetch(action.action_id)
         if isinstance(action, InvalidAction):
             outcome = self._outcome(message_id, action.action_id, action.action_type,
                                     REJECTED, action.reason)
         else:
             outcome = self._dispatch(message_id, action)
+        if replaced:
+            outcome = msgspec.structs.replace(outcome, reason="; ".join(
+                filter(None, (outcome.reason, REPLACED_PREFETCH_NOTE))))
         self._remember(key, outcome)
         return outcome
 

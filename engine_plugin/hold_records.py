@@ -19,8 +19,9 @@ GONE = "gone"
 
 # The order retained blocks go in (displaced by the retain budget, relieved under
 # pressure): a claim's *rank*, its priority, plus AGENT_RANK for an agent runtime's claim
-# (owner "agent", hints API): every agent claim outranks every claim of the router's
-# planner (and the plugin's own donor and Prefetch retains), whatever their priorities;
+# (owner "agent", hints API; an agent's Prefetch retains as one too): every agent claim
+# outranks every claim of the router's planner (and the plugin's own donor retains, a
+# planner's Prefetch's), whatever their priorities;
 # within each, the higher priority first. An agent runtime's explicit claim is kept ahead
 # of the planner's predictions; the router caps what one tenant's agents claim on a
 # worker (``budget.max_worker_share``).

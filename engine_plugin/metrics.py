@@ -60,6 +60,9 @@ COUNTERS = {
                          "back and reported."),
     "prefetch_clipped_blocks": ("Prefetch target blocks not waited for because the "
                                 "prefetch budget was full (the Prefetch was clipped)."),
+    "prefetches_replaced": ("Prefetches still waiting that a newer action under their "
+                            "action id replaced (the worker had forgotten them): waited "
+                            "for no more; the newer action's outcome answers the id."),
     "deferred_dropped": ("'deferred' outcomes dropped because the outbound buffer was "
                          "full (not in outcomes_dropped: the final outcome follows)."),
     "in_flight_ids_forgotten": ("Queued action ids forgotten to bound that memory (a "

@@ -32,7 +32,12 @@ if TYPE_CHECKING:
 
 ACCEPTED, CLIPPED, DEFERRED = OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED, OutcomeStatus.DEFERRED
 MISSING = OutcomeStatus.MISSING
-PLANNER = HintOwner.PLANNER.value  # a Prefetch's retain is the planner's
+PLANNER = HintOwner.PLANNER.value
+# Added to the outcome of an action that replaced a Prefetch still waiting under its id
+# (:meth:`PrefetchMixin._replace_waiting_prefetch`): that outcome answers the id.
+REPLACED_PREFETCH_NOTE = ("replaced a Prefetch still waiting under this action_id (the "
+                          "worker's memory of it was forgotten), waited for no more: this "
+                          "outcome answers the id")
 
 
 @dataclass(slots=True)
@@ -42,6 +47,7 @@ class PendingPrefetch:
     requested: Amount
     deadline: float
     clipped: str | None = None  # why it waits for fewer blocks than it named
+    owner: str = PLANNER  # whose retain keeps its blocks once they are in G1
 
     @property
     def cost(self) -> int:
@@ -71,8 +77,9 @@ class PrefetchMixin:
                   keys: list[int], handles: list[BlockHandle], requested: Amount
                   ) -> HintOutcome:
         type_ = ActionType.PREFETCH.value
+        owner = payload.owner.value
         if requested.blocks and len(handles) >= requested.blocks:
-            retained = self._retain_until(action_id, handles, payload.deadline_s)
+            retained = self._retain_until(action_id, handles, payload.deadline_s, owner)
             return self._outcome(message_id, action_id, type_, ACCEPTED,
                                  f"already resident in G1; {retained} of {len(handles)} "
                                  "blocks retained until the deadline", requested,
@@ -84,7 +91,7 @@ class PrefetchMixin:
                   f"(max_prefetch_blocks={self.max_prefetch_blocks}, "
                   f"{self._prefetch_waiting} waiting)")
         if room <= 0:
-            retained = self._retain_until(action_id, handles, payload.deadline_s)
+            retained = self._retain_until(action_id, handles, payload.deadline_s, owner)
             self.counters.prefetch_clipped_blocks += requested.blocks - len(handles)
             return self._outcome(
                 message_id, action_id, type_, CLIPPED,
@@ -96,7 +103,7 @@ class PrefetchMixin:
             self.counters.prefetch_clipped_blocks += len(keys) - room
             keys, clipped = keys[:room], budget
         pending = PendingPrefetch(message_id, keys, requested,
-                                   self.clock() + payload.deadline_s, clipped)
+                                   self.clock() + payload.deadline_s, clipped, owner)
         self._pending[action_id] = pending
         self._prefetch_waiting += pending.cost
         if self.host_tier is None:
@@ -112,16 +119,21 @@ class PrefetchMixin:
         return self._outcome(message_id, action_id, type_, DEFERRED, "; ".join(notes),
                              requested, self._amount(len(handles)))
 
-    def _replace_waiting_prefetch(self, action_id: str) -> None:
+    def _replace_waiting_prefetch(self, action_id: str) -> bool:
         """A newer action under the id of a Prefetch still waiting replaces it (a repeat
         the idempotency memory forgot, applied again as any forgotten repeat, or another
         action under that id): the Prefetch is waited for no more and its share of the
         budget is given back (before, a repeat's was lost for good). It never settles, so
         it can neither answer the id a second time nor replace the newer action's claim
         (before, settling retained its blocks under the id, which ended a Retain sent
-        meanwhile under it)."""
-        if (earlier := self._pending.pop(action_id, None)) is not None:
-            self._prefetch_waiting -= earlier.cost
+        meanwhile under it). Counted (``prefetches_replaced``); the newer action's outcome
+        says so (:data:`REPLACED_PREFETCH_NOTE`) and is the id's answer: a sender waiting
+        on the id gets that, never silence. Returns whether one was replaced."""
+        if (earlier := self._pending.pop(action_id, None)) is None:
+            return False
+        self._prefetch_waiting -= earlier.cost
+        self.counters.prefetches_replaced += 1
+        return True
 
     def _settle_prefetches(self, now: float) -> list[HintOutcome]:
         done: list[HintOutcome] = []
@@ -135,12 +147,14 @@ class PrefetchMixin:
             del self._pending[action_id]
             self._prefetch_waiting -= pending.cost
             if complete and pending.clipped is None:
-                self._retain_until(action_id, handles, pending.deadline - now)
+                self._retain_until(action_id, handles, pending.deadline - now,
+                                   pending.owner)
                 outcome = self._outcome(pending.message_id, action_id, type_, ACCEPTED,
                                         "blocks became resident in G1 before the deadline",
                                         pending.requested, self._amount(len(handles)))
             elif complete:
-                self._retain_until(action_id, handles, pending.deadline - now)
+                self._retain_until(action_id, handles, pending.deadline - now,
+                                   pending.owner)
                 outcome = self._outcome(
                     pending.message_id, action_id, type_, CLIPPED,
                     f"the {len(handles)} blocks it waited for became resident in G1 before "
@@ -159,10 +173,13 @@ class PrefetchMixin:
             done.append(outcome)
         return done
 
-    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float) -> int:
-        """Retain a Prefetch's blocks until its deadline; returns how many the retain
-        budget took."""
+    def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float,
+                      owner: str) -> int:
+        """Retain a Prefetch's blocks until its deadline, at ``prefetch_retain_priority``
+        as ``owner``'s claim (an agent runtime's Prefetch ranks with its Retains, above
+        every planner claim: hold_records.AGENT_RANK); returns how many the retain budget
+        took."""
         if ttl_s <= 0:
             return 0
         return self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles,
-                            [], None, PLANNER)
+                            [], None, owner)

@@ -1,7 +1,7 @@
 """kvhint's wire contract: pure message types shared by the router and the engine plugin.
 
 No I/O here. One module per concern: :mod:`.hints`, :mod:`.outcomes`, :mod:`.events`,
-:mod:`.releases`, :mod:`.advice`, :mod:`.status`, :mod:`.snapshot`, :mod:`.subjects`.
+:mod:`.releases`, :mod:`.advice`, :mod:`.status`, :mod:`.snapshot`, :mod:`.response_cancels`, :mod:`.subjects`.
 """
 
 from kvhint.schemas._codec import WireDecodeError, is_valid_worker_id
@@ -62,6 +62,12 @@ from kvhint.schemas.releases import (
     ReleaseReason,
     decode_releases,
     encode_releases,
+)
+from kvhint.schemas.response_cancels import (
+    RESPONSE_CANCELLED_VERSION,
+    ResponseCancelled,
+    decode_response_cancelled,
+    encode_response_cancelled,
 )
 from kvhint.schemas.snapshot import (
     SnapshotBlock,
@@ -134,7 +140,9 @@ __all__ = [
     "ParsedAction",
     "PinPayload",
     "PrefetchPayload",
+    "RESPONSE_CANCELLED_VERSION",
     "ReleaseReason",
+    "ResponseCancelled",
     "RetainPayload",
     "SharePayload",
     "SnapshotBlock",
@@ -150,6 +158,7 @@ __all__ = [
     "decode_hints",
     "decode_outcome",
     "decode_releases",
+    "decode_response_cancelled",
     "decode_snapshot",
     "decode_snapshot_request",
     "decode_status",
@@ -158,6 +167,7 @@ __all__ = [
     "encode_hints",
     "encode_outcome",
     "encode_releases",
+    "encode_response_cancelled",
     "encode_snapshot",
     "encode_snapshot_request",
     "encode_status",

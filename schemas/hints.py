@@ -39,8 +39,8 @@ ACTION_VERSION = "1.0"
 # kv.retain and kv.pin 1.1 add ``evict_rest_first``; an action without it is sent as 1.0,
 # byte for byte what a 1.0 worker accepts.
 EVICT_REST_VERSION = "1.1"
-# kv.retain, kv.pin and kv.demote 1.2 add ``owner`` (1.2 keeps what 1.1 added); an action
-# of the default owner is sent as before.
+# kv.retain, kv.pin, kv.demote and kv.prefetch 1.2 add ``owner`` (1.2 keeps what 1.1
+# added); an action of the default owner is sent as before.
 OWNER_VERSION = "1.2"
 
 # The reason's start for an action id named more than once in one envelope
@@ -72,7 +72,7 @@ ACTION_TYPE_VALUES = frozenset(action.value for action in ActionType)
 
 
 class HintOwner(str, enum.Enum):
-    """Who a Pin, Retain or Demote speaks for. A worker keeps each owner's claims on a
+    """Who a Pin, Retain, Demote or Prefetch speaks for. A worker keeps each owner's claims on a
     session apart: the router's planner re-plans a session all the time and must not
     undo a Pin an agent runtime asked for through the router's API."""
 
@@ -171,8 +171,10 @@ class DemotePayload(_OwnedPayload, frozen=True):
     """Keep a host-tier (G2) copy, then let the GPU (G1) copy go first."""
 
 
-class PrefetchPayload(_Payload, frozen=True):
-    """Have the blocks in G1 within ``deadline_s``."""
+class PrefetchPayload(_OwnedPayload, frozen=True):
+    """Have the blocks in G1 within ``deadline_s``. ``owner`` (action_version 1.2) only
+    ranks the retain that keeps them there until the deadline, as a Retain of that owner
+    ranks; a Prefetch supersedes no claim."""
 
     deadline_s: Seconds = 5.0
 
@@ -199,7 +201,7 @@ SUPPORTED_VERSIONS: dict[str, tuple[str, ...]] = {
     ActionType.RETAIN.value: (ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION),
     ActionType.PIN.value: (ACTION_VERSION, EVICT_REST_VERSION, OWNER_VERSION),
     ActionType.DEMOTE.value: (ACTION_VERSION, OWNER_VERSION),
-    ActionType.PREFETCH.value: (ACTION_VERSION,),
+    ActionType.PREFETCH.value: (ACTION_VERSION, OWNER_VERSION),
     ActionType.SHARE.value: (ACTION_VERSION,),
 }
 

@@ -15,7 +15,10 @@ WIRE_VERSION = "v1"
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
-KINDS = ("hints", "outcomes", "releases", "events", "advice", "status", "snapshot")
+# "cancels": router replica -> router replicas, a cancel a worker accepted
+# (schemas/response_cancels.py), on the subject of the worker holding the response.
+KINDS = ("hints", "outcomes", "releases", "events", "advice", "status", "snapshot",
+         "cancels")
 # The least history and size a JetStream stream of these subjects is created with (the
 # router's settings and the plugin's config both hold to them): a history shorter than a
 # minute is gone before a restarted router replays it (nats-server refuses under 100 ms);
@@ -63,6 +66,9 @@ class Subjects:
 
     def snapshot(self, worker_id: str) -> str:
         return self._subject("snapshot", worker_id)
+
+    def cancels(self, worker_id: str) -> str:
+        return self._subject("cancels", worker_id)
 
     def all_of(self, kind: str) -> str:
         """Wildcard over every worker, e.g. ``kvhint.v1.events.*``."""

@@ -87,8 +87,11 @@ class PromptRenderer:
 
     # --- completions ------------------------------------------------------------------
 
-    def completion_token_ids(self, body: Mapping[str, Any]) -> list[list[int]]:
-        """Token ids of each prompt of a ``/v1/completions`` body (one per prompt)."""
+    def completion_token_ids(self, body: Mapping[str, Any], first_only: bool = False
+                             ) -> list[list[int]]:
+        """Token ids of each prompt of a ``/v1/completions`` body (one per prompt).
+        ``first_only``: of a batch's first prompt alone (the router routes a batch by it):
+        the others are neither tokenized nor checked item by item."""
         _check_body(body)
         prompt = body.get("prompt")
         add_special = _flag(body, "add_special_tokens", True)
@@ -97,10 +100,12 @@ class PromptRenderer:
         if isinstance(prompt, list) and prompt:
             if all(_is_token(t) for t in prompt):
                 return [list(prompt)]
+            prompts = prompt[:1] if first_only else prompt
             if all(isinstance(p, str) for p in prompt):
-                return [self._encode(p, add_special) for p in prompt]
-            if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-                return [list(p) for p in prompt]
+                return [self._encode(p, add_special) for p in prompts]
+            if all(isinstance(p, list) for p in prompt) and all(
+                    p and all(_is_token(t) for t in p) for p in prompts):
+                return [list(p) for p in prompts]
         raise PromptRenderError(
             "'prompt' must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists (non-empty)")

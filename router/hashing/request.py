@@ -114,10 +114,11 @@ class RequestHasher:
             chat, function_keys=RESPONSES_FUNCTION_KEYS)
         return self._hash(token_ids, chat, config)
 
-    def hash_completion(self, body: Mapping[str, Any], config: HashConfig
-                        ) -> list[PromptHashes]:
-        """Hashes of each prompt of a ``/v1/completions`` body."""
-        prompts = self.renderer(_model_of(body)).completion_token_ids(body)
+    def hash_completion(self, body: Mapping[str, Any], config: HashConfig,
+                        first_only: bool = False) -> list[PromptHashes]:
+        """Hashes of each prompt of a ``/v1/completions`` body; ``first_only``: of its
+        first prompt alone (the others are not even tokenized)."""
+        prompts = self.renderer(_model_of(body)).completion_token_ids(body, first_only)
         return [self._hash(t, body, config) for t in prompts]
 
     def _hash(self, token_ids: list[int], body: Mapping[str, Any], config: HashConfig

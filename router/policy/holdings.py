@@ -33,15 +33,17 @@ class Holdings:
 
 
 def held_blocks(outcome: HintOutcome) -> int | None:
-    """The blocks a Pin/Retain holds on its worker after this answer: ``applied`` when
-    accepted or clipped, none when rejected or missing; None for a ``deferred`` (not an
-    answer yet). A Prefetch holds (retains until its deadline) what it applied only when
-    accepted: a clipped one answers at its deadline, holding nothing."""
+    """The blocks a Pin/Retain/Prefetch holds on its worker after this answer: ``applied``
+    when accepted or clipped, none when rejected or missing; None for a ``deferred`` (not
+    an answer yet). A Prefetch retains what it applied until its deadline, clipped too:
+    one the prefetch budget left no room to wait retains what was already in G1, and one
+    the budget clipped retains the blocks it waited for once they came (before, a clipped
+    Prefetch counted as holding nothing, and the budgets believed room free that the
+    worker held until the deadline). A clipped Prefetch answered at its deadline retains
+    nothing: its holding is past its TTL then (:meth:`HoldingsLedger.settle`'s ``now``)."""
     if not outcome.status.is_terminal:
         return None
-    if outcome.status is OutcomeStatus.ACCEPTED or (
-            outcome.status is OutcomeStatus.CLIPPED
-            and outcome.action_type != ActionType.PREFETCH.value):
+    if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
         return outcome.applied.blocks
     return 0
 
@@ -340,12 +342,18 @@ class HoldingsLedger:
         if old is not None:
             self._drop(self._by_id[old])
 
-    def settle(self, outcome: HintOutcome) -> None:
-        """Correct a holding by the worker's answer (:func:`held_blocks`)."""
+    def settle(self, outcome: HintOutcome, now: float | None = None) -> None:
+        """Correct a holding by the worker's answer (:func:`held_blocks`). With ``now``,
+        a holding past its TTL at the answer goes at once, as :meth:`expire` would drop
+        it: a Prefetch answered at its deadline (clipped, with part of its target in G1)
+        retains nothing, and the worker's deadline, counted from when it got the action,
+        is never before the holding's ``expires_at``, counted from when it was planned."""
         held = self._by_id.get(outcome.action_id)
         blocks = held_blocks(outcome)
         if held is None or blocks is None:
             return
+        if now is not None and held.expires_at <= now:
+            blocks = 0
         if blocks > 0:
             self._set_blocks(held, blocks)
         else:

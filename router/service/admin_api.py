@@ -58,7 +58,7 @@ def _path_name() -> Any:
 
 class Refusal(HTTPException):
     """An admin call refused, with the reason ``admin_rejections_total`` counts it by
-    (metrics.ADMIN_REJECTIONS)."""
+    (metric_labels.ADMIN_REJECTIONS)."""
 
     def __init__(self, reason: str, status: int, message: str,
                  headers: dict[str, str] | None = None) -> None:
@@ -125,8 +125,7 @@ def _charge_call(request: Request, principal: Principal = Depends(admin_principa
     (a view of its sessions or hints) and end sessions: no more often than that."""
     over = request.app.state.runtime.call_rate.take(principal.tenant)
     if over is not None:
-        raise Refusal(CALL_RATE_REJECTION, 429, over.message,
-                      {"retry-after": str(over.retry_after_s)})
+        raise Refusal(CALL_RATE_REJECTION, over.STATUS, over.message, over.headers)
 
 
 def _scope(principal: Principal, tenant: str | None) -> str | None:

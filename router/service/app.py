@@ -397,7 +397,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    # repr'd: the path is the client's, percent-decoded (a %0A would start a line).
+    log.exception("unhandled error on %r", request.url.path[:500], exc_info=exc)
     runtime = getattr(request.app.state, "runtime", None)
     if runtime is not None:
         runtime.metrics.drop("internal_error")

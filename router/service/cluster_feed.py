@@ -13,7 +13,7 @@
   like outcomes, a JetStream ordered consumer from the store's cursor, so the holdings a
   restarted router rebuilds from the store shrink by what was released while it was down;
 - snapshots: request/reply on ``<prefix>.v1.snapshot.<w>``, page by page, whenever the
-  ingestor asks (gap, epoch change, joined mid-stream, missed tail).
+  ingestor asks (gap, epoch change, joined mid-stream, missed tail): index_actions.py.
 
 Heartbeats flow at once, the events replay takes a while (up to the stream's hour / GiB):
 the ingestor is told the replay runs (``replay_started``, before heartbeats are taken) and
@@ -27,7 +27,7 @@ holding the subjects) events, outcomes and releases flow on plain subscriptions 
 :meth:`ClusterFeed.tick` tries again with backoff until it works; then the consumers take
 over from the streams' ends and the plain subscriptions are drained.
 
-The ingestor (``kvhint.router.kv_index``) decides; this module only performs its actions.
+The ingestor (``kvhint.router.kv_index``) decides; index_actions.py performs its actions.
 """
 
 from __future__ import annotations
@@ -43,17 +43,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
-from kvhint.router.kv_index import (
-    IngestAction,
-    KvEventIngestor,
-    RequestSnapshot,
-    WorkerAlive,
-    WorkerDead,
-    WorkerIdConflict,
-    WorkerPurgedNotice,
-)
+from kvhint.router.kv_index import KvEventIngestor
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.hint_records import MAX_STORED_AMOUNT, clamped_amounts
+from kvhint.router.service.index_actions import IndexActions
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import (
     NatsLink,
@@ -65,16 +58,13 @@ from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
-    SnapshotRequest,
     WireDecodeError,
     HintOutcome,
     HoldRelease,
     WorkerStatus,
     decode_outcome,
     decode_releases,
-    decode_snapshot,
     decode_status,
-    encode_snapshot_request,
     is_unknown_status,
 )
 
@@ -144,9 +134,11 @@ class ClusterFeed:
         self._on_worker_forgotten = on_worker_forgotten
         self._metrics = metrics
         self._writer = writer
-        self._snapshot_timeout_s = snapshot_timeout_s
         self._wall = wall_clock
         self._tasks: set[asyncio.Task[None]] = set()
+        # What the ingestor decides, done (snapshot requests are tasks of this feed's).
+        self._perform = IndexActions(link, ingestor, workers, metrics, snapshot_timeout_s,
+                                     self._spawn).perform
         # Which http_url a heartbeat may give a worker not configured (worker_urls.py),
         # and the URL last refused per worker (logged once; dropped when it is forgotten).
         self._url_policy = url_policy
@@ -376,18 +368,19 @@ class ClusterFeed:
         try:
             outcome = decode_outcome(msg.data)
         except WireDecodeError as exc:
-            log.warning("malformed outcome on %s: %s", msg.subject, exc)
+            # repr'd: msgspec's message quotes the sender's field names and values as is
+            log.warning("malformed outcome on %r: %r", msg.subject, str(exc)[:500])
             self._metrics.drop("outcome_malformed")
             return
         if is_unknown_status(outcome):
             # A newer plugin's status, read as a terminal rejection (schemas.outcomes).
-            log.warning("outcome on %s: %s", msg.subject, outcome.reason)
+            log.warning("outcome on %r: %r", msg.subject, outcome.reason[:200])
             self._metrics.drop("outcome_unknown_status")
         clamped = clamped_amounts(outcome)
         if clamped is not None:
             # Amounts past the store's 32-bit columns (a plugin that echoed an unbounded
             # prefix_tokens) would cost the action its row: held to the bound, counted.
-            log.warning("outcome on %s: amounts %s/%s held to %d", msg.subject,
+            log.warning("outcome on %r: amounts %s/%s held to %d", msg.subject,
                         outcome.requested, outcome.applied, MAX_STORED_AMOUNT)
             self._metrics.drop("outcome_amount_clamped")
             outcome = clamped
@@ -401,13 +394,13 @@ class ClusterFeed:
         try:
             message = decode_releases(msg.data)
         except WireDecodeError as exc:
-            log.warning("malformed hold releases on %s: %s", msg.subject, exc)
+            log.warning("malformed hold releases on %r: %r", msg.subject, str(exc)[:500])
             self._metrics.drop("releases_malformed")
             return
         if message.unreadable:
             # The rest of the message is applied (before, one bad entry lost them all).
-            log.warning("hold releases on %s: %d unreadable dropped (%s)", msg.subject,
-                        len(message.unreadable), "; ".join(message.unreadable))
+            log.warning("hold releases on %r: %d unreadable dropped (%r)", msg.subject,
+                        len(message.unreadable), "; ".join(message.unreadable)[:500])
             self._metrics.drop("release_unreadable", len(message.unreadable))
         for release in message.releases:
             self._hints.on_release(release)
@@ -435,83 +428,16 @@ class ClusterFeed:
             if self._on_worker_forgotten is not None:
                 self._on_worker_forgotten(worker_id)
 
-    # --- ingestor actions ---------------------------------------------------------------
-
-    def _perform(self, actions: list[IngestAction]) -> None:
-        for action in actions:
-            if isinstance(action, RequestSnapshot):
-                self._metrics.resyncs.labels(action.worker_id, _reason_label(action.reason),
-                                             "requested").inc()
-                self._spawn(self._fetch_page(action))
-            elif isinstance(action, WorkerPurgedNotice):
-                log.info("index purged worker %s: %s", action.worker_id, action.reason)
-                self._metrics.resyncs.labels(action.worker_id, _reason_label(action.reason),
-                                             "purged").inc()
-            elif isinstance(action, WorkerDead):
-                log.warning("worker %s silent for %.1fs: purged from the index",
-                            action.worker_id, action.silence_s)
-                worker = self._workers.get(action.worker_id)
-                if worker is not None:
-                    worker.plugin_alive = False
-            elif isinstance(action, WorkerAlive):
-                worker = self._workers.ensure(action.worker_id)
-                worker.plugin_alive = True
-            elif isinstance(action, WorkerIdConflict):
-                # Once per conflict (the ingestor holds it; kvhint_router_worker_id_conflict
-                # shows it while held, the admin worker view's "conflict" names the other).
-                log.warning(
-                    "worker id %s: two engines heartbeat under it: %s (epoch %s, followed) "
-                    "and %s (epoch %s, refused); give each server its own worker_id in "
-                    "kv_connector_extra_config (the default is w<data-parallel rank>)",
-                    action.worker_id, action.url or "an engine without http_url",
-                    action.epoch, action.other_url or "an engine without http_url",
-                    action.other_epoch)
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _fetch_page(self, request: RequestSnapshot) -> None:
-        payload = encode_snapshot_request(SnapshotRequest(cursor=request.cursor,
-                                                          limit=request.limit,
-                                                          seq=request.seq))
-        try:
-            reply = await self._link.request(self._subjects.snapshot(request.worker_id),
-                                             payload, self._snapshot_timeout_s)
-            page = decode_snapshot(reply)
-        except (NatsError, asyncio.TimeoutError, WireDecodeError, RuntimeError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            self._metrics.resyncs.labels(request.worker_id, "snapshot", "failed").inc()
-            self._perform(self.ingestor.on_snapshot_failed(request.worker_id, reason))
-            return
-        if page.worker_id != request.worker_id:
-            # A plugin answering under another worker's id would overwrite that worker's
-            # resync; this one's request is retried.
-            self._metrics.drop("snapshot_wrong_worker")
-            self._perform(self.ingestor.on_snapshot_failed(
-                request.worker_id, f"snapshot reply names worker {page.worker_id!r}"))
-            return
-        actions = self.ingestor.on_snapshot_page(page, request.cursor)
-        if page.next_cursor is None:
-            self._metrics.resyncs.labels(request.worker_id, "snapshot", "loaded").inc()
-        self._perform(actions)
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _reason_label(reason: str) -> str:
-    """A bounded label from a free-text reason ("engine restarted (epoch a -> b)")."""
-    # "stalled" first: a stalled resync's reason quotes the reason the resync began.
-    for word in ("stalled", "restart", "gap", "mid-stream", "dead", "behind", "tail", "epoch",
-                 "silent"):
-        if word in reason:
-            return word
-    return "other"
 
 
 def _status_dict(status: WorkerStatus) -> dict[str, Any]:

@@ -78,7 +78,7 @@ def cross_site_reason(method: str, headers: Mapping[str, str]) -> str | None:
 def cross_site_refusal(method: str, headers: Mapping[str, str], metrics: RouterMetrics,
                        endpoint: str) -> str | None:
     """The 403 message for a refused request, counted under ``endpoint`` (one of
-    ``metrics.CROSS_SITE_ENDPOINTS``) and its reason; None when it may go on."""
+    ``metric_labels.CROSS_SITE_ENDPOINTS``) and its reason; None when it may go on."""
     reason = cross_site_reason(method, headers)
     if reason is None:
         return None

@@ -103,7 +103,7 @@ class FlightAccounting:
             worker = self._workers.get(flight.worker_id)
             if worker is not None:
                 worker.inflight = max(worker.inflight - 1, 0)
-            self._routing.finished(flight.worker_id, plan.prompt_tokens, plan.block_size,
+            self._routing.finished(flight.worker_id, plan.booked_tokens, plan.block_size,
                                    flight.prefill_pending)
         observation = flight.observation
         if flight.worker_id is not None and (lost := observation.usage_lost(status)):

@@ -26,12 +26,12 @@ from starlette.responses import Response
 from kvhint.router.hashing import HashConfig
 from kvhint.router.policy import NoWorkerAvailable
 from kvhint.router.service.flight_accounting import Flight, FlightAccounting
-from kvhint.router.service.inbound import InboundRequest, error_response, openai_error
+from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.relay_end import RelayEnd
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.response_scan import ResponseObservation
-from kvhint.router.service.responses_cancels import cancel_end
 from kvhint.router.service.responses_scan import ResponsesRelay, relay_for
 from kvhint.router.service.routing_service import (
     HeldConversation,
@@ -251,7 +251,7 @@ class Forwarder:
                 plan = flight.plan = await self._routing.complete(plan, flight.inbound)
             predicted = plan.predicted_for(worker_id)
             uncached = plan.uncached_on(worker_id)
-            self._routing.dispatched(worker_id, uncached, plan.prompt_tokens, plan.block_size)
+            self._routing.dispatched(worker_id, uncached, plan.booked_tokens, plan.block_size)
             dispatched = True
             try:
                 upstream = await until_open(opening, flight.client_gone_signal)
@@ -284,7 +284,7 @@ class Forwarder:
                 if current is not None:
                     current.inflight = max(current.inflight - 1, 0)
                 if dispatched:
-                    self._routing.finished(worker_id, plan.prompt_tokens, plan.block_size,
+                    self._routing.finished(worker_id, plan.booked_tokens, plan.block_size,
                                            uncached)
                 drop_opening(opening)
 
@@ -327,7 +327,7 @@ class Forwarder:
         if self._workers.is_current(worker):
             return True
         self._metrics.drop(f"worker_left_address:{what}")
-        log.info("worker %s: %s at %s, an address it has left; its new one is left alone",
+        log.info("worker %s: %s at %r, an address it has left; its new one is left alone",
                  worker.worker_id, what, worker.url)
         return False
 
@@ -407,65 +407,38 @@ class Forwarder:
     async def _relay(self, flight: Flight, upstream: UpstreamResponse
                      ) -> AsyncGenerator[bytes, None]:
         relay = relay_for(flight.observation, flight.inbound.strip_usage_chunk)
-        status = upstream.status
         first = True
         # A background response's stream, which its cancel may leave open for good.
         watch = (relay.observation.watch_cancel(upstream.close)
                  if isinstance(relay, ResponsesRelay)
                  and relay.observation.watch_cancel is not None else None)
+        # A client that leaves once it has the whole answer (the OpenAI SDK closes right
+        # after [DONE]) was served: its usage counts, its session is planned.
+        end = RelayEnd(relay, watch, upstream, self._metrics, served_once_finished=True)
         try:
             async for chunk in relay.relay(upstream.chunks()):
+                end.heard()
                 if first:
                     self._first_byte(flight)
                     first = False
                 yield chunk
-                if watch is not None and relay.finished:
-                    # vLLM ends a background response's stream at response.completed
-                    # only: after its error event (a generation error) the stream stays
-                    # open, silent, for good (responses_cancels.py). The client has its
-                    # answer.
+                if end.read_no_further():
                     break
-            if flight.client_gone and not relay.finished:
-                # Closed for a client gone while no read was pending: a response aiohttp
-                # had whole then ends cleanly, yet the client never got its [DONE].
-                status = 499
-            elif watch is not None and watch.fired and not relay.finished:
-                yield cancel_end(relay, watch, self._metrics)  # type: ignore[arg-type]
+            if (last := end.ended(flight.client_gone)) is not None:
+                yield last
         except UpstreamBroken as exc:
-            if flight.client_gone:  # our own doing: the upstream closed for a client gone
-                # A client that leaves once it has the whole answer (the OpenAI SDK closes
-                # right after [DONE]) was served: its usage counts, its session is planned.
-                status = status if relay.finished else 499
-                return
-            if relay.finished:
-                # The worker's connection broke after its terminal event ([DONE], a
-                # Responses stream's response.completed) was relayed, before the
-                # stream's own end: the client has its whole answer, and nothing goes
-                # after that event.
-                return
-            if watch is not None and watch.fired:
-                # Closed by the router: its response was cancelled, and vLLM sends no
-                # terminal event after a cancel (responses_cancels.py).
-                yield cancel_end(relay, watch, self._metrics)  # type: ignore[arg-type]
-                return
-            status = 504 if exc.timed_out else 502
-            self._metrics.broken_streams.labels(upstream.worker_id).inc()
-            if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read
-                yield relay.failure_event(f"worker failed mid-stream: {exc}", status)
-                return
-            error = openai_error(f"worker failed mid-stream: {exc}", status)
-            # Finish events held for a fingerprint (SseRelay) go first, as they came.
-            yield relay.release_held() + b"data: " + error + b"\n\n"
+            if (last := end.broken(exc, flight.client_gone)) is not None:
+                yield last
         except (GeneratorExit, asyncio.CancelledError):
             # Closed at a yield: the client went away before the stream's end (or just
             # after [DONE], before the worker's own end of the stream: served).
-            status = status if relay.finished else 499
+            end.left()
             raise
         finally:
             if watch is not None:
                 watch.end()
             upstream.close()
-            await self._accounting.account(flight, status)
+            await self._accounting.account(flight, end.status)
 
     def _first_byte(self, flight: Flight) -> None:
         flight.first_byte_at = time.perf_counter()

@@ -63,7 +63,7 @@ class HealthProber:
                     worker.mark_http_failure(
                         f"{result.reason} after requests timed out before their headers")
                     log.warning("worker %s holds requests without answering and fails "
-                                "its /health at %s (%s): marked down%s", worker_id, url,
+                                "its /health at %r (%s): marked down%s", worker_id, url,
                                 result.reason, "" if self._workers.is_current(worker) else
                                 " (an address it has left since)")
                     if result.address_failed:
@@ -87,7 +87,7 @@ class HealthProber:
                 if self._workers.is_current(worker):
                     log.info("worker %s answers /health again", worker_id)
                     return
-                log.info("worker %s answers /health at %s, an address it has left "
+                log.info("worker %s answers /health at %r, an address it has left "
                          "since: its new one is probed", worker_id, worker.url)
         finally:
             self._tasks.pop(worker_id, None)
@@ -98,7 +98,7 @@ class HealthProber:
         probe answers)."""
         for sibling in self._workers.mark_address_down(url, worker_id, reason):
             self.probe_later(sibling)
-            log.warning("worker %s: its address %s failed worker %s's /health (%s): "
+            log.warning("worker %s: its address %r failed worker %s's /health (%s): "
                         "marked down too", sibling.worker_id, url, worker_id, reason)
 
     async def _ask(self, worker_id: str, url: str) -> ProbeResult:

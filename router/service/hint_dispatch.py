@@ -167,12 +167,18 @@ class HintDispatcher:
         old engine, and the ledger now agrees with the worker); before, silently. Its
         actions still waiting stay so: the old engine may have answered before it went
         (the outcome is on its stream), else they expire at their deadline
-        (``hints_total{outcome="expired"}``); an answer no longer brings their holding
-        back."""
+        (``hints_total{outcome="expired"}``), at most ``OUTCOME_DEADLINE_S`` from now: a
+        Prefetch the old engine still had waiting is no longer waited for until its own
+        deadline (the new engine never answers it); an answer no longer brings their
+        holding back."""
         self._learning.reset_worker(worker_id)
         dropped = self.holdings.forget_worker(worker_id)
         if dropped:
             self._metrics.drop("hint_dropped:worker_restarted", dropped)
+        cut = self._clock() + OUTCOME_DEADLINE_S
+        for record in self.pending.values():
+            if record.worker_id == worker_id and record.outcome_due() > cut:
+                record.due_at = cut
 
     def forget_worker(self, worker_id: str) -> None:
         """The registry forgot the worker (heard only by its heartbeats, silent for good):
@@ -350,21 +356,22 @@ class HintDispatcher:
         if not outcome.status.is_terminal:
             return record
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
-        self.holdings.settle(outcome)
+        self.holdings.settle(outcome, record.updated_at)
         if record.source == PLANNER_SOURCE:  # an agent's actions never steer the planner
             self._learning.learn_outcome(record.worker_id, record.tenant, outcome)
         self._finish(record)
         return record
 
     def expire(self, now: float | None = None) -> int:
-        """Holdings past their TTL are forgotten; actions without a terminal outcome after
-        ``OUTCOME_DEADLINE_S`` are marked expired. Returns how many actions expired."""
+        """Holdings past their TTL are forgotten; actions without a terminal outcome past
+        their due time (:meth:`SentAction.outcome_due`: ``OUTCOME_DEADLINE_S`` past when
+        the worker must answer, a Prefetch's deadline included) are marked expired.
+        Returns how many actions expired."""
         now = self._clock() if now is None else now
         self.holdings.expire(now)
-        late = [a for a in self.pending.values()
-                if now - (a.waiting_since or a.created_at) > OUTCOME_DEADLINE_S]
+        late = [a for a in self.pending.values() if now > a.outcome_due()]
         for record in late:
-            self._expire(record, now, f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s")
+            self._expire(record, now, record.overdue_reason())
         return len(late)
 
     def _expire(self, record: SentAction, now: float, reason: str, save: bool = True) -> None:
@@ -436,7 +443,9 @@ class HintDispatcher:
         for row in pending:
             record = SentAction.from_row(row)
             # Its outcome may be on its way in the outcome stream this router replays
-            # from its cursor after the restart: it gets OUTCOME_DEADLINE_S from now.
+            # from its cursor after the restart: it gets OUTCOME_DEADLINE_S from now, or
+            # past the time its worker must answer if later (a Prefetch still waiting
+            # on its worker until its deadline: SentAction.outcome_due).
             # Before, an action sent more than that before the restart expired at the
             # first tick, and its outcome arriving a moment later was "unknown".
             record.waiting_since = now

@@ -10,12 +10,14 @@ after a restart).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
-from kvhint.schemas import ActionType, Amount, HintOutcome, OutcomeStatus
+from kvhint.schemas import ActionType, Amount, HintOutcome, OutcomeStatus, PrefetchPayload
+from kvhint.schemas.hints import MAX_TTL_S
 
 PENDING = "pending"
 EXPIRED = "expired"
@@ -28,7 +30,8 @@ HintStatus = Literal["pending", "expired", "failed", "accepted", "clipped", "def
 # target's unbounded prefix_tokens) is kept at this bound, counted, rather than losing
 # the whole row to the store (store_row_rejected).
 MAX_STORED_AMOUNT = 2**31 - 1
-# An action with no terminal outcome after this long is marked expired.
+# An action with no terminal outcome this long past the time its worker must give one
+# (at once; a Prefetch at its deadline_s: worker_wait_s) is marked expired.
 OUTCOME_DEADLINE_S = 120.0
 # Who an action is for (``SentAction.source``, the metrics' ``source`` label). Only the
 # planner's own actions teach the planner (their outcomes feed its feedback: the worker's
@@ -44,6 +47,25 @@ API_SOURCE = "api"
 # kv.donor under the advice's id, which may equal a hint action's.
 HINT_RELEASE_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
                                 ActionType.PREFETCH.value})
+# What a Prefetch that leaves out ``deadline_s`` waits for on the worker (the wire default).
+_PREFETCH_DEFAULT_DEADLINE_S = next(field.default for field in
+                                    msgspec.structs.fields(PrefetchPayload)
+                                    if field.name == "deadline_s")
+
+
+def worker_wait_s(action_type: str, payload: Mapping[str, Any]) -> float:
+    """How long after it gets an action its worker may legitimately take to give the final
+    answer: a Prefetch's ``deadline_s`` (the wire default where the payload leaves it
+    out), answered ``deferred`` meanwhile and finally once its blocks are in G1 or at the
+    deadline; 0 for every other action, answered at once (a Demote waits for host copies
+    within the plugin's ``demote_copy_wait_s``, at most 60 s). A deadline outside the
+    wire's bounds is 0: the worker rejects that action at once."""
+    if action_type != ActionType.PREFETCH.value:
+        return 0.0
+    deadline = payload.get("deadline_s", _PREFETCH_DEFAULT_DEADLINE_S)
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
+        return 0.0
+    return float(deadline) if 0 < deadline <= MAX_TTL_S else 0.0
 
 
 @dataclass(slots=True)
@@ -77,10 +99,38 @@ class SentAction:
     # When this router began waiting for the outcome (not stored): the send, or for an
     # action restored from the store, the restart.
     waiting_since: float | None = None
+    # When this router stops waiting for the outcome, where something cut the wait short
+    # (not stored; None: :meth:`outcome_due`'s rule): its worker's engine restarted.
+    due_at: float | None = None
 
     @property
     def terminal(self) -> bool:
         return self.status not in (PENDING, OutcomeStatus.DEFERRED.value)
+
+    def outcome_due(self) -> float:
+        """When this router stops waiting for the action's final answer (it then ends
+        ``expired``): ``OUTCOME_DEADLINE_S`` past the later of when it began waiting (the
+        send; for an action restored from the store, the restart) and when its worker
+        must answer it (:func:`worker_wait_s` after the send: a Prefetch's deadline).
+        Before, a Prefetch whose ``deadline_s`` is over ``OUTCOME_DEADLINE_S``, still
+        waiting on its worker, expired here first, and its real outcome came as
+        another router's."""
+        if self.due_at is not None:
+            return self.due_at
+        start = self.waiting_since or self.created_at
+        answer_by = self.created_at + worker_wait_s(self.action_type, self.payload)
+        return max(start, answer_by) + OUTCOME_DEADLINE_S
+
+    def overdue_reason(self) -> str:
+        """The ``expired`` reason of an action past :meth:`outcome_due`."""
+        within = f"no terminal outcome within {OUTCOME_DEADLINE_S:.0f}s"
+        if self.due_at is not None:
+            return (f"{within} of its worker's engine restart (a new engine answers no "
+                    "action of the old)")
+        wait = worker_wait_s(self.action_type, self.payload)
+        if wait > 0 and self.created_at + wait >= (self.waiting_since or self.created_at):
+            return f"{within} past its deadline_s={wait:g}"
+        return within
 
     def row(self) -> dict[str, Any]:
         return {

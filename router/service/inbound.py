@@ -3,7 +3,8 @@ worker gets.
 
 The router owns three fields of the forwarded body: ``session_id`` (``<tenant>/<client
 id>``), ``cache_salt`` (the tenant's) and ``kv_transfer_params`` (never from a client);
-it scopes media ``uuid`` s to the tenant, and holds a tenant's ``priority`` within its
+it scopes media ``uuid`` s to the tenant (and gives one to media sent inline without
+one), and holds a tenant's ``priority`` within its
 bounds (request_fields.py). Everything else passes through untouched, so vLLM validates
 it and its errors reach the client as they are.
 """
@@ -16,10 +17,12 @@ import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 from starlette.responses import Response
 
+from kvhint.router.safe_text import unsafe_char
 from kvhint.router.service.request_fields import (
     PRIORITY_REJECTION,
     priority_refusal,
@@ -31,6 +34,9 @@ from kvhint.router.service.tenancy import Tenant
 SESSION_HEADER = "x-session-id"
 SESSION_END_HEADER = "x-session-end"
 MAX_SESSION_ID_LEN = 256
+# kvhint_router_gateway_rejections_total's reason for a session id refused (its
+# characters, its length or its type: :func:`check_session_id`).
+SESSION_ID_REJECTION = "bad_session_id"
 # Stripped from every client body: the router sets them (or nobody does).
 # Fields a client may not set (the body's, and vllm_xargs'): the router sets the session
 # and the salt; transfer params are for connectors, which a client must not steer.
@@ -278,7 +284,8 @@ def parse_inbound(
 
 def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
                        field: str = "messages", parts: str = "content") -> None:
-    """Make every content part's ``uuid`` (in each item's ``parts`` list) the tenant's own.
+    """Make every content part's media cache key (``uuid``, in each item's ``parts``
+    list) the tenant's own.
 
     vLLM 0.32 takes a part's client-given ``uuid`` as its media item's hash, and keys
     the processor's and the encoder's caches by it alone, not by ``cache_salt``
@@ -287,24 +294,82 @@ def _scope_media_uuids(messages: list[dict[str, Any]], salt: str,
     another's uuid would be answered from that tenant's image, or, sending data with
     it, would replace what that tenant's next request reads. Each uuid becomes a digest
     of the tenant's salt and the uuid: one tenant's repeats still hit its cache; no two
-    tenants share an entry."""
+    tenants share an entry.
+
+    A part without a ``uuid`` is keyed by vLLM by its content's hash, the same for
+    every tenant: one tenant's request served faster from another's cached image tells
+    it that image was sent (a timing side channel). Where the content is all in the
+    part (a ``data:`` URL, ``input_audio``, embeddings: :func:`_inline_media`), the
+    router gives it a uuid: a digest of the tenant's salt and the part, so the same
+    part from the same tenant still hits, and no other tenant's can. A part naming
+    media by address (``http(s)://``, ``file:``) is left alone: its content is what
+    the worker fetches, which the router never sees, and a key from the address would
+    serve a changed resource from the cache (docs/router.md, the residual risk)."""
     for number, message in enumerate(messages):
         content = message.get(parts) if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
-            if not isinstance(part, dict) or part.get("uuid") is None:
+            if not isinstance(part, dict):
                 continue
-            uuid = part["uuid"]
+            uuid = part.get("uuid")
+            if uuid is None:
+                if _inline_media(part):
+                    canonical = msgspec.json.encode(part, order="sorted")
+                    part["uuid"] = hashlib.sha256(
+                        salt.encode() + b"\x01" + canonical).hexdigest()
+                continue
             if not isinstance(uuid, str):
                 raise BadRequest("a content part's 'uuid' must be a string",
                                  param=f"{field}[{number}].{parts}")
             part["uuid"] = hashlib.sha256(f"{salt}\x00{uuid}".encode()).hexdigest()
 
 
+# The key of its media of each content part type that carries media, as vLLM's chat
+# parsing reads it (``renderers/chat_utils.py``; a URL key holds a string or
+# ``{"url": ...}``). A part with a ``uuid`` is read by which key it has, not by its
+# ``type``: the router gives one only to a part with one such key, its type's own.
+_MEDIA_KEY_OF_TYPE = {
+    "image_url": "image_url", "input_image": "image_url", "audio_url": "audio_url",
+    "video_url": "video_url", "input_audio": "input_audio",
+    "image_embeds": "image_embeds", "audio_embeds": "audio_embeds",
+    "video_embeds": "video_embeds",
+}
+_MEDIA_KEYS = frozenset(_MEDIA_KEY_OF_TYPE.values()) | {"image_pil", "prompt_embeds"}
+_URL_KEYS = ("image_url", "audio_url", "video_url")
+
+
+def _inline_media(part: dict[str, Any]) -> bool:
+    """Whether ``part`` is one media item all in the part itself (a ``data:`` URL, as
+    vLLM's MediaConnector reads the scheme; ``input_audio``'s data; embeddings), so
+    that equal parts are equal media; and vLLM reads it the same with a uuid."""
+    keys = [key for key in part if key in _MEDIA_KEYS]
+    if len(keys) != 1:
+        return False
+    key = keys[0]
+    kind = part.get("type")
+    if kind is not None and _MEDIA_KEY_OF_TYPE.get(kind) != key:
+        return False
+    value = part[key]
+    if key in _URL_KEYS:
+        if kind == key and not isinstance(value, dict):
+            return False  # vLLM refuses it without a uuid (it reads ``[key]["url"]``)
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str):
+            return False
+        try:
+            return urlsplit(url).scheme == "data"
+        except ValueError:
+            return False
+    if key == "input_audio":
+        return isinstance(value, dict) and isinstance(value.get("data"), str) \
+            and bool(value["data"])
+    return key in _MEDIA_KEY_OF_TYPE.values() and bool(value)  # embeddings
+
+
 def _session_id(body: dict[str, Any], header: str | None) -> str | None:
     for source, value in (("session_id", body.get("session_id")),
-                          ("X-Session-ID", header),
+                          ("X-Session-ID", None if header is None else _utf8_header(header)),
                           ("prompt_cache_key", body.get("prompt_cache_key"))):
         if value is None or value == "":
             continue
@@ -312,16 +377,35 @@ def _session_id(body: dict[str, Any], header: str | None) -> str | None:
     return None
 
 
+def _utf8_header(value: str) -> str:
+    """A header value as its sender meant it: HTTP hands over bytes, which the server
+    decodes as Latin-1; clients (the OpenAI SDKs, httpx, curl) send a non-ASCII id as
+    UTF-8, so a value whose bytes are UTF-8 is read so, the same id as in the body ("€"
+    in the header is the session "€", not "â\x82¬", whose C1 control is refused).
+    Bytes that are not UTF-8 stay as Latin-1 read them."""
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return value
+
+
 def check_session_id(value: Any, source: str = "session_id") -> str:
     if not isinstance(value, str):
-        raise BadRequest(f"{source} must be a string", param=source)
+        raise BadRequest(f"{source} must be a string", param=source,
+                         rejection=SESSION_ID_REJECTION)
     if len(value) > MAX_SESSION_ID_LEN:
         raise BadRequest(f"{source} is longer than {MAX_SESSION_ID_LEN} characters",
-                         param=source)
+                         param=source, rejection=SESSION_ID_REJECTION)
     # DEL too: the admin API refuses it in a path (admin_api.py ``_NAME``), so a session
     # named with one could be made here but never read or ended there.
-    if any(ord(ch) < 32 or ch == "\x7f" for ch in value):
-        raise BadRequest(f"{source} contains control characters", param=source)
+    if (bad := unsafe_char(value)) is not None:
+        raise BadRequest(f"{source} contains control characters ({bad!r} at "
+                         f"{value.index(bad)}): an id may hold no C0 or C1 control, "
+                         "DEL, bidi, zero-width or other format character (an "
+                         "X-Session-ID header is read as UTF-8)", param=source,
+                         rejection=SESSION_ID_REJECTION)
     return value
 
 

@@ -324,7 +324,7 @@ class SessionLifecycle:
         if not ending.cancelled() and (error := ending.exception()) is not None:
             # Its callers, if any still wait, get the error too; one gone (a client that
             # left) would leave it to asyncio's "never retrieved" at collection.
-            log.error("ending session %s/%s failed", *key, exc_info=error)
+            log.error("ending session %r/%r failed", *key, exc_info=error)
 
     async def _release_agent_claims(self, record: SessionRecord, now: float,
                                     planner_ends_on: str | None) -> list[SentAction]:

@@ -147,7 +147,7 @@ class NatsLink:
                  on_lost: Callable[[int], None], limits: StreamLimits = StreamLimits(),
                  retry_s: float = 2.0) -> None:
         """``on_error(kind)``: a failure that lost no message by itself, ``kind`` one of
-        ``metrics.NATS_ERROR_KINDS`` (connect, setup, client). ``on_lost(count)``:
+        ``metric_labels.NATS_ERROR_KINDS`` (connect, setup, client). ``on_lost(count)``:
         inbound messages the NATS client discarded (a slow consumer: nats-py reports
         each). A failed :meth:`publish` is neither: its caller counts what it lost.
         Raises ValueError for a ``url`` nats_url_problem refuses (the settings did)."""

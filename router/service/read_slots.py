@@ -65,11 +65,15 @@ class TenantReadSlots:
             raise
         self._held += 1
 
+    def free_now(self, tenant: str) -> bool:
+        """Whether :meth:`try_acquire` would take a slot for ``tenant`` now."""
+        own = self._tenants.get(tenant)
+        return not (self._slots.locked() or (own is not None and own.slots.locked()))
+
     async def try_acquire(self, tenant: str) -> bool:
         """A slot for ``tenant`` if one is free now (its own and one of all), without
         waiting: False when not."""
-        own = self._tenants.get(tenant)
-        if self._slots.locked() or (own is not None and own.slots.locked()):
+        if not self.free_now(tenant):
             return False
         own = self._enter(tenant)
         # Neither is locked: each acquire returns at once, without suspending (asyncio's

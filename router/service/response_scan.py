@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvhint.router.policy import FinishReason
+from kvhint.router.safe_text import escaped
 
 
 class _Function(msgspec.Struct):
@@ -99,7 +100,10 @@ class ResponseObservation:
             if message is not None and message.tool_calls:
                 for call in message.tool_calls:
                     if call.function is not None and call.function.name:
-                        self.tool_names.append(call.function.name)
+                        # The model's text, which a tenant's prompt steers: shown to
+                        # operators (admin, dashboard, learnt gaps) with controls and
+                        # bidi/zero-width characters escaped (safe_text.py).
+                        self.tool_names.append(escaped(call.function.name))
         if body.usage is not None:
             self.prompt_tokens = body.usage.prompt_tokens
             self.completion_tokens = body.usage.completion_tokens
@@ -197,14 +201,23 @@ class SseRelay:
         # has been relayed: the client has the whole answer (an error is one), and one
         # that leaves now has not left early.
         self.finished = False
+        # Set by a caller that ends a stream without ``[DONE]`` itself (relay_end.py
+        # ``RelayEnd.ended``): an unfinished event the worker's stream ended in is then
+        # held back (``cut_tail`` its size), not passed on before the router's own error
+        # event, which the client's SSE parser would read as that event's tail.
+        self.hold_cut_tail = False
+        self.cut_tail = 0
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             out = self.feed(chunk)
             if out:
                 yield out
-        # A stream that ended mid-event: pass the rest through as it is.
+        # A stream that ended mid-event: pass the rest through as it is (held back where
+        # the caller ends the stream itself, ``hold_cut_tail``).
         rest, self._pending = bytes(self._pending), bytearray()
+        if rest and self.hold_cut_tail and not self.finished:
+            self.cut_tail, rest = len(rest), b""
         out = self.release_held() + rest
         if out:
             yield out

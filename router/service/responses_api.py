@@ -21,8 +21,10 @@ one down now a 503 (retry later). Nothing is ever sent to a worker other than th
 the id names for the requesting tenant. A worker a GET or cancel cannot reach is
 marked down as for any request (forwarding.py ``note_failure``). A background
 response's streams are ended by the router where vLLM leaves them open: after a cancel
-(responses_cancels.py) or an ``error`` event; one its worker breaks (or leaves silent
-for ``request_timeout_s``) ends with ``response.failed``, as a POST's stream does.
+relayed by any replica (responses_cancels.py, responses_cancel_notices.py), an ``error``
+event, or ``responses.background_idle_s`` without an event (its background task died);
+one its worker breaks, closes before a terminal event, or leaves silent for
+``request_timeout_s`` ends with ``response.failed``, as a POST's stream does.
 
 A GET and a cancel are bounded per tenant: a streamed GET holds its worker's connection
 while the response lasts, so it takes one of the tenant's ``max_in_flight`` slots
@@ -46,11 +48,12 @@ from starlette.responses import Response
 from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.forwarding import WORKER_HEADER, unavailable_answer
 from kvhint.router.service.inbound import InboundRequest, error_response
+from kvhint.router.service.relay_end import RelayEnd
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.request_fields import runs_in_background, stores_response
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
-from kvhint.router.service.responses_cancels import CancelWatch, CancelWatches, cancel_end
+from kvhint.router.service.responses_cancels import CancelWatch, CancelWatches
 from kvhint.router.service.responses_scan import ResponsesObservation, ResponsesRelay
 from kvhint.router.service.responses_sessions import ResponseSessions
 from kvhint.router.service.routing_service import HeldConversation
@@ -65,6 +68,7 @@ from kvhint.router.service.upstream import (
     UpstreamUnavailable,
 )
 from kvhint.router.service.workers import WorkerState
+from kvhint.schemas import ResponseCancelled
 
 # The query parameters vLLM's GET reads (the rest are not passed on).
 _GET_PARAMETERS = ("starting_after", "stream")
@@ -85,7 +89,13 @@ class ResponsesGateway:
         self.sessions = ResponseSessions(runtime.engine, runtime.writer, runtime.metrics,
                                          runtime.settings.responses.session_read_timeout_s)
         # The background responses' streams relayed now, for their cancels.
-        self.cancels = CancelWatches(runtime.settings.responses.cancel_grace_s)
+        self.cancels = CancelWatches(
+            runtime.settings.responses.cancel_grace_s,
+            runtime.settings.responses.background_idle_s,
+            on_forgotten=lambda: runtime.metrics.drop("response_cancel_forgotten"))
+        # Cancels relayed by other replicas (responses_cancel_notices.py).
+        if runtime.cancel_notices is not None:
+            runtime.cancel_notices.listener = self._on_cancel_notice
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -224,9 +234,7 @@ class ResponsesGateway:
         streamed = op == "get" and _asks_stream(query.get("stream"))
         if not streamed and (over := runtime.call_rate.take(tenant)) is not None:
             counted.labels(op, "429").inc()
-            answer = error_response(over.message, 429)
-            answer.headers["retry-after"] = str(over.retry_after_s)
-            return answer
+            return over.answer()
         found = self.ids.find(response_id, tenant.name)
         if isinstance(found, IdMiss):
             answer = _miss_answer(response_id, found)
@@ -276,16 +284,17 @@ class ResponsesGateway:
         worker.note_answered()
         return await self._relayed(upstream, lambda code: counted.labels(op, str(code)).inc(),
                                    response_id, op, query.get("starting_after"),
-                                   found.cancelled, slot)
+                                   found.cancelled, slot, found.tenant)
 
     async def _relayed(self, upstream: UpstreamResponse, count: Callable[[int], None],
                        response_id: str, op: str, starting_after: str | None,
-                       cancelled: bool, slot: _Slot) -> Response:
+                       cancelled: bool, slot: _Slot, tenant: str) -> Response:
         """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
         background response's events, ``?stream=true``) relayed as it comes, each event
         whole, ended by the router where a cancel left it open (responses_cancels.py). A
-        cancel the worker accepted starts the grace of that response's streams; a stream
-        of a response cancelled before (``cancelled``) starts in it."""
+        cancel the worker accepted starts the grace of that response's streams, here and
+        on every other replica (responses_cancel_notices.py); a stream of a response
+        cancelled before (``cancelled``, or a cancel seen lately) starts in it."""
         headers = dict(upstream.headers)
         headers[WORKER_HEADER] = upstream.worker_id
         if not headers.get("content-type", "").startswith("text/event-stream"):
@@ -299,16 +308,31 @@ class ResponsesGateway:
             if op == "cancel" and 200 <= upstream.status < 300:
                 self.ids.cancelled(response_id)
                 self.cancels.cancelled(response_id, _json_object(payload))
+                if self._runtime.cancel_notices is not None:
+                    await self._runtime.cancel_notices.publish(response_id, tenant,
+                                                               upstream.worker_id)
             return Response(payload, status_code=upstream.status, headers=headers)
         # vLLM numbers a GET's events on from starting_after (the router's own last one
         # goes on from there).
         first = int(starting_after) + 1 if starting_after and starting_after.isdigit() else 0
         relay = ResponsesRelay(ResponsesObservation(events=first))
         watch = self.cancels.watch(response_id, upstream.close)
-        if cancelled:
+        if cancelled or self.cancels.was_cancelled(response_id):
             watch.cancelled(None, self.cancels.grace_s)
         slot.relayed = True  # given back by the stream, at its end
         return _streamed(upstream, headers, count, relay, watch, self._runtime, slot)
+
+
+    def _on_cancel_notice(self, notice: ResponseCancelled) -> int | None:
+        """Another replica relayed a cancel of ``notice.response_id`` its worker
+        accepted: this replica's streams of it start their grace; how many (None: an id
+        not minted for its tenant and worker under this fleet's key, not acted on)."""
+        minted = self.codec.read(notice.response_id)
+        if (minted is None or minted.worker_id != notice.worker_id
+                or not self.codec.binds(minted, notice.tenant)):
+            return None
+        self.ids.cancelled(notice.response_id)
+        return self.cancels.cancelled(notice.response_id, None)
 
 
 class _Slot:
@@ -340,34 +364,27 @@ def _streamed(upstream: UpstreamResponse, headers: dict[str, str],
     goes silent mid-stream ends it as a POST's does (forwarding.py): with
     ``response.failed`` (an ``error`` event before ``response.created``), counted."""
     counted = gone = False
+    # A client gone is counted 499 even after the terminal event (the stream is left
+    # there anyway: :meth:`RelayEnd.read_no_further`).
+    end = RelayEnd(relay, watch, upstream, runtime.metrics, served_once_finished=False)
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         nonlocal counted
-        status = upstream.status
         try:
             async for chunk in relay.relay(upstream.chunks()):
+                end.heard()
                 yield chunk
-                if relay.finished:  # vLLM may send nothing after an error event, for good
+                if end.read_no_further():
                     break
-            if gone:  # closed for the client gone: a response aiohttp had whole ends
-                status = 499
-            elif watch.fired and not relay.finished:
-                yield cancel_end(relay, watch, runtime.metrics)
+            if (last := end.ended(gone)) is not None:
+                yield last
         except UpstreamBroken as exc:
             # Broken by the router's own close for a client gone (on_gone): the client
-            # left, the worker did not fail; or for a cancel that left it open.
-            if not gone and watch.fired and not relay.finished:
-                yield cancel_end(relay, watch, runtime.metrics)
-            elif gone:
-                status = 499
-            elif not relay.finished:
-                # The worker broke or went silent mid-stream: the client's SDK waits for
-                # a terminal event, as after a POST's (forwarding.py).
-                status = 504 if exc.timed_out else 502
-                runtime.metrics.broken_streams.labels(upstream.worker_id).inc()
-                yield relay.failure_event(f"worker failed mid-stream: {exc}", status)
+            # left, the worker did not fail; or for a cancel (or silence) that left it open.
+            if (last := end.broken(exc, gone)) is not None:
+                yield last
         except (GeneratorExit, asyncio.CancelledError):
-            status = 499
+            end.left()
             raise
         finally:
             watch.end()
@@ -375,7 +392,7 @@ def _streamed(upstream: UpstreamResponse, headers: dict[str, str],
             slot.give_back()
             if not counted:
                 counted = True
-                count(status)
+                count(end.status)
 
     def on_gone(signal: asyncio.Future[None]) -> None:
         nonlocal gone

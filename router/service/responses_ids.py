@@ -65,6 +65,13 @@ class ResponsesSettings(BaseModel, frozen=True, extra="forbid"):
     # one (vLLM sends none after a cancel: responses_cancels.py), counted
     # (kvhint_router_responses_cancel_ends_total).
     cancel_grace_s: float = Field(5.0, gt=0, le=300)
+    # How long each stream of a background response the router relays waits for its
+    # worker's next event before the router ends it with response.failed (vLLM leaves it
+    # open, silent, for good once its background task died of an error other than a
+    # generation error: responses_cancels.py), counted
+    # (kvhint_router_responses_router_ends_total{reason="background_idle"}). None: no
+    # bound but request_timeout_s, as any stream.
+    background_idle_s: float | None = Field(300.0, gt=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +101,7 @@ class IdEntry:
 
 @dataclass(frozen=True, slots=True)
 class IdMiss:
-    reason: str  # one of metrics.RESPONSE_ID_MISSES
+    reason: str  # one of metric_labels.RESPONSE_ID_MISSES
     worker_id: str | None = None
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvhint.router.safe_text import escaped
 from kvhint.router.service.response_scan import (
     ResponseObservation,
     SseRelay,
@@ -167,7 +168,8 @@ class ResponsesObservation(ResponseObservation):
         elif status == "cancelled":
             self.error_status = 499  # cancelled by its client (POST .../cancel)
         self.choices = 1
-        calls = [item.name for item in response.output
+        # Escaped as a chat answer's are (response_scan.py): shown to operators.
+        calls = [escaped(item.name) for item in response.output
                  if item.type in _TOOL_CALL_ITEMS and item.name]
         self.tool_names.extend(calls)
         if status == "incomplete":
@@ -204,6 +206,12 @@ class ResponsesRelay:
         self._end = b"\n\n"  # two of them: an event's end
         # A terminal event has been relayed: a client that leaves now has its answer.
         self.finished = False
+        # Set by a caller that ends a stream without a terminal event itself
+        # (:meth:`unterminated_event`): an unfinished event the worker's stream ended in
+        # is then held back (``cut_tail`` its size), not passed on before the router's
+        # own terminal event, which the client's SSE parser would read as its tail.
+        self.hold_cut_tail = False
+        self.cut_tail = 0
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
@@ -211,7 +219,9 @@ class ResponsesRelay:
             if out:
                 yield out
         rest, self._pending = bytes(self._pending), bytearray()
-        if rest:  # a stream that ended mid-event: passed through as it is
+        if rest and self.hold_cut_tail and not self.finished:
+            self.cut_tail = len(rest)  # dropped, said in unterminated_event's message
+        elif rest:  # a stream that ended mid-event: passed through as it is
             yield rest
 
     def feed(self, chunk: bytes) -> bytes:
@@ -250,6 +260,18 @@ class ResponsesRelay:
             kind = "error"
             body = {"type": kind, "sequence_number": sequence, "param": None, **error}
         return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
+
+    def unterminated_event(self) -> bytes:
+        """The event that ends a stream its worker closed cleanly without a terminal
+        event (vLLM never does: a proxy or worker that cut it short): ``response.failed``
+        as :meth:`failure_event` (502), saying so, and what of an unfinished last event
+        was dropped (``hold_cut_tail``)."""
+        message = "worker ended the stream without a terminal event"
+        if self.cut_tail:
+            message += f" (its last event unfinished: {self.cut_tail} bytes dropped)"
+        if self.observation.error_status is None:
+            self.observation.error_status = 502
+        return self.failure_event(message, 502)
 
     def cancelled_event(self, answer: dict[str, Any] | None) -> bytes:
         """The event that ends a stream whose response was cancelled, its worker sending

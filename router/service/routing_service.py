@@ -118,16 +118,31 @@ class RoutePlan:
     # worker's answer, reported, or learnt from (forwarding.py ``_took``).
     held_tokens: int = 0
     held_by: str | None = None
+    # A /v1/completions batch's prompts after its first (vLLM runs each as a request of
+    # its own, on the same worker): their tokens, estimated without hashing
+    # (:func:`batch_rest_tokens`). The batch is routed, predicted and planned by its
+    # first prompt (``prompt_tokens``, ``block_hashes``); these are booked with it as
+    # load on the chosen worker, all uncached (:meth:`uncached_on`,
+    # :attr:`booked_tokens`).
+    batch_rest_tokens: int = 0
 
     @property
     def block_size(self) -> int:
         return self.hash_config.block_size
 
+    @property
+    def booked_tokens(self) -> int:
+        """The prompt tokens the request brings its worker: a batch's every prompt."""
+        return self.prompt_tokens + self.batch_rest_tokens
+
     def uncached_on(self, worker_id: str) -> int:
         """Prompt tokens ``worker_id`` has to prefill, as its routed load books them: the
-        prompt less the cached tokens predicted there, or likely held there."""
+        prompt less the cached tokens predicted there, or likely held there, plus a
+        batch's other prompts whole (none is predicted: an upper bound where they share
+        a prefix, which vLLM caches once the first is in)."""
         held = self.held_tokens if worker_id == self.held_by else 0
-        return max(self.prompt_tokens - max(self.predicted_for(worker_id), held), 0)
+        return (max(self.prompt_tokens - max(self.predicted_for(worker_id), held), 0)
+                + self.batch_rest_tokens)
 
     def predicted_for(self, worker_id: str) -> int:
         """Cached tokens the decision predicted on ``worker_id``."""
@@ -190,7 +205,8 @@ class RoutingService:
                                      predicted_host_tokens=0, reason="only_worker")
             return _with_conversation(
                 RoutePlan(decision, _estimate_tokens(inbound), (),
-                          self._hash_config(candidates), exact=False, deferred=True),
+                          self._hash_config(candidates), exact=False, deferred=True,
+                          batch_rest_tokens=batch_rest_tokens(inbound)),
                 inbound, conversation)
         config = self._hash_config(candidates)
         if earlier is not None and earlier.exact:
@@ -226,7 +242,8 @@ class RoutingService:
         if inbound.worker_session_id is not None and placement is None:
             # A new session's first turn: counted where it lands (new_session_spread).
             self._loads.session_placed(decision.worker_id, now)
-        plan = RoutePlan(decision, prompt_tokens, block_hashes, config, exact)
+        plan = RoutePlan(decision, prompt_tokens, block_hashes, config, exact,
+                         batch_rest_tokens=batch_rest_tokens(inbound))
         return plan if exact else _with_conversation(plan, inbound, conversation)
 
     async def complete(self, plan: RoutePlan, inbound: InboundRequest) -> RoutePlan:
@@ -246,7 +263,8 @@ class RoutingService:
         decision = replace(plan.decision, predicted_cached_tokens=cached,
                            predicted_host_tokens=host, scores=(score,))
         return RoutePlan(decision, hashes.num_tokens, hashes.block_hashes,
-                         replace(config, block_size=hashes.block_size), exact=True)
+                         replace(config, block_size=hashes.block_size), exact=True,
+                         batch_rest_tokens=plan.batch_rest_tokens)
 
     async def _hash(self, inbound: InboundRequest, config: HashConfig) -> PromptHashes | None:
         hasher = self.hasher
@@ -337,13 +355,40 @@ class RoutingService:
 def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any],
                config: HashConfig) -> PromptHashes | None:
     """The prompt's hashes (runs on the hashing thread for long prompts: no service state
-    here); a completions batch is routed as one request by its first prompt."""
+    here); a completions batch is routed as one request by its first prompt, the only
+    one hashed (its others are booked by :func:`batch_rest_tokens`: before, every
+    prompt was tokenized and hashed and all but the first thrown away)."""
     if endpoint is Endpoint.CHAT:
         return hasher.hash_chat(body, config)
     if endpoint is Endpoint.RESPONSES:
         return hasher.hash_responses(body, config)
-    prompts = hasher.hash_completion(body, config)
+    prompts = hasher.hash_completion(body, config, first_only=True)
     return prompts[0] if prompts else None
+
+
+def _batch(prompt: Any) -> list[Any] | None:
+    """A completions ``prompt`` that is a batch (a list of strings, or of token-id
+    lists: sampling.py ``_prompt_seq_len``), else None (one prompt)."""
+    if isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return prompt
+    return None
+
+
+def _one_prompt_tokens(prompt: Any) -> int:
+    """About how many tokens one completions prompt is: a token-id list's length, a
+    string's characters over :data:`_CHARS_PER_TOKEN` (at least 1)."""
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        return len(prompt)
+    return max(_field_chars(prompt) // _CHARS_PER_TOKEN, 1)
+
+
+def batch_rest_tokens(inbound: InboundRequest) -> int:
+    """The tokens of a ``/v1/completions`` batch's prompts after its first, without
+    tokenizing them (:attr:`RoutePlan.batch_rest_tokens`): each token-id prompt's
+    length, each string's characters / 4; 0 for one prompt or another endpoint."""
+    batch = _batch(inbound.prompt)
+    return sum(map(_one_prompt_tokens, batch[1:])) if batch is not None else 0
 
 
 def _with_conversation(plan: RoutePlan, inbound: InboundRequest,
@@ -397,6 +442,9 @@ def _estimate_tokens(inbound: InboundRequest) -> int:
         chars = sum(_field_chars(body.get(key)) for key in ("instructions", "input", "tools"))
     else:
         prompt = inbound.prompt
+        if (batch := _batch(prompt)) is not None:
+            # Its first prompt: what is hashed (the others are batch_rest_tokens).
+            return _one_prompt_tokens(batch[0])
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return len(prompt)
         chars = len(str(prompt))

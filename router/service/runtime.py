@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Engine
@@ -34,9 +35,11 @@ from kvhint.router.service.hash_queue import FairHashQueue
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.hint_dispatch import HintDispatcher
 from kvhint.router.service.lifecycle import SessionLifecycle
-from kvhint.router.service.metrics import GATEWAY_REJECTIONS, RouterMetrics
+from kvhint.router.service.metric_labels import GATEWAY_REJECTIONS
+from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.metrics_state import StateSample
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
+from kvhint.router.service.responses_cancel_notices import CancelNotices
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.session_reads import StoredSessions
 from kvhint.router.service.sessions import SessionRegistry
@@ -87,6 +90,8 @@ class RouterRuntime:
     call_rate: TenantCallRate
     link: NatsLink | None = None
     feed: ClusterFeed | None = None
+    # Cancels of background responses told between replicas (responses_cancel_notices.py).
+    cancel_notices: CancelNotices | None = None
     models: dict[str, str] = field(default_factory=dict)  # served name -> tokenizer path
     recorder: TraceRecorder | None = None
     started_at: float = field(default_factory=time.time)
@@ -216,6 +221,7 @@ class RouterRuntime:
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
                       TenantCallRate(directory, metrics), link=link, models=models,
                       recorder=recorder)
+        runtime.cancel_notices = CancelNotices(link, subjects, metrics)
         metrics.bind_state(runtime.state_sample)
         for tenant in directory.tenants:
             writer.upsert("tenants", (tenant.name,), {"name": tenant.name,
@@ -235,7 +241,8 @@ class RouterRuntime:
                                        on_hold_released=lifecycle.on_hold_released,
                                        on_worker_forgotten=routing.forget_worker,
                                        url_policy=url_policy)
-            link.start(runtime.feed.on_connected)
+            link.start(partial(_both, runtime.feed.on_connected,
+                               runtime.cancel_notices.on_connected))
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
                                 name="kvhint-lifecycle"),
@@ -358,6 +365,13 @@ class RouterRuntime:
 _INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missing_removes",
                    "cleared_workers", "purged_workers", "snapshots_loaded",
                    "sessions_evicted", "frontiers_dropped", "repeat_stores", "repeat_removes")
+
+
+async def _both(first: Callable[[], Awaitable[None]],
+                second: Callable[[], Awaitable[None]]) -> None:
+    """NatsLink's one ``on_connected``: the feed's subscriptions, then the cancels'."""
+    await first()
+    await second()
 
 
 def _restore_workers(workers: WorkerRegistry, rows: list[dict[str, Any]], now: float,

@@ -78,7 +78,7 @@ def _json_error(message: str, status: int, **extra: Any) -> JSONResponse:
 
 class _Rejected(Exception):
     """A hints call refused (nothing sent): answered and counted in one place,
-    :func:`_rejection`, under ``reason`` (one of ``metrics.HINT_API_REJECTIONS``)."""
+    :func:`_rejection`, under ``reason`` (one of ``metric_labels.HINT_API_REJECTIONS``)."""
 
     def __init__(self, reason: str, message: str, status: int,
                  headers: dict[str, str] | None = None, **extra: Any) -> None:
@@ -123,7 +123,7 @@ def build_sessions_router() -> APIRouter:
 
     @router.delete("/v1/sessions/{session_id:path}")
     async def end_session(session_id: str, request: Request,
-                          tenant: str | None = Query(None)) -> JSONResponse:
+                          tenant: str | None = Query(None)) -> Response:
         runtime: RouterRuntime = request.app.state.runtime
         refused = runtime.metrics.session_end_rejections  # each refusal, by reason
         try:
@@ -145,9 +145,7 @@ def build_sessions_router() -> APIRouter:
         # Before the store read and the end's sends: a tenant's ends are bounded too.
         if (over := runtime.call_rate.take(principal.tenant)) is not None:
             refused.labels(CALL_RATE_REJECTION).inc()
-            response = _json_error(over.message, 429)
-            response.headers["retry-after"] = str(over.retry_after_s)
-            return response
+            return over.answer()
         await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
         record = runtime.sessions.get(tenant_name, session_id)
         if record is None:
@@ -166,7 +164,7 @@ def build_sessions_router() -> APIRouter:
             principal, tenant_name, hint_request = await _read_call(
                 runtime, request, session_id, tenant)
             # Charged as the call rate is (hint_open_calls.py), before anything is sent.
-            charged = principal.tenant.name if principal.tenant else DEFAULT_TENANT
+            charged = runtime.directory.charged(principal.tenant).name
             if (over := open_calls.enter(charged, runtime.settings.hints.api_max_open_calls,
                                          runtime.metrics)) is not None:
                 raise _Rejected(OPEN_HINTS_REJECTION, over, 429,
@@ -200,8 +198,7 @@ async def _read_call(runtime: RouterRuntime, request: Request, session_id: str,
         # Before the body, the store read and anything sent: every call counts, not only
         # the actions sent (budget.max_actions_per_minute counts those).
         if (over := runtime.call_rate.take(principal.tenant)) is not None:
-            raise _Rejected(CALL_RATE_REJECTION, over.message, 429,
-                            {"retry-after": str(over.retry_after_s)})
+            raise _Rejected(CALL_RATE_REJECTION, over.message, over.STATUS, over.headers)
         body = await read_body_within(request.stream(), request.headers.get("content-length"),
                                       runtime.settings.max_body_bytes,
                                       runtime.settings.http_body_timeout_s)

@@ -128,6 +128,12 @@ class TenantDirectory:
         (``int`` of a share of a count is its floor division: exact below 2**52.)"""
         return whole / self._sharing
 
+    def charged(self, tenant: Tenant | None) -> Tenant:
+        """The tenant a call of a key of ``tenant`` counts as (None: a global admin's
+        key, or any call in dev mode): ``default``, the global admin's own traffic,
+        whichever tenant the call names; a tenant key's own tenant else."""
+        return tenant if tenant is not None else self._tenants[DEFAULT_TENANT]
+
     def budget(self, name: str) -> TenantBudget | None:
         tenant = self._tenants.get(name)
         return tenant.budget if tenant is not None else None
@@ -143,7 +149,7 @@ class TenantDirectory:
             return tenant
         if key in self._admin_keys:
             # Admins may send inference too: their own tenant, or `default` when global.
-            return self._admin_keys[key] or self._tenants[DEFAULT_TENANT]
+            return self.charged(self._admin_keys[key])
         raise AuthError(401, "unknown API key")
 
     def principal(self, key: str | None) -> Principal:

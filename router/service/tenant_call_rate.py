@@ -26,20 +26,38 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.tenancy import DEFAULT_TENANT, Tenant, TenantDirectory
+from starlette.responses import Response
 
-# kvhint_router_gateway_rejections_total{reason} (metrics.GATEWAY_REJECTIONS), and the
+from kvhint.router.service.inbound import error_response
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.tenancy import Tenant, TenantDirectory
+
+# kvhint_router_gateway_rejections_total{reason} (metric_labels.GATEWAY_REJECTIONS), and the
 # session and admin endpoints' own refusal counters' reason.
 CALL_RATE_REJECTION = "over_call_rate"
 
 
 @dataclass(frozen=True, slots=True)
 class OverCallRate:
-    """A call refused: the 429's message and its ``Retry-After`` (whole seconds, >= 1)."""
+    """A call refused: the 429's message and its ``Retry-After`` (whole seconds, >= 1).
+    Every endpoint answers it alike: :meth:`answer`, or (one that builds its own error
+    answers) :attr:`message` with :attr:`STATUS` and :attr:`headers`."""
 
     message: str
     retry_after_s: int
+
+    STATUS = 429
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers the 429 carries besides the router's own error answer's."""
+        return {"retry-after": str(self.retry_after_s)}
+
+    def answer(self) -> Response:
+        """The 429, in the router's own error answer (:func:`.inbound.error_response`)."""
+        response = error_response(self.message, self.STATUS)
+        response.headers.update(self.headers)
+        return response
 
 
 class TenantCallRate:
@@ -54,9 +72,7 @@ class TenantCallRate:
     def take(self, tenant: Tenant | None) -> OverCallRate | None:
         """A call of a key of ``tenant`` (None: a global admin's, or dev mode's). None:
         admitted (one token taken). Else why not, counted; nothing was done."""
-        if tenant is None:
-            tenant = self._directory.get(DEFAULT_TENANT)
-            assert tenant is not None  # the directory always has default
+        tenant = self._directory.charged(tenant)
         rate = tenant.api_calls
         now = self._clock()
         tokens, at = self._buckets.get(tenant.name, (float(rate.burst), now))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from kvhint.router.service.inbound import InboundRequest, openai_error
+from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.tenancy import Tenant
 
@@ -61,9 +61,10 @@ class TenantSlots:
 
 
 def over_in_flight_answer(tenant: Tenant) -> Response:
-    """The 429 for a request of ``tenant`` past its ``max_in_flight``."""
-    return Response(openai_error(
+    """The 429 for a request of ``tenant`` past its ``max_in_flight``: the router's own
+    error answer (``nosniff`` as every one), with ``Retry-After``."""
+    response = error_response(
         f"tenant {tenant.name!r} has {tenant.max_in_flight} requests in flight, its "
-        "max_in_flight: retry once one finishes", 429),
-        status_code=429, media_type="application/json",
-        headers={"retry-after": str(RETRY_AFTER_S)})
+        "max_in_flight: retry once one finishes", 429)
+    response.headers["retry-after"] = str(RETRY_AFTER_S)
+    return response

@@ -8,7 +8,8 @@ such a URL is taken; a refused one leaves the worker without an address (its hea
 still feeds the index and its liveness), never routed to, never sent the key.
 
 - The form, always: ``http``/``https``, a host, no user or password, no query or
-  fragment, printable ASCII, a valid port.
+  fragment, printable ASCII, a valid port (schemas/worker_url.py: the plugin checks its
+  own ``http_url`` by the same rule at start-up).
 - The host: ``heartbeat_worker_hosts`` entries (an exact name, ``*.suffix``, an IP or a
   CIDR, ``*`` for any); none given: the addresses of a private network only (``localhost``,
   a name without a dot, a loopback, RFC 1918, link-local or unique-local IP), so a heartbeat can name a
@@ -21,20 +22,19 @@ Pure: no I/O (no DNS lookup: a name is judged as written).
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+# The URL's form is the plugin's rule too (it checks its own http_url at start-up).
+from kvhint.schemas.worker_url import HOST_NAME_RE as _NAME_RE
+from kvhint.schemas.worker_url import http_url_form as url_form
+from kvhint.schemas.worker_url import ip_of as _ip
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-MAX_URL_CHARS = 2048
 # What heartbeat_worker_hosts unset allows of IP addresses: loopback, RFC 1918, link-local,
 # IPv6 unique-local (ipaddress's is_private takes the documentation ranges too).
 PRIVATE_NETWORKS: tuple[IpNetwork, ...] = tuple(ipaddress.ip_network(n) for n in (
     "127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
     "::1/128", "fc00::/7", "fe80::/10"))
-_NAME_RE = re.compile(r"^[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*$")
 
 
 def parse_host_entry(entry: str) -> str:
@@ -96,39 +96,3 @@ class HeartbeatUrlPolicy:
                     and address in ipaddress.ip_network(entry):
                 return True
         return False
-
-
-def url_form(url: str) -> tuple[str | None, str | None]:
-    """(why ``url`` is no worker address, None) or (None, its host, lower-cased)."""
-    if len(url) > MAX_URL_CHARS:
-        return f"http_url longer than {MAX_URL_CHARS} characters", None
-    if not url.isascii() or any(c <= " " or c == "\x7f" for c in url):
-        return "http_url has spaces, control or non-ASCII characters", None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return f"http_url unreadable ({exc})", None
-    del port  # read for its check only
-    if parts.scheme not in ("http", "https"):
-        return f"http_url scheme {parts.scheme or '(none)'!r}: http or https only", None
-    if parts.username is not None or parts.password is not None:
-        return "http_url carries a user or password", None
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        return "http_url has a query or fragment", None
-    host = (parts.hostname or "").rstrip(".")
-    if not host:
-        return "http_url names no host", None
-    if _ip(host) is None and not _NAME_RE.match(host):
-        return f"http_url host {host!r} is no host name", None
-    return None, host
-
-
-def _ip(host: str) -> IpAddress | None:
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address

@@ -169,7 +169,7 @@ class HintLoop:
             self.result.hints[(outcome.action_type, outcome.status.value)] += 1
             if not outcome.status.is_terminal:
                 continue
-            self.ledger.settle(outcome)
+            self.ledger.settle(outcome, self.now)
             planned = self._planned.pop(outcome.action_id, None)
             if planned is not None and (session := self.sessions.get(planned.scope)):
                 self.sessions[planned.scope] = session.settled(outcome)

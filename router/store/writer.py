@@ -295,7 +295,8 @@ class StoreWriter:
     def _failed(self, exc: Exception, then: str, rows: int) -> None:
         self.flush_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"[:500]
-        log.warning("store flush of %d rows failed (%s): %s", rows, then, self.last_error)
+        # repr'd: a database's message may quote a row's values (a DETAIL line included)
+        log.warning("store flush of %d rows failed (%s): %r", rows, then, self.last_error)
 
     async def _write_each(self, batch: dict[RowKey, list[Any]],
                           expected: dict[RowKey, tuple[VersionedSave, int]]) -> None:
@@ -313,7 +314,7 @@ class StoreWriter:
                     self._requeue(dict(rows[index:]))
                     break
                 rejected += 1
-                log.error("store refused a %s row, dropped: %s", row_key[0],
+                log.error("store refused a %s row, dropped: %r", row_key[0],
                           f"{type(exc).__name__}: {exc}"[:300])
                 if mine:
                     self._settled(row_key)

@@ -27,7 +27,7 @@ from pydantic.fields import FieldInfo
 
 from kvhint.engine_plugin import metrics as plugin_metrics
 from kvhint.engine_plugin.config import PluginConfig
-from kvhint.router.service import metrics as router_metrics
+from kvhint.router.service import metric_labels
 from kvhint.router.service.hint_records import API_SOURCE, EXPIRED, FAILED, PLANNER_SOURCE
 from kvhint.router.service.inbound import Endpoint
 from kvhint.router.service.settings import ENV_PREFIX, RouterSettings
@@ -189,7 +189,7 @@ def _router_families() -> dict[str, tuple[str, frozenset[str]]]:
 
 def _bounded_labels() -> dict[str, dict[str, set[str]]]:
     """The label values the code fixes, per metric: the README lists exactly these."""
-    m = router_metrics
+    m = metric_labels
     sources = {PLANNER_SOURCE, API_SOURCE}
     return {
         "kvhint_router_requests_total": {"endpoint": {e.value for e in Endpoint}},
@@ -220,6 +220,10 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
         "kvhint_router_session_refreshes_total": {"outcome": set(m.SESSION_REFRESHES)},
         "kvhint_router_session_save_conflicts_total": {
             "outcome": set(m.SESSION_SAVE_CONFLICTS)},
+        "kvhint_router_responses_router_ends_total": {
+            "reason": set(m.RESPONSES_ROUTER_END_REASONS)},
+        "kvhint_router_responses_cancel_notices_total": {
+            "outcome": set(m.RESPONSES_CANCEL_NOTICE_OUTCOMES)},
     }
 
 
@@ -255,13 +259,13 @@ def test_every_router_metric_is_in_the_readme_with_its_labels_and_their_values()
 
 
 def test_every_bounded_label_set_of_the_router_is_checked_against_the_readme() -> None:
-    """A new bounded set in metrics.py (a tuple of label values) must be added to
+    """A new bounded set in metric_labels.py (a tuple of label values) must be added to
     _bounded_labels above, so its values reach the README too."""
     checked = {frozenset(v) for labels in _bounded_labels().values() for v in labels.values()}
-    sets = {name: frozenset(value) for name, value in vars(router_metrics).items()
+    sets = {name: frozenset(value) for name, value in vars(metric_labels).items()
             if name.isupper() and isinstance(value, tuple)
             and all(isinstance(v, str) for v in value)}
-    assert sets, "metrics.py declares no bounded label set: the scan is wrong"
+    assert sets, "metric_labels.py declares no bounded label set: the scan is wrong"
     unchecked = sorted(name for name, values in sets.items() if values not in checked)
     assert not unchecked, f"bounded label sets not held to the README: {unchecked}"
 

@@ -62,6 +62,12 @@ SAMPLES: dict[str, tuple[object, type]] = {
         s.make_action("a-demote", s.DemotePayload(
             target=s.Target(session_id="tenant-a/sess-1"), owner=s.HintOwner.AGENT)),
     ]), s.KvHintsEnvelope),
+    # kv.prefetch 1.2: owner (ranks the retain that keeps its blocks in G1).
+    "hints_envelope_v1_2_prefetch": (s.KvHintsEnvelope(
+        protocol_version="1", message_id="msg-4", actions=[
+            s.make_action("a-prefetch", s.PrefetchPayload(
+                target=s.Target(session_id="tenant-a/sess-1"), deadline_s=10.0,
+                owner=s.HintOwner.AGENT))]), s.KvHintsEnvelope),
     "hint_outcome": (s.HintOutcome(
         message_id="msg-1", action_id="a-pin", action_type="kv.pin", worker_id="w0",
         status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",
@@ -122,6 +128,9 @@ SAMPLES: dict[str, tuple[object, type]] = {
         usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
         last_event_seq=42, interval_s=1.0, at=AT, hash_block_size=16), s.WorkerStatus),
     "snapshot_request": (s.SnapshotRequest(cursor=2000, limit=1000, seq=41), s.SnapshotRequest),
+    "response_cancelled": (s.ResponseCancelled(
+        origin="3f2a9c0d1e7b4a65", response_id="resp_w0_" + "ab" * 16 + "s0000000012345678"
+        + "9abcdef012345678", tenant="acme", worker_id="w0", at=AT), s.ResponseCancelled),
     "worker_snapshot": (s.WorkerSnapshot(
         worker_id="w0", epoch="e-5f2c", seq=42, block_size=32,
         blocks=[s.SnapshotBlock(11, None, "GPU"), s.SnapshotBlock(12, 11, "GPU")],

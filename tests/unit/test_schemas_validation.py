@@ -116,8 +116,11 @@ def test_owner_rides_on_version_1_2_and_a_planners_action_is_sent_as_before() ->
          "owner needs action_version 1.2"),
         (_action("kv.pin", {"target": {"session_id": "x"}, "owner": "someone"},
                  version="1.2"), "Invalid enum value 'someone'"),
+        # kv.prefetch 1.2 takes owner (it ranks its retain); kv.share none.
         (_action("kv.prefetch", {"target": {"session_id": "x"}, "owner": "agent"}),
-         "unknown field `owner`"),
+         "owner needs action_version 1.2"),
+        (_action("kv.share", {"target": {"session_id": "x"}, "destination_worker": "w1",
+                              "owner": "agent"}), "unknown field `owner`"),
         (_action("kv.demote", {"target": {"session_id": "x"}, "evict_rest_first": True}),
          "unknown field `evict_rest_first`"),
     ],

@@ -14,6 +14,8 @@ def test_subject_names() -> None:
     assert subjects.advice("w0") == "kvhint.v1.advice.w0"
     assert subjects.status("w0") == "kvhint.v1.status.w0"
     assert subjects.snapshot("w0") == "kvhint.v1.snapshot.w0"
+    assert subjects.cancels("w0") == "kvhint.v1.cancels.w0"
+    assert subjects.all_of("cancels") == "kvhint.v1.cancels.*"
     assert subjects.all_of("events") == "kvhint.v1.events.*"
     assert subjects.events_stream == "KVHINT_V1_EVENTS"
 

@@ -23,6 +23,15 @@ in memory. Two kvhint routers run side by side: ``kvhint`` with ``routing.sessio
 on (the default: each such turn first reads the session's stored row) and
 ``kvhint-norefresh`` with it off, so the difference between them is that read's cost.
 ``--sessions 0`` leaves the session phases out; ``--no-refresh-off`` the second router.
+
+At 32 streams each round also gives, per target, vLLM's own mean end-to-end time (from
+its /metrics) subtracted from the client's mean latency (``in_front_of_engine_ms``: the
+client, the proxy and the machine's run queue, not the engine) and the share of the
+phase's wall time some task waited for a CPU (``per_round_cpu_pressure``, Linux PSI):
+on the shared 2-core machine only vLLM's model process is pinned (to CPU 1; its API
+server and engine core, the proxies and this client float), so a proxy's figures move
+with that pressure, and the per-round ratios (``vs_direct_median_of_rounds``) are what
+to compare.
 """
 
 from __future__ import annotations
@@ -124,6 +133,28 @@ async def many_streams(session: aiohttp.ClientSession, url: str, streams: int,
     return len(latencies) / (time.perf_counter() - started), latencies
 
 
+def engine_e2e(worker_url: str) -> tuple[float, float]:
+    """vLLM's own end-to-end time of the requests it finished (seconds, count: its
+    ``vllm:e2e_request_latency_seconds``), to tell its time from what is spent in front
+    of it (the client, a proxy, the machine's run queue)."""
+    total = count = 0.0
+    for line in httpx.get(f"{worker_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:e2e_request_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:e2e_request_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def cpu_pressure_us() -> float | None:
+    """Time some runnable task waited for a CPU, machine-wide (PSI), in microseconds."""
+    try:
+        with open("/proc/pressure/cpu") as pressure:
+            return float(pressure.readline().rsplit("total=", 1)[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def q(values: list[float], quantile: float) -> float:
     values = sorted(values)
     return values[min(int(quantile * len(values)), len(values) - 1)]
@@ -151,6 +182,13 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
     # Proxy CPU per request (noise-proof: what the proxy itself burns per request).
     cpu: dict[str, dict[str, list[float]]] = {
         key: {name: [] for name in targets} for key, _, _ in phases}
+    # 32 streams, per round: the client's mean latency minus vLLM's own mean e2e (the
+    # time in front of the engine), and the share of the phase's wall time some task
+    # waited for a CPU (PSI): how loaded the machine was while that target ran.
+    front: dict[str, dict[str, list[float]]] = {
+        key: {name: [] for name in targets} for key, many, _ in phases if many}
+    pressure: dict[str, dict[str, list[float]]] = {
+        key: {name: [] for name in targets} for key, many, _ in phases if many}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for name, url in targets.items():  # warm up connections and caches
@@ -164,10 +202,21 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
                 for name in order:
                     before = cpu_s(pids[name])
                     if many:
+                        engine_before = engine_e2e(targets["direct"])
+                        stalled_before, started = cpu_pressure_us(), time.perf_counter()
                         rate, latencies = await many_streams(
                             session, targets[name], streams, duration_s, rng, with_sessions)
+                        wall = time.perf_counter() - started
+                        stalled_after = cpu_pressure_us()
+                        engine_after = engine_e2e(targets["direct"])
                         multi[key][name].append((rate, statistics.median(latencies)))
                         count = len(latencies)
+                        engine_mean = (engine_after[0] - engine_before[0]) / max(
+                            engine_after[1] - engine_before[1], 1)
+                        front[key][name].append(statistics.mean(latencies) - engine_mean)
+                        if stalled_before is not None and stalled_after is not None:
+                            pressure[key][name].append(
+                                (stalled_after - stalled_before) / 1e6 / wall)
                     else:
                         single[key][name].append(await one_stream(
                             session, targets[name], per_round, rng,
@@ -204,11 +253,24 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
                 "p50_ms": round(1000 * statistics.median(m for _, m in values[name]), 1),
                 "proxy_cpu_ms_per_request": round(1000 * statistics.median(cpu[key][name]), 3),
                 "per_round_req_per_s": [round(r, 1) for r, _ in values[name]],
-                "per_round_cpu_ms": [round(1000 * c, 3) for c in cpu[key][name]]}
+                "per_round_cpu_ms": [round(1000 * c, 3) for c in cpu[key][name]],
+                # Mean client latency minus vLLM's own mean e2e: what is spent in front
+                # of the engine (direct: the client and vLLM's HTTP front end).
+                "in_front_of_engine_ms": round(
+                    1000 * statistics.median(front[key][name]), 1),
+                "per_round_in_front_of_engine_ms": [
+                    round(1000 * f, 1) for f in front[key][name]],
+                "per_round_cpu_pressure": [round(p, 2) for p in pressure[key][name]],
+                "per_round_vs_direct": [
+                    round(r / d, 3) for (r, _), (d, _) in zip(
+                        values[name], values["direct"], strict=True)]}
         base = report[key]["direct"]["req_per_s"]
         for name in targets:
             report[key][name]["throughput_vs_direct"] = round(
                 report[key][name]["req_per_s"] / base, 3)
+            # The same, per round then the median: the figure machine noise moves least.
+            report[key][name]["vs_direct_median_of_rounds"] = round(
+                statistics.median(report[key][name]["per_round_vs_direct"]), 3)
     report["direct_p50_ms"] = report["one_stream"]["direct"]["p50_ms"]
     return report
 

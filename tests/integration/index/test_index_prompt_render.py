@@ -76,6 +76,13 @@ def test_completion_prompt_shapes(renderer: PromptRenderer) -> None:
     for bad in (None, [], [[]], [1, "x"], 3, [-1]):
         with pytest.raises(PromptRenderError):
             renderer.completion_token_ids({"prompt": bad})
+    # A batch's first prompt alone (what the router routes it by); a bad first still
+    # raises, a bad later one is not looked at item by item.
+    assert renderer.completion_token_ids({"prompt": ["hello", "bye"]}, first_only=True) == one
+    assert renderer.completion_token_ids({"prompt": [[5], [6, -1]]}, first_only=True) == [[5]]
+    for bad in ([[]], [[5], "x"], [[-1], [5]]):
+        with pytest.raises(PromptRenderError):
+            renderer.completion_token_ids({"prompt": bad}, first_only=True)
 
 
 def test_request_hasher_salt_models_and_configs(tiny_model_dir: Path) -> None:

@@ -100,3 +100,45 @@ def test_a_waiting_prefetch_never_settles_over_a_newer_action_under_its_id() -> 
         assert hold.retains == {"x": 30}
     assert all(not holds.is_held(executor.cache.lookup(k).block_id) for k in coming)
     assert executor.pending_actions == 0 and executor._prefetch_waiting == 0
+
+
+def test_a_replaced_waiting_prefetch_is_counted_and_its_id_answered_by_the_newer_action(
+        ) -> None:
+    # Before, the waiting Prefetch a newer action replaced vanished uncounted, and the
+    # newer action's outcome (the only answer the id ever gets) did not say it stood in
+    # for the Prefetch. A sender keyed by id (the router) gets that outcome, terminal.
+    from kvhint.engine_plugin.counter_exports import EXPORTS, read_counters
+    from kvhint.engine_plugin.executor import ExecutorCounters
+
+    now = [1_000.0]
+    cache, core = _plugin(now, max_remembered_actions=1, retain_budget_fraction=1.0)
+    executor = core.executor
+    cached_blocks(cache, core, "s", 1)
+    later = cache.make_request(list(range(500, 500 + 4 * BS + 1)), session_id="later")
+    coming = [digest_to_int(h) for h in later.block_hashes]
+    (deferred,) = core.apply_hints(hints_message(("x", "kv.prefetch", {
+        "target": {"block_hashes": coming}, "deadline_s": 60})))
+    assert deferred.status is OutcomeStatus.DEFERRED
+    assert executor.counters.prefetches_replaced == 0
+    core.apply_hints(hints_message(("y", "kv.pin", {"target": {"block_hashes": [7]}, "ttl_s": 5})))
+    (retained,) = core.apply_hints(hints_message(("x", "kv.retain", {
+        "target": {"session_id": "s"}, "priority": 30, "ttl_s": 600})))
+    assert retained.status is OutcomeStatus.ACCEPTED and retained.status.is_terminal
+    assert "replaced a Prefetch still waiting under this action_id" in retained.reason
+    assert executor.counters.prefetches_replaced == 1
+    stats = read_counters({cls: executor.counters if cls is ExecutorCounters else None
+                           for cls in EXPORTS})
+    assert stats["prefetches_replaced"] == 1  # kvhint:prefetches_replaced_total
+    # A repeat of the Retain gets its answer again; nothing else is replaced or counted.
+    assert core.apply_hints(hints_message(("x", "kv.retain", {
+        "target": {"session_id": "s"}, "priority": 30, "ttl_s": 600}))) == [retained]
+    now[0] += 61
+    assert core.advance() == [] and executor.counters.prefetches_replaced == 1
+    # A Prefetch that was not waiting (answered at once) is replaced by nothing.
+    (at_once,) = core.apply_hints(hints_message(("z", "kv.prefetch", {
+        "target": {"session_id": "s"}, "deadline_s": 5})))
+    assert at_once.status is OutcomeStatus.ACCEPTED
+    core.apply_hints(hints_message(("y2", "kv.pin", {"target": {"block_hashes": [7]}})))
+    (again,) = core.apply_hints(hints_message(("z", "kv.retain", {
+        "target": {"session_id": "s"}, "priority": 30})))
+    assert "replaced" not in again.reason and executor.counters.prefetches_replaced == 1

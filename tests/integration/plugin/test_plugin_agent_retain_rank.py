@@ -7,11 +7,11 @@ budget clips says what holds the room, in words a tenant may read
 
 from __future__ import annotations
 
-from scheduler_fixtures import owned_retain, retained_of, sched, turn
+from scheduler_fixtures import hint, owned_retain, retained_of, sched, turn
 
 from kvhint.engine_plugin.headless import HeadlessScheduler
 from kvhint.router.service.tenant_reasons import tenant_reason
-from kvhint.schemas import HintOwner
+from kvhint.schemas import OWNER_VERSION, ActionType, HintOwner, PrefetchPayload, Target
 
 AGENT, PLANNER = HintOwner.AGENT, HintOwner.PLANNER
 
@@ -81,3 +81,35 @@ def test_pressure_relieves_every_planner_retain_before_an_agents() -> None:
     turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 2)))
     assert [retained_of(h, s) for s in ("agent", "p")] == [4, 1]
     assert _releases(h) == {("p1", "pressure"): 3}
+
+
+def test_an_agents_prefetch_ranks_with_its_retains_above_the_planners() -> None:
+    """A Prefetch retains what is in G1 until its deadline: an agent runtime's (owner
+    ``agent``, 1.2) ranks with its Retains, above every planner claim, as the docs'
+    reasoning for Retains holds for it too (an explicit ask, capped per tenant by the
+    router). Before, it ranked at prefetch_retain_priority (80) among the planner's:
+    the planner's Retain at 100 kept 2 of its 4 blocks out. The planner's Prefetch still
+    ranks among the planner's claims, and a 1.0 Prefetch is the planner's."""
+    h = sched(retain_budget_fraction=0.1)  # 6 blocks
+    turn(h, "p-top", [1, 2, 3, 4])
+    turn(h, "p-mid", [5, 6])
+    turn(h, "agent", [11, 12, 13, 14])
+    turn(h, "p-pre", [21, 22])
+    assert owned_retain(h, "p-top", 100, PLANNER, "p1").status.value == "accepted"
+    assert owned_retain(h, "p-mid", 60, PLANNER, "p2").status.value == "accepted"
+    prefetch = hint(h, PrefetchPayload(target=Target(session_id="agent"), deadline_s=30,
+                                       owner=AGENT), "a-pre")
+    assert (prefetch.status.value, prefetch.applied.blocks) == ("accepted", 4), prefetch
+    assert "4 of 4 blocks retained" in prefetch.reason, prefetch.reason
+    assert [retained_of(h, s) for s in ("agent", "p-top", "p-mid")] == [4, 2, 0]
+    assert _releases(h) == {("p2", "displaced"): 2, ("p1", "displaced"): 2}
+    # The planner's Prefetch (80) displaces neither the agent's claim nor the 100.
+    planner = hint(h, PrefetchPayload(target=Target(session_id="p-pre"), deadline_s=30),
+                   "p-pre")
+    assert "0 of 2 blocks retained" in planner.reason, planner.reason
+    assert [retained_of(h, s) for s in ("agent", "p-top", "p-pre")] == [4, 2, 0]
+    # Under pressure (2 blocks short) the planner's Retain at 100 goes, not the agent's.
+    turn(h, "big", list(range(600, 600 + h.block_pool.get_num_free_blocks() + 1)))
+    assert [retained_of(h, s) for s in ("agent", "p-top")] == [4, 0]
+    versions = h.connector.core.supported_actions()[ActionType.PREFETCH.value]
+    assert OWNER_VERSION in versions

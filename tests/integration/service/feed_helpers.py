@@ -94,9 +94,11 @@ ACTIONS = {"kv.pin": ["1.0"], "kv.retain": ["1.0"], "kv.demote": ["1.0"],
            "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}
 
 
-# What a plugin of this version advertises (owners apart on kv.retain, kv.pin, kv.demote).
+# What a plugin of this version advertises (owners apart on kv.retain, kv.pin, kv.demote,
+# kv.prefetch).
 ACTIONS_WITH_OWNER = {"kv.pin": ["1.0", "1.1", "1.2"], "kv.retain": ["1.0", "1.1", "1.2"],
-                      "kv.demote": ["1.0", "1.2"], "kv.share": ["1.0"], "kv.prefetch": ["1.0"]}
+                      "kv.demote": ["1.0", "1.2"], "kv.share": ["1.0"],
+                      "kv.prefetch": ["1.0", "1.2"]}
 
 
 def status(worker: str, epoch: str, seq: int, url: str | None = None,

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from conftest import StubWorker, router_settings, running_router, sample, scrape
-from kvhint.router.service.metrics import ADMIN_REJECTIONS, ROUTE_REFUSALS
+from kvhint.router.service.metric_labels import ADMIN_REJECTIONS, ROUTE_REFUSALS
 
 REJECTIONS = "kvhint_router_admin_rejections_total"
 ROUTES = "kvhint_router_route_refusals_total"

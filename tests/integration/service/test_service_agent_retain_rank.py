@@ -125,3 +125,55 @@ async def test_an_agents_retain_outranks_the_planners_and_a_clipped_one_says_why
     finally:
         await nc.drain()
         h.connector.shutdown()
+
+
+async def test_an_agents_prefetch_goes_out_as_the_agents_and_outranks_the_planners(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """The hints API sends an agent's Prefetch as 1.2 with ``owner: agent`` to a worker
+    that advertises it (the plugin does), and the worker retains its blocks in G1 above
+    the planner's top-priority Retains that fill the retain budget. Before, a Prefetch
+    had no owner: it ranked at prefetch_retain_priority among the planner's claims and
+    got 0 of the 6 blocks."""
+    subjects = Subjects(subject_prefix)
+    h = build_scheduler(HeadlessSchedulerSpec(
+        block_size=BS, num_blocks=64, connector_module="kvhint.engine_plugin.connector",
+        connector_extra_config={"worker_id": "w0", "retain_budget_fraction": 0.1}))  # 6
+    core = h.connector.core
+    nc = await nats.connect(nats_url)
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - w0's hints, to the real plugin
+        for outcome in core.apply_hints(msg.data):
+            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(
+        tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
+        subject_prefix=subject_prefix, hints={"enabled": False}, tenants=TENANTS)
+    try:
+        async with running_router(settings) as router, \
+                httpx.AsyncClient(timeout=30) as client:
+            await plugin_registered(router.runtime, nc, subjects, core.supported_actions())
+            await _chat(client, router.url, "s1", "ka")
+            a_sid = router.runtime.sessions.get("a", "s1").worker_session_id
+            _turn(h, "planner-1", [1, 2, 3, 4, 5, 6])
+            _turn(h, a_sid, [11, 12, 13, 14, 15, 16])
+            envelope = KvHintsEnvelope(protocol_version="1", message_id="m-p", actions=[
+                make_action("p", RetainPayload(target=Target(session_id="planner-1"),
+                                               priority=100, ttl_s=600))])
+            (outcome,) = core.apply_hints(encode_hints(envelope))
+            assert outcome.status.value == "accepted" and core.executor.retained_blocks == 6
+            answer = await client.post(
+                f"{router.url}/v1/sessions/s1/hints", headers={"authorization": "Bearer aa"},
+                json={"actions": [{"action_type": "kv.prefetch",
+                                   "payload": {"deadline_s": 30}}]})
+            assert answer.status_code == 200, answer.text
+            (action,) = answer.json()["actions"]
+            assert action["payload"]["owner"] == HintOwner.AGENT.value, action
+            assert action["status"] == "accepted", action
+            assert "6 of 6 blocks retained" in action["reason"], action
+            holds = core.executor.holds.keys()["retained"]
+            assert set(core.index.session_blocks(a_sid)) <= set(holds)
+    finally:
+        await nc.drain()
+        h.connector.shutdown()

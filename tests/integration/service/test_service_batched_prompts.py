@@ -141,3 +141,51 @@ async def test_a_batched_session_turn_is_planned_as_one_prompt_and_unchecked(
                           worker="w0", predicted="false") == 32
     finally:
         await stub.stop()
+
+
+async def test_a_batch_books_every_prompt_as_load_and_hashes_only_its_first(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A batch's P prompts are P engine requests on the worker it goes to: its routed
+    load books them all (the first less its predicted hits, the others whole, by their
+    length: token ids counted, strings at 4 characters a token), and gives every block
+    back at its end. Only the first prompt, which the batch is routed and planned by, is
+    tokenized and hashed. Before, every prompt was tokenized and hashed and only the
+    first's tokens were booked (a batch of 4 weighed as one prompt)."""
+    stub = BatchStub(model_root=str(tiny_model_dir))
+    await stub.start()
+    try:
+        settings = router_settings(tmp_path, [("w0", stub.url)])
+        async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+            routing = router.runtime.routing
+            routing.clock = lambda: 1000.0  # held still: the recent load does not decay
+            assert routing.hasher is not None
+            renderer = routing.hasher.renderer("stub")
+            encoded: list[str] = []
+            encode = renderer._encode
+
+            def counting(text: str, add_special_tokens: bool) -> list[int]:
+                encoded.append(text)
+                return encode(text, add_special_tokens)
+
+            renderer._encode = counting  # type: ignore[method-assign]
+
+            def booked() -> float:
+                load = routing._loads.get("w0")
+                return 0.0 if load is None else load.recent.prefill_tokens
+
+            ids = [list(range(1, 101)), list(range(1, 61)), list(range(7, 47))]
+            strings = ["alpha beta gamma delta", "x" * 400, "y" * 80, "z" * 40]
+            first = len(encode(strings[0], True))
+            for prompt, expected in ((ids, 100 + 60 + 40),
+                                     (strings, first + 100 + 20 + 10)):
+                before = booked()
+                answered = await client.post(URL(router.url), json={
+                    "model": "stub", "max_tokens": 4, "session_id": f"s{len(prompt)}",
+                    "prompt": prompt})
+                assert answered.status_code == 200, answered.text
+                assert booked() - before == expected, prompt[:1]
+                load = routing._loads.get("w0")
+                assert load is not None and (load.pending_prefill, load.active_blocks) == (0, 0)
+            assert encoded == [strings[0]]  # the batch of strings: its first alone
+    finally:
+        await stub.stop()

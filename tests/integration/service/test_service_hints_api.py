@@ -26,7 +26,7 @@ import pytest
 from conftest import StubWorker, router_settings, running_router, scrape
 from feed_helpers import plugin_registered, until
 from kvhint.router.service.hint_records import HintStatus
-from kvhint.router.service.metrics import HINT_API_REJECTIONS
+from kvhint.router.service.metric_labels import HINT_API_REJECTIONS
 from kvhint.schemas import (
     Amount,
     HintOutcome,
@@ -140,6 +140,10 @@ async def test_a_callers_action_id_is_its_tenants_own(
                                          headers={"authorization": "Bearer aa"})
             assert response.status_code == 422, (case, response.text)
             assert "nothing was sent" in response.json()["error"]["message"]
+            if case == "twice":  # the second copy named, with why
+                assert response.json()["error"]["actions"] == [{
+                    "index": "1", "action_id": "r-1",
+                    "reason": "action_id is given twice in this call"}], response.text
         # A pending action's id: 409 until its outcome comes (the plugin stays silent).
         plugin.answer = False
         slow = {"wait_s": 0, "actions": [{"action_type": "kv.retain", "action_id": "r-2",

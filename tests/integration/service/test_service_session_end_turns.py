@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from conftest import StubWorker, router_settings, running_router, sample, scrape
-from kvhint.router.service.metrics import SESSION_END_SKIPS
+from kvhint.router.service.metric_labels import SESSION_END_SKIPS
 
 CHAT = {"model": "stub", "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": 4}

@@ -43,3 +43,30 @@ async def test_refresh_read_does_not_wait_for_a_slot(tmp_path: Path) -> None:
         assert reads._slots.held == 0
     finally:
         engine.dispose()
+
+
+async def test_busy_refresh_answers_without_a_trip_through_the_loop(tmp_path: Path) -> None:
+    """No slot free and no read of the session under way: ``busy`` at once, the turn not
+    suspended. Before, each such refresh started a task and awaited it through a shield:
+    two trips through the event loop, 10-25 ms a turn at 32 session streams on the
+    loaded bench machine (BENCHMARKS.md, 2026-12-05), for an answer known up front."""
+    engine = create_store_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        migrate(engine)
+        reads = StoredSessions(engine, RouterMetrics(), TIMEOUT_S)
+        for _ in range(MAX_READS_PER_TENANT):
+            await reads._slots.acquire("t")
+        turn = reads.latest("t", "s")
+        try:
+            turn.send(None)  # runs the coroutine up to its first suspension, if any
+        except StopIteration as done:
+            assert done.value == ("busy", None)
+        else:
+            raise AssertionError("a refresh with no slot free waited on the event loop")
+        finally:
+            turn.close()
+        for _ in range(MAX_READS_PER_TENANT):
+            reads._slots.release("t")
+        assert reads._slots.held == 0 and not reads._refreshing
+    finally:
+        engine.dispose()

@@ -48,3 +48,27 @@ async def test_each_tenants_requests_in_flight_are_a_gauge_with_or_without_a_cap
         samples = await scrape(client, router.url)
         assert sample(samples, GAUGE, tenant="acme") == 0
         assert sample(samples, GAUGE, tenant="beta") == 0
+
+
+async def test_the_429_past_max_in_flight_is_the_routers_own_error_answer(
+        tmp_path: Path, stub_workers: list[StubWorker]) -> None:
+    """A request past its tenant's max_in_flight is answered as every other refusal of
+    the router's own: JSON, ``nosniff`` (never read as anything else from the dashboard's
+    origin), with ``Retry-After``. Before, this one answer lacked ``nosniff``."""
+    stub = stub_workers[0]
+    settings = router_settings(tmp_path, [("w0", stub.url)], tenants=TENANTS)
+    async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
+        slots = router.runtime.forwarder.slots
+        url = f"{router.url}/v1/chat/completions"
+        stub.answer_delay_s = 0.5
+        held = [asyncio.create_task(client.post(url, json=CHAT, headers=ACME))
+                for _ in range(2)]
+        await until(lambda: slots.held("acme") == 2)
+        refused = await client.post(url, json=CHAT, headers=ACME)
+        assert refused.status_code == 429
+        assert refused.headers["x-content-type-options"] == "nosniff"
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["content-type"] == "application/json"
+        error = refused.json()["error"]
+        assert error["type"] == "rate_limit_error" and "max_in_flight" in error["message"]
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200]

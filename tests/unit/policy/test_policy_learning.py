@@ -168,10 +168,13 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
     ledger.settle(_outcome("kv.prefetch", OutcomeStatus.ACCEPTED, 6, 5, action_id="f1"))
     assert ledger.worker("w1") == Holdings(0, 9)
     assert ledger.expire(91.0) == 1 and ledger.worker("w1") == Holdings(0, 4)
-    # One that ends clipped (at its deadline, with part in G1) retains nothing.
+    # One that ends clipped at its deadline (with part in G1) retains nothing: the answer
+    # comes past its TTL (tests/unit/policy/test_holdings_clipped_prefetch.py: the other
+    # clipped ones).
     ledger.record(action_id="f2", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.prefetch", blocks=6, expires_at=1e9)
-    ledger.settle(_outcome("kv.prefetch", OutcomeStatus.CLIPPED, 6, 3, action_id="f2"))
+    ledger.settle(_outcome("kv.prefetch", OutcomeStatus.CLIPPED, 6, 3, action_id="f2"),
+                  now=1e9)
     assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
     ledger.record(action_id="d1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.demote", blocks=4, expires_at=0.0)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvhint.router.service.cross_site import cross_site_reason, cross_site_refusal
-from kvhint.router.service.metrics import CROSS_SITE_ENDPOINTS, CROSS_SITE_REASONS, RouterMetrics
+from kvhint.router.service.metric_labels import CROSS_SITE_ENDPOINTS, CROSS_SITE_REASONS
+from kvhint.router.service.metrics import RouterMetrics
 
 FORM = "application/x-www-form-urlencoded"
 

@@ -12,10 +12,11 @@ import yaml
 
 from deploy_manifests import DEPLOY
 from kvhint.engine_plugin.metrics import exposed_names as plugin_names
-from kvhint.router.service.metrics import ADMIN_REJECTIONS, CLIENT_TIMEOUT_PHASES, \
+from kvhint.router.service.metric_labels import ADMIN_REJECTIONS, CLIENT_TIMEOUT_PHASES, \
     CORS_REFUSAL_REASONS, \
     CROSS_SITE_REASONS, GATEWAY_REJECTIONS, HINT_API_REJECTIONS, SESSION_END_REJECTIONS, \
-    SESSION_END_SKIPS, RouterMetrics
+    SESSION_END_SKIPS
+from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.metrics_state import StateSample
 
 _METRIC = re.compile(r"\bkvhint_router_[a-z_]+")

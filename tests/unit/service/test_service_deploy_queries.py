@@ -30,7 +30,7 @@ from promql_lint import selectors as _selectors
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from router_families import router_families
 
-from kvhint.router.service import metrics as router_metrics
+from kvhint.router.service import metric_labels
 from kvhint.router.service.hint_records import API_SOURCE, EXPIRED, FAILED, PLANNER_SOURCE
 from kvhint.router.service.inbound import Endpoint
 from kvhint.router.service.metrics import RouterMetrics
@@ -93,17 +93,17 @@ def _router_domains() -> dict[str, dict[str, Callable[[str], bool]]]:
             "action": value_set(ACTION_TYPE_VALUES | {"other"}),
             "reason": value_set(r.value for r in ReleaseReason)},
         "resyncs_total": {"result": _label_literals("resyncs", 2)},
-        "health_probes_total": {"outcome": router_metrics.HEALTH_PROBE_OUTCOMES},
+        "health_probes_total": {"outcome": metric_labels.HEALTH_PROBE_OUTCOMES},
         "drops_total": {"what": emitted_drop_reasons()},
-        "nats_errors_total": {"kind": router_metrics.NATS_ERROR_KINDS},
-        "hint_api_rejections_total": {"reason": router_metrics.HINT_API_REJECTIONS},
-        "session_end_rejections_total": {"reason": router_metrics.SESSION_END_REJECTIONS},
-        "session_end_skips_total": {"reason": router_metrics.SESSION_END_SKIPS},
-        "cross_site_refusals_total": {"endpoint": router_metrics.CROSS_SITE_ENDPOINTS,
-                                      "reason": router_metrics.CROSS_SITE_REASONS},
-        "cors_refusals_total": {"reason": router_metrics.CORS_REFUSAL_REASONS},
-        "client_timeouts_total": {"phase": router_metrics.CLIENT_TIMEOUT_PHASES},
-        "gateway_rejections_total": {"reason": router_metrics.GATEWAY_REJECTIONS},
+        "nats_errors_total": {"kind": metric_labels.NATS_ERROR_KINDS},
+        "hint_api_rejections_total": {"reason": metric_labels.HINT_API_REJECTIONS},
+        "session_end_rejections_total": {"reason": metric_labels.SESSION_END_REJECTIONS},
+        "session_end_skips_total": {"reason": metric_labels.SESSION_END_SKIPS},
+        "cross_site_refusals_total": {"endpoint": metric_labels.CROSS_SITE_ENDPOINTS,
+                                      "reason": metric_labels.CROSS_SITE_REASONS},
+        "cors_refusals_total": {"reason": metric_labels.CORS_REFUSAL_REASONS},
+        "client_timeouts_total": {"phase": metric_labels.CLIENT_TIMEOUT_PHASES},
+        "gateway_rejections_total": {"reason": metric_labels.GATEWAY_REJECTIONS},
         "foreign_hint_messages_total": {"kind": _label_literals("foreign_messages", 0)},
         "cached_tokens_actual_total": {"predicted": {"true", "false"}},
         "index_ingest_total": {"what": ingest},
@@ -327,7 +327,13 @@ _DROP_LOSSES = {
     "cached_prediction_unchecked:hash_config_differs",
     # A heartbeat's http_url refused (form, or a host heartbeat_worker_hosts does not
     # allow): the worker it names is not routed to; a setting or a publisher is wrong.
-    "worker_url_refused"}
+    "worker_url_refused",
+    # A cancel not told to the other replicas (no NATS now, publish failed), or a notice
+    # of one not acted on (not a ResponseCancelled 1.x; an id not minted for its tenant
+    # and worker under this fleet's salt_secret): the other replicas' streams of that
+    # response end at responses.background_idle_s / request_timeout_s, not the grace.
+    "response_cancel_notice_unsent", "response_cancel_notice_malformed",
+    "response_cancel_notice_unverified"}
 # Normal under load or by design (on the Drops panel, no alert).
 _DROP_EXPECTED = {
     # Bounded memory and disk letting go, as designed.
@@ -366,7 +372,10 @@ _DROP_EXPECTED = {
     # A Responses follow-up naming no session on a replica that did not relay its
     # response, whose session the store does not hold (yet: written behind; pruned):
     # the client is to name it to be sure.
-    "response_session_unknown"}
+    "response_session_unknown",
+    # Past the 10,000 responses cancelled lately remembered, the oldest: a stream of it
+    # opened later (a GET long after its cancel) ends at responses.background_idle_s.
+    "response_cancel_forgotten"}
 
 
 def test_kvhint_drops_fires_on_losses_only_and_every_drop_is_classified() -> None:
@@ -409,6 +418,9 @@ _PLUGIN_EXPECTED = {
     "retained_released_under_pressure", "retained_kept_in_use_under_pressure",
     "retained_displaced", "claims_expired", "held_blocks_gone", "held_released_on_reset",
     "prefetch_clipped_blocks", "hint_duplicates",
+    # A waiting Prefetch replaced by a newer action under its id (a repeat after the
+    # worker forgot it): that action's outcome answers the id.
+    "prefetches_replaced",
     # Bounded memories letting go, as designed (a snapshot let go is taken anew; too many
     # resyncs have their own alert).
     "in_flight_ids_forgotten", "applied_ids_forgotten", "answered_ids_forgotten",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvhint.router.service.metrics import CORS_REFUSAL_REASONS
+from kvhint.router.service.metric_labels import CORS_REFUSAL_REASONS
 from kvhint.router.service.origin_policy import CORS_REFUSALS, host_served
 from kvhint.router.service.settings import RouterSettings
 

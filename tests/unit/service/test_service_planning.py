@@ -99,7 +99,7 @@ def test_overlap_from_the_index_steers_routing() -> None:
     index.apply(BlocksStored("w1", [11, 12, 13], None))
 
     class Hasher:  # the hashing layer's contract: body -> PromptHashes
-        def hash_completion(self, body, config):  # noqa: ANN001
+        def hash_completion(self, body, config, first_only=False):  # noqa: ANN001
             from kvhint.router.hashing import PromptHashes
 
             return [PromptHashes(tuple(range(14)), (11, 12, 13), 4)]

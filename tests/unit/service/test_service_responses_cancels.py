@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from kvhint.router.service.responses_cancels import CancelWatches
+from kvhint.router.service.responses_cancels import MAX_CANCELLED_IDS, CancelWatches
 from kvhint.router.service.responses_scan import ResponsesObservation, ResponsesRelay
 
 
@@ -57,3 +57,38 @@ def test_the_cancelled_event_names_the_cancelled_response() -> None:
     kind, data = _data(late.cancelled_event(None))
     assert kind == "error" and data["sequence_number"] == 7
     assert data["code"] == "cancelled"
+
+
+def test_a_silent_stream_fires_past_the_idle_bound_and_events_keep_it_open() -> None:
+    """``idle_s``: each event starts the wait again (one timer per wait, re-armed for
+    what is left); past it without one, the worker's side is closed (reason
+    background_idle). None: no bound of its own."""
+    async def scenario() -> None:
+        watches = CancelWatches(grace_s=5.0, idle_s=0.1)
+        closed: list[str] = []
+        talking = watches.watch("resp_a", lambda: closed.append("talking"))
+        silent = watches.watch("resp_b", lambda: closed.append("silent"))
+        for _ in range(6):  # 0.3 s, an event every 0.05 s
+            await asyncio.sleep(0.05)
+            talking.heard()
+        assert closed == ["silent"] and silent.fired and silent.reason == "background_idle"
+        assert not talking.fired
+        await asyncio.sleep(0.2)
+        assert closed == ["silent", "talking"] and talking.reason == "background_idle"
+        unbounded = CancelWatches(grace_s=5.0).watch("resp_c", lambda: closed.append("c"))
+        await asyncio.sleep(0.15)
+        assert not unbounded.fired
+        for watch in (talking, silent, unbounded):
+            watch.end()
+    asyncio.run(scenario())
+
+
+def test_cancels_are_remembered_for_later_streams_within_a_bound() -> None:
+    forgotten: list[int] = []
+    watches = CancelWatches(grace_s=1.0, on_forgotten=lambda: forgotten.append(1))
+    assert not watches.was_cancelled("resp_0")
+    for number in range(MAX_CANCELLED_IDS + 1):
+        watches.cancelled(f"resp_{number}", None)
+    assert len(forgotten) == 1  # the oldest let go of, counted
+    assert not watches.was_cancelled("resp_0")
+    assert watches.was_cancelled("resp_1") and watches.was_cancelled(f"resp_{MAX_CANCELLED_IDS}")

@@ -1,0 +1,132 @@
+"""How a relayed SSE stream ends: the rules the forwarder's relay of a POST's stream
+(forwarding.py ``Forwarder._relay``) and a stored response's streamed GET
+(responses_api.py ``_streamed``) share, in one place.
+
+- A terminal event relayed (``relay.finished``: ``[DONE]``, a Responses stream's
+  ``response.completed``/``.failed``/``.incomplete``/``error``): the client has its whole
+  answer; nothing goes after it, whatever the worker's connection does next. A stream
+  watched for its cancel (a background response's: responses_cancels.py) stops being read
+  there, since vLLM may leave it open, silent, for good.
+- The client gone (the router closed the worker's stream for it, or the stream was closed
+  at a yield): status 499, nothing sent. Where the caller says so
+  (``served_once_finished``: a POST's stream), a client that leaves once it has its
+  terminal event was served, its status kept.
+- The watch fired (the router closed the worker's stream: a cancel's grace passed, or a
+  background stream was silent past ``responses.background_idle_s``): the relay's own
+  terminal event (responses_cancels.py ``watch_end``).
+- The worker closed a Responses stream cleanly without a terminal event: 502, with
+  ``response.failed`` (``unterminated_end``); an unfinished last event is held back
+  (``ResponsesRelay.hold_cut_tail``). A chat or completions stream that ends so, without
+  ``data: [DONE]`` (vLLM always sends it), likewise: 502, any finish events held for a
+  fingerprint, then an OpenAI error event (as a broken stream's), its unfinished last
+  event held back (``SseRelay.hold_cut_tail``); both counted in ``broken_streams``.
+  Before, a chat stream cut so was passed on as it was, and the client's SDK read the
+  answer as complete.
+- The worker's stream broke or fell silent for ``request_timeout_s`` mid-answer: 502 or
+  504, counted in ``broken_streams``, and a terminal error the client's SDK reads
+  (``response.failed`` for a Responses stream, an OpenAI error event for chat, after any
+  finish events held for a fingerprint).
+
+The caller relays the chunks, yields what these methods return, and accounts
+:attr:`RelayEnd.status` however the stream ended (its ``finally``).
+"""
+
+from __future__ import annotations
+
+from kvhint.router.service.inbound import openai_error
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.response_scan import SseRelay
+from kvhint.router.service.responses_cancels import CancelWatch, unterminated_end, watch_end
+from kvhint.router.service.responses_scan import ResponsesRelay
+from kvhint.router.service.upstream import UpstreamBroken, UpstreamResponse
+
+
+class RelayEnd:
+    """One relayed stream's end (module doc). ``status``: what to account it as, the
+    worker's own until an end says otherwise."""
+
+    def __init__(self, relay: SseRelay | ResponsesRelay, watch: CancelWatch | None,
+                 upstream: UpstreamResponse, metrics: RouterMetrics,
+                 served_once_finished: bool) -> None:
+        self._relay = relay
+        self._watch = watch
+        self._worker_id = upstream.worker_id
+        self._metrics = metrics
+        self._served_once_finished = served_once_finished
+        self.status = upstream.status
+        relay.hold_cut_tail = True  # ended here where no terminal event came
+
+    def heard(self) -> None:
+        """A chunk came from the worker (a watched stream's idle wait starts again)."""
+        if self._watch is not None:
+            self._watch.heard()
+
+    def read_no_further(self) -> bool:
+        """After a chunk was relayed: whether to stop reading the worker's stream (a
+        watched one's terminal event: vLLM may send nothing after an error event, and
+        ends a background response's stream at response.completed only; module doc)."""
+        return self._watch is not None and self._relay.finished
+
+    def ended(self, client_gone: bool) -> bytes | None:
+        """The worker's stream ended (or was left at its terminal event): what goes to the
+        client last, if anything."""
+        settled, last = self._settled(client_gone)
+        if settled:
+            return last
+        if isinstance(self._relay, ResponsesRelay):
+            # The worker closed the stream cleanly without a terminal event (vLLM never
+            # does: a proxy or worker cut it short): the client's SDK waits for one.
+            self.status = 502
+            return unterminated_end(self._relay, self._metrics, self._worker_id)
+        # A chat/completions stream without its data: [DONE] (vLLM always ends one so):
+        # cut short, as a broken stream is, though its connection ended cleanly.
+        self.status = 502
+        self._metrics.broken_streams.labels(self._worker_id).inc()
+        relay = self._relay
+        relay.finished = True  # the client has its terminal event: the error
+        message = "worker ended the stream without data: [DONE]"
+        if relay.cut_tail:
+            message += f" (its last event unfinished: {relay.cut_tail} bytes dropped)"
+        return relay.release_held() + b"data: " + openai_error(message, 502) + b"\n\n"
+
+    def broken(self, exc: UpstreamBroken, client_gone: bool) -> bytes | None:
+        """The worker's stream broke (or the router closed it): what goes to the client
+        last, if anything."""
+        settled, last = self._settled(client_gone)
+        if settled:
+            return last
+        self.status = 504 if exc.timed_out else 502
+        self._metrics.broken_streams.labels(self._worker_id).inc()
+        message = f"worker failed mid-stream: {exc}"
+        relay = self._relay
+        if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read
+            return relay.failure_event(message, self.status)
+        # Finish events held for a fingerprint (SseRelay) go first, as they came.
+        return relay.release_held() + b"data: " + openai_error(message, self.status) + b"\n\n"
+
+    def _settled(self, client_gone: bool) -> tuple[bool, bytes | None]:
+        """The ends a stream's end and its break share: (True, what goes last) where the
+        worker's stream is not to blame; else (False, None)."""
+        if client_gone:
+            # The router closed the worker's stream for the client gone (a response
+            # aiohttp had whole then ends cleanly, yet the client never got its terminal
+            # event), or it ended as the client left: the worker did not fail.
+            self.left()
+            return True, None
+        if self._relay.finished:
+            # After its terminal event was relayed (the worker's connection may break
+            # before the stream's own end): the client has its whole answer, and
+            # nothing goes after that event.
+            return True, None
+        if self._watch is not None and self._watch.fired:
+            # Closed by the router: its response was cancelled, or its stream was silent
+            # past responses.background_idle_s (responses_cancels.py).
+            assert isinstance(self._relay, ResponsesRelay)  # only those are watched
+            return True, watch_end(self._relay, self._watch, self._metrics, self._worker_id)
+        return False, None
+
+    def left(self) -> None:
+        """The client went away before the stream's end (closed at a yield, or the
+        worker's stream closed for it): 499, unless served (module doc)."""
+        if not (self._served_once_finished and self._relay.finished):
+            self.status = 499

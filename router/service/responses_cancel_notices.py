@@ -1,0 +1,103 @@
+"""Cancels told to every router replica (schemas/response_cancels.py).
+
+The replica that relayed a cancel its worker accepted starts the grace of its own streams
+of that response (responses_cancels.py) and publishes a ``ResponseCancelled`` on
+``<prefix>.v1.cancels.<worker>``; every replica subscribes to ``<prefix>.v1.cancels.*``
+and starts the grace of its streams of that response, so a stream relayed through
+another replica than the cancel ends within ``responses.cancel_grace_s`` as well (plus the
+notice's trip through NATS), not at ``request_timeout_s``.
+
+Counted (``kvhint_router_responses_cancel_notices_total{outcome}``): ``sent``; ``applied``
+(heard from another replica, at least one stream of its response open here); ``no_stream``
+(heard, none here: the common case). Lost ones are drops: ``response_cancel_notice_unsent``
+(no NATS link now, or the publish failed: other replicas' streams of it end at their own
+bounds, ``responses.background_idle_s`` / ``request_timeout_s``),
+``response_cancel_notice_malformed`` (not a ResponseCancelled 1.x),
+``response_cancel_notice_unverified`` (its id not minted for its tenant and worker under
+this fleet's ``salt_secret``: a foreign publisher, or replicas configured apart; nothing
+is ended for it). Without NATS (no ``nats_url``) nothing is sent or heard: a single
+replica needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+
+from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.nats_link import NatsLink
+from kvhint.schemas import (
+    ResponseCancelled,
+    Subjects,
+    WireDecodeError,
+    decode_response_cancelled,
+    encode_response_cancelled,
+    is_valid_worker_id,
+)
+
+log = logging.getLogger(__name__)
+
+# The notice's handler on this replica: ResponseCancelled -> how many streams it reached
+# (the Responses gateway's, set once it exists).
+Listener = Callable[[ResponseCancelled], int | None]
+
+
+class CancelNotices:
+    """This replica's side of the cancels subject (module doc). ``link`` None: no NATS."""
+
+    def __init__(self, link: NatsLink | None, subjects: Subjects,
+                 metrics: RouterMetrics) -> None:
+        self._link = link
+        self._subjects = subjects
+        self._metrics = metrics
+        # Tells this replica's notices from the others' (it skips its own).
+        self.origin = secrets.token_hex(8)
+        # Set by the Responses gateway (app.py builds it after the runtime started).
+        self.listener: Listener | None = None
+
+    async def on_connected(self) -> None:
+        """Subscribe (NatsLink calls it once per established link, beside the feed's)."""
+        if self._link is not None:
+            await self._link.subscribe(self._subjects.all_of("cancels"), self._on_message)
+
+    async def publish(self, response_id: str, tenant: str, worker_id: str) -> bool:
+        """Tell the other replicas ``worker_id`` accepted a cancel of ``response_id``."""
+        if self._link is None:
+            return False
+        notice = ResponseCancelled(origin=self.origin, response_id=response_id,
+                                   tenant=tenant, worker_id=worker_id, at=time.time())
+        if await self._link.publish(self._subjects.cancels(worker_id),
+                                    encode_response_cancelled(notice)):
+            self._metrics.responses_cancel_notices.labels("sent").inc()
+            return True
+        self._metrics.drop("response_cancel_notice_unsent")
+        return False
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            notice = decode_response_cancelled(msg.data)
+        except WireDecodeError as exc:
+            self._metrics.drop("response_cancel_notice_malformed")
+            log.warning("response cancel notice dropped (%r): %r", msg.subject, str(exc)[:500])
+            return
+        if notice.origin == self.origin:
+            return  # its streams' grace started when this replica relayed the cancel
+        if (not notice.version.startswith("1.") or not is_valid_worker_id(notice.worker_id)
+                or msg.subject != self._subjects.cancels(notice.worker_id)):
+            self._metrics.drop("response_cancel_notice_malformed")
+            log.warning("response cancel notice dropped (%r): version %r, worker %r",
+                        msg.subject, notice.version, notice.worker_id)
+            return
+        listener = self.listener
+        reached = listener(notice) if listener is not None else 0
+        if reached is None:
+            self._metrics.drop("response_cancel_notice_unverified")
+            log.warning("response cancel notice dropped (%r): id not minted for tenant %r "
+                        "and worker %r", msg.subject, notice.tenant, notice.worker_id)
+            return
+        self._metrics.responses_cancel_notices.labels(
+            "applied" if reached else "no_stream").inc()
