@@ -54,6 +54,10 @@ class RelayEnd:
         self._metrics = metrics
         self._served_once_finished = served_once_finished
         self.status = upstream.status
+        # The worker failed the stream (``ended`` without a terminal event, ``broken``):
+        # its 502/504 stands though the client leaves while the router's own terminal
+        # event goes out.
+        self._worker_failed = False
         relay.hold_cut_tail = True  # ended here where no terminal event came
 
     def heard(self) -> None:
@@ -76,11 +80,11 @@ class RelayEnd:
         if isinstance(self._relay, ResponsesRelay):
             # The worker closed the stream cleanly without a terminal event (vLLM never
             # does: a proxy or worker cut it short): the client's SDK waits for one.
-            self.status = 502
+            self.status, self._worker_failed = 502, True
             return unterminated_end(self._relay, self._metrics, self._worker_id)
         # A chat/completions stream without its data: [DONE] (vLLM always ends one so):
         # cut short, as a broken stream is, though its connection ended cleanly.
-        self.status = 502
+        self.status, self._worker_failed = 502, True
         self._metrics.broken_streams.labels(self._worker_id).inc()
         relay = self._relay
         relay.finished = True  # the client has its terminal event: the error
@@ -95,7 +99,7 @@ class RelayEnd:
         settled, last = self._settled(client_gone)
         if settled:
             return last
-        self.status = 504 if exc.timed_out else 502
+        self.status, self._worker_failed = (504 if exc.timed_out else 502), True
         self._metrics.broken_streams.labels(self._worker_id).inc()
         message = f"worker failed mid-stream: {exc}"
         relay = self._relay
@@ -127,6 +131,10 @@ class RelayEnd:
 
     def left(self) -> None:
         """The client went away before the stream's end (closed at a yield, or the
-        worker's stream closed for it): 499, unless served (module doc)."""
+        worker's stream closed for it): 499, unless served (module doc) or the worker
+        failed the stream first (its 502/504 is what happened; before, a client that left
+        while the router's error event went out was counted as having left, 499)."""
+        if self._worker_failed:
+            return
         if not (self._served_once_finished and self._relay.finished):
             self.status = 499
