@@ -14,14 +14,13 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from sqlalchemy import Engine
 
-from kvhint.router.hashing import HashConfig, ModelTokenizerSource, RequestHasher
 from kvhint.router.kv_index import (
     IndexStats,
     InMemoryClusterKvIndex,
@@ -38,13 +37,13 @@ from kvhint.router.service.lifecycle import SessionLifecycle
 from kvhint.router.service.metric_labels import GATEWAY_REJECTIONS
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.metrics_state import StateSample
+from kvhint.router.service.model_discovery import discover_models, warm_hasher
 from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.responses_cancel_notices import CancelNotices
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.session_reads import StoredSessions
 from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import DEFAULT_SALT_SECRET, RouterSettings
-from kvhint.router.service.settings_sections import ModelPromptSettings
 from kvhint.router.service.tenancy import TenantDirectory
 from kvhint.router.service.tenant_call_rate import TenantCallRate
 from kvhint.router.service.timeline import Timeline
@@ -195,8 +194,8 @@ class RouterRuntime:
                             {w.id: w.api_key for w in settings.workers if w.api_key is not None},
                             keepalive_s=settings.upstream_keepalive_s)
         await pool.start()
-        models = await _discover_models(settings, workers, pool)
-        hasher = await _warm_hasher(models, settings.block_size, settings.model_prompts)
+        models = await discover_models(settings, workers, pool)
+        hasher = await warm_hasher(models, settings.block_size, settings.model_prompts)
         routing_config = RoutingConfig(
             policy=RoutingPolicy(settings.routing.policy),
             new_session_spread=settings.routing.new_session_spread,
@@ -321,11 +320,11 @@ class RouterRuntime:
         """The workers' model lists, again (adapters load and unload at run time, workers
         join); and models no tokenizer is loaded for yet (a worker down at start, one
         that joined with another model) get theirs."""
-        models = await _discover_models(self.settings, self.workers, self.pool)
+        models = await discover_models(self.settings, self.workers, self.pool)
         new = {name: path for name, path in models.items() if name not in self.models}
         if new:
             self.models = {**self.models, **new}
-            self.routing.hasher = await _warm_hasher(self.models, self.settings.block_size,
+            self.routing.hasher = await warm_hasher(self.models, self.settings.block_size,
                                                      self.settings.model_prompts)
             if self.routing.default_model is None:
                 self.routing.default_model = next(iter(self.models))
@@ -432,77 +431,6 @@ def _announce(settings: RouterSettings, directory: TenantDirectory) -> None:
                     "session affinity only")
     if not settings.workers:
         log.warning("no workers configured: waiting for heartbeats that carry an http_url")
-
-
-async def _warm_hasher(models: dict[str, str], block_size: int,
-                       prompts: Mapping[str, ModelPromptSettings]) -> RequestHasher | None:
-    """A hasher with every model's tokenizer and chat template loaded (seconds, once),
-    so the first request does not pay for it, each rendering as its workers' flags say
-    (``prompts``, by served name, "*" for the rest). A model whose tokenizer does not load
-    is left out (routed without prompt hashes) rather than retried on every request."""
-    sources = {}
-    for name, path in models.items():
-        flags = prompts.get(name) or prompts.get("*") or ModelPromptSettings()
-        sources[name] = ModelTokenizerSource(
-            path, chat_template=flags.chat_template,
-            default_chat_template_kwargs=flags.default_chat_template_kwargs,
-            exclude_tools_when_tool_choice_none=flags.exclude_tools_when_tool_choice_none)
-    while sources:
-        hasher = RequestHasher(sources)
-        failed = None
-        for name in sources:
-            body = {"model": name, "messages": [{"role": "user", "content": "warm up"}]}
-            try:
-                await asyncio.to_thread(hasher.hash_chat, body, HashConfig(block_size=block_size))
-            except Exception as exc:  # noqa: BLE001 - tokenizer loading raises anything
-                log.warning("tokenizer for model %r not usable (%r); routing it without "
-                            "prompt hashes", name, exc)
-                failed = name
-                break
-        if failed is None:
-            return hasher
-        sources.pop(failed)
-    return None
-
-
-async def _discover_models(settings: RouterSettings, workers: WorkerRegistry,
-                           pool: UpstreamPool) -> dict[str, str]:
-    """Served model name -> tokenizer path: from settings, else each worker's /v1/models
-    (vLLM reports the model's ``root``, a local path when it serves one). Each worker
-    that answers also gets its list of names (``served_models``, adapters included),
-    which routing keeps requests to."""
-    models: dict[str, str] = {}
-    for worker in workers.routable():
-        listing = await _listed_models(pool, worker.worker_id, worker.url or "")
-        if listing is None:
-            continue
-        worker.served_models = frozenset(item["id"] for item in listing)
-        for item in listing:
-            # A LoRA adapter (it names a "parent") hashes its blocks with the adapter as
-            # an extra key: the base model's hashes would predict hits it never has, so
-            # its requests are routed without prompt hashes.
-            if not item.get("parent"):
-                models[item["id"]] = str(item.get("root") or item["id"])
-    if settings.tokenizer:
-        return {name: settings.tokenizer for name in (list(models) or ["default"])}
-    return models
-
-
-async def _listed_models(pool: UpstreamPool, worker_id: str, url: str
-                         ) -> list[dict[str, Any]] | None:
-    """The entries of ``url``'s /v1/models (worker ``worker_id``: its key goes with it)
-    that name a model, or None when it did not answer one."""
-    try:
-        listing: Any = await pool.get_json(url + "/v1/models", timeout_s=5.0,
-                                           worker_id=worker_id)
-    except Exception as exc:  # noqa: BLE001 - any failure just means "not known yet"
-        log.warning("could not list models at %s: %r", url, exc)
-        return None
-    if not isinstance(listing, dict) or not isinstance(listing.get("data"), list):
-        log.warning("%s/v1/models answered no model list", url)
-        return None
-    return [item for item in listing["data"]
-            if isinstance(item, dict) and isinstance(item.get("id"), str)]
 
 
 def _refreshes_sessions(setting: bool | None, engine: Engine) -> bool:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from conftest import StubWorker, router_settings, running_router
 from feed_helpers import status as _status_wire
-from kvhint.router.service.runtime import _discover_models
+from kvhint.router.service.model_discovery import discover_models
 from kvhint.router.service.upstream import UpstreamPool
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import decode_status
@@ -126,7 +126,7 @@ async def test_a_moved_worker_is_not_given_its_old_addresses_model_list(
         settings = router_settings(tmp_path, [])
         registry = WorkerRegistry([])
         registry.on_heartbeat(decode_status(_status_wire("w", "e1", 0, old.url)))
-        listing = asyncio.create_task(_discover_models(settings, registry, pool))
+        listing = asyncio.create_task(discover_models(settings, registry, pool))
         await asyncio.wait_for(old.listing_asked.wait(), 5.0)
         moved = msgspec.structs.replace(decode_status(_status_wire("w", "e1", 1, old.url)),
                                         http_url=new.url)
@@ -136,7 +136,7 @@ async def test_a_moved_worker_is_not_given_its_old_addresses_model_list(
         worker = registry.get("w")
         assert worker.url == new.url and worker.served_models is None
         assert registry.not_serving("stub") == frozenset()
-        await _discover_models(settings, registry, pool)
+        await discover_models(settings, registry, pool)
         assert registry.get("w").served_models == frozenset({"stub"})
     finally:
         await pool.close()
