@@ -136,6 +136,23 @@ PREFETCH_SCOPE = "prefetch:"
 _PINNED, _RETAINED = 0, 1
 
 
+def prefetch_scope(scope: str, action_id: str) -> str:
+    """The ledger's scope of one Prefetch's own retain: the plugin keeps each as a claim
+    of its own, of no session, until its own deadline (engine_plugin/prefetch.py). Before,
+    a session's Prefetches on a worker shared one: a second replaced the first."""
+    return f"{PREFETCH_SCOPE}{scope}@{action_id}"
+
+
+def _session_block_names(scope: str, blocks: int) -> tuple[Hashable, ...]:
+    """Names for the blocks of a session Prefetch the caller could not name: the
+    session's root-most blocks on the worker (whoever owns the claim), the same for each
+    of its Prefetches, so they count their common blocks once, as the worker does (past
+    ``1 << 16``, more than any GPU cache's, a stored count is not a real one: the rest
+    count as its own). A Pin/Retain's unnamed blocks stay its own."""
+    session = scope.removeprefix(AGENT_SCOPE)
+    return tuple((PREFETCH_SCOPE, session, i) for i in range(min(blocks, 1 << 16)))
+
+
 def _state(refs: list[int]) -> int | None:
     """What a block counts as: pinned under any Pin, else retained under any Retain."""
     if refs[_PINNED]:
@@ -235,13 +252,16 @@ class HoldingsLedger:
         (:func:`target_keys`); the rest of its ``blocks`` count as its own. A Demote
         releases the scope's holding, since the plugin supersedes it the same way;
         Prefetch and Share leave it (the plugin does too). A Prefetch's own retain (until
-        ``expires_at``, its deadline) is a holding of its own scope, ``prefetch:<scope>``.
+        ``expires_at``, its deadline) is a holding of its own, one per action, as the
+        worker keeps it (:func:`prefetch_scope`, :func:`_session_block_names`).
         An action id seen before replaces that holding (ids are meant to be unique; this
-        keeps the scope index whole if one is not)."""
+        keeps the scope index whole if one is not; the worker does the same)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
         if action_type == ActionType.PREFETCH.value:
-            scope = PREFETCH_SCOPE + scope
+            if not keys:
+                keys = _session_block_names(scope, blocks)
+            scope = prefetch_scope(scope, action_id)
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
         if action_type in _HOLDING_TYPES or action_type == ActionType.DEMOTE.value:

@@ -419,8 +419,10 @@ class HintDispatcher:
                 held: Sequence[dict[str, Any]] = ()) -> None:
         """State from the store after a restart: learned statistics and feedback
         (:meth:`LearnedState.restore`), actions still waiting for an outcome, and the
-        Pins/Retains workers still hold (``held``: answered, TTL not over, oldest first),
-        so budgets count them again. A pending Pin/Retain is held at what it asked for
+        Pins/Retains/Prefetches workers still hold (``held``: answered, TTL not over,
+        oldest first; a Prefetch's retain until its deadline, each its own holding as
+        before the restart), so budgets count them again (before, answered Prefetches
+        were not read back). A pending Pin/Retain/Prefetch is held at what it asked for
         until its outcome settles it. The actions of a worker the registry (filled before
         this is called) does not hold are not restored (before, its holds counted against
         their tenant's budget until their TTL); their rows go with the worker's own row
@@ -456,7 +458,8 @@ class HintDispatcher:
         """Count a stored action's holding again; False when it cannot be (nothing held,
         or a row without its scope or end). Only a target's own ``block_hashes`` are
         known here (session prompts are not stored): a session's blocks count as its
-        own until its next protection replaces the holding."""
+        own until its next protection replaces the holding (a session's Prefetches on
+        one worker count theirs once: :meth:`HoldingsLedger.record`)."""
         if blocks > 0 and record.scope is not None and record.expires_at is not None:
             keys = target_keys(record.action_type, record.payload, 1)
             self.holdings.record(action_id=record.action_id, worker_id=record.worker_id,

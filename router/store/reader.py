@@ -29,7 +29,11 @@ from kvhint.schemas import Budgets
 
 NON_TERMINAL = ("pending", "deferred")
 HOLDING_STATUSES = ("accepted", "clipped")
-HOLDING_TYPES = ("kv.pin", "kv.retain")
+# A Prefetch holds too: its worker retains what it applied (accepted or clipped) until its
+# deadline (engine_plugin/prefetch.py), and its row's ``expires_at`` is that deadline (sent
+# + ``deadline_s``; legacy_rows derives it so for a row without one). Before, only Pins
+# and Retains were read back, and after a restart the budgets believed that room free.
+HOLDING_TYPES = ("kv.pin", "kv.retain", "kv.prefetch")
 
 # The lookups by primary key a request may make (a session's row before each turn of
 # it, session_reads.py; a stored response's session, responses_sessions.py), built once
@@ -46,7 +50,7 @@ _RESPONSE_SESSION_BY_ID = select(ResponseSessionRow.tenant, ResponseSessionRow.s
 class RecoveryState:
     sessions: list[dict[str, Any]] = field(default_factory=list)
     pending_actions: list[dict[str, Any]] = field(default_factory=list)
-    # Answered Pins/Retains whose TTL is not over, oldest first.
+    # Answered Pins/Retains/Prefetches whose TTL (deadline) is not over, oldest first.
     held_actions: list[dict[str, Any]] = field(default_factory=list)
     learned: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
@@ -86,8 +90,8 @@ def _snapshot(engine: Engine) -> Iterator[Connection]:
 def load_recovery(engine: Engine, active_since: float, max_sessions: int,
                   now: float | None = None) -> RecoveryState:
     """Sessions active since ``active_since`` (newest first, at most ``max_sessions``),
-    actions still waiting for an outcome, the Pins/Retains still held at ``now`` (None:
-    not loaded), learned statistics, workers and cursors.
+    actions still waiting for an outcome, the Pins/Retains/Prefetches still held at
+    ``now`` (None: not loaded), learned statistics, workers and cursors.
 
     Action rows a router of the store's first schema wrote (``scope`` and ``expires_at``
     NULL) come back with the two derived from their payload and sent time, as the router
@@ -116,7 +120,8 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
 
 def _held_actions(conn: Connection, now: float, budgets: Mapping[str, Budgets]
                   ) -> list[dict[str, Any]]:
-    """Answered Pins/Retains whose TTL is not over at ``now``, oldest first: the rows
+    """Answered Pins/Retains/Prefetches whose TTL is not over at ``now`` (a Prefetch's:
+    its deadline), oldest first: the rows
     that say so (a range of the ``expires_at`` index), and those that do not say when
     they end (written without ``expires_at``, sent within the longest TTL any action
     may have) whose derived end is after ``now``."""

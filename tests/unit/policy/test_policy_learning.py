@@ -21,6 +21,7 @@ from kvhint.router.policy import (
     apply_outcome,
     user_gap_kind,
 )
+from kvhint.router.policy.holdings import prefetch_scope
 from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
 
 
@@ -158,13 +159,15 @@ def test_ledger_supersedes_per_scope_settles_and_expires() -> None:
                   action_type="kv.retain", blocks=4, expires_at=100.0)
     # A Prefetch or Share of the session does not: the plugin keeps its claims through
     # them (a session moving back to a worker that still retains it, say). A Prefetch's
-    # own retain (what it brought into G1, until its deadline) is a holding of its own.
+    # own retain (what it brought into G1, until its deadline) is a holding of its own,
+    # one per action (tests/unit/policy/test_holdings_prefetch_claims.py).
     ledger.record(action_id="s1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.share", blocks=4, expires_at=0.0)
     assert ledger.worker("w1") == Holdings(0, 4) and ledger.holds("w1", "t/y")
     ledger.record(action_id="f1", worker_id="w1", tenant=None, scope="t/y",
                   action_type="kv.prefetch", blocks=6, expires_at=90.0, keys=range(6))
-    assert ledger.worker("w1") == Holdings(0, 10) and ledger.holds("w1", "prefetch:t/y")
+    assert ledger.worker("w1") == Holdings(0, 10)
+    assert ledger.holds("w1", prefetch_scope("t/y", "f1")) and ledger.holds("w1", "t/y")
     ledger.settle(_outcome("kv.prefetch", OutcomeStatus.ACCEPTED, 6, 5, action_id="f1"))
     assert ledger.worker("w1") == Holdings(0, 9)
     assert ledger.expire(91.0) == 1 and ledger.worker("w1") == Holdings(0, 4)
