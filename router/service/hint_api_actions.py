@@ -28,6 +28,7 @@ from kvhint.schemas import (
     InvalidAction,
     KvHintAction,
     PinPayload,
+    PrefetchPayload,
     RetainPayload,
     owner_supported,
     parse_action,
@@ -96,13 +97,17 @@ def held_for_s(payload: HintPayload, budgets: Budgets) -> float:
     """How long the worker holds what an action asks for, as it reads and clips it (the
     payload as parsed, so with the wire defaults a caller left out: a Pin's 60 s): a Pin's
     TTL to ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one
-    without a TTL gets; other actions their ``ttl_s`` or ``deadline_s`` (0 for one-shots)."""
+    without a TTL gets; a Prefetch's retain its ``deadline_s`` to ``max_retain_ttl_s``
+    too (the plugin retains it as a Retain: executor._retain); other actions their
+    ``ttl_s`` (0 for one-shots)."""
     asked = getattr(payload, "ttl_s", None)
     if isinstance(payload, PinPayload):
         return min(float(asked), budgets.max_pin_ttl_s)
     if isinstance(payload, RetainPayload):
         return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
-    return float(asked or getattr(payload, "deadline_s", None) or 0.0)
+    if isinstance(payload, PrefetchPayload):
+        return min(float(payload.deadline_s), budgets.max_retain_ttl_s)
+    return float(asked or 0.0)
 
 
 def target_blocks(action: KvHintAction, session_blocks: int, block_size: int) -> int:

@@ -23,7 +23,8 @@ derives them by the rules the router applies when it sends an action now:
   and clips the payload (``held_for_s`` in ``hint_api_actions.py``): a Pin its ``ttl_s``
   (the wire default, 60 s, when the payload leaves it out) up to the worker's
   ``max_pin_ttl_s``; a Retain its ``ttl_s`` up to ``max_retain_ttl_s``, or that maximum
-  when it has none; a Prefetch its ``deadline_s``, a Share its ``ttl_s``, a Demote 0.
+  when it has none; a Prefetch its ``deadline_s`` up to ``max_retain_ttl_s`` (its retain
+  is clipped as a Retain's), a Share its ``ttl_s``, a Demote 0.
   The planner's TTLs are within the maxima already (it clips them when it plans).
 
 Derived on read rather than by a data migration: during a rolling upgrade (and after a
@@ -55,6 +56,7 @@ from kvhint.schemas.hints import (
     HintOwner,
     HintPayload,
     PinPayload,
+    PrefetchPayload,
     RetainPayload,
 )
 
@@ -146,8 +148,11 @@ def derived_expires_at(row: Mapping[str, Any], payload: HintPayload,
             return None
         else:
             held = asked
+    elif isinstance(payload, PrefetchPayload):
+        held = payload.deadline_s if budgets is None else min(payload.deadline_s,
+                                                              budgets.max_retain_ttl_s)
     else:
-        held = asked or getattr(payload, "deadline_s", None) or 0.0
+        held = asked or 0.0
     return sent + float(held)
 
 

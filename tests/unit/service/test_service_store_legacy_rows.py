@@ -103,7 +103,19 @@ API_PAYLOADS = [
     ("kv.retain", {"target": {"session_id": "t/s"}, "priority": 10}),  # the maximum
     ("kv.retain", {"target": {"session_id": "t/s", "prefix_tokens": 32}, "ttl_s": 20.0}),
     ("kv.retain", {"target": {"block_hashes": [1, 2, 3]}, "ttl_s": 40.0}),
+    ("kv.prefetch", {"target": {"session_id": "t/s"}, "deadline_s": 30.0}),
+    ("kv.prefetch", {"target": {"session_id": "t/s"}, "deadline_s": 7200.0}),  # over it
 ]
+
+
+def test_a_prefetch_is_held_no_longer_than_the_workers_retain_maximum() -> None:
+    """The plugin retains a Prefetch's blocks as a Retain, its deadline clipped to
+    ``max_retain_ttl_s`` (executor._retain): the ledger holds them that long, not until
+    a two-hour deadline. Before, the router counted them for the whole deadline."""
+    for deadline, held in ((30.0, 30.0), (7200.0, BUDGETS.max_retain_ttl_s)):
+        parsed = parse_action(KvHintAction("kva-p", "kv.prefetch", "1.0", {
+            "target": {"session_id": "t/s"}, "deadline_s": deadline}))
+        assert held_for_s(parsed.payload, BUDGETS) == held
 
 
 @pytest.mark.parametrize("owner", [None, "agent"])
