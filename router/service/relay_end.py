@@ -126,6 +126,11 @@ class RelayEnd:
             # Closed by the router: its response was cancelled, or its stream was silent
             # past responses.background_idle_s (responses_cancels.py).
             assert isinstance(self._relay, ResponsesRelay)  # only those are watched
+            if self._watch.reason == "background_idle":
+                # Accounted as the 504 its event says (REFERENCE.md), counted broken once
+                # (watch_end): before, a POST's 200 was turned into 504 by its
+                # error_status and counted broken a second time, and a GET's stayed 200.
+                self.status, self._worker_failed = 504, True
             return True, watch_end(self._relay, self._watch, self._metrics, self._worker_id)
         return False, None
 

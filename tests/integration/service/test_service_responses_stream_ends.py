@@ -153,5 +153,12 @@ async def test_a_silent_background_stream_ends_failed_after_the_idle_bound(
             assert sample(samples, "kvhint_router_responses_router_ends_total",
                           reason="background_idle") == 2
             assert not sample(samples, "kvhint_router_responses_cancel_ends_total")
+            # Accounted as the 504 the event says, once each as a broken response (the
+            # POST's was counted twice, the GET's accounted as a 200).
+            assert sample(samples, "kvhint_router_broken_responses_total", worker="w0") == 2
+            assert sample(samples, "kvhint_router_requests_total", endpoint="responses",
+                          worker="w0", code="504") == 1
+            assert sample(samples, "kvhint_router_response_id_requests_total", op="get",
+                          code="504") == 1
     finally:
         await stub.stop()
