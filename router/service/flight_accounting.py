@@ -34,6 +34,10 @@ from kvhint.router.service.trace_recorder import TraceRecorder, TracedRequest
 from kvhint.router.service.upstream import UpstreamResponse
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
+# A turn its client ended: gone before the answer, or a Responses response it cancelled
+# (responses_scan.py: the worker's ``cancelled`` status, or the router's end after a cancel).
+CLIENT_CANCELLED = 499
+
 
 @dataclass(slots=True)
 class Flight:
@@ -86,10 +90,12 @@ class FlightAccounting:
         # A 200 that carried the worker's error (vLLM's error event in a stream) failed:
         # counted, and settled for its session, by that error's status, as a stream
         # that broke mid-way is by the router's own (502/504); and, as that one is, as
-        # a broken response: a 200 whose answer failed after it began.
+        # a broken response: a 200 whose answer failed after it began. Not a response
+        # its client cancelled (POST /v1/responses/{id}/cancel: 499): the worker did what
+        # it was asked.
         worker_status = status
         status = flight.observation.turn_status(status)
-        if status != worker_status and flight.worker_id is not None:
+        if status not in (worker_status, CLIENT_CANCELLED) and flight.worker_id is not None:
             self._metrics.broken_streams.labels(flight.worker_id).inc()
         if flight.tenant_slot:
             flight.tenant_slot = False

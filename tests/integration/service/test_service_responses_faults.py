@@ -175,6 +175,11 @@ async def test_a_cancelled_background_response_s_streams_are_ended_by_the_router
             assert sample(samples, "kvhint_router_responses_cancel_ends_total") == 3
             assert sample(samples, "kvhint_router_response_id_requests_total", op="get",
                           code="200") == 2
+            # Cancelled by its client: a 499, not a broken response (the worker did what
+            # it was asked; before, the POST's stream counted as one).
+            assert sample(samples, "kvhint_router_requests_total", endpoint="responses",
+                          worker="w0", code="499") == 1
+            assert not sample(samples, "kvhint_router_broken_responses_total", worker="w0")
     finally:
         await stub.stop()
 
