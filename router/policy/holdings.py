@@ -143,6 +143,15 @@ def prefetch_scope(scope: str, action_id: str) -> str:
     return f"{PREFETCH_SCOPE}{scope}@{action_id}"
 
 
+def prefetch_held_until(deadline_at: float, answered_at: float,
+                        retain_max_s: float | None) -> float:
+    """When a Prefetch answered at ``answered_at`` stops holding: its retain starts at the
+    answer and lasts to the deadline, clipped to the worker's ``max_retain_ttl_s``
+    (``retain_max_s``; executor._retain). Before its answer, the deadline bounds it."""
+    return deadline_at if retain_max_s is None else min(deadline_at,
+                                                        answered_at + retain_max_s)
+
+
 def _session_block_names(scope: str, blocks: int) -> tuple[Hashable, ...]:
     """Names for the blocks of a session Prefetch the caller could not name: the
     session's root-most blocks on the worker (whoever owns the claim), the same for each
@@ -362,18 +371,25 @@ class HoldingsLedger:
         if old is not None:
             self._drop(self._by_id[old])
 
-    def settle(self, outcome: HintOutcome, now: float | None = None) -> None:
+    def settle(self, outcome: HintOutcome, now: float | None = None,
+               retain_max_s: float | None = None) -> None:
         """Correct a holding by the worker's answer (:func:`held_blocks`). With ``now``,
         a holding past its TTL at the answer goes at once, as :meth:`expire` would drop
         it: a Prefetch answered at its deadline (clipped, with part of its target in G1)
         retains nothing, and the worker's deadline, counted from when it got the action,
-        is never before the holding's ``expires_at``, counted from when it was planned."""
+        is never before the holding's ``expires_at``, counted from when it was planned.
+        ``retain_max_s``: :func:`prefetch_held_until`."""
         held = self._by_id.get(outcome.action_id)
         blocks = held_blocks(outcome)
         if held is None or blocks is None:
             return
         if now is not None and held.expires_at <= now:
             blocks = 0
+        elif now is not None and held.action_type == ActionType.PREFETCH.value and (
+                until := prefetch_held_until(held.expires_at, now, retain_max_s)
+        ) < held.expires_at:
+            held.expires_at = until
+            heapq.heappush(self._expiry, (until, held.action_id))
         if blocks > 0:
             self._set_blocks(held, blocks)
         else:

@@ -97,16 +97,19 @@ def held_for_s(payload: HintPayload, budgets: Budgets) -> float:
     """How long the worker holds what an action asks for, as it reads and clips it (the
     payload as parsed, so with the wire defaults a caller left out: a Pin's 60 s): a Pin's
     TTL to ``max_pin_ttl_s``; a Retain's to ``max_retain_ttl_s``, which is also what one
-    without a TTL gets; a Prefetch's retain its ``deadline_s`` to ``max_retain_ttl_s``
-    too (the plugin retains it as a Retain: executor._retain); other actions their
-    ``ttl_s`` (0 for one-shots)."""
+    without a TTL gets; a Prefetch its ``deadline_s``: its retain starts at its answer,
+    which may come at any time up to then, and is clipped to ``max_retain_ttl_s`` from
+    there (the ledger and the row end it so at the answer:
+    :func:`~kvhint.router.policy.holdings.prefetch_held_until`; before, it was clipped
+    from the send, and a Prefetch answered past that was dropped while the worker held
+    its blocks); other actions their ``ttl_s`` (0 for one-shots)."""
     asked = getattr(payload, "ttl_s", None)
     if isinstance(payload, PinPayload):
         return min(float(asked), budgets.max_pin_ttl_s)
     if isinstance(payload, RetainPayload):
         return min(float(asked or budgets.max_retain_ttl_s), budgets.max_retain_ttl_s)
     if isinstance(payload, PrefetchPayload):
-        return min(float(payload.deadline_s), budgets.max_retain_ttl_s)
+        return float(payload.deadline_s)
     return float(asked or 0.0)
 
 
@@ -167,6 +170,14 @@ def checked_action(item: HintRequestAction, action_id: str, worker_sid: str,
                                                       item.action_type):
         payload["owner"] = HintOwner.AGENT.value
         version = OWNER_VERSION
+    elif version == OWNER_VERSION:
+        # The worker does not take owner on this type (a plugin of an earlier release):
+        # with owner taken out, nothing of 1.2 is left, and the lowest version that
+        # carries the rest goes (1.1 for evict_rest_first). Before, it went as 1.2,
+        # which that worker rejects.
+        rest_first = payload.get("evict_rest_first") and item.action_type in (
+            ActionType.RETAIN.value, ActionType.PIN.value)
+        version = EVICT_REST_VERSION if rest_first else ACTION_VERSION
     action = KvHintAction(action_id=action_id, action_type=item.action_type,
                           action_version=version, payload=payload)
     parsed = parse_action(action)

@@ -36,6 +36,7 @@ from kvhint.router.policy import (
     WorkerPlanView,
     target_keys,
 )
+from kvhint.router.policy.holdings import prefetch_held_until
 from kvhint.router.service.hint_api_budget import ApiBudgetGate
 from kvhint.router.service.hint_learned import LearnedState
 from kvhint.router.service.hint_records import (
@@ -58,6 +59,7 @@ from kvhint.router.service.workers import WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
 from kvhint.schemas import (
     DONOR_ACTION_TYPE,
+    ActionType,
     Amount,
     HintOutcome,
     HoldRelease,
@@ -352,11 +354,18 @@ class HintDispatcher:
         for column, value in outcome_columns(outcome).items():
             setattr(record, column, value)
         record.updated_at = self._clock()
+        retain_max = self._retain_max_s(record.worker_id)
+        if (outcome.status.is_terminal and record.expires_at is not None
+                and record.action_type == ActionType.PREFETCH.value):
+            # Its retain ends by its deadline and at most max_retain_ttl_s past this answer
+            # (the ledger's holding likewise): the row says so for a restart's restore.
+            record.expires_at = prefetch_held_until(record.expires_at, record.updated_at,
+                                                    retain_max)
         self._save(record)
         if not outcome.status.is_terminal:
             return record
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
-        self.holdings.settle(outcome, record.updated_at)
+        self.holdings.settle(outcome, record.updated_at, retain_max)
         if record.source == PLANNER_SOURCE:  # an agent's actions never steer the planner
             self._learning.learn_outcome(record.worker_id, record.tenant, outcome)
         self._finish(record)
@@ -469,6 +478,13 @@ class HintDispatcher:
                                  api=record.source == API_SOURCE)
             return True
         return False
+
+    def _retain_max_s(self, worker_id: str) -> float | None:
+        """The worker's ``max_retain_ttl_s`` as its heartbeat says (None: not heard)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.status is None:
+            return None
+        return worker.status.budgets.max_retain_ttl_s
 
     def _block_size(self, worker_id: str) -> int:
         worker = self._workers.get(worker_id)

@@ -169,7 +169,9 @@ class HintLoop:
             self.result.hints[(outcome.action_type, outcome.status.value)] += 1
             if not outcome.status.is_terminal:
                 continue
-            self.ledger.settle(outcome, self.now)
+            view = self._static_views.get(outcome.worker_id)
+            self.ledger.settle(outcome, self.now,
+                               view.budgets.max_retain_ttl_s if view is not None else None)
             planned = self._planned.pop(outcome.action_id, None)
             if planned is not None and (session := self.sessions.get(planned.scope)):
                 self.sessions[planned.scope] = session.settled(outcome)

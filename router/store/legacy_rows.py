@@ -23,8 +23,9 @@ derives them by the rules the router applies when it sends an action now:
   and clips the payload (``held_for_s`` in ``hint_api_actions.py``): a Pin its ``ttl_s``
   (the wire default, 60 s, when the payload leaves it out) up to the worker's
   ``max_pin_ttl_s``; a Retain its ``ttl_s`` up to ``max_retain_ttl_s``, or that maximum
-  when it has none; a Prefetch its ``deadline_s`` up to ``max_retain_ttl_s`` (its retain
-  is clipped as a Retain's), a Share its ``ttl_s``, a Demote 0.
+  when it has none; a Prefetch its ``deadline_s``, and once answered (accepted or
+  clipped) at most ``max_retain_ttl_s`` past its answer (``updated_at``: its retain
+  starts then and is clipped as a Retain's), a Share its ``ttl_s``, a Demote 0.
   The planner's TTLs are within the maxima already (it clips them when it plans).
 
 Derived on read rather than by a data migration: during a rolling upgrade (and after a
@@ -46,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from kvhint.router.policy.holdings import agent_scope
+from kvhint.router.policy.holdings import agent_scope, prefetch_held_until
 from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE
 from kvhint.schemas import Budgets
 from kvhint.schemas.hints import (
@@ -149,8 +150,11 @@ def derived_expires_at(row: Mapping[str, Any], payload: HintPayload,
         else:
             held = asked
     elif isinstance(payload, PrefetchPayload):
-        held = payload.deadline_s if budgets is None else min(payload.deadline_s,
-                                                              budgets.max_retain_ttl_s)
+        end = sent + payload.deadline_s
+        if row.get("status") not in ("accepted", "clipped") or row.get("updated_at") is None:
+            return end
+        return prefetch_held_until(end, float(row["updated_at"]),
+                                   None if budgets is None else budgets.max_retain_ttl_s)
     else:
         held = asked or 0.0
     return sent + float(held)

@@ -29,6 +29,7 @@ from kvhint.router.policy import (
     plan_shared_prefixes,
     plan_turn_routed,
 )
+from kvhint.router.policy.holdings import prefetch_held_until
 from kvhint.router.service.hint_records import API_SOURCE, PLANNER_SOURCE, SentAction
 from kvhint.router.service.hint_api_actions import held_for_s, holding_scope
 from kvhint.router.store.legacy_rows import with_derived_columns, worker_budgets
@@ -109,13 +110,17 @@ API_PAYLOADS = [
 
 
 def test_a_prefetch_is_held_no_longer_than_the_workers_retain_maximum() -> None:
-    """The plugin retains a Prefetch's blocks as a Retain, its deadline clipped to
-    ``max_retain_ttl_s`` (executor._retain): the ledger holds them that long, not until
-    a two-hour deadline. Before, the router counted them for the whole deadline."""
-    for deadline, held in ((30.0, 30.0), (7200.0, BUDGETS.max_retain_ttl_s)):
+    """The plugin retains a Prefetch's blocks as a Retain from its answer, clipped to
+    ``max_retain_ttl_s`` (executor._retain), until its deadline: sent, it may hold until
+    its deadline (its answer may come any time until then); answered, no longer than
+    ``max_retain_ttl_s`` past the answer (test_service_prefetch_hold_end.py)."""
+    for deadline, answered_at, held in ((30.0, 0.0, 30.0), (7200.0, 0.0, 3600.0),
+                                        (7200.0, 5000.0, 7200.0)):
         parsed = parse_action(KvHintAction("kva-p", "kv.prefetch", "1.0", {
             "target": {"session_id": "t/s"}, "deadline_s": deadline}))
-        assert held_for_s(parsed.payload, BUDGETS) == held
+        assert held_for_s(parsed.payload, BUDGETS) == deadline
+        assert prefetch_held_until(held_for_s(parsed.payload, BUDGETS), answered_at,
+                                   BUDGETS.max_retain_ttl_s) == held
 
 
 @pytest.mark.parametrize("owner", [None, "agent"])
@@ -131,7 +136,10 @@ def test_api_actions_get_the_scope_and_end_they_were_sent_with(
     planned = PlannedAction("w0", action, holding_scope(action, "t/s"), "t", 4,
                             NOW + held_for_s(parsed.payload, BUDGETS), "api")
     row = with_derived_columns(_row_without_columns(planned, API_SOURCE, "s"), BUDGETS)
-    assert (row["scope"], row["expires_at"]) == (planned.scope, planned.expires_at)
+    # A Prefetch answered (at NOW, the row says) ends as the router ends it at an answer.
+    end = (prefetch_held_until(planned.expires_at, NOW, BUDGETS.max_retain_ttl_s)
+           if action_type == "kv.prefetch" else planned.expires_at)
+    assert (row["scope"], row["expires_at"]) == (planned.scope, end)
 
 
 def test_what_cannot_be_derived_stays_missing_and_stored_values_are_kept() -> None:
