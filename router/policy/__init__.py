@@ -23,7 +23,8 @@ workers; both call the same functions.
   disabled action types).
 - :mod:`.tenant_feedback` — :class:`SplitFeedback` (a worker's capabilities, shared by
   every tenant, and each tenant's own feedback: no tenant's outcomes steer another's).
-- :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets).
+- :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets);
+  :mod:`.block_counts` its distinct blocks per owner.
 - :mod:`.donor` — :func:`choose_donor`.
 """
 

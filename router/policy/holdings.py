@@ -22,6 +22,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvhint.router.policy.block_counts import PINNED, RETAINED, BlockCounts
 from kvhint.schemas.hints import ActionType
 from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
 
@@ -108,7 +109,7 @@ class _Held:
 
     @property
     def slot(self) -> int:
-        return _PINNED if self.action_type == ActionType.PIN.value else _RETAINED
+        return PINNED if self.action_type == ActionType.PIN.value else RETAINED
 
     def named(self) -> tuple[int, ...]:
         return self.keys[:self.blocks]
@@ -133,7 +134,6 @@ class _Unconfirmed:
 _HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
                             ActionType.PREFETCH.value})
 PREFETCH_SCOPE = "prefetch:"
-_PINNED, _RETAINED = 0, 1
 
 
 def prefetch_scope(scope: str, action_id: str) -> str:
@@ -162,61 +162,7 @@ def _session_block_names(scope: str, blocks: int) -> tuple[Hashable, ...]:
     return tuple((PREFETCH_SCOPE, session, i) for i in range(min(blocks, 1 << 16)))
 
 
-def _state(refs: list[int]) -> int | None:
-    """What a block counts as: pinned under any Pin, else retained under any Retain."""
-    if refs[_PINNED]:
-        return _PINNED
-    return _RETAINED if refs[_RETAINED] else None
-
-
-class _BlockCounts:
-    """Distinct blocks held, pinned and retained, per owner (a worker, a tenant, or a
-    tenant's API holdings on one worker): per-(owner, block) reference counts by holding
-    type, and running totals per owner that change only when a block's state (pinned /
-    retained / not held) does."""
-
-    def __init__(self) -> None:
-        self._refs: dict[tuple[Hashable, str, int], list[int]] = {}
-        self.totals: dict[Hashable, list[int]] = {}
-
-    def named(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int,
-              sign: int) -> None:
-        refs_of, totals = self._refs, self.totals.setdefault(owner, [0, 0])
-        for key in keys:
-            ref_key = (owner, worker_id, key)
-            refs = refs_of.get(ref_key)
-            if refs is None:
-                refs = refs_of[ref_key] = [0, 0]
-            before = _state(refs)
-            refs[slot] += sign
-            after = _state(refs)
-            if after is None:
-                del refs_of[ref_key]
-            if before != after:
-                if before is not None:
-                    totals[before] -= 1
-                if after is not None:
-                    totals[after] += 1
-
-    def counted(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int) -> int:
-        """How many of ``keys`` a new holding of type ``slot`` would not add to the
-        owner's ``slot`` total: already pinned (for a Pin), already held (for a Retain:
-        a pinned block stays pinned)."""
-        refs_of = self._refs
-        count = 0
-        for key in keys:
-            refs = refs_of.get((owner, worker_id, key))
-            if refs is not None and (slot == _RETAINED or refs[_PINNED]):
-                count += 1
-        return count
-
-    def own(self, owner: Hashable, blocks: int, slot: int) -> None:
-        """``blocks`` (negative: fewer) that no other holding can share."""
-        if blocks:
-            self.totals.setdefault(owner, [0, 0])[slot] += blocks
-
-
-def _holdings(counts: _BlockCounts, owner: Hashable) -> Holdings:
+def _holdings(counts: BlockCounts, owner: Hashable) -> Holdings:
     totals = counts.totals.get(owner)
     return Holdings(totals[0], totals[1]) if totals else Holdings()
 
@@ -235,9 +181,9 @@ class HoldingsLedger:
         self._expiry: list[tuple[float, str]] = []
         # Distinct (pinned, retained) blocks per worker, per tenant, and per (tenant,
         # worker) of the API holdings (an agent runtime's share of one worker).
-        self._workers = _BlockCounts()
-        self._tenants = _BlockCounts()
-        self._api = _BlockCounts()
+        self._workers = BlockCounts()
+        self._tenants = BlockCounts()
+        self._api = BlockCounts()
         # Actions recorded before their publish, not yet confirmed or undone.
         self._unconfirmed: dict[str, _Unconfirmed] = {}
 
@@ -437,7 +383,7 @@ class HoldingsLedger:
         ``keys`` (root first) that other holdings already count so (a system prompt every
         session shares) add nothing; the rest add one each, as :meth:`record` will count
         them."""
-        slot = _PINNED if action_type == ActionType.PIN.value else _RETAINED
+        slot = PINNED if action_type == ActionType.PIN.value else RETAINED
         named = tuple(keys[:blocks])
         worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
         if tenant is None:
