@@ -79,8 +79,12 @@ class EngineIdentity:
     epoch: str = field(default_factory=new_epoch)
 
     def cache_namespace(self, block_size: int) -> str:
-        """Blocks are comparable across workers only within one namespace."""
-        seed = self.none_hash_seed if self.none_hash_seed is not None else "secret"
+        """Blocks are comparable across workers only within one namespace. A secret seed
+        (xxhash without PYTHONHASHSEED: random per engine process) makes this engine's
+        hashes its own, so its namespace names its epoch; before, every such engine of a
+        model shared "secret" and donor advice compared hashes that never match."""
+        seed = (self.none_hash_seed if self.none_hash_seed is not None
+                else f"secret:{self.epoch}")
         return f"{self.model}|{self.hash_algo}|{seed}|bs{block_size}"
 
 
