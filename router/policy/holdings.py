@@ -377,13 +377,17 @@ class HoldingsLedger:
         return gone
 
     def added(self, worker_id: str, tenant: str | None, action_type: str, blocks: int,
-              keys: Sequence[int]) -> tuple[int, int, int]:
+              keys: Sequence[int], scope: str = "") -> tuple[int, int, int]:
         """(worker, tenant, tenant's API holdings on the worker) blocks a new API
-        Pin/Retain of ``blocks`` would add to what they hold of its kind: its named
-        ``keys`` (root first) that other holdings already count so (a system prompt every
-        session shares) add nothing; the rest add one each, as :meth:`record` will count
-        them."""
+        Pin/Retain/Prefetch of ``blocks`` on ``scope`` would add to what they hold of its
+        kind: its named ``keys`` (root first) that other holdings already count so (a
+        system prompt every session shares) add nothing; the rest add one each, as
+        :meth:`record` will count them (a Prefetch's unnamed blocks named as its
+        session's: another Prefetch of the session holding them, they add nothing;
+        before, they were charged again, and a tenant got a 429 for room it held)."""
         slot = PINNED if action_type == ActionType.PIN.value else RETAINED
+        if action_type == ActionType.PREFETCH.value and not keys and scope:
+            keys = _session_block_names(scope, blocks)
         named = tuple(keys[:blocks])
         worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
         if tenant is None:

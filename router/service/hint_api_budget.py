@@ -81,7 +81,8 @@ class ApiBudgetGate:
             if (totals := added.get(action.action_type)) is not None:
                 keys = target_keys(action.action_type, action.action.payload, block_size, chain)
                 for i, blocks in enumerate(self._holdings.added(
-                        worker_id, tenant, action.action_type, action.blocks, keys)):
+                        worker_id, tenant, action.action_type, action.blocks, keys,
+                        action.scope)):
                     totals[i] += blocks
         held = self._holdings.tenant(tenant)
         # (who, kind, held now, added, limit, whether "held now" is every tenant's)

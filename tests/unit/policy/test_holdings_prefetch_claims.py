@@ -99,3 +99,16 @@ def test_an_unpublished_second_prefetch_undone_leaves_the_first() -> None:
     # known id), never another Prefetch's.
     _prefetch(ledger, "p1", 2, 100.0, keys=(1, 2))
     assert len(ledger) == 1 and ledger.worker("w0") == Holdings(0, 2)
+
+
+def test_the_budget_check_counts_a_sessions_unnamed_prefetch_blocks_as_record_does() -> None:
+    """An agent's second Prefetch of a session whose blocks the router cannot name adds
+    nothing the first does not hold (record names them as the session's root-most
+    blocks); the API's budget check (``added``) agrees. Before, it charged all of them
+    again: a tenant at its retained cap got a 429 for room it already held."""
+    ledger = HoldingsLedger()
+    ledger.record(action_id="p1", worker_id="w0", tenant="t", scope="agent:t/s",
+                  action_type="kv.prefetch", blocks=4, expires_at=100.0, api=True)
+    assert ledger.added("w0", "t", "kv.prefetch", 4, (), "agent:t/s") == (0, 0, 0)
+    assert ledger.added("w0", "t", "kv.prefetch", 6, (), "agent:t/s") == (2, 2, 2)
+    assert ledger.added("w0", "t", "kv.prefetch", 4, (), "agent:t/other") == (4, 4, 4)
