@@ -27,11 +27,24 @@ on (the default: each such turn first reads the session's stored row) and
 At 32 streams each round also gives, per target, vLLM's own mean end-to-end time (from
 its /metrics) subtracted from the client's mean latency (``in_front_of_engine_ms``: the
 client, the proxy and the machine's run queue, not the engine) and the share of the
-phase's wall time some task waited for a CPU (``per_round_cpu_pressure``, Linux PSI):
-on the shared 2-core machine only vLLM's model process is pinned (to CPU 1; its API
-server and engine core, the proxies and this client float), so a proxy's figures move
-with that pressure, and the per-round ratios (``vs_direct_median_of_rounds``) are what
-to compare.
+phase's wall time some task waited for a CPU (``per_round_cpu_pressure``, Linux PSI).
+
+Pinning (default on, ``--no-pin`` leaves every process but vLLM's model threads to float
+as before): on a 2-core machine every thread of vLLM's processes (API server, engine
+core, model) is bound to CPU 1 and the proxies (both kvhint routers, vllm-router, with
+their threads and children) and this client to CPU 0, so the proxies compete with each
+other's idle loops and the client, not with vLLM's front end, and the per-round ratios
+swing less. It is a choice for this comparison only (one worker, one core each side):
+it could hurt a run with more cores or workers (the client and a proxy then share one
+core where they could use more), so it is skipped where CPUs 0 and 1 are not both
+this script's to use, and turned off by ``--no-pin``; what was pinned is in the report
+(``pinning``). NATS (started outside this script where one already runs) and other
+processes still float. The per-round ratios (``vs_direct_median_of_rounds``) are still
+what to compare. Pinned, vLLM has one core for all its processes, so its req/s is lower
+than unpinned (it is the bottleneck every target shares), CPU pressure (PSI) mostly
+counts vLLM's own threads waiting on CPU 1, and the 1-stream figures and the proxies'
+CPU per request come out higher (client and proxy share CPU 0): compare those only
+between runs with the same placement.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import argparse
 import asyncio
 import fcntl
 import json
+import os
 import random
 import signal
 import statistics
@@ -155,6 +169,30 @@ def cpu_pressure_us() -> float | None:
         return None
 
 
+def pin_tree(pid: int, cpus: set[int], children: bool = True) -> int:
+    """Bind every thread of process ``pid`` and (``children``) of its descendants to
+    ``cpus`` (threads created later inherit it); returns how many threads were bound."""
+    bound = 0
+    try:
+        process = psutil.Process(pid)
+        family = [process, *(process.children(recursive=True) if children else ())]
+    except psutil.NoSuchProcess:
+        return 0
+    for member in family:
+        for task in Path(f"/proc/{member.pid}/task").glob("[0-9]*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                bound += 1
+            except OSError:
+                continue  # the thread exited meanwhile
+    return bound
+
+
+def load_1m() -> float:
+    """The machine's 1-minute load average."""
+    return os.getloadavg()[0]
+
+
 def q(values: list[float], quantile: float) -> float:
     values = sorted(values)
     return values[min(int(quantile * len(values)), len(values) - 1)]
@@ -189,6 +227,8 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
         key: {name: [] for name in targets} for key, many, _ in phases if many}
     pressure: dict[str, dict[str, list[float]]] = {
         key: {name: [] for name in targets} for key, many, _ in phases if many}
+    load: dict[str, dict[str, list[float]]] = {
+        key: {name: [] for name in targets} for key, many, _ in phases if many}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for name, url in targets.items():  # warm up connections and caches
@@ -210,6 +250,7 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
                         stalled_after = cpu_pressure_us()
                         engine_after = engine_e2e(targets["direct"])
                         multi[key][name].append((rate, statistics.median(latencies)))
+                        load[key][name].append(load_1m())
                         count = len(latencies)
                         engine_mean = (engine_after[0] - engine_before[0]) / max(
                             engine_after[1] - engine_before[1], 1)
@@ -261,6 +302,7 @@ async def measure(targets: dict[str, str], pids: dict[str, int | None], rounds: 
                 "per_round_in_front_of_engine_ms": [
                     round(1000 * f, 1) for f in front[key][name]],
                 "per_round_cpu_pressure": [round(p, 2) for p in pressure[key][name]],
+                "per_round_load_1m": [round(v, 2) for v in load[key][name]],
                 "per_round_vs_direct": [
                     round(r / d, 3) for (r, _), (d, _) in zip(
                         values[name], values["direct"], strict=True)]}
@@ -287,7 +329,10 @@ def main() -> int:
                         help="leave out the second kvhint router (routing.session_refresh off)")
     parser.add_argument("--vllm-router-policy", default="cache_aware")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin vLLM to CPU 1 and the proxies and client to CPU 0")
     args = parser.parse_args()
+    pin = args.pin and {0, 1} <= os.sched_getaffinity(0)
     # SIGTERM exits through the finally blocks, so no vLLM server is left behind.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]), flush=True)
@@ -336,8 +381,19 @@ def main() -> int:
                 pids["kvhint-norefresh"] = kvhint_norefresh.pid
             targets["vllm-router"] = baseline.url
             pids["vllm-router"] = baseline.pid
+            pinning: dict = {"on": pin}
+            if pin:
+                # vLLM's whole process group (API server, engine core, model) on CPU 1;
+                # the proxies and this client (threads created later inherit) on CPU 0.
+                pinning["vllm_threads_cpu1"] = worker.pin_to_cpus({1})
+                pinning["proxy_threads_cpu0"] = {
+                    name: pin_tree(pid, {0}) for name, pid in pids.items() if pid is not None}
+                # Not its children: vLLM, the proxies and NATS where it started one.
+                pinning["client_threads_cpu0"] = pin_tree(os.getpid(), {0}, children=False)
+            print("pinning:", json.dumps(pinning), flush=True)
             report = asyncio.run(measure(targets, pids, args.rounds, args.per_round,
                                          args.duration_s, args.streams, args.sessions))
+            report["pinning"] = pinning
             for process in (kvhint, kvhint_norefresh):
                 if process is not None:
                     # What the session phases made the router read (a check that the
