@@ -20,6 +20,8 @@
   ``data: [DONE]`` (vLLM always sends it), likewise: 502, any finish events held for a
   fingerprint, then an OpenAI error event (as a broken stream's), its unfinished last
   event held back (``SseRelay.hold_cut_tail``); both counted in ``broken_streams``.
+  Only for an event stream (``text/event-stream``): another answer to a stream request
+  (a proxy's HTML error page, served as plain text) is passed on as it came.
   Before, a chat stream cut so was passed on as it was, and the client's SDK read the
   answer as complete.
 - The worker's stream broke or fell silent for ``request_timeout_s`` mid-answer: 502 or
@@ -58,7 +60,11 @@ class RelayEnd:
         # its 502/504 stands though the client leaves while the router's own terminal
         # event goes out.
         self._worker_failed = False
-        relay.hold_cut_tail = True  # ended here where no terminal event came
+        # Only an event stream has a terminal event to miss: another answer to a stream
+        # request (a proxy's error page, served as plain text) is passed on as it came.
+        self._event_stream = upstream.headers.get("content-type", "").lower().startswith(
+            "text/event-stream")
+        relay.hold_cut_tail = self._event_stream  # ended here where no terminal event came
 
     def heard(self) -> None:
         """A chunk came from the worker (a watched stream's idle wait starts again)."""
@@ -75,7 +81,7 @@ class RelayEnd:
         """The worker's stream ended (or was left at its terminal event): what goes to the
         client last, if anything."""
         settled, last = self._settled(client_gone)
-        if settled:
+        if settled or not self._event_stream:
             return last
         if isinstance(self._relay, ResponsesRelay):
             # The worker closed the stream cleanly without a terminal event (vLLM never

@@ -20,7 +20,8 @@ from kvhint.router.service.upstream import UpstreamBroken
 
 
 def _end(relay: SseRelay | ResponsesRelay, served_once_finished: bool) -> RelayEnd:
-    upstream = SimpleNamespace(worker_id="w0", status=200)
+    upstream = SimpleNamespace(worker_id="w0", status=200,
+                               headers={"content-type": "text/event-stream"})
     return RelayEnd(relay, None, upstream, RouterMetrics(), served_once_finished)
 
 
