@@ -90,6 +90,20 @@ class VllmWorkerSpec:
         return env
 
 
+def pin_threads(pids: list[int], cpus: set[int]) -> int:
+    """Bind every thread of each process in ``pids`` to ``cpus`` (threads created later
+    inherit it); returns how many threads were bound."""
+    bound = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                bound += 1
+            except OSError:
+                continue  # the thread exited meanwhile
+    return bound
+
+
 class VllmServer:
     """One vLLM server process (and its EngineCore children), in its own process group."""
 
@@ -138,15 +152,7 @@ class VllmServer:
         inherit it); returns how many threads were bound. On a 2-vCPU VM a server left to
         float spends 2-3x the CPU per token in some rounds (its EngineCore spin-waits on
         the worker from the other core), which makes its throughput swing 3x."""
-        bound = 0
-        for pid, _ in self._group_stats():
-            for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
-                try:
-                    os.sched_setaffinity(int(task.name), cpus)
-                    bound += 1
-                except OSError:
-                    continue  # the thread exited meanwhile
-        return bound
+        return pin_threads([pid for pid, _ in self._group_stats()], cpus)
 
     @property
     def exit_code(self) -> int | None:

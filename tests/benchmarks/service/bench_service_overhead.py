@@ -70,7 +70,7 @@ import psutil
 from kvhint.router.bench.vllm_router import VllmRouterProcess
 from kvhint.router.devstack.nats_server import free_port, running_nats
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
-from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
+from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec, pin_threads
 from kvhint.router.service.launch import RouterProcess
 from kvhint.router.service.nats_link import remove_streams
 from kvhint.schemas import Subjects
@@ -172,20 +172,12 @@ def cpu_pressure_us() -> float | None:
 def pin_tree(pid: int, cpus: set[int], children: bool = True) -> int:
     """Bind every thread of process ``pid`` and (``children``) of its descendants to
     ``cpus`` (threads created later inherit it); returns how many threads were bound."""
-    bound = 0
     try:
         process = psutil.Process(pid)
         family = [process, *(process.children(recursive=True) if children else ())]
     except psutil.NoSuchProcess:
         return 0
-    for member in family:
-        for task in Path(f"/proc/{member.pid}/task").glob("[0-9]*"):
-            try:
-                os.sched_setaffinity(int(task.name), cpus)
-                bound += 1
-            except OSError:
-                continue  # the thread exited meanwhile
-    return bound
+    return pin_threads([member.pid for member in family], cpus)
 
 
 def load_1m() -> float:
