@@ -31,6 +31,7 @@ class _ClosedBetweenReads:
 
     worker_id = "w0"
     status = 200
+    headers = {"content-type": "text/event-stream"}
 
     def __init__(self, flight: Flight, parts: list[bytes]) -> None:
         self._flight = flight
@@ -79,6 +80,7 @@ class _BrokenAfter:
 
     worker_id = "w0"
     status = 200
+    headers = {"content-type": "text/event-stream"}
 
     def __init__(self, parts: list[bytes]) -> None:
         self._parts = parts
