@@ -13,9 +13,10 @@
   terminal event was served, its status kept.
 - The watch fired (the router closed the worker's stream: a cancel's grace passed, or a
   background stream was silent past ``responses.background_idle_s``): the relay's own
-  terminal event (responses_cancels.py ``watch_end``).
+  terminal event (a cancel's: responses_cancels.py ``cancel_end``; silence is the
+  worker's failure, 504, as below, counted in ``responses_router_ends``).
 - The worker closed a Responses stream cleanly without a terminal event: 502, with
-  ``response.failed`` (``unterminated_end``); an unfinished last event is held back
+  ``response.failed`` (counted in ``responses_router_ends``); an unfinished last event is held back
   (``ResponsesRelay.hold_cut_tail``). A chat or completions stream that ends so, without
   ``data: [DONE]`` (vLLM always sends it), likewise: 502, any finish events held for a
   fingerprint, then an OpenAI error event (as a broken stream's), its unfinished last
@@ -38,7 +39,7 @@ from __future__ import annotations
 from kvhint.router.service.inbound import openai_error
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import SseRelay
-from kvhint.router.service.responses_cancels import CancelWatch, unterminated_end, watch_end
+from kvhint.router.service.responses_cancels import CancelWatch, cancel_end
 from kvhint.router.service.responses_scan import ResponsesRelay
 from kvhint.router.service.upstream import UpstreamBroken, UpstreamResponse
 
@@ -83,21 +84,16 @@ class RelayEnd:
         settled, last = self._settled(client_gone)
         if settled or not self._event_stream:
             return last
+        # Closed cleanly without its terminal event (vLLM always sends one: ``[DONE]``,
+        # a Responses stream's terminal event): a proxy or worker cut it short, and the
+        # client's SDK would read the answer as complete (or wait for the end).
         if isinstance(self._relay, ResponsesRelay):
-            # The worker closed the stream cleanly without a terminal event (vLLM never
-            # does: a proxy or worker cut it short): the client's SDK waits for one.
-            self.status, self._worker_failed = 502, True
-            return unterminated_end(self._relay, self._metrics, self._worker_id)
-        # A chat/completions stream without its data: [DONE] (vLLM always ends one so):
-        # cut short, as a broken stream is, though its connection ended cleanly.
-        self.status, self._worker_failed = 502, True
-        self._metrics.broken_streams.labels(self._worker_id).inc()
-        relay = self._relay
-        relay.finished = True  # the client has its terminal event: the error
-        message = "worker ended the stream without data: [DONE]"
-        if relay.cut_tail:
-            message += f" (its last event unfinished: {relay.cut_tail} bytes dropped)"
-        return relay.release_held() + b"data: " + openai_error(message, 502) + b"\n\n"
+            message, reason = "worker ended the stream without a terminal event", "unterminated"
+        else:
+            message, reason = "worker ended the stream without data: [DONE]", None
+        if self._relay.cut_tail:
+            message += f" (its last event unfinished: {self._relay.cut_tail} bytes dropped)"
+        return self._worker_failed_end(502, message, reason)
 
     def broken(self, exc: UpstreamBroken, client_gone: bool) -> bytes | None:
         """The worker's stream broke (or the router closed it): what goes to the client
@@ -105,14 +101,26 @@ class RelayEnd:
         settled, last = self._settled(client_gone)
         if settled:
             return last
-        self.status, self._worker_failed = (504 if exc.timed_out else 502), True
+        return self._worker_failed_end(504 if exc.timed_out else 502,
+                                       f"worker failed mid-stream: {exc}")
+
+    def _worker_failed_end(self, status: int, message: str,
+                           router_end: str | None = None) -> bytes:
+        """The worker failed the stream: accounted as ``status`` (kept though the client
+        leaves while this goes out), counted in ``broken_streams`` (and, ``router_end``,
+        in ``responses_router_ends``), and ended with the router's own terminal error
+        event: ``response.failed`` for a Responses stream (an ``error`` event before
+        ``response.created``), an OpenAI error event for chat after any finish events
+        held for a fingerprint."""
+        self.status, self._worker_failed = status, True
         self._metrics.broken_streams.labels(self._worker_id).inc()
-        message = f"worker failed mid-stream: {exc}"
+        if router_end is not None:
+            self._metrics.responses_router_ends.labels(router_end).inc()
         relay = self._relay
+        relay.finished = True  # the client has its terminal event: the error
         if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read
-            return relay.failure_event(message, self.status)
-        # Finish events held for a fingerprint (SseRelay) go first, as they came.
-        return relay.release_held() + b"data: " + openai_error(message, self.status) + b"\n\n"
+            return relay.failure_event(message, status)
+        return relay.release_held() + b"data: " + openai_error(message, status) + b"\n\n"
 
     def _settled(self, client_gone: bool) -> tuple[bool, bytes | None]:
         """The ends a stream's end and its break share: (True, what goes last) where the
@@ -133,11 +141,16 @@ class RelayEnd:
             # past responses.background_idle_s (responses_cancels.py).
             assert isinstance(self._relay, ResponsesRelay)  # only those are watched
             if self._watch.reason == "background_idle":
-                # Accounted as the 504 its event says (REFERENCE.md), counted broken once
-                # (watch_end): before, a POST's 200 was turned into 504 by its
-                # error_status and counted broken a second time, and a GET's stayed 200.
-                self.status, self._worker_failed = 504, True
-            return True, watch_end(self._relay, self._watch, self._metrics, self._worker_id)
+                # Accounted as the 504 its event says (REFERENCE.md), counted broken once:
+                # before, a POST's 200 was turned into 504 by its error_status and
+                # counted broken a second time, and a GET's stayed 200.
+                return True, self._worker_failed_end(
+                    504, f"worker {self._worker_id} sent no event for "
+                    f"{self._watch.idle_s:g} s (responses.background_idle_s): its "
+                    "background task may have died (vLLM then leaves the stream open, "
+                    "silent, for good); GET the response to see whether it still runs",
+                    "background_idle")
+            return True, cancel_end(self._relay, self._watch, self._metrics)
         return False, None
 
     def left(self) -> None:

@@ -166,28 +166,9 @@ class CancelWatches:
         return sum(len(streams) for streams in self._by_id.values())
 
 
-def watch_end(relay: ResponsesRelay, watch: CancelWatch, metrics: RouterMetrics,
-              worker_id: str) -> bytes:
-    """The event a relay ends a stream with once ``watch`` fired (module doc), counted."""
-    if watch.reason == "background_idle":
-        metrics.responses_router_ends.labels("background_idle").inc()
-        metrics.broken_streams.labels(worker_id).inc()
-        relay.finished = True
-        if relay.observation.error_status is None:
-            relay.observation.error_status = 504
-        return relay.failure_event(
-            f"worker {worker_id} sent no event for {watch.idle_s:g} s "
-            "(responses.background_idle_s): its background task may have died (vLLM then "
-            "leaves the stream open, silent, for good); GET the response to see whether "
-            "it still runs", 504)
+def cancel_end(relay: ResponsesRelay, watch: CancelWatch, metrics: RouterMetrics) -> bytes:
+    """The event a relay ends a stream with once ``watch`` fired for its response's
+    cancel (module doc), counted. (Silence, ``background_idle``, is the worker's failure:
+    relay_end.py ends that stream.)"""
     metrics.responses_cancel_ends.inc()
     return relay.cancelled_event(watch.answer)
-
-
-def unterminated_end(relay: ResponsesRelay, metrics: RouterMetrics, worker_id: str) -> bytes:
-    """The event a relay ends a Responses stream with that its worker closed cleanly
-    without a terminal event (responses_scan.py ``unterminated_event``), counted."""
-    metrics.responses_router_ends.labels("unterminated").inc()
-    metrics.broken_streams.labels(worker_id).inc()
-    relay.finished = True
-    return relay.unterminated_event()

@@ -207,7 +207,7 @@ class ResponsesRelay:
         # A terminal event has been relayed: a client that leaves now has its answer.
         self.finished = False
         # Set by a caller that ends a stream without a terminal event itself
-        # (:meth:`unterminated_event`): an unfinished event the worker's stream ended in
+        # (relay_end.py ``RelayEnd.ended``): an unfinished event the worker's stream ended in
         # is then held back (``cut_tail`` its size), not passed on before the router's
         # own terminal event, which the client's SSE parser would read as its tail.
         self.hold_cut_tail = False
@@ -220,7 +220,7 @@ class ResponsesRelay:
                 yield out
         rest, self._pending = bytes(self._pending), bytearray()
         if rest and self.hold_cut_tail and not self.finished:
-            self.cut_tail = len(rest)  # dropped, said in unterminated_event's message
+            self.cut_tail = len(rest)  # dropped, said in the router's terminal event
         elif rest:  # a stream that ended mid-event: passed through as it is
             yield rest
 
@@ -260,18 +260,6 @@ class ResponsesRelay:
             kind = "error"
             body = {"type": kind, "sequence_number": sequence, "param": None, **error}
         return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
-
-    def unterminated_event(self) -> bytes:
-        """The event that ends a stream its worker closed cleanly without a terminal
-        event (vLLM never does: a proxy or worker that cut it short): ``response.failed``
-        as :meth:`failure_event` (502), saying so, and what of an unfinished last event
-        was dropped (``hold_cut_tail``)."""
-        message = "worker ended the stream without a terminal event"
-        if self.cut_tail:
-            message += f" (its last event unfinished: {self.cut_tail} bytes dropped)"
-        if self.observation.error_status is None:
-            self.observation.error_status = 502
-        return self.failure_event(message, 502)
 
     def cancelled_event(self, answer: dict[str, Any] | None) -> bytes:
         """The event that ends a stream whose response was cancelled, its worker sending

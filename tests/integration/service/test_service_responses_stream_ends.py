@@ -1,6 +1,6 @@
 """Responses streams that the worker leaves without a terminal event, which the router
-ends itself with ``response.failed`` (responses_cancels.py, responses_scan.py
-``unterminated_event``): a stream the worker closes cleanly before one, and a background
+ends itself with ``response.failed`` (relay_end.py ``RelayEnd``, responses_cancels.py):
+a stream the worker closes cleanly before one, and a background
 response's stream that goes silent for good (vLLM 0.32 when the response's background
 task dies of an exception other than a ``GenerationError``: its
 ``responses_background_stream_generator`` then waits for an event that never comes).
