@@ -53,6 +53,7 @@ from kvhint.router.policy.routed_load import RoutedLoads
 from kvhint.router.service.hash_queue import FairHashQueue, TenantQueueFull
 from kvhint.router.service.inbound import Endpoint, InboundRequest
 from kvhint.router.service.metrics import RouterMetrics
+from kvhint.router.service.sampling import prompt_batch
 from kvhint.router.service.settings_sections import RoutingSettings
 from kvhint.router.service.workers import WorkerRegistry, WorkerState
 
@@ -366,15 +367,6 @@ def _hash_body(hasher: RequestHasher, endpoint: Endpoint, body: Mapping[str, Any
     return prompts[0] if prompts else None
 
 
-def _batch(prompt: Any) -> list[Any] | None:
-    """A completions ``prompt`` that is a batch (a list of strings, or of token-id
-    lists: sampling.py ``_prompt_seq_len``), else None (one prompt)."""
-    if isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        return prompt
-    return None
-
-
 def _one_prompt_tokens(prompt: Any) -> int:
     """About how many tokens one completions prompt is: a token-id list's length, a
     string's characters over :data:`_CHARS_PER_TOKEN` (at least 1)."""
@@ -387,7 +379,7 @@ def batch_rest_tokens(inbound: InboundRequest) -> int:
     """The tokens of a ``/v1/completions`` batch's prompts after its first, without
     tokenizing them (:attr:`RoutePlan.batch_rest_tokens`): each token-id prompt's
     length, each string's characters / 4; 0 for one prompt or another endpoint."""
-    batch = _batch(inbound.prompt)
+    batch = prompt_batch(inbound.prompt)
     return sum(map(_one_prompt_tokens, batch[1:])) if batch is not None else 0
 
 
@@ -442,7 +434,7 @@ def _estimate_tokens(inbound: InboundRequest) -> int:
         chars = sum(_field_chars(body.get(key)) for key in ("instructions", "input", "tools"))
     else:
         prompt = inbound.prompt
-        if (batch := _batch(prompt)) is not None:
+        if (batch := prompt_batch(prompt)) is not None:
             # Its first prompt: what is hashed (the others are batch_rest_tokens).
             return _one_prompt_tokens(batch[0])
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):

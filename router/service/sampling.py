@@ -29,6 +29,7 @@ a tenant's sequences in flight are at most ``max_in_flight`` x ``max_sequences``
 from __future__ import annotations
 
 from itertools import repeat
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -66,21 +67,26 @@ def parallel_samples(body: dict[str, object], endpoint: Endpoint | None = None) 
     return max([1, *_asked(body, endpoint).values()])
 
 
+def prompt_batch(prompt: object) -> list[Any] | None:
+    """The prompts of a ``/v1/completions`` ``prompt`` that batches several, as vLLM 0.32
+    reads it (``prompt_to_seq`` of what its ``CompletionRequest`` validated): a list of
+    strings, or of lists (token ids), one prompt per item; else None (a string, one
+    list of token ids: pydantic reads ``[1, "2"]``, ``[1.0]``, ``[true]`` laxly as one;
+    or what vLLM refuses). Read by shape, not by validating: a body of up to
+    max_body_bytes is not validated item by item on the event loop."""
+    if isinstance(prompt, list) and prompt and (
+            all(map(isinstance, prompt, repeat(str)))
+            or all(map(isinstance, prompt, repeat(list)))):
+        return prompt
+    return None
+
+
 def _prompt_seq_len(prompt: object) -> int:
-    """How many prompts vLLM 0.32 makes of a ``prompt`` it accepts (``prompt_to_seq``
-    of what its ``CompletionRequest`` validated): a string is one; a list of strings,
-    or of lists (token ids), one per item; any other non-empty list is one prompt of
-    token ids (pydantic reads ``[1, "2"]``, ``[1.0]``, ``[true]`` laxly as one) or is
-    refused by vLLM. Read by shape, not by validating: a body of up to max_body_bytes
-    is not validated item by item on the event loop."""
-    if isinstance(prompt, str):
-        return 1
-    if not isinstance(prompt, list) or not prompt:
-        return 0
-    if all(map(isinstance, prompt, repeat(str))) or all(
-            map(isinstance, prompt, repeat(list))):
-        return len(prompt)
-    return 1
+    """How many prompts vLLM 0.32 makes of a ``prompt`` (:func:`prompt_batch`): a batch's
+    items, one for a string or any other non-empty list, none for none."""
+    if (batch := prompt_batch(prompt)) is not None:
+        return len(batch)
+    return 1 if isinstance(prompt, str) or (isinstance(prompt, list) and prompt) else 0
 
 
 def batched_prompts(body: dict[str, object], endpoint: Endpoint | None = None) -> int:
