@@ -162,6 +162,16 @@ def _session_block_names(scope: str, blocks: int) -> tuple[Hashable, ...]:
     return tuple((PREFETCH_SCOPE, session, i) for i in range(min(blocks, 1 << 16)))
 
 
+def _named_keys(action_type: str, scope: str, blocks: int,
+                keys: Sequence[Hashable]) -> Sequence[Hashable]:
+    """The names a holding's blocks are counted by: ``keys`` as the caller named them,
+    or for a session Prefetch that names none, its session's (:func:`_session_block_names`;
+    :meth:`HoldingsLedger.record` and :meth:`HoldingsLedger.added` alike)."""
+    if action_type == ActionType.PREFETCH.value and not keys and scope:
+        return _session_block_names(scope, blocks)
+    return keys
+
+
 def _holdings(counts: BlockCounts, owner: Hashable) -> Holdings:
     totals = counts.totals.get(owner)
     return Holdings(totals[0], totals[1]) if totals else Holdings()
@@ -213,9 +223,8 @@ class HoldingsLedger:
         keeps the scope index whole if one is not; the worker does the same)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
+        keys = _named_keys(action_type, scope, blocks, keys)
         if action_type == ActionType.PREFETCH.value:
-            if not keys:
-                keys = _session_block_names(scope, blocks)
             scope = prefetch_scope(scope, action_id)
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
@@ -386,9 +395,7 @@ class HoldingsLedger:
         session's: another Prefetch of the session holding them, they add nothing;
         before, they were charged again, and a tenant got a 429 for room it held)."""
         slot = PINNED if action_type == ActionType.PIN.value else RETAINED
-        if action_type == ActionType.PREFETCH.value and not keys and scope:
-            keys = _session_block_names(scope, blocks)
-        named = tuple(keys[:blocks])
+        named = tuple(_named_keys(action_type, scope, blocks, keys)[:blocks])
         worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
         if tenant is None:
             return worker, 0, 0
