@@ -340,9 +340,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     (FastAPI's default body is ``{"detail": ...}``); status and headers unchanged.
     Starlette's are counted here (:func:`_count_unrouted`); the admin API counts its own."""
     _count_unrouted(request, exc)
-    response = error_response(str(exc.detail), exc.status_code)
-    response.headers.update(exc.headers or {})
-    return response
+    return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
 
 
 def _count_unrouted(request: Request, exc: HTTPException) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -436,8 +436,10 @@ def openai_error(message: str, status: int, param: str | None = None,
 
 
 def error_response(message: str, status: int, param: str | None = None,
-                   error_type: str | None = None) -> Response:
+                   error_type: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> Response:
     """The router's own error answer: :func:`openai_error`'s body, with
-    :func:`refusal_headers`."""
+    :func:`refusal_headers` and ``headers`` (a 429's ``Retry-After``, a 405's ``Allow``)."""
     return Response(openai_error(message, status, param, error_type), status_code=status,
-                    media_type="application/json", headers=refusal_headers(status))
+                    media_type="application/json",
+                    headers={**refusal_headers(status), **(headers or {})})

@@ -55,9 +55,7 @@ class OverCallRate:
 
     def answer(self) -> Response:
         """The 429, in the router's own error answer (:func:`.inbound.error_response`)."""
-        response = error_response(self.message, self.STATUS)
-        response.headers.update(self.headers)
-        return response
+        return error_response(self.message, self.STATUS, headers=self.headers)
 
 
 class TenantCallRate:

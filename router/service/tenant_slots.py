@@ -63,8 +63,7 @@ class TenantSlots:
 def over_in_flight_answer(tenant: Tenant) -> Response:
     """The 429 for a request of ``tenant`` past its ``max_in_flight``: the router's own
     error answer (``nosniff`` as every one), with ``Retry-After``."""
-    response = error_response(
+    return error_response(
         f"tenant {tenant.name!r} has {tenant.max_in_flight} requests in flight, its "
-        "max_in_flight: retry once one finishes", 429)
-    response.headers["retry-after"] = str(RETRY_AFTER_S)
-    return response
+        "max_in_flight: retry once one finishes", 429,
+        headers={"retry-after": str(RETRY_AFTER_S)})
