@@ -9,7 +9,7 @@ The bounded label sets each labelled series is declared with: metric_labels.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -70,6 +70,14 @@ class TrafficTotals:
     # Actual cached tokens of the requests the router made a prediction for (the
     # denominator of prediction accuracy).
     actual_cached_of_predicted: int = 0
+
+
+def _preset(counter: Counter, values: Iterable[str]) -> Counter:
+    """``counter`` (of one label) with each of ``values`` exported at 0 from the start, so
+    a dashboard's rate() sees the first one counted."""
+    for value in values:
+        counter.labels(value)
+    return counter
 
 
 class RouterMetrics:
@@ -141,47 +149,35 @@ class RouterMetrics:
         self.drops = Counter("kvhint_router_drops",
                              "Anything the router dropped, by what it was", ["what"],
                              registry=r)
-        self.nats_errors = Counter(
+        self.nats_errors = _preset(Counter(
             "kvhint_router_nats_errors",
             "NATS failures that lost no message by themselves, by kind (connect: a try "
             "to connect or reconnect failed; setup: streams or subscriptions could not be "
             "set up once connected; client: another error the NATS client reported, e.g. "
             "a stale connection, a server's -ERR). Messages lost are drops: drops_total "
-            "what=nats_slow_consumer, hint_unsent", ["kind"], registry=r)
-        for kind in NATS_ERROR_KINDS:
-            self.nats_errors.labels(kind)
-        self.hint_api_rejections = Counter(
+            "what=nats_slow_consumer, hint_unsent", ["kind"], registry=r), NATS_ERROR_KINDS)
+        self.hint_api_rejections = _preset(Counter(
             "kvhint_router_hint_api_rejections",
             "POST /v1/sessions/{id}/hints calls answered with an error (nothing sent), by "
-            "reason", ["reason"], registry=r)
-        for reason in HINT_API_REJECTIONS:
-            self.hint_api_rejections.labels(reason)
-        self.session_end_rejections = Counter(
+            "reason", ["reason"], registry=r), HINT_API_REJECTIONS)
+        self.session_end_rejections = _preset(Counter(
             "kvhint_router_session_end_rejections",
             "DELETE /v1/sessions/{id} calls answered with an error (nothing ended), by "
-            "reason", ["reason"], registry=r)
-        for reason in SESSION_END_REJECTIONS:
-            self.session_end_rejections.labels(reason)
-        self.admin_rejections = Counter(
+            "reason", ["reason"], registry=r), SESSION_END_REJECTIONS)
+        self.admin_rejections = _preset(Counter(
             "kvhint_router_admin_rejections",
             "/admin calls answered with an error (nothing read or changed), by reason",
-            ["reason"], registry=r)
-        for reason in ADMIN_REJECTIONS:
-            self.admin_rejections.labels(reason)
-        self.route_refusals = Counter(
+            ["reason"], registry=r), ADMIN_REJECTIONS)
+        self.route_refusals = _preset(Counter(
             "kvhint_router_route_refusals",
             "Requests outside /admin that no route serves, by reason (unknown_path: 404; "
             "method_not_allowed: 405; ambiguous_length: 400, Content-Length and "
-            "Transfer-Encoding both, on any path)", ["reason"], registry=r)
-        for reason in ROUTE_REFUSALS:
-            self.route_refusals.labels(reason)
-        self.session_end_skips = Counter(
+            "Transfer-Encoding both, on any path)", ["reason"], registry=r), ROUTE_REFUSALS)
+        self.session_end_skips = _preset(Counter(
             "kvhint_router_session_end_skips",
             "Turns with X-Session-End that did not end their session because the turn did "
             "not succeed (the agent retries it), by reason (client_gone: 499; refused: "
-            "4xx; failed: 5xx)", ["reason"], registry=r)
-        for reason in SESSION_END_SKIPS:
-            self.session_end_skips.labels(reason)
+            "4xx; failed: 5xx)", ["reason"], registry=r), SESSION_END_SKIPS)
         self.cross_site_refusals = Counter(
             "kvhint_router_cross_site_refusals",
             "State-changing admin and session calls refused (403, nothing changed) as what a "
@@ -196,13 +192,11 @@ class RouterMetrics:
             "Requests refused (403) in dev mode for a Host that is not localhost, an IP "
             "address, a name without a dot or in allowed_hosts (DNS rebinding; "
             "origin_policy.py)", registry=r)
-        self.cors_refusals = Counter(
+        self.cors_refusals = _preset(Counter(
             "kvhint_router_cors_refusals",
             "CORS preflights on the inference endpoints refused (403), by reason (origin: "
             "not in cors_allowed_origins; method; headers: a malformed header name)",
-            ["reason"], registry=r)
-        for reason in CORS_REFUSAL_REASONS:
-            self.cors_refusals.labels(reason)
+            ["reason"], registry=r), CORS_REFUSAL_REASONS)
         self.foreign_messages = Counter(
             "kvhint_router_foreign_hint_messages",
             "Hint outcomes and hold releases (kind) for actions this router did not send or "
@@ -219,13 +213,11 @@ class RouterMetrics:
                                     "History rows deleted from the store past "
                                     "store_retention_s (response_sessions: responses."
                                     "session_retention_s), by table", ["table"], registry=r)
-        self.client_timeouts = Counter(
+        self.client_timeouts = _preset(Counter(
             "kvhint_router_client_timeouts",
             "Client connections closed for sending a request too slowly, by phase "
             "(headers: not all in within http_header_timeout_s; body: not all in within "
-            "http_body_timeout_s, answered 408)", ["phase"], registry=r)
-        for phase in CLIENT_TIMEOUT_PHASES:
-            self.client_timeouts.labels(phase)
+            "http_body_timeout_s, answered 408)", ["phase"], registry=r), CLIENT_TIMEOUT_PHASES)
         # Tenant labels: the configured tenants and ``default`` (bounded).
         self.sessions_evicted = Counter(
             "kvhint_router_sessions_evicted",
@@ -264,40 +256,30 @@ class RouterMetrics:
             "Requests naming a response id this router does not remember (another "
             "replica's, from before its restart, forgotten) whose worker and tenant were "
             "read from the id itself and checked", registry=r)
-        self.response_id_misses = Counter(
+        self.response_id_misses = _preset(Counter(
             "kvhint_router_response_id_misses",
             "Requests naming a stored response id (previous_response_id, GET, cancel) "
-            "the router did not send on, by reason", ["reason"], registry=r)
-        for reason in RESPONSE_ID_MISSES:
-            self.response_id_misses.labels(reason)
-        self.response_session_reads = Counter(
+            "the router did not send on, by reason", ["reason"], registry=r), RESPONSE_ID_MISSES)
+        self.response_session_reads = _preset(Counter(
             "kvhint_router_response_session_reads",
             "Store reads of the session a response was made in, for a follow-up naming "
             "no session of a response this router did not relay, by outcome "
-            "(responses.session_read_timeout_s)", ["outcome"], registry=r)
-        for outcome in RESPONSE_SESSION_READS:
-            self.response_session_reads.labels(outcome)
-        self.session_reads = Counter(
+            "(responses.session_read_timeout_s)", ["outcome"], registry=r), RESPONSE_SESSION_READS)
+        self.session_reads = _preset(Counter(
             "kvhint_router_session_reads",
             "Store reads of a session's row for a turn, end or hints call of a session id "
             "this router holds no record of (another replica's, forgotten, or new), by "
-            "outcome (routing.session_read_timeout_s)", ["outcome"], registry=r)
-        for outcome in SESSION_READS:
-            self.session_reads.labels(outcome)
-        self.session_refreshes = Counter(
+            "outcome (routing.session_read_timeout_s)", ["outcome"], registry=r), SESSION_READS)
+        self.session_refreshes = _preset(Counter(
             "kvhint_router_session_refreshes",
             "Store reads of a session's row before a turn, end or hints call of a session "
             "this router holds a record of, by outcome (merged: another replica's saves "
-            "since merged in)", ["outcome"], registry=r)
-        for outcome in SESSION_REFRESHES:
-            self.session_refreshes.labels(outcome)
-        self.session_save_conflicts = Counter(
+            "since merged in)", ["outcome"], registry=r), SESSION_REFRESHES)
+        self.session_save_conflicts = _preset(Counter(
             "kvhint_router_session_save_conflicts",
             "Saves of a session whose row another replica saved since this router read "
             "or wrote it: not written over, merged with it and saved again, by outcome",
-            ["outcome"], registry=r)
-        for outcome in SESSION_SAVE_CONFLICTS:
-            self.session_save_conflicts.labels(outcome)
+            ["outcome"], registry=r), SESSION_SAVE_CONFLICTS)
         self.response_id_requests = Counter(
             "kvhint_router_response_id_requests",
             "GET /v1/responses/{id} and POST /v1/responses/{id}/cancel, by op and code "
@@ -312,23 +294,19 @@ class RouterMetrics:
             "Streams of a cancelled background response the router ended itself (a "
             "response.failed, status cancelled): the worker sent no terminal event within "
             "responses.cancel_grace_s of the cancel it relayed", registry=r)
-        self.responses_router_ends = Counter(
+        self.responses_router_ends = _preset(Counter(
             "kvhint_router_responses_router_ends",
             "Responses API streams the router ended itself with response.failed, by "
             "reason: unterminated (the worker closed the stream without a terminal "
             "event), background_idle (a background response's stream sent no event "
-            "within responses.background_idle_s)", ["reason"], registry=r)
-        for reason in RESPONSES_ROUTER_END_REASONS:
-            self.responses_router_ends.labels(reason)
-        self.responses_cancel_notices = Counter(
+            "within responses.background_idle_s)", ["reason"], registry=r), RESPONSES_ROUTER_END_REASONS)
+        self.responses_cancel_notices = _preset(Counter(
             "kvhint_router_responses_cancel_notices",
             "Cancels of background responses told between router replicas over NATS "
             "(<prefix>.v1.cancels.<worker>), by outcome: sent (this replica relayed the "
             "cancel), applied (heard from another, a stream of it open here: its grace "
             "started), no_stream (heard, none here); lost ones count as drops",
-            ["outcome"], registry=r)
-        for outcome in RESPONSES_CANCEL_NOTICE_OUTCOMES:
-            self.responses_cancel_notices.labels(outcome)
+            ["outcome"], registry=r), RESPONSES_CANCEL_NOTICE_OUTCOMES)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",
                                      registry=r)
