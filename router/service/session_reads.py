@@ -95,11 +95,10 @@ class StoredSessions:
         # bench_service_overhead.py, 32 streams, one tenant, one vLLM CPU worker): the
         # read itself 0.8 ms in its thread, but ~30 ms from the loop and back on a busy
         # 2-core machine, 2 slots a tenant: turns waited 230 ms on average for a slot,
-        # 0.5 s (the timeout) when it came to "busy" anyway.
-        # No read of it under way to join and no slot free: "busy" here, without the
-        # task and the two trips through the event loop that starting a read costs
-        # (10-25 ms a turn at 32 streams on the loaded 2-core machine, most turns'
-        # refreshes coming to "busy": measured 2026-12-05, BENCHMARKS.md).
+        # 0.5 s (the timeout) when it came to "busy" anyway. With no read of it under
+        # way to join and no slot free, "busy" comes here, before the task and its two
+        # trips through the loop (10-25 ms a turn then, BENCHMARKS.md); ``wait=False``
+        # still answers "busy" where the slot went between this check and the read.
         if (tenant, session_id) not in self._refreshing and not self._slots.free_now(tenant):
             return "busy", None
         return await _joined(self._refreshing, (tenant, session_id),
