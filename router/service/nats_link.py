@@ -157,7 +157,7 @@ class NatsLink:
         self._connection = nats_connection(url)
         self.subjects = subjects
         self._limits = limits
-        self._on_connected: Callable[[], Awaitable[None]] | None = None
+        self._on_connected: tuple[Callable[[], Awaitable[None]], ...] = ()
         self._on_error = on_error
         self._on_lost = on_lost
         self._lost_unlogged = 0
@@ -183,8 +183,10 @@ class NatsLink:
             raise RuntimeError("NATS not connected")
         return self._js
 
-    def start(self, on_connected: Callable[[], Awaitable[None]]) -> None:
-        """Connect in the background; ``on_connected`` runs once the link is up."""
+    def start(self, *on_connected: Callable[[], Awaitable[None]]) -> None:
+        """Connect in the background; each of ``on_connected`` runs, in order, once the
+        link is up (each connection's streams and subscriptions: the feed's, the
+        cancels')."""
         self._on_connected = on_connected
         self._connect_task = asyncio.create_task(self._connect_loop(), name="kvhint-nats")
 
@@ -226,8 +228,8 @@ class NatsLink:
             self._js = nc.jetstream()
             log.info("NATS connected: %s", loggable_nats_url(self.url))
             try:
-                if self._on_connected is not None:
-                    await self._on_connected()
+                for set_up in self._on_connected:
+                    await set_up()
             except (NatsError, asyncio.TimeoutError) as exc:
                 # Streams or subscriptions failed (JetStream still starting?): retry.
                 self._note_error("setup", f"NATS setup failed: {exc!r}")

@@ -16,7 +16,6 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from sqlalchemy import Engine
@@ -240,8 +239,7 @@ class RouterRuntime:
                                        on_hold_released=lifecycle.on_hold_released,
                                        on_worker_forgotten=routing.forget_worker,
                                        url_policy=url_policy)
-            link.start(partial(_both, runtime.feed.on_connected,
-                               runtime.cancel_notices.on_connected))
+            link.start(runtime.feed.on_connected, runtime.cancel_notices.on_connected)
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
                                 name="kvhint-lifecycle"),
@@ -364,13 +362,6 @@ class RouterRuntime:
 _INDEX_COUNTERS = ("stored_blocks", "removed_blocks", "duplicate_stores", "missing_removes",
                    "cleared_workers", "purged_workers", "snapshots_loaded",
                    "sessions_evicted", "frontiers_dropped", "repeat_stores", "repeat_removes")
-
-
-async def _both(first: Callable[[], Awaitable[None]],
-                second: Callable[[], Awaitable[None]]) -> None:
-    """NatsLink's one ``on_connected``: the feed's subscriptions, then the cancels'."""
-    await first()
-    await second()
 
 
 def _restore_workers(workers: WorkerRegistry, rows: list[dict[str, Any]], now: float,
