@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -163,6 +163,24 @@ async def plugin_registered(runtime, nc, subjects: Subjects,  # noqa: ANN001
     await asyncio.sleep(0.3)
     await nc.publish(subjects.status("w0"), status("w0", "e1", 0, actions=actions))
     await until(lambda: runtime.workers.get("w0").plugin_alive)
+
+
+async def plugin_on_nats(nc, subjects: Subjects, core,  # noqa: ANN001 - NATS, PluginCore
+                         worker_id: str = "w0"
+                         ) -> Callable[[Iterable[HintOutcome]], Awaitable[None]]:
+    """The real plugin ``core`` on ``worker_id``'s subjects, as its NATS transport puts
+    it: each hints message applied (``core.apply_hints``), its outcomes published. Returns
+    what publishes the outcomes a test has the core settle itself (``core.advance()``)."""
+
+    async def answer(outcomes: Iterable[HintOutcome]) -> None:
+        for outcome in outcomes:
+            await nc.publish(subjects.outcomes(worker_id), encode_outcome(outcome))
+
+    async def on_hints(msg: Any) -> None:  # noqa: ANN401 - a NATS message
+        await answer(core.apply_hints(msg.data))
+
+    await nc.subscribe(subjects.hints(worker_id), cb=on_hints)
+    return answer
 
 
 class AcceptingPlugin:

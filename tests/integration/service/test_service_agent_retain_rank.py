@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import ACTIONS_WITH_OWNER, plugin_registered
+from feed_helpers import ACTIONS_WITH_OWNER, plugin_on_nats, plugin_registered
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,
@@ -30,7 +30,6 @@ from kvhint.schemas import (
     Subjects,
     Target,
     encode_hints,
-    encode_outcome,
     make_action,
 )
 
@@ -63,11 +62,7 @@ async def test_an_agents_retain_outranks_the_planners_and_a_clipped_one_says_why
     core = h.connector.core
     nc = await nats.connect(nats_url)
 
-    async def plugin(msg) -> None:  # noqa: ANN001 - w0's hints, to the real plugin
-        for outcome in core.apply_hints(msg.data):
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    await plugin_on_nats(nc, subjects, core)
     # The planner's Retains are applied here as the planner sends them (owner planner,
     # top priority), so that they fill w0's retain budget whatever the router plans.
     settings = router_settings(
@@ -142,11 +137,7 @@ async def test_an_agents_prefetch_goes_out_as_the_agents_and_outranks_the_planne
     core = h.connector.core
     nc = await nats.connect(nats_url)
 
-    async def plugin(msg) -> None:  # noqa: ANN001 - w0's hints, to the real plugin
-        for outcome in core.apply_hints(msg.data):
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    await plugin_on_nats(nc, subjects, core)
     settings = router_settings(
         tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
         subject_prefix=subject_prefix, hints={"enabled": False}, tenants=TENANTS)

@@ -19,14 +19,14 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import plugin_registered, status, until
+from feed_helpers import plugin_on_nats, plugin_registered, status, until
 from kvhint.engine_plugin.headless import (
     HeadlessSchedulerSpec,
     build_scheduler,
     tokens_for_block_ids,
 )
 from kvhint.router.policy import Holdings
-from kvhint.schemas import Subjects, encode_outcome
+from kvhint.schemas import Subjects
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -48,14 +48,7 @@ async def test_a_clipped_prefetch_holds_what_the_worker_retains(
     r = core.index.session_blocks("engine")[:6]  # resident in G1, held by nothing
     nc = await nats.connect(nats_url)
 
-    async def answer(outcomes) -> None:  # noqa: ANN001 - the plugin's outcomes, to the router
-        for outcome in outcomes:
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
-
-    async def plugin(msg) -> None:  # noqa: ANN001 - w0's hints, to the real plugin
-        await answer(core.apply_hints(msg.data))
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    answer = await plugin_on_nats(nc, subjects, core)
     settings = router_settings(
         tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
         subject_prefix=subject_prefix, hints={"enabled": False})

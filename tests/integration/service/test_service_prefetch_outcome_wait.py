@@ -23,13 +23,13 @@ import nats
 import pytest
 
 from conftest import StubWorker, router_settings, running_router
-from feed_helpers import plugin_registered, until
+from feed_helpers import plugin_on_nats, plugin_registered, until
 from kvhint.engine_plugin.headless import HeadlessSchedulerSpec, build_scheduler
 from kvhint.router.policy import PlannerConfig
 from kvhint.router.service.hint_dispatch import OUTCOME_DEADLINE_S, HintDispatcher, SentAction
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.workers import WorkerRegistry
-from kvhint.schemas import Subjects, encode_outcome
+from kvhint.schemas import Subjects
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -59,14 +59,7 @@ async def test_a_prefetch_waiting_past_the_outcome_deadline_gets_its_answer(
     core.use_clock(lambda: plugin_now[0])
     nc = await nats.connect(nats_url)
 
-    async def answer(outcomes) -> None:  # noqa: ANN001 - the plugin's outcomes, to the router
-        for outcome in outcomes:
-            await nc.publish(subjects.outcomes("w0"), encode_outcome(outcome))
-
-    async def plugin(msg) -> None:  # noqa: ANN001 - w0's hints, to the real plugin
-        await answer(core.apply_hints(msg.data))
-
-    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    answer = await plugin_on_nats(nc, subjects, core)
     settings = router_settings(
         tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
         subject_prefix=subject_prefix, hints={"enabled": False})
