@@ -114,7 +114,9 @@ async def test_a_connector_reset_drops_the_host_tier_from_the_plugin_and_the_rou
         with host_tier_plugin(nats_url, subject_prefix) as h:
             connector = plugin(h)
             core = connector.core
-            await until(lambda: connector.transport.connected)
+            # The stream exists before the first batch: the router below reads it from
+            # seq 1 (connected alone comes before the plugin's stream set-up).
+            await until(lambda: connector.transport.events_kept)
             turn(h, "s", [1, 2, 3, 4])
             h.step()  # drains the last copies' events
             router = LiveRouter(await js.subscribe(subjects.events("w0"),
@@ -156,7 +158,9 @@ async def test_a_failed_gpu_reset_drops_the_host_tier_and_keeps_the_gpu_view(
         with host_tier_plugin(nats_url, subject_prefix) as h:
             connector = plugin(h)
             core = connector.core
-            await until(lambda: connector.transport.connected)
+            # The stream exists before the first batch: the router below reads it from
+            # seq 1 (connected alone comes before the plugin's stream set-up).
+            await until(lambda: connector.transport.events_kept)
             turn(h, "s", [1, 2, 3, 4])
             running = h.add(h.make_request(tokens_for_block_ids([1, 2, 7], BS) + [3],
                                            session_id="r", max_tokens=50))

@@ -51,7 +51,8 @@ async def test_hints_outcomes_events_and_heartbeat_over_nats(nats_url: str,
         status = await collect(nc, subjects.status("w0"))
         with plugin(nats_url, subject_prefix, pin_budget_fraction=0.2) as h:
             transport = h.connector.transport
-            await until(lambda: transport.connected)
+            # Kept from the first batch on: connected comes before the stream's set-up.
+            await until(lambda: transport.events_kept)
             turn(h, "s", [1, 2, 3])
             await nc.publish(subjects.hints("w0"), pin_message("p1"))
             await until(lambda: bool(h.connector.core.mailbox.inbound))
