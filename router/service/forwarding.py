@@ -80,8 +80,11 @@ class Forwarder:
                  lifecycle: SessionLifecycle, metrics: RouterMetrics,
                  on_worker_down: Callable[[WorkerState], None],
                  recorder: TraceRecorder | None = None,
-                 index_exact: Callable[[str], bool] | None = None) -> None:
-        """``index_exact(worker_id)``: whether the cluster index's view of the worker is
+                 index_exact: Callable[[str], bool] | None = None,
+                 max_event_bytes: int | None = None) -> None:
+        """``max_event_bytes``: the bound on a relayed stream's unfinished event
+        (``stream_event_max_bytes``: relay_end.py; None: none).
+        ``index_exact(worker_id)``: whether the cluster index's view of the worker is
         exact now (``KvEventIngestor.view_exact``); a prediction read off another view
         is not checked against the worker's answer. None: no index feed, trust the plan.
         ``on_worker_down(worker)``: the address of ``worker`` (its current state) failed a
@@ -94,6 +97,7 @@ class Forwarder:
         self._on_worker_down = on_worker_down
         self._recorder = recorder
         self._index_exact = index_exact
+        self._max_event_bytes = max_event_bytes
         # Each tenant's requests in flight, against its max_in_flight.
         self.slots = TenantSlots(metrics)
         self._accounting = FlightAccounting(workers, routing, lifecycle, metrics,
@@ -414,7 +418,8 @@ class Forwarder:
                  and relay.observation.watch_cancel is not None else None)
         # A client that leaves once it has the whole answer (the OpenAI SDK closes right
         # after [DONE]) was served: its usage counts, its session is planned.
-        end = RelayEnd(relay, watch, upstream, self._metrics, served_once_finished=True)
+        end = RelayEnd(relay, watch, upstream, self._metrics, served_once_finished=True,
+                       max_event_bytes=self._max_event_bytes)
         try:
             async for chunk in relay.relay(upstream.chunks()):
                 end.heard()

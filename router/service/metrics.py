@@ -299,7 +299,8 @@ class RouterMetrics:
             "Responses API streams the router ended itself with response.failed, by "
             "reason: unterminated (the worker closed the stream without a terminal "
             "event), background_idle (a background response's stream sent no event "
-            "within responses.background_idle_s)", ["reason"], registry=r), RESPONSES_ROUTER_END_REASONS)
+            "within responses.background_idle_s), event_too_large (one event past "
+            "stream_event_max_bytes without its end)", ["reason"], registry=r), RESPONSES_ROUTER_END_REASONS)
         self.responses_cancel_notices = _preset(Counter(
             "kvhint_router_responses_cancel_notices",
             "Cancels of background responses told between router replicas over NATS "

@@ -29,6 +29,11 @@
   504, counted in ``broken_streams``, and a terminal error the client's SDK reads
   (``response.failed`` for a Responses stream, an OpenAI error event for chat, after any
   finish events held for a fingerprint).
+- The worker sent more than ``stream_event_max_bytes`` of one event without its end
+  (the relay's :class:`EventTooLarge`, raised as a break): a broken stream, 502, its
+  unfinished event dropped (a Responses stream's also counted in
+  ``responses_router_ends``, ``event_too_large``). Before, the relay held the bytes for
+  as long as they came.
 
 The caller relays the chunks, yields what these methods return, and accounts
 :attr:`RelayEnd.status` however the stream ended (its ``finally``).
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 from kvhint.router.service.inbound import openai_error
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.response_scan import SseRelay
+from kvhint.router.service.response_scan import EventTooLarge, SseRelay
 from kvhint.router.service.responses_cancels import CancelWatch, cancel_end
 from kvhint.router.service.responses_scan import ResponsesRelay
 from kvhint.router.service.upstream import UpstreamBroken, UpstreamResponse
@@ -50,7 +55,7 @@ class RelayEnd:
 
     def __init__(self, relay: SseRelay | ResponsesRelay, watch: CancelWatch | None,
                  upstream: UpstreamResponse, metrics: RouterMetrics,
-                 served_once_finished: bool) -> None:
+                 served_once_finished: bool, max_event_bytes: int | None = None) -> None:
         self._relay = relay
         self._watch = watch
         self._worker_id = upstream.worker_id
@@ -66,6 +71,9 @@ class RelayEnd:
         self._event_stream = upstream.headers.get("content-type", "").lower().startswith(
             "text/event-stream")
         relay.hold_cut_tail = self._event_stream  # ended here where no terminal event came
+        # The bound on an unfinished event's bytes (``stream_event_max_bytes``): past it the
+        # relay raises EventTooLarge, ended here as a break (:meth:`broken`).
+        relay.max_event_bytes, relay.worker_id = max_event_bytes, upstream.worker_id
 
     def heard(self) -> None:
         """A chunk came from the worker (a watched stream's idle wait starts again)."""
@@ -101,8 +109,10 @@ class RelayEnd:
         settled, last = self._settled(client_gone)
         if settled:
             return last
+        oversized = isinstance(exc, EventTooLarge) and isinstance(self._relay, ResponsesRelay)
         return self._worker_failed_end(504 if exc.timed_out else 502,
-                                       f"worker failed mid-stream: {exc}")
+                                       f"worker failed mid-stream: {exc}",
+                                       "event_too_large" if oversized else None)
 
     def _worker_failed_end(self, status: int, message: str,
                            router_end: str | None = None) -> bytes:

@@ -3,7 +3,7 @@
 
 :class:`SseRelay` splits a server-sent-event byte stream into whole events, hands each
 to the observer, and yields what the client gets, one event as soon as it is complete:
-no buffering beyond one partial event.
+no buffering beyond one partial event, itself bounded (:class:`EventTooLarge`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import msgspec
 
 from kvhint.router.policy import FinishReason
 from kvhint.router.safe_text import escaped
+from kvhint.router.service.upstream import UpstreamBroken
 
 
 class _Function(msgspec.Struct):
@@ -52,6 +53,28 @@ class _Body(msgspec.Struct):
     # vLLM's error event in a stream that had started (status 200): no usage follows.
     error: object = None
     system_fingerprint: str | None = None
+
+
+class EventTooLarge(UpstreamBroken):
+    """A relay's unfinished event grew past its bound (``stream_event_max_bytes``): the
+    worker (or a proxy before it) sent that many bytes without an event's end. Its
+    stream is failed as a broken one (relay_end.py ``RelayEnd.broken``: 502, the
+    router's own terminal event); before, the relay held the bytes for as long as they
+    came, growing the router's memory without bound."""
+
+    def __init__(self, worker_id: str, size: int, limit: int) -> None:
+        super().__init__(f"worker {worker_id}: sent {size} bytes of one event without "
+                         f"its end, past {limit} (stream_event_max_bytes)")
+
+
+def check_pending(pending: bytearray, limit: int | None, worker_id: str) -> None:
+    """Raises :class:`EventTooLarge` where a relay's unfinished event (``pending``) is
+    over ``limit`` bytes (None: no bound), emptied first (its bytes are dropped: the
+    stream ends with the router's error event, never with that event's head)."""
+    if limit is not None and len(pending) > limit:
+        size = len(pending)
+        pending.clear()
+        raise EventTooLarge(worker_id, size, limit)
 
 
 _body_decoder = msgspec.json.Decoder(_Body)
@@ -207,12 +230,17 @@ class SseRelay:
         # event, which the client's SSE parser would read as that event's tail.
         self.hold_cut_tail = False
         self.cut_tail = 0
+        # The bound on an unfinished event's bytes (:func:`check_pending`), set by the
+        # caller (relay_end.py ``RelayEnd``) with the worker it names; None: unbounded.
+        self.max_event_bytes: int | None = None
+        self.worker_id = ""
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             out = self.feed(chunk)
             if out:
                 yield out
+            check_pending(self._pending, self.max_event_bytes, self.worker_id)
         # A stream that ended mid-event: pass the rest through as it is (held back where
         # the caller ends the stream itself, ``hold_cut_tail``).
         rest, self._pending = bytes(self._pending), bytearray()

@@ -366,7 +366,8 @@ def _streamed(upstream: UpstreamResponse, headers: dict[str, str],
     counted = gone = False
     # A client gone is counted 499 even after the terminal event (the stream is left
     # there anyway: :meth:`RelayEnd.read_no_further`).
-    end = RelayEnd(relay, watch, upstream, runtime.metrics, served_once_finished=False)
+    end = RelayEnd(relay, watch, upstream, runtime.metrics, served_once_finished=False,
+                   max_event_bytes=runtime.settings.stream_event_max_bytes)
 
     async def chunks() -> AsyncGenerator[bytes, None]:
         nonlocal counted

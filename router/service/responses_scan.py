@@ -29,6 +29,7 @@ from kvhint.router.safe_text import escaped
 from kvhint.router.service.response_scan import (
     ResponseObservation,
     SseRelay,
+    check_pending,
     cut_events,
     whole_events,
 )
@@ -212,12 +213,17 @@ class ResponsesRelay:
         # own terminal event, which the client's SSE parser would read as its tail.
         self.hold_cut_tail = False
         self.cut_tail = 0
+        # The bound on an unfinished event's bytes (response_scan.py ``check_pending``),
+        # set by the caller (relay_end.py ``RelayEnd``); None: unbounded.
+        self.max_event_bytes: int | None = None
+        self.worker_id = ""
 
     async def relay(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in chunks:
             out = self.feed(chunk)
             if out:
                 yield out
+            check_pending(self._pending, self.max_event_bytes, self.worker_id)
         rest, self._pending = bytes(self._pending), bytearray()
         if rest and self.hold_cut_tail and not self.finished:
             self.cut_tail = len(rest)  # dropped, said in the router's terminal event

@@ -214,7 +214,8 @@ class RouterRuntime:
         prober = HealthProber(workers, pool, settings.health_probe_s, metrics)
         forwarder = Forwarder(workers, routing, pool, lifecycle, metrics,
                               on_worker_down=prober.probe_later, recorder=recorder,
-                              index_exact=ingestor.view_exact if link is not None else None)
+                              index_exact=ingestor.view_exact if link is not None else None,
+                              max_event_bytes=settings.stream_event_max_bytes)
         runtime = cls(settings, directory, metrics, engine, writer, workers, sessions, hints,
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
                       TenantCallRate(directory, metrics), link=link, models=models,

@@ -304,6 +304,13 @@ class RouterSettings(BaseSettings):
         "At least 0.05 s: a down worker is probed this often; a tinier period sends "
         "probes back to back."))
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # The most bytes of one event a relayed stream (chat, completions, Responses) may
+    # send without the event's end (a blank line): past it the router drops them and ends
+    # the stream as a broken one (502, its own error event), rather than holding them
+    # for as long as a worker or proxy sends them. Above the largest event a worker
+    # sends: a Responses stream's terminal event carries the whole response, which
+    # echoes the request's instructions and tools (up to max_body_bytes). None: no bound.
+    stream_event_max_bytes: int | None = Field(64 * 1024 * 1024, gt=0)
     # The client-facing HTTP server (h11: httptools bounds no header's size). A request
     # line plus headers over this many bytes is refused and its connection closed.
     max_header_bytes: int = Field(64 * 1024, ge=1024)
