@@ -15,16 +15,18 @@ import dataclasses
 import heapq
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import AfterValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvhint.router.policy import ANY_TOOL, USER_GAP, LearnedStats, agent_scope
 from kvhint.router.policy.tenant_feedback import TENANTS_KEY, SplitFeedback
+from kvhint.router.safe_text import unsafe_refusal
 from kvhint.router.service.cross_site import cross_site_refusal
 from kvhint.router.service.hint_records import HintStatus
 from kvhint.router.service.runtime import RouterRuntime
@@ -43,17 +45,23 @@ from kvhint.router.store.reader import (
 # Tools listed per tenant in the overview's learnt figures (its most observed ones).
 _LEARNED_TOOLS_SHOWN = 20
 
-# Names in paths and queries: no control characters (PostgreSQL refuses a NUL, which
-# was a 500), bounded; a bad one is a 422 naming the parameter.
-_NAME = {"max_length": 512, "pattern": r"^[^\x00-\x1f\x7f]*$"}
+# Names in paths and queries (tenants, session ids, workers): bounded, and none holding
+# what the gateway refuses in a session id (safe_text.py's one rule: C0 and C1 controls,
+# DEL, bidi and other format characters, line separators; PostgreSQL refuses a NUL,
+# which was a 500). Before, only C0 and DEL were refused here. A bad one is a 422
+# naming the parameter and the character, escaped.
+_NAME_MAX_LENGTH = 512
 
 
-def _query_name() -> Any:
-    return Query(None, **_NAME)
+def _safe_name(value: str | None) -> str | None:
+    if value is not None and (bad := unsafe_refusal(value)) is not None:
+        raise ValueError(f"holds a control, bidi or other format character ({bad})")
+    return value
 
 
-def _path_name() -> Any:
-    return Path(..., **_NAME)
+_QueryName = Annotated[str | None, Query(max_length=_NAME_MAX_LENGTH),
+                       AfterValidator(_safe_name)]
+_PathName = Annotated[str, Path(max_length=_NAME_MAX_LENGTH), AfterValidator(_safe_name)]
 
 
 class Refusal(HTTPException):
@@ -197,12 +205,14 @@ def worker_view(runtime: RouterRuntime, worker_id: str,
     - shown: its id, address and whether it came from the config (fleet configuration);
       ``http_up``, ``plugin_alive``, ``epoch`` and the event stream's phase and epoch
       (liveness); its heartbeat ``status`` less what traffic makes of it (model, block
-      size, hash, supported actions and budgets: capabilities and capacity).
+      size, hash algorithm, supported actions and budgets: capabilities and capacity).
     - null: ``requests``, ``inflight``, the heartbeat's ``usage`` and ``last_event_seq``,
       ``index_blocks``, the stream's ``applied_seq`` and ``counters``, ``held_by_hints``
       (every tenant's requests, cached blocks and holds, counted); ``http_failures`` and
       ``last_http_error`` (the failures of other tenants' requests, and their error
-      text). None of these is kept per tenant.
+      text). None of these is kept per tenant. The heartbeat's ``none_hash_seed`` and
+      ``cache_namespace`` (the hash chain's seed, in clear in the namespace too:
+      trust-boundary configuration, no tenant's business).
     - ``feedback`` (what hint outcomes taught the planner) in part: the worker's
       capability part and the tenant's own part, never another tenant's
       (:meth:`SplitFeedback.to_dict_of`), its reasons without the worker-wide budget
@@ -279,6 +289,14 @@ def _status_view(worker: Any, fleet: bool) -> dict[str, Any] | None:
     if not fleet:  # every tenant's traffic: its KV use and holds, its events' count
         status["usage"] = None
         status["last_event_seq"] = None
+        # The seed of the worker's block-hash chain, and its cache_namespace, which
+        # holds it in clear: the worker's PYTHONHASHSEED where set (also the key of its
+        # Python processes' str hashing), which with xxhash is what keeps block hashes
+        # unpredictable (docs/router.md). Trust-boundary configuration, on NATS for the
+        # router, that no tenant needs: before, every tenant admin read it here. Null as
+        # the fleet-only fields are (not "secret", which a null seed means on the wire).
+        status["none_hash_seed"] = None
+        status["cache_namespace"] = None
     return status
 
 
@@ -295,7 +313,7 @@ def build_admin_router() -> APIRouter:
                                      Depends(_charge_call)])
 
     @router.get("/sessions")
-    async def list_sessions(request: Request, tenant: str | None = _query_name(),
+    async def list_sessions(request: Request, tenant: _QueryName = None,
                             state: SessionState | None = None,
                             source: Literal["memory", "store"] = "memory",
                             limit: int = Query(100, ge=1, le=10_000),
@@ -313,8 +331,8 @@ def build_admin_router() -> APIRouter:
                 "total": len(records), "source": "memory"}
 
     @router.get("/sessions/{tenant}/{session_id:path}")
-    async def get_one_session(request: Request, tenant: str = _path_name(),
-                              session_id: str = _path_name(),
+    async def get_one_session(request: Request, tenant: _PathName,
+                              session_id: _PathName,
                               principal: Principal = Depends(admin_principal)
                               ) -> dict[str, Any]:
         runtime: RouterRuntime = request.app.state.runtime
@@ -331,8 +349,8 @@ def build_admin_router() -> APIRouter:
         return {**row, "source": "store", "hints": hints}
 
     @router.post("/sessions/{tenant}/{session_id:path}/end")
-    async def end_session(request: Request, tenant: str = _path_name(),
-                          session_id: str = _path_name(),
+    async def end_session(request: Request, tenant: _PathName,
+                          session_id: _PathName,
                           principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
         runtime: RouterRuntime = request.app.state.runtime
         _scope(principal, tenant)
@@ -351,15 +369,15 @@ def build_admin_router() -> APIRouter:
                             for w in runtime.workers.all()]}
 
     @router.get("/workers/{worker_id}")
-    async def get_worker(request: Request, worker_id: str = _path_name(),
+    async def get_worker(request: Request, worker_id: _PathName,
                          principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
         return worker_view(request.app.state.runtime, worker_id, principal)
 
     @router.get("/hints")
     async def list_hints(request: Request, status: HintStatus | None = None,
-                         tenant: str | None = _query_name(),
-                         session_id: str | None = _query_name(),
-                         worker_id: str | None = _query_name(),
+                         tenant: _QueryName = None,
+                         session_id: _QueryName = None,
+                         worker_id: _QueryName = None,
                          limit: int = Query(100, ge=1, le=10_000),
                          principal: Principal = Depends(admin_principal)) -> dict[str, Any]:
         runtime: RouterRuntime = request.app.state.runtime

@@ -37,6 +37,7 @@ from kvhint.router.service.inbound import (
     error_response,
     parse_inbound,
     read_body_within,
+    refusal_headers,
 )
 from kvhint.router.service.metrics import CONTENT_TYPE
 from kvhint.router.service.origin_policy import OriginPolicy
@@ -322,8 +323,11 @@ async def _ready(request: Request) -> Response:
         reason = "every known worker is down"
     else:
         reason = "no worker has answered yet"
+    # An error answer as the router's others are (refusal_headers: ``nosniff``); its
+    # body stays the probe's own shape, which load balancers and tests read.
     return JSONResponse({"status": "not_ready", "reason": reason,
-                         "known_workers": len(workers)}, status_code=503)
+                         "known_workers": len(workers)}, status_code=503,
+                        headers=refusal_headers(503))
 
 
 async def _metrics(request: Request) -> Response:

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -69,6 +69,8 @@ from kvhint.schemas import (
 )
 
 log = logging.getLogger(__name__)
+# What a payload decoder reads (:meth:`ClusterFeed._decoded`).
+_Decoded = TypeVar("_Decoded")
 
 OUTCOMES_CURSOR = "outcomes_stream_seq"
 RELEASES_CURSOR = "releases_stream_seq"
@@ -363,14 +365,22 @@ class ClusterFeed:
                         "host in heartbeat_worker_hosts", status.worker_id, url[:200], reason)
         return msgspec.structs.replace(status, http_url=None)
 
-    async def _on_outcome(self, msg: Msg) -> None:
-        self.outcomes.handled(msg)  # only a JetStream delivery moves the cursor
+    def _decoded(self, msg: Msg, decode: Callable[[bytes], _Decoded], what: str,
+                 drop: str) -> _Decoded | None:
+        """``msg``'s payload as ``decode`` reads it, or None for a malformed one: logged
+        (as ``what``) and counted as the drop ``drop``; the caller returns on None."""
         try:
-            outcome = decode_outcome(msg.data)
+            return decode(msg.data)
         except WireDecodeError as exc:
             # repr'd: msgspec's message quotes the sender's field names and values as is
-            log.warning("malformed outcome on %r: %r", msg.subject, str(exc)[:500])
-            self._metrics.drop("outcome_malformed")
+            log.warning("malformed %s on %r: %r", what, msg.subject, str(exc)[:500])
+            self._metrics.drop(drop)
+            return None
+
+    async def _on_outcome(self, msg: Msg) -> None:
+        self.outcomes.handled(msg)  # only a JetStream delivery moves the cursor
+        outcome = self._decoded(msg, decode_outcome, "outcome", "outcome_malformed")
+        if outcome is None:
             return
         if is_unknown_status(outcome):
             # A newer plugin's status, read as a terminal rejection (schemas.outcomes).
@@ -391,11 +401,8 @@ class ClusterFeed:
 
     async def _on_releases(self, msg: Msg) -> None:
         self.releases.handled(msg)  # only a JetStream delivery moves the cursor
-        try:
-            message = decode_releases(msg.data)
-        except WireDecodeError as exc:
-            log.warning("malformed hold releases on %r: %r", msg.subject, str(exc)[:500])
-            self._metrics.drop("releases_malformed")
+        message = self._decoded(msg, decode_releases, "hold releases", "releases_malformed")
+        if message is None:
             return
         if message.unreadable:
             # The rest of the message is applied (before, one bad entry lost them all).

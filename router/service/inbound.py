@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import msgspec
 from starlette.responses import Response
 
-from kvhint.router.safe_text import unsafe_char
+from kvhint.router.safe_text import unsafe_refusal
 from kvhint.router.service.request_fields import (
     PRIORITY_REJECTION,
     priority_refusal,
@@ -398,13 +398,13 @@ def check_session_id(value: Any, source: str = "session_id") -> str:
     if len(value) > MAX_SESSION_ID_LEN:
         raise BadRequest(f"{source} is longer than {MAX_SESSION_ID_LEN} characters",
                          param=source, rejection=SESSION_ID_REJECTION)
-    # DEL too: the admin API refuses it in a path (admin_api.py ``_NAME``), so a session
-    # named with one could be made here but never read or ended there.
-    if (bad := unsafe_char(value)) is not None:
-        raise BadRequest(f"{source} contains control characters ({bad!r} at "
-                         f"{value.index(bad)}): an id may hold no C0 or C1 control, "
-                         "DEL, bidi, zero-width or other format character (an "
-                         "X-Session-ID header is read as UTF-8)", param=source,
+    # The admin API refuses the same in a path (admin_api.py ``_safe_name``, the one
+    # rule of safe_text.py), so a session named here can be read and ended there.
+    if (bad := unsafe_refusal(value)) is not None:
+        raise BadRequest(f"{source} contains control characters ({bad}): an id may hold "
+                         "no C0 or C1 control, DEL, bidi, zero-width (but a joiner in an "
+                         "emoji sequence) or other format character (an X-Session-ID "
+                         "header is read as UTF-8)", param=source,
                          rejection=SESSION_ID_REJECTION)
     return value
 

@@ -65,6 +65,12 @@ async def test_hostile_wire_strings_cannot_forge_log_lines(
             await nc.publish(subjects.releases("w0"), b'{"x\\n%s by a release": 1}'
                              % FORGED.encode())
             await until(lambda: len(warned("malformed")) >= 2 and bool(warned("superseded")))
+            # Each malformed message is named for its kind and counted once, by its drop.
+            outcomes, releases = subjects.outcomes("w0"), subjects.releases("w0")
+            assert len(warned(f"malformed outcome on {outcomes!r}")) == 1
+            assert len(warned(f"malformed hold releases on {releases!r}")) == 1
+            for drop in ("outcome_malformed", "releases_malformed"):
+                assert runtime.metrics.drops.labels(drop)._value.get() == 1, drop
 
         messages = [r.getMessage() for r in caplog.records]
         for message in messages:

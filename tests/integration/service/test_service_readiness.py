@@ -71,3 +71,16 @@ async def test_a_worker_that_moved_is_not_ready_until_it_answers_at_its_new_addr
         served = await client.post(f"{router.url}/v1/chat/completions", json=CHAT)
         assert served.status_code == 200, served.text
         assert (await client.get(f"{router.url}/ready")).status_code == 200
+
+
+async def test_not_ready_is_an_error_answer_never_sniffed(tmp_path: Path) -> None:
+    """The 503 carries ``X-Content-Type-Options: nosniff`` as the router's other error
+    answers do (refusal_headers); before, it alone did not, on the origin that serves
+    the dashboard."""
+    settings = router_settings(tmp_path, [("dead", "http://127.0.0.1:9")])
+    async with running_router(settings) as router, httpx.AsyncClient() as client:
+        ready = await client.get(f"{router.url}/ready")
+        assert ready.status_code == 503
+        assert ready.headers["content-type"] == "application/json"
+        assert ready.headers["x-content-type-options"] == "nosniff"
+        assert ready.json()["status"] == "not_ready"
