@@ -91,6 +91,9 @@ _VARIABLES: dict[tuple[str, str], Callable[[], set[str]]] = {
     ("service/trace_recorder.py", "reason"): lambda: _returned(
         _SERVICE / "flight_accounting.py", "_traced") | _assigned(
         _SERVICE / "trace_recorder.py", "finished"),
+    # ClusterFeed._decoded(msg, decode, what, drop): each caller names its drop.
+    ("service/cluster_feed.py", "drop"): lambda: _call_literals(
+        _SERVICE / "cluster_feed.py", "_decoded", 3),
 }
 
 
