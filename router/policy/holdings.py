@@ -88,6 +88,21 @@ def agent_scope(session_scope: str) -> str:
     return AGENT_SCOPE + session_scope
 
 
+# The API actions whose ``block_hashes`` target gets a scope of its own (block_hash_scope;
+# a Prefetch is each its own already: prefetch_scope).
+BLOCK_HASH_SCOPE_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
+                                    ActionType.DEMOTE.value})
+
+
+def block_hash_scope(scope: str, action_id: str) -> str:
+    """The scope of an API Pin/Retain/Demote whose target is ``block_hashes`` (sent for
+    the session ``scope`` names): one of its own, as the worker keeps a block-hash claim
+    apart from the session's (no newer claim of the session supersedes it, and it
+    supersedes none of them; hint_api_actions.holding_scope). Before, it shared the
+    session's scope, and the ledger let go the session's holding the worker kept."""
+    return f"{scope}#{action_id}"
+
+
 def room_left(held: int, limit: int | None) -> int:
     """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
     if limit is None:
@@ -360,6 +375,10 @@ class HoldingsLedger:
             self._drop(held)
         elif still_held < held.blocks:
             self._set_blocks(held, still_held)
+
+    def held_on(self, worker_id: str) -> list[str]:
+        """The action ids of the live holdings on the worker."""
+        return [h.action_id for h in self._by_id.values() if h.worker_id == worker_id]
 
     def forget_worker(self, worker_id: str) -> int:
         """The worker holds nothing any more (its engine restarted; it is gone): forget

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from kvhint.router.policy import agent_scope
+from kvhint.router.policy.holdings import BLOCK_HASH_SCOPE_TYPES, block_hash_scope
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.tenancy import Principal
 from kvhint.schemas import (
@@ -87,10 +88,17 @@ def call_action_ids(actions: list[HintRequestAction], tenant_name: str,
 def holding_scope(action: KvHintAction, worker_sid: str) -> str:
     """The router's holding scope of an API action: the agent's own, apart from the
     planner's, where the worker keeps owners apart (the action says ``owner``); else the
-    session's, which the planner's next protection replaces, as the worker does."""
-    if action.payload.get("owner") == HintOwner.AGENT.value:
-        return agent_scope(worker_sid)
-    return worker_sid
+    session's, which the planner's next protection replaces, as the worker does. A
+    Pin/Retain/Demote naming ``block_hashes`` has one of its own within that
+    (:func:`~kvhint.router.policy.holdings.block_hash_scope`): the worker supersedes no
+    session claim with it, nor it with a session's (a Prefetch is each its own already)."""
+    scope = (agent_scope(worker_sid) if action.payload.get("owner") == HintOwner.AGENT.value
+             else worker_sid)
+    target = action.payload.get("target")
+    if (isinstance(target, dict) and target.get("block_hashes")
+            and action.action_type in BLOCK_HASH_SCOPE_TYPES):
+        return block_hash_scope(scope, action.action_id)
+    return scope
 
 
 def held_for_s(payload: HintPayload, budgets: Budgets) -> float:

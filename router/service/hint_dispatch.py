@@ -63,6 +63,7 @@ from kvhint.schemas import (
     Amount,
     HintOutcome,
     HoldRelease,
+    ReleaseReason,
     Subjects,
     evict_rest_supported,
 )
@@ -172,15 +173,34 @@ class HintDispatcher:
         (``hints_total{outcome="expired"}``), at most ``OUTCOME_DEADLINE_S`` from now: a
         Prefetch the old engine still had waiting is no longer waited for until its own
         deadline (the new engine never answers it); an answer no longer brings their
-        holding back."""
+        holding back. Both are stored: each action let go is marked released by a
+        ``reset``, holding nothing, which :meth:`restore` reads (before, a router restart
+        counted the old engine's holds until their TTL, and a Prefetch it had waiting
+        was held and waited for until its own deadline)."""
         self._learning.reset_worker(worker_id)
+        now = self._clock()
+        waiting = [r for r in self.pending.values() if r.worker_id == worker_id]
+        let_go = dict.fromkeys([*self.holdings.held_on(worker_id),
+                                *(r.action_id for r in waiting)])
         dropped = self.holdings.forget_worker(worker_id)
         if dropped:
             self._metrics.drop("hint_dropped:worker_restarted", dropped)
-        cut = self._clock() + OUTCOME_DEADLINE_S
-        for record in self.pending.values():
-            if record.worker_id == worker_id and record.outcome_due() > cut:
-                record.due_at = cut
+        for action_id in let_go:
+            self._engine_restarted(action_id, now)
+        for record in waiting:
+            record.cut_wait(now)
+
+    def _engine_restarted(self, action_id: str, now: float) -> None:
+        """The action's holds went with its worker's old engine: its record and row say
+        so as a ``reset`` release would (a late answer is capped: :meth:`effective`)."""
+        record = self.pending.get(action_id) or self._recent_by_id.get(action_id)
+        if record is not None:
+            record.release_reason, record.released_at = ReleaseReason.RESET.value, now
+            record.held_after_release_blocks = 0
+        if self._writer is not None:  # the action's row (a no-op for one never stored)
+            self._writer.update("hint_actions", (action_id,), {
+                "action_id": action_id, "release_reason": ReleaseReason.RESET.value,
+                "released_at": now, "held_after_release_blocks": 0})
 
     def forget_worker(self, worker_id: str) -> None:
         """The registry forgot the worker (heard only by its heartbeats, silent for good):
@@ -446,22 +466,15 @@ class HintDispatcher:
         pending = [row for row in pending if row["worker_id"] in self._workers]
         for row in held:
             record = SentAction.from_row(row)
-            blocks = record.held_after_release_blocks
-            blocks = record.applied_blocks if blocks is None else blocks
+            blocks = record.still_held()
             if blocks > 0 and not self._hold(record, blocks):
                 self._metrics.drop("hint_not_restored:unscoped")
         now = self._clock()
         for row in pending:
             record = SentAction.from_row(row)
-            # Its outcome may be on its way in the outcome stream this router replays
-            # from its cursor after the restart: it gets OUTCOME_DEADLINE_S from now, or
-            # past the time its worker must answer if later (a Prefetch still waiting
-            # on its worker until its deadline: SentAction.outcome_due).
-            # Before, an action sent more than that before the restart expired at the
-            # first tick, and its outcome arriving a moment later was "unknown".
-            record.waiting_since = now
+            record.restored_waiting(now)
             self.pending[record.action_id] = record
-            self._hold(record, record.requested_blocks)
+            self._hold(record, record.still_held())
 
     def _hold(self, record: SentAction, blocks: int) -> bool:
         """Count a stored action's holding again; False when it cannot be (nothing held,

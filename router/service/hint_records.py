@@ -16,7 +16,14 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvhint.schemas import ActionType, Amount, HintOutcome, OutcomeStatus, PrefetchPayload
+from kvhint.schemas import (
+    ActionType,
+    Amount,
+    HintOutcome,
+    OutcomeStatus,
+    PrefetchPayload,
+    ReleaseReason,
+)
 from kvhint.schemas.hints import MAX_TTL_S
 
 PENDING = "pending"
@@ -120,6 +127,35 @@ class SentAction:
         start = self.waiting_since or self.created_at
         answer_by = self.created_at + worker_wait_s(self.action_type, self.payload)
         return max(start, answer_by) + OUTCOME_DEADLINE_S
+
+    def restored_waiting(self, now: float) -> None:
+        """Restored at ``now`` by a router restart, still waiting for its outcome, which
+        may be on its way in the outcome stream the router replays from its cursor: it
+        gets ``OUTCOME_DEADLINE_S`` from now, or past the time its worker must answer if
+        later (:meth:`outcome_due`). Before, an action sent more than that before the
+        restart expired at the first tick, and its outcome arriving a moment later was
+        "unknown". One whose worker's engine restarted after the send (its row says a
+        ``reset`` released it: HintDispatcher.reset_worker) keeps the cut that made of
+        its wait: ``OUTCOME_DEADLINE_S`` from then or from now, whichever is later
+        (before, the restart restored a Prefetch's wait until its own deadline, though
+        the new engine never answers it)."""
+        self.waiting_since = now
+        if self.release_reason == ReleaseReason.RESET.value and self.released_at is not None:
+            self.cut_wait(max(now, self.released_at))
+
+    def cut_wait(self, since: float) -> None:
+        """Its worker's engine restarted at ``since`` (a new engine answers no action of
+        the old): wait no longer than ``OUTCOME_DEADLINE_S`` from then."""
+        cut = since + OUTCOME_DEADLINE_S
+        if self.outcome_due() > cut:
+            self.due_at = cut
+
+    def still_held(self) -> int:
+        """The blocks it holds as far as the router was told: what it applied (asked for,
+        while it waits for its answer), less what its worker since said it let go."""
+        asked = self.requested_blocks if not self.terminal else self.applied_blocks
+        released = self.held_after_release_blocks
+        return asked if released is None else min(asked, released)
 
     def overdue_reason(self) -> str:
         """The ``expired`` reason of an action past :meth:`outcome_due`."""

@@ -14,7 +14,9 @@ derives them by the rules the router applies when it sends an action now:
 
 - ``scope``: a session target's ``session_id`` (the worker-side ``<tenant>/<session>``);
   an API action naming ``block_hashes``, its session's (``<tenant>/<session_id>`` of the
-  row); the planner's shared-prefix Retain, ``prefix:<tenant>:<hash>``
+  row), with ``#<action_id>`` after it for a Pin/Retain/Demote (a scope of its own:
+  :func:`kvhint.router.policy.holdings.block_hash_scope`); the planner's shared-prefix
+  Retain, ``prefix:<tenant>:<hash>``
   (:func:`shared_prefix_scope`); ``agent:`` before it when the payload says
   ``owner: agent`` (:func:`kvhint.router.policy.agent_scope`). See
   ``router/service/hint_api_actions.py`` ``holding_scope`` and
@@ -47,7 +49,12 @@ from typing import Any
 
 import msgspec
 
-from kvhint.router.policy.holdings import agent_scope, prefetch_held_until
+from kvhint.router.policy.holdings import (
+    BLOCK_HASH_SCOPE_TYPES,
+    agent_scope,
+    block_hash_scope,
+    prefetch_held_until,
+)
 from kvhint.router.policy.shared_prefixes import PREFIX_SCOPE
 from kvhint.schemas import Budgets
 from kvhint.schemas.hints import (
@@ -117,7 +124,10 @@ def derived_scope(row: Mapping[str, Any], payload: HintPayload) -> str | None:
     else:
         return None
     if getattr(payload, "owner", HintOwner.PLANNER) is HintOwner.AGENT:
-        return agent_scope(scope)
+        scope = agent_scope(scope)
+    if (target.block_hashes and row.get("action_type") in BLOCK_HASH_SCOPE_TYPES
+            and row.get("action_id") is not None):
+        return block_hash_scope(scope, row["action_id"])
     return scope
 
 
