@@ -92,9 +92,11 @@ async def test_a_bad_admin_parameter_answers_422_in_the_error_shape_without_its_
         for path, params, name, says in (
                 ("/admin/sessions", {"limit": "0"}, "limit", "greater than or equal to 1"),
                 ("/admin/hints", {"limit": secret}, "limit", "valid integer"),
-                ("/admin/hints", {"session_id": f"{secret}\x00"}, "session_id", "pattern"),
+                ("/admin/hints", {"session_id": f"{secret}\x00"}, "session_id",
+                 "control, bidi or other format character ('\\x00' at 12)"),
                 ("/admin/sessions", {"source": secret}, "source", "'memory' or 'store'"),
-                (f"/admin/workers/{secret}%01", {}, "worker_id", "pattern")):
+                (f"/admin/workers/{secret}%01", {}, "worker_id",
+                 "control, bidi or other format character ('\\x01' at 12)")):
             response = await client.get(f"{url}{path}", params=params, headers=admin)
             error = _error(response, 422)
             assert error["type"] == "invalid_request_error", error
