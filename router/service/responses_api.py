@@ -300,7 +300,9 @@ class ResponsesGateway:
         if not headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 payload = await upstream.read()
-            except UpstreamBroken as exc:
+            except UpstreamBroken as exc:  # past upstream_answer_max_bytes too
+                # A broken answer, as a POST's or a streamed GET's is (forwarding.py).
+                self._runtime.metrics.broken_streams.labels(upstream.worker_id).inc()
                 code = 504 if exc.timed_out else 502
                 count(code)
                 return error_response(f"worker failed while responding: {exc}", code)

@@ -191,7 +191,8 @@ class RouterRuntime:
         pool = UpstreamPool(settings.connect_timeout_s, settings.request_timeout_s,
                             settings.worker_api_key,
                             {w.id: w.api_key for w in settings.workers if w.api_key is not None},
-                            keepalive_s=settings.upstream_keepalive_s)
+                            keepalive_s=settings.upstream_keepalive_s,
+                            answer_max_bytes=settings.upstream_answer_max_bytes)
         await pool.start()
         models = await discover_models(settings, workers, pool)
         hasher = await warm_hasher(models, settings.block_size, settings.model_prompts)

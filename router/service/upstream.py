@@ -13,11 +13,20 @@ after the request was sent or between two chunks of its body. Running past that 
 :class:`UpstreamTimeout` before the response starts, an :class:`UpstreamBroken` with
 ``timed_out`` after: a slow worker, not a dead one, which may still be running the
 request, so it is neither marked down nor given the request again elsewhere.
+
+What the router reads whole is bounded in bytes (a stream is relayed as it comes, each
+event bounded by its relay: response_scan.py): a non-streamed answer by
+``upstream_answer_max_bytes`` (:meth:`UpstreamResponse.read`), a 502/503/504's body and a
+``/v1/models`` listing by :data:`SMALL_ANSWER_MAX_BYTES`. Past it the router stops
+reading and closes the connection (:class:`AnswerTooLarge`, a broken answer): before, a
+worker or a proxy before it answering an endless body grew the router's memory without
+bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +42,16 @@ RETRYABLE_STATUSES = frozenset({502, 503, 504})
 # reaches a worker (no client header does), so no client can steer a request off the
 # rank the router chose, or onto a rank the router did not.
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+
+# A non-streamed answer's default bound (``upstream_answer_max_bytes``): far above any
+# real one (a chat answer with n choices and top logprobs runs to tens of MiB; a stored
+# Responses object echoes its request's instructions and tools, up to max_body_bytes).
+DEFAULT_ANSWER_MAX_BYTES = 256 * 1024 * 1024
+# What the router reads whole that is small by nature: a worker's (or a proxy's)
+# 502/503/504 error body, passed to the client where no other worker takes the request,
+# and a /v1/models listing (about 600 bytes a model card: some 1,700 models or LoRA
+# adapters).
+SMALL_ANSWER_MAX_BYTES = 1024 * 1024
 
 # Never copied from a worker's response to the client.
 _HOP_BY_HOP = frozenset({
@@ -81,6 +100,38 @@ class UpstreamBroken(Exception):
         self.timed_out = timed_out
 
 
+class AnswerTooLarge(UpstreamBroken):
+    """A body the router reads whole ran past its bound (its Content-Length, or the
+    bytes that came): the router read no further and closed the connection. A broken
+    answer (the client's 502), never passed on in part."""
+
+    def __init__(self, worker_id: str, size: int, limit: int, bound: str) -> None:
+        super().__init__(f"worker {worker_id}: answered {size} bytes or more, past "
+                         f"{limit} ({bound})")
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, worker_id: str,
+                        limit: int | None, bound: str) -> bytes:
+    """``response``'s whole body, at most ``limit`` bytes (None: unbounded); past it
+    :class:`AnswerTooLarge`, the connection closed (not kept for reuse: the rest of the
+    body is still coming) and nothing read kept. A Content-Length over it is refused
+    before any byte is read. The caller releases ``response`` (a no-op once closed)."""
+    if limit is None:
+        return await response.read()
+    if response.content_length is not None and response.content_length > limit:
+        response.close()
+        raise AnswerTooLarge(worker_id, response.content_length, limit, bound)
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            size = len(body)
+            body.clear()
+            response.close()
+            raise AnswerTooLarge(worker_id, size, limit, bound)
+    return bytes(body)
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     """What one ``/health`` probe found. ``address_failed``: the failure is a fact of the
@@ -101,10 +152,15 @@ class UpstreamResponse:
     headers: dict[str, str]
     _response: aiohttp.ClientResponse
     _read_timeout_s: float
+    # The most bytes :meth:`read` takes (``upstream_answer_max_bytes``); None: no bound.
+    _max_bytes: int | None = DEFAULT_ANSWER_MAX_BYTES
 
     async def read(self) -> bytes:
+        """The whole body; past ``_max_bytes`` an :class:`AnswerTooLarge` (an
+        :class:`UpstreamBroken`: the caller answers it as any broken answer)."""
         try:
-            return await self._response.read()
+            return await _read_bounded(self._response, self.worker_id, self._max_bytes,
+                                       "upstream_answer_max_bytes")
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise self._broken(exc) from exc
         finally:
@@ -140,8 +196,10 @@ class UpstreamPool:
     def __init__(self, connect_timeout_s: float, request_timeout_s: float,
                  worker_api_key: SecretStr | None = None,
                  worker_api_keys: Mapping[str, SecretStr] | None = None, *,
-                 keepalive_s: float) -> None:
+                 keepalive_s: float,
+                 answer_max_bytes: int | None = DEFAULT_ANSWER_MAX_BYTES) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._answer_max_bytes = answer_max_bytes
         self._request_timeout_s = request_timeout_s
         self._keepalive_s = keepalive_s
         self._base_headers = {"Content-Type": "application/json"}
@@ -211,26 +269,29 @@ class UpstreamPool:
                                       "router's worker API key")
         if response.status in RETRYABLE_STATUSES:
             try:
-                error_body = await response.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                error_body = b""
+                error_body = await _read_bounded(response, worker_id,
+                                                 SMALL_ANSWER_MAX_BYTES, "an error's bound")
+            except (aiohttp.ClientError, asyncio.TimeoutError, AnswerTooLarge):
+                error_body = b""  # the status alone is told (unavailable_answer)
             finally:
                 response.release()
             raise UpstreamUnavailable(worker_id, f"HTTP {response.status}", response.status,
                                       error_body)
         return UpstreamResponse(worker_id, response.status, _copy_headers(response), response,
-                                self._request_timeout_s)
+                                self._request_timeout_s, self._answer_max_bytes)
 
     async def get_json(self, url: str, timeout_s: float, *, worker_id: str) -> object:
         """Small GETs (/v1/models) to ``worker_id`` (whose key goes with it); raises on
         any failure. A failed status is raised as an :class:`UpstreamUnavailable`, not
-        aiohttp's error, whose repr shows the request's headers (the key)."""
+        aiohttp's error, whose repr shows the request's headers (the key); a body past
+        :data:`SMALL_ANSWER_MAX_BYTES` as an :class:`AnswerTooLarge`."""
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                     headers=self._headers(worker_id)) as response:
             if response.status >= 400:
                 raise UpstreamUnavailable(worker_id, f"HTTP {response.status} from {url}",
                                           response.status)
-            return await response.json(content_type=None)
+            return json.loads(await _read_bounded(response, worker_id, SMALL_ANSWER_MAX_BYTES,
+                                                  "a model listing's bound"))
 
     async def probe(self, url: str, timeout_s: float, *, worker_id: str) -> ProbeResult:
         """A health probe of ``worker_id`` (its key goes with it): answered 200, or why
