@@ -259,11 +259,17 @@ async def _models(request: Request) -> Response:
     merged: dict[str, Any] = {}
     answered = False
     for result in results:
-        if isinstance(result, dict):
-            answered = True
-            for item in result.get("data", []):
-                if isinstance(item, dict) and "id" in item and tenant.may_use(str(item["id"])):
-                    merged.setdefault(item["id"], _client_model_card(item))
+        # A listing of another shape (``data`` no array, an id no string) is read as no
+        # answer, as one that is not JSON is: one worker's answer never fails the
+        # listing of the others' models (before, a TypeError here: every client's 500).
+        models = result.get("data", []) if isinstance(result, dict) else None
+        if not isinstance(models, list):
+            continue
+        answered = True
+        for item in models:
+            if (isinstance(item, dict) and isinstance(item.get("id"), str)
+                    and tenant.may_use(item["id"])):
+                merged.setdefault(item["id"], _client_model_card(item))
     if not answered:
         return error_response("no worker answered /v1/models", 502)
     return JSONResponse({"object": "list", "data": list(merged.values())})

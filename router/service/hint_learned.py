@@ -187,7 +187,10 @@ class LearnedState:
                         self._delete_feedback_row(worker_id)
                         continue
                     self._restore_feedback(row["data"])
-            except (KeyError, TypeError, ValueError) as exc:
+            # AttributeError: data of another shape (a string, a list: a hand edit, or
+            # on SQLite text that is not JSON, store.database._stored_json), which
+            # failed the router's start before.
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
                 log.warning("ignoring stored %s: %s", row.get("kind"), exc)
                 self._metrics.drop("learned_stats_unreadable")
         if pooled:

@@ -348,7 +348,10 @@ def _inline_media(part: dict[str, Any]) -> bool:
         return False
     key = keys[0]
     kind = part.get("type")
-    if kind is not None and _MEDIA_KEY_OF_TYPE.get(kind) != key:
+    # A ``type`` that is not a string (an array, an object: unhashable, which was a 500
+    # here) is left as sent: vLLM answers it 400 without a uuid, but would read the
+    # part by its key with one.
+    if kind is not None and (not isinstance(kind, str) or _MEDIA_KEY_OF_TYPE.get(kind) != key):
         return False
     value = part[key]
     if key in _URL_KEYS:

@@ -137,6 +137,8 @@ class RouterRuntime:
                                seed=secrets.randbits(64), budget_of=directory.budget,
                                tenants=[tenant.name for tenant in directory.tenants])
         hints.restore(recovery.learned, recovery.pending_actions, recovery.held_actions)
+        if recovery.unreadable_actions:  # rows whose payload is no object: left out
+            metrics.drop("hint_not_restored:unreadable", recovery.unreadable_actions)
         # Each tenant's own bound too (TenantConfig.max_sessions): one tenant's churn of
         # new session ids evicts only its own.
         sessions = SessionRegistry(

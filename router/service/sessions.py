@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any, Literal
 
+import msgspec
+
 from kvhint.router.policy.session import SessionPlanState
 from kvhint.router.service.session_merge import (
     MAX_BEGINS_KEPT,
@@ -106,6 +108,8 @@ class SessionRecord:
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> SessionRecord:
+        """The record of a stored ``row`` as :func:`readable_row` gives it (the registry
+        reads every row so, and counts what it leaves out)."""
         plan_data = row.get("plan")
         worker_sid = f"{row['tenant']}/{row['session_id']}"
         try:
@@ -135,6 +139,65 @@ class SessionRecord:
             revision=row.get("revision") or 0,
             base=SessionBase.of(row),
         )
+
+
+def readable_row(row: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``row`` with each JSON column this router cannot read as its own form set to None
+    (as a row that never had it), and the names of those columns. A row is whatever the
+    store gives back: hand-edited, restored from elsewhere, or on SQLite (a TEXT column)
+    not JSON at all (``database._stored_json`` gives such text back as a string). Before,
+    one such row failed the router's start (its recovery read every recent row) or made
+    each turn of its session a 500. Read so, the session keeps its counters and starts
+    its planner state, open gap or gap history afresh; the caller counts it
+    (``session_row_unreadable``). A plan must also name this row's own session and tenant:
+    one naming another's would have the planner hint that session."""
+    bad: list[str] = []
+    fixed = dict(row)
+    plan = row.get("plan")
+    if plan is not None and not _readable_plan(plan, row):
+        bad.append("plan")
+    open_gap = row.get("open_gap")
+    if open_gap is not None and not _readable_open_gap(open_gap):
+        bad.append("open_gap")
+    stats = row.get("tool_gap_stats")
+    if stats is not None and not (isinstance(stats, dict)
+                                  and isinstance(stats.get("gaps", []), list)
+                                  and all(isinstance(g, dict) for g in stats.get("gaps", []))):
+        bad.append("tool_gap_stats")
+    for column in bad:
+        fixed[column] = None
+    return fixed, tuple(bad)
+
+
+def _readable_plan(plan: Any, row: dict[str, Any]) -> bool:
+    """Whether ``plan`` reads as :meth:`SessionPlanState.from_dict` reads it, each field
+    of its type (msgspec: keys it does not know are left out, as from_dict leaves them),
+    naming this row's session. A protection alone unreadable is no problem: from_dict
+    leaves it out (the planner asks again)."""
+    if not isinstance(plan, dict):
+        return False
+    if not plan:
+        return True  # read as no plan (from_row), as before
+    try:
+        state = msgspec.convert(plan, SessionPlanState)
+    except msgspec.ValidationError:
+        try:
+            state = msgspec.convert({k: v for k, v in plan.items() if k != "protection"},
+                                    SessionPlanState)
+        except msgspec.ValidationError:
+            return False
+    return (state.tenant == row.get("tenant")
+            and state.session_id == f"{row.get('tenant')}/{row.get('session_id')}")
+
+
+def _readable_open_gap(gap: Any) -> bool:
+    """The form ``SessionLifecycle`` writes: ``{"tools": [str...], "started_at": t,
+    "worker_id": w}`` (``begin_turn`` reads the first two)."""
+    if not isinstance(gap, dict):
+        return False
+    tools, started = gap.get("tools", []), gap.get("started_at", 0.0)
+    return (isinstance(tools, list) and all(isinstance(t, str) for t in tools)
+            and isinstance(started, (int, float)) and not isinstance(started, bool))
 
 
 def _began(stored: Any) -> list[float]:
@@ -242,7 +305,7 @@ class SessionRegistry:
             record.revision, record.base = NOT_STORED, None
             outcome = "row_gone"
         else:
-            _merge_stored(record, stored)
+            _merge_stored(record, self._readable(stored))
             outcome = "merged"
         if self._on_conflict is not None:
             self._on_conflict(outcome)
@@ -260,7 +323,7 @@ class SessionRegistry:
             return False
         if (row.get("revision") or 0) <= record.revision:
             return False
-        _merge_stored(record, row)
+        _merge_stored(record, self._readable(row))
         self.save(record)  # a save queued before the merge must not be written as it was
         return True
 
@@ -276,17 +339,26 @@ class SessionRegistry:
         """The stored sessions ``rows`` in memory (at start-up). Any left out, or not in
         the store's recent rows, are read from the store on first sight
         (``SessionLifecycle.recall``), as every session this registry does not hold is."""
-        for record in sorted(map(SessionRecord.from_row, rows), key=lambda r: r.last_activity):
+        records = [SessionRecord.from_row(self._readable(row)) for row in rows]
+        for record in sorted(records, key=lambda r: r.last_activity):
             self._put(record)
         # A tenant's cap may be lower than at the last run: trim to it (least recent first).
         for tenant in list(self._by_tenant):
             self._make_room(tenant, 0)
         return len(rows)
 
+    def _readable(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A stored ``row`` as :func:`readable_row` reads it; one with a column it could
+        not read is counted (``session_row_unreadable``: what that column held is lost)."""
+        fixed, unreadable = readable_row(row)
+        if unreadable and self._on_drop is not None:
+            self._on_drop("session_row_unreadable", 1)
+        return fixed
+
     def adopt(self, row: dict[str, Any]) -> SessionRecord:
         """The stored session ``row`` in memory again (a session evicted earlier that
         came back); a record already in memory is kept as it is."""
-        record = SessionRecord.from_row(row)
+        record = SessionRecord.from_row(self._readable(row))
         current = self._sessions.get(record.key)
         return current if current is not None else self._add(record)
 

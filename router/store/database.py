@@ -6,11 +6,13 @@ Alembic migrations build both.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from importlib.resources import files
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -39,7 +41,8 @@ def create_store_engine(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIM
     start and every store flush hung for minutes on it."""
     if url.startswith("sqlite"):
         _ensure_sqlite_dir(url)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                               json_deserializer=_stored_json)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     parsed = make_url(url)
@@ -50,6 +53,19 @@ def create_store_engine(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIM
         connect_args["connect_timeout"] = max(2, math.ceil(connect_timeout_s))
     return create_engine(parsed, pool_pre_ping=True, pool_size=4, max_overflow=4,
                          connect_args=connect_args)
+
+
+def _stored_json(text: str) -> Any:
+    """A JSON column's value as SQLite gives it back (TEXT: nothing checked it was JSON
+    when written). Text that is not JSON (a hand edit, a torn restore) comes back as the
+    string it is, for its reader to refuse as of the wrong form, as it refuses a JSON
+    value of another shape, and count (a session's: service.sessions.readable_row; a
+    hint action's: reader._readable_action; learnt statistics: hint_learned). Before,
+    the read raised: one such row among those a start reads failed it, every time."""
+    try:
+        return json.loads(text)
+    except ValueError:  # json.JSONDecodeError
+        return text
 
 
 def store_unreachable(url: str, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> str:

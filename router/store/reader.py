@@ -55,6 +55,9 @@ class RecoveryState:
     learned: list[dict[str, Any]] = field(default_factory=list)
     workers: list[dict[str, Any]] = field(default_factory=list)
     cursors: dict[str, int] = field(default_factory=dict)
+    # Pending or held action rows left out for a payload that is no JSON object
+    # (:func:`_readable_action`): the caller counts them.
+    unreadable_actions: int = 0
 
 
 def _rows(engine: Engine, statement: Any) -> list[dict[str, Any]]:
@@ -108,23 +111,34 @@ def load_recovery(engine: Engine, active_since: float, max_sessions: int,
                          .order_by(SessionRow.last_activity.desc()).limit(max_sessions))
         workers = _read(conn, select(*WorkerRow.__table__.columns))
         budgets = worker_budgets(workers)
+        waiting = _read(conn, select(*HintActionRow.__table__.columns)
+                        .where(HintActionRow.status.in_(NON_TERMINAL)))
         pending = [with_derived_columns(row, budgets.get(row["worker_id"]))
-                   for row in _read(conn, select(*HintActionRow.__table__.columns)
-                                    .where(HintActionRow.status.in_(NON_TERMINAL)))]
-        held = [] if now is None else _held_actions(conn, now, budgets)
+                   for row in waiting if _readable_action(row)]
+        held, unheld = ([], 0) if now is None else _held_actions(conn, now, budgets)
+        unreadable = len(waiting) - len(pending) + unheld
         learned = _read(conn, select(*LearnedStatsRow.__table__.columns))
         cursors = {row["name"]: row["value"]
                    for row in _read(conn, select(*CursorRow.__table__.columns))}
-    return RecoveryState(sessions, pending, held, learned, workers, cursors)
+    return RecoveryState(sessions, pending, held, learned, workers, cursors, unreadable)
+
+
+def _readable_action(row: Mapping[str, Any]) -> bool:
+    """Whether an action row's payload is a JSON object, as every router writes it. One
+    that is not (a hand edit, a restore from elsewhere; on SQLite, text that is not JSON:
+    database._stored_json) cannot say what the action holds or targets; restored, it
+    failed the router's start (its holding's keys read the payload)."""
+    return isinstance(row.get("payload"), dict)
 
 
 def _held_actions(conn: Connection, now: float, budgets: Mapping[str, Budgets]
-                  ) -> list[dict[str, Any]]:
+                  ) -> tuple[list[dict[str, Any]], int]:
     """Answered Pins/Retains/Prefetches whose TTL is not over at ``now`` (a Prefetch's:
     its deadline), oldest first: the rows
     that say so (a range of the ``expires_at`` index), and those that do not say when
     they end (written without ``expires_at``, sent within the longest TTL any action
-    may have) whose derived end is after ``now``."""
+    may have) whose derived end is after ``now``; and how many such rows were left out
+    as unreadable (:func:`_readable_action`)."""
     holding = (HintActionRow.status.in_(HOLDING_STATUSES),
                HintActionRow.action_type.in_(HOLDING_TYPES))
     live = _read(conn, select(*HintActionRow.__table__.columns)
@@ -134,12 +148,16 @@ def _held_actions(conn: Connection, now: float, budgets: Mapping[str, Budgets]
                     .where(*holding, HintActionRow.expires_at.is_(None),
                            HintActionRow.created_at > now - LEGACY_LOOKBACK_S)
                     .order_by(HintActionRow.created_at))
+    read = len(live) + len(undated)
+    live = [row for row in live if _readable_action(row)]
+    undated = [row for row in undated if _readable_action(row)]
+    unreadable = read - len(live) - len(undated)
     if not undated:
-        return live
+        return live, unreadable
     derived = [row for row in (with_derived_columns(r, budgets.get(r["worker_id"]))
                                for r in undated)
                if row["expires_at"] is not None and row["expires_at"] > now]
-    return sorted(live + derived, key=lambda row: row["created_at"])
+    return sorted(live + derived, key=lambda row: row["created_at"]), unreadable
 
 
 def query_hints(engine: Engine, status: str | None = None, tenant: str | None = None,

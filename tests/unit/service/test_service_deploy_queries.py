@@ -316,12 +316,18 @@ _DROP_LOSSES = {
     # A held action restored without its holding (a row that does not say what it
     # protects): its worker's and tenant's budgets believe its blocks free.
     "hint_not_restored:unscoped",
+    # A pending or held action whose stored payload is no JSON object: not restored, so
+    # its worker's and tenant's budgets believe what it holds free.
+    "hint_not_restored:unreadable",
     # A Responses follow-up whose session the store could not say (failed, slow): the
     # turn continues none.
     "response_session_unread",
     # A turn of a session id this router holds no record of, whose stored row the store
     # could not give in time (slow, busy): a record of its own overwrites the row.
     "session_unread",
+    # A stored session row with a JSON column this router cannot read: that column (its
+    # planner state, open gap or gap history) is lost, the rest of the row kept.
+    "session_row_unreadable",
     # A worker hashing with another algorithm or seed than the one heard first: its
     # cache is invisible to routing (a fleet configured apart).
     "cached_prediction_unchecked:hash_config_differs",

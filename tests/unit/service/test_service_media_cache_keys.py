@@ -16,6 +16,7 @@ import json
 
 import pytest
 from PIL import Image
+from vllm.exceptions import VLLMClientError
 from vllm.multimodal.media.connector import MediaConnector
 from vllm.multimodal.parse import MultiModalDataParser
 from vllm.multimodal.processing.inputs import ProcessorInputs
@@ -97,6 +98,17 @@ def test_other_inline_media_get_a_tenant_uuid(part: dict) -> None:
 ])
 def test_media_by_address_or_read_otherwise_is_left_alone(part: dict) -> None:
     assert "uuid" not in forwarded_part(ACME, dict(part))
+
+
+@pytest.mark.parametrize("kind", [["image_url"], {"image_url": 1}])
+def test_a_part_whose_type_is_not_a_string_is_left_for_vllm_to_refuse(kind: object) -> None:
+    """An array or object ``type`` (unhashable) was the router's 500 (a TypeError in its
+    media check). Left as sent, vLLM refuses the part (400); given a uuid, it would have
+    read it by its key instead."""
+    part = forwarded_part(ACME, {"type": kind, "image_url": {"url": RED}})
+    assert "uuid" not in part
+    with pytest.raises(VLLMClientError, match="Invalid 'type'"):  # vLLM's 4xx
+        _parse_chat_message_content_mm_part(part)
 
 
 def test_a_responses_inline_image_gets_a_tenant_uuid_and_dev_mode_none() -> None:
