@@ -158,6 +158,8 @@ RESPONSE_ID_OPS = ("get", "cancel")
 # kvhint_router_responses_router_ends_total{reason} (responses_cancels.py): a bounded set.
 RESPONSES_ROUTER_END_REASONS = ("unterminated", "background_idle", "event_too_large")
 # kvhint_router_responses_cancel_notices_total{outcome} (responses_cancel_notices.py).
-RESPONSES_CANCEL_NOTICE_OUTCOMES = ("sent", "applied", "no_stream")
+RESPONSES_CANCEL_NOTICE_OUTCOMES = ("sent", "applied", "no_stream",
+                                    "recovered",  # responses_cancel_rechecks.py
+                                    "resent")
 # kvhint_router_health_probes_total{worker, outcome} (health.py): a bounded set.
 HEALTH_PROBE_OUTCOMES = ("answered", "failed")

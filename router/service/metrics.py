@@ -306,7 +306,10 @@ class RouterMetrics:
             "Cancels of background responses told between router replicas over NATS "
             "(<prefix>.v1.cancels.<worker>), by outcome: sent (this replica relayed the "
             "cancel), applied (heard from another, a stream of it open here: its grace "
-            "started), no_stream (heard, none here); lost ones count as drops",
+            "started), no_stream (heard, none here), recovered (not heard, found "
+            "cancelled at its worker once this replica's NATS link was back, a stream of "
+            "it open here: its grace started), resent (not sent when relayed, the link "
+            "down: sent once it was back); lost ones count as drops",
             ["outcome"], registry=r), RESPONSES_CANCEL_NOTICE_OUTCOMES)
         self.session_moves = Counter("kvhint_router_session_moves",
                                      "Turns routed to a different worker than the last",

@@ -171,6 +171,10 @@ class NatsLink:
         self.streams: dict[str, StreamCheck] = {}
         # True while the link closes its own client: that disconnect is not a fault.
         self._closing = False
+        # Called (on the loop, not awaited: each starts its own work) after each of
+        # nats-py's reconnects, its subscriptions made again: what was published while
+        # the link was down never comes to them (the cancels' recheck).
+        self.on_reconnected: list[Callable[[], None]] = []
         self.last_error = ""
 
     @property
@@ -273,6 +277,8 @@ class NatsLink:
 
     async def _reconnected_cb(self) -> None:
         log.info("NATS reconnected")
+        for callback in self.on_reconnected:
+            callback()
 
     async def ensure_streams(self) -> dict[str, StreamCheck]:
         """Make the events, outcomes and releases streams fit the settings: create each

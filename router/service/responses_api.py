@@ -51,6 +51,7 @@ from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.relay_end import RelayEnd
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.request_fields import runs_in_background, stores_response
+from kvhint.router.service.responses_cancel_rechecks import recheck_streams
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
 from kvhint.router.service.responses_cancels import CancelWatch, CancelWatches
@@ -96,6 +97,8 @@ class ResponsesGateway:
         # Cancels relayed by other replicas (responses_cancel_notices.py).
         if runtime.cancel_notices is not None:
             runtime.cancel_notices.listener = self._on_cancel_notice
+            runtime.cancel_notices.on_link_up = self._recheck_cancels
+        self._rechecks: set[asyncio.Task[int]] = set()
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -171,7 +174,8 @@ class ResponsesGateway:
                 learn(observation)
             if isinstance(response, RelayResponse) and background:
                 # Its cancel may leave its stream open for good (responses_cancels.py).
-                observation.watch_cancel = partial(self.cancels.watch, response_id)
+                observation.watch_cancel = partial(self.cancels.watch, response_id,
+                                                   worker_id=worker_id)
         if observation.background:
             runtime.metrics.responses_background.inc()
         return response
@@ -308,8 +312,7 @@ class ResponsesGateway:
                 return error_response(f"worker failed while responding: {exc}", code)
             count(upstream.status)
             if op == "cancel" and 200 <= upstream.status < 300:
-                self.ids.cancelled(response_id)
-                self.cancels.cancelled(response_id, _json_object(payload))
+                self._cancelled(response_id, _json_object(payload))
                 if self._runtime.cancel_notices is not None:
                     await self._runtime.cancel_notices.publish(response_id, tenant,
                                                                upstream.worker_id)
@@ -318,7 +321,7 @@ class ResponsesGateway:
         # goes on from there).
         first = int(starting_after) + 1 if starting_after and starting_after.isdigit() else 0
         relay = ResponsesRelay(ResponsesObservation(events=first))
-        watch = self.cancels.watch(response_id, upstream.close)
+        watch = self.cancels.watch(response_id, upstream.close, upstream.worker_id)
         if cancelled or self.cancels.was_cancelled(response_id):
             watch.cancelled(None, self.cancels.grace_s)
         slot.relayed = True  # given back by the stream, at its end
@@ -333,8 +336,22 @@ class ResponsesGateway:
         if (minted is None or minted.worker_id != notice.worker_id
                 or not self.codec.binds(minted, notice.tenant)):
             return None
-        self.ids.cancelled(notice.response_id)
-        return self.cancels.cancelled(notice.response_id, None)
+        return self._cancelled(notice.response_id, None)
+
+    def _cancelled(self, response_id: str, answer: dict[str, Any] | None) -> int:
+        """A worker accepted a cancel of ``response_id`` (``answer``: its word, if
+        known): its streams here start their grace; how many."""
+        self.ids.cancelled(response_id)
+        return self.cancels.cancelled(response_id, answer)
+
+    def _recheck_cancels(self) -> None:
+        """The NATS link came up again: the notices of the cancels while it was down are
+        lost; the workers are asked instead (responses_cancel_rechecks.py)."""
+        runtime = self._runtime
+        task = asyncio.create_task(recheck_streams(
+            self.cancels, runtime.workers, runtime.pool, runtime.metrics, self._cancelled))
+        self._rechecks.add(task)
+        task.add_done_callback(self._rechecks.discard)
 
 
 class _Slot:

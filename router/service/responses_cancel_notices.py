@@ -10,20 +10,26 @@ notice's trip through NATS), not at ``request_timeout_s``.
 Counted (``kvhint_router_responses_cancel_notices_total{outcome}``): ``sent``; ``applied``
 (heard from another replica, at least one stream of its response open here); ``no_stream``
 (heard, none here: the common case). Lost ones are drops: ``response_cancel_notice_unsent``
-(no NATS link now, or the publish failed: other replicas' streams of it end at their own
-bounds, ``responses.background_idle_s`` / ``request_timeout_s``),
+(no NATS link now, or the publish failed: kept, at most MAX_UNSENT_KEPT, and sent once
+the link is up again, counted ``resent``; until then, and for good for one discarded
+past the bound, ``response_cancel_notice_unsent_discarded``, or kept at a shutdown,
+other replicas' streams of it end at their own bounds, ``responses.background_idle_s`` /
+``request_timeout_s``),
 ``response_cancel_notice_malformed`` (not a ResponseCancelled 1.x),
 ``response_cancel_notice_unverified`` (its id not minted for its tenant and worker under
 this fleet's ``salt_secret``: a foreign publisher, or replicas configured apart; nothing
 is ended for it). Without NATS (no ``nats_url``) nothing is sent or heard: a single
-replica needs none.
+replica needs none. A notice published while this replica's link was down never comes:
+once the link is back, the gateway asks the workers instead (responses_cancel_rechecks.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
@@ -40,6 +46,10 @@ from kvhint.schemas import (
 )
 
 log = logging.getLogger(__name__)
+
+# Notices kept to send once the link is back (~200 bytes each); past it the oldest is
+# discarded, counted (``response_cancel_notice_unsent_discarded``).
+MAX_UNSENT_KEPT = 1_000
 
 # The notice's handler on this replica: ResponseCancelled -> how many streams it reached
 # (the Responses gateway's, set once it exists).
@@ -58,11 +68,39 @@ class CancelNotices:
         self.origin = secrets.token_hex(8)
         # Set by the Responses gateway (app.py builds it after the runtime started).
         self.listener: Listener | None = None
+        # Also the gateway's: called each time the link is up with the subject subscribed
+        # (first connect, each reconnect): the notices published while it was down are
+        # lost, and the gateway rechecks its streams (responses_cancel_rechecks.py).
+        self.on_link_up: Callable[[], None] | None = None
+        # Notices not sent when relayed (no link then), oldest first: sent once the link
+        # is up again (module doc), at most MAX_UNSENT_KEPT.
+        self._unsent: deque[ResponseCancelled] = deque(maxlen=MAX_UNSENT_KEPT)
+        self._resending: asyncio.Task[None] | None = None
+        if link is not None:
+            link.on_reconnected.append(self._link_up)
 
     async def on_connected(self) -> None:
         """Subscribe (NatsLink calls it once per established link, beside the feed's)."""
         if self._link is not None:
             await self._link.subscribe(self._subjects.all_of("cancels"), self._on_message)
+            self._link_up()
+
+    def _link_up(self) -> None:
+        if self.on_link_up is not None:
+            self.on_link_up()
+        if self._unsent and (self._resending is None or self._resending.done()):
+            self._resending = asyncio.create_task(self._resend())
+
+    async def _resend(self) -> None:
+        """The notices kept unsent, in order, while the link takes them."""
+        assert self._link is not None
+        while self._unsent:
+            notice = self._unsent[0]
+            if not await self._link.publish(self._subjects.cancels(notice.worker_id),
+                                            encode_response_cancelled(notice)):
+                return  # down again: the next link-up goes on
+            self._unsent.popleft()
+            self._metrics.responses_cancel_notices.labels("resent").inc()
 
     async def publish(self, response_id: str, tenant: str, worker_id: str) -> bool:
         """Tell the other replicas ``worker_id`` accepted a cancel of ``response_id``."""
@@ -75,6 +113,9 @@ class CancelNotices:
             self._metrics.responses_cancel_notices.labels("sent").inc()
             return True
         self._metrics.drop("response_cancel_notice_unsent")
+        if len(self._unsent) == MAX_UNSENT_KEPT:
+            self._metrics.drop("response_cancel_notice_unsent_discarded")
+        self._unsent.append(notice)
         return False
 
     async def _on_message(self, msg: Msg) -> None:

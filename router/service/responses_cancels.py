@@ -15,7 +15,9 @@ it the router closes the worker's stream and ends the client's with one of its o
 (``ResponsesRelay.cancelled_event``), counted
 (``kvhint_router_responses_cancel_ends_total``). A cancel relayed by another replica
 reaches this one as a NATS notice (responses_cancel_notices.py) and starts the same grace
-here; a stream opened after a cancel seen lately starts in it.
+here (one published while this replica's link was down: found by asking the worker once
+the link is back, responses_cancel_rechecks.py); a stream opened after a cancel seen
+lately starts in it.
 
 The same generator never ends a stream whose last event is ``error`` (a generation
 error: responses_stream_generator returns after it, without ``response.completed``): the
@@ -59,8 +61,12 @@ class CancelWatch:
     response, status ``cancelled``), where it was a JSON object."""
 
     def __init__(self, watches: CancelWatches, response_id: str,
-                 close: Callable[[], None], idle_s: float | None = None) -> None:
+                 close: Callable[[], None], idle_s: float | None = None,
+                 worker_id: str | None = None) -> None:
         self.response_id = response_id
+        # The worker it streams from (None: not told): where a recheck asks whether its
+        # response was cancelled (responses_cancel_rechecks.py).
+        self.worker_id = worker_id
         self.fired = False
         self.reason: str | None = None
         self.answer: dict[str, Any] | None = None
@@ -86,6 +92,11 @@ class CancelWatch:
             self.answer = answer
             self._timer = asyncio.get_running_loop().call_later(
                 grace_s, self._fire, "cancelled")
+
+    @property
+    def settled(self) -> bool:
+        """Whether it ends without a cancel's word: fired, or in a cancel's grace."""
+        return self.fired or self._timer is not None
 
     def _idle_check(self) -> None:
         assert self.idle_s is not None
@@ -129,11 +140,13 @@ class CancelWatches:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._on_forgotten = on_forgotten
 
-    def watch(self, response_id: str, close: Callable[[], None]) -> CancelWatch:
-        """A stream of ``response_id``'s events starts; ``close`` closes its worker's
-        side. The caller ends the watch (:meth:`CancelWatch.end`) when the stream ends,
-        and tells it of each event it relays (:meth:`CancelWatch.heard`)."""
-        watch = CancelWatch(self, response_id, close, self.idle_s)
+    def watch(self, response_id: str, close: Callable[[], None],
+              worker_id: str | None = None) -> CancelWatch:
+        """A stream of ``response_id``'s events starts from ``worker_id``; ``close``
+        closes its worker's side. The caller ends the watch (:meth:`CancelWatch.end`)
+        when the stream ends, and tells it of each event it relays
+        (:meth:`CancelWatch.heard`)."""
+        watch = CancelWatch(self, response_id, close, self.idle_s, worker_id)
         self._by_id.setdefault(response_id, {})[watch] = None
         return watch
 
@@ -157,6 +170,17 @@ class CancelWatches:
         for watch in streams:
             watch.cancelled(answer, self.grace_s)
         return len(streams)
+
+    def unsettled(self) -> dict[str, str]:
+        """response id -> its worker, of each response with a stream open here, from a
+        known worker, that no cancel reached yet (:attr:`CancelWatch.settled`)."""
+        found: dict[str, str] = {}
+        for response_id, streams in self._by_id.items():
+            for watch in streams:
+                if not watch.settled and watch.worker_id is not None:
+                    found[response_id] = watch.worker_id
+                    break
+        return found
 
     def was_cancelled(self, response_id: str) -> bool:
         """Whether a cancel of ``response_id`` was seen lately (:meth:`cancelled`)."""

@@ -92,3 +92,23 @@ def test_cancels_are_remembered_for_later_streams_within_a_bound() -> None:
     assert len(forgotten) == 1  # the oldest let go of, counted
     assert not watches.was_cancelled("resp_0")
     assert watches.was_cancelled("resp_1") and watches.was_cancelled(f"resp_{MAX_CANCELLED_IDS}")
+
+
+def test_the_streams_a_recheck_asks_about_are_those_no_cancel_reached() -> None:
+    """After a NATS outage the router asks the workers about these only
+    (responses_cancel_rechecks.py): one per response, from a known worker, neither in a
+    cancel's grace nor ended."""
+    async def scenario() -> None:
+        watches = CancelWatches(grace_s=5.0)
+        open_one = watches.watch("resp_a", lambda: None, "w0")
+        twice = watches.watch("resp_a", lambda: None, "w0")
+        in_grace = watches.watch("resp_b", lambda: None, "w1")
+        unknown = watches.watch("resp_c", lambda: None)
+        ended = watches.watch("resp_d", lambda: None, "w1")
+        watches.cancelled("resp_b", None)
+        ended.end()
+        assert watches.unsettled() == {"resp_a": "w0"}
+        for watch in (open_one, twice, in_grace, unknown):
+            watch.end()
+        assert watches.unsettled() == {}
+    asyncio.run(scenario())
