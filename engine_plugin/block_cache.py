@@ -16,12 +16,17 @@ from typing import Protocol
 class BlockHandle:
     """A resident block as the cache port sees it. ``block_id`` is stable while held;
     ``depth`` is the block's position in its chain (0 = root), for leaf-first release;
-    ``blocks`` are the engine's block objects (one per KV cache group)."""
+    ``blocks`` are the engine's block objects (one per KV cache group). ``side``: on a
+    hybrid model, a block of a KV cache group other than the followed one, held beside
+    the followed group's so vLLM's hybrid prefix hit finds every group's blocks
+    (:mod:`~kvhint.engine_plugin.group_holds`); a claim's ``applied`` and the losses
+    reported to the router count only the others (one per target position)."""
 
     key: int
     block_id: int
     depth: int
     blocks: tuple[object, ...]
+    side: bool = False
 
 
 class BlockCache(Protocol):
@@ -35,6 +40,14 @@ class BlockCache(Protocol):
 
     def lookup(self, key: int) -> BlockHandle | None:
         """The block cached under hash ``key`` now, or None when it is not resident."""
+
+    @property
+    def hit_groups(self) -> tuple["GroupNeed", ...]:
+        """The other KV cache groups a prefix hit needs blocks of (a hybrid model's);
+        empty with one group, where a handle's ``blocks`` are all a hit needs."""
+
+    def side_block(self, handle: BlockHandle, group_id: int) -> BlockHandle | None:
+        """Group ``group_id``'s block cached under ``handle.key`` now (``side``), or None."""
 
     def hold(self, handles: Sequence[BlockHandle]) -> None:
         """Take one reference on each block (it leaves the free queue)."""
@@ -54,3 +67,14 @@ class BlockCache(Protocol):
         """Whether the block is still in the prefix cache under ``handle.key``. A hold
         keeps a block's memory, not its cache entry: vLLM can drop the entry while the
         block is referenced (``evict_blocks``), and the hold then protects nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupNeed:
+    """What vLLM's hybrid prefix hit needs of one KV cache group besides the followed one
+    (:attr:`BlockCache.hit_groups`): its block at every position before the hit point
+    (``tail`` None: full attention), or at the last ``tail`` positions only (a sliding
+    window's blocks, one Mamba state)."""
+
+    group_id: int
+    tail: int | None

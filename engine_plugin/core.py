@@ -272,6 +272,7 @@ class PluginCore(StatusMixin):
                 else:
                     adapter.forget([k for k in adapter.known_keys()
                                     if not index.is_resident(k, None)])
+        removed.extend(adapter.side_removed(events))  # a hybrid model's other groups'
         if removed or cleared:
             # A held block leaves the cache only by a path other than ours (an eviction
             # needs a free block): give its hold back so no budget is spent on it.

@@ -61,6 +61,7 @@ from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.demote_apply import DemoteMixin
 from kvhint.engine_plugin.demotion import PendingDemote
+from kvhint.engine_plugin.group_holds import claim_blocks, with_side_blocks
 from kvhint.engine_plugin.hold_records import PIN, ClaimKey, DonorClaim, claim_action_id
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
@@ -315,7 +316,8 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
             applied = self._pin(action_id, payload.ttl_s, handles, notes, scope, owner)
         elif isinstance(payload, RetainPayload):
             if payload.priority == 0 and scope is None:
-                dropped, freed = self.holds.release_retains(handles, owner)
+                dropped, freed = self.holds.release_retains(
+                    with_side_blocks(self.cache, handles), owner)
                 notes.append(f"priority 0: released this owner's block-hash Retains on "
                              f"{dropped} blocks ({freed} back in the free queue; session "
                              "claims and Pins stay until they end)")
@@ -363,9 +365,10 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
         if ttl > self.config.max_pin_ttl_s:
             ttl = self.config.max_pin_ttl_s
             notes.append(f"ttl clipped to max_pin_ttl_s={ttl:g}")
-        applied, note = self.holds.pin(action_id, handles, self.clock() + ttl, scope, owner)
-        if note:
-            notes.append(note)
+        blocks, clip, shape_note = claim_blocks(self.cache, handles)
+        applied, note = self.holds.pin(action_id, blocks, self.clock() + ttl, scope, owner,
+                                       clip)
+        notes.extend(n for n in (note, shape_note) if n)
         return applied
 
     def _retain(self, action_id: ClaimKey, priority: int, ttl_s: float | None,
@@ -375,10 +378,10 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
         if ttl > self.config.max_retain_ttl_s:
             ttl = self.config.max_retain_ttl_s
             notes.append(f"ttl clipped to max_retain_ttl_s={ttl:g}")
-        applied, note = self.holds.retain(action_id, priority, handles, self.clock() + ttl,
-                                          scope, owner)
-        if note:
-            notes.append(note)
+        blocks, clip, shape_note = claim_blocks(self.cache, handles)
+        applied, note = self.holds.retain(action_id, priority, blocks, self.clock() + ttl,
+                                          scope, owner, clip)
+        notes.extend(n for n in (note, shape_note) if n)
         return applied
 
     def _evict_first_exclusive(self, session_id: str | None,

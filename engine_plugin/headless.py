@@ -116,6 +116,14 @@ def _full_attention_spec(block_size: int) -> Any:
                              head_size=_HEAD_DIM, dtype=torch.float32)
 
 
+def _sliding_window_spec(block_size: int, window: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=_NUM_KV_HEADS,
+                             head_size=_HEAD_DIM, dtype=torch.float32, sliding_window=window)
+
+
 # --- the manager alone ------------------------------------------------------------------------
 
 @dataclass
@@ -218,6 +226,9 @@ class HeadlessSchedulerSpec:
     model_dir: Path | None = None
     # False: as ``--no-enable-prefix-caching`` (nothing cached: what the plugin does then).
     enable_prefix_caching: bool = True
+    # > 0: layer 0 attends a sliding window of this many tokens beside the full-attention
+    # layer (a hybrid model, gpt-oss's 1:1 pattern: two KV cache groups).
+    sliding_window: int = 0
 
 
 @dataclass
@@ -409,6 +420,9 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     # attention backend's layout is LBHNC. num_gpu_blocks_override fixes the block count.
     attention = _full_attention_spec(spec.block_size)
     layer_specs = {f"model.layers.{i}.self_attn.attn": attention for i in range(_NUM_LAYERS)}
+    if spec.sliding_window > 0:
+        layer_specs["model.layers.0.self_attn.attn"] = _sliding_window_spec(
+            spec.block_size, spec.sliding_window)
     memory = attention.page_size_bytes * _NUM_LAYERS * (spec.num_blocks + 1)
     resolve_kv_cache_layout(vllm_config, [["LBHNC"]], list(layer_specs.values()))
     kv_cache_config = generate_scheduler_kv_cache_config(

@@ -134,7 +134,7 @@ class HoldReliefMixin:
             if claim is not None and block_id in claim.block_ids:
                 claim.block_ids.discard(block_id)
                 if lost_to is not None:
-                    self._note_loss(action_id, claim, lost_to, 1)
+                    self._note_loss(action_id, claim, lost_to, 0 if hold.handle.side else 1)
         hold.clear_retains()
         self._retained -= 1
         self._forget_hold(block_id)

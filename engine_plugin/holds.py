@@ -15,11 +15,11 @@ on its blocks, ending at its expiry:
   session stay. A claim under an action id already claimed replaces that claim.
 
 Blocks a claim loses without its sender asking (displaced by a higher-priority retain, by
-the retain budget when a pin under a retain ends, or by a Demote naming the blocks,
-relieved under memory pressure, given back for a prefix-cache reset, dropped from vLLM's
-cache by another path: :meth:`HoldLedger.release_gone`) are remembered as
-:class:`ClaimLoss` until :meth:`HoldLedger.take_losses`, so the sender can be told; TTL
-expiry and supersession are not (the sender knows of them).
+the retain budget when a pin under a retain ends, or by a Demote or a block-hash release
+naming the blocks, relieved under memory pressure, given back for a prefix-cache reset,
+dropped from vLLM's cache by another path: :meth:`HoldLedger.release_gone`) are
+remembered as :class:`ClaimLoss` until :meth:`HoldLedger.take_losses`, so the sender can
+be told; TTL expiry and supersession are not (the sender knows of them).
 
 Counts: ``pinned`` = holds with a pin claim; ``retained`` = holds with retain claims and
 no pin claim. Single-threaded (the scheduler thread). Relief, displacement and the
@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
+from kvhint.engine_plugin.group_holds import Clip, positions
 from kvhint.engine_plugin.hold_relief import COMPACT_SLACK, HoldReliefMixin
 from kvhint.engine_plugin.hold_records import (
     DISPLACED,
@@ -132,8 +133,11 @@ class HoldLedger(HoldReliefMixin):
     # --- claims ---------------------------------------------------------------------------
 
     def pin(self, action_id: str, handles: list[BlockHandle], expiry: float,
-            scope: str | None, owner: str) -> tuple[int, str | None]:
-        """Pin ``handles`` (root-most first); returns (blocks pinned, budget note)."""
+            scope: str | None, owner: str, clip: Clip | None = None
+            ) -> tuple[int, str | None]:
+        """Pin ``handles`` (root-most first); returns (target blocks pinned: ``side``
+        ones not counted, budget note). ``clip``: what a short budget takes
+        (:func:`~kvhint.engine_plugin.group_holds.claim_blocks`; None: root-most first)."""
         self._replace_claim(action_id)
         note = None
         fresh = [h for h in handles if not self.is_pinned(h.block_id)]
@@ -141,8 +145,12 @@ class HoldLedger(HoldReliefMixin):
         if len(fresh) > room:
             note = (f"pin budget: {room} of {len(fresh)} new blocks fit "
                     f"(max_pinned_blocks={self.max_pinned})")
-            keep = {h.block_id for h in fresh[:room]}  # root-most first: what a hit needs
-            handles = [h for h in handles if self.is_pinned(h.block_id) or h.block_id in keep]
+            if clip is not None:  # a hybrid model's positions, with their hit's blocks
+                handles = clip(lambda b: not self.is_pinned(b), room)
+            else:
+                keep = {h.block_id for h in fresh[:room]}  # root-most first: what a hit needs
+                handles = [h for h in handles
+                           if self.is_pinned(h.block_id) or h.block_id in keep]
         if not handles:
             return 0, note
         new_holds = []
@@ -158,10 +166,11 @@ class HoldLedger(HoldReliefMixin):
             hold.pins[action_id] = expiry
         self.cache.hold(new_holds)
         self._add_claim(action_id, PIN, handles, expiry, scope, owner)
-        return len(handles), note
+        return positions(handles), note
 
     def retain(self, action_id: str, priority: int, handles: list[BlockHandle], expiry: float,
-               scope: str | None, owner: str) -> tuple[int, str | None]:
+               scope: str | None, owner: str, clip: Clip | None = None
+               ) -> tuple[int, str | None]:
         """Retain ``handles`` (root-most first); a full budget first displaces retained
         blocks of lower rank (:func:`retain_rank`: an agent's claims above the planner's).
         Returns (blocks retained, budget note)."""
@@ -184,8 +193,12 @@ class HoldLedger(HoldReliefMixin):
             note = (f"retain budget: {room} of {len(fresh)} new blocks fit "
                     f"(max_retained_blocks={self.max_retained}); "
                     f"{retain_room_holders(priority, owner)}")
-            keep = {h.block_id for h in fresh[:room]}
-            handles = [h for h in handles if h.block_id in self._holds or h.block_id in keep]
+            if clip is not None:  # a hybrid model's positions, with their hit's blocks
+                handles = clip(lambda b: b not in self._holds, room)
+            else:
+                keep = {h.block_id for h in fresh[:room]}
+                handles = [h for h in handles
+                           if h.block_id in self._holds or h.block_id in keep]
         if not handles:
             return 0, note
         touched = next(self._seq)
@@ -202,7 +215,7 @@ class HoldLedger(HoldReliefMixin):
                 self._push_pressure(hold)
         self.cache.hold(new_holds)
         self._add_claim(action_id, RETAIN, handles, expiry, scope, owner)
-        return len(handles), note
+        return positions(handles), note
 
     def supersede(self, scope: str, owner: str) -> None:
         """Drop every claim ``owner`` made for ``scope`` (a session)."""
@@ -228,8 +241,13 @@ class HoldLedger(HoldReliefMixin):
 
     def release_retains(self, handles: Sequence[BlockHandle], owner: str) -> tuple[int, int]:
         """Drop ``owner``'s block-hash (session-less) retain claims on these blocks, at its
-        own request (a ``Retain{priority: 0}`` by block hashes): no loss is noted, and a
-        claim left holding nothing ends. Session claims and pins stay. Returns (blocks
+        own request (a ``Retain{priority: 0}`` by block hashes); a claim left holding
+        nothing ends. Session claims and pins stay. A Prefetch's retain is session-less
+        too, so it goes with them. Each claim cut is noted as ``displaced`` (as a Demote
+        naming blocks notes the claims it cuts): the release is another action than the
+        claims', and the router counts each claim by its own id, so it must hear what
+        each still holds (before, nothing was noted, and the router's ledger counted a
+        Prefetch's released blocks as held until its deadline). Returns (blocks
         un-retained, blocks given back to the pool)."""
         released: list[BlockHandle] = []
         claims = self._claims
@@ -247,6 +265,7 @@ class HoldLedger(HoldReliefMixin):
                 hold.drop_retain(action_id)
                 claim = claims[action_id]
                 claim.block_ids.discard(handle.block_id)
+                self._note_loss(action_id, claim, DISPLACED, 0 if hold.handle.side else 1)
                 if not claim.block_ids:
                     del claims[action_id]  # its expiry heap entry is skipped as stale
                     self.counters.superseded_claims += 1
@@ -282,7 +301,7 @@ class HoldLedger(HoldReliefMixin):
         handles = self.handles()
         for action_id, claim in self._claims.items():
             if claim.block_ids:
-                self._note_loss(action_id, claim, RESET, len(claim.block_ids))
+                self._note_loss(action_id, claim, RESET, self._positions(claim.block_ids))
         self._holds.clear()
         self._by_key.clear()
         self._claims.clear()
@@ -318,7 +337,7 @@ class HoldLedger(HoldReliefMixin):
                 claim = self._claims.get(action_id)
                 if claim is not None and block_id in claim.block_ids:
                     claim.block_ids.discard(block_id)
-                    self._note_loss(action_id, claim, reason, 1)
+                    self._note_loss(action_id, claim, reason, 0 if hold.handle.side else 1)
             if hold.pins:
                 self._pinned -= 1
             else:
@@ -375,11 +394,20 @@ class HoldLedger(HoldReliefMixin):
         losses = []
         for loss in self._losses.values():
             claim = self._claims.get(loss.action_id)
-            losses.append(replace(loss, held=len(claim.block_ids) if claim is not None else 0))
+            losses.append(replace(loss, held=self._positions(claim.block_ids)
+                                  if claim is not None else 0))
         self._losses.clear()
         return losses
 
+    def _positions(self, block_ids: Iterable[int]) -> int:
+        """Target positions among held blocks (a hybrid model's side blocks not counted):
+        the unit the router counts a claim in."""
+        holds = self._holds
+        return sum(1 for b in block_ids if (h := holds.get(b)) is None or not h.handle.side)
+
     def _note_loss(self, action_id: str, claim: Claim, reason: str, blocks: int) -> None:
+        if not blocks:
+            return  # a hybrid model's side block: the claim's target positions all stay
         key = (action_id, reason)
         earlier = self._losses.get(key)
         self._losses[key] = (

@@ -123,8 +123,10 @@ LABELLED_COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
                     "inbound hint, advice or snapshot request."),
 }
 GAUGES = {
-    "pinned_blocks": "Blocks pinned by hints.",
-    "retained_blocks": "Blocks retained (soft) by hints.",
+    "pinned_blocks": ("Pool blocks pinned by hints (a hybrid model's other KV-cache groups' "
+                      "included)."),
+    "retained_blocks": ("Pool blocks retained (soft) by hints (a hybrid model's other KV-cache "
+                        "groups' included)."),
     "index_blocks": "Blocks in the session index (resident or connecting).",
     "index_sessions": "Sessions in the session index.",
     "nats_connected": "1 when the plugin is connected to NATS.",

@@ -7,6 +7,12 @@ answered ``deferred`` and waits: every step re-checks its blocks, and it ends wh
 all in G1 or at its deadline. That waiting is bounded per worker by the prefetch budget
 (``prefetch_budget_fraction`` of the GPU blocks): a Prefetch past it waits only for its
 root-most blocks that fit and ends ``clipped``; with no room it is answered at once.
+
+A Prefetch's ``applied`` is what it holds after its answer: the blocks its retain took
+(the router counts it so against budgets until the deadline). The retain budget may take
+fewer than are in G1 (higher-ranked claims fill it): the Prefetch is then ``clipped`` and
+says how many. Before, it answered ``accepted`` with every block in G1 as ``applied``, and
+the router counted as held blocks the worker did not retain.
 """
 
 from __future__ import annotations
@@ -38,6 +44,21 @@ PLANNER = HintOwner.PLANNER.value
 REPLACED_PREFETCH_NOTE = ("replaced a Prefetch still waiting under this action_id (the "
                           "worker's memory of it was forgotten), waited for no more: this "
                           "outcome answers the id")
+
+
+def _status(retained: int, handles: list[BlockHandle]) -> OutcomeStatus:
+    """A Prefetch whose target is in G1: ``accepted`` when its retain took every block,
+    else ``clipped`` (its ``applied``, what it holds, is less)."""
+    return ACCEPTED if retained >= len(handles) else CLIPPED
+
+
+def _room(retained: int, handles: list[BlockHandle], due: bool = False) -> str:
+    """Why a Prefetch retains fewer blocks than are in G1 (no figures: a tenant reads
+    it, router/service/tenant_reasons.py); ``due``: its deadline has come (nothing is
+    retained past it)."""
+    if retained >= len(handles):
+        return ""
+    return " (its deadline has come)" if due else " (the retain budget had no room for the rest)"
 
 
 @dataclass(slots=True)
@@ -80,10 +101,10 @@ class PrefetchMixin:
         owner = payload.owner.value
         if requested.blocks and len(handles) >= requested.blocks:
             retained = self._retain_until(action_id, handles, payload.deadline_s, owner)
-            return self._outcome(message_id, action_id, type_, ACCEPTED,
+            return self._outcome(message_id, action_id, type_, _status(retained, handles),
                                  f"already resident in G1; {retained} of {len(handles)} "
-                                 "blocks retained until the deadline", requested,
-                                 self._amount(len(handles)))
+                                 f"blocks retained until the deadline{_room(retained, handles)}",
+                                 requested, self._amount(retained))
         # Waiting is bounded (prefetch_budget_fraction): root-most blocks first, as a
         # prefix hit needs them; none left, the Prefetch is settled now with what is in G1.
         room = self.max_prefetch_blocks - self._prefetch_waiting
@@ -96,8 +117,8 @@ class PrefetchMixin:
             return self._outcome(
                 message_id, action_id, type_, CLIPPED,
                 f"{budget}; not waiting: {len(handles)} of {requested.blocks} blocks in G1 "
-                f"({retained} retained until the deadline)", requested,
-                self._amount(len(handles)))
+                f"({retained} retained until the deadline{_room(retained, handles)})",
+                requested, self._amount(retained))
         clipped = None
         if len(keys) > room:
             self.counters.prefetch_clipped_blocks += len(keys) - room
@@ -146,20 +167,22 @@ class PrefetchMixin:
                 continue
             del self._pending[action_id]
             self._prefetch_waiting -= pending.cost
-            if complete and pending.clipped is None:
-                self._retain_until(action_id, handles, pending.deadline - now,
-                                   pending.owner)
-                outcome = self._outcome(pending.message_id, action_id, type_, ACCEPTED,
-                                        "blocks became resident in G1 before the deadline",
-                                        pending.requested, self._amount(len(handles)))
-            elif complete:
-                self._retain_until(action_id, handles, pending.deadline - now,
-                                   pending.owner)
-                outcome = self._outcome(
-                    pending.message_id, action_id, type_, CLIPPED,
-                    f"the {len(handles)} blocks it waited for became resident in G1 before "
-                    f"the deadline; {pending.clipped}", pending.requested,
-                    self._amount(len(handles)))
+            if complete:
+                retained = self._retain_until(action_id, handles, pending.deadline - now,
+                                              pending.owner)
+                held = (f"{retained} of {len(handles)} blocks retained until the deadline"
+                        f"{_room(retained, handles, now >= pending.deadline)}")
+                if pending.clipped is None:
+                    outcome = self._outcome(
+                        pending.message_id, action_id, type_, _status(retained, handles),
+                        f"blocks became resident in G1 before the deadline; {held}",
+                        pending.requested, self._amount(retained))
+                else:
+                    outcome = self._outcome(
+                        pending.message_id, action_id, type_, CLIPPED,
+                        f"the {len(handles)} blocks it waited for became resident in G1 "
+                        f"before the deadline; {held}; {pending.clipped}", pending.requested,
+                        self._amount(retained))
             elif handles:
                 outcome = self._outcome(
                     pending.message_id, action_id, type_, CLIPPED,

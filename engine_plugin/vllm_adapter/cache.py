@@ -10,14 +10,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME
-from kvhint.engine_plugin.block_cache import BlockHandle
+from kvhint.engine_plugin.block_cache import BlockHandle, GroupNeed
 from kvhint.engine_plugin.vllm_adapter.allocation_args import (
     block_ids,
     need_reader,
     positional_index,
 )
 from kvhint.engine_plugin.vllm_adapter.event_translation import index_events as _index_events
+from kvhint.engine_plugin.vllm_adapter.event_translation import removed_in_groups
 from kvhint.engine_plugin.vllm_adapter.free_queue import evict_first
+from kvhint.engine_plugin.vllm_adapter.hit_groups import hit_group_needs
 from kvhint.schemas.events import follows_group
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -54,6 +56,8 @@ class VllmCacheAdapter:
         groups = kv_cache_manager.kv_cache_config.kv_cache_groups
         self._group_ids = self._full_attention_groups(groups)
         self._block_size = self._group_block_size(groups, self._group_ids[0])
+        self._hit_groups = hit_group_needs(kv_cache_manager, groups, self._group_ids)
+        self._hit_group_ids = frozenset(n.group_id for n in self._hit_groups)
         # The smallest group's: a floor of the blocks an allocation needs (need_reader).
         self._min_block_size = min(int(g.kv_cache_spec.block_size) for g in groups)
         self._hash_block_size = int(self.pool.hash_block_size)
@@ -318,6 +322,24 @@ class VllmCacheAdapter:
         num_tokens = getattr(first, "block_hash_num_tokens", None)
         depth = num_tokens // self._block_size - 1 if num_tokens else 0
         return BlockHandle(key=key, block_id=first.block_id, depth=depth, blocks=tuple(blocks))
+
+    @property
+    def hit_groups(self) -> tuple[GroupNeed, ...]:
+        """A hybrid model's other KV cache groups a prefix hit needs (:mod:`.hit_groups`)."""
+        return self._hit_groups
+
+    def side_removed(self, events: Iterable[Any]) -> list[int]:
+        """The hashes of the :attr:`hit_groups`' blocks these vLLM events remove (a held
+        one may be among them)."""
+        return removed_in_groups(events, self._hit_group_ids)
+
+    def side_block(self, handle: BlockHandle, group_id: int) -> BlockHandle | None:
+        digest = self._digests.get(handle.key)
+        blocks = None if digest is None else self.pool.get_cached_block(digest, [group_id])
+        if not blocks:
+            return None
+        return BlockHandle(key=handle.key, block_id=blocks[0].block_id, depth=handle.depth,
+                           blocks=(blocks[0],), side=True)
 
     def digest(self, key: int) -> bytes | None:
         """The full block hash (vLLM's pool and offload key) behind a 64-bit event hash,

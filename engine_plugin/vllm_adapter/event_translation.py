@@ -46,3 +46,16 @@ def index_events(events: Iterable[Any], group: int = 0,
                 medium = cleared_medium(bool(out) and isinstance(out[-1], Cleared))
             out.append(Cleared(medium))
     return out
+
+
+def removed_in_groups(events: Iterable[Any], groups: frozenset[int]) -> list[int]:
+    """The hashes vLLM's GPU BlockRemoved events of these KV-cache groups name: a hybrid
+    model's other groups, whose blocks a hold may take beside the followed group's
+    (:mod:`kvhint.engine_plugin.group_holds`), so one vLLM drops from its cache by another
+    path (``evict_blocks``) is given back as the followed group's are."""
+    if not groups:
+        return []
+    return [external_hash_to_int(h) for event in events
+            if type(event).__name__ == "BlockRemoved"
+            and getattr(event, "group_idx", None) in groups
+            and (event.medium or GPU) == GPU for h in event.block_hashes]

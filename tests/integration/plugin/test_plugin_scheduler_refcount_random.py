@@ -26,6 +26,9 @@ SETUPS = {
     "sync": {},
     "async": {"async_scheduling": True},
     "async kv_both": {"async_scheduling": True, "kv_role": "kv_both"},
+    # A hybrid model (a sliding-window layer beside full attention): holds take the
+    # window group's blocks a hit needs as well (engine_plugin/group_holds.py).
+    "hybrid": {"sliding_window": 2 * BS, "max_model_len": 16 * BS},
 }
 # Not beside vLLM's OffloadingConnector: there a random run with aborts and preemptions
 # trips an assertion in its scheduler side (offloading/scheduler.py, build_connector_meta:
@@ -120,6 +123,7 @@ def test_block_references_match_the_scheduler_and_the_holds(setup: str, seed: in
             h.step()
         core.advance()
         _check(h, core)
+        seen["side holds"] += sum(h.handle.side for h in core.executor.holds._holds.values())
     if in_flight is not None:
         h.complete(in_flight)
     scheduler.finish_requests([r.request_id for r in requests if r.request_id in
@@ -131,6 +135,7 @@ def test_block_references_match_the_scheduler_and_the_holds(setup: str, seed: in
     print(f"\n{setup} {seed}: {dict(seen)}, relieved {counters.released_under_pressure}, "
           f"preempted {sum(r.num_preemptions for r in requests)}")
     assert seen["accepted"] > 0 and seen["reset True"] + seen["reset refused"] > 0, seen
+    assert (seen["side holds"] > 0) == ("sliding_window" in SETUPS[setup]), seen
     # Drained: the reset gives back every hold and the pool is whole again.
     assert scheduler.reset_prefix_cache()
     assert h.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1

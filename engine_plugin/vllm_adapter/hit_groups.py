@@ -1,0 +1,74 @@
+"""Which blocks of a hybrid model's other KV cache groups vLLM's prefix hit needs, read
+from the installed vLLM's cache managers (feature detection: the classes and attributes
+are looked up, never a version).
+
+vLLM's HybridKVCacheCoordinator accepts a hit of N blocks only when every group does:
+full attention needs its block at each of the N positions; a SlidingWindowManager group
+needs its blocks at the last ``_contiguous_blocks_for_hit(sliding_window, block_size,
+use_eagle)`` positions before N (``cdiv(sliding_window - 1, block_size)``, one more with
+EAGLE), or all of them when N is shorter; a MambaManager group its state block at
+position N only. Groups that opt out of prefix caching take no part in a hit. A group of
+another kind, or of a block size other than the followed group's (its blocks are cached
+under other hashes), is not supported: nothing is held for it (logged once at bind), and
+a hit on such a model may still miss after a hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvhint.engine_plugin.block_cache import GroupNeed
+from kvhint.engine_plugin.config import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+def hit_group_needs(manager: Any, groups: Sequence[Any], lookup_groups: Sequence[int]
+                    ) -> tuple[GroupNeed, ...]:
+    """The groups besides ``lookup_groups[0]`` (the followed one) a hit needs, and how
+    much of each; empty for a one-group model. ``lookup_groups``: the groups the
+    adapter's lookup reads (full attention's): each needs every position."""
+    if len(groups) < 2:
+        return ()
+    from vllm.v1.core import single_type_kv_cache_manager as stm
+
+    followed = lookup_groups[0]
+    block_size = int(groups[followed].kv_cache_spec.block_size)
+    managers = getattr(getattr(manager, "coordinator", None), "single_type_managers", ())
+    sliding = getattr(stm, "SlidingWindowManager", None)
+    mamba = getattr(stm, "MambaManager", None)
+    full = getattr(stm, "FullAttentionManager", None)
+    needs: list[GroupNeed] = []
+    skipped: list[str] = []
+    for gid, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if gid == followed or not getattr(spec, "prefix_cacheable", True):
+            continue
+        kind = type(managers[gid]) if gid < len(managers) else None
+        if gid in lookup_groups:
+            needs.append(GroupNeed(gid, None))
+        elif int(spec.block_size) != block_size:
+            skipped.append(f"{gid} (block size {spec.block_size})")
+        elif full is not None and kind is full:
+            needs.append(GroupNeed(gid, None))
+        elif sliding is not None and kind is not None and issubclass(kind, sliding):
+            needs.append(GroupNeed(gid, _window_blocks(managers[gid], spec, block_size)))
+        elif mamba is not None and kind is not None and issubclass(kind, mamba):
+            needs.append(GroupNeed(gid, 1))
+        else:
+            skipped.append(f"{gid} ({getattr(kind, '__name__', 'unknown')})")
+    if skipped:
+        logger.warning("kvhint: holds take no blocks of KV cache groups %s: a Pin or Retain "
+                       "on this model may not keep its prefix hit", ", ".join(skipped))
+    return tuple(needs)
+
+
+def _window_blocks(manager: Any, spec: Any, block_size: int) -> int:
+    """The contiguous blocks before a hit point vLLM's SlidingWindowManager needs."""
+    window = int(spec.sliding_window)
+    contiguous = getattr(type(manager), "_contiguous_blocks_for_hit", None)
+    if contiguous is not None:
+        return int(contiguous(window, block_size, bool(getattr(manager, "use_eagle", False))))
+    return max(1, -(-(window - 1) // block_size))
