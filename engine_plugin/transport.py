@@ -129,6 +129,15 @@ class NatsTransport:
         return nc is not None and nc.is_connected
 
     @property
+    def set_up(self) -> bool:
+        """Whether the set-up went through on this connection: subscribed to hints,
+        advice and snapshot requests, and the events stream looked for once. The server
+        has the subscriptions then (the stream's look, a request on the same connection,
+        was answered after them). ``connected`` comes before: a hint or snapshot request
+        sent then may find no subscription (lost; a request gets no responders)."""
+        return self._set_up_done
+
+    @property
     def events_kept(self) -> bool:
         """Whether the events stream existed at the latest look (kvhint:events_kept)."""
         return self._stream.kept

@@ -167,6 +167,8 @@ class NatsLink:
         self._js: JetStreamContext | None = None
         self._connect_task: asyncio.Task[None] | None = None
         self._subscriptions: list[Subscription] = []
+        # Whether each of _on_connected ran on the current client (wait_set_up).
+        self._set_up_done = False
         # The last ensure_streams' findings, by stream name (empty before one succeeded).
         self.streams: dict[str, StreamCheck] = {}
         # True while the link closes its own client: that disconnect is not a fault.
@@ -202,9 +204,30 @@ class NatsLink:
             await asyncio.sleep(0.05)
         return True
 
+    async def wait_set_up(self, timeout_s: float) -> bool:
+        """Whether, within ``timeout_s``, the link came up with each ``on_connected``
+        done and the server holding every subscription they made (a flush: the server
+        answers it after what came before). :meth:`wait_connected` returns before the
+        set-up: a message published then may find no subscription, a stream not yet
+        there."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not (self._set_up_done and self.connected):
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        nc = self._nc
+        assert nc is not None
+        left = max(0.1, deadline - asyncio.get_running_loop().time())
+        try:
+            await nc.flush(timeout=max(1, math.ceil(left)))
+        except (NatsError, asyncio.TimeoutError):
+            return False
+        return True
+
     async def _connect_loop(self) -> None:
         connection = self._connection
         while True:
+            self._set_up_done = False
             try:
                 nc = await nats.connect(
                     servers=list(connection.servers), user=connection.user,
@@ -240,6 +263,7 @@ class NatsLink:
                 await self._close_client()
                 await asyncio.sleep(self._retry_s)
                 continue
+            self._set_up_done = True
             return
 
     def _note_error(self, kind: str, message: str) -> None:

@@ -39,7 +39,8 @@ async def test_a_hint_the_engine_cannot_take_soon_is_deferred_at_once(
         # deferred), short enough that "slow" shows the deferral well under 2 s.
         with plugin(nats_url, subject_prefix, defer_after_s=0.5, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            # Subscribed: connected comes before the set-up, and a hint sent then is lost.
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "s", [1, 2, 3])
             started = time.monotonic()
             await nc.publish(subjects.hints("w0"), pin_message("slow"))
@@ -80,7 +81,7 @@ async def test_donor_advice_is_decoded_off_the_scheduler_thread_and_bad_advice_a
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
             core = h.connector.core
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "s", [1, 2])
             advice = DonorAdvice(advice_id="d1", session_id="t", namespace=core.cache_namespace,
                                  donor_block_hashes=core.index.session_blocks("s"),
@@ -114,7 +115,7 @@ async def test_a_full_inbox_rejects_at_once_and_counts(nats_url: str,
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, inbound_buffer=1,
                     create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             for i in range(3):  # the engine does not step: the inbox holds one
                 await nc.publish(subjects.hints("w0"), pin_message(f"f{i}"))
             rejected = [decode_outcome((await asyncio.wait_for(outcomes.get(), 5)).data)
@@ -141,7 +142,7 @@ async def test_made_up_action_types_turned_away_by_a_full_inbox_count_under_one_
         outcomes = await collect(nc, subjects.outcomes("w0"))
         with plugin(nats_url, subject_prefix, inbound_buffer=1,
                     create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             await nc.publish(subjects.hints("w0"), pin_message("f0"))  # fills the inbox
             for i in range(20):
                 await nc.publish(subjects.hints("w0"), json.dumps({
@@ -167,7 +168,7 @@ async def test_a_repeat_that_finds_the_inbox_full_gets_its_first_answer_or_nothi
         with plugin(nats_url, subject_prefix, inbound_buffer=1, pin_budget_fraction=0.2,
                     create_events_stream=False) as h:
             transport = h.connector.transport
-            await until(lambda: transport.connected)
+            await until(lambda: transport.set_up)
             turn(h, "s", [1, 2, 3])
             await nc.publish(subjects.hints("w0"), pin_message("p"))
             await until(lambda: bool(h.connector.core.mailbox.inbound))

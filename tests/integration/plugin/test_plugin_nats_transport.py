@@ -104,7 +104,8 @@ async def test_a_hold_that_loses_blocks_later_is_reported_on_the_releases_subjec
         with plugin(nats_url, subject_prefix, create_events_stream=False,
                     retain_budget_fraction=0.1) as h:  # 6 blocks
             transport = h.connector.transport
-            await until(lambda: transport.connected)
+            # Subscribed: connected comes before the set-up, and a hint sent then is lost.
+            await until(lambda: transport.set_up)
             turn(h, "lo", [1, 2, 3, 4])
             turn(h, "hi", [5, 6, 7, 8])
             await nc.publish(subjects.hints("w0"), retain("r-lo", "lo", 10))
@@ -123,7 +124,7 @@ async def test_snapshot_is_served_in_pages(nats_url: str, subject_prefix: str) -
     subjects = Subjects(subject_prefix)
     async with nats_client(nats_url) as nc:
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "a", [1, 2, 3])
             turn(h, "b", [1, 2, 7, 8])
             turn(h, "c", [20])
@@ -166,7 +167,7 @@ async def test_two_routers_paging_at_once_each_continue_their_own_snapshot(
             return decode_snapshot((await reply).data)
 
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "a", [1, 2, 3, 4, 5, 6])
             first_a = await page(h, SnapshotRequest(limit=3))
             turn(h, "b", [20, 21])  # the index moves: a new seq
@@ -190,7 +191,7 @@ async def test_snapshot_requests_taken_in_one_step_share_one_copy_of_the_index(
     subjects = Subjects(subject_prefix)
     async with nats_client(nats_url) as nc:
         with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "a", [1, 2, 3])
             core = h.connector.core
             copies = []
@@ -222,7 +223,7 @@ async def test_an_engine_idle_after_a_pin_is_woken_to_refresh_the_heartbeats_fig
             core = h.connector.core
             woken = threading.Event()
             core.mailbox.wake_engine = woken.set  # the engine's waker, as vLLM's would be
-            await until(lambda: h.connector.transport.connected)
+            await until(lambda: h.connector.transport.set_up)
             turn(h, "s", [1, 2, 3])
             core.refresh_status()
             await nc.publish(subjects.hints("w0"), pin_message("p1"))

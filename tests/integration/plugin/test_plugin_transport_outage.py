@@ -101,7 +101,9 @@ async def test_an_outage_with_an_outcome_queued_costs_no_cpu_and_the_outcome_fol
         mailbox = h.connector.core.mailbox
         wakes: list[float] = []
         mailbox.wake_engine = lambda: wakes.append(time.monotonic())  # vLLM's WAKEUP put
-        await until(lambda: transport.connected)
+        # Set up, not only connected: an outage during the set-up holds the publisher in
+        # the stream's look (up to 5 s), and no wake-up comes meanwhile.
+        await until(lambda: transport.set_up)
         thread = transport._thread
         own_nats.stop()
         await until(lambda: not transport.connected)

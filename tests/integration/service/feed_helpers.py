@@ -48,8 +48,8 @@ async def router_hearing_nats(tmp_path: Path, nats_url: str, subject_prefix: str
     settings = router_settings(tmp_path, [], nats_url=nats_url, subject_prefix=subject_prefix)
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
-            assert await router.runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await router.runtime.link.wait_set_up(10)
             yield router, client, nc
     finally:
         await nc.drain()
@@ -159,8 +159,8 @@ async def publish_accepted(nc, subjects: Subjects, message_id: str,  # noqa: ANN
 async def plugin_registered(runtime, nc, subjects: Subjects,  # noqa: ANN001
                             actions: dict[str, list[str]] | None = None) -> None:
     """The router is connected to NATS and has heard w0's plugin (one heartbeat)."""
-    assert await runtime.link.wait_connected(10)
-    await asyncio.sleep(0.3)
+    # Set up: wait_connected comes before the subscriptions and streams.
+    assert await runtime.link.wait_set_up(10)
     await nc.publish(subjects.status("w0"), status("w0", "e1", 0, actions=actions))
     await until(lambda: runtime.workers.get("w0").plugin_alive)
 

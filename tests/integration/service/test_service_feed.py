@@ -64,9 +64,8 @@ async def test_events_gap_snapshot_and_restart(tmp_path: Path, nats_url: str,
     try:
         async with running_router(settings) as router:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await until(lambda: runtime.link.connected and runtime.feed is not None)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             # A worker known only from its heartbeat, with its URL: routable.
             await nc.publish(subjects.status("w7"), status("w7", "e1", 0, stub.url))
             await until(lambda: runtime.workers.get("w7") is not None
@@ -125,8 +124,8 @@ async def test_a_snapshot_reply_naming_another_worker_is_dropped_and_counted(
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             deadline = time.monotonic() + 10
             while len(asked) < 2 and time.monotonic() < deadline:  # heartbeats kept up
                 await nc.publish(subjects.status("w7"), status("w7", "e1", 2))
@@ -242,8 +241,8 @@ async def test_hints_api_waits_for_the_first_heartbeat_after_the_router_starts(
     try:
         async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             await chat(client, router.url, "agent", "x" * 400)
             await until(lambda: runtime.sessions.get("default", "agent") is not None
                         and runtime.sessions.get("default", "agent").worker_id is not None)

@@ -218,7 +218,10 @@ async def test_an_empty_events_stream_has_no_replay_to_wait_for(
     try:
         async with running_router(settings) as router:
             runtime = router.runtime
-            await until(lambda: runtime.feed is not None and runtime.link.connected)
+            # Set up, not only connected: replaying is False until the set-up starts the
+            # replay (the wait below held at once), and the heartbeat below found no
+            # subscription.
+            assert await runtime.link.wait_set_up(10)
             # Before: waiting for the replay_wait_s bound (60 s).
             await until(lambda: not runtime.ingestor.replaying, timeout_s=5.0)
             assert runtime.feed.replay

@@ -10,7 +10,6 @@ what the router sends.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -67,8 +66,8 @@ async def test_each_rank_is_reached_with_its_header_and_a_clients_never_passes(
                                    subject_prefix=subject_prefix, health_probe_s=30.0)
         async with running_router(settings) as router, httpx.AsyncClient(timeout=10) as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             for rank in (0, 1):
                 await nc.publish(subjects.status(f"gpu-0-dp{rank}"),
                                  _rank_status(f"gpu-0-dp{rank}", server.url, rank))

@@ -77,8 +77,8 @@ async def _router(tmp_path: Path, nats_url: str, prefix: str, **extra: Any
     try:
         async with running_router(settings) as router, \
                 httpx.AsyncClient(timeout=10) as client:
-            assert await router.runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await router.runtime.link.wait_set_up(10)
             yield router, client, nc
     finally:
         await nc.drain()

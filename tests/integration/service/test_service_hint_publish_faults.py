@@ -292,7 +292,9 @@ async def test_actions_nats_refused_cost_no_rate(
         failed = await client.post(f"{url}/v1/sessions/s/hints", json=_claim("w0"))
         assert failed.json()["actions"][0]["status"] == "failed", failed.text
         nats_own.start()
-        await until(lambda: runtime.link.connected)
+        # w0's client back too (it subscribes again as it reconnects): a hint the router
+        # sends before that finds no subscriber and is lost.
+        await until(lambda: runtime.link.connected and plugins.nc.is_connected)
         again = await client.post(f"{url}/v1/sessions/s/hints", json=_claim("w0"))
         assert again.status_code in (200, 202), again.text
         (sent,) = again.json()["actions"]

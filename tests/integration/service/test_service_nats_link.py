@@ -213,3 +213,35 @@ async def test_an_unexpected_connect_error_is_counted_and_retried(
         assert errors == ["connect"] and len(calls) == 2
     finally:
         await link.close()
+
+
+async def test_wait_set_up_returns_once_the_set_up_ran_and_its_subscriptions_hold(
+        nats_url: str, subject_prefix: str) -> None:
+    """wait_connected returns before the set-ups (the feed's streams and subscriptions):
+    tests that waited for it and then published lost their message now and then on a
+    loaded machine. wait_set_up returns once each set-up ran and the server holds what
+    it subscribed (a message published at once reaches it)."""
+    link = NatsLink(nats_url, Subjects(subject_prefix), on_error=lambda _kind: None,
+                    on_lost=lambda _count: None, retry_s=0.1)
+    release, got = asyncio.Event(), asyncio.Queue()
+
+    async def slow_set_up() -> None:
+        await release.wait()  # a set-up slow to come, as on a loaded machine
+
+    async def subscribe() -> None:
+        await link.subscribe(f"{subject_prefix}.probe", got.put)
+
+    link.start(slow_set_up, subscribe)
+    try:
+        assert await link.wait_connected(10.0)
+        assert not await link.wait_set_up(0.3)
+        release.set()
+        assert await link.wait_set_up(10.0)
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.publish(f"{subject_prefix}.probe", b"x")
+            assert (await asyncio.wait_for(got.get(), 5)).data == b"x"
+        finally:
+            await nc.drain()
+    finally:
+        await link.close()

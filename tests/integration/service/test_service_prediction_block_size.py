@@ -5,7 +5,6 @@ events before its first heartbeat, as a starting worker may."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -44,8 +43,8 @@ async def test_a_prediction_before_the_workers_block_size_is_heard_is_not_checke
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             await nc.publish(subjects.events("w0"), stored([1, 2], None, None),
                              headers=EventBatchMeta("w0", "e1", 1).to_headers())
             await until(lambda: runtime.ingestor.view_exact("w0"))
@@ -96,8 +95,8 @@ async def test_a_worker_hashing_with_another_seed_is_not_checked(
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
-            await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await runtime.link.wait_set_up(10)
             for worker in ("w0", "w1"):
                 await nc.publish(subjects.events(worker), stored([1, 2], None, None),
                                  headers=EventBatchMeta(worker, "e1", 1).to_headers())

@@ -57,8 +57,8 @@ async def test_a_cancel_through_one_replica_ends_the_other_replica_s_streams(
         b = await stack.enter_async_context(running_router(replicas[1]))
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
         for router in (a, b):
-            assert await router.runtime.link.wait_connected(10)
-        await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await router.runtime.link.wait_set_up(10)
         started, fetched = asyncio.Event(), asyncio.Event()
         made: list[str] = []
         got: list[str] = []

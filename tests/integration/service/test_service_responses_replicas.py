@@ -12,7 +12,6 @@ same paths against real vLLM servers are single-router (tests/e2e/service)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -95,8 +94,8 @@ async def test_a_replica_reaches_the_responses_another_relayed(
         b = await stack.enter_async_context(running_router(settings))
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=30))
         for router in (a, b):
-            assert await router.runtime.link.wait_connected(10)
-        await asyncio.sleep(0.3)  # subscriptions in place
+            # Set up: wait_connected comes before the subscriptions and streams.
+            assert await router.runtime.link.wait_set_up(10)
         epochs = {w: new_epoch(time.time()) for w in holders}
         for worker, stub in holders.items():  # the workers' plugins, heard by both
             await nc.publish(subjects.status(worker), status(worker, epochs[worker], 0,

@@ -37,7 +37,8 @@ async def test_a_failed_turns_prediction_is_not_the_sessions(
     try:
         async with running_router(settings) as router, httpx.AsyncClient() as client:
             runtime = router.runtime
-            assert await runtime.link.wait_connected(10)
+            # Set up: wait_connected comes before the subscriptions (a heartbeat then is lost).
+            assert await runtime.link.wait_set_up(10)
             url = f"{router.url}/v1/chat/completions"
             # w0's plugin heard (the prompt is hashed as it hashes), then its cache holds
             # the session's first prompt.
