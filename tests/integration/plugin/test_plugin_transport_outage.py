@@ -132,6 +132,9 @@ async def test_an_outage_with_an_outcome_queued_costs_no_cpu_and_the_outcome_fol
         await asyncio.sleep(0.3)
         elapsed, thread = stop_timed(transport)
         assert elapsed < 1.5 and not thread.is_alive()
+        # Stopped while nats-py reconnects: its drain and close refuse (the connection is
+        # reconnecting, then reset), an expected end, not the plugin's bug.
+        assert transport.counters.internal_errors == 0
 
 
 async def test_nats_down_at_start_stops_at_once_warns_and_connects_when_it_comes_up(
