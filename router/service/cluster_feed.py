@@ -27,6 +27,9 @@ holding the subjects) events, outcomes and releases flow on plain subscriptions 
 :meth:`ClusterFeed.tick` tries again with backoff until it works; then the consumers take
 over from the streams' ends and the plain subscriptions are drained.
 
+A stream deleted (an operator, a NATS server restarted without its store) is made again
+and its consumer started over on the new stream (stream_watch.py, from :meth:`tick`).
+
 The ingestor (``kvhint.router.kv_index``) decides; index_actions.py performs its actions.
 """
 
@@ -54,6 +57,7 @@ from kvhint.router.service.nats_link import (
     outcomes_stream_name,
     releases_stream_name,
 )
+from kvhint.router.service.stream_watch import StreamWatch, WatchedConsumer
 from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
@@ -156,6 +160,8 @@ class ClusterFeed:
         self._retry_delay_s = jetstream_retry_s
         self._retry_at = 0.0
         self._retrying = False
+        # The consumers, watched for their stream being made again (stream_watch.py).
+        self.streams = StreamWatch(link)
 
     async def on_connected(self) -> None:
         """Streams and subscriptions; NatsLink calls this once per (re)established link
@@ -205,6 +211,7 @@ class ClusterFeed:
         checks = await self._link.ensure_streams()
         self._note_streams(checks)
         made: list[Subscription] = []
+        watched: dict[str, WatchedConsumer] = {}
         try:
             for subject, stream, handler, start in (
                     (subjects.all_of("events"), subjects.events_stream, self._on_events,
@@ -213,8 +220,20 @@ class ClusterFeed:
                      self._on_outcome, outcomes_start),
                     (subjects.all_of("releases"), releases_stream_name(subjects),
                      self._on_releases, releases_start)):
+                info = await self._link.js.stream_info(stream)
+                if start is not None and start > info.state.last_seq + 1:
+                    # A stored cursor past the stream's end: one stream's sequences never
+                    # go back, so this stream was made again since (an operator's delete,
+                    # a NATS server restarted without its store) and all it holds is new.
+                    # Before, the consumer asked for the old cursor's next sequence, which
+                    # the server takes as the new stream's end: what it held was never read.
+                    log.warning("JetStream stream %s ends at %d, before the stored cursor "
+                                "%d: made again since; read from its start", stream,
+                                info.state.last_seq, start - 1)
+                    start = 1
                 made.append(await self._link.subscribe_stream(subject, stream, handler,
                                                               start_seq=start))
+                watched[stream] = WatchedConsumer(subject, handler, made[-1], info.created)
         except (NatsError, asyncio.TimeoutError):
             for sub in made:
                 try:
@@ -225,6 +244,7 @@ class ClusterFeed:
                     log.warning("ending a JetStream consumer after a failed set-up: %r",
                                 cleanup)
             raise
+        self.streams.follow(watched)
 
     def _note_streams(self, checks: dict[str, StreamCheck]) -> None:
         """Count stream fields left unlike the settings (ensure_streams warned), and let
@@ -418,6 +438,8 @@ class ClusterFeed:
                 and time.monotonic() >= self._retry_at):
             self._retrying = True
             self._spawn(self._retry_jetstream())
+        elif self.replay and self._link.connected and self.streams.due():
+            self._spawn(self.streams.check())
         self._perform(self.ingestor.tick())
         # As long as the ingestor keeps a dead worker's stream (to refuse its replayed
         # history), then gone from the registry too.
