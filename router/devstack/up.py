@@ -28,6 +28,7 @@ from kvhint.router.devstack.nats_server import running_nats
 from kvhint.router.devstack.process_groups import die_with_parent, stop_process_groups
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec, stop_servers
+from kvhint.router.service.launch import SHUTDOWN_GRACE_ENV, router_stop_grace_s
 
 PLUGIN_MODULE = "kvhint.engine_plugin.connector"
 ROUTER_MODULE = "kvhint.router.server_cli"
@@ -40,7 +41,12 @@ WORKER_STOP_GRACE_S = 10.0
 # bad flag read late): the stack stops, saying so, instead of restarting it forever.
 CRASH_LOOP_EXITS = 3
 CRASH_LOOP_WINDOW_S = 600.0
-ROUTER_STOP_GRACE_S = 15.0
+# The dev router's grace for open connections at Ctrl-C (http_shutdown_grace_s: 30 s by
+# default, long for a laptop), and how long it is waited for: its grace and its own stop
+# after it (launch.router_stop_grace_s). Before, 15 s against the router's 30 s grace: a
+# stream still open at Ctrl-C had the router killed before its store's last flush.
+DEV_ROUTER_SHUTDOWN_GRACE_S = 5.0
+ROUTER_STOP_GRACE_S = router_stop_grace_s(DEV_ROUTER_SHUTDOWN_GRACE_S)
 
 
 @dataclass(frozen=True)
@@ -299,6 +305,8 @@ def _start_router(options: DevStackOptions, nats_url: str, servers, state: Path,
         "KVHINT_ROUTER_WORKERS": workers,
         "KVHINT_ROUTER_NATS_URL": nats_url,
         "KVHINT_ROUTER_DATABASE_URL": f"sqlite:///{state / 'router.db'}",
+        # What ROUTER_STOP_GRACE_S waits for (not an operator's own: it may be longer).
+        SHUTDOWN_GRACE_ENV: str(DEV_ROUTER_SHUTDOWN_GRACE_S),
         "PYTHONUNBUFFERED": "1",
     })
     with open(logs / "router.log", "ab") as log:

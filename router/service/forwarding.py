@@ -434,7 +434,15 @@ class Forwarder:
         except UpstreamBroken as exc:
             if (last := end.broken(exc, flight.client_gone)) is not None:
                 yield last
-        except (GeneratorExit, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            # The router is stopping: uvicorn cancels the requests still running once
+            # http_shutdown_grace_s ran out (a client that leaves closes the generator at
+            # a yield instead, GeneratorExit: relay_response.py), and never awaits them
+            # after. The cancel ends here: the client gets an error event and the body's
+            # clean end, not a connection cut mid-body (relay_end.py).
+            if (last := end.stopping()) is not None:
+                yield last
+        except GeneratorExit:
             # Closed at a yield: the client went away before the stream's end (or just
             # after [DONE], before the worker's own end of the stream: served).
             end.left()

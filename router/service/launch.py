@@ -15,6 +15,29 @@ from pathlib import Path
 
 import httpx
 
+# How long the router's own stop (runtime.RouterRuntime.stop, the app's lifespan end) may
+# take after its HTTP server's grace for open connections (``http_shutdown_grace_s``,
+# 30 s by default) has run out: NATS's drain (up to 5 s, nats_link.NatsLink); the store's
+# flush in progress (a lock waited for up to 5 s, store.database.WRITE_LOCK_WAIT_S, or a
+# PostgreSQL that does not answer, up to store_connect_timeout_s, 10 s) and its last
+# flush retried while the store is away (10 s, StoreWriter.close); and a margin for the
+# rest (the trace file, the HTTP pool, the hashing threads). Whatever stops the router
+# (kvhint up, RouterProcess.stop, compose's stop_grace_period, Kubernetes'
+# terminationGracePeriodSeconds) must wait at least :func:`router_stop_grace_s` after
+# SIGTERM before it kills it: killed sooner (a stream still open through the grace), the
+# router never reaches its stop: the session and hint records queued since the last
+# flush, the learned statistics and the cursors are lost, NATS is not drained.
+STOP_AFTER_GRACE_S = 30.0
+# The router's http_shutdown_grace_s default (settings.py), for a supervisor that sets none.
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+SHUTDOWN_GRACE_ENV = "KVHINT_ROUTER_HTTP_SHUTDOWN_GRACE_S"
+
+
+def router_stop_grace_s(http_shutdown_grace_s: float) -> float:
+    """The least a supervisor must wait between SIGTERM and SIGKILL for a router whose
+    ``http_shutdown_grace_s`` is this (:data:`STOP_AFTER_GRACE_S`)."""
+    return http_shutdown_grace_s + STOP_AFTER_GRACE_S
+
 
 class ChildProcess:
     """A command in its own process group with its output in a log file."""
@@ -92,6 +115,16 @@ class RouterProcess(ChildProcess):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM, then SIGKILL once the router's whole stop had its time
+        (:func:`router_stop_grace_s` of its ``http_shutdown_grace_s``) unless
+        ``timeout_s`` says otherwise. Before, 20 s: a stream open through the router's
+        30 s grace had it killed before its store's last flush."""
+        if timeout_s is None:
+            grace = self.env.get(SHUTDOWN_GRACE_ENV, os.environ.get(SHUTDOWN_GRACE_ENV))
+            timeout_s = router_stop_grace_s(float(grace) if grace else DEFAULT_SHUTDOWN_GRACE_S)
+        return super().stop(timeout_s)
 
     def start(self, timeout_s: float = 90.0) -> None:
         env = dict(os.environ)

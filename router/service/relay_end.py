@@ -29,6 +29,10 @@
   504, counted in ``broken_streams``, and a terminal error the client's SDK reads
   (``response.failed`` for a Responses stream, an OpenAI error event for chat, after any
   finish events held for a fingerprint).
+- The router stopping with the stream still open past ``http_shutdown_grace_s`` (uvicorn
+  cancels the request): 503, its own terminal error event, and the response's body ended
+  cleanly (:meth:`RelayEnd.stopping`). Before, the connection was closed mid-body: the
+  client got no error it could read, and the request counted as a client that left (499).
 - The worker sent more than ``stream_event_max_bytes`` of one event without its end
   (the relay's :class:`EventTooLarge`, raised as a break): a broken stream, 502, its
   unfinished event dropped (a Responses stream's also counted in
@@ -162,6 +166,24 @@ class RelayEnd:
                     "background_idle")
             return True, cancel_end(self._relay, self._watch, self._metrics)
         return False, None
+
+    def stopping(self) -> bytes | None:
+        """The router is stopping with the stream still open (its HTTP server's grace,
+        ``http_shutdown_grace_s``, ran out): what goes to the client last, if anything.
+        Accounted as 503 (the router's doing: neither a client that left, 499, nor a
+        worker that failed, so not in ``broken_streams``); the client's SDK reads the
+        error event and may retry elsewhere. Nothing after a terminal event already
+        relayed."""
+        relay = self._relay
+        if relay.finished or not self._event_stream:
+            return None
+        self.status = 503
+        relay.finished = True
+        message = ("the router is shutting down: this stream ended before its answer was "
+                   "whole; retry the request")
+        if isinstance(relay, ResponsesRelay):
+            return relay.failure_event(message, 503)
+        return relay.release_held() + b"data: " + openai_error(message, 503) + b"\n\n"
 
     def left(self) -> None:
         """The client went away before the stream's end (closed at a yield, or the

@@ -248,6 +248,34 @@ def _try_locks(connection: Connection, statement: TextClause, patience_s: float)
         pause = min(pause * 2, 1.0)
 
 
+# The longest a store write's transaction waits for a lock another connection holds
+# (SQLite's write lock, PostgreSQL's row and table locks) before it fails and its rows wait
+# for the writer's next flush. Before, SQLite's busy timeout (30 s, above) and PostgreSQL's
+# none: a store locked at shutdown held the router's stop 30 s (or for good) past
+# StoreWriter.close's retry time.
+WRITE_LOCK_WAIT_S = 5.0
+
+
+def bound_write_waits(connection: Connection, close_by: float | None) -> None:
+    """Bound how long the write transaction on ``connection`` waits on the database: for a
+    lock, WRITE_LOCK_WAIT_S; with ``close_by`` (the writer's shutdown deadline,
+    time.monotonic()), no longer than that either, for a lock or (PostgreSQL) any
+    statement. A wait cut short fails the flush as a store that is away does (its rows
+    kept for the next one, not refused as bad rows)."""
+    wait_s = WRITE_LOCK_WAIT_S
+    if close_by is not None:
+        wait_s = min(wait_s, max(close_by - time.monotonic(), 0.1))
+    wait_ms = max(int(wait_s * 1000), 1)
+    dialect = connection.dialect.name
+    if dialect == "sqlite":  # the pooled connection's own setting: set by each write
+        connection.exec_driver_sql(f"PRAGMA busy_timeout = {wait_ms}")
+    elif dialect == "postgresql":  # this transaction's only (set_config's is_local)
+        _set_lock_timeout(connection, f"{wait_ms}ms")
+        if close_by is not None:
+            connection.execute(text("SELECT set_config('statement_timeout', :value, true)"),
+                               {"value": f"{wait_ms}ms"})
+
+
 def _set_lock_timeout(connection: Connection, value: str) -> None:
     connection.execute(text("SELECT set_config('lock_timeout', :value, true)"),
                        {"value": value})

@@ -52,6 +52,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import (DataError, DBAPIError, IntegrityError, ProgrammingError,
                             SQLAlchemyError, StatementError)
 
+from kvhint.router.store.database import bound_write_waits
 from kvhint.router.store.db_errors import SCHEMA_SQLSTATES, sqlstate
 from kvhint.router.store.models import TABLES, Base
 
@@ -133,6 +134,9 @@ class StoreWriter:
         self._writing: frozenset[RowKey] = frozenset()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        # close()'s deadline (time.monotonic()): its flushes wait for the database no
+        # longer (database.bound_write_waits).
+        self._close_by: float | None = None
         self.flushes = 0
         self.flush_errors = 0
         self.rows_written = 0
@@ -199,7 +203,10 @@ class StoreWriter:
         """Stop the flush loop, then write what is queued, retrying a store that is away
         for up to ``retry_for_s``; rows still unwritten then are dropped and counted
         (``store_write``). The loop is stopped between flushes, never during one: a batch
-        cancelled in its thread would go on and could commit after the newer rows."""
+        cancelled in its thread would go on and could commit after the newer rows. A
+        flush waits database.WRITE_LOCK_WAIT_S at most for a lock, and close()'s own
+        flushes no longer than its deadline for anything, so it ends within
+        ``retry_for_s`` plus that."""
         if self._task is not None:
             async with self._flush_lock:  # a flush in progress finishes first
                 self._task.cancel()
@@ -209,6 +216,7 @@ class StoreWriter:
                 pass
             self._task = None
         deadline = time.monotonic() + retry_for_s
+        self._close_by = deadline
         pause = 0.1
         while True:
             await self.flush()
@@ -362,6 +370,7 @@ class StoreWriter:
                        + [(_write_order(UPSERT, t), True, UPSERT, t, c) for t, c in versioned])
         conflicts: Conflicts = {}
         with self._engine.begin() as conn:
+            bound_write_waits(conn, self._close_by)
             for _order, is_versioned, kind, table, columns in steps:
                 if is_versioned:
                     conflicts.update(self._write_versioned(
