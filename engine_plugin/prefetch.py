@@ -6,7 +6,9 @@ with a request (vLLM loads from the host tier only when admitting one), so the P
 answered ``deferred`` and waits: every step re-checks its blocks, and it ends when they are
 all in G1 or at its deadline. That waiting is bounded per worker by the prefetch budget
 (``prefetch_budget_fraction`` of the GPU blocks): a Prefetch past it waits only for its
-root-most blocks that fit and ends ``clipped``; with no room it is answered at once.
+root-most blocks that fit and ends ``clipped``; with no room it is answered at once. Its
+``deferred`` then says how many it waits for (``waits_for``, outcome 1.1): the most it can
+hold, which the router reserves instead of all it requested.
 
 A Prefetch's ``applied`` is what it holds after its answer: the blocks its retain took
 (the router counts it so against budgets until the deadline). The retain budget may take
@@ -20,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
@@ -137,8 +141,13 @@ class PrefetchMixin:
                  "deadline"]
         if clipped:
             notes.append(f"{clipped}: waiting for the first {len(keys)}")
-        return self._outcome(message_id, action_id, type_, DEFERRED, "; ".join(notes),
-                             requested, self._amount(len(handles)))
+        deferred = self._outcome(message_id, action_id, type_, DEFERRED, "; ".join(notes),
+                                 requested, self._amount(len(handles)))
+        if clipped:
+            # Outcome 1.1: the most it can hold when it settles (its first keys), for the
+            # router to reserve no more than that meanwhile (schemas.outcomes).
+            deferred = msgspec.structs.replace(deferred, waits_for=self._amount(len(keys)))
+        return deferred
 
     def _replace_waiting_prefetch(self, action_id: str) -> bool:
         """A newer action under the id of a Prefetch still waiting replaces it (a repeat

@@ -14,6 +14,19 @@ undercount a worker's budget use, which the worker enforces itself, never overco
 it); and a transient rejection (:func:`is_transient_rejection`), because a status it
 cannot read says nothing of what the worker supports. Known statuses decode as before.
 A newer plugin may still send ``deferred`` before any terminal status, and only those.
+
+Versions: 1.0 is the message without ``waits_for``; 1.1 adds ``waits_for``, set only on
+the ``deferred`` answer of a Prefetch whose wait the worker's prefetch budget clipped to
+its first (root-most) ``waits_for.blocks`` target blocks: the most that Prefetch can hold
+when it settles, however many blocks it ``requested`` (engine_plugin/prefetch.py). A
+router counts a waiting Prefetch at its ``requested`` blocks until it settles; with
+``waits_for`` it counts no more than that (router/policy/holdings.py). The field is off
+the wire everywhere else, so every other outcome is the 1.0 form byte for byte; a 1.0
+router ignores it (unknown fields are ignored) and over-reserves until the Prefetch
+settles, as before; a 1.1 router reads a 1.0 plugin's deferred as unclipped. No new
+subject or action version: what a receiver does without the field is what it did
+before. Each version has its golden JSON (``tests/golden/hint_outcome.json`` 1.0,
+``hint_outcome_v1_1.json`` 1.1).
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import enum
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from kvhint.schemas._codec import WireDecodeError, convert, decode_json, encode_json
 
@@ -94,6 +107,7 @@ class HintOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
     ``requested`` is what the action's target resolved to on this worker; ``applied`` is
     what the worker actually did (``clipped``: applied < requested, with the reason).
+    ``waits_for`` (1.1): what a deferred Prefetch whose wait was clipped waits for.
     ``at`` is the worker's unix time. ``action_type`` is empty when the action could not
     even be identified (a message that was not JSON).
     """
@@ -107,6 +121,9 @@ class HintOutcome(msgspec.Struct, frozen=True, kw_only=True):
     requested: Amount = Amount()
     applied: Amount = Amount()
     at: float
+    # 1.1, a clipped Prefetch's ``deferred`` only (module doc): the first blocks it waits
+    # for, the most it can hold. UNSET (off the wire): no clipped wait.
+    waits_for: Amount | UnsetType = UNSET
 
 
 def encode_outcome(outcome: HintOutcome) -> bytes:

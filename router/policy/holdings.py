@@ -18,9 +18,11 @@ holdings restored after a restart) count as that holding's own.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from msgspec import UNSET
 
 from kvhint.router.policy.block_counts import PINNED, RETAINED, BlockCounts
 from kvhint.schemas.hints import ActionType
@@ -47,6 +49,15 @@ def held_blocks(outcome: HintOutcome) -> int | None:
     if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
         return outcome.applied.blocks
     return 0
+
+
+def waits_for_blocks(outcome: HintOutcome) -> int | None:
+    """The most a Prefetch answered ``deferred`` can hold when it settles: the first
+    blocks its worker's prefetch budget clipped its wait to (``waits_for``, outcome 1.1);
+    None when the answer does not say (not clipped, another status, a 1.0 plugin's)."""
+    if outcome.status is not OutcomeStatus.DEFERRED or outcome.waits_for is UNSET:
+        return None
+    return outcome.waits_for.blocks
 
 
 def target_keys(action_type: str, payload: Mapping[str, Any], block_size: int,
@@ -348,9 +359,24 @@ class HoldingsLedger:
         it: a Prefetch answered at its deadline (clipped, with part of its target in G1)
         retains nothing, and the worker's deadline, counted from when it got the action,
         is never before the holding's ``expires_at``, counted from when it was planned.
-        ``retain_max_s``: :func:`prefetch_held_until`."""
+        ``retain_max_s``: :func:`prefetch_held_until`.
+
+        A ``deferred`` Prefetch still counts its requested blocks (they may all come),
+        but one whose wait its worker clipped counts no more than it waits for
+        (:func:`waits_for_blocks`): it can never hold more. Before, it counted every
+        block it requested until it settled, and a tenant could be refused room (a 429)
+        that the worker could never fill."""
         held = self._by_id.get(outcome.action_id)
         blocks = held_blocks(outcome)
+        if held is not None and blocks is None:
+            cap = waits_for_blocks(outcome)
+            if (cap is not None and cap < held.blocks
+                    and held.action_type == ActionType.PREFETCH.value):
+                if cap > 0:
+                    self._set_blocks(held, cap)
+                else:
+                    self._drop(held)
+            return
         if held is None or blocks is None:
             return
         if now is not None and held.expires_at <= now:
@@ -380,11 +406,13 @@ class HoldingsLedger:
         """The action ids of the live holdings on the worker."""
         return [h.action_id for h in self._by_id.values() if h.worker_id == worker_id]
 
-    def forget_worker(self, worker_id: str) -> int:
+    def forget_worker(self, worker_id: str, keep: Collection[str] = ()) -> int:
         """The worker holds nothing any more (its engine restarted; it is gone): forget
         its holdings (an undo brings none of them back); returns how many, for the caller
-        to count."""
-        gone = [h for h in self._by_id.values() if h.worker_id == worker_id]
+        to count. ``keep``: action ids the worker's new engine answered, whose holdings
+        it has (HintDispatcher.reset_worker)."""
+        gone = [h for h in self._by_id.values()
+                if h.worker_id == worker_id and h.action_id not in keep]
         for held in gone:
             self._drop(held)
         for entry in self._unconfirmed.values():

@@ -353,7 +353,7 @@ class ClusterFeed:
             return
         verdict = self._workers.on_heartbeat(self._admitted(status))
         if verdict is HeartbeatVerdict.NEW_EPOCH:
-            self._hints.reset_worker(status.worker_id)
+            self._hints.reset_worker(status.worker_id, status.epoch)
         worker = self._workers.get(status.worker_id)
         if worker is not None and self._writer is not None:
             self._writer.upsert("workers", (worker.worker_id,), {

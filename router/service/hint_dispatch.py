@@ -67,6 +67,7 @@ from kvhint.schemas import (
     Subjects,
     evict_rest_supported,
 )
+from kvhint.schemas.status import epoch_started_ms
 
 __all__ = ["API_SOURCE", "EXPIRED", "FAILED", "OUTCOME_DEADLINE_S", "PENDING",
            "PLANNER_SOURCE", "HintDispatcher", "SentAction"]
@@ -163,7 +164,7 @@ class HintDispatcher:
         statistics only."""
         self._learning.observe(observations, tenant)
 
-    def reset_worker(self, worker_id: str) -> None:
+    def reset_worker(self, worker_id: str, epoch: str | None = None) -> None:
         """A new engine epoch: forget what the old engine taught us about this worker, and
         what it held (a restarted engine holds nothing). The holdings let go are counted,
         one each (``hint_dropped:worker_restarted``, by design: the holds went with the
@@ -176,19 +177,38 @@ class HintDispatcher:
         holding back. Both are stored: each action let go is marked released by a
         ``reset``, holding nothing, which :meth:`restore` reads (before, a router restart
         counted the old engine's holds until their TTL, and a Prefetch it had waiting
-        was held and waited for until its own deadline)."""
+        was held and waited for until its own deadline).
+
+        ``epoch``: the new engine's. A hint sent after it took the worker's hints subject
+        but before this router heard it is its own: one it answered already (``at``, the
+        worker's clock, at or after the epoch's start) is not let go; one still waiting
+        is, but comes back with that engine's answer (:meth:`on_outcome`). Before, the
+        reset forgot both though the new engine held them. An epoch without order (an
+        older plugin's) tells nothing: all are let go, as before."""
         self._learning.reset_worker(worker_id)
         now = self._clock()
-        waiting = [r for r in self.pending.values() if r.worker_id == worker_id]
-        let_go = dict.fromkeys([*self.holdings.held_on(worker_id),
+        started_ms = epoch_started_ms(epoch) if epoch is not None else None
+        started = None if started_ms is None else started_ms / 1000
+
+        def new_engines(action_id: str) -> bool:
+            record = self.pending.get(action_id) or self._recent_by_id.get(action_id)
+            return (started is not None and record is not None
+                    and record.answered_at is not None and record.answered_at >= started)
+
+        waiting = [r for r in self.pending.values()
+                   if r.worker_id == worker_id and not new_engines(r.action_id)]
+        kept = {a for a in self.holdings.held_on(worker_id) if new_engines(a)}
+        let_go = dict.fromkeys([*(a for a in self.holdings.held_on(worker_id)
+                                  if a not in kept),
                                 *(r.action_id for r in waiting)])
-        dropped = self.holdings.forget_worker(worker_id)
+        dropped = self.holdings.forget_worker(worker_id, keep=kept)
         if dropped:
             self._metrics.drop("hint_dropped:worker_restarted", dropped)
         for action_id in let_go:
             self._engine_restarted(action_id, now)
         for record in waiting:
             record.cut_wait(now)
+            record.reset_by_engine_at = started
 
     def _engine_restarted(self, action_id: str, now: float) -> None:
         """The action's holds went with its worker's old engine: its record and row say
@@ -307,6 +327,8 @@ class HintDispatcher:
         still holds. Pass what this returns to :meth:`on_outcome` and on."""
         record = self.pending.get(outcome.action_id)
         cap = record.held_after_release_blocks if record is not None else None
+        if record is not None and record.answered_by_reset_engine(outcome.at):
+            cap = None  # the reset's 0 was the old engine's (:meth:`reset_worker`)
         applied = outcome.applied
         if cap is None or not outcome.status.is_terminal or applied.blocks <= cap:
             return outcome
@@ -371,6 +393,9 @@ class HintDispatcher:
         if record.terminal:
             self._metrics.drop("outcome_duplicate")
             return record
+        if record.answered_by_reset_engine(outcome.at):
+            self._answered_by_new_engine(record)
+        record.answered_at = outcome.at
         for column, value in outcome_columns(outcome).items():
             setattr(record, column, value)
         record.updated_at = self._clock()
@@ -383,6 +408,9 @@ class HintDispatcher:
                                                     retain_max)
         self._save(record)
         if not outcome.status.is_terminal:
+            # A Prefetch whose wait its worker clipped reserves no more than it waits for
+            # (HoldingsLedger.settle; outcome 1.1 ``waits_for``).
+            self.holdings.settle(outcome)
             return record
         self._metrics.hints.labels(record.action_type, record.status, record.source).inc()
         self.holdings.settle(outcome, record.updated_at, retain_max)
@@ -390,6 +418,22 @@ class HintDispatcher:
             self._learning.learn_outcome(record.worker_id, record.tenant, outcome)
         self._finish(record)
         return record
+
+    def _answered_by_new_engine(self, record: SentAction) -> None:
+        """``record``, let go by its worker's new epoch while it waited, is answered by
+        that engine (:meth:`reset_worker`): its reset marks and cut wait go (its row,
+        saved next, too) and its holding comes back at what it asked for, for its answer
+        to settle, unless another action holds its scope on the worker now (sent later,
+        it superseded this one there too); its blocks named as a restored one's
+        (:meth:`_hold`)."""
+        record.reset_by_engine_at = None
+        if record.release_reason == ReleaseReason.RESET.value:
+            record.release_reason = record.released_at = None
+            record.held_after_release_blocks = None
+        record.due_at = None
+        if (record.action_type == ActionType.PREFETCH.value or record.scope is None
+                or not self.holdings.holds(record.worker_id, record.scope)):
+            self._hold(record, record.requested_blocks)
 
     def expire(self, now: float | None = None) -> int:
         """Holdings past their TTL are forgotten; actions without a terminal outcome past

@@ -109,10 +109,24 @@ class SentAction:
     # When this router stops waiting for the outcome, where something cut the wait short
     # (not stored; None: :meth:`outcome_due`'s rule): its worker's engine restarted.
     due_at: float | None = None
+    # The worker's clock (``at``) of its latest answer (not stored): which engine gave it
+    # (HintDispatcher.reset_worker).
+    answered_at: float | None = None
+    # When the engine whose new epoch let this action go unanswered started, by the
+    # worker's clock (not stored; None: no such reset, or an epoch without order): an
+    # answer at or after it is that engine's, which holds the action after all.
+    reset_by_engine_at: float | None = None
 
     @property
     def terminal(self) -> bool:
         return self.status not in (PENDING, OutcomeStatus.DEFERRED.value)
+
+    def answered_by_reset_engine(self, at: float) -> bool:
+        """Whether an answer given at ``at`` (the worker's clock) is the engine's whose
+        new epoch let this action go while it waited (``reset_by_engine_at``): an
+        older engine answered before the newer one started."""
+        started = self.reset_by_engine_at
+        return started is not None and at >= started
 
     def outcome_due(self) -> float:
         """When this router stops waiting for the action's final answer (it then ends

@@ -73,6 +73,15 @@ SAMPLES: dict[str, tuple[object, type]] = {
         status=s.OutcomeStatus.CLIPPED, reason="pin budget: 64 of 128 blocks",
         requested=s.Amount(blocks=128, tokens=4096), applied=s.Amount(blocks=64, tokens=2048),
         at=AT), s.HintOutcome),
+    # HintOutcome 1.1: waits_for, on the deferred of a Prefetch whose wait the prefetch
+    # budget clipped (the 1.0 outcome above, which every other answer still is, is
+    # unchanged).
+    "hint_outcome_v1_1": (s.HintOutcome(
+        message_id="msg-4", action_id="a-prefetch", action_type="kv.prefetch",
+        worker_id="w0", status=s.OutcomeStatus.DEFERRED,
+        reason="prefetch budget: 3 of 12 blocks may wait: waiting for the first 3",
+        requested=s.Amount(blocks=12, tokens=384), applied=s.Amount(blocks=1, tokens=32),
+        at=AT, waits_for=s.Amount(blocks=3, tokens=96)), s.HintOutcome),
     "holds_released": (s.HoldsReleased(worker_id="w0", releases=[
         s.HoldRelease(action_id="a-retain", action_type="kv.retain", session_id="tenant-a/sess-1",
                       reason=s.ReleaseReason.DISPLACED, released=s.Amount(blocks=3, tokens=96),
@@ -188,3 +197,29 @@ def test_worker_status_1_0_and_1_1_say_which_data_parallel_header_to_send() -> N
     nulled["http_dp_rank"] = -1
     with pytest.raises(s.WireDecodeError):
         s.decode_status(msgspec.json.encode(nulled))
+
+
+class _HintOutcome10(msgspec.Struct, frozen=True, kw_only=True):
+    """HintOutcome as a 1.0 router declares it (no ``waits_for``)."""
+
+    message_id: str
+    action_id: str
+    action_type: str = ""
+    worker_id: str
+    status: s.OutcomeStatus
+    reason: str = ""
+    requested: s.Amount = s.Amount()
+    applied: s.Amount = s.Amount()
+    at: float
+
+
+def test_hint_outcome_1_0_and_1_1_read_both_ways() -> None:
+    """A 1.0 router reads a 1.1 deferred, ignoring ``waits_for``; a 1.1 router reads a
+    1.0 plugin's outcome as waiting for nothing less than it requested."""
+    new = (GOLDEN / "hint_outcome_v1_1.json").read_bytes()
+    old_reading = msgspec.json.decode(new, type=_HintOutcome10)
+    assert (old_reading.status, old_reading.requested.blocks) == (s.OutcomeStatus.DEFERRED, 12)
+    assert s.decode_outcome(new).waits_for == s.Amount(blocks=3, tokens=96)
+    old = s.decode_outcome((GOLDEN / "hint_outcome.json").read_bytes())
+    assert old.waits_for is msgspec.UNSET
+    assert b"waits_for" not in s.encode_outcome(old)

@@ -16,15 +16,18 @@ BS = 16
 
 class LedgerWorker:
     """One plugin core over a real KVCacheManager (64 blocks), and a router ledger fed
-    as hint_send/hint_dispatch feed it (record before the send, settle on the terminal
-    outcome, shrink on a release report)."""
+    as hint_send/hint_dispatch feed it (record before the send, settle on every outcome:
+    the terminal one, and a deferred that caps a Prefetch's reservation; shrink on a
+    release report)."""
 
-    def __init__(self, retain_blocks: int) -> None:
+    def __init__(self, retain_blocks: int, **config: float) -> None:
+        """``config``: more PluginConfig settings (e.g. ``prefetch_budget_fraction``)."""
         self.now = [1_000.0]
         self.cache = build_kv_cache_manager(block_size=BS, num_blocks=64)
         self.core = PluginCore.attach(
             self.cache.manager,
-            PluginConfig(worker_id="w0", retain_budget_fraction=retain_blocks / 64),
+            PluginConfig(worker_id="w0", retain_budget_fraction=retain_blocks / 64,
+                         **config),
             clock=lambda: self.now[0])
         self.ledger = HoldingsLedger()
 

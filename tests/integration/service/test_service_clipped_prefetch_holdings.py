@@ -3,7 +3,8 @@ its deadline, as the worker does (engine_plugin/prefetch.py): what was in G1 alr
 the prefetch budget left no room to wait, and the blocks a budget-clipped one waited for
 once they came. Before, a clipped Prefetch counted as holding nothing, and the budgets
 (per worker, per tenant, max_worker_share) believed that room free until the deadline.
-One clipped at its deadline retains nothing, and holds nothing here either.
+One clipped at its deadline retains nothing, and holds nothing here either. One whose
+wait the budget clipped is reserved, while it waits, at the blocks it waits for only.
 
 End to end: the real router app and NATS, and the real plugin's HintCore on vLLM's real
 Scheduler and block pool answering w0's hints (the test carries w0's hints to it and its
@@ -85,6 +86,9 @@ async def test_a_clipped_prefetch_holds_what_the_worker_retains(
             # Past the budget: waits for its first 3 blocks (all in G1 already).
             waited = await prefetch("s1", "waited", [*r[:3], 9001], 300)
             assert waited["status"] == "deferred", waited
+            # Its deferred says so (outcome 1.1 waits_for): it is reserved at the 3 it can
+            # hold, not the 4 it asked for (before: Holdings(0, 4) until it settled).
+            assert ledger.worker("w0") == ledger.tenant("default") == Holdings(0, 3)
             # No room left to wait: the 2 of its blocks in G1 are retained at once.
             no_room = await prefetch("s2", "no-room", [r[3], r[4], 9002], 300)
             assert (no_room["status"], no_room["applied_blocks"]) == ("clipped", 2), no_room

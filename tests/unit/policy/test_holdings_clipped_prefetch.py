@@ -7,6 +7,8 @@ max_worker_share) believed that room free until the deadline."""
 
 from __future__ import annotations
 
+import msgspec
+
 from kvhint.router.policy import Holdings, HoldingsLedger
 from kvhint.router.policy.holdings import held_blocks
 from kvhint.schemas import Amount, HintOutcome, OutcomeStatus
@@ -69,3 +71,34 @@ def test_held_blocks_of_each_prefetch_answer() -> None:
     assert held_blocks(_answer("a", OutcomeStatus.MISSING, 4, 0)) == 0
     assert held_blocks(_answer("a", OutcomeStatus.REJECTED, 4, 0)) == 0
     assert held_blocks(_answer("a", OutcomeStatus.DEFERRED, 4, 1)) is None
+
+
+def test_a_deferred_prefetch_whose_wait_was_clipped_reserves_only_what_it_waits_for() -> None:
+    """Outcome 1.1 ``waits_for``: the most a budget-clipped waiting Prefetch can hold
+    (its first blocks). Before, it stayed reserved at all it requested until it settled."""
+    ledger = HoldingsLedger()
+    _prefetch(ledger, "pf", (1, 2, 3, 4, 5))
+    plain = _answer("pf", OutcomeStatus.DEFERRED, 5, 0)
+    ledger.settle(plain)  # a 1.0 plugin's, or a wait not clipped: all may come
+    assert ledger.worker("w0") == Holdings(0, 5)
+    capped = msgspec.structs.replace(plain, waits_for=Amount(2))
+    ledger.settle(capped)
+    assert ledger.worker("w0") == ledger.tenant("t") == Holdings(0, 2)
+    # Its root-most blocks: a Retain of them adds nothing; of the others, it does.
+    ledger.record(action_id="r", worker_id="w0", tenant="t", scope="t/y",
+                  action_type="kv.retain", blocks=2, expires_at=DEADLINE, keys=(1, 2))
+    assert ledger.worker("w0") == Holdings(0, 2)
+    ledger.release_scope("w0", "t/y")
+    # A cap never grows a holding (a repeat of a larger one is a no-op) ...
+    ledger.settle(msgspec.structs.replace(plain, waits_for=Amount(4)))
+    assert ledger.worker("w0") == Holdings(0, 2)
+    # ... and the terminal answer settles it as before.
+    ledger.settle(_answer("pf", OutcomeStatus.CLIPPED, 5, 2), now=10.0)
+    assert ledger.worker("w0") == Holdings(0, 2) and "pf" in ledger
+    # Another type's deferred (a Demote waiting for host copies) never carries it; were
+    # one to, a Pin's holding would not shrink.
+    ledger.record(action_id="pin", worker_id="w0", tenant="t", scope="t/p",
+                  action_type="kv.pin", blocks=3, expires_at=DEADLINE, keys=(7, 8, 9))
+    ledger.settle(msgspec.structs.replace(plain, action_id="pin", action_type="kv.pin",
+                                          waits_for=Amount(1)))
+    assert ledger.worker("w0") == Holdings(3, 2)
