@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
+from kvhint.engine_plugin.core_inbound import InboundMixin
 from kvhint.engine_plugin.core_status import StatusMixin
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.host_tier import HostTier
@@ -28,13 +29,7 @@ from kvhint.engine_plugin.inbound_checks import (
     within_pool,
 )
 from kvhint.engine_plugin.index_events import CPU, GPU, Cleared, Hit, IndexEvent, Removed
-from kvhint.engine_plugin.mailbox import (
-    EventBatchOut,
-    Inbound,
-    Mailbox,
-    SnapshotOut,
-    peek_advice_id,
-)
+from kvhint.engine_plugin.mailbox import EventBatchOut, Mailbox, peek_advice_id
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.engine_plugin.vllm_adapter import VllmCacheAdapter
 from kvhint.schemas import (
@@ -48,7 +43,6 @@ from kvhint.schemas import (
     ParsedAction,
     WireDecodeError,
     decode_advice,
-    decode_snapshot_request,
     new_epoch,
 )
 from kvhint.schemas.hints import one_per_action_id
@@ -61,8 +55,6 @@ logger = logging.getLogger(LOGGER_NAME)
 # (at least one); the rest wait for the next step (the engine runs one for them).
 MAX_INBOUND_PER_STEP = 64
 MAX_INBOUND_BYTES_PER_STEP = 256 << 10
-# Apply-latency samples kept between two connector-stats readings; the rest are counted.
-MAX_LATENCY_SAMPLES = 10_000
 
 
 @dataclass(frozen=True)
@@ -101,15 +93,15 @@ class CoreCounters:
     snapshot_requests: int = 0
     internal_errors: int = 0
     # Latency samples not kept because an interval already held MAX_LATENCY_SAMPLES
-    # (kvhint:hint_apply_seconds then counts fewer outcomes than there were).
+    # (.core_inbound; kvhint:hint_apply_seconds then counts fewer outcomes than there were).
     latency_samples_dropped: int = 0
     # Seconds from a message's arrival at the transport to its outcomes (in the engine).
     apply_latencies_s: list[float] = field(default_factory=list)
 
 
-class PluginCore(StatusMixin):
+class PluginCore(InboundMixin, StatusMixin):
     """See the module docstring. Construct with :meth:`attach`; its status (heartbeat
-    figures): :mod:`.core_status`."""
+    figures): :mod:`.core_status`; one inbound message's handling: :mod:`.core_inbound`."""
 
     def __init__(self, adapter: VllmCacheAdapter, config: PluginConfig,
                  identity: EngineIdentity, clock: Callable[[], float],
@@ -421,76 +413,6 @@ class PluginCore(StatusMixin):
             self._post_releases()
             mailbox.next_deadline = self.executor.next_deadline()
             self._refresh_status_in_step(mailbox)
-
-    def _handle_one(self, item: Inbound) -> list[HintOutcome]:
-        """``item``'s outcomes; when the plugin fails on it (a bug: counted, logged once),
-        its actions are answered ``rejected`` (REJECTED_INTERNAL_ERROR) and the step goes
-        on (later messages, TTLs, releases, status)."""
-        try:
-            return self._handle(item)
-        except Exception:  # one message's bug must not skip the rest of the step
-            self._internal_error(f"pump:{item.kind}")
-        if item.kind == "snapshot":
-            assert self.mailbox is not None
-            self.mailbox.put_snapshot(SnapshotOut(self.event_seq, [], [], item.reply_to, -1, 0,
-                                                  error=INTERNAL_ERROR_REASON))
-            return []
-        if item.kind == "advice":
-            advice_id = (item.decoded.advice_id if isinstance(item.decoded, DonorAdvice)
-                         else peek_advice_id(item.data))
-            return [self._rejected_advice(advice_id, INTERNAL_ERROR_REASON)]
-        if item.kind != "hints":
-            return []
-        decoded = item.decoded if item.decoded is not None else self._decode_hints(item.data)
-        if not decoded.actions:  # one answer for the message, as for any naming none
-            return [self._rejected(decoded.message_id, "", "", INTERNAL_ERROR_REASON)]
-        return [self._rejected(decoded.message_id, a.action_id, type_name(a),
-                               INTERNAL_ERROR_REASON) for a in decoded.actions]
-
-    def _handle(self, item: Inbound) -> list[HintOutcome]:
-        if item.kind == "hints":
-            # Decoded once, by the transport when it came (off this thread); kept on the
-            # item, so a failure below does not decode it again.
-            if item.decoded is None:
-                item.decoded = self._decode_hints(item.data)
-            outcomes = self.apply_hints(item.decoded)
-        elif item.kind == "advice":
-            # Decoded by the transport too (one it cannot decode it answers itself).
-            outcomes = [self.apply_advice(item.decoded if item.decoded is not None
-                                          else item.data)]
-        elif item.kind == "snapshot":
-            self._snapshot(item)
-            return []
-        else:
-            raise ValueError(f"unknown inbound kind {item.kind!r}")
-        latencies = self.counters.apply_latencies_s
-        if len(latencies) < MAX_LATENCY_SAMPLES:
-            latencies.append(time.monotonic() - item.received_at)
-        else:
-            self.counters.latency_samples_dropped += 1
-        return outcomes
-
-    def _snapshot(self, item: Inbound) -> None:
-        self.counters.snapshot_requests += 1
-        assert self.mailbox is not None
-        try:
-            request = decode_snapshot_request(item.data)
-        except WireDecodeError as exc:
-            self.mailbox.put_snapshot(SnapshotOut(self.event_seq, [], [], item.reply_to, -1,
-                                                  0, error=str(exc)))
-            return
-        if self._step_snapshot is None:
-            # Copies the whole index on the scheduler thread (1M blocks: ~1 s): requests
-            # that come together (router replicas resyncing, retries) share one copy, in
-            # this step or with one still waiting for the transport (NATS down).
-            waiting = self.mailbox.waiting_snapshot()
-            self._step_snapshot = (
-                (waiting.seq, waiting.raw_blocks, waiting.sessions) if waiting is not None
-                else (self.event_seq, self.index.snapshot_raw(),
-                      self.index.snapshot_sessions()))
-        seq, raw, sessions = self._step_snapshot
-        self.mailbox.put_snapshot(SnapshotOut(seq, raw, sessions, item.reply_to,
-                                              request.cursor, request.limit))
 
     def has_pending_work(self) -> bool:
         """Whether the engine should run a step even with no request: a hint waits, a TTL

@@ -20,11 +20,12 @@ gauges count pool blocks. A budget that cannot take it all keeps the prefix whos
 tail included, reaches furthest (:meth:`_Shape.clip`), never positions without their tail
 (the ledger's own clip, root-most first, would fill the room with positions and leave
 some group's tail out: no hit at all). A claim's ``applied`` and the losses the router
-hears of count target positions only (``side`` blocks not): losing only side blocks
-(relief, ``gone``) is not reported, the claim's positions all still held; relief then
-leaves a retain's hit shorter or gone, as it does losing a position. A Demote naming
-blocks drops the retains on their positions, not the claims' side blocks (those go when
-the claims end).
+hears of count target positions only (``side`` blocks not). A claim losing a side block
+unasked (relief, displacement, ``gone``) lets go of its positions from that one on, whose
+hit needed it, and those are reported; a Demote naming positions also drops each cut
+claim's side blocks at the positions it no longer holds (:mod:`.hold_cuts`); a
+block-hash release takes the side blocks at the positions it names
+(:func:`with_side_blocks`).
 
 Cost: one hit's tail a tail group, whatever the target's length; Gemma 3's layout
 (5 or 6 sliding-window groups of 1024 tokens, block size 16) holds 320 or 384 more pool

@@ -111,6 +111,12 @@ class Claim:
     expiry: float
     scope: str | None  # the session a session-targeted action was about
     owner: str  # whose claim (HintOwner's value)
+    # Its block ids by depth, built at its first cut on a hybrid model (.hold_cuts) and
+    # read from ``from_depth`` to ``deepest`` only, so cutting a long claim position by
+    # position (relief, deepest first) costs each block once, not the claim's size a cut.
+    # Entries of blocks no longer in ``block_ids`` are stale (skipped).
+    by_depth: dict[int, list[int]] | None = None
+    deepest: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,8 @@ class HoldCounters:
     # Retained blocks relief passed over because a running request also used them, once
     # per relief call (an allocation that retries relief counts a block again).
     kept_in_use_under_pressure: int = 0
+    # Retained pool blocks given back and reported ``displaced``: a higher-ranked
+    # Retain's or the budget's displacement, a Demote or a block-hash release naming them.
     displaced: int = 0
     released_on_reset: int = 0
     expired_claims: int = 0

@@ -39,6 +39,7 @@ class HoldReliefMixin:
     _pressure_heap: list[tuple[int, int, int, int, int]]
     _seq: itertools.count
     _note_loss: Callable[[ClaimKey, Claim, str, int], None]
+    _cut_claim: Callable[[ClaimKey, list[BlockHandle], int, str], None]
     _forget_hold: Callable[[int], None]
     _release: Callable[[list[BlockHandle]], None]
 
@@ -127,15 +128,23 @@ class HoldReliefMixin:
 
     def _drop_hold(self, hold: Hold, released: list[BlockHandle], lost_to: str | None) -> None:
         """Forget a retain-only hold; its block goes to ``released``. ``lost_to``: the
-        reason its claims lost it unasked (None: their sender asked)."""
+        reason its claims lost it unasked (None: their sender asked). A hybrid model's
+        side block lost so cuts its claims' positions from there on too
+        (:mod:`.hold_cuts`), their blocks to ``released`` as well."""
         block_id = hold.handle.block_id
+        cut: list[ClaimKey] = []
         for action_id in hold.retains:
             claim = self._claims.get(action_id)
             if claim is not None and block_id in claim.block_ids:
                 claim.block_ids.discard(block_id)
+                cut.append(action_id)
                 if lost_to is not None:
                     self._note_loss(action_id, claim, lost_to, 0 if hold.handle.side else 1)
         hold.clear_retains()
         self._retained -= 1
         self._forget_hold(block_id)
         released.append(hold.handle)
+        if hold.handle.side and lost_to is not None:
+            # A hybrid model's other group's block: no hit reaches past its position now.
+            for action_id in cut:
+                self._cut_claim(action_id, released, hold.handle.depth, lost_to)

@@ -35,6 +35,7 @@ from dataclasses import replace
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.group_holds import Clip, positions
+from kvhint.engine_plugin.hold_cuts import HoldCutsMixin
 from kvhint.engine_plugin.hold_relief import COMPACT_SLACK, HoldReliefMixin
 from kvhint.engine_plugin.hold_records import (
     DISPLACED,
@@ -43,9 +44,10 @@ from kvhint.engine_plugin.hold_records import (
     PRESSURE,
     RESET,
     RETAIN,
+    Claim,
+    ClaimKey,
     ClaimLoss,
     HoldCounters,
-    Claim,
     Hold,
     retain_rank,
     retain_room_holders,
@@ -55,7 +57,7 @@ __all__ = ["DISPLACED", "GONE", "PIN", "PRESSURE", "RESET", "RETAIN", "BlockCach
            "BlockHandle", "ClaimLoss", "HoldCounters", "HoldLedger"]
 
 
-class HoldLedger(HoldReliefMixin):
+class HoldLedger(HoldReliefMixin, HoldCutsMixin):
     def __init__(self, cache: BlockCache, max_pinned: int, max_retained: int) -> None:
         self.cache = cache
         self.max_pinned = max_pinned
@@ -230,13 +232,22 @@ class HoldLedger(HoldReliefMixin):
         self._fit_retained()
 
     def unretain(self, handles: Sequence[BlockHandle]) -> None:
-        """Drop the retain claims on these blocks (pinned ones keep their pins); the
-        claims' senders did not ask, so each loss is noted as ``displaced``."""
+        """Drop the retain claims on these blocks (pinned ones keep their pins): a Demote
+        naming them. The claims' senders did not ask, so each loss is noted as
+        ``displaced`` and the blocks given back count in ``displaced`` too (the metric
+        agrees with the releases the router hears). A hybrid model's claim that lost
+        positions also lets go of its ``side`` blocks at positions it no longer holds
+        (:mod:`.hold_cuts`)."""
         released: list[BlockHandle] = []
+        cut: set[ClaimKey] = set()
         for handle in handles:
             hold = self._holds.get(handle.block_id)
             if hold is not None and not hold.pins:
+                cut.update(hold.retains)
                 self._drop_hold(hold, released, lost_to=DISPLACED)
+        for action_id in cut:
+            self._drop_stranded_sides(action_id, released)
+        self.counters.displaced += len(released)
         self._release(released)
 
     def release_retains(self, handles: Sequence[BlockHandle], owner: str) -> tuple[int, int]:
@@ -277,6 +288,9 @@ class HoldLedger(HoldReliefMixin):
                 self._retained -= 1
                 self._forget_hold(handle.block_id)
                 released.append(hold.handle)
+        # Every block given back here is reported as ``displaced`` to the claims it cut
+        # (above), so the metric counts it as such.
+        self.counters.displaced += len(released)
         self._release(released)
         return dropped, len(released)
 
@@ -319,7 +333,9 @@ class HoldLedger(HoldReliefMixin):
         load; None: check every hold, after an AllBlocksCleared). Their claims lose them
         (reported: the sender's budget no longer holds them) as ``GONE``, or as ``RESET``
         after an AllBlocksCleared: that is vLLM resetting its prefix cache, only one our
-        wrapper did not release for first. Returns how many, all counted in
+        wrapper did not release for first. A hybrid model's side block so lost cuts its
+        claims' positions from there on (:mod:`.hold_cuts`), reported for the same
+        reason. Returns how many blocks were given back, all counted in
         ``released_gone``. A removed hash whose held copy is still cached (vLLM keeps
         duplicate copies) keeps its hold."""
         if keys is None:
@@ -333,10 +349,12 @@ class HoldLedger(HoldReliefMixin):
             hold = self._holds.get(block_id)
             if hold is None or self.cache.is_cached(hold.handle):
                 continue
+            cut = []
             for action_id in (*hold.pins, *hold.retains):
                 claim = self._claims.get(action_id)
                 if claim is not None and block_id in claim.block_ids:
                     claim.block_ids.discard(block_id)
+                    cut.append(action_id)
                     self._note_loss(action_id, claim, reason, 0 if hold.handle.side else 1)
             if hold.pins:
                 self._pinned -= 1
@@ -344,8 +362,12 @@ class HoldLedger(HoldReliefMixin):
                 self._retained -= 1
             self._forget_hold(block_id)  # its pressure-heap entries are skipped as stale
             released.append(hold.handle)
+            if hold.handle.side:  # no hit reaches past its position now (.hold_cuts)
+                for action_id in cut:
+                    self._cut_claim(action_id, released, hold.handle.depth, reason)
         self.counters.released_gone += len(released)
         self._release(released)
+        self._fit_retained()  # a cut pin may leave a retain under it past the budget
         return len(released)
 
     # --- internals ------------------------------------------------------------------------
@@ -407,7 +429,7 @@ class HoldLedger(HoldReliefMixin):
 
     def _note_loss(self, action_id: str, claim: Claim, reason: str, blocks: int) -> None:
         if not blocks:
-            return  # a hybrid model's side block: the claim's target positions all stay
+            return  # a side block: its claim's positions it cuts are noted (.hold_cuts)
         key = (action_id, reason)
         earlier = self._losses.get(key)
         self._losses[key] = (
@@ -428,27 +450,8 @@ class HoldLedger(HoldReliefMixin):
                     del self._by_scope[scope_key]
         for block_id in claim.block_ids:
             hold = self._holds.get(block_id)
-            if hold is None:
-                continue
-            if claim.kind == PIN:
-                if hold.pins.pop(action_id, None) is None:
-                    continue
-                if not hold.pins:
-                    self._pinned -= 1
-                    if hold.retains:
-                        self._retained += 1
-                        self._push_pressure(hold)
-            else:
-                if not hold.drop_retain(action_id):
-                    continue
-                if not hold.pins:
-                    if hold.retains:
-                        self._push_pressure(hold)
-                    else:
-                        self._retained -= 1
-            if not hold.pins and not hold.retains:
-                self._forget_hold(block_id)
-                released.append(hold.handle)
+            if hold is not None:
+                self._let_go(action_id, claim.kind, hold, released)
 
     def _release(self, handles: list[BlockHandle]) -> None:
         if handles:

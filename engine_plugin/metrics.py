@@ -53,10 +53,13 @@ COUNTERS = {
                                             "(a running request, or the one allocating, "
                                             "also used them), per "
                                             "relief call."),
-    "retained_displaced": "Retained blocks displaced by a higher-priority retain.",
+    "retained_displaced": ("Retained blocks given back as displaced: by a higher-priority retain "
+                           "or the retain budget, or a Demote or block-hash release naming "
+                           "them (what releases report as displaced; pool blocks)."),
     "claims_expired": "Pin/retain claims that reached their TTL.",
     "held_blocks_gone": ("Held blocks vLLM dropped from its prefix cache by another path "
-                         "(evict_blocks after a failed KV load); their holds were given "
+                         "(evict_blocks after a failed KV load), and on a hybrid model the "
+                         "claims' blocks whose hit needed one; their holds were given "
                          "back and reported."),
     "prefetch_clipped_blocks": ("Prefetch target blocks not waited for because the "
                                 "prefetch budget was full (the Prefetch was clipped)."),

@@ -12,81 +12,13 @@ the router is told (``applied``, losses) stays in target positions.
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
-
-from kvhint.engine_plugin.config import PluginConfig
-from kvhint.engine_plugin.core import PluginCore
-from kvhint.engine_plugin.headless import _block_hasher, _request_factory
-
-BLOCK = 16
+from hybrid_fixtures import BLOCK, GEMMA, GEMMA_FULL_FIRST
+from hybrid_fixtures import Bench as _HybridBench
 
 
-def _hybrid_manager(full_first: bool, num_blocks: int = 60):
-    """vLLM's KVCacheManager over the groups vLLM forms for 12 layers, every sixth full
-    attention and the rest a 32-token sliding window (Gemma 3's 5:1 pattern; or with
-    layer 0 full, its group first)."""
-    import torch
-    from vllm.v1.core import kv_cache_utils as kcu
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
-
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                             dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                               dtype=torch.float32, sliding_window=2 * BLOCK)
-    first_full = 0 if full_first else 5
-    layers = {f"model.layers.{i}.self_attn.attn": full if i % 6 == first_full else window
-              for i in range(12)}
-    groups = kcu._get_kv_cache_groups_uniform_page_size(layers)
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    config.hash_block_size = BLOCK
-    return KVCacheManager(kv_cache_config=config, max_model_len=num_blocks * BLOCK,
-                          scheduler_block_size=BLOCK, hash_block_size=BLOCK,
-                          enable_caching=True, log_stats=False, enable_kv_cache_events=True)
-
-
-class _Bench:
-    """A hybrid manager with the plugin attached, session ``s`` cached (4 blocks of
-    prompt, its 5th partial), and unrelated traffic to evict what is not held."""
-
-    def __init__(self, full_first: bool = False, num_blocks: int = 60, **config) -> None:
-        self.manager = _hybrid_manager(full_first, num_blocks)
-        self.core = PluginCore.attach(self.manager, PluginConfig(worker_id="w0", **config))
-        self.make_request = _request_factory(_block_hasher(BLOCK))
-        self.rng = random.Random(1)
-        self.prefix = [self.rng.randrange(1, 500) for _ in range(4 * BLOCK)]
-        self.admit(self.prefix + [1, 2, 3], "s")
-        assert self.admit(self.prefix + [9, 9, 9]) == 4 * BLOCK  # hybrid caching works
-
-    def admit(self, prompt: list[int], session: str | None = None) -> int:
-        manager = self.manager
-        request = self.make_request(prompt, session_id=session)
-        blocks, hit, _ = manager.get_computed_blocks(request)
-        assert manager.allocate_slots(request, request.num_tokens - hit,
-                                      num_new_computed_tokens=hit,
-                                      new_computed_blocks=blocks) is not None
-        request.num_computed_tokens = request.num_tokens
-        manager.free(request)
-        self.core.sync()
-        return hit
-
-    def hint(self, action_type: str, payload: dict):
-        (outcome,) = self.core.apply_hints(json.dumps({
-            "protocol_version": "1", "message_id": "m1", "actions": [{
-                "action_id": "a1", "action_type": action_type, "action_version": "1.0",
-                "payload": payload}]}).encode())
-        return outcome
-
-    def traffic(self) -> None:
-        for _ in range(30):  # enough to evict every unheld block
-            self.admit([self.rng.randrange(1, 500) for _ in range(3 * BLOCK + 2)])
-
-    def next_turn_hit(self) -> int:
-        _, hit, _ = self.manager.get_computed_blocks(self.make_request(self.prefix + [5, 5]))
-        return hit
+def _Bench(full_first: bool = False, num_blocks: int = 60, **config) -> _HybridBench:
+    return _HybridBench(GEMMA_FULL_FIRST if full_first else GEMMA, num_blocks, **config)
 
 
 # Pool blocks a hold of the 4-block prefix takes: 4 positions' full-attention blocks, and
@@ -185,17 +117,25 @@ def test_a_hold_takes_the_furthest_hit_the_window_blocks_allow() -> None:
 
 def test_a_held_window_block_vllm_drops_from_its_cache_is_given_back() -> None:
     """``evict_blocks`` (vLLM's path after a failed KV load) on a held sliding-window
-    block: its hold protects nothing any more, so it is given back and counted
-    (``held_blocks_gone``); the claim's positions stay held, so nothing is reported."""
+    block of the last position: its hold protects nothing any more, so it is given back
+    and counted (``held_blocks_gone``). No hit reaches the last position without it, so
+    the Pin lets go of that position too, with its other windows' blocks, and the router
+    hears it lost (``gone``) in positions. Before, the position stayed held and nothing
+    was reported: the router counted 4 protected positions whose hit reached none."""
     bench = _Bench(pin_budget_fraction=0.5)
-    adapter = bench.core.adapter
+    adapter, executor = bench.core.adapter, bench.core.executor
     bench.hint("kv.pin", {"target": {"session_id": "s"}, "ttl_s": 600})
-    (last,) = [adapter.lookup(k) for k in bench.core.index.session_prefix("s", 4)[3:]]
+    last = bench.positions()[3]
     held = adapter.side_block(last, adapter.hit_groups[0].group_id)
-    assert bench.core.executor.holds.is_pinned(held.block_id)
+    assert executor.holds.is_pinned(held.block_id)
     bench.manager.block_pool.evict_blocks({held.block_id})
     bench.core.sync()
-    assert not bench.core.executor.holds.is_held(held.block_id)
-    assert bench.core.executor.pinned_blocks == HELD - 1
-    assert bench.core.executor.holds.counters.released_gone == 1
-    assert bench.core.executor.take_releases() == []
+    assert not executor.holds.is_held(held.block_id)
+    assert not executor.holds.is_held(last.block_id)
+    assert not any(executor.holds.is_held(adapter.side_block(last, n.group_id).block_id)
+                   for n in adapter.hit_groups[1:])
+    assert executor.pinned_blocks == HELD - 6  # the window block, the position, 4 windows
+    assert executor.holds.counters.released_gone == 6
+    (loss,) = executor.take_releases()
+    assert (loss.action_id, loss.reason.value) == ("a1", "gone")
+    assert (loss.released.blocks, loss.held.blocks) == (1, 3)  # positions

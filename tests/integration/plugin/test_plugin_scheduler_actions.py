@@ -23,7 +23,7 @@ from scheduler_fixtures import (
     turn_hit,
 )
 
-from kvhint.engine_plugin.core import MAX_LATENCY_SAMPLES
+from kvhint.engine_plugin.core_inbound import MAX_LATENCY_SAMPLES
 from kvhint.engine_plugin.headless import (
     HeadlessScheduler,
     HeadlessSchedulerSpec,

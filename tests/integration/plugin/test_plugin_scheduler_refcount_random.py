@@ -60,6 +60,14 @@ def _check(h: HeadlessScheduler, core: Any) -> None:
     assert pool.get_num_free_blocks() == sum(b.ref_cnt == 0 for b in pool.blocks[1:])
     for hold in holds._holds.values():
         assert core.adapter.is_cached(hold.handle), hold.handle
+    # The ledger's own books: its counts, and each claim's blocks held for it (a hybrid
+    # model's cuts, engine_plugin/hold_cuts.py, move both).
+    assert holds.pinned == sum(bool(h.pins) for h in holds._holds.values())
+    assert holds.retained == sum(bool(h.retains) and not h.pins for h in holds._holds.values())
+    for action_id, claim in holds._claims.items():
+        for block_id in claim.block_ids:
+            hold = holds._holds[block_id]
+            assert action_id in (hold.pins if claim.kind == "pin" else hold.retains)
 
 
 def _hint(rng: random.Random, step: int) -> bytes:

@@ -1,0 +1,92 @@
+"""Helpers of the tests of holds on a hybrid model against vLLM's real KVCacheManager
+(``test_plugin_hybrid_holds*.py``): the manager over the KV-cache groups vLLM forms for a
+layer pattern, and a bench with the plugin attached and one session cached."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from kvhint.engine_plugin.config import PluginConfig
+from kvhint.engine_plugin.core import PluginCore
+from kvhint.engine_plugin.headless import _block_hasher, _request_factory
+
+BLOCK = 16
+# 12 layers, every sixth full attention, the rest a 32-token sliding window (Gemma 3's 5:1
+# pattern): one full-attention group and five sliding-window groups.
+GEMMA = "WWWWWF" * 2
+# Layer 0 full: the full-attention group comes first.
+GEMMA_FULL_FIRST = "FWWWWW" * 2
+# Two full-attention layers a window one: vLLM forms two full-attention groups (layers
+# 0 and 3, 1 and 4) and one sliding-window group.
+TWO_FULL = "FFW" * 2
+
+
+def hybrid_manager(layout: str = GEMMA, num_blocks: int = 60):
+    """vLLM's KVCacheManager over the groups vLLM forms for ``layout`` (one letter a
+    layer: ``F`` full attention, ``W`` a 32-token sliding window)."""
+    import torch
+    from vllm.v1.core import kv_cache_utils as kcu
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                               dtype=torch.float32, sliding_window=2 * BLOCK)
+    layers = {f"model.layers.{i}.self_attn.attn": full if kind == "F" else window
+              for i, kind in enumerate(layout)}
+    groups = kcu._get_kv_cache_groups_uniform_page_size(layers)
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    config.hash_block_size = BLOCK
+    return KVCacheManager(kv_cache_config=config, max_model_len=num_blocks * BLOCK,
+                          scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+                          enable_caching=True, log_stats=False, enable_kv_cache_events=True)
+
+
+class Bench:
+    """A hybrid manager with the plugin attached, session ``s`` cached (4 blocks of
+    prompt, its 5th partial), and unrelated traffic to evict what is not held."""
+
+    def __init__(self, layout: str = GEMMA, num_blocks: int = 60, host_tier=None,
+                 **config) -> None:
+        self.manager = hybrid_manager(layout, num_blocks)
+        self.core = PluginCore.attach(self.manager, PluginConfig(worker_id="w0", **config),
+                                      host_tier=host_tier)
+        self.make_request = _request_factory(_block_hasher(BLOCK))
+        self.rng = random.Random(1)
+        self.prefix = [self.rng.randrange(1, 500) for _ in range(4 * BLOCK)]
+        self.admit(self.prefix + [1, 2, 3], "s")
+        assert self.admit(self.prefix + [9, 9, 9]) == 4 * BLOCK  # hybrid caching works
+
+    def admit(self, prompt: list[int], session: str | None = None) -> int:
+        manager = self.manager
+        request = self.make_request(prompt, session_id=session)
+        blocks, hit, _ = manager.get_computed_blocks(request)
+        assert manager.allocate_slots(request, request.num_tokens - hit,
+                                      num_new_computed_tokens=hit,
+                                      new_computed_blocks=blocks) is not None
+        request.num_computed_tokens = request.num_tokens
+        manager.free(request)
+        self.core.sync()
+        return hit
+
+    def hint(self, action_type: str, payload: dict, action_id: str = "a1"):
+        (outcome,) = self.core.apply_hints(json.dumps({
+            "protocol_version": "1", "message_id": f"m-{action_id}", "actions": [{
+                "action_id": action_id, "action_type": action_type, "action_version": "1.0",
+                "payload": payload}]}).encode())
+        return outcome
+
+    def traffic(self) -> None:
+        for _ in range(30):  # enough to evict every unheld block
+            self.admit([self.rng.randrange(1, 500) for _ in range(3 * BLOCK + 2)])
+
+    def next_turn_hit(self) -> int:
+        _, hit, _ = self.manager.get_computed_blocks(self.make_request(self.prefix + [5, 5]))
+        return hit
+
+    def positions(self) -> list:
+        """The session's 4 positions' handles (the followed group's), root first."""
+        adapter = self.core.adapter
+        return [adapter.lookup(k) for k in self.core.index.session_prefix("s", 4)]

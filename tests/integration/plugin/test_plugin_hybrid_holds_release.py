@@ -1,0 +1,100 @@
+"""What a hybrid model's holds let go of, against vLLM's real KVCacheManager: a Demote
+naming blocks (``HoldLedger.unretain``) and a block-hash release give back the claim's
+other groups' blocks its cut positions needed, the ``displaced`` counter counts what the
+releases report as displaced, a block vLLM drops from any other group's cache (another
+full-attention group's too) is given back, and losing another group's block cuts the
+claim's positions whose hit needed it (``engine_plugin/hold_cuts.py``).
+
+The host tier is the simulator's (``router.sim.host_tier``: vLLM's CPUOffloadingManager
+bookkeeping, copies modelled): vLLM's offloading worker needs CUDA.
+"""
+
+from __future__ import annotations
+
+from hybrid_fixtures import GEMMA, TWO_FULL, Bench
+
+from kvhint.router.sim.host_tier import SimHostTier
+
+# The Gemma layout's hold of the 4-block prefix: 4 positions, and each of the 5
+# sliding-window groups' blocks of the last 2 positions (cdiv(32 - 1, 16)).
+HELD = 4 + 5 * 2
+
+
+def test_a_block_hash_demote_lets_go_of_the_window_blocks_of_the_positions_it_cuts() -> None:
+    """Before, the Demote dropped the retains on positions 3 and 4 only: the claim kept
+    the 10 window blocks of those positions (no position it still held needed them), out
+    of the free queue and against the retain budget until the claim ended, and
+    ``retained_displaced`` counted none of the 12 pool blocks the releases reported."""
+    bench = Bench(GEMMA, host_tier=SimHostTier(40), retain_budget_fraction=0.5)
+    executor = bench.core.executor
+    keys = bench.core.index.session_prefix("s", 4)
+    outcome = bench.hint("kv.retain", {"target": {"session_id": "s"}, "priority": 50,
+                                       "ttl_s": 600})
+    assert outcome.applied.blocks == 4 and executor.retained_blocks == HELD
+    demote = bench.hint("kv.demote", {"target": {"block_hashes": keys[2:]}}, "d1")
+    assert demote.status.value == "accepted" and demote.applied.blocks == 2
+    assert executor.retained_blocks == 2  # positions 1 and 2; their windows were never held
+    held = {h.block_id for h in executor.holds.handles()}
+    assert held == {h.block_id for h in bench.positions()[:2]}
+    assert executor.holds.counters.displaced == HELD - 2  # pool blocks, as relief counts
+    (release,) = executor.take_releases()
+    assert (release.action_id, release.reason.value) == ("a1", "displaced")
+    assert (release.released.blocks, release.held.blocks) == (2, 2)  # positions
+
+
+def test_a_block_hash_release_counts_what_it_reports_displaced() -> None:
+    """A ``Retain{priority: 0}`` by block hashes cuts the Prefetch's claim on them and
+    reports it as ``displaced``; the counter counts those blocks too (before: none)."""
+    bench = Bench(GEMMA, retain_budget_fraction=0.5)
+    executor = bench.core.executor
+    keys = bench.core.index.session_prefix("s", 4)
+    prefetch = bench.hint("kv.prefetch", {"target": {"block_hashes": keys},
+                                          "deadline_s": 600})
+    assert prefetch.applied.blocks == 4 and executor.retained_blocks == HELD
+    release = bench.hint("kv.retain", {"target": {"block_hashes": keys[2:]},
+                                       "priority": 0, "ttl_s": 600}, "r0")
+    assert release.status.value == "accepted"
+    assert executor.retained_blocks == 2
+    assert executor.holds.counters.displaced == HELD - 2
+    (loss,) = executor.take_releases()
+    assert (loss.action_id, loss.reason.value, loss.released.blocks) == ("a1", "displaced", 2)
+
+
+def test_a_block_of_another_full_attention_group_vllm_drops_is_given_back() -> None:
+    """Two full-attention groups (and a window one): vLLM's BlockRemoved for the second
+    full-attention group's held block (``evict_blocks``) gives its hold back, as the
+    followed group's and a window group's are (``side_removed``)."""
+    bench = Bench(TWO_FULL, pin_budget_fraction=0.5)
+    executor, adapter = bench.core.executor, bench.core.adapter
+    (other_full,) = [n.group_id for n in adapter.hit_groups if n.tail is None]
+    bench.hint("kv.pin", {"target": {"session_id": "s"}, "ttl_s": 600})
+    assert executor.pinned_blocks == 4 + 4 + 2  # both full groups' positions, one window
+    held = adapter.side_block(bench.positions()[1], other_full)
+    assert executor.holds.is_pinned(held.block_id)
+    bench.manager.block_pool.evict_blocks({held.block_id})
+    bench.core.sync()
+    assert not executor.holds.is_held(held.block_id)
+    # No hit reaches past position 2 now: positions 2-4 go with their other groups'
+    # blocks (positions 3 and 4's, and the window's), reported lost in positions.
+    assert executor.pinned_blocks == 2  # position 1 in both full-attention groups
+    assert executor.holds.counters.released_gone == 1 + 3 + 2 + 2
+    (loss,) = executor.take_releases()
+    assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("gone", 3, 1)
+
+
+def test_relief_of_a_window_block_lets_go_of_the_positions_it_served() -> None:
+    """Relief takes a retained window block of the last position (the allocating
+    request's own hits kept: here the position's block): no hit reaches that position
+    without it, so the Retain lets it go too, with its other windows' blocks, all freed
+    under pressure, and reports the position lost. Before, relief freed the one block,
+    the position stayed retained and nothing was reported."""
+    bench = Bench(GEMMA, retain_budget_fraction=0.5)
+    executor = bench.core.executor
+    bench.hint("kv.retain", {"target": {"session_id": "s"}, "priority": 50, "ttl_s": 600})
+    last = bench.positions()[3]
+    assert executor.holds.relieve(1, keep=frozenset({last.block_id})) == 6
+    assert executor.retained_blocks == HELD - 6
+    assert not executor.holds.is_held(last.block_id)
+    assert executor.holds.counters.released_under_pressure == 6
+    (loss,) = executor.take_releases()
+    assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("pressure", 1, 3)
