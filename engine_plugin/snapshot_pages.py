@@ -59,8 +59,20 @@ class KeptSnapshots:
         return self._kept.get(seq)
 
     def keep(self, snapshot: SnapshotOut) -> OrderedBlocks:
-        """``snapshot``'s blocks in page order, kept for its later pages. Snapshots of one
-        seq hold the same blocks (only events change the index): ordered once. Kept: the
+        """``snapshot``'s blocks in page order, kept for its later pages (:meth:`kept`)."""
+        return self.kept(snapshot).blocks
+
+    def kept(self, snapshot: SnapshotOut) -> KeptSnapshot:
+        """The copy every page of ``snapshot.seq`` is served from: ``snapshot``, or the
+        copy of that seq kept already. Snapshots of one seq hold the same blocks (only
+        events change the index): ordered once. Not the same sessions: a prefix-cache
+        hit moves a session (its frontier, its place in the list) with no event, so no new
+        seq; a router names the snapshot it pages by seq alone, so a page of a later copy
+        of that seq would list the sessions otherwise than the pages before it, and a
+        session would fall between them or be read twice. The first copy of a seq
+        answers every page of it, the first pages of later requests included (their
+        sessions are as old as that copy: the hits since it reach the router with the
+        next snapshot of a newer seq, as the stream never carries them). Kept: the
         last ``_SNAPSHOTS_KEPT`` for ``_SNAPSHOT_KEPT_S``, and ``snapshot_keep_blocks``
         blocks in all (a 1M-block index is ~100 MB a copy); past that the oldest go,
         counted, and the latest always stays (else each of its pages would copy the
@@ -86,7 +98,7 @@ class KeptSnapshots:
                 self.counters.snapshots_dropped += 1
             else:
                 self.counters.snapshots_evicted += 1
-        return kept.blocks
+        return kept
 
 
 def snapshot_page(snapshot: SnapshotOut, ordered: OrderedBlocks, cursor: int, limit: int,

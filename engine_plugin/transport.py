@@ -412,9 +412,11 @@ class NatsTransport:
                 await self._publish_failed(exc)
                 ok = False
         while ok and (snapshot := pop_oldest(mailbox.snapshots)) is not None:
-            blocks = self.snapshots.keep(snapshot) if snapshot.error is None else []
-            await self._reply_page(snapshot, blocks, snapshot.reply_to, snapshot.cursor,
-                                   snapshot.limit)
+            # Every page of one seq from one copy, its sessions included (kept()).
+            kept = self.snapshots.kept(snapshot) if snapshot.error is None else None
+            await self._reply_page(kept.snapshot if kept else snapshot,
+                                   kept.blocks if kept else [], snapshot.reply_to,
+                                   snapshot.cursor, snapshot.limit)
             taken += 1
         return taken
 
