@@ -261,8 +261,8 @@ def _protect(
     overdue = idle_s > 2.0 * session.gap_predicted_s
     remaining = max(session.gap_predicted_s - idle_s, config.min_ttl_s)
     current = session.protection
-    own_pinned = current.blocks if current and current.action_type == ActionType.PIN.value else 0
-    own_retained = current.blocks if current and current.action_type == ActionType.RETAIN.value else 0
+    own_pinned = _own_held(ctx, current, ActionType.PIN)
+    own_retained = _own_held(ctx, current, ActionType.RETAIN)
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
 
     if not is_user_kind(kind) and not overdue and remaining <= config.pin_max_gap_s and worker.can_send(
@@ -338,11 +338,16 @@ def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanRes
         payload = DemotePayload(target=Target(session_id=session.session_id))
         result = _send(ctx, ended, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
         return PlanResult(replace(result.session, demoted=True), result.actions)
-    if blocks and ctx.config.ended_retain_ttl_s > 0 and worker.can_send(ActionType.RETAIN,
-                                                                        ctx.config):
+    tenant = ctx.tenant_held.get(session.tenant, Holdings())
+    room = room_left(tenant.retained_blocks - _own_held(ctx, session.protection,
+                                                        ActionType.RETAIN),
+                     ctx.config.tenant_max_retained_blocks)
+    if blocks and ctx.config.ended_retain_ttl_s > 0 and room >= blocks and worker.can_send(
+            ActionType.RETAIN, ctx.config):
         # Lowest class, not a release: its blocks go first, while a prefix it shares with
         # live sessions keeps their priority (a release would queue the blocks behind
-        # every other free block, as the most recently used).
+        # every other free block, as the most recently used). Within the tenant's retain
+        # budget like any retain (before, unchecked), else released.
         ttl = min(ctx.config.ended_retain_ttl_s, worker.budgets.max_retain_ttl_s)
         payload = RetainPayload(target=Target(session_id=session.session_id), priority=1,
                                 ttl_s=ttl)
@@ -385,8 +390,13 @@ def _plan_move(
         new_worker is not None
         and new_worker.host_tier
         and new_worker.can_send(ActionType.PREFETCH, config)
+        and (blocks := _blocks_of(ctx, session, new_worker.block_size)) <= _tenant_retain_room(
+            ctx, session)
     ):
-        blocks = _blocks_of(ctx, session, new_worker.block_size)
+        # A Prefetch retains what it brings into G1 until its deadline: the holdings
+        # ledger and the sessions API's budget check count that as retained, so it fits
+        # the tenant's retain budget whole or is not sent (before, unchecked). The old
+        # worker's protection, released below, is still counted: conservative.
         payload = PrefetchPayload(target=target, deadline_s=config.prefetch_deadline_s)
         # Until its deadline: the worker retains what it brought into G1 that long.
         actions.append(PlannedAction.make(ctx, new, payload, session.session_id,
@@ -402,6 +412,25 @@ def _plan_move(
         else:
             actions.extend(_release(ctx, session, old_worker, "moved:release").actions)
     return actions
+
+
+def _own_held(ctx: PlannerContext, protection: Protection | None, kind: ActionType) -> int:
+    """The blocks ``protection`` (the session's own, which a new protection of it
+    supersedes) still counts in its worker's and tenant's holdings, when it is of type
+    ``kind``: none once its TTL is over, as the holdings ledger drops it then
+    (``HoldingsLedger.expire``). Before, an expired one was still subtracted from what
+    the ledger holds, and the room it showed exceeded the budget by its blocks (a short
+    tool's pin, expired during the next turn, let that turn's pin past the pin budget)."""
+    if protection is None or protection.action_type != kind.value or (
+            protection.expires_at <= ctx.now):
+        return 0
+    return protection.blocks
+
+
+def _tenant_retain_room(ctx: PlannerContext, session: SessionPlanState) -> int:
+    """The retained blocks the session's tenant has left (its live holdings all counted)."""
+    tenant = ctx.tenant_held.get(session.tenant, Holdings())
+    return room_left(tenant.retained_blocks, ctx.config.tenant_max_retained_blocks)
 
 
 def _send(

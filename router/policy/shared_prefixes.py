@@ -18,6 +18,7 @@ BENCHMARKS.md), the prompts in use staying resident anyway.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,24 +49,28 @@ def find_shared_prefixes(chains: Iterable[SessionChain], min_sessions: int,
     (worker, tenant) order. Only sessions worth something count (``hit_density`` > 0: in
     flight, or protected by the planner), so a prefix of sessions long gone is not kept.
     ``protected_until`` is :attr:`SharedPrefixRetains.until`."""
-    # Per (worker, tenant): prefix's last block hash -> [sessions, summed density, the
-    # first chain seen with it, the prefix's length] (sliced only for the winners).
+    # Per (worker, tenant): prefix's last block hash -> [sessions, summed density (in
+    # _DENSITY_UNITS), the first chain seen with it, the prefix's length] (sliced only for
+    # the winners). Summed as integers: a float sum depends on the order of the sessions
+    # (dict order: a restarted router reads them back in another), and with it which of
+    # two equally long prefixes wins and the priority at a rounding edge.
     groups: dict[tuple[str, str], dict[int, list]] = {}
     counted: dict[tuple[str, str], list[tuple[int, ...]]] = {}
     for chain in chains:
-        if chain.hit_density <= 0:
+        if not 0 < chain.hit_density < math.inf:  # worth nothing (or not a number)
             continue
         group = groups.setdefault((chain.worker_id, chain.tenant), {})
         counted.setdefault((chain.worker_id, chain.tenant), []).append(chain.block_hashes)
         hashes = chain.block_hashes
+        units = round(chain.hit_density * _DENSITY_UNITS)
         length = 1
         while length <= len(hashes):
             entry = group.get(hashes[length - 1])
             if entry is None:
-                group[hashes[length - 1]] = [1, chain.hit_density, hashes, length]
+                group[hashes[length - 1]] = [1, units, hashes, length]
             else:
                 entry[0] += 1
-                entry[1] += chain.hit_density
+                entry[1] += units
             length *= 2
     prefixes = []
     for (worker, tenant), group in sorted(groups.items()):
@@ -81,8 +86,13 @@ def find_shared_prefixes(chains: Iterable[SessionChain], min_sessions: int,
         prefixes.append(SharedPrefix(
             worker_id=worker, key=key, block_hashes=hashes[:length], sessions=sessions,
             tenant=tenant, protected_until=protected_until.get(_protection_key(worker, key)),
-            hit_density=density))
+            hit_density=density / _DENSITY_UNITS))
     return prefixes
+
+
+# Fixed point of the summed densities (find_shared_prefixes): exact integer sums, read
+# back to within a float's rounding.
+_DENSITY_UNITS = 1 << 64
 
 
 def _common_length(hashes: tuple[int, ...], length: int,

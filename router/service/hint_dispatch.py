@@ -123,6 +123,9 @@ class HintDispatcher:
         """The planner's frozen view; with ``tenant``, that tenant's budget and outcome
         feedback apply (no other tenant's outcomes turn its hints off or shrink them)."""
         now = self._clock() if now is None else now
+        # Holdings past their TTL go first: the planner counts a session's own protection
+        # as held only until its TTL (planner._own_held), so the ledger must agree at now.
+        self.holdings.expire(now)
         views = {}
         for worker in self._workers.all():
             status = worker.status

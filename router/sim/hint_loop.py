@@ -99,6 +99,9 @@ class HintLoop:
     def _planner_ctx(self, tenant: str | None) -> PlannerContext:
         """The planner's view for a session of ``tenant`` (its statistics and outcome
         feedback only, and what each worker cannot do)."""
+        # As the live router's context: holdings past their TTL go first (the planner
+        # counts a session's own protection only until its TTL, planner._own_held).
+        self.ledger.expire(self.now)
         views = {}
         for worker_id, static in self._static_views.items():
             views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
