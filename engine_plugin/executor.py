@@ -420,11 +420,17 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
         if len(handles) < len(keys):
             notes.append(f"{len(handles)} of {len(keys)} donor blocks resident")
         if self.config.donor_retain:
-            # Under its own key: never a hint action's claim (nor a Prefetch's).
+            # Under its own key: never a hint action's claim (nor a Prefetch's). What
+            # clipped the retain (max_retain_ttl_s, the retain budget) is said, and the
+            # TTL held is the one applied; before, both went unsaid and the reason named
+            # the advice's ttl_s. The status stays residency's (schemas.advice).
+            clips: list[str] = []
             retained = self._retain(DonorClaim(advice.advice_id),
                                     self.config.donor_retain_priority, advice.ttl_s,
-                                    handles, [], None, PLANNER)
-            notes.append(f"{retained} donor blocks retained for {advice.ttl_s:g}s")
+                                    handles, clips, None, PLANNER)
+            held_s = min(advice.ttl_s, self.config.max_retain_ttl_s)
+            notes.append(f"{retained} donor blocks retained for {held_s:g}s")
+            notes.extend(clips)
         status = CLIPPED if len(handles) < len(keys) else ACCEPTED
         return answer(status, "; ".join(notes), requested, self._amount(len(handles)))
 

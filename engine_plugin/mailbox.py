@@ -21,8 +21,19 @@ from typing import Any
 
 import msgspec
 
-from kvhint.schemas import HintOutcome, HoldsReleased, OutcomeStatus
+from kvhint.schemas import DONOR_ACTION_TYPE, HintOutcome, HoldsReleased, OutcomeStatus
 from kvhint.schemas._codec import HOSTILE_INPUT_ERRORS
+
+# What an answer is remembered under (``Mailbox.answered``, ``Mailbox.in_flight``): a hint
+# action's id, or a donor advice's id kept apart from it, as the executor keeps them (an
+# advice and a hint action may share an id). Before, they shared one key: an advice's
+# answer replaced the hint action's, and a repeat of that hint finding the inbox full was
+# answered with the advice's ``kv.donor`` outcome (its own never applied nor answered).
+AnswerKey = str | tuple[str, str]
+
+
+def answer_key(action_id: str, action_type: str) -> AnswerKey:
+    return (DONOR_ACTION_TYPE, action_id) if action_type == DONOR_ACTION_TYPE else action_id
 
 
 @dataclass(slots=True)
@@ -132,8 +143,8 @@ class RepeatAnswers:
     """How a hints message that found the inbox full is answered, per action id."""
 
     again: list[HintOutcome]  # answered before: that terminal outcome, sent again
-    in_flight: list[str]  # queued or being applied: its own outcome follows, nothing new
-    new: list[str]  # unknown here: rejected (inbox full)
+    in_flight: list[AnswerKey]  # queued or being applied: its own outcome follows
+    new: list[AnswerKey]  # unknown here: rejected (inbox full)
 
 
 @dataclass
@@ -183,21 +194,22 @@ class Mailbox:
     # for a repeat must not follow the terminal outcome the repeat will be answered
     # with, and a repeat that finds the inbox full gets that outcome again, not a
     # ``rejected`` contradicting it.
-    answered: OrderedDict[str, HintOutcome] = field(default_factory=OrderedDict)
+    answered: OrderedDict[AnswerKey, HintOutcome] = field(default_factory=OrderedDict)
     # Action ids of hints queued for the scheduler thread and not yet given a terminal
     # outcome (queued, or applied and ``deferred``; under ``lock``, bounded by
     # ``answered_limit``): a repeat that finds the inbox full is answered nothing new.
-    in_flight: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    in_flight: OrderedDict[AnswerKey, None] = field(default_factory=OrderedDict)
     # The sizes of all event batches ever put (scheduler thread; EventBatchOut.upto).
     event_bytes_put: int = 0
 
     # --- transport side -----------------------------------------------------------------
 
-    def post(self, item: Inbound, action_ids: Sequence[str] = ()) -> bool:
+    def post(self, item: Inbound, action_ids: Sequence[AnswerKey] = ()) -> bool:
         """Queue an inbound message for the scheduler thread and wake the engine if this
         is the first one waiting; False (counted) when the inbox is full. ``action_ids``
-        (a hints message's) are in flight from here until their terminal outcome: noted
-        under the lock before the scheduler thread can take the message."""
+        (a hints message's, or an advice's :func:`answer_key`) are in flight from here
+        until their terminal outcome: noted under the lock before the scheduler thread
+        can take the message."""
         with self.lock:
             if len(self.inbound) >= self.inbound_limit:
                 self.counters.inbound_dropped += 1
@@ -216,13 +228,14 @@ class Mailbox:
             self.wake_engine()
         return True
 
-    def repeat_answers(self, action_ids: Sequence[str]) -> RepeatAnswers:
-        """Sort the action ids of a hints message the full inbox turned away: a repeat
-        (redelivery) of an action answered or in flight must get the first copy's answer
-        or nothing new, never a contradicting ``rejected``."""
+    def repeat_answers(self, action_ids: Sequence[AnswerKey]) -> RepeatAnswers:
+        """Sort the action ids of a hints message (or an advice's :func:`answer_key`)
+        the full inbox turned away: a repeat (redelivery) of an action answered or in
+        flight must get the first copy's answer or nothing new, never a contradicting
+        ``rejected``."""
         again: list[HintOutcome] = []
-        in_flight: list[str] = []
-        new: list[str] = []
+        in_flight: list[AnswerKey] = []
+        new: list[AnswerKey] = []
         with self.lock:
             for action_id in action_ids:
                 outcome = self.answered.get(action_id) if action_id else None
@@ -267,9 +280,10 @@ class Mailbox:
                 answered, in_flight = self.answered, self.in_flight
                 for outcome in outcomes:
                     if outcome.status is not OutcomeStatus.DEFERRED and outcome.action_id:
-                        answered[outcome.action_id] = outcome
-                        answered.move_to_end(outcome.action_id)
-                        in_flight.pop(outcome.action_id, None)
+                        key = answer_key(outcome.action_id, outcome.action_type)
+                        answered[key] = outcome
+                        answered.move_to_end(key)
+                        in_flight.pop(key, None)
                 while len(answered) > self.answered_limit:
                     answered.popitem(last=False)
                     self.counters.answered_forgotten += 1

@@ -44,6 +44,7 @@ from kvhint.engine_plugin.mailbox import (
     Inbound,
     Mailbox,
     SnapshotOut,
+    answer_key,
     pop_oldest,
 )
 from kvhint.engine_plugin.outcome_counts import counted_action_type
@@ -56,6 +57,7 @@ from kvhint.engine_plugin.transport_counters import (
 )
 from kvhint.engine_plugin.transport_inbound import (
     answer_full_inbox,
+    answer_full_inbox_advice,
     decode_advice_or_reject,
     decoder_failed,
     deferred_outcomes,
@@ -67,6 +69,7 @@ from kvhint.engine_plugin.transport_setup import (
 )
 from kvhint.engine_plugin.transport_wake import EngineWaker
 from kvhint.schemas import (
+    DONOR_ACTION_TYPE,
     EventBatchMeta,
     Subjects,
     Usage,
@@ -309,6 +312,8 @@ class NatsTransport:
                                                    self.worker_id)
             if item.decoded is None:
                 return
+            if item.decoded.advice_id:
+                action_ids = [answer_key(item.decoded.advice_id, DONOR_ACTION_TYPE)]
         if self.mailbox.post(item, action_ids):
             if kind in ("hints", "advice"):
                 self._loop.call_later(self.config.defer_after_s, self._defer_if_waiting, item)
@@ -316,6 +321,10 @@ class NatsTransport:
         self.counters.inbound_rejected += 1
         if kind == "hints":
             answer_full_inbox(self.mailbox, self.counters, self.worker_id, item.decoded)
+        elif kind == "advice":
+            # Before, only counted: the advice got no outcome at all.
+            answer_full_inbox_advice(self.mailbox, self.counters, self.worker_id,
+                                     item.decoded)
 
     def _defer_if_waiting(self, item: Inbound) -> None:
         """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
@@ -329,7 +338,8 @@ class NatsTransport:
                 return
             # A repeat of an action already answered gets that terminal outcome again,
             # and a "deferred" must never follow a terminal outcome.
-            outcomes = [o for o in outcomes if o.action_id not in mailbox.answered]
+            outcomes = [o for o in outcomes
+                        if answer_key(o.action_id, o.action_type) not in mailbox.answered]
             outcomes = mailbox.put_deferred(outcomes)
             self.counters.outcomes.update((counted_action_type(o.action_type), o.status.value)
                                           for o in outcomes)

@@ -1,6 +1,6 @@
 """The answers the NATS transport gives inbound messages itself, on its own thread:
-``rejected`` for advice that cannot be decoded and for hints that find the engine's
-inbox full, early ``deferred`` for a message the engine has not taken in time.
+``rejected`` for advice that cannot be decoded and for hints and advice that find the
+engine's inbox full, early ``deferred`` for a message the engine has not taken in time.
 
 Every one is queued in the mailbox and counted in the transport's ``outcomes`` (under the
 mailbox's lock), which ``kvhint:hints_total`` adds to the engine's.
@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from kvhint.engine_plugin.inbound_checks import INTERNAL_ERROR_REASON, decode_hints_safely
-from kvhint.engine_plugin.mailbox import Inbound, Mailbox, peek_advice_id
+from kvhint.engine_plugin.mailbox import Inbound, Mailbox, answer_key, peek_advice_id
 from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.transport_counters import TransportCounters, note_internal_error
 from kvhint.schemas import (
@@ -92,6 +92,30 @@ def answer_full_inbox(mailbox: Mailbox, counters: TransportCounters, worker_id: 
                 for action_id, action_type in targets]
     mailbox.put_outcomes(outcomes, remember=False)
     count_answers(mailbox, counters, outcomes)
+
+
+def answer_full_inbox_advice(mailbox: Mailbox, counters: TransportCounters, worker_id: str,
+                             advice: DonorAdvice) -> None:
+    """The inbox is full: answer the advice ``rejected`` (transient: a retry under the same
+    id is applied), counted, as a hints message's actions are; a repeat of an advice
+    already answered gets that outcome again, and one still queued nothing new (its own
+    outcome follows). Before, the advice was only counted (``inbound_dropped``): its
+    sender never heard of it, against "one terminal outcome per action"."""
+    sorted_ids = mailbox.repeat_answers([answer_key(advice.advice_id, DONOR_ACTION_TYPE)]
+                                        if advice.advice_id else [""])
+    if sorted_ids.again:
+        mailbox.put_outcomes(sorted_ids.again)
+    counters.repeats_answered_again += len(sorted_ids.again)
+    counters.repeats_in_flight += len(sorted_ids.in_flight)
+    if not sorted_ids.new:
+        return
+    outcome = HintOutcome(message_id=advice.advice_id, action_id=advice.advice_id,
+                          action_type=DONOR_ACTION_TYPE, worker_id=worker_id,
+                          status=OutcomeStatus.REJECTED,
+                          reason=FULL_INBOX_REASON.format(limit=mailbox.inbound_limit),
+                          at=time.time())
+    mailbox.put_outcomes([outcome], remember=False)
+    count_answers(mailbox, counters, [outcome])
 
 
 def deferred_outcomes(item: Inbound, worker_id: str, defer_after_s: float

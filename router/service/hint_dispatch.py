@@ -381,6 +381,16 @@ class HintDispatcher:
             self.holdings.released(release.action_id, held)
 
     def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
+        """A worker's answer to a hint action, looked up by its id; a donor advice's
+        (``kv.donor``: the plugin keys advice apart, its id possibly a hint action's)
+        settles no hint action and updates no row, counted
+        (``foreign_hint_messages{kind="donor_outcome"}``), as its releases are
+        (:meth:`on_release`). Before, it settled a pending hint action of the same id
+        with the advice's status and amounts (the holdings ledger counted the advice's
+        resident blocks as that action's) or overwrote another replica's row."""
+        if outcome.action_type == DONOR_ACTION_TYPE:
+            self._metrics.foreign_messages.labels("donor_outcome").inc()
+            return None
         record = self.pending.get(outcome.action_id)
         if record is None:
             # Another replica's action (replicas share the outcome stream and its cursor),

@@ -203,7 +203,8 @@ class RouterMetrics:
             "no longer knows: another replica's (every replica hears every worker), or sent "
             "before this router restarted and settled since. Not drops: the action's stored "
             "row is still updated, and its own router counts it. donor_release: a donor "
-            "advice's retain released (kv.donor), which no hint action's record takes",
+            "advice's retain released (kv.donor), which no hint action's record takes; "
+            "donor_outcome: a donor advice's answer (kv.donor), likewise",
             ["kind"], registry=r)
         self.trace_written = Counter(
             "kvhint_router_trace_requests_written",

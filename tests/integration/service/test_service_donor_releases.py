@@ -91,3 +91,45 @@ async def test_a_donor_release_of_a_hint_actions_id_leaves_the_hint_alone(
             assert metrics.hold_releases.labels("kv.retain", "displaced")._value.get() == 3
     finally:
         await nc.drain()
+
+
+async def test_a_donor_outcome_of_a_hint_actions_id_leaves_the_hint_alone(
+        tmp_path: Path, nats_url: str, subject_prefix: str,
+        stub_workers: list[StubWorker]) -> None:
+    """A donor advice's answer (``kv.donor``) under a pending Retain's id: before, it
+    settled the Retain with the advice's status and amounts (the ledger held the advice's
+    9 resident blocks as the Retain's, and the Retain's own outcome then counted as a
+    duplicate). Now it is counted apart and the Retain's own outcome settles it."""
+    subjects = Subjects(subject_prefix)
+    nc = await nats.connect(nats_url)
+    sent: list[tuple[str, str, str]] = []
+
+    async def plugin(msg) -> None:  # noqa: ANN001 - a NATS message
+        decoded = decode_hints(msg.data)
+        sent.extend((decoded.message_id, a.action_id, a.action_type.value)
+                    for a in decoded.actions)
+
+    await nc.subscribe(subjects.hints("w0"), cb=plugin)
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], nats_url=nats_url,
+                               subject_prefix=subject_prefix, hints={"tick_s": 3600.0})
+    try:
+        async with running_router(settings) as router, httpx.AsyncClient() as client:
+            runtime = router.runtime
+            metrics = runtime.metrics
+            await plugin_registered(runtime, nc, subjects)
+            await chat(client, router.url, "agent", "x" * 400)
+            await until(lambda: len(sent) >= 1)
+            message_id, action_id, action_type = sent.pop()
+            assert action_type == "kv.retain" and action_id in runtime.hints.pending
+            # Both from one connection on one subject: they arrive in this order.
+            await publish_accepted(nc, subjects, action_id, action_id, DONOR_ACTION_TYPE, 9)
+            await publish_accepted(nc, subjects, message_id, action_id, action_type, 4)
+            await until(lambda: action_id not in runtime.hints.pending)
+            assert runtime.hints.holdings.worker("w0").retained_blocks == 4
+            assert metrics.drops.labels("outcome_duplicate")._value.get() == 0
+            assert metrics.foreign_messages.labels("donor_outcome")._value.get() == 1
+            (recent,) = [h for h in (await client.get(f"{router.url}/admin/overview")).json()[
+                "hints"] if h["action_id"] == action_id]
+            assert recent["applied_blocks"] == 4
+    finally:
+        await nc.drain()
