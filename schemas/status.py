@@ -21,6 +21,10 @@ block's end). It is off the wire when it equals ``block_size``, so other workers
 such a worker at ``block_size`` matched none of its blocks.) Each version has its golden
 JSON (``tests/golden/worker_status.json`` 1.0, ``worker_status_v1_1.json`` 1.1,
 ``worker_status_v1_2.json`` 1.2).
+
+Every version's ``budgets`` are bounded (:data:`BudgetTtl`, :data:`BudgetBlocks`): TTLs in
+(0, 86400] s, block budgets in [0, 2**40]. The bounds are what every plugin ever sent, so
+they refuse no valid message; a status outside them is malformed (dropped and counted).
 """
 
 from __future__ import annotations
@@ -78,11 +82,25 @@ def epoch_is_older(epoch: str, than: str) -> bool:
     return a is not None and b is not None and a < b
 
 
+# Bounds of a heartbeat's budgets: a status outside them is malformed (dropped, counted as
+# the ingest counter ``malformed_messages``; the worker is not heard from it). The router
+# plans hints from them: a TTL of 0 or over a day, or a negative budget, made the planner
+# send hints every worker refuses (and repeated refusals switch Pin/Retain off). Every
+# plugin sends within them (its config: TTLs in [1, 86400] s, an older one's in
+# (0, 86400]; block budgets are parts of its pool), so no valid message of any version
+# is refused. A TTL's bound is a hint's (hints.MAX_TTL_S); a block budget's is more
+# than any pool.
+MAX_BUDGET_TTL_S = 86_400.0
+MAX_BUDGET_BLOCKS = 2**40
+BudgetBlocks = Annotated[int, Meta(ge=0, le=MAX_BUDGET_BLOCKS)]
+BudgetTtl = Annotated[float, Meta(gt=0, le=MAX_BUDGET_TTL_S)]
+
+
 class Budgets(msgspec.Struct, frozen=True, kw_only=True):
-    max_pinned_blocks: int
-    max_pin_ttl_s: float
-    max_retained_blocks: int
-    max_retain_ttl_s: float
+    max_pinned_blocks: BudgetBlocks
+    max_pin_ttl_s: BudgetTtl
+    max_retained_blocks: BudgetBlocks
+    max_retain_ttl_s: BudgetTtl
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

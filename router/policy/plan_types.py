@@ -6,6 +6,7 @@ actions and session state a plan returns. Data only; the planning is in :mod:`.p
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,13 @@ class PlannerConfig:
     tenant_max_retained_blocks: int | None = None
     # Action types the operator lets the planner send at all.
     enabled_actions: frozenset[str] = ALL_ACTIONS
+
+    def __post_init__(self) -> None:
+        # next_idle_review grows the first review's idle time until it passes now: from 0
+        # (or less) it never did, and the planner's caller hung for good.
+        if not 0.0 < self.idle_review_first_s < math.inf:
+            raise ValueError(f"idle_review_first_s must be > 0 and finite, not "
+                             f"{self.idle_review_first_s!r}")
 
 
 @dataclass(frozen=True, slots=True)

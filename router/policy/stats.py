@@ -19,7 +19,7 @@ The planner only *reads* a :class:`LearnedStats`; it returns observations
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 USER_GAP = "@user"
@@ -358,26 +358,45 @@ class LearnedStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> LearnedStats:
-        """Inverse of :meth:`to_dict`; raises ValueError on a shape it does not know."""
+        """Inverse of :meth:`to_dict`; raises ValueError on a shape it does not know, and on
+        values :meth:`apply` never makes: a count or total that is negative, NaN or
+        infinite, a decay outside (0, 1]. Before, such a row (a hand edit, a restore from
+        elsewhere) was taken, and a NaN made every retain priority computed from it raise."""
         if data.get("version") != STATS_VERSION:
             raise ValueError(f"learned stats: unsupported version {data.get('version')!r}")
-        stats = cls(decay=float(data.get("decay", 0.999)))  # type: ignore[arg-type]
+        decay = float(data.get("decay", 0.999))  # type: ignore[arg-type]
+        if not 0.0 < decay <= 1.0:  # NaN fails it too
+            raise ValueError(f"learned stats: decay {decay!r} is not in (0, 1]")
+        stats = cls(decay=decay)
         gaps = data.get("gaps", {})
         returns = data.get("returns", {})
         if not isinstance(gaps, dict) or not isinstance(returns, dict):
             raise ValueError("learned stats: gaps and returns must be objects")
         for key, raw in gaps.items():
-            counts = [float(c) for c in raw["counts"]]
+            counts = _counts(raw["counts"], key)
             if len(counts) != _BUCKETS:
                 raise ValueError(f"learned stats: gap histogram {key!r} has {len(counts)} buckets")
-            stats.gaps[str(key)] = GapHistogram(counts, float(raw["total"]))
+            (total,) = _counts([raw["total"]], key)
+            stats.gaps[str(key)] = GapHistogram(counts, total)
         for key, pair in returns.items():
-            stats.returns[str(key)] = ReturnCount(float(pair[0]), float(pair[1]))
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError(f"learned stats: return count {key!r} is not [finished, "
+                                 "returned]")
+            stats.returns[str(key)] = ReturnCount(*_counts(pair, key))
         reads = data.get("completion_reads", [0.0, 0.0])  # absent before it was learnt
         if not isinstance(reads, list) or len(reads) != 2:
             raise ValueError("learned stats: completion_reads must be [observed, read]")
-        stats.completion_reads = ReturnCount(float(reads[0]), float(reads[1]))
+        stats.completion_reads = ReturnCount(*_counts(reads, "completion_reads"))
         return stats
+
+
+def _counts(raw: Iterable[object], key: object) -> list[float]:
+    """``raw`` as (decayed) counts: each finite and >= 0, else ValueError naming ``key``."""
+    counts = [float(c) for c in raw]  # type: ignore[arg-type]
+    if not all(math.isfinite(c) and c >= 0.0 for c in counts):
+        raise ValueError(f"learned stats: {key!r} holds a count that is negative, NaN or "
+                         "infinite")
+    return counts
 
 
 def _lognormal_survival(seconds: float, median_s: float, sigma: float) -> float:

@@ -180,8 +180,8 @@ def test_typed_decoders_raise_wire_decode_error() -> None:
     good = s.WorkerStatus(
         worker_id="w0", epoch="e1", model="m", cache_namespace="ns", block_size=16,
         hash_algo="sha256", none_hash_seed=None, supported_actions={},
-        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=0, max_retained_blocks=0,
-                          max_retain_ttl_s=0),
+        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=0.5, max_retained_blocks=0,
+                          max_retain_ttl_s=86_400),
         usage=s.Usage(gpu_blocks_total=1, gpu_blocks_free=1, kv_usage=0.0),
         interval_s=1.0, at=0.0)
     assert s.decode_status(s.encode_status(good)) == good
@@ -189,6 +189,18 @@ def test_typed_decoders_raise_wire_decode_error() -> None:
                 msgspec.structs.replace(good, epoch="e 1"),
                 msgspec.structs.replace(good, last_event_seq=-1)):
         with pytest.raises(s.WireDecodeError, match="worker status"):
+            s.decode_status(s.encode_status(bad))
+    # Budgets out of their bounds (a TTL of 0 or over a day, a negative or absurd block
+    # budget) are malformed: before, the planner sent hints from them that every worker
+    # refused, and repeated refusals switched Pin/Retain off.
+    budgets = good.budgets
+    for field, value in (("max_pin_ttl_s", 0.0), ("max_pin_ttl_s", 86_400.5),
+                         ("max_retain_ttl_s", 0.0), ("max_retain_ttl_s", -1.0),
+                         ("max_retain_ttl_s", 1e300), ("max_pinned_blocks", -1),
+                         ("max_retained_blocks", -5), ("max_pinned_blocks", 2**40 + 1)):
+        bad = msgspec.structs.replace(good, budgets=msgspec.structs.replace(
+            budgets, **{field: value}))
+        with pytest.raises(s.WireDecodeError, match=rf"worker status.*budgets\.{field}"):
             s.decode_status(s.encode_status(bad))
     with pytest.raises(s.WireDecodeError, match="donor advice"):
         s.decode_advice(b"{}")
@@ -413,3 +425,16 @@ def test_a_deeply_nested_event_batch_is_a_wire_error_and_the_router_resyncs() ->
 
 def test_an_internal_error_is_a_transient_rejection() -> None:
     assert s.is_transient_rejection(f"{s.REJECTED_INTERNAL_ERROR} in the kvhint plugin")
+
+
+def test_status_budget_bounds_hold_every_plugin_config() -> None:
+    """The heartbeat's budget bounds refuse nothing a plugin can be configured to send:
+    its TTL bounds lie within them, and they are a hint's TTL bounds."""
+    from kvhint.engine_plugin.config import PluginConfig
+    from kvhint.schemas.hints import MAX_TTL_S
+    from kvhint.schemas.status import MAX_BUDGET_TTL_S
+
+    assert MAX_BUDGET_TTL_S == MAX_TTL_S
+    for name in ("max_pin_ttl_s", "max_retain_ttl_s"):
+        bounds = {type(m).__name__: m for m in PluginConfig.model_fields[name].metadata}
+        assert bounds["Ge"].ge > 0 and bounds["Le"].le == MAX_BUDGET_TTL_S

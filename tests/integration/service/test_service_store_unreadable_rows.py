@@ -12,6 +12,7 @@ a start reads: a hint action whose payload is no JSON object is left out
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import StubWorker, router_settings, running_router, sample, scrape
+from kvhint.router.policy import USER_GAP, GapObserved, LearnedStats
 from kvhint.router.service.hint_records import SentAction
 from kvhint.router.store.database import create_store_engine
 from store_helpers import insert_rows
@@ -94,12 +96,21 @@ def _retain(action_id: str, status: str, now: float) -> dict:
         requested_blocks=3, scope="a/bad", expires_at=now + 600).row()
 
 
+def _nan_stats() -> dict:
+    stats = LearnedStats()
+    stats.apply(GapObserved(USER_GAP, 1, 30.0))
+    data = stats.to_dict()
+    for histogram in data["gaps"].values():  # type: ignore[union-attr]
+        histogram["total"] = float("nan")
+    return data
+
+
 async def test_unreadable_action_and_learned_rows_no_longer_stop_the_start(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
     """A held Retain whose payload is a JSON array (its holding's keys read the payload),
     a pending one whose payload is not JSON (SQLite), and a tenant's learnt statistics
     that are a string: each alone failed the router's start, for good. Now each is left
-    out, counted, and the router serves."""
+    out, counted, and the router serves. So are learnt statistics holding a NaN."""
     settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], tenants=TENANTS)
     async with running_router(settings):
         pass  # the schema, and w0's row
@@ -115,6 +126,10 @@ async def test_unreadable_action_and_learned_rows_no_longer_stop_the_start(
         db.execute("UPDATE hint_actions SET payload = '{not json' WHERE action_id = 'waiting'")
         db.execute("INSERT INTO learned_stats (tenant, kind, data, updated_at) "
                    "VALUES ('a', 'tenant_gaps', '\"x\"', 0)")
+        # Of the right shape, with a NaN total: before, it was restored and made every
+        # retain priority computed from it raise (LearnedStats.from_dict now refuses it).
+        db.execute("INSERT INTO learned_stats (tenant, kind, data, updated_at) "
+                   "VALUES ('b', 'tenant_gaps', ?, 0)", (json.dumps(_nan_stats()),))
     db.close()
     async with running_router(settings) as router, httpx.AsyncClient(timeout=30) as client:
         assert (await _turn(client, router.url, "bad")).status_code == 200
@@ -123,4 +138,4 @@ async def test_unreadable_action_and_learned_rows_no_longer_stop_the_start(
         assert sample(samples, "kvhint_router_drops_total",
                       what="hint_not_restored:unreadable") == 2
         assert sample(samples, "kvhint_router_drops_total",
-                      what="learned_stats_unreadable") == 1
+                      what="learned_stats_unreadable") == 2

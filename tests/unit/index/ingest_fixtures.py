@@ -57,8 +57,8 @@ def status(worker: str = "w0", epoch: str = "e1", last_seq: int = 0,
     return s.WorkerStatus(
         worker_id=worker, epoch=epoch, model="tiny", cache_namespace="ns", block_size=32,
         hash_algo="sha256", none_hash_seed="vllm-none-hash", supported_actions={},
-        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=0, max_retained_blocks=0,
-                          max_retain_ttl_s=0),
+        budgets=s.Budgets(max_pinned_blocks=0, max_pin_ttl_s=600, max_retained_blocks=0,
+                          max_retain_ttl_s=3600),
         usage=s.Usage(gpu_blocks_total=10, gpu_blocks_free=10, kv_usage=0.0),
         last_event_seq=last_seq, interval_s=interval_s, at=0.0)
 

@@ -4,7 +4,10 @@ removed from the configuration."""
 
 from __future__ import annotations
 
-from ingest_fixtures import batch, headers, page, store, make_paging_ingestor as make
+import msgspec
+from ingest_fixtures import batch, headers, page, status, store, make_paging_ingestor as make
+
+from kvhint import schemas as s
 
 from kvhint.router.kv_index import (
     KvEventIngestor,
@@ -84,3 +87,19 @@ def test_a_resyncing_worker_removed_from_the_configuration_counts_its_buffer() -
     after = ing.stats().stream
     dropped = sum(after[k] - before[k] for k in after if k != "buffered")
     assert dropped == 2, {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def test_a_heartbeat_with_budgets_out_of_bounds_is_malformed() -> None:
+    """A pin or retain TTL of 0 or over a day, a negative block budget: the planner sent
+    hints from it that every worker refused (repeated refusals switch Pin/Retain off).
+    Such a heartbeat is malformed, counted, and the worker not heard from it."""
+    ing, _, _ = make()
+    good = status("w0")
+    for field, value in (("max_pin_ttl_s", 0.0), ("max_retain_ttl_s", 90_000.0),
+                         ("max_pinned_blocks", -1)):
+        bad = msgspec.structs.replace(good, budgets=msgspec.structs.replace(
+            good.budgets, **{field: value}))
+        assert ing.on_status_message(s.encode_status(bad)) == []
+    assert ing.stats().malformed_messages == 3 and ing.live_workers() == ()
+    ing.on_status_message(s.encode_status(good))
+    assert ing.live_workers() == ("w0",)

@@ -103,6 +103,40 @@ def test_stats_round_trip_through_json_and_reject_unknown_versions() -> None:
         LearnedStats.from_dict({**data, "completion_reads": {"read": 3}})
 
 
+def test_stats_restore_refuses_values_learning_never_makes() -> None:
+    """A stored row with a NaN, infinite or negative count, or a decay outside (0, 1] (a
+    hand edit, a restore from elsewhere): before, it was taken, and a NaN made every
+    retain priority computed from it raise. Now from_dict refuses it (ValueError: the
+    router counts it ``learned_stats_unreadable``)."""
+    stats = LearnedStats()
+    stats.apply(GapObserved("search", 2, 3.0))
+    stats.apply(ReturnObserved(2, True))
+    data = json.loads(json.dumps(stats.to_dict()))
+    gap_key, return_key = next(iter(data["gaps"])), next(iter(data["returns"]))
+    histogram = data["gaps"][gap_key]
+
+    def with_gap(**changes: object) -> dict:
+        return {**data, "gaps": {**data["gaps"], gap_key: {**histogram, **changes}}}
+
+    bad = [
+        with_gap(total=float("nan")),
+        with_gap(total=-1.0),
+        with_gap(counts=[float("nan")] + histogram["counts"][1:]),
+        with_gap(counts=[float("inf")] + histogram["counts"][1:]),
+        with_gap(counts=[-2.0] + histogram["counts"][1:]),
+        {**data, "returns": {**data["returns"], return_key: [float("nan"), 1.0]}},
+        {**data, "returns": {**data["returns"], return_key: [3.0, -1.0]}},
+        {**data, "returns": {**data["returns"], return_key: [3.0]}},
+        {**data, "completion_reads": [float("inf"), 0.0]},
+        {**data, "decay": 0.0}, {**data, "decay": 1.5}, {**data, "decay": -0.5},
+        {**data, "decay": float("nan")},
+    ]
+    for row in bad:
+        with pytest.raises(ValueError, match="learned stats"):
+            LearnedStats.from_dict(row)
+    assert LearnedStats.from_dict({**data, "decay": 1.0}).decay == 1.0
+
+
 def test_completion_reads_start_at_the_prior_and_follow_what_is_seen() -> None:
     stats = LearnedStats(decay=1.0)
     assert stats.completion_read_probability() == 1.0  # vLLM caches output blocks

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import replace
 
+import pytest
 from planner_fixtures import (
     BS,
     BUDGETS,
@@ -149,6 +149,18 @@ def test_idle_session_decays_is_counted_as_gone_once_and_is_released() -> None:
     assert priorities == sorted(priorities, reverse=True) and priorities[-1] == 0
     assert observations == [ReturnObserved(1, False, "@user")]
     assert session.ended and session.protection is None
+
+
+def test_a_planner_config_without_a_first_idle_review_is_refused() -> None:
+    """next_idle_review grows the first review's idle time until it passes now: from 0 or
+    less it never did (the caller hung for good). Such a config is refused."""
+    for first in (0.0, -15.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="idle_review_first_s"):
+            PlannerConfig(idle_review_first_s=first)
+    config = PlannerConfig(idle_review_first_s=0.5)
+    ctx = make_ctx(config=config)
+    session = finish(ctx, session_after_turn(ctx), FinishReason.STOP, at=0.0).session
+    assert next_idle_review(config, session, 100.0) > 100.0
 
 
 def test_a_session_an_agent_demoted_is_left_demoted_until_its_next_turn() -> None:
