@@ -28,7 +28,9 @@ holding the subjects) events, outcomes and releases flow on plain subscriptions 
 over from the streams' ends and the plain subscriptions are drained.
 
 A stream deleted (an operator, a NATS server restarted without its store) is made again
-and its consumer started over on the new stream (stream_watch.py, from :meth:`tick`).
+and its consumer started over on the new stream (stream_watch.py, from :meth:`tick`); after
+nats-py reconnects, each consumer starts over at once from the message after the last it
+handled.
 
 The ingestor (``kvhint.router.kv_index``) decides; index_actions.py performs its actions.
 """
@@ -58,6 +60,7 @@ from kvhint.router.service.nats_link import (
     releases_stream_name,
 )
 from kvhint.router.service.stream_watch import StreamWatch, WatchedConsumer
+from kvhint.router.service.task_set import TaskSet
 from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
 from kvhint.router.store.writer import StoreWriter
@@ -128,7 +131,8 @@ class ClusterFeed:
                  on_worker_forgotten: Callable[[str], None] | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  jetstream_retry_s: float = JETSTREAM_RETRY_S,
-                 url_policy: HeartbeatUrlPolicy = HeartbeatUrlPolicy()) -> None:
+                 url_policy: HeartbeatUrlPolicy = HeartbeatUrlPolicy(),
+                 tasks: TaskSet | None = None) -> None:
         self._link = link
         self._subjects = link.subjects
         self.ingestor = ingestor
@@ -141,7 +145,9 @@ class ClusterFeed:
         self._metrics = metrics
         self._writer = writer
         self._wall = wall_clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Its snapshot requests, JetStream retries and stream checks: the runtime's
+        # (task_set.py), ended at its stop.
+        self._tasks = tasks if tasks is not None else TaskSet()
         # What the ingestor decides, done (snapshot requests are tasks of this feed's).
         self._perform = IndexActions(link, ingestor, workers, metrics, snapshot_timeout_s,
                                      self._spawn).perform
@@ -160,7 +166,9 @@ class ClusterFeed:
         self._retry_delay_s = jetstream_retry_s
         self._retry_at = 0.0
         self._retrying = False
-        # The consumers, watched for their stream being made again (stream_watch.py).
+        # The consumers, watched for their stream being made again, and started over
+        # from their next message once nats-py reconnects (stream_watch.py; the runtime
+        # puts :meth:`on_reconnected` on the link's ``on_reconnected``).
         self.streams = StreamWatch(link)
 
     async def on_connected(self) -> None:
@@ -231,9 +239,11 @@ class ClusterFeed:
                                 "%d: made again since; read from its start", stream,
                                 info.state.last_seq, start - 1)
                     start = 1
-                made.append(await self._link.subscribe_stream(subject, stream, handler,
-                                                              start_seq=start))
-                watched[stream] = WatchedConsumer(subject, handler, made[-1], info.created)
+                consumer = await self.streams.subscribe(subject, stream, handler, start,
+                                                        info.state.last_seq, info.created)
+                assert consumer.sub is not None
+                made.append(consumer.sub)
+                watched[stream] = consumer
         except (NatsError, asyncio.TimeoutError):
             for sub in made:
                 try:
@@ -245,6 +255,12 @@ class ClusterFeed:
                                 cleanup)
             raise
         self.streams.follow(watched)
+
+    def on_reconnected(self) -> None:
+        """nats-py reconnected: the consumers start over now, not when nats-py misses
+        their heartbeats (stream_watch.py). Plain subscriptions (no replay) need none."""
+        if self.replay and self.streams.reconnected():
+            self._spawn(self.streams.check())
 
     def _note_streams(self, checks: dict[str, StreamCheck]) -> None:
         """Count stream fields left unlike the settings (ensure_streams warned), and let
@@ -458,15 +474,10 @@ class ClusterFeed:
                 self._on_worker_forgotten(worker_id)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.close()
 
 
 def _status_dict(status: WorkerStatus) -> dict[str, Any]:

@@ -60,6 +60,9 @@ MAX_ATTEMPTS = 2
 # Requests in a row a worker held past request_timeout_s without sending its headers,
 # after which the prober checks its /health at once (see Forwarder._open).
 SUSPECT_AFTER_TIMEOUTS = 2
+# A request the router's stop cut short before its worker answered (Forwarder.forward).
+SHUTTING_DOWN = ("the router is shutting down: the request ended before its worker "
+                 "answered; retry the request")
 
 
 def _closes_upstream_when_gone(flight: Flight, upstream: UpstreamResponse
@@ -139,12 +142,16 @@ class Forwarder:
         try:
             return await self._forward(flight)
         except asyncio.CancelledError:
-            # The handler was cancelled (uvicorn's graceful-shutdown timeout, a caller's
-            # own timeout): nobody gets an answer. The worker's request is closed (vLLM
-            # aborts it), and the worker's slot, its routed load and the session's open
-            # turn are settled here once, as a 499, before the cancellation goes on.
-            await self._abandon(flight, 499)
-            raise
+            # The router is stopping: uvicorn cancels the requests still running once
+            # http_shutdown_grace_s ran out (nothing else cancels a request's handler; a
+            # client that leaves is client_gone), and never awaits them after. The
+            # worker's request is closed (vLLM aborts it), its slot, routed load and the
+            # session's open turn settled once, as a 503 (the router's doing, as a
+            # stream's RelayEnd.stopping), and the cancel ends here: the client gets a
+            # JSON 503 it may retry elsewhere. Before, the cancel went on to uvicorn,
+            # which answered its plain-text 500 and logged a traceback; counted 499.
+            await self._abandon(flight, 503)
+            return error_response(SHUTTING_DOWN, 503)
         except Exception:
             # A router bug: the app answers 500 (and counts it as an internal error);
             # the request is still settled, or its worker's slot and the session's

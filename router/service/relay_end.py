@@ -1,6 +1,6 @@
 """How a relayed SSE stream ends: the rules the forwarder's relay of a POST's stream
 (forwarding.py ``Forwarder._relay``) and a stored response's streamed GET
-(responses_api.py ``_streamed``) share, in one place.
+(responses_get_stream.py ``streamed_get``) share, in one place.
 
 - A terminal event relayed (``relay.finished``: ``[DONE]``, a Responses stream's
   ``response.completed``/``.failed``/``.incomplete``/``error``): the client has its whole

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -46,15 +46,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvhint.router.service.cross_site import cross_site_refusal
-from kvhint.router.service.forwarding import WORKER_HEADER, unavailable_answer
+from kvhint.router.service.forwarding import SHUTTING_DOWN, WORKER_HEADER, unavailable_answer
 from kvhint.router.service.inbound import InboundRequest, error_response
-from kvhint.router.service.relay_end import RelayEnd
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.request_fields import runs_in_background, stores_response
 from kvhint.router.service.responses_cancel_rechecks import recheck_streams
+from kvhint.router.service.responses_get_stream import Slot, streamed_get
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
 from kvhint.router.service.responses_ids import IdEntry, IdMiss, ResponseIds
-from kvhint.router.service.responses_cancels import CancelWatch, CancelWatches
+from kvhint.router.service.responses_cancels import CancelWatches
 from kvhint.router.service.responses_scan import ResponsesObservation, ResponsesRelay
 from kvhint.router.service.responses_sessions import ResponseSessions
 from kvhint.router.service.routing_service import HeldConversation
@@ -98,7 +98,6 @@ class ResponsesGateway:
         if runtime.cancel_notices is not None:
             runtime.cancel_notices.listener = self._on_cancel_notice
             runtime.cancel_notices.on_link_up = self._recheck_cancels
-        self._rechecks: set[asyncio.Task[int]] = set()
 
     # --- POST /v1/responses -------------------------------------------------------------
 
@@ -248,17 +247,22 @@ class ResponsesGateway:
         if streamed and not slots.admit(tenant):
             counted.labels(op, "429").inc()
             return over_in_flight_answer(tenant)
-        slot = _Slot(partial(slots.give_back, tenant.name) if streamed else None)
+        slot = Slot(partial(slots.give_back, tenant.name) if streamed else None)
         try:
             return await self._opened(found, response_id, op, method, suffix, query,
                                       counted, slot)
+        except asyncio.CancelledError:
+            # The router stopping past http_shutdown_grace_s, the worker's answer still to
+            # come: a JSON 503, not uvicorn's plain-text 500 (Forwarder.forward).
+            counted.labels(op, "503").inc()
+            return error_response(SHUTTING_DOWN, 503)
         finally:
             if not slot.relayed:  # answered whole, refused, or cancelled: given back now
                 slot.give_back()
 
     async def _opened(self, found: IdEntry, response_id: str, op: str, method: str,
                       suffix: str, query: dict[str, str], counted: Any,
-                      slot: _Slot) -> Response:
+                      slot: Slot) -> Response:
         runtime = self._runtime
         worker = runtime.workers.get(found.worker_id)
         assert worker is not None and worker.url is not None  # find() checked it
@@ -292,7 +296,7 @@ class ResponsesGateway:
 
     async def _relayed(self, upstream: UpstreamResponse, count: Callable[[int], None],
                        response_id: str, op: str, starting_after: str | None,
-                       cancelled: bool, slot: _Slot, tenant: str) -> Response:
+                       cancelled: bool, slot: Slot, tenant: str) -> Response:
         """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
         background response's events, ``?stream=true``) relayed as it comes, each event
         whole, ended by the router where a cancel left it open (responses_cancels.py). A
@@ -325,7 +329,7 @@ class ResponsesGateway:
         if cancelled or self.cancels.was_cancelled(response_id):
             watch.cancelled(None, self.cancels.grace_s)
         slot.relayed = True  # given back by the stream, at its end
-        return _streamed(upstream, headers, count, relay, watch, self._runtime, slot)
+        return streamed_get(upstream, headers, count, relay, watch, self._runtime, slot)
 
 
     def _on_cancel_notice(self, notice: ResponseCancelled) -> int | None:
@@ -348,25 +352,10 @@ class ResponsesGateway:
         """The NATS link came up again: the notices of the cancels while it was down are
         lost; the workers are asked instead (responses_cancel_rechecks.py)."""
         runtime = self._runtime
-        task = asyncio.create_task(recheck_streams(
-            self.cancels, runtime.workers, runtime.pool, runtime.metrics, self._cancelled))
-        self._rechecks.add(task)
-        task.add_done_callback(self._rechecks.discard)
-
-
-class _Slot:
-    """A streamed GET's tenant slot (``give_back`` None: a call that took none), given
-    back once: when its answer is whole, or its stream ends, however it ends."""
-
-    def __init__(self, give_back: Callable[[], None] | None) -> None:
-        self._give_back = give_back
-        # Its stream's relay gives it back (:func:`_streamed`), not the call.
-        self.relayed = False
-
-    def give_back(self) -> None:
-        give_back, self._give_back = self._give_back, None
-        if give_back is not None:
-            give_back()
+        # The runtime's task (task_set.py): ended at its stop, before the pool it uses.
+        runtime.tasks.spawn(recheck_streams(
+            self.cancels, runtime.workers, runtime.pool, runtime.metrics, self._cancelled),
+            "kvhint-cancel-rechecks")
 
 
 def _asks_stream(value: str | None) -> bool:
@@ -374,62 +363,6 @@ def _asks_stream(value: str | None) -> bool:
     false value of pydantic's lax bool, which vLLM's ``stream: bool`` query reads (a
     value it refuses is its 422 at once: the slot taken for it comes back then)."""
     return value is not None and value.lower() not in _FALSE_VALUES
-
-
-def _streamed(upstream: UpstreamResponse, headers: dict[str, str],
-              count: Callable[[int], None], relay: ResponsesRelay, watch: CancelWatch,
-              runtime: RouterRuntime, slot: _Slot) -> Response:
-    """A GET's event stream (:meth:`ResponsesGateway._relayed`); a worker that breaks or
-    goes silent mid-stream ends it as a POST's does (forwarding.py): with
-    ``response.failed`` (an ``error`` event before ``response.created``), counted."""
-    counted = gone = False
-    # A client gone is counted 499 even after the terminal event (the stream is left
-    # there anyway: :meth:`RelayEnd.read_no_further`).
-    end = RelayEnd(relay, watch, upstream, runtime.metrics, served_once_finished=False,
-                   max_event_bytes=runtime.settings.stream_event_max_bytes)
-
-    async def chunks() -> AsyncGenerator[bytes, None]:
-        nonlocal counted
-        try:
-            async for chunk in relay.relay(upstream.chunks()):
-                end.heard()
-                yield chunk
-                if end.read_no_further():
-                    break
-            if (last := end.ended(gone)) is not None:
-                yield last
-        except UpstreamBroken as exc:
-            # Broken by the router's own close for a client gone (on_gone): the client
-            # left, the worker did not fail; or for a cancel (or silence) that left it open.
-            if (last := end.broken(exc, gone)) is not None:
-                yield last
-        except (GeneratorExit, asyncio.CancelledError):
-            end.left()
-            raise
-        finally:
-            watch.end()
-            upstream.close()
-            slot.give_back()
-            if not counted:
-                counted = True
-                count(end.status)
-
-    def on_gone(signal: asyncio.Future[None]) -> None:
-        nonlocal gone
-        if not signal.cancelled() and signal.exception() is None:
-            gone = True
-            upstream.close()
-
-    async def on_unsent() -> None:
-        nonlocal counted
-        watch.end()
-        slot.give_back()
-        if not counted:  # the stream never started (the client left first)
-            counted = True
-            upstream.close()
-            count(499)
-
-    return RelayResponse(chunks(), upstream.status, headers, on_gone, on_unsent)
 
 
 def _json_object(payload: bytes) -> dict[str, Any] | None:

@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
+from kvhint.router.service.task_set import TaskSet
 from kvhint.schemas import (
     ResponseCancelled,
     Subjects,
@@ -60,8 +61,10 @@ class CancelNotices:
     """This replica's side of the cancels subject (module doc). ``link`` None: no NATS."""
 
     def __init__(self, link: NatsLink | None, subjects: Subjects,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, tasks: TaskSet | None = None) -> None:
         self._link = link
+        # Where its resend runs: the runtime's (task_set.py), ended at its stop.
+        self._tasks = tasks if tasks is not None else TaskSet()
         self._subjects = subjects
         self._metrics = metrics
         # Tells this replica's notices from the others' (it skips its own).
@@ -89,7 +92,7 @@ class CancelNotices:
         if self.on_link_up is not None:
             self.on_link_up()
         if self._unsent and (self._resending is None or self._resending.done()):
-            self._resending = asyncio.create_task(self._resend())
+            self._resending = self._tasks.spawn(self._resend(), "kvhint-cancel-notices")
 
     async def _resend(self) -> None:
         """The notices kept unsent, in order, while the link takes them."""

@@ -3,7 +3,7 @@ down in reverse order. Nothing here exists at import time.
 
 Start order: metrics -> store (migrate, recover) -> workers, sessions, hints -> upstream
 HTTP pool -> tokenizer discovery -> index + ingestor + the prompt-hashing threads -> NATS
-(background connect) -> periodic loops. Stop: loops -> trace file -> NATS drain -> HTTP
+(background connect) -> periodic loops. Stop: loops -> background tasks -> trace file -> NATS drain -> HTTP
 pool -> hashing threads -> last store flush -> engine.
 """
 
@@ -41,6 +41,7 @@ from kvhint.router.service.nats_link import NatsLink, StreamLimits
 from kvhint.router.service.responses_cancel_notices import CancelNotices
 from kvhint.router.service.routing_service import RoutingService
 from kvhint.router.service.session_reads import StoredSessions
+from kvhint.router.service.task_set import TaskSet
 from kvhint.router.service.sessions import SessionRegistry
 from kvhint.router.service.settings import DEFAULT_SALT_SECRET, RouterSettings
 from kvhint.router.service.tenancy import TenantDirectory
@@ -93,6 +94,10 @@ class RouterRuntime:
     models: dict[str, str] = field(default_factory=dict)  # served name -> tokenizer path
     recorder: TraceRecorder | None = None
     started_at: float = field(default_factory=time.time)
+    # Background work outside requests and loops (task_set.py): the feed's, the cancel
+    # notices' resend, the Responses gateway's rechecks; ended at stop, before the link
+    # and the pool they use.
+    tasks: TaskSet = field(default_factory=TaskSet)
     _loops: list[asyncio.Task[None]] = field(default_factory=list)
 
     # --- start / stop -------------------------------------------------------------------
@@ -223,7 +228,7 @@ class RouterRuntime:
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
                       TenantCallRate(directory, metrics), link=link, models=models,
                       recorder=recorder)
-        runtime.cancel_notices = CancelNotices(link, subjects, metrics)
+        runtime.cancel_notices = CancelNotices(link, subjects, metrics, runtime.tasks)
         metrics.bind_state(runtime.state_sample)
         for tenant in directory.tenants:
             writer.upsert("tenants", (tenant.name,), {"name": tenant.name,
@@ -242,7 +247,8 @@ class RouterRuntime:
                                        on_hint_outcome=lifecycle.on_hint_outcome,
                                        on_hold_released=lifecycle.on_hold_released,
                                        on_worker_forgotten=routing.forget_worker,
-                                       url_policy=url_policy)
+                                       url_policy=url_policy, tasks=runtime.tasks)
+            link.on_reconnected.append(runtime.feed.on_reconnected)
             link.start(runtime.feed.on_connected, runtime.cancel_notices.on_connected)
         runtime._loops = [
             asyncio.create_task(runtime._every(settings.hints.tick_s, lifecycle.tick),
@@ -273,6 +279,8 @@ class RouterRuntime:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        # Before the link and the pool they use; none starts after (task_set.py).
+        await self.tasks.close()
         if self.recorder is not None:
             await self.recorder.close()
         if self.feed is not None:
