@@ -26,36 +26,48 @@ class BlockCounts:
     retained / not held) does."""
 
     def __init__(self) -> None:
-        self._refs: dict[tuple[Hashable, str, int], list[int]] = {}
+        # (owner, worker) -> block -> [pins, retains]; an owner's blocks on a worker
+        # apart, so the per-block loops below key by the block alone.
+        self._refs: dict[tuple[Hashable, str], dict[int, list[int]]] = {}
         self.totals: dict[Hashable, list[int]] = {}
 
     def named(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int,
               sign: int) -> None:
-        refs_of, totals = self._refs, self.totals.setdefault(owner, [0, 0])
+        # _state inlined (the simulator's hottest loop: millions of keys per trace).
+        totals = self.totals.setdefault(owner, [0, 0])
+        refs_key = (owner, worker_id)
+        refs_of = self._refs.get(refs_key)
+        if refs_of is None:
+            refs_of = self._refs[refs_key] = {}
         for key in keys:
-            ref_key = (owner, worker_id, key)
-            refs = refs_of.get(ref_key)
+            refs = refs_of.get(key)
             if refs is None:
-                refs = refs_of[ref_key] = [0, 0]
-            before = _state(refs)
+                refs = refs_of[key] = [0, 0]
+                before = None
+            else:
+                before = PINNED if refs[PINNED] else (RETAINED if refs[RETAINED] else None)
             refs[slot] += sign
-            after = _state(refs)
+            after = PINNED if refs[PINNED] else (RETAINED if refs[RETAINED] else None)
             if after is None:
-                del refs_of[ref_key]
+                del refs_of[key]
             if before != after:
                 if before is not None:
                     totals[before] -= 1
                 if after is not None:
                     totals[after] += 1
+        if not refs_of:
+            del self._refs[refs_key]
 
     def counted(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int) -> int:
         """How many of ``keys`` a new holding of type ``slot`` would not add to the
         owner's ``slot`` total: already pinned (for a Pin), already held (for a Retain:
         a pinned block stays pinned)."""
-        refs_of = self._refs
+        refs_of = self._refs.get((owner, worker_id))
+        if refs_of is None:
+            return 0
         count = 0
         for key in keys:
-            refs = refs_of.get((owner, worker_id, key))
+            refs = refs_of.get(key)
             if refs is not None and (slot == RETAINED or refs[PINNED]):
                 count += 1
         return count

@@ -480,6 +480,8 @@ class HoldingsLedger:
         """Resize a holding; it keeps (or gains) its root-most blocks, as the worker
         clips a claim and lets one go leaf first: the named prefix both sizes share keeps
         its counts."""
+        if blocks == held.blocks:
+            return  # as the worker planned it (most answers): counts stay as they are
         kept = min(held.blocks, blocks, len(held.keys))
         self._count(held, -1, kept)
         held.blocks = blocks
@@ -493,19 +495,23 @@ class HoldingsLedger:
         self._count_own(held, sign * (held.blocks - len(named)))
 
     def _count_named(self, held: _Held, keys: Sequence[int], sign: int) -> None:
-        self._workers.named(held.worker_id, held.worker_id, keys, held.slot, sign)
+        slot = held.slot
+        self._workers.named(held.worker_id, held.worker_id, keys, slot, sign)
         if held.tenant is not None:
-            self._tenants.named(held.tenant, held.worker_id, keys, held.slot, sign)
+            self._tenants.named(held.tenant, held.worker_id, keys, slot, sign)
             if held.api:
                 self._api.named((held.tenant, held.worker_id), held.worker_id, keys,
-                                held.slot, sign)
+                                slot, sign)
 
     def _count_own(self, held: _Held, blocks: int) -> None:
-        self._workers.own(held.worker_id, blocks, held.slot)
+        if not blocks:
+            return  # BlockCounts.own changes nothing for 0 blocks
+        slot = held.slot
+        self._workers.own(held.worker_id, blocks, slot)
         if held.tenant is not None:
-            self._tenants.own(held.tenant, blocks, held.slot)
+            self._tenants.own(held.tenant, blocks, slot)
             if held.api:
-                self._api.own((held.tenant, held.worker_id), blocks, held.slot)
+                self._api.own((held.tenant, held.worker_id), blocks, slot)
 
     def _drop(self, held: _Held, kept_named: int = 0) -> None:
         if self._by_id.pop(held.action_id, None) is None:
