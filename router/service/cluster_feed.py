@@ -52,6 +52,7 @@ from kvhint.router.kv_index import KvEventIngestor
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.hint_records import MAX_STORED_AMOUNT, clamped_amounts
 from kvhint.router.service.index_actions import IndexActions
+from kvhint.router.service.log_throttle import PerKeyLogThrottle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import (
     NatsLink,
@@ -155,6 +156,8 @@ class ClusterFeed:
         # and the URL last refused per worker (logged once; dropped when it is forgotten).
         self._url_policy = url_policy
         self._refused_urls: dict[str, str] = {}
+        # Malformed heartbeats (one a second; each counted) logged per subject, throttled.
+        self.malformed_status_log = PerKeyLogThrottle()
         self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
         self.releases = _StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
         # False while JetStream set-up fails and the feed runs on plain subscriptions;
@@ -169,7 +172,7 @@ class ClusterFeed:
         # The consumers, watched for their stream being made again, and started over
         # from their next message once nats-py reconnects (stream_watch.py; the runtime
         # puts :meth:`on_reconnected` on the link's ``on_reconnected``).
-        self.streams = StreamWatch(link)
+        self.streams = StreamWatch(link, on_remade=self._stream_remade)
 
     async def on_connected(self) -> None:
         """Streams and subscriptions; NatsLink calls this once per (re)established link
@@ -238,6 +241,7 @@ class ClusterFeed:
                     log.warning("JetStream stream %s ends at %d, before the stored cursor "
                                 "%d: made again since; read from its start", stream,
                                 info.state.last_seq, start - 1)
+                    self._stream_remade(stream)
                     start = 1
                 consumer = await self.streams.subscribe(subject, stream, handler, start,
                                                         info.state.last_seq, info.created)
@@ -261,6 +265,14 @@ class ClusterFeed:
         their heartbeats (stream_watch.py). Plain subscriptions (no replay) need none."""
         if self.replay and self.streams.reconnected():
             self._spawn(self.streams.check())
+
+    def _stream_remade(self, stream: str) -> None:
+        """Count a stream found made again (stream_watch.py logged it) by what it holds."""
+        kind = {self._subjects.events_stream: "events",
+                outcomes_stream_name(self._subjects): "outcomes",
+                releases_stream_name(self._subjects): "releases"}.get(stream)
+        if kind is not None:  # the watch follows only these three
+            self._metrics.streams_remade.labels(kind).inc()
 
     def _note_streams(self, checks: dict[str, StreamCheck]) -> None:
         """Count stream fields left unlike the settings (ensure_streams warned), and let
@@ -352,8 +364,14 @@ class ClusterFeed:
     async def _on_status(self, msg: Msg) -> None:
         try:
             status = decode_status(msg.data)
-        except WireDecodeError:
+        except WireDecodeError as exc:
             self.ingestor.note_malformed()
+            held = self.malformed_status_log.admit(msg.subject)
+            if held is not None:
+                # repr'd as in _decoded (msgspec quotes the sender's text); once only counted.
+                log.warning("malformed heartbeat on %r (%d more since its last logged, at "
+                            "most one per %.0fs): %r", msg.subject, held,
+                            self.malformed_status_log.every_s, str(exc)[:500])
             return
         # A heartbeat speaks for the worker of its subject only (as an event batch does):
         # before, one on w1's subject naming w0 moved w0's epoch, URL and liveness.

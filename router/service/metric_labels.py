@@ -163,3 +163,6 @@ RESPONSES_CANCEL_NOTICE_OUTCOMES = ("sent", "applied", "no_stream",
                                     "resent")
 # kvhint_router_health_probes_total{worker, outcome} (health.py): a bounded set.
 HEALTH_PROBE_OUTCOMES = ("answered", "failed")
+# kvhint_router_streams_remade_total{stream}: the router's JetStream streams, by what they
+# hold (stream_watch.py, cluster_feed.py), a bounded set.
+STREAM_KINDS = ("events", "outcomes", "releases")

@@ -32,6 +32,7 @@ from kvhint.router.service.metric_labels import (
     SESSION_READS,
     SESSION_REFRESHES,
     SESSION_SAVE_CONFLICTS,
+    STREAM_KINDS,
 )
 from kvhint.router.service.metrics_state import StateCollector, StateSample
 
@@ -156,6 +157,13 @@ class RouterMetrics:
             "set up once connected; client: another error the NATS client reported, e.g. "
             "a stale connection, a server's -ERR). Messages lost are drops: drops_total "
             "what=nats_slow_consumer, hint_unsent", ["kind"], registry=r), NATS_ERROR_KINDS)
+        self.streams_remade = _preset(Counter(
+            "kvhint_router_streams_remade",
+            "JetStream streams of the router found deleted and made again (an operator, a "
+            "NATS server restarted without its store), their consumers started over on the "
+            "new stream, by what the stream holds; what was published while none held it "
+            "is lost (events: a gap, resynced; outcomes and releases: lost for good)",
+            ["stream"], registry=r), STREAM_KINDS)
         self.hint_api_rejections = _preset(Counter(
             "kvhint_router_hint_api_rejections",
             "POST /v1/sessions/{id}/hints calls answered with an error (nothing sent), by "

@@ -81,8 +81,12 @@ class StreamWatch:
     """See the module doc. Single event loop; ``clock`` is monotonic seconds."""
 
     def __init__(self, link: NatsLink, every_s: float = STREAM_CHECK_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_remade: Callable[[str], None] | None = None) -> None:
         self._link = link
+        # Told the stream's name once its consumer started over on it made again (the
+        # feed counts it: kvhint_router_streams_remade_total).
+        self._on_remade = on_remade
         self.every_s = every_s
         self._clock = clock
         self._consumers: dict[str, WatchedConsumer] = {}
@@ -172,6 +176,8 @@ class StreamWatch:
                             created, consumer.created)
                 await self._start_over(name, consumer, created, from_start=True)
                 self.restarted += 1
+                if self._on_remade is not None:
+                    self._on_remade(name)
             elif consumer.resume:
                 await self._start_over(name, consumer, created)
                 log.info("NATS reconnected: the consumer of JetStream stream %s resumed at "

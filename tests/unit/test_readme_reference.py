@@ -200,6 +200,7 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
         "kvhint_router_hold_released_blocks_total": {"reason": {r.value for r in ReleaseReason}},
         "kvhint_router_cached_tokens_actual_total": {"predicted": {"true", "false"}},
         "kvhint_router_nats_errors_total": {"kind": set(m.NATS_ERROR_KINDS)},
+        "kvhint_router_streams_remade_total": {"stream": set(m.STREAM_KINDS)},
         "kvhint_router_hint_api_rejections_total": {"reason": set(m.HINT_API_REJECTIONS)},
         "kvhint_router_session_end_rejections_total": {
             "reason": set(m.SESSION_END_REJECTIONS)},

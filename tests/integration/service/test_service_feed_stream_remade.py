@@ -41,6 +41,13 @@ pytestmark = pytest.mark.usefixtures("throwaway_streams")
 TIMEOUT_S = 30.0  # nats-py's own consumer reset comes after 10 s (two idle heartbeats)
 
 
+def remade(runtime: Any) -> dict[str, float]:
+    """kvhint_router_streams_remade_total by stream, as /metrics exports it."""
+    counter = runtime.metrics.streams_remade
+    return {kind: counter.labels(kind)._value.get()
+            for kind in ("events", "outcomes", "releases")}
+
+
 @asynccontextmanager
 async def w0_publishing(tmp_path: Path, nats_url: str, subject_prefix: str
                         ) -> AsyncIterator[tuple[Any, Any, Callable[[int], Awaitable[None]],
@@ -97,6 +104,8 @@ async def test_batches_in_an_events_stream_made_again_by_a_plugin_reach_the_inde
         await publish(5)
         await until(lambda: taken() == 25, timeout_s=TIMEOUT_S)
         assert runtime.feed.streams.restarted == 1
+        # Counted by what the stream holds (before, only logged), the others at 0.
+        assert remade(runtime) == {"events": 1, "outcomes": 0, "releases": 0}
 
 
 async def test_an_events_stream_gone_is_made_again_by_the_router_and_read(
@@ -150,6 +159,7 @@ async def test_a_stored_cursor_past_a_stream_made_again_reads_the_new_one_from_i
         async with running_router(settings) as router:
             assert await router.runtime.link.wait_set_up(10)
             await until(lambda: router.runtime.feed.outcomes.seq == 3, timeout_s=5)
+            assert remade(router.runtime) == {"events": 0, "outcomes": 1, "releases": 0}
     finally:
         await nc.drain()
 
@@ -174,3 +184,4 @@ async def test_an_outcomes_stream_gone_is_made_again_and_read(
             message_id="m", action_id="a", action_type="kv.pin", worker_id="w0",
             status=OutcomeStatus.ACCEPTED, at=time.time())))
         await until(lambda: feed.outcomes.seq == 1, timeout_s=TIMEOUT_S)
+        assert remade(router.runtime) == {"events": 0, "outcomes": 1, "releases": 0}

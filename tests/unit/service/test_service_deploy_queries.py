@@ -96,6 +96,7 @@ def _router_domains() -> dict[str, dict[str, Callable[[str], bool]]]:
         "health_probes_total": {"outcome": metric_labels.HEALTH_PROBE_OUTCOMES},
         "drops_total": {"what": emitted_drop_reasons()},
         "nats_errors_total": {"kind": metric_labels.NATS_ERROR_KINDS},
+        "streams_remade_total": {"stream": metric_labels.STREAM_KINDS},
         "hint_api_rejections_total": {"reason": metric_labels.HINT_API_REJECTIONS},
         "session_end_rejections_total": {"reason": metric_labels.SESSION_END_REJECTIONS},
         "session_end_skips_total": {"reason": metric_labels.SESSION_END_SKIPS},

@@ -60,11 +60,31 @@ def test_compose_waits_for_the_routers_whole_stop() -> None:
     assert waited >= router_stop_grace_s(grace)
 
 
+def _pre_stop_s(container: dict) -> float:
+    """The seconds a container's preStop hook holds SIGTERM back: ``sleep N`` exec'd, or
+    the sleep action (0: none)."""
+    hook = container.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return 0.0
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
 def test_kubernetes_waits_for_the_routers_whole_stop() -> None:
+    """The pod's preStop sleep holds SIGTERM back until it left the Service's endpoints
+    (SIGTERM at once closed the listener while connections still came); kubelet counts
+    that sleep in terminationGracePeriodSeconds, so the grace covers it and the whole
+    stop after it."""
     grace = _grace_of(k8s_config_map("kvhint-router")["data"]["router.yaml"])
     pod = k8s_workload("kvhint-router")["spec"]["template"]["spec"]
+    (router,) = [c for c in pod["containers"] if c["name"] == "router"]
+    pre_stop = _pre_stop_s(router)
+    assert pre_stop >= 5, "no preStop delay: the pod is stopped while still an endpoint"
     waited = float(pod.get("terminationGracePeriodSeconds", 30))
-    assert waited >= router_stop_grace_s(grace)
+    assert waited >= pre_stop + router_stop_grace_s(grace)
 
 
 def test_kvhint_up_waits_for_the_dev_routers_whole_stop() -> None:
