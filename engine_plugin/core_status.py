@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.executor import HintExecutor
 from kvhint.engine_plugin.mailbox import Mailbox
 from kvhint.engine_plugin.session_index import SessionPrefixIndex
 from kvhint.engine_plugin.vllm_adapter import VllmCacheAdapter
-from kvhint.schemas import Budgets, Usage, WorkerStatus
+from kvhint.schemas import Budgets, ClaimCost, Usage, WorkerStatus
 from kvhint.schemas.hints import SUPPORTED_VERSIONS
 
 if TYPE_CHECKING:
@@ -99,7 +99,20 @@ class StatusMixin:
             http_url=self.config.http_url,
             # Sent only when the chain is finer than a block (the 1.1 form otherwise).
             hash_block_size=(UNSET if self.adapter.hash_block_size == self.adapter.block_size
-                             else self.adapter.hash_block_size))
+                             else self.adapter.hash_block_size),
+            claim_cost=self.claim_cost())
+
+    def claim_cost(self) -> ClaimCost | UnsetType:
+        """The pool blocks a claim of n positions takes (status 1.3), from the groups a
+        hybrid model's hit needs (``engine_plugin/group_holds.py``): the followed group
+        and each other full-attention group a block a position, each tail group (sliding
+        window, Mamba) its tail. UNSET on a one-group model (the 1.2 form: one a
+        position)."""
+        needs = self.adapter.hit_groups
+        if not needs:
+            return UNSET
+        return ClaimCost(per_position=1 + sum(1 for n in needs if n.tail is None),
+                         tails=[n.tail for n in needs if n.tail is not None])
 
     def supported_actions(self) -> dict[str, list[str]]:
         """What this worker applies (Demote and Share need a host tier; nothing without

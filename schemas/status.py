@@ -20,7 +20,14 @@ block's end). It is off the wire when it equals ``block_size``, so other workers
 1.1 form byte for byte; a 1.2 router reads its absence as "equal". (A 1.1 router hashing
 such a worker at ``block_size`` matched none of its blocks.) Each version has its golden
 JSON (``tests/golden/worker_status.json`` 1.0, ``worker_status_v1_1.json`` 1.1,
-``worker_status_v1_2.json`` 1.2).
+``worker_status_v1_2.json`` 1.2). 1.3 adds ``claim_cost`` (:class:`ClaimCost`): the pool
+blocks a Pin or Retain of n target positions takes on a hybrid model (sliding-window or
+Mamba groups beside full attention: each claim also holds other groups' blocks), so a
+router compares what it plans with ``budgets`` (pool blocks) in the same unit. Off the
+wire on one-group models (a claim of n positions takes n pool blocks), which send the 1.2
+form byte for byte; a 1.2 router ignores it (and plans hybrid workers' pins in positions,
+over their budget: the worker clips); a 1.3 router reads its absence as "one block a
+position" (``worker_status_v1_3.json``).
 
 Every version's ``budgets`` are bounded (:data:`BudgetTtl`, :data:`BudgetBlocks`): TTLs in
 (0, 86400] s, block budgets in [0, 2**40]. The bounds are what every plugin ever sent, so
@@ -116,6 +123,19 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     pending_hints: int = 0
 
 
+class ClaimCost(msgspec.Struct, frozen=True, kw_only=True):
+    """Status 1.3: what a Pin or Retain of ``n`` target positions holds in pool blocks,
+    ``n * per_position + sum(min(n, tail) for tail in tails)`` (the plugin's
+    ``engine_plugin/group_holds.py``): ``per_position`` blocks at each position (the
+    followed full-attention group's and each other full-attention group's), and each
+    sliding-window or Mamba group's blocks of the last ``tail`` positions before the hit
+    point. An upper bound: blocks another claim holds already, or not resident, cost
+    nothing more. The router's arithmetic: ``kvhint.router.policy.claim_cost``."""
+
+    per_position: Annotated[int, Meta(ge=1, le=MAX_BUDGET_BLOCKS)]
+    tails: list[Annotated[int, Meta(ge=1, le=MAX_BUDGET_BLOCKS)]] = []
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     epoch: Epoch
@@ -143,6 +163,8 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     http_dp_rank: Annotated[int, Meta(ge=0)] | None | UnsetType = UNSET
     # 1.2: the tokens per hash of vLLM's block-hash chain (module doc); UNSET: block_size.
     hash_block_size: Annotated[int, Meta(gt=0)] | UnsetType = UNSET
+    # 1.3: pool blocks a claim of n positions takes (module doc); UNSET: n.
+    claim_cost: ClaimCost | UnsetType = UNSET
 
     @property
     def data_parallel_header(self) -> int | None:

@@ -30,6 +30,9 @@ class BlockCounts:
         # apart, so the per-block loops below key by the block alone.
         self._refs: dict[tuple[Hashable, str], dict[int, list[int]]] = {}
         self.totals: dict[Hashable, list[int]] = {}
+        # Live holdings of some blocks per owner, [Pins, Retains]: on a hybrid model each
+        # also holds its own tail blocks (router.policy.claim_cost.held_pool_blocks).
+        self.claims: dict[Hashable, list[int]] = {}
 
     def named(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int,
               sign: int) -> None:
@@ -76,3 +79,10 @@ class BlockCounts:
         """``blocks`` (negative: fewer) that no other holding can share."""
         if blocks:
             self.totals.setdefault(owner, [0, 0])[slot] += blocks
+
+    def claim(self, owner: Hashable, slot: int, sign: int) -> None:
+        """One holding of type ``slot`` more (+1) or fewer (-1) for ``owner``."""
+        counts = self.claims.setdefault(owner, [0, 0])
+        counts[slot] += sign
+        if not any(counts):
+            del self.claims[owner]

@@ -452,6 +452,13 @@ class HoldingsLedger:
     def worker(self, worker_id: str) -> Holdings:
         return _holdings(self._workers, worker_id)
 
+    def claims(self, worker_id: str, tenant: str | None = None) -> tuple[int, int]:
+        """Live holdings of some blocks on the worker, (Pins, Retains and Prefetches);
+        with ``tenant``, its API holdings there only."""
+        counts = (self._workers.claims if tenant is None else self._api.claims).get(
+            worker_id if tenant is None else (tenant, worker_id), (0, 0))
+        return counts[0], counts[1]
+
     def tenant(self, tenant: str) -> Holdings:
         return _holdings(self._tenants, tenant)
 
@@ -493,6 +500,10 @@ class HoldingsLedger:
         named = held.named()
         self._count_named(held, named[kept_named:], sign)
         self._count_own(held, sign * (held.blocks - len(named)))
+        if held.blocks > 0:
+            self._workers.claim(held.worker_id, held.slot, sign)
+            if held.api and held.tenant is not None:
+                self._api.claim((held.tenant, held.worker_id), held.slot, sign)
 
     def _count_named(self, held: _Held, keys: Sequence[int], sign: int) -> None:
         slot = held.slot

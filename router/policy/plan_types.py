@@ -16,7 +16,7 @@ from kvhint.router.policy.holdings import Holdings
 from kvhint.router.policy.session import SessionPlanState
 from kvhint.router.policy.stats import LearnedStats, Observation
 from kvhint.schemas.hints import ActionType, HintPayload, KvHintAction, make_action
-from kvhint.schemas.status import Budgets
+from kvhint.schemas.status import Budgets, ClaimCost
 
 ALL_ACTIONS = frozenset(t.value for t in ActionType)
 
@@ -104,7 +104,10 @@ class WorkerPlanView:
     """One worker as the planner sees it: from its status heartbeat (block size, budgets,
     supported actions, host tier), the caller's :class:`HoldingsLedger` and the worker's
     outcome feedback. ``evict_rest_first``: the worker takes Pins and Retains that send
-    the rest of the session's blocks first (their action version 1.1)."""
+    the rest of the session's blocks first (their action version 1.1). ``claim_cost``:
+    the pool blocks a claim of n positions takes there (status 1.3; None: n, a one-group
+    model) and ``pinned_claims`` the ledger's live Pins on it, so the pin room is checked
+    in the budget's unit, pool blocks (:mod:`.claim_cost`)."""
 
     worker_id: str
     block_size: int
@@ -114,6 +117,8 @@ class WorkerPlanView:
     evict_rest_first: bool = False
     held: Holdings = Holdings()
     feedback: WorkerFeedback | None = None
+    claim_cost: ClaimCost | None = None
+    pinned_claims: int = 0
 
     def can_send(self, action_type: ActionType, config: PlannerConfig) -> bool:
         value = action_type.value

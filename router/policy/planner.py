@@ -39,7 +39,8 @@ of the eviction order: nothing reads them again.
 "Release" is a Retain with priority 0 and ``release_ttl_s``: the plugin lets a newer
 Pin/Retain/Demote on the same session target supersede the older one, so this ends the
 protection. Budgets: per worker (the ``Budgets`` its status advertises, against what the
-planner's live actions hold there) and per tenant (``tenant_max_*``). Outcome feedback
+planner's live actions hold there; in pool blocks, so on a hybrid model a claim costs its
+status's ``claim_cost``, :mod:`.claim_cost`) and per tenant (``tenant_max_*``). Outcome feedback
 (:mod:`.feedback`) shrinks the pin room and disables rejected action types per worker.
 """
 
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvhint.router.policy.claim_cost import claim_cost, held_pool_blocks
 from kvhint.router.policy.coverage import completion_read, protected_tokens
 from kvhint.router.policy.holdings import Holdings, room_left
 from kvhint.router.policy.plan_types import (
@@ -279,11 +281,18 @@ def _protect(
         # the pin budget left (worker and tenant) times the worker's pin feedback: a
         # clipped pin says the worker had only that share of the room the planner counted
         # (see feedback.py), and pins that fit again are accepted and raise it back.
+        # The worker's room is in pool blocks, its budget's unit: on a hybrid model a
+        # claim of n positions takes more (status 1.3 claim_cost; before, positions were
+        # checked against pool blocks and the worker clipped the pins it was sent). The
+        # tenant's budget stays in positions.
         scale = worker.feedback.pin_ask_scale if worker.feedback is not None else 1.0
-        room = room_left(worker.held.pinned_blocks - own_pinned, worker.budgets.max_pinned_blocks)
-        room = min(room, room_left(tenant.pinned_blocks - own_pinned,
-                                   config.tenant_max_pinned_blocks))
-        if blocks <= room * scale:
+        cost = worker.claim_cost
+        held = held_pool_blocks(worker.held.pinned_blocks - own_pinned,
+                                max(worker.pinned_claims - (own_pinned > 0), 0), cost)
+        room = room_left(held, worker.budgets.max_pinned_blocks)
+        tenant_room = room_left(tenant.pinned_blocks - own_pinned,
+                                config.tenant_max_pinned_blocks)
+        if claim_cost(blocks, cost) <= room * scale and blocks <= tenant_room * scale:
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
             payload = PinPayload(target=_chain_target(session, worker, blocks), ttl_s=ttl,
                                  evict_rest_first=worker.evict_rest_first)

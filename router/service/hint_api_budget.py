@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvhint.router.policy import HoldingsLedger, PlannedAction, target_keys
+from kvhint.router.policy.claim_cost import added_pool_blocks, held_pool_blocks
 from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import ActionType
@@ -92,21 +93,35 @@ class ApiBudgetGate:
                    budget.max_retained_blocks, False)]
         worker = self._workers.get(worker_id)
         if worker is not None and worker.status is not None:
+            # The worker's budgets are pool blocks: on a hybrid model (status 1.3
+            # claim_cost) each claim takes more than its positions (held: the ledger's
+            # positions and live claims, over-counted; router.policy.claim_cost).
+            cost = worker.status.claim_cost or None
+            new_pins = [a.blocks for a in planned if a.action_type == ActionType.PIN.value]
+            new_retains = [a.blocks for a in planned if a.action_type in (
+                ActionType.RETAIN.value, ActionType.PREFETCH.value)]
             # Pins only: a worker's retain budget is soft (a higher priority displaces a
             # lower one, an overflow is clipped), which the planner relies on too.
-            checks.append((f"worker {worker_id}", "pinned",
-                           self._holdings.worker(worker_id).pinned_blocks, pins[0],
-                           worker.status.budgets.max_pinned_blocks, True))
+            checks.append((f"worker {worker_id}", "pinned", held_pool_blocks(
+                self._holdings.worker(worker_id).pinned_blocks,
+                self._holdings.claims(worker_id)[0], cost),
+                added_pool_blocks(pins[0], new_pins, cost),
+                worker.status.budgets.max_pinned_blocks, True))
             if worker_share < 1.0:
                 # A worker's budgets are every tenant's: one tenant's agents may take
                 # only its share (retains too: an agent's Retain displaces every planner
                 # claim and other agents' of lower priority, another tenant's included).
                 budgets, api_held = worker.status.budgets, self._holdings.api_on_worker(
                     tenant, worker_id)
+                api_pins, api_retains = self._holdings.claims(worker_id, tenant)
                 who = f"tenant {tenant!r} on worker {worker_id} (share {worker_share:g})"
-                checks += [(who, "pinned", api_held.pinned_blocks, pins[2],
+                checks += [(who, "pinned",
+                            held_pool_blocks(api_held.pinned_blocks, api_pins, cost),
+                            added_pool_blocks(pins[2], new_pins, cost),
                             int(budgets.max_pinned_blocks * worker_share), False),
-                           (who, "retained", api_held.retained_blocks, retains[2],
+                           (who, "retained",
+                            held_pool_blocks(api_held.retained_blocks, api_retains, cost),
+                            added_pool_blocks(retains[2], new_retains, cost),
                             int(budgets.max_retained_blocks * worker_share), False)]
         for who, kind, current, asked, limit, everyones in checks:
             if asked and limit is not None and current + asked > limit:

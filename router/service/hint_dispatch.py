@@ -141,6 +141,9 @@ class HintDispatcher(HintResets):
                 held=self.holdings.worker(worker.worker_id),
                 feedback=(None if (feedback := self.feedback.get(worker.worker_id)) is None
                           else feedback.view(tenant)),
+                # Status 1.3: pins planned in pool blocks on a hybrid model.
+                claim_cost=status.claim_cost or None,
+                pinned_claims=self.holdings.claims(worker.worker_id)[0],
             )
         config = self.planner_config
         tenant_held = {}

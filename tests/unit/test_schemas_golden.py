@@ -136,6 +136,19 @@ SAMPLES: dict[str, tuple[object, type]] = {
                           max_retain_ttl_s=3600.0),
         usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
         last_event_seq=42, interval_s=1.0, at=AT, hash_block_size=16), s.WorkerStatus),
+    # WorkerStatus 1.3: claim_cost, Gemma 3's layout (one full-attention group, five
+    # sliding-window groups of 2 blocks): a claim of n positions takes n + 5 x min(n, 2)
+    # pool blocks (one-group workers send the 1.2 form above, unchanged).
+    "worker_status_v1_3": (s.WorkerStatus(
+        worker_id="w0", epoch="e-5f2c", model="tiny-gemma",
+        cache_namespace="tiny-gemma|sha256|16", block_size=16, hash_algo="sha256",
+        none_hash_seed="vllm-none-hash", data_parallel_rank=0,
+        supported_actions={"kv.retain": ["1.0"], "kv.pin": ["1.0"]}, host_tier=False,
+        budgets=s.Budgets(max_pinned_blocks=51, max_pin_ttl_s=600.0, max_retained_blocks=256,
+                          max_retain_ttl_s=3600.0),
+        usage=s.Usage(gpu_blocks_total=512, gpu_blocks_free=100, kv_usage=0.8),
+        last_event_seq=42, interval_s=1.0, at=AT,
+        claim_cost=s.ClaimCost(per_position=1, tails=[2, 2, 2, 2, 2])), s.WorkerStatus),
     "snapshot_request": (s.SnapshotRequest(cursor=2000, limit=1000, seq=41), s.SnapshotRequest),
     "response_cancelled": (s.ResponseCancelled(
         origin="3f2a9c0d1e7b4a65", response_id="resp_w0_" + "ab" * 16 + "s0000000012345678"
@@ -223,3 +236,32 @@ def test_hint_outcome_1_0_and_1_1_read_both_ways() -> None:
     old = s.decode_outcome((GOLDEN / "hint_outcome.json").read_bytes())
     assert old.waits_for is msgspec.UNSET
     assert b"waits_for" not in s.encode_outcome(old)
+
+
+class _WorkerStatus12(msgspec.Struct, frozen=True, kw_only=True):
+    """WorkerStatus as a 1.2 router declares it (no ``claim_cost``; the fields it
+    ignores too are left out: unknown fields are ignored)."""
+
+    worker_id: str
+    block_size: int
+    budgets: s.Budgets
+    hash_block_size: int | msgspec.UnsetType = msgspec.UNSET
+
+
+def test_worker_status_1_2_and_1_3_read_both_ways() -> None:
+    """A 1.2 router reads a 1.3 status, ignoring ``claim_cost``; a 1.3 router reads a
+    1.2 (or one-group) status as one pool block a position, and a one-group status
+    encodes without the field."""
+    new = (GOLDEN / "worker_status_v1_3.json").read_bytes()
+    old_reading = msgspec.json.decode(new, type=_WorkerStatus12)
+    assert (old_reading.worker_id, old_reading.budgets.max_pinned_blocks) == ("w0", 51)
+    assert s.decode_status(new).claim_cost == s.ClaimCost(per_position=1, tails=[2] * 5)
+    for name in ("worker_status", "worker_status_v1_1", "worker_status_v1_2"):
+        old = s.decode_status((GOLDEN / f"{name}.json").read_bytes())
+        assert old.claim_cost is msgspec.UNSET
+        assert b"claim_cost" not in s.encode_status(old)
+    for bad in ({"per_position": 0, "tails": []}, {"per_position": 1, "tails": [0]}):
+        raw = msgspec.json.decode(new)
+        raw["claim_cost"] = bad
+        with pytest.raises(s.WireDecodeError):
+            s.decode_status(msgspec.json.encode(raw))

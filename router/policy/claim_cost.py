@@ -1,0 +1,46 @@
+"""Pool blocks of claims on a hybrid model: a worker's budgets (its heartbeat's
+``max_pinned_blocks`` / ``max_retained_blocks``) count pool blocks, the planner and the
+ledger count target positions. A Pin or Retain of n positions on a model with
+sliding-window or Mamba groups beside full attention holds more than n pool blocks
+(status 1.3 ``claim_cost``, :class:`~kvhint.schemas.status.ClaimCost`); without a cost
+(a one-group model, a 1.2 plugin) a position is one pool block. Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvhint.schemas.status import ClaimCost
+
+
+def claim_cost(positions: int, cost: ClaimCost | None) -> int:
+    """Pool blocks a claim of ``positions`` target positions takes:
+    ``positions * per_position + sum(min(positions, tail))``; ``positions`` without a
+    cost."""
+    if cost is None:
+        return positions
+    n = max(positions, 0)
+    return n * cost.per_position + sum(min(n, tail) for tail in cost.tails)
+
+
+def held_pool_blocks(positions: int, claims: int, cost: ClaimCost | None) -> int:
+    """Pool blocks held, at most, by ``claims`` live claims over ``positions`` distinct
+    target positions (the ledger's counts): each position ``per_position`` blocks, each
+    claim its whole tails. Over-counts (the safe side for a room check): a claim shorter
+    than a tail holds fewer of its blocks, and claims sharing their last positions (a
+    shared prefix's retain and a session's) share those blocks."""
+    if cost is None:
+        return positions
+    return positions * cost.per_position + claims * sum(cost.tails)
+
+
+def added_pool_blocks(positions: int, claims: Iterable[int], cost: ClaimCost | None) -> int:
+    """Pool blocks new claims add, at most: ``positions`` target positions not held yet
+    (the ledger's :meth:`~kvhint.router.policy.holdings.HoldingsLedger.added`), each
+    ``per_position`` blocks, and each claim's tails (``claims``: each claim's
+    positions; a tail block held already by another claim is counted again)."""
+    if cost is None:
+        return positions
+    tails = cost.tails
+    return positions * cost.per_position + sum(min(max(n, 0), tail) for n in claims
+                                               for tail in tails)
