@@ -24,7 +24,8 @@ workers; both call the same functions.
 - :mod:`.tenant_feedback` — :class:`SplitFeedback` (a worker's capabilities, shared by
   every tenant, and each tenant's own feedback: no tenant's outcomes steer another's).
 - :mod:`.holdings` — :class:`HoldingsLedger` (what live actions hold, for budgets);
-  :mod:`.block_counts` its distinct blocks per owner.
+  :mod:`.block_counts` its distinct blocks per owner, :mod:`.holding_rules` its pure
+  rules (blocks an answer leaves held, scopes, block names).
 - :mod:`.donor` — :func:`choose_donor`.
 """
 

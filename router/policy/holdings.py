@@ -13,112 +13,48 @@ system prompt every session's Retain covers) is one block, pinned if any of them
 Pin, else retained. The ledger knows a holding's blocks by their hashes where the caller
 names them (:func:`target_keys`); blocks it cannot name (a session's completion blocks,
 holdings restored after a restart) count as that holding's own.
+
+What an answer or an action means for a holding (blocks held, scopes, names) is the pure
+rules of :mod:`.holding_rules`, re-exported here.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from msgspec import UNSET
 
 from kvhint.router.policy.block_counts import PINNED, RETAINED, BlockCounts
+from kvhint.router.policy.holding_rules import (
+    AGENT_SCOPE,
+    BLOCK_HASH_SCOPE_TYPES,
+    HOLDING_TYPES,
+    PREFETCH_SCOPE,
+    agent_scope,
+    block_hash_scope,
+    common_prefix,
+    held_blocks,
+    named_keys,
+    prefetch_held_until,
+    prefetch_scope,
+    room_left,
+    target_keys,
+    waits_for_blocks,
+)
 from kvhint.schemas.hints import ActionType
-from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus
+from kvhint.schemas.outcomes import HintOutcome
+
+# The rules moved to holding_rules.py stay importable from here, as before the split.
+__all__ = ["AGENT_SCOPE", "BLOCK_HASH_SCOPE_TYPES", "PREFETCH_SCOPE", "Holdings",
+           "HoldingsLedger", "agent_scope", "block_hash_scope", "held_blocks",
+           "prefetch_held_until", "prefetch_scope", "room_left", "target_keys",
+           "waits_for_blocks"]
 
 
 @dataclass(frozen=True, slots=True)
 class Holdings:
     pinned_blocks: int = 0
     retained_blocks: int = 0
-
-
-def held_blocks(outcome: HintOutcome) -> int | None:
-    """The blocks a Pin/Retain/Prefetch holds on its worker after this answer: ``applied``
-    when accepted or clipped, none when rejected or missing; None for a ``deferred`` (not
-    an answer yet). A Prefetch retains what it applied until its deadline, clipped too:
-    one the prefetch budget left no room to wait retains what was already in G1, and one
-    the budget clipped retains the blocks it waited for once they came (before, a clipped
-    Prefetch counted as holding nothing, and the budgets believed room free that the
-    worker held until the deadline). A clipped Prefetch answered at its deadline retains
-    nothing: its holding is past its TTL then (:meth:`HoldingsLedger.settle`'s ``now``)."""
-    if not outcome.status.is_terminal:
-        return None
-    if outcome.status in (OutcomeStatus.ACCEPTED, OutcomeStatus.CLIPPED):
-        return outcome.applied.blocks
-    return 0
-
-
-def waits_for_blocks(outcome: HintOutcome) -> int | None:
-    """The most a Prefetch answered ``deferred`` can hold when it settles: the first
-    blocks its worker's prefetch budget clipped its wait to (``waits_for``, outcome 1.1);
-    None when the answer does not say (not clipped, another status, a 1.0 plugin's)."""
-    if outcome.status is not OutcomeStatus.DEFERRED or outcome.waits_for is UNSET:
-        return None
-    return outcome.waits_for.blocks
-
-
-def target_keys(action_type: str, payload: Mapping[str, Any], block_size: int,
-                chain: Sequence[int] = ()) -> tuple[int, ...]:
-    """The block hashes a Pin/Retain's target names, root first, as far as the caller
-    knows them: its ``block_hashes``; for a session target, the first blocks of ``chain``
-    (the hashes of the session's last prompt on that worker), up to ``prefix_tokens``.
-    Empty for other actions or an unknown chain."""
-    target = payload.get("target") if action_type in _HOLDING_TYPES else None
-    if not isinstance(target, Mapping):
-        return ()
-    if hashes := target.get("block_hashes"):
-        return tuple(hashes)
-    if target.get("session_id") is None or not chain:
-        return ()
-    prefix_tokens = target.get("prefix_tokens")
-    if prefix_tokens is None:
-        return tuple(chain)
-    return tuple(chain[:prefix_tokens // max(block_size, 1)])
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
-
-
-AGENT_SCOPE = "agent:"
-
-
-def agent_scope(session_scope: str) -> str:
-    """The scope of what an agent runtime holds for a session through the router's API:
-    apart from the planner's own holding of that session, as workers that take ``owner``
-    keep the two owners' claims apart."""
-    return AGENT_SCOPE + session_scope
-
-
-# The API actions whose ``block_hashes`` target gets a scope of its own (block_hash_scope;
-# a Prefetch is each its own already: prefetch_scope).
-BLOCK_HASH_SCOPE_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
-                                    ActionType.DEMOTE.value})
-
-
-def block_hash_scope(scope: str, action_id: str) -> str:
-    """The scope of an API Pin/Retain/Demote whose target is ``block_hashes`` (sent for
-    the session ``scope`` names): one of its own, as the worker keeps a block-hash claim
-    apart from the session's (no newer claim of the session supersedes it, and it
-    supersedes none of them; hint_api_actions.holding_scope). Before, it shared the
-    session's scope, and the ledger let go the session's holding the worker kept."""
-    return f"{scope}#{action_id}"
-
-
-def room_left(held: int, limit: int | None) -> int:
-    """Blocks a budget of ``limit`` has left with ``held`` in use (None: no limit)."""
-    if limit is None:
-        return 1 << 62
-    return max(limit - held, 0)
 
 
 @dataclass(slots=True)
@@ -154,48 +90,6 @@ class _Unconfirmed:
     # one is published, what this one replaced is over on the worker, whatever this one's
     # fate (one worker's envelopes leave in the order recorded).
     next_id: str | None = None
-
-
-# Prefetch: the worker retains what it brought into G1 until the Prefetch's deadline.
-_HOLDING_TYPES = frozenset({ActionType.PIN.value, ActionType.RETAIN.value,
-                            ActionType.PREFETCH.value})
-PREFETCH_SCOPE = "prefetch:"
-
-
-def prefetch_scope(scope: str, action_id: str) -> str:
-    """The ledger's scope of one Prefetch's own retain: the plugin keeps each as a claim
-    of its own, of no session, until its own deadline (engine_plugin/prefetch.py). Before,
-    a session's Prefetches on a worker shared one: a second replaced the first."""
-    return f"{PREFETCH_SCOPE}{scope}@{action_id}"
-
-
-def prefetch_held_until(deadline_at: float, answered_at: float,
-                        retain_max_s: float | None) -> float:
-    """When a Prefetch answered at ``answered_at`` stops holding: its retain starts at the
-    answer and lasts to the deadline, clipped to the worker's ``max_retain_ttl_s``
-    (``retain_max_s``; executor._retain). Before its answer, the deadline bounds it."""
-    return deadline_at if retain_max_s is None else min(deadline_at,
-                                                        answered_at + retain_max_s)
-
-
-def _session_block_names(scope: str, blocks: int) -> tuple[Hashable, ...]:
-    """Names for the blocks of a session Prefetch the caller could not name: the
-    session's root-most blocks on the worker (whoever owns the claim), the same for each
-    of its Prefetches, so they count their common blocks once, as the worker does (past
-    ``1 << 16``, more than any GPU cache's, a stored count is not a real one: the rest
-    count as its own). A Pin/Retain's unnamed blocks stay its own."""
-    session = scope.removeprefix(AGENT_SCOPE)
-    return tuple((PREFETCH_SCOPE, session, i) for i in range(min(blocks, 1 << 16)))
-
-
-def _named_keys(action_type: str, scope: str, blocks: int,
-                keys: Sequence[Hashable]) -> Sequence[Hashable]:
-    """The names a holding's blocks are counted by: ``keys`` as the caller named them,
-    or for a session Prefetch that names none, its session's (:func:`_session_block_names`;
-    :meth:`HoldingsLedger.record` and :meth:`HoldingsLedger.added` alike)."""
-    if action_type == ActionType.PREFETCH.value and not keys and scope:
-        return _session_block_names(scope, blocks)
-    return keys
 
 
 def _holdings(counts: BlockCounts, owner: Hashable) -> Holdings:
@@ -244,19 +138,20 @@ class HoldingsLedger:
         releases the scope's holding, since the plugin supersedes it the same way;
         Prefetch and Share leave it (the plugin does too). A Prefetch's own retain (until
         ``expires_at``, its deadline) is a holding of its own, one per action, as the
-        worker keeps it (:func:`prefetch_scope`, :func:`_session_block_names`).
+        worker keeps it (:func:`prefetch_scope`,
+        :func:`~kvhint.router.policy.holding_rules.session_block_names`).
         An action id seen before replaces that holding (ids are meant to be unique; this
         keeps the scope index whole if one is not; the worker does the same)."""
         if (again := self._by_id.get(action_id)) is not None:
             self._drop(again)
-        keys = _named_keys(action_type, scope, blocks, keys)
+        keys = named_keys(action_type, scope, blocks, keys)
         if action_type == ActionType.PREFETCH.value:
             scope = prefetch_scope(scope, action_id)
         old_id = self._by_scope.get((worker_id, scope))
         old = self._by_id[old_id] if old_id is not None else None
-        if action_type in _HOLDING_TYPES or action_type == ActionType.DEMOTE.value:
+        if action_type in HOLDING_TYPES or action_type == ActionType.DEMOTE.value:
             self._follow(worker_id, scope, action_id)
-        if action_type not in _HOLDING_TYPES:
+        if action_type not in HOLDING_TYPES:
             if action_type == ActionType.DEMOTE.value:
                 if old is not None:
                     self._drop(old)
@@ -271,7 +166,7 @@ class HoldingsLedger:
         kept = 0
         if (old is not None and old.slot == held.slot and old.tenant == held.tenant
                 and old.api == held.api):
-            kept = _common_prefix(old.named(), held.named())
+            kept = common_prefix(old.named(), held.named())
         if old is not None:
             self._drop(old, kept_named=kept)
         self._insert(held, kept)
@@ -442,7 +337,7 @@ class HoldingsLedger:
         session's: another Prefetch of the session holding them, they add nothing;
         before, they were charged again, and a tenant got a 429 for room it held)."""
         slot = PINNED if action_type == ActionType.PIN.value else RETAINED
-        named = tuple(_named_keys(action_type, scope, blocks, keys)[:blocks])
+        named = tuple(named_keys(action_type, scope, blocks, keys)[:blocks])
         worker = blocks - self._workers.counted(worker_id, worker_id, named, slot)
         if tenant is None:
             return worker, 0, 0

@@ -32,12 +32,16 @@ and its consumer started over on the new stream (stream_watch.py, from :meth:`ti
 nats-py reconnects, each consumer starts over at once from the message after the last it
 handled.
 
+This module says what each message means; how they come (the consumers, their cursors,
+the plain subscriptions meanwhile, the retries) is :mod:`.feed_jetstream`
+(:class:`~.feed_jetstream.FeedJetStream`, a part of :class:`ClusterFeed`), whose
+constants are exported here too.
+
 The ingestor (``kvhint.router.kv_index``) decides; index_actions.py performs its actions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -46,21 +50,24 @@ from typing import Any, TypeVar
 import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import Error as NatsError
 
 from kvhint.router.kv_index import KvEventIngestor
+from kvhint.router.service.feed_jetstream import (
+    JETSTREAM_RETRY_MAX_S,
+    JETSTREAM_RETRY_S,
+    OUTCOMES_CURSOR,
+    RELEASES_CURSOR,
+    FeedJetStream,
+    StreamCursor,
+    stream_metadata,
+)
 from kvhint.router.service.hint_dispatch import HintDispatcher, SentAction
 from kvhint.router.service.hint_records import MAX_STORED_AMOUNT, clamped_amounts
 from kvhint.router.service.index_actions import IndexActions
 from kvhint.router.service.log_throttle import PerKeyLogThrottle
 from kvhint.router.service.metrics import RouterMetrics
-from kvhint.router.service.nats_link import (
-    NatsLink,
-    StreamCheck,
-    outcomes_stream_name,
-    releases_stream_name,
-)
-from kvhint.router.service.stream_watch import StreamWatch, WatchedConsumer
+from kvhint.router.service.nats_link import NatsLink
+from kvhint.router.service.stream_watch import StreamWatch
 from kvhint.router.service.task_set import TaskSet
 from kvhint.router.service.worker_urls import HeartbeatUrlPolicy
 from kvhint.router.service.workers import HeartbeatVerdict, WorkerRegistry
@@ -76,53 +83,15 @@ from kvhint.schemas import (
     is_unknown_status,
 )
 
+__all__ = ["JETSTREAM_RETRY_MAX_S", "JETSTREAM_RETRY_S", "OUTCOMES_CURSOR",
+           "RELEASES_CURSOR", "ClusterFeed"]
+
 log = logging.getLogger(__name__)
 # What a payload decoder reads (:meth:`ClusterFeed._decoded`).
 _Decoded = TypeVar("_Decoded")
 
-OUTCOMES_CURSOR = "outcomes_stream_seq"
-RELEASES_CURSOR = "releases_stream_seq"
 
-# Backoff of JetStream set-up retries after a failure (first, then doubled up to the cap).
-JETSTREAM_RETRY_S = 2.0
-JETSTREAM_RETRY_MAX_S = 60.0
-
-
-def _stream_metadata(msg: Msg) -> Msg.Metadata | None:
-    """A JetStream delivery's metadata; None for a plain subscription's message (nats-py
-    raises on ``msg.metadata`` without a JetStream ack subject)."""
-    if not (msg.reply or "").startswith("$JS.ACK."):
-        return None
-    return msg.metadata
-
-
-class _StreamCursor:
-    """Where a replayed stream's consumer stands, kept in the store's ``cursors`` table:
-    a fresh store starts at new messages; a restart resumes after the last one handled;
-    a link set up again after a failure resumes, it does not replay."""
-
-    def __init__(self, name: str, last_seq: int | None, writer: StoreWriter | None,
-                 wall: Callable[[], float]) -> None:
-        self.name = name
-        # The last stream sequence handled (the store's cursor); None: start at new messages.
-        self.seq = last_seq or None
-        self._writer = writer
-        self._wall = wall
-
-    def start_seq(self) -> int | None:
-        return None if self.seq is None else self.seq + 1
-
-    def handled(self, msg: Msg) -> None:
-        metadata = _stream_metadata(msg)
-        if metadata is None:
-            return
-        self.seq = metadata.sequence.stream
-        if self._writer is not None:
-            self._writer.upsert("cursors", (self.name,), {
-                "name": self.name, "value": self.seq, "updated_at": self._wall()})
-
-
-class ClusterFeed:
+class ClusterFeed(FeedJetStream):
     def __init__(self, link: NatsLink, ingestor: KvEventIngestor, workers: WorkerRegistry,
                  hints: HintDispatcher, metrics: RouterMetrics, writer: StoreWriter | None,
                  outcomes_last_seq: int | None, releases_last_seq: int | None,
@@ -158,8 +127,8 @@ class ClusterFeed:
         self._refused_urls: dict[str, str] = {}
         # Malformed heartbeats (one a second; each counted) logged per subject, throttled.
         self.malformed_status_log = PerKeyLogThrottle()
-        self.outcomes = _StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
-        self.releases = _StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
+        self.outcomes = StreamCursor(OUTCOMES_CURSOR, outcomes_last_seq, writer, wall_clock)
+        self.releases = StreamCursor(RELEASES_CURSOR, releases_last_seq, writer, wall_clock)
         # False while JetStream set-up fails and the feed runs on plain subscriptions;
         # tick() retries it (jetstream_error says why it last failed).
         self.replay = True
@@ -174,172 +143,6 @@ class ClusterFeed:
         # puts :meth:`on_reconnected` on the link's ``on_reconnected``).
         self.streams = StreamWatch(link, on_remade=self._stream_remade)
 
-    async def on_connected(self) -> None:
-        """Streams and subscriptions; NatsLink calls this once per (re)established link
-        (nats-py's own reconnects keep the subscriptions and do not call it)."""
-        subjects = self._subjects
-        # Before the heartbeats: one heard ahead of its worker's replayed batches waits.
-        self.ingestor.replay_started()
-        await self._link.subscribe(subjects.all_of("status"), self._on_status)
-        self._plain = []
-        try:
-            await self._set_up_jetstream(events_start=1,
-                                         outcomes_start=self.outcomes.start_seq(),
-                                         releases_start=self.releases.start_seq())
-        except (NatsError, asyncio.TimeoutError) as exc:
-            self._perform(self.ingestor.replay_caught_up())  # no replay: nothing to wait for
-            # No JetStream (disabled, out of storage, the subjects held by a stream of
-            # another name): live messages still flow on plain subscriptions; what is
-            # missed meanwhile is resynced from snapshots instead of replayed, and
-            # outcomes sent while the router is down are lost. tick() tries again.
-            self._jetstream_failed(exc)
-            self._plain = [
-                await self._link.subscribe(subjects.all_of("events"), self._on_events),
-                await self._link.subscribe(subjects.all_of("outcomes"), self._on_outcome),
-                await self._link.subscribe(subjects.all_of("releases"), self._on_releases)]
-            return
-        self.replay = True
-        if not await self._events_history_exists():
-            self._perform(self.ingestor.replay_caught_up())
-
-    async def _events_history_exists(self) -> bool:
-        """Whether the events stream held messages once its consumer was made: else no
-        delivery will ever say the replay caught up. When it cannot be read, False: the
-        waiting ends as it did before it existed (a heartbeat resyncs at once)."""
-        try:
-            info = await self._link.js.stream_info(self._subjects.events_stream)
-        except (NatsError, asyncio.TimeoutError, RuntimeError) as exc:
-            log.warning("events stream state unreadable (%r): not waiting for its replay",
-                        exc)
-            return False
-        return info.state.messages > 0
-
-    async def _set_up_jetstream(self, events_start: int | None, outcomes_start: int | None,
-                                releases_start: int | None) -> None:
-        """Streams, then one ordered consumer each; all or nothing (a consumer made before
-        a later one failed is ended, so no subject is taken both ways for good)."""
-        subjects = self._subjects
-        checks = await self._link.ensure_streams()
-        self._note_streams(checks)
-        made: list[Subscription] = []
-        watched: dict[str, WatchedConsumer] = {}
-        try:
-            for subject, stream, handler, start in (
-                    (subjects.all_of("events"), subjects.events_stream, self._on_events,
-                     events_start),
-                    (subjects.all_of("outcomes"), outcomes_stream_name(subjects),
-                     self._on_outcome, outcomes_start),
-                    (subjects.all_of("releases"), releases_stream_name(subjects),
-                     self._on_releases, releases_start)):
-                info = await self._link.js.stream_info(stream)
-                if start is not None and start > info.state.last_seq + 1:
-                    # A stored cursor past the stream's end: one stream's sequences never
-                    # go back, so this stream was made again since (an operator's delete,
-                    # a NATS server restarted without its store) and all it holds is new.
-                    # Before, the consumer asked for the old cursor's next sequence, which
-                    # the server takes as the new stream's end: what it held was never read.
-                    log.warning("JetStream stream %s ends at %d, before the stored cursor "
-                                "%d: made again since; read from its start", stream,
-                                info.state.last_seq, start - 1)
-                    self._stream_remade(stream)
-                    start = 1
-                consumer = await self.streams.subscribe(subject, stream, handler, start,
-                                                        info.state.last_seq, info.created)
-                assert consumer.sub is not None
-                made.append(consumer.sub)
-                watched[stream] = consumer
-        except (NatsError, asyncio.TimeoutError):
-            for sub in made:
-                try:
-                    await self._link.unsubscribe(sub)
-                except NatsError as cleanup:
-                    # Left, it only duplicates what the plain subscription delivers
-                    # (the ingestor and the dispatcher drop repeats, counted).
-                    log.warning("ending a JetStream consumer after a failed set-up: %r",
-                                cleanup)
-            raise
-        self.streams.follow(watched)
-
-    def on_reconnected(self) -> None:
-        """nats-py reconnected: the consumers start over now, not when nats-py misses
-        their heartbeats (stream_watch.py). Plain subscriptions (no replay) need none."""
-        if self.replay and self.streams.reconnected():
-            self._spawn(self.streams.check())
-
-    def _stream_remade(self, stream: str) -> None:
-        """Count a stream found made again (stream_watch.py logged it) by what it holds."""
-        kind = {self._subjects.events_stream: "events",
-                outcomes_stream_name(self._subjects): "outcomes",
-                releases_stream_name(self._subjects): "releases"}.get(stream)
-        if kind is not None:  # the watch follows only these three
-            self._metrics.streams_remade.labels(kind).inc()
-
-    def _note_streams(self, checks: dict[str, StreamCheck]) -> None:
-        """Count stream fields left unlike the settings (ensure_streams warned), and let
-        the ingestor keep a dead worker as long as the events stream really keeps its
-        messages (forget_dead_after_s came from the settings; the stream an operator or
-        another router made may keep them longer)."""
-        for check in checks.values():
-            if check.kept:
-                self._metrics.drop("stream_setting_not_applied", len(check.kept))
-        events = checks.get(self._subjects.events_stream)
-        max_age = events.config.max_age if events is not None else None
-        config = self.ingestor.config
-        # 0/None: no age limit (only max_bytes bounds it): no age to follow.
-        if max_age and max_age > config.forget_dead_after_s:
-            log.info("events stream keeps messages %.0fs: dead workers are forgotten after "
-                     "that (not %.0fs)", max_age, config.forget_dead_after_s)
-            self.ingestor.remember_dead_for(max_age)
-
-    def _jetstream_failed(self, exc: BaseException) -> None:
-        self._metrics.drop("jetstream_unavailable")
-        # nats-py's API errors' repr() is empty ("BadRequestError()"); str() has the code.
-        self.jetstream_error = f"{type(exc).__name__}: {exc}"
-        self._retry_at = time.monotonic() + self._retry_delay_s
-        if self.replay:
-            log.error("JetStream unavailable (%s): events and outcomes without replay; "
-                      "retrying every %.0f-%.0fs", self.jetstream_error, self._retry_first_s,
-                      JETSTREAM_RETRY_MAX_S)
-        else:
-            log.warning("JetStream still unavailable (%s); next try in %.0fs",
-                        self.jetstream_error, self._retry_delay_s)
-        self._retry_delay_s = min(self._retry_delay_s * 2, JETSTREAM_RETRY_MAX_S)
-        self.replay = False
-
-    async def _retry_jetstream(self) -> None:
-        """Hand the plain subscriptions over to JetStream consumers. Each consumer starts
-        after the stream's last sequence read *before* it is made, and the plain
-        subscriptions are drained only after: nothing published in between is lost; what
-        was published in that one round trip may arrive twice (the ingestor drops repeated
-        batches, the dispatcher repeated outcomes, both counted)."""
-        try:
-            try:
-                await self._link.ensure_streams()
-                starts = []
-                for name in (self._subjects.events_stream,
-                             outcomes_stream_name(self._subjects),
-                             releases_stream_name(self._subjects)):
-                    info = await self._link.js.stream_info(name)
-                    starts.append(info.state.last_seq + 1)
-                await self._set_up_jetstream(*starts)
-            except (NatsError, asyncio.TimeoutError, RuntimeError) as exc:
-                # RuntimeError: the link went down meanwhile ("NATS not connected").
-                self._jetstream_failed(exc)
-                return
-            plain, self._plain = self._plain, []
-            for sub in plain:
-                try:
-                    await self._link.unsubscribe(sub, drain=True)
-                except NatsError as exc:
-                    log.warning("draining a plain subscription after JetStream came back: "
-                                "%r", exc)
-            self.replay = True
-            self.jetstream_error = ""
-            self._retry_delay_s = self._retry_first_s
-            log.info("JetStream set up: events, outcomes and releases replay again")
-        finally:
-            self._retrying = False
-
     # --- messages -----------------------------------------------------------------------
 
     async def _on_events(self, msg: Msg) -> None:
@@ -349,7 +152,7 @@ class ClusterFeed:
         # (before, a dead worker's replay made it look alive). Clock skew between the NATS
         # server and this host shifts it; heartbeats (never replayed) prove life anyway.
         age_s = None
-        metadata = _stream_metadata(msg)
+        metadata = stream_metadata(msg)
         if metadata is not None and metadata.timestamp is not None:
             age_s = max(self._wall() - metadata.timestamp.timestamp(), 0.0)
             self._metrics.event_lag.observe(age_s)
