@@ -17,9 +17,11 @@ from pydantic import (
     Field,
     StrictBool,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from kvhint.schemas import (
     MAX_HEARTBEAT_INTERVAL_S,
@@ -159,6 +161,16 @@ class PluginConfig(BaseModel):
     # the latest always stays (without it every page would copy the index again).
     snapshot_keep_blocks: int = Field(1_000_000, ge=1)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_switch_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # JSON true/false is not a number: lax mode read true as 1 (a priority of 1, a
+        # budget of all the blocks, a 1 s TTL) and false as 0, silently.
+        if isinstance(value, bool) and info.field_name is not None and (
+                cls.model_fields[info.field_name].annotation in (int, float)):
+            raise ValueError("takes a number, not true or false")
+        return value
+
     @field_validator("worker_id")
     @classmethod
     def _check_worker_id(cls, value: str | None) -> str | None:
@@ -169,23 +181,30 @@ class PluginConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nats_url_from_env(cls, data: Any) -> Any:
-        """``nats_url_env``: nats_url is that variable's value (then checked as one)."""
-        if not isinstance(data, dict) or data.get("nats_url_env") is None:
+        """``nats_url_env``: nats_url is that variable's value (then checked as one).
+        Its refusals name ``nats_url_env`` as their key (_key_error); a name that is no
+        string is left to the field's own check, which says so."""
+        if not isinstance(data, dict) or not isinstance(name := data.get("nats_url_env"),
+                                                         str):
             return data
-        name = data["nats_url_env"]
         if data.get("nats_url") is not None:
-            raise ValueError("set nats_url or nats_url_env, not both")
-        value = os.environ.get(name) if isinstance(name, str) else None
-        if not value:
-            raise ValueError(f"nats_url_env names {name!r}, an environment variable that "
-                             "is not set (or empty) in vLLM's environment")
+            raise _key_error("nats_url_env", "set nats_url or nats_url_env, not both")
+        if not (value := os.environ.get(name)):
+            raise _key_error("nats_url_env", f"names {name!r}, an environment variable "
+                             "that is not set (or empty) in vLLM's environment")
         return {**data, "nats_url": value}
 
     @field_validator("nats_url")
     @classmethod
     def _check_nats_url(cls, value: str | None) -> str | None:
-        if value is None or value == "":
+        # Absent or null: no NATS. Empty or blank is refused: before, "" (an unset
+        # template variable) ran the engine without NATS, said only as if asked for, and
+        # " " or "," started the transport with no server to connect to, for ever.
+        if value is None:
             return None
+        if not nats_servers(value):
+            raise ValueError("names no server (it is blank, or only ',' and spaces): leave "
+                             "nats_url out, or null, to run without NATS")
         # Checked here: the transport connects in its own thread, where nats-py refusing
         # the URL ended that thread and left the engine without NATS for good.
         # Also the one set of credentials, percent-decoded, that the transport sends
@@ -285,17 +304,27 @@ class PluginConfig(BaseModel):
             url_secret(server) is not None for server in self.nats_servers)
 
 
+def _key_error(key: str, message: str) -> PydanticCustomError:
+    """A config-level refusal (a model validator's) that names ``key`` in the message, as
+    a field's own refusal does (_problem reads it from the error's context)."""
+    return PydanticCustomError("config_key", message.replace("{", "{{").replace("}", "}}"),
+                               {"key": key})
+
+
 def _problem(err: Any) -> str:
     """One validation error as the message shows it: the key, what is wrong, and the
     value given, except where it may be secret: a nats_url, an http_url (refused, it
     may carry a password), the whole config (the input of a config-level error) and an
     unknown key's (a misspelt nats_url)."""
-    key = ".".join(str(p) for p in err["loc"]) or "(config)"
+    config_level = not err["loc"]
+    key = (".".join(str(p) for p in err["loc"]) or (err.get("ctx") or {}).get("key")
+           or "(config)")
     if err["type"] == "extra_forbidden":
         close = difflib.get_close_matches(key, PluginConfig.model_fields, n=1)
         return (f"kv_connector_extra_config[{key!r}]: unknown key"
                 + (f" (did you mean {close[0]!r}?)" if close else ""))
-    got = "" if key in ("nats_url", "http_url", "(config)") else f" (got {err.get('input')!r})"
+    got = ("" if config_level or key in ("nats_url", "http_url")
+           else f" (got {err.get('input')!r})")
     return f"kv_connector_extra_config[{key!r}]: {err['msg']}{got}"
 
 

@@ -126,6 +126,10 @@ def nats_url_problem(url: str) -> str | None:
     settings are read: nats-py refusing the URL later, in a connect loop, stopped that
     loop for good."""
     servers = nats_servers(url)
+    if not servers:
+        # Blank, or only ',' and spaces (a templating slip): nats-py given an empty
+        # server list has none to try, and the connect loop would retry it for ever.
+        return "names no server (it is blank, or only ',' and spaces)"
     for number, server in enumerate(servers, 1):
         # First: the entry before such a one ends inside its user info, and is reported
         # as it reads, secret and all, were it checked first.

@@ -59,11 +59,13 @@ from kvhint.schemas.nats_address import (
 )
 
 # What callers import from here: the tenants' models (settings_tenants.py) included.
-__all__ = ["DEFAULT_SALT_SECRET", "DEFAULT_TENANT", "ENV_PREFIX", "ApiCallRate",
-           "PriorityBounds", "RouterSettings", "TenantBudget", "TenantConfig",
+__all__ = ["DEFAULT_SALT_SECRET", "DEFAULT_TENANT", "ENV_NULL", "ENV_PREFIX",
+           "ApiCallRate", "PriorityBounds", "RouterSettings", "TenantBudget", "TenantConfig",
            "WorkerConfig", "parse_worker_list", "refuse_empty_key"]
 
 ENV_PREFIX = "KVHINT_ROUTER_"
+# The environment's spelling of None (YAML's and JSON's null): see RouterSettings.
+ENV_NULL = "null"
 # Published (it is in this file): salts derived from it are secret from nobody.
 DEFAULT_SALT_SECRET = "kvhint-dev-salt-secret"
 # The tenant of a global admin's own traffic (its inference and hints naming no
@@ -100,8 +102,13 @@ class WorkerConfig(BaseModel, frozen=True, extra="forbid"):
 
 
 class RouterSettings(BaseSettings):
+    # A variable set to exactly ENV_NULL is None, for every setting, nested sections'
+    # (KVHINT_ROUTER_ROUTING__SESSION_REFRESH) included: the environment can say what a
+    # config file's null says ("no bound", "derived", "off"). A setting that takes no
+    # None refuses it, naming itself. An empty variable stays the empty string (an empty
+    # Secret is refused, not taken as "unset": refuse_empty_key).
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__",
-                                      extra="forbid")
+                                      extra="forbid", env_parse_none_str=ENV_NULL)
 
     config_file: Path | None = None
     host: str = "127.0.0.1"
@@ -297,6 +304,16 @@ class RouterSettings(BaseSettings):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
 
+    @field_validator("trace_dir", mode="before")
+    @classmethod
+    def _trace_dir(cls, value: Any) -> Any:
+        # Path("") is the working directory: an empty variable meant to turn recording
+        # off would record every request's hashes there instead.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("trace_dir is empty: give a directory to record traffic in, "
+                             f"or leave it unset ({ENV_NULL}) to record none")
+        return value
+
     @field_validator("heartbeat_worker_hosts")
     @classmethod
     def _heartbeat_worker_hosts(cls, value: list[str]) -> list[str]:
@@ -395,6 +412,8 @@ class RouterSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         if config_file is None:
             config_file = os.environ.get(ENV_PREFIX + "CONFIG_FILE")
+            if config_file == ENV_NULL:  # the variable's None, as for every setting
+                config_file = None
         if config_file is not None:
             path = Path(config_file)
             if not path.is_file():
