@@ -94,7 +94,10 @@ async def _status(response_id: str, worker_id: str, workers: WorkerRegistry,
         return None
     url = f"{worker.url}/v1/responses/{quote(response_id, safe='')}"
     try:
-        answer = await pool.get_json(url, RECHECK_TIMEOUT_S, worker_id=worker_id)
+        # A stored response is bounded as any answer (upstream_answer_max_bytes), not as a
+        # model listing: it echoes its request's instructions and tools, its whole output.
+        answer = await pool.get_json(url, RECHECK_TIMEOUT_S, worker_id=worker_id,
+                                     whole_answer=True)
     except (UpstreamUnavailable, UpstreamBroken, aiohttp.ClientError, asyncio.TimeoutError,
             OSError, ValueError) as exc:
         log.warning("response %s: its cancel not checked at worker %s: %s", response_id,

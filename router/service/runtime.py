@@ -228,6 +228,8 @@ class RouterRuntime:
                       lifecycle, routing, forwarder, pool, prober, index, ingestor, Timeline(),
                       TenantCallRate(directory, metrics), link=link, models=models,
                       recorder=recorder)
+        # A background task that raised lost its work: counted as a periodic job's round.
+        runtime.tasks.on_failed = lambda: metrics.drop("periodic_job_error")
         runtime.cancel_notices = CancelNotices(link, subjects, metrics, runtime.tasks)
         metrics.bind_state(runtime.state_sample)
         for tenant in directory.tenants:

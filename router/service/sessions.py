@@ -160,9 +160,7 @@ def readable_row(row: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
     if open_gap is not None and not _readable_open_gap(open_gap):
         bad.append("open_gap")
     stats = row.get("tool_gap_stats")
-    if stats is not None and not (isinstance(stats, dict)
-                                  and isinstance(stats.get("gaps", []), list)
-                                  and all(isinstance(g, dict) for g in stats.get("gaps", []))):
+    if stats is not None and not _readable_gap_stats(stats):
         bad.append("tool_gap_stats")
     for column in bad:
         fixed[column] = None
@@ -188,6 +186,20 @@ def _readable_plan(plan: Any, row: dict[str, Any]) -> bool:
             return False
     return (state.tenant == row.get("tenant")
             and state.session_id == f"{row.get('tenant')}/{row.get('session_id')}")
+
+
+def _readable_gap_stats(stats: Any) -> bool:
+    """The form ``SessionRecord.row`` writes: ``{"gaps": [{..., "depth": n}...], ...}``,
+    each closed gap an object whose ``depth`` (where it has one) is a number: a merge
+    with another replica's save (session_merge.py) keys gaps by depth and sorts them by
+    it, which raised TypeError on another (a 500, or the store writer's flush broken)."""
+    if not isinstance(stats, dict):
+        return False
+    gaps = stats.get("gaps", [])
+    return isinstance(gaps, list) and all(
+        isinstance(gap, dict) and (gap.get("depth") is None or (
+            isinstance(gap["depth"], (int, float)) and not isinstance(gap["depth"], bool)))
+        for gap in gaps)
 
 
 def _readable_open_gap(gap: Any) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -23,11 +23,16 @@ log = logging.getLogger(__name__)
 
 class TaskSet:
     """Tasks started with :meth:`spawn`, kept until done; :meth:`close` cancels and awaits
-    those running and refuses new ones. Single event loop."""
+    those running and refuses new ones. Single event loop.
 
-    def __init__(self) -> None:
+    ``on_failed``: called once per task that ended with an exception (the runtime counts
+    it, ``drops_total{what="periodic_job_error"}``, as a periodic job's failed round: the
+    work that task was to do is lost, and a log line alone raised no alert)."""
+
+    def __init__(self, on_failed: Callable[[], None] | None = None) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
+        self.on_failed = on_failed
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -48,6 +53,8 @@ class TaskSet:
         if not task.cancelled() and (exc := task.exception()) is not None:
             # Retrieved here, logged with its traceback: nobody awaits these tasks.
             log.error("background task %s failed", task.get_name(), exc_info=exc)
+            if self.on_failed is not None:
+                self.on_failed()
 
     async def close(self) -> None:
         """Cancel every task still running and wait for each to end."""

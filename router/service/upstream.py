@@ -280,18 +280,23 @@ class UpstreamPool:
         return UpstreamResponse(worker_id, response.status, _copy_headers(response), response,
                                 self._request_timeout_s, self._answer_max_bytes)
 
-    async def get_json(self, url: str, timeout_s: float, *, worker_id: str) -> object:
-        """Small GETs (/v1/models) to ``worker_id`` (whose key goes with it); raises on
-        any failure. A failed status is raised as an :class:`UpstreamUnavailable`, not
-        aiohttp's error, whose repr shows the request's headers (the key); a body past
-        :data:`SMALL_ANSWER_MAX_BYTES` as an :class:`AnswerTooLarge`."""
+    async def get_json(self, url: str, timeout_s: float, *, worker_id: str,
+                       whole_answer: bool = False) -> object:
+        """JSON GETs to ``worker_id`` (whose key goes with it); raises on any failure. A
+        failed status is raised as an :class:`UpstreamUnavailable`, not aiohttp's error,
+        whose repr shows the request's headers (the key); a body past its bound as an
+        :class:`AnswerTooLarge`. The bound: :data:`SMALL_ANSWER_MAX_BYTES` (a
+        /v1/models listing), or ``upstream_answer_max_bytes`` where ``whole_answer``
+        (a stored Responses object, which may be as large as any answer: the cancel
+        rechecks, responses_cancel_rechecks.py)."""
+        limit, bound = ((self._answer_max_bytes, "upstream_answer_max_bytes") if whole_answer
+                        else (SMALL_ANSWER_MAX_BYTES, "a model listing's bound"))
         async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                     headers=self._headers(worker_id)) as response:
             if response.status >= 400:
                 raise UpstreamUnavailable(worker_id, f"HTTP {response.status} from {url}",
                                           response.status)
-            return json.loads(await _read_bounded(response, worker_id, SMALL_ANSWER_MAX_BYTES,
-                                                  "a model listing's bound"))
+            return json.loads(await _read_bounded(response, worker_id, limit, bound))
 
     async def probe(self, url: str, timeout_s: float, *, worker_id: str) -> ProbeResult:
         """A health probe of ``worker_id`` (its key goes with it): answered 200, or why

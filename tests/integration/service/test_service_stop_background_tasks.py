@@ -70,3 +70,23 @@ async def test_a_cancel_recheck_in_flight_at_stop_is_cancelled_and_awaited(
     finally:
         released.set()
         await runner.cleanup()
+
+
+async def test_a_background_task_that_raises_is_counted(
+        tmp_path: Path, stub_workers: list) -> None:
+    """A background task of the runtime's (a feed check, a cancel recheck or resend) that
+    raised lost its work: counted as a periodic job's failed round
+    (``drops_total{what="periodic_job_error"}``); before, only a log line said so."""
+    settings = router_settings(tmp_path, [("w0", stub_workers[0].url)])
+    async with running_router(settings) as router:
+        runtime = router.app.state.runtime
+        failed = runtime.metrics.drops.labels("periodic_job_error")
+
+        async def fails() -> None:
+            raise RuntimeError("a background task's bug")
+
+        before = failed._value.get()
+        task = runtime.tasks.spawn(fails(), "fails")
+        assert task is not None
+        await asyncio.gather(task, return_exceptions=True)
+        await until(lambda: failed._value.get() == before + 1, timeout_s=1.0)

@@ -38,7 +38,8 @@ def test_close_cancels_and_awaits_running_tasks_and_refuses_new_ones() -> None:
 
 def test_a_failed_task_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
-        tasks = TaskSet()
+        failures: list[None] = []
+        tasks = TaskSet(on_failed=lambda: failures.append(None))
 
         async def fails() -> None:
             raise ValueError("boom")
@@ -48,6 +49,10 @@ def test_a_failed_task_is_logged_with_its_traceback(caplog: pytest.LogCaptureFix
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0)
         assert len(tasks) == 0
+        assert len(failures) == 1  # counted once (the runtime: periodic_job_error)
+        waits = tasks.spawn(asyncio.sleep(60), "waits")
+        await tasks.close()
+        assert waits is not None and waits.cancelled() and len(failures) == 1
     with caplog.at_level(logging.ERROR):
         asyncio.run(scenario())
     assert "background task fails failed" in caplog.text and "boom" in caplog.text
