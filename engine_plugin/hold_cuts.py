@@ -13,7 +13,9 @@ which need every position before them too. So:
   hit was gone);
 - a claim that loses positions (a Demote naming them) lets go of its side blocks at
   positions it no longer holds (:meth:`HoldCutsMixin._drop_stranded_sides`; before, they
-  stayed held, against the budget, until the claim ended).
+  stayed held, against the budget, until the claim ended); a position lost unasked
+  (relief, displacement, ``gone``) takes its side blocks with it
+  (:meth:`HoldCutsMixin._drop_sides_at`; before, they stayed held).
 
 Positions before a lost side block stay held: a hit there may still be found (with the
 other groups' blocks resident unheld, or a claim shorter than a window). A one-group
@@ -50,13 +52,7 @@ class HoldCutsMixin:
         if claim is None:
             return
         holds = self._holds
-        index = claim.by_depth
-        if index is None:
-            index = claim.by_depth = {}
-            for block_id in claim.block_ids:
-                if (hold := holds.get(block_id)) is not None:
-                    index.setdefault(hold.handle.depth, []).append(block_id)
-            claim.deepest = max(index, default=-1)
+        index = self._depth_index(claim)
         lost = 0
         for depth in range(from_depth, claim.deepest + 1):
             for block_id in index.pop(depth, ()):
@@ -70,6 +66,36 @@ class HoldCutsMixin:
         claim.deepest = min(claim.deepest, from_depth - 1)
         if lost:
             self._note_loss(action_id, claim, reason, lost)
+
+    def _depth_index(self, claim: Claim) -> dict[int, list[int]]:
+        """``claim``'s block ids by depth (:attr:`Claim.by_depth`), built at its first use."""
+        index = claim.by_depth
+        if index is None:
+            holds = self._holds
+            index = claim.by_depth = {}
+            for block_id in claim.block_ids:
+                if (hold := holds.get(block_id)) is not None:
+                    index.setdefault(hold.handle.depth, []).append(block_id)
+            claim.deepest = max(index, default=-1)
+        return index
+
+    def _drop_sides_at(self, action_id: ClaimKey, released: list[BlockHandle],
+                       position: BlockHandle) -> None:
+        """Claim ``action_id``, having lost ``position`` unasked (relief, displacement,
+        ``gone``; its loss noted by the caller), lets go of its side blocks at that
+        position: they served only hit points past it. Blocks left with no claim go to
+        ``released``. Nothing on a one-group model's claim (not ``sided``)."""
+        claim = self._claims.get(action_id)
+        if claim is None or not claim.sided:
+            return
+        holds = self._holds
+        for block_id in self._depth_index(claim).get(position.depth, ()):
+            hold = holds.get(block_id)
+            if hold is None or not hold.handle.side or hold.handle.key != position.key \
+                    or block_id not in claim.block_ids:
+                continue
+            claim.block_ids.discard(block_id)
+            self._let_go(action_id, claim.kind, hold, released)
 
     def _drop_stranded_sides(self, action_id: ClaimKey, released: list[BlockHandle]) -> None:
         """Claim ``action_id``, having lost positions, lets go of its side blocks at

@@ -117,6 +117,10 @@ class Claim:
     # Entries of blocks no longer in ``block_ids`` are stale (skipped).
     by_depth: dict[int, list[int]] | None = None
     deepest: int = -1
+    # A hybrid model's claim (it may hold ``side`` blocks, .hold_cuts): a position it
+    # loses unasked takes that position's side blocks with it. False on a one-group model,
+    # whose losses then cost nothing more.
+    sided: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ class HoldReliefMixin:
     _seq: itertools.count
     _note_loss: Callable[[ClaimKey, Claim, str, int], None]
     _cut_claim: Callable[[ClaimKey, list[BlockHandle], int, str], None]
+    _drop_sides_at: Callable[[ClaimKey, list[BlockHandle], BlockHandle], None]
     _forget_hold: Callable[[int], None]
     _release: Callable[[list[BlockHandle]], None]
 
@@ -148,3 +149,7 @@ class HoldReliefMixin:
             # A hybrid model's other group's block: no hit reaches past its position now.
             for action_id in cut:
                 self._cut_claim(action_id, released, hold.handle.depth, lost_to)
+        elif lost_to is not None:
+            # A position: its side blocks served only hits through it (.hold_cuts).
+            for action_id in cut:
+                self._drop_sides_at(action_id, released, hold.handle)

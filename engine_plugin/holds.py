@@ -167,7 +167,7 @@ class HoldLedger(HoldReliefMixin, HoldCutsMixin):
                 self._pinned += 1
             hold.pins[action_id] = expiry
         self.cache.hold(new_holds)
-        self._add_claim(action_id, PIN, handles, expiry, scope, owner)
+        self._add_claim(action_id, PIN, handles, expiry, scope, owner, clip is not None)
         return positions(handles), note
 
     def retain(self, action_id: str, priority: int, handles: list[BlockHandle], expiry: float,
@@ -216,7 +216,7 @@ class HoldLedger(HoldReliefMixin, HoldCutsMixin):
             if not hold.pins:
                 self._push_pressure(hold)
         self.cache.hold(new_holds)
-        self._add_claim(action_id, RETAIN, handles, expiry, scope, owner)
+        self._add_claim(action_id, RETAIN, handles, expiry, scope, owner, clip is not None)
         return positions(handles), note
 
     def supersede(self, scope: str, owner: str) -> None:
@@ -365,6 +365,9 @@ class HoldLedger(HoldReliefMixin, HoldCutsMixin):
             if hold.handle.side:  # no hit reaches past its position now (.hold_cuts)
                 for action_id in cut:
                     self._cut_claim(action_id, released, hold.handle.depth, reason)
+            else:  # the position's side blocks served only hits through it (.hold_cuts)
+                for action_id in cut:
+                    self._drop_sides_at(action_id, released, hold.handle)
         self.counters.released_gone += len(released)
         self._release(released)
         self._fit_retained()  # a cut pin may leave a retain under it past the budget
@@ -397,9 +400,9 @@ class HoldLedger(HoldReliefMixin, HoldCutsMixin):
             self._fit_retained()
 
     def _add_claim(self, action_id: str, kind: str, handles: list[BlockHandle],
-                   expiry: float, scope: str | None, owner: str) -> None:
+                   expiry: float, scope: str | None, owner: str, sided: bool = False) -> None:
         self._claims[action_id] = Claim(kind, {h.block_id for h in handles}, expiry, scope,
-                                         owner)
+                                         owner, sided=sided)
         if scope is not None:
             self._by_scope.setdefault((scope, owner), set()).add(action_id)
         heapq.heappush(self._expiry_heap, (expiry, next(self._seq), action_id))

@@ -11,7 +11,7 @@ bookkeeping, copies modelled): vLLM's offloading worker needs CUDA.
 
 from __future__ import annotations
 
-from hybrid_fixtures import GEMMA, TWO_FULL, Bench
+from hybrid_fixtures import GEMMA, GEMMA_FULL_FIRST, TWO_FULL, Bench
 
 from kvhint.router.sim.host_tier import SimHostTier
 
@@ -98,3 +98,39 @@ def test_relief_of_a_window_block_lets_go_of_the_positions_it_served() -> None:
     assert executor.holds.counters.released_under_pressure == 6
     (loss,) = executor.take_releases()
     assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("pressure", 1, 3)
+
+
+def test_relief_of_a_position_lets_go_of_its_window_blocks() -> None:
+    """Relief takes the last position's own block (the full-attention group first, so
+    its block ids come first in pressure order): the window blocks held at that position
+    served only hits through it, so they go with it, freed under pressure. Before, the
+    claim kept them (5 pool blocks against the retain budget, off the free queue) until
+    it ended, while reporting 3 positions held."""
+    bench = Bench(GEMMA_FULL_FIRST, retain_budget_fraction=0.5)
+    executor = bench.core.executor
+    bench.hint("kv.retain", {"target": {"session_id": "s"}, "priority": 50, "ttl_s": 600})
+    last = bench.positions()[3]
+    assert executor.retained_blocks == HELD
+    assert executor.holds.relieve(1) == 6
+    assert not executor.holds.is_held(last.block_id)
+    assert executor.retained_blocks == HELD - 6
+    assert not any(h.handle.depth == 3 for h in executor.holds._holds.values())
+    assert executor.holds.counters.released_under_pressure == 6
+    (loss,) = executor.take_releases()
+    assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("pressure", 1, 3)
+
+
+def test_a_pinned_position_vllm_drops_takes_its_window_blocks_with_it() -> None:
+    """vLLM drops the last position's held block from its cache (``evict_blocks``): the
+    Pin's window blocks at that position go back too (before, they stayed pinned)."""
+    bench = Bench(GEMMA_FULL_FIRST, pin_budget_fraction=0.5)
+    executor = bench.core.executor
+    bench.hint("kv.pin", {"target": {"session_id": "s"}, "ttl_s": 600})
+    last = bench.positions()[3]
+    assert executor.pinned_blocks == HELD
+    bench.manager.block_pool.evict_blocks({last.block_id})
+    bench.core.sync()
+    assert executor.pinned_blocks == HELD - 6
+    assert executor.holds.counters.released_gone == 6
+    (loss,) = executor.take_releases()
+    assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("gone", 1, 3)

@@ -68,6 +68,11 @@ def _check(h: HeadlessScheduler, core: Any) -> None:
         for block_id in claim.block_ids:
             hold = holds._holds[block_id]
             assert action_id in (hold.pins if claim.kind == "pin" else hold.retains)
+        # A hybrid claim's other groups' blocks only at positions it holds (one it lost,
+        # by relief too, takes them with it).
+        positions = {holds._holds[b].handle.key for b in claim.block_ids
+                     if not holds._holds[b].handle.side}
+        assert all(holds._holds[b].handle.key in positions for b in claim.block_ids), action_id
 
 
 def _hint(rng: random.Random, step: int) -> bytes:
