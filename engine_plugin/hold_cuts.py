@@ -42,6 +42,20 @@ class HoldCutsMixin:
     _forget_hold: Callable[[int], None]
     _push_pressure: Callable[[Hold], None]
 
+    def _cut_after_loss(self, cut: list[ClaimKey], released: list[BlockHandle],
+                        lost: BlockHandle, reason: str) -> None:
+        """Claims ``cut`` lost block ``lost`` unasked for ``reason`` (relief, displacement,
+        ``gone``; the loss noted by the caller): a side block leaves no hit past its
+        position, so each lets go of its blocks from there on (:meth:`_cut_claim`); a
+        position takes its side blocks with it (:meth:`_drop_sides_at`). Blocks left with
+        no claim go to ``released``."""
+        if lost.side:
+            for action_id in cut:
+                self._cut_claim(action_id, released, lost.depth, reason)
+        else:
+            for action_id in cut:
+                self._drop_sides_at(action_id, released, lost)
+
     def _cut_claim(self, action_id: ClaimKey, released: list[BlockHandle],
                    from_depth: int, reason: str) -> None:
         """Claim ``action_id`` lets go of its blocks at depth ``from_depth`` and deeper,
@@ -100,9 +114,10 @@ class HoldCutsMixin:
     def _drop_stranded_sides(self, action_id: ClaimKey, released: list[BlockHandle]) -> None:
         """Claim ``action_id``, having lost positions, lets go of its side blocks at
         positions it no longer holds (their loss is not noted: the positions' were);
-        blocks left with no claim go to ``released``."""
+        blocks left with no claim go to ``released``. Nothing on a one-group model's claim
+        (not ``sided``: it holds no side blocks)."""
         claim = self._claims.get(action_id)
-        if claim is None:
+        if claim is None or not claim.sided:
             return
         holds = self._holds
         sides: list[Hold] = []

@@ -39,8 +39,7 @@ class HoldReliefMixin:
     _pressure_heap: list[tuple[int, int, int, int, int]]
     _seq: itertools.count
     _note_loss: Callable[[ClaimKey, Claim, str, int], None]
-    _cut_claim: Callable[[ClaimKey, list[BlockHandle], int, str], None]
-    _drop_sides_at: Callable[[ClaimKey, list[BlockHandle], BlockHandle], None]
+    _cut_after_loss: Callable[[list[ClaimKey], list[BlockHandle], BlockHandle, str], None]
     _forget_hold: Callable[[int], None]
     _release: Callable[[list[BlockHandle]], None]
 
@@ -145,11 +144,5 @@ class HoldReliefMixin:
         self._retained -= 1
         self._forget_hold(block_id)
         released.append(hold.handle)
-        if hold.handle.side and lost_to is not None:
-            # A hybrid model's other group's block: no hit reaches past its position now.
-            for action_id in cut:
-                self._cut_claim(action_id, released, hold.handle.depth, lost_to)
-        elif lost_to is not None:
-            # A position: its side blocks served only hits through it (.hold_cuts).
-            for action_id in cut:
-                self._drop_sides_at(action_id, released, hold.handle)
+        if lost_to is not None:
+            self._cut_after_loss(cut, released, hold.handle, lost_to)

@@ -362,12 +362,7 @@ class HoldLedger(HoldReliefMixin, HoldCutsMixin):
                 self._retained -= 1
             self._forget_hold(block_id)  # its pressure-heap entries are skipped as stale
             released.append(hold.handle)
-            if hold.handle.side:  # no hit reaches past its position now (.hold_cuts)
-                for action_id in cut:
-                    self._cut_claim(action_id, released, hold.handle.depth, reason)
-            else:  # the position's side blocks served only hits through it (.hold_cuts)
-                for action_id in cut:
-                    self._drop_sides_at(action_id, released, hold.handle)
+            self._cut_after_loss(cut, released, hold.handle, reason)
         self.counters.released_gone += len(released)
         self._release(released)
         self._fit_retained()  # a cut pin may leave a retain under it past the budget

@@ -12,13 +12,6 @@ from collections.abc import Hashable, Sequence
 PINNED, RETAINED = 0, 1
 
 
-def _state(refs: list[int]) -> int | None:
-    """What a block counts as: pinned under any Pin, else retained under any Retain."""
-    if refs[PINNED]:
-        return PINNED
-    return RETAINED if refs[RETAINED] else None
-
-
 class BlockCounts:
     """Distinct blocks held, pinned and retained, per owner (a worker, a tenant, or a
     tenant's API holdings on one worker): per-(owner, block) reference counts by holding
@@ -36,7 +29,8 @@ class BlockCounts:
 
     def named(self, owner: Hashable, worker_id: str, keys: Sequence[int], slot: int,
               sign: int) -> None:
-        # _state inlined (the simulator's hottest loop: millions of keys per trace).
+        # What a block counts as, before and after: pinned under any Pin, else retained
+        # under any Retain (inline: the simulator's hottest loop, millions of keys a trace).
         totals = self.totals.setdefault(owner, [0, 0])
         refs_key = (owner, worker_id)
         refs_of = self._refs.get(refs_key)

@@ -347,12 +347,9 @@ def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanRes
         payload = DemotePayload(target=Target(session_id=session.session_id))
         result = _send(ctx, ended, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
         return PlanResult(replace(result.session, demoted=True), result.actions)
-    tenant = ctx.tenant_held.get(session.tenant, Holdings())
-    room = room_left(tenant.retained_blocks - _own_held(ctx, session.protection,
-                                                        ActionType.RETAIN),
-                     ctx.config.tenant_max_retained_blocks)
-    if blocks and ctx.config.ended_retain_ttl_s > 0 and room >= blocks and worker.can_send(
-            ActionType.RETAIN, ctx.config):
+    if blocks and ctx.config.ended_retain_ttl_s > 0 and _tenant_retain_room(
+            ctx, session, _own_held(ctx, session.protection, ActionType.RETAIN)
+    ) >= blocks and worker.can_send(ActionType.RETAIN, ctx.config):
         # Lowest class, not a release: its blocks go first, while a prefix it shares with
         # live sessions keeps their priority (a release would queue the blocks behind
         # every other free block, as the most recently used). Within the tenant's retain
@@ -436,10 +433,11 @@ def _own_held(ctx: PlannerContext, protection: Protection | None, kind: ActionTy
     return protection.blocks
 
 
-def _tenant_retain_room(ctx: PlannerContext, session: SessionPlanState) -> int:
-    """The retained blocks the session's tenant has left (its live holdings all counted)."""
+def _tenant_retain_room(ctx: PlannerContext, session: SessionPlanState, own: int = 0) -> int:
+    """The retained blocks the session's tenant has left: its live holdings all counted
+    but ``own`` (the session's own retain, which a new one supersedes)."""
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
-    return room_left(tenant.retained_blocks, ctx.config.tenant_max_retained_blocks)
+    return room_left(tenant.retained_blocks - own, ctx.config.tenant_max_retained_blocks)
 
 
 def _send(
