@@ -263,6 +263,20 @@ async def serving(workers: list[W]) -> AsyncIterator[list[W]]:
             await worker.stop()
 
 
+@asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """A stand-in worker's aiohttp ``app`` served on a free local port; its URL. Cleaned
+    up at the end."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def stub_workers(tiny_model_dir: Path) -> AsyncIterator[list[StubWorker]]:
     async with serving([StubWorker(model_root=str(tiny_model_dir)),

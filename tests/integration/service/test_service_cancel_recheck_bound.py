@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from conftest import serving_app
 
-from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.responses_cancel_rechecks import recheck_streams
 from kvhint.router.service.responses_cancels import CancelWatches
@@ -38,14 +38,8 @@ async def _stored(request: web.Request) -> web.Response:
 async def worker_url() -> AsyncIterator[str]:
     app = web.Application(client_max_size=0)
     app.router.add_get("/v1/responses/{id}", _stored)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 async def test_a_large_stored_response_is_rechecked_within_the_answer_bound(

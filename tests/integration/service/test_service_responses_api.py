@@ -137,18 +137,25 @@ class ResponsesStub:
         if request.query.get("stream") == "true":
             # A background response's events (vLLM's background stream generator): the
             # one stored so far, then nothing while the response is still queued.
-            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await stream.prepare(request)
-            event = {"type": "response.created", "sequence_number": 0,
-                     "response": self.store[response_id]}
-            await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n"
-                               .encode())
+            stream = await self._stream_created(request, response_id)
             for _ in range(600):  # silent until the router closes the connection
                 if request.transport is None or request.transport.is_closing():
                     break
                 await asyncio.sleep(0.05)
             return stream
         return web.json_response(self.store[response_id])
+
+    async def _stream_created(self, request: web.Request,
+                              response_id: str) -> web.StreamResponse:
+        """An event stream opened on ``request``, its first event the stored response's
+        ``response.created`` (sequence 0): how vLLM begins a GET streaming a stored
+        response."""
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        event = {"type": "response.created", "sequence_number": 0,
+                 "response": self.store[response_id]}
+        await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n".encode())
+        return stream
 
     async def _cancel(self, request: web.Request) -> web.Response:
         response = self.store.get(request.match_info["id"])

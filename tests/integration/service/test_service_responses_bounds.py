@@ -10,7 +10,6 @@ without any rate; and a GET's stream cut by its worker ended with no terminal ev
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,11 +31,7 @@ class BreakingStub(ResponsesStub):
         response_id = request.match_info["id"]
         if request.query.get("stream") != "true" or response_id not in self.store:
             return await super()._get(request)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await stream.prepare(request)
-        event = {"type": "response.created", "sequence_number": 0,
-                 "response": self.store[response_id]}
-        await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n".encode())
+        stream = await self._stream_created(request, response_id)
         await asyncio.sleep(0.1)  # the event reaches the router first
         request.transport.close()  # type: ignore[union-attr]
         return stream

@@ -20,6 +20,7 @@ from aiohttp import web
 from conftest import router_settings, running_router, sample, scrape
 from feed_helpers import until
 from test_service_responses_api import create, events
+from test_service_responses_cancel_replicas import replica_settings
 from test_service_responses_faults import MARKED, BackgroundStreamStub, _read_until
 
 from kvhint.router.devstack.nats_server import free_port
@@ -101,13 +102,8 @@ async def test_a_cancel_told_while_a_replica_s_nats_is_down_ends_its_streams_aft
     stayed open, silent, until background_idle_s / request_timeout_s."""
     relay = NatsRelay(nats_url)
     await relay.open()
-    replicas = []
-    for name, url in (("a", nats_url), ("b", relay.url)):
-        (tmp_path / name).mkdir()
-        replicas.append(router_settings(
-            tmp_path / name, [("w0", worker.url)], nats_url=url,
-            subject_prefix=subject_prefix, salt_secret="replicas-share-this-secret",
-            responses={"cancel_grace_s": 0.3}))
+    replicas = replica_settings(tmp_path, worker.url, subject_prefix,
+                                (nats_url, relay.url))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(relay.cut)
         a = await stack.enter_async_context(running_router(replicas[0]))
@@ -217,13 +213,8 @@ async def test_a_cancel_relayed_while_its_replica_s_nats_is_down_is_told_once_ba
     and B's stream stayed open until background_idle_s / request_timeout_s."""
     relay = NatsRelay(nats_url)
     await relay.open()
-    replicas = []
-    for name, url in (("a", relay.url), ("b", nats_url)):
-        (tmp_path / name).mkdir()
-        replicas.append(router_settings(
-            tmp_path / name, [("w0", worker.url)], nats_url=url,
-            subject_prefix=subject_prefix, salt_secret="replicas-share-this-secret",
-            responses={"cancel_grace_s": 0.3}))
+    replicas = replica_settings(tmp_path, worker.url, subject_prefix,
+                                (relay.url, nats_url))
     async with AsyncExitStack() as stack:
         stack.push_async_callback(relay.cut)
         a = await stack.enter_async_context(running_router(replicas[0]))

@@ -21,9 +21,25 @@ from conftest import router_settings, running_router, sample, scrape
 from test_service_responses_api import create, events
 from test_service_responses_faults import MARKED, BackgroundStreamStub, _read_until
 
+from kvhint.router.service.settings import RouterSettings
 from kvhint.schemas import ResponseCancelled, Subjects, encode_response_cancelled
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
+
+
+def replica_settings(tmp_path: Path, worker_url: str, subject_prefix: str,
+                     nats_urls: tuple[str, str]) -> list[RouterSettings]:
+    """Replicas "a" and "b" in front of one worker, each with its own store (a folder
+    under ``tmp_path``) and its NATS URL (in that order), sharing the salt secret (each
+    verifies the ids the other minted) and a short cancel grace."""
+    replicas = []
+    for name, url in zip(("a", "b"), nats_urls, strict=True):
+        (tmp_path / name).mkdir()
+        replicas.append(router_settings(
+            tmp_path / name, [("w0", worker_url)], nats_url=url,
+            subject_prefix=subject_prefix, salt_secret="replicas-share-this-secret",
+            responses={"cancel_grace_s": 0.3}))
+    return replicas
 
 
 @pytest.fixture
@@ -45,13 +61,8 @@ async def test_a_cancel_through_one_replica_ends_the_other_replica_s_streams(
     the response: it knows the cancel from A's notice only). Before, B's streams stayed
     open, silent, until request_timeout_s (600 s): the grace ran on A only. A notice
     that is not one, or names an id not minted for its tenant, ends nothing, counted."""
-    replicas = []
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        replicas.append(router_settings(
-            tmp_path / name, [("w0", worker.url)], nats_url=nats_url,
-            subject_prefix=subject_prefix, salt_secret="replicas-share-this-secret",
-            responses={"cancel_grace_s": 0.3}))
+    replicas = replica_settings(tmp_path, worker.url, subject_prefix,
+                                (nats_url, nats_url))
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(running_router(replicas[0]))
         b = await stack.enter_async_context(running_router(replicas[1]))

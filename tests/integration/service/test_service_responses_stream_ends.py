@@ -59,11 +59,7 @@ class CutShortStub(ResponsesStub):
         if request.query.get("stream") != "true" or response_id not in self.store:
             return await super()._get(request)
         self.fetched.append(response_id)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await stream.prepare(request)
-        event = {"type": "response.created", "sequence_number": 0,
-                 "response": self.store[response_id]}
-        await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n".encode())
+        stream = await self._stream_created(request, response_id)
         await stream.write_eof()
         return stream
 

@@ -16,14 +16,28 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from conftest import StubWorker, router_settings, serving
+from conftest import StubWorker, router_settings, serving, serving_app
 from test_service_responses_api import create, events
 from test_service_responses_faults import BackgroundStreamStub, _read_until
 from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.server_cli import uvicorn_config
-from kvhint.router.service.app import create_app
+from kvhint.router.service.app import RouterApp, create_app
+from kvhint.router.service.settings import RouterSettings
 
 pytestmark = pytest.mark.integration
+
+
+async def _started(settings: RouterSettings
+                   ) -> tuple[RouterApp, uvicorn.Server, asyncio.Task[None]]:
+    """The router app served by uvicorn (on ``settings.port``) once it has started: the
+    app, its server and the task serving it."""
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn_config(app, settings))
+    serve = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serve.done()
+        await asyncio.sleep(0.02)
+    return app, server, serve
 
 
 async def test_a_request_waiting_on_its_worker_past_the_grace_gets_a_json_503(
@@ -31,12 +45,7 @@ async def test_a_request_waiting_on_its_worker_past_the_grace_gets_a_json_503(
     async with serving([StubWorker(model_root=str(tiny_model_dir))]) as (worker,):
         settings = router_settings(tmp_path, [("w0", worker.url)], port=free_port(),
                                    http_shutdown_grace_s=0.5)
-        app = create_app(settings)
-        server = uvicorn.Server(uvicorn_config(app, settings))
-        serve = asyncio.create_task(server.serve())
-        while not server.started:
-            assert not serve.done()
-            await asyncio.sleep(0.02)
+        app, server, serve = await _started(settings)
         url = f"http://127.0.0.1:{settings.port}"
         worker.answer_delay_s = 3.0  # busy past the grace
         async with httpx.AsyncClient(timeout=30) as client:
@@ -73,13 +82,8 @@ async def test_a_streamed_get_open_past_the_grace_ends_with_response_failed_503(
     await stub.start()
     settings = router_settings(tmp_path, [("w0", stub.url)], port=free_port(),
                                http_shutdown_grace_s=0.5)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    serve = asyncio.create_task(server.serve())
     try:
-        while not server.started:
-            assert not serve.done()
-            await asyncio.sleep(0.02)
+        app, server, serve = await _started(settings)
         url = f"http://127.0.0.1:{settings.port}/v1/responses"
         async with httpx.AsyncClient(timeout=30) as client:
             made: list[str] = []
@@ -124,31 +128,22 @@ async def test_a_plain_get_waiting_on_its_worker_past_the_grace_gets_a_json_503(
     worker = web.Application()
     worker.router.add_get("/v1/responses/{id}", hanging_get)
     worker.router.add_get("/v1/models", models)
-    runner = web.AppRunner(worker, access_log=None)
-    await runner.setup()
-    worker_port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", worker_port).start()
-    settings = router_settings(tmp_path, [("w0", f"http://127.0.0.1:{worker_port}")],
-                               port=free_port(), http_shutdown_grace_s=0.5)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn_config(app, settings))
-    serve = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            assert not serve.done()
-            await asyncio.sleep(0.02)
-        # An id minted for w0 as a POST would have been (found by any replica).
-        response_id = app.state.responses.codec.mint("default", "w0", None, False)
-        async with httpx.AsyncClient(timeout=30) as client:
-            asking = asyncio.create_task(client.get(
-                f"http://127.0.0.1:{settings.port}/v1/responses/{response_id}"))
-            await asyncio.wait_for(asked.wait(), 10)
-            server.should_exit = True  # what SIGTERM does
-            answer = await asyncio.wait_for(asking, 10)
-        await asyncio.wait_for(serve, 20)
-    finally:
-        released.set()
-        await runner.cleanup()
+    async with serving_app(worker) as worker_url:
+        settings = router_settings(tmp_path, [("w0", worker_url)], port=free_port(),
+                                   http_shutdown_grace_s=0.5)
+        try:
+            app, server, serve = await _started(settings)
+            # An id minted for w0 as a POST would have been (found by any replica).
+            response_id = app.state.responses.codec.mint("default", "w0", None, False)
+            async with httpx.AsyncClient(timeout=30) as client:
+                asking = asyncio.create_task(client.get(
+                    f"http://127.0.0.1:{settings.port}/v1/responses/{response_id}"))
+                await asyncio.wait_for(asked.wait(), 10)
+                server.should_exit = True  # what SIGTERM does
+                answer = await asyncio.wait_for(asking, 10)
+            await asyncio.wait_for(serve, 20)
+        finally:
+            released.set()
     assert answer.status_code == 503, answer.text
     assert "shutting down" in answer.json()["error"]["message"]
     assert app.state.runtime.metrics.response_id_requests.labels(

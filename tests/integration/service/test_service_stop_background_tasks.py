@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from conftest import router_settings, running_router
+from conftest import router_settings, running_router, serving_app
 from feed_helpers import until
-from kvhint.router.devstack.nats_server import free_port
 
 
 async def test_a_cancel_recheck_in_flight_at_stop_is_cancelled_and_awaited(
@@ -42,34 +41,31 @@ async def test_a_cancel_recheck_in_flight_at_stop_is_cancelled_and_awaited(
     app.router.add_get("/v1/responses/{id}", hanging_get)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    caplog.set_level(logging.WARNING)
-    try:
-        settings = router_settings(tmp_path, [("w0", f"http://127.0.0.1:{port}")])
-        async with running_router(settings) as router:
-            runtime = router.app.state.runtime
-            gateway = router.app.state.responses
-            gateway.cancels.watch("resp_open", lambda: None, "w0")
-            before = asyncio.all_tasks()
-            runtime.cancel_notices.on_link_up()
-            started = asyncio.all_tasks() - before
-            assert started  # the recheck
-            await asyncio.wait_for(asked.wait(), 5)
-            stopping_at = time.monotonic()
-            caplog.clear()
-        assert time.monotonic() - stopping_at < 3.0
-        # Ended by the stop; before, still pending (or failed on the closed pool).
-        await until(lambda: all(task.done() for task in started), timeout_s=0.5)
-        assert all(task.cancelled() for task in started)
-        assert runtime.metrics.drops.labels("response_cancel_recheck_failed")._value.get() == 0
-        assert not [r for r in caplog.records if "cancel not checked" in r.getMessage()
-                    or r.levelno >= logging.ERROR], caplog.text
-    finally:
-        released.set()
-        await runner.cleanup()
+    async with serving_app(app) as worker_url:
+        caplog.set_level(logging.WARNING)
+        try:
+            settings = router_settings(tmp_path, [("w0", worker_url)])
+            async with running_router(settings) as router:
+                runtime = router.app.state.runtime
+                gateway = router.app.state.responses
+                gateway.cancels.watch("resp_open", lambda: None, "w0")
+                before = asyncio.all_tasks()
+                runtime.cancel_notices.on_link_up()
+                started = asyncio.all_tasks() - before
+                assert started  # the recheck
+                await asyncio.wait_for(asked.wait(), 5)
+                stopping_at = time.monotonic()
+                caplog.clear()
+            assert time.monotonic() - stopping_at < 3.0
+            # Ended by the stop; before, still pending (or failed on the closed pool).
+            await until(lambda: all(task.done() for task in started), timeout_s=0.5)
+            assert all(task.cancelled() for task in started)
+            assert runtime.metrics.drops.labels(
+                "response_cancel_recheck_failed")._value.get() == 0
+            assert not [r for r in caplog.records if "cancel not checked" in r.getMessage()
+                        or r.levelno >= logging.ERROR], caplog.text
+        finally:
+            released.set()
 
 
 async def test_a_background_task_that_raises_is_counted(

@@ -83,11 +83,7 @@ class EndlessResponses(ResponsesStub):
         response_id = request.match_info["id"]
         if request.query.get("stream") != "true" or response_id not in self.store:
             return await super()._get(request)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await stream.prepare(request)
-        event = {"type": "response.created", "sequence_number": 0,
-                 "response": self.store[response_id]}
-        await stream.write(f"event: response.created\ndata: {json.dumps(event)}\n\n".encode())
+        stream = await self._stream_created(request, response_id)
         await _endless_event(request, stream, _RESPONSES_HEAD)
         return stream
 

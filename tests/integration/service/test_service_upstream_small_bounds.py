@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from conftest import serving_app
 
-from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.service.upstream import (
     SMALL_ANSWER_MAX_BYTES,
     AnswerTooLarge,
@@ -67,14 +67,8 @@ async def endless_worker() -> AsyncIterator[str]:
     app.router.add_get("/small/v1/models", _small_listing)
     app.router.add_get("/health", _health)
     app.router.add_post("/v1/chat/completions", _overloaded)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 @pytest.fixture
