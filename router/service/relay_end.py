@@ -123,13 +123,18 @@ class RelayEnd:
         """The worker failed the stream: accounted as ``status`` (kept though the client
         leaves while this goes out), counted in ``broken_streams`` (and, ``router_end``,
         in ``responses_router_ends``), and ended with the router's own terminal error
-        event: ``response.failed`` for a Responses stream (an ``error`` event before
-        ``response.created``), an OpenAI error event for chat after any finish events
-        held for a fingerprint."""
+        event (:meth:`_error_end`)."""
         self.status, self._worker_failed = status, True
         self._metrics.broken_streams.labels(self._worker_id).inc()
         if router_end is not None:
             self._metrics.responses_router_ends.labels(router_end).inc()
+        return self._error_end(message, status)
+
+    def _error_end(self, message: str, status: int) -> bytes:
+        """The router's own terminal error event (a worker's failure, the router's stop):
+        ``response.failed`` for a Responses stream (an ``error`` event before
+        ``response.created``), an OpenAI error event for chat after any finish events
+        held for a fingerprint."""
         relay = self._relay
         relay.finished = True  # the client has its terminal event: the error
         if isinstance(relay, ResponsesRelay):  # a typed event Responses clients read
@@ -174,16 +179,11 @@ class RelayEnd:
         worker that failed, so not in ``broken_streams``); the client's SDK reads the
         error event and may retry elsewhere. Nothing after a terminal event already
         relayed."""
-        relay = self._relay
-        if relay.finished or not self._event_stream:
+        if self._relay.finished or not self._event_stream:
             return None
         self.status = 503
-        relay.finished = True
-        message = ("the router is shutting down: this stream ended before its answer was "
-                   "whole; retry the request")
-        if isinstance(relay, ResponsesRelay):
-            return relay.failure_event(message, 503)
-        return relay.release_held() + b"data: " + openai_error(message, 503) + b"\n\n"
+        return self._error_end("the router is shutting down: this stream ended before its "
+                               "answer was whole; retry the request", 503)
 
     def left(self) -> None:
         """The client went away before the stream's end (closed at a yield, or the
