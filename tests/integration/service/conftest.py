@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -120,7 +121,7 @@ class StubWorker:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await bind_stand_in(self._runner, self)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -263,14 +264,32 @@ async def serving(workers: list[W]) -> AsyncIterator[list[W]]:
             await worker.stop()
 
 
+async def bind_stand_in(runner: web.AppRunner, worker: Any) -> None:
+    """Serve ``runner`` on ``worker.port``. free_port() only found that port free: another
+    process may take it before this bind (a clean-clone CI run saw it). A first start then
+    takes another port; a restart keeps its own, which the router under test was given."""
+    for attempt in range(5):
+        try:
+            await web.TCPSite(runner, "127.0.0.1", worker.port).start()
+            break
+        except OSError as exc:
+            if (exc.errno != errno.EADDRINUSE or getattr(worker, "_bound", False)
+                    or attempt == 4):
+                raise
+            worker.port = free_port()
+    worker._bound = True
+
+
 @asynccontextmanager
 async def serving_app(app: web.Application) -> AsyncIterator[str]:
     """A stand-in worker's aiohttp ``app`` served on a free local port; its URL. Cleaned
     up at the end."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    # Port 0: the kernel's pick, bound at once (a port free_port() found may be taken
+    # before the bind).
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

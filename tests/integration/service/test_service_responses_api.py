@@ -17,7 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from conftest import router_settings, running_router, sample, scrape, serving
+from conftest import bind_stand_in, router_settings, running_router, sample, scrape, serving
 from kvhint.router.devstack.nats_server import free_port
 
 TENANTS = [{"name": "acme", "api_keys": ["ka"]}, {"name": "beta", "api_keys": ["kb"]}]
@@ -53,7 +53,7 @@ class ResponsesStub:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await bind_stand_in(self._runner, self)
 
     async def stop(self) -> None:
         if self._runner is not None:
