@@ -12,8 +12,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,11 +22,11 @@ import pytest
 
 from kvhint.router.devstack.nats_server import (
     NatsServerProcess,
-    free_port,
-    nats_answers,
     nats_server_binary,
     running_nats,
+    start_nats_on_free_port,
 )
+from kvhint.router.devstack.ports import START_TRIES, free_port
 from kvhint.router.devstack.tiny_model import RECIPE_VERSION, build_tiny_model
 from kvhint.router.devstack.vllm_server import VllmServer, VllmWorkerSpec
 
@@ -120,21 +118,19 @@ class PasswordNats:
 def password_nats(tmp_path: Path) -> Iterator[PasswordNats]:
     """A NATS server (JetStream on) that takes only user kvhint with a password holding
     every character a URL's user info must percent-encode ('/', '#', '?', '@', '%')."""
-    endpoint = PasswordNats(f"nats://127.0.0.1:{free_port()}", "kvhint", "p/a#s?s@w%rd")
+    user, password = "kvhint", "p/a#s?s@w%rd"
     config = tmp_path / "nats-auth.conf"
-    config.write_text(  # a quoted string in nats.conf: JSON's quoting
-        f"listen: {endpoint.url.removeprefix('nats://')}\n"
-        f"jetstream {{ store_dir: {json.dumps(str(tmp_path / 'nats-auth-store'))} }}\n"
-        f"authorization {{ user: {endpoint.user}, password: {json.dumps(endpoint.password)} }}\n")
-    log = tmp_path / "nats-auth.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen([nats_server_binary(), "-c", str(config)], stdout=out,
-                                  stderr=subprocess.STDOUT)
+
+    def command(port: int) -> list[str]:
+        config.write_text(  # a quoted string in nats.conf: JSON's quoting
+            f"listen: 127.0.0.1:{port}\n"
+            f"jetstream {{ store_dir: {json.dumps(str(tmp_path / 'nats-auth-store'))} }}\n"
+            f"authorization {{ user: {user}, password: {json.dumps(password)} }}\n")
+        return [nats_server_binary(), "-c", str(config)]
+
+    server, port = start_nats_on_free_port(command, tmp_path / "nats-auth.log")
+    endpoint = PasswordNats(f"nats://127.0.0.1:{port}", user, password)
     try:
-        deadline = time.monotonic() + 15
-        while not nats_answers(endpoint.url, timeout_s=0.5):
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
         yield endpoint
     finally:
         server.terminate()
@@ -220,15 +216,28 @@ class VllmServerPool:
                 # nothing a test checks (the scheduler, KV cache, connector and API
                 # server) depends on how the model's forward pass is compiled.
                 spec = replace(spec, extra_args=(*spec.extra_args, "--enforce-eager"))
-            if spec.port == 0:
-                spec = replace(spec, port=free_port())
-            server = VllmServer(spec, self.log_dir / f"{name}-{spec.port}.log")
-            self._servers.append(server)
-            server.start()
-            servers[name] = server
-        for server in servers.values():
-            server.wait_ready()
+            servers[name] = self._launch(name, spec)
+        for name, server in servers.items():
+            # A port picked here (spec port 0) may be taken before vLLM binds it: such a
+            # start is made again on another port, START_TRIES starts in all.
+            for tries_left in range(START_TRIES - 1, -1, -1):
+                try:
+                    server.wait_ready()
+                    break
+                except RuntimeError:
+                    if not (tries_left and specs[name].port == 0 and server.port_taken()):
+                        raise
+                    server = servers[name] = self._launch(name, replace(server.spec, port=0))
         return servers
+
+    def _launch(self, name: str, spec: VllmWorkerSpec) -> VllmServer:
+        """``spec`` started (port 0: on a port picked here), its server kept to stop."""
+        if spec.port == 0:
+            spec = replace(spec, port=free_port())
+        server = VllmServer(spec, self.log_dir / f"{name}-{spec.port}.log")
+        self._servers.append(server)
+        server.start()
+        return server
 
     def stop_all(self) -> None:
         for server in reversed(self._servers):

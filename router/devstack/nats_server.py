@@ -8,17 +8,21 @@ JetStream in a temporary store, and stops it (and removes the store) on exit.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
+
+from kvhint.router.devstack.ports import PortTaken, free_port, on_free_port, says_port_taken
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,15 @@ def nats_has_jetstream(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _server_name(url: str, timeout_s: float = 1.0) -> str | None:
+    """The name the NATS server at ``url`` gives in its INFO line, or None."""
+    line = _info_line(url, timeout_s)
+    if line is None or not line.startswith(b"INFO "):
+        return None
+    try:
+        return json.loads(line[5:]).get("server_name")
+    except ValueError:
+        return None
 
 
 def nats_server_binary() -> str:
@@ -79,14 +88,69 @@ def nats_server_binary() -> str:
     return found
 
 
+def spawn_nats(command: list[str], url: str, log_path: Path | None = None,
+               startup_timeout_s: float = 15.0, env: dict[str, str] | None = None,
+               new_session: bool = False,
+               preexec: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+    """nats-server run with ``command`` (listening at ``url``), once it answers there. Its
+    output is appended to ``log_path``, else to a nameless temporary file. Raises
+    :class:`~.ports.PortTaken` when it exited because its port was taken, RuntimeError
+    when it exited otherwise or did not answer in time (it is stopped then). It runs
+    under a name of its own, so that another NATS holding the port is not taken for it."""
+    name = f"kvhint-{uuid.uuid4().hex[:12]}"
+    with open(log_path, "a+b") if log_path else tempfile.TemporaryFile() as log:
+        log.seek(0, os.SEEK_END)
+        offset = log.tell()  # what this start writes: after what earlier ones wrote
+        proc = subprocess.Popen([*command, "--server_name", name], stdout=log,
+                                stderr=subprocess.STDOUT, env=env,
+                                start_new_session=new_session, preexec_fn=preexec)
+        deadline = time.monotonic() + startup_timeout_s
+        while _server_name(url, timeout_s=0.5) != name:
+            if proc.poll() is not None:
+                if says_port_taken(log, offset):
+                    raise PortTaken(f"nats-server could not listen at {url}: port taken")
+                log.seek(offset)
+                raise RuntimeError(f"nats-server exited with code {proc.returncode}: "
+                                   + log.read()[-2000:].decode(errors="replace"))
+            if time.monotonic() > deadline:
+                _stop(proc)
+                raise RuntimeError(f"nats-server did not answer on {url}")
+            time.sleep(0.1)
+    return proc
+
+
+def start_nats_on_free_port(command: Callable[[int], list[str]], log_path: Path | None = None,
+                            env: dict[str, str] | None = None
+                            ) -> tuple[subprocess.Popen[bytes], int]:
+    """nats-server run with ``command(port)`` on a port picked here, answering there: the
+    process and its port. A port taken before nats-server bound it is replaced by
+    another (:func:`~.ports.on_free_port`)."""
+    def start(port: int) -> tuple[subprocess.Popen[bytes], int]:
+        return spawn_nats(command(port), f"nats://127.0.0.1:{port}", log_path, env=env), port
+
+    return on_free_port(start)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class NatsServerProcess:
     """A nats-server child process on a fixed port; can be stopped and started again on
-    the same port and store (tests kill NATS mid-run this way)."""
+    the same port and store (tests kill NATS mid-run this way). Without ``port``, one is
+    picked here, and replaced by another if taken before the first start binds it; a
+    ``port`` given, or one a start has bound, never changes."""
 
     def __init__(self, port: int | None = None, store_dir: Path | None = None,
                  log_path: Path | None = None,
                  preexec: Callable[[], None] | None = None) -> None:
         self.port = port or free_port()
+        self._port_may_move = port is None  # until its first start
         self._preexec = preexec  # run in the child before nats-server starts
         self._own_store = store_dir is None
         self.store_dir = store_dir or Path(tempfile.mkdtemp(prefix="kvhint-nats-"))
@@ -100,40 +164,27 @@ class NatsServerProcess:
     def start(self, startup_timeout_s: float = 15.0) -> None:
         if self._proc is not None and self._proc.poll() is None:
             return
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        try:
-            self._proc = subprocess.Popen(
-                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-                 "-sd", str(self.store_dir)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
+
+        def start_on(port: int) -> None:
+            self.port = port
+            self._proc = spawn_nats(
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js",
+                 "-sd", str(self.store_dir)], self.url, self.log_path, startup_timeout_s,
                 # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground
                 # group) must not stop NATS before the router and the workers that
                 # still publish to it; whoever started it stops it, last.
-                start_new_session=True,
-                preexec_fn=self._preexec,
-            )
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
-        deadline = time.monotonic() + startup_timeout_s
-        while not nats_answers(self.url, timeout_s=0.5):
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {self._proc.returncode}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"nats-server did not answer on {self.url}")
-            time.sleep(0.1)
+                new_session=True, preexec=self._preexec)
+
+        if self._port_may_move:
+            on_free_port(start_on, first=self.port)
+            self._port_may_move = False
+        else:
+            start_on(self.port)
 
     def stop(self) -> None:
         if self._proc is None:
             return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        _stop(self._proc)
         self._proc = None
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from kvhint.router.devstack.ports import says_port_taken
 from kvhint.router.devstack.process_groups import stop_process_groups
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -115,6 +116,7 @@ class VllmServer:
         self.log_path = Path(log_path)
         self._preexec = preexec
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_from = 0  # where the last start's part of the log begins
 
     @property
     def url(self) -> str:
@@ -172,6 +174,7 @@ class VllmServer:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             self._proc = subprocess.Popen(
                 self.spec.command(),
                 stdout=log,
@@ -204,6 +207,17 @@ class VllmServer:
             f"vLLM server on port {self.spec.port} not ready after {timeout_s:.0f}s; "
             "log tail:\n" + self.log_tail()
         )
+
+    def port_taken(self) -> bool:
+        """Whether the server exited because its port was taken (its last start's log
+        says so): another process bound the port after it was picked."""
+        if self.exit_code is None:
+            return False
+        try:
+            with open(self.log_path, "rb") as log:
+                return says_port_taken(log, self._log_from)
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -15,10 +15,13 @@ from pathlib import Path
 
 import httpx
 
+from kvhint.router.devstack.ports import PortTaken, free_port, on_free_port, says_port_taken
+
 # How long the router's own stop (runtime.RouterRuntime.stop, the app's lifespan end) may
 # take after its HTTP server's grace for open connections (``http_shutdown_grace_s``,
-# 30 s by default) has run out: NATS's drain (up to 5 s, nats_link.NatsLink); the store's
-# flush in progress (a lock waited for up to 5 s, store.database.WRITE_LOCK_WAIT_S, or a
+# 30 s by default) has run out: the cancel notices kept unsent (up to 2 s, with a NATS
+# link only: responses_cancel_notices.py); NATS's drain (up to 5 s, nats_link.NatsLink);
+# the store's flush in progress (a lock waited for up to 5 s, store.database.WRITE_LOCK_WAIT_S, or a
 # PostgreSQL that does not answer, up to store_connect_timeout_s, 10 s) and its last
 # flush retried while the store is away (10 s, StoreWriter.close); and a margin for the
 # rest (the trace file, the HTTP pool, the hashing threads). Whatever stops the router
@@ -45,6 +48,7 @@ class ChildProcess:
     def __init__(self, log_path: Path) -> None:
         self.log_path = Path(log_path)
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_from = 0  # where the last start's part of the log begins
 
     @property
     def pid(self) -> int | None:
@@ -57,6 +61,7 @@ class ChildProcess:
     def _spawn(self, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             self._proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
                                           env=dict(env) if env is not None else None,
                                           start_new_session=True)
@@ -75,6 +80,17 @@ class ChildProcess:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"{url} did not answer in {timeout_s:.0f}s:\n" + self.log_tail())
+
+    def port_taken(self) -> bool:
+        """Whether the process exited because its port was taken (its last start's log
+        says so)."""
+        if self._proc is None or self._proc.poll() is None:
+            return False
+        try:
+            with open(self.log_path, "rb") as log:
+                return says_port_taken(log, self._log_from)
+        except OSError:
+            return False
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM the process group, then SIGKILL what is left."""
@@ -103,13 +119,16 @@ class ChildProcess:
 
 
 class RouterProcess(ChildProcess):
-    """``kvhint router`` with ``env`` (KVHINT_ROUTER_*) on ``port``."""
+    """``kvhint router`` with ``env`` (KVHINT_ROUTER_*) on ``port``. Without ``port``, one
+    is picked here, and replaced by another if taken before the first start binds it; a
+    ``port`` given, or one a start has bound, never changes."""
 
-    def __init__(self, env: Mapping[str, str], log_path: Path, port: int,
+    def __init__(self, env: Mapping[str, str], log_path: Path, port: int | None = None,
                  config_file: Path | None = None) -> None:
         super().__init__(log_path)
         self.env = dict(env)
-        self.port = port
+        self.port = port or free_port()
+        self._port_may_move = port is None  # until its first start
         self.config_file = config_file
 
     @property
@@ -127,6 +146,14 @@ class RouterProcess(ChildProcess):
         return super().stop(timeout_s)
 
     def start(self, timeout_s: float = 90.0) -> None:
+        if self._port_may_move:
+            on_free_port(lambda port: self._start_on(port, timeout_s), first=self.port)
+            self._port_may_move = False
+        else:
+            self._start_on(self.port, timeout_s)
+
+    def _start_on(self, port: int, timeout_s: float) -> None:
+        self.port = port
         env = dict(os.environ)
         env.update(self.env)
         env["KVHINT_ROUTER_PORT"] = str(self.port)
@@ -135,4 +162,9 @@ class RouterProcess(ChildProcess):
         if self.config_file is not None:
             command += ["--config", str(self.config_file)]
         self._spawn(command, env)
-        self._wait_http(f"{self.url}/health", timeout_s)
+        try:
+            self._wait_http(f"{self.url}/health", timeout_s)
+        except RuntimeError:
+            if self.port_taken():
+                raise PortTaken(f"the router could not listen on port {port}") from None
+            raise

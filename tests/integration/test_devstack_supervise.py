@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import PortTaken, on_free_port
 from kvhint.router.devstack.up import (
     CRASH_LOOP_EXITS,
     DEV_WORKER_ARGS,
@@ -45,6 +45,7 @@ class StandInServer(VllmServer):
                     "127.0.0.1", "--directory", str(self.root)]
                    if self.starts <= self.fail_after else [sys.executable, "-c", "exit(5)"])
         with open(self.log_path, "ab") as log:
+            self._log_from = log.tell()
             self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
 
@@ -58,10 +59,19 @@ def _stand_in(tmp_path: Path, name: str, fail_after: int = 99) -> StandInServer:
     root = tmp_path / name
     (root / "v1").mkdir(parents=True)
     (root / "v1" / "models").write_text('{"data": [{"id": "tiny"}]}')
-    server = StandInServer(root, free_port(), tmp_path / f"{name}.log", fail_after)
-    server.start()
-    server.wait_ready(timeout_s=30)
-    return server
+
+    def start(port: int) -> StandInServer:  # again on another port if this one was taken
+        server = StandInServer(root, port, tmp_path / f"{name}.log", fail_after)
+        server.start()
+        try:
+            server.wait_ready(timeout_s=30)
+        except RuntimeError:
+            if server.port_taken():
+                raise PortTaken(f"port {port} taken") from None
+            raise
+        return server
+
+    return on_free_port(start)
 
 
 def _supervising(servers: list[tuple[str, VllmServer]],

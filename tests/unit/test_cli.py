@@ -82,25 +82,18 @@ def test_waiting_for_a_worker_ends_when_asked_to_stop(tmp_path: Path) -> None:
 def test_a_nats_server_without_jetstream_is_told_apart() -> None:
     """kvhint up uses a NATS it finds running; one started without -js is now reported
     on the console (before, only router.log said that replay was off)."""
-    import time
-
     from kvhint.router.devstack.nats_server import (
         NatsServerProcess,
-        free_port,
-        nats_answers,
         nats_has_jetstream,
         nats_server_binary,
         running_nats,
+        start_nats_on_free_port,
     )
 
-    port = free_port()
-    bare = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bare, port = start_nats_on_free_port(
+        lambda port: [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
     with_js = NatsServerProcess()
     try:
-        deadline = time.monotonic() + 15
-        while not nats_answers(f"nats://127.0.0.1:{port}") and time.monotonic() < deadline:
-            time.sleep(0.1)
         with running_nats(f"nats://127.0.0.1:{port}") as found:
             assert not found.started_here and not found.jetstream
         with_js.start()

@@ -26,7 +26,6 @@ from kvhint.router.bench.agents import (
     AgentWorkload,
     TurnResult,
 )
-from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.devstack.up import plugin_transfer_config
 from kvhint.router.devstack.vllm_server import VllmServer
 from kvhint.router.service.launch import RouterProcess
@@ -77,7 +76,7 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         # Every prompt is hashed on the router's hashing thread (by default only long
         # ones): the predictions below then prove that path against real workers.
         "KVHINT_ROUTER_ROUTING__HASH_THREAD_MIN_TOKENS": "0",
-    }, state / "router.log", port=free_port())
+    }, state / "router.log")  # on a port of its own pick, another if that one is taken
     router.start()
     try:
         yield Stack(workers, router, prefix)

@@ -21,7 +21,6 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from kvhint.router.devstack.nats_server import free_port
 from kvhint.router.devstack.up import plugin_transfer_config
 from kvhint.router.devstack.vllm_server import VllmServer
 from kvhint.router.service.launch import RouterProcess
@@ -78,7 +77,7 @@ def stack(vllm_pool, nats_url: str, tmp_path_factory: pytest.TempPathFactory
         "KVHINT_ROUTER_TENANTS": json.dumps(TENANTS),
         "KVHINT_ROUTER_ADMIN_KEYS": ADMIN["Authorization"].removeprefix("Bearer "),
         "KVHINT_ROUTER_HEALTH_PROBE_S": "0.5",
-    }, state / "router.log", port=free_port())
+    }, state / "router.log")  # on a port of its own pick, another if that one is taken
     router.start()
     try:
         stack = Stack(workers, router)

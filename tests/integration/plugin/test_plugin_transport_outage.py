@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +24,8 @@ from kvhint.engine_plugin.headless import tokens_for_block_ids
 from kvhint.engine_plugin.transport import NatsTransport
 from kvhint.router.devstack.nats_server import (
     NatsServerProcess,
-    free_port,
-    nats_answers,
     nats_server_binary,
+    start_nats_on_free_port,
 )
 from scheduler_fixtures import nats_client, nats_plugin, until
 from kvhint.schemas import (
@@ -198,16 +196,10 @@ async def test_a_bug_in_one_publisher_round_is_counted_and_the_transport_goes_on
 def nats_without_jetstream() -> Iterator[str]:
     """A real nats-server without JetStream (NatsServerProcess always enables it): a
     JetStream request there is answered by whoever subscribes to its subject, or not."""
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, port = start_nats_on_free_port(
+        lambda port: [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
     try:
-        deadline = time.monotonic() + 15
-        while not nats_answers(url, timeout_s=0.5):
-            assert proc.poll() is None and time.monotonic() < deadline, "no nats-server"
-            time.sleep(0.05)
-        yield url
+        yield f"nats://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import errno
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import free_port, listening, reserved_socket
 from kvhint.router.service.app import RouterApp, create_app
 from kvhint.router.service.nats_link import remove_streams
 from kvhint.router.service.runtime import RouterRuntime
@@ -48,11 +49,14 @@ class RunningRouter:
 
 @asynccontextmanager
 async def running_router(settings: RouterSettings) -> AsyncIterator[RunningRouter]:
-    port = free_port()
+    # A socket bound here, served by uvicorn: a port free_port() found may be taken
+    # before uvicorn binds it.
+    listener = reserved_socket()
+    port = listener.getsockname()[1]
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         if task.done():
             task.result()
@@ -103,7 +107,14 @@ class StubWorker:
     adapters: list[str] = field(default_factory=list)
     # Seconds a stream stays open after its [DONE] event before the worker ends it.
     linger_after_done_s: float = 0.0
+    # A socket bound for it (reserved_socket()): its port, refusing connections until
+    # the first start serves it. For a URL given out before the worker starts.
+    listen_on: socket.socket | None = None
     _runner: web.AppRunner | None = None
+
+    def __post_init__(self) -> None:
+        if self.listen_on is not None:
+            self.port = self.listen_on.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -265,9 +276,14 @@ async def serving(workers: list[W]) -> AsyncIterator[list[W]]:
 
 
 async def bind_stand_in(runner: web.AppRunner, worker: Any) -> None:
-    """Serve ``runner`` on ``worker.port``. free_port() only found that port free: another
-    process may take it before this bind (a clean-clone CI run saw it). A first start then
-    takes another port; a restart keeps its own, which the router under test was given."""
+    """Serve ``runner`` on ``worker.port``, on its ``listen_on`` socket if it has one.
+    free_port() only found that port free: another process may take it before this bind
+    (a clean-clone CI run saw it). A first start then takes another port; a restart keeps
+    its own, which the router under test was given."""
+    if getattr(worker, "listen_on", None) is not None:
+        await web.SockSite(runner, listening(worker.listen_on)).start()
+        worker.listen_on, worker._bound = None, True  # closed when the runner stops
+        return
     for attempt in range(5):
         try:
             await web.TCPSite(runner, "127.0.0.1", worker.port).start()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.server_cli import uvicorn_config
 from kvhint.router.service.app import RouterApp, create_app
 from kvhint.router.service.hash_queue import FairHashQueue
@@ -35,13 +35,14 @@ PATIENCE_S = 6.0
 @asynccontextmanager
 async def _served(tmp_path: Path, worker: StubWorker, **extra: Any
                   ) -> AsyncIterator[tuple[str, RouterApp]]:
-    port = free_port()
+    listener = reserved_socket()  # bound now: a port found free may be taken before a bind
+    port = listener.getsockname()[1]
     settings = router_settings(tmp_path, [("w0", worker.url)], host="127.0.0.1", port=port,
                                log_level="warning", http_header_timeout_s=HEADER_TIMEOUT_S,
                                http_body_timeout_s=BODY_TIMEOUT_S, **extra)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn_config(app, settings))
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         assert not task.done(), "router exited during start-up"
         await asyncio.sleep(0.02)

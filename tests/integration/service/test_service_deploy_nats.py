@@ -13,7 +13,6 @@ import json
 import os
 import re
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,8 @@ import pytest
 import yaml
 from nats.errors import Error as NatsError
 
-from kvhint.router.devstack.nats_server import free_port, nats_answers, nats_server_binary
+from kvhint.router.devstack.nats_server import nats_server_binary, start_nats_on_free_port
+from kvhint.router.devstack.ports import free_port
 from kvhint.schemas.nats_address import nats_connection
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
@@ -103,24 +103,22 @@ def _nats_server(args: list[str], env: dict[str, str], files: dict[str, str],
     """The real nats-server started with the shipped start (``nats-server`` in it: the
     binary here), arguments and environment, each mounted file a local copy (nats.conf
     ``_local``); yields it, its client URL (no credentials) and its monitor URL."""
-    port, monitor = free_port(), free_port()
-    local_args = [nats_server_binary() if arg == "nats-server" else arg for arg in args]
-    for path, text in files.items():
-        copy = tmp_path / Path(path).name
-        copy.write_text(_local(text, tmp_path / "store", port, monitor)
-                        if copy.name == "nats.conf" else text)
-        local_args = [str(copy) if arg == path else arg for arg in local_args]
-    assert str(tmp_path / "nats.conf") in local_args, "NATS reads no mounted nats.conf"
-    log = tmp_path / "nats.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(local_args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    monitors: list[int] = []
+
+    def command(port: int) -> list[str]:  # each try: its ports, taken or not, replaced
+        monitors.append(free_port())
+        local_args = [nats_server_binary() if arg == "nats-server" else arg for arg in args]
+        for path, text in files.items():
+            copy = tmp_path / Path(path).name
+            copy.write_text(_local(text, tmp_path / "store", port, monitors[-1])
+                            if copy.name == "nats.conf" else text)
+            local_args = [str(copy) if arg == path else arg for arg in local_args]
+        assert str(tmp_path / "nats.conf") in local_args, "NATS reads no mounted nats.conf"
+        return local_args
+
+    server, port = start_nats_on_free_port(command, tmp_path / "nats.log", env)
     try:
-        deadline = time.monotonic() + 15
-        while not nats_answers(f"nats://127.0.0.1:{port}", timeout_s=0.5):
-            assert server.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield server, f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitor}"
+        yield server, f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{monitors[-1]}"
     finally:
         server.terminate()
         server.wait(timeout=10)

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import PortTaken, on_free_port, says_port_taken
 from kvhint.router.service.upstream import UpstreamPool, UpstreamUnavailable
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
@@ -76,25 +76,33 @@ def keyed_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env |= _container_env("vllm-worker", _secrets())
     env |= {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     assert env["VLLM_API_KEY"] == KEY
-    port = free_port()
     log_path = tmp_path_factory.mktemp("keyed-vllm") / "vllm.log"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen([sys.executable, "-c", _SERVE, '["--model", "m"]',
-                                   str(port)], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+
+    def start(port: int) -> tuple[subprocess.Popen[bytes], str]:
+        """Started on ``port``, answering; PortTaken (another try) when it was taken."""
+        with open(log_path, "wb") as log:
+            server = subprocess.Popen([sys.executable, "-c", _SERVE, '["--model", "m"]',
+                                       str(port)], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
         while True:
             if server.poll() is not None:
+                with open(log_path, "rb") as log:
+                    if says_port_taken(log):
+                        raise PortTaken(f"port {port} taken")
                 raise RuntimeError(f"vLLM's app exited: {log_path.read_text()[-2000:]}")
             try:
                 httpx.get(f"{url}/version", timeout=2)
-                break
+                return server, url
             except httpx.TransportError:
                 if time.monotonic() > deadline:
+                    server.kill()
                     raise
                 time.sleep(0.2)
+
+    server, url = on_free_port(start)
+    try:
         yield url
     finally:
         server.terminate()

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from conftest import StubWorker
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.service import health
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.metrics import RouterMetrics
@@ -35,7 +35,7 @@ class HealthServer:
     that accepts connections and never answers)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self.port = 0  # the kernel's pick, bound at once: known once started
         self.status = 200
         self.hung = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -55,6 +55,7 @@ class HealthServer:
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
         self.hung.clear()
@@ -110,8 +111,8 @@ async def test_an_address_that_refuses_a_down_ranks_probe_takes_the_others_down(
     address refuses the connection: the other ranks there go down with it. Before, they
     stayed up until a request of theirs failed too. The server back, all three are
     back."""
-    port = free_port()
-    stub = StubWorker(port=port)
+    stub = StubWorker(listen_on=reserved_socket())  # its port bound until it serves
+    port = stub.port
     url = f"http://127.0.0.1:{port}"  # nothing listens there yet
     metrics = RouterMetrics()
     pool = UpstreamPool(1.0, 5.0, keepalive_s=1.0)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from conftest import StubWorker
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.service.health import HealthProber
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.upstream import UpstreamPool
@@ -39,8 +39,8 @@ async def test_each_probe_is_counted_by_outcome_and_timed_and_forgotten_with_its
     """A worker down (nothing listens at its address) is probed and fails, then comes up
     and answers: both outcomes counted under its id, each probe timed. Before, the prober
     had no metric of its own: a worker flapping, or probes slow, showed nowhere."""
-    port = free_port()
-    worker = StubWorker(port=port)
+    worker = StubWorker(listen_on=reserved_socket())  # its port bound until it serves
+    port = worker.port
     metrics = RouterMetrics()
     pool = UpstreamPool(1.0, 5.0, keepalive_s=1.0)
     await pool.start()

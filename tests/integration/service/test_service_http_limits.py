@@ -12,7 +12,7 @@ import httpx
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.server_cli import uvicorn_config
 from kvhint.router.service.app import create_app
 
@@ -21,14 +21,15 @@ from conftest import StubWorker, router_settings, running_router
 
 async def test_a_request_whose_headers_are_over_the_limit_is_refused(
         tmp_path: Path, stub_workers: list[StubWorker]) -> None:
-    port = free_port()
+    listener = reserved_socket()  # bound now: a port found free may be taken before a bind
+    port = listener.getsockname()[1]
     settings = router_settings(tmp_path, [("w0", stub_workers[0].url)], host="127.0.0.1",
                                port=port, max_header_bytes=16 * 1024, log_level="warning")
     config = uvicorn_config(create_app(settings), settings)
     # h11 (with the slow-client deadlines: test_service_client_timeouts.py).
     assert isinstance(config.http, type) and issubclass(config.http, H11Protocol)
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         assert not task.done(), "router exited during start-up"
         await asyncio.sleep(0.02)

@@ -12,6 +12,7 @@ import uvicorn
 from aiohttp import web
 
 from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.server_cli import uvicorn_config
 from kvhint.router.service.app import create_app
 
@@ -72,11 +73,12 @@ async def test_content_length_with_transfer_encoding_is_refused_and_the_connecti
     Content-Length, the bytes after it (the next client's request on the proxy's
     connection) were read as this body's rest or as a request of the router's own."""
     worker = stub_workers[0]
-    port = free_port()
+    listener = reserved_socket()  # bound now: a port found free may be taken before a bind
+    port = listener.getsockname()[1]
     settings = router_settings(tmp_path, [("w0", worker.url)], host="127.0.0.1", port=port,
                                log_level="warning", tenants=TENANTS)
     server = uvicorn.Server(uvicorn_config(create_app(settings), settings))  # as deployed
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         assert not task.done(), "router exited during start-up"
         await asyncio.sleep(0.02)

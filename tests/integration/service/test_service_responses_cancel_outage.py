@@ -7,6 +7,7 @@ cuts, in front of one stand-in worker in vLLM 0.32's shapes
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, suppress
@@ -23,7 +24,7 @@ from test_service_responses_api import create, events
 from test_service_responses_cancel_replicas import replica_settings
 from test_service_responses_faults import MARKED, BackgroundStreamStub, _read_until
 
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import listening, reserved_socket
 
 pytestmark = pytest.mark.usefixtures("throwaway_streams")
 
@@ -37,13 +38,20 @@ class NatsRelay:
     def __init__(self, nats_url: str) -> None:
         target = urlsplit(nats_url)
         self._host, self._port = target.hostname or "127.0.0.1", target.port or 4222
-        self.port = free_port()
+        # Bound now (a port found free may be taken before a later bind), served at the
+        # first open; a reopen after a cut binds the port again.
+        self._reserved: socket.socket | None = reserved_socket()
+        self.port = self._reserved.getsockname()[1]
         self.url = f"nats://127.0.0.1:{self.port}"
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
     async def open(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        if self._reserved is not None:
+            reserved, self._reserved = self._reserved, None
+            self._server = await asyncio.start_server(self._serve, sock=listening(reserved))
+        else:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
 
     async def cut(self) -> None:
         """Refuse new connections and end the ones open now."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from aiohttp import web
 from conftest import StubWorker, router_settings, serving, serving_app
 from test_service_responses_api import create, events
 from test_service_responses_faults import BackgroundStreamStub, _read_until
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.server_cli import uvicorn_config
 from kvhint.router.service.app import RouterApp, create_app
 from kvhint.router.service.settings import RouterSettings
@@ -27,13 +28,14 @@ from kvhint.router.service.settings import RouterSettings
 pytestmark = pytest.mark.integration
 
 
-async def _started(settings: RouterSettings
+async def _started(settings: RouterSettings, listener: socket.socket
                    ) -> tuple[RouterApp, uvicorn.Server, asyncio.Task[None]]:
-    """The router app served by uvicorn (on ``settings.port``) once it has started: the
-    app, its server and the task serving it."""
+    """The router app served by uvicorn (on ``listener``, a reserved_socket() on
+    ``settings.port``: a port found free may be taken before a later bind) once it has
+    started: the app, its server and the task serving it."""
     app = create_app(settings)
     server = uvicorn.Server(uvicorn_config(app, settings))
-    serve = asyncio.create_task(server.serve())
+    serve = asyncio.create_task(server.serve(sockets=[listener]))
     while not server.started:
         assert not serve.done()
         await asyncio.sleep(0.02)
@@ -43,9 +45,10 @@ async def _started(settings: RouterSettings
 async def test_a_request_waiting_on_its_worker_past_the_grace_gets_a_json_503(
         tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     async with serving([StubWorker(model_root=str(tiny_model_dir))]) as (worker,):
-        settings = router_settings(tmp_path, [("w0", worker.url)], port=free_port(),
+        listener = reserved_socket()
+        settings = router_settings(tmp_path, [("w0", worker.url)], port=listener.getsockname()[1],
                                    http_shutdown_grace_s=0.5)
-        app, server, serve = await _started(settings)
+        app, server, serve = await _started(settings, listener)
         url = f"http://127.0.0.1:{settings.port}"
         worker.answer_delay_s = 3.0  # busy past the grace
         async with httpx.AsyncClient(timeout=30) as client:
@@ -80,10 +83,11 @@ async def test_a_streamed_get_open_past_the_grace_ends_with_response_failed_503(
     stream was cut mid-body (no terminal event), counted 499."""
     stub = BackgroundStreamStub(str(tiny_model_dir))
     await stub.start()
-    settings = router_settings(tmp_path, [("w0", stub.url)], port=free_port(),
+    listener = reserved_socket()
+    settings = router_settings(tmp_path, [("w0", stub.url)], port=listener.getsockname()[1],
                                http_shutdown_grace_s=0.5)
     try:
-        app, server, serve = await _started(settings)
+        app, server, serve = await _started(settings, listener)
         url = f"http://127.0.0.1:{settings.port}/v1/responses"
         async with httpx.AsyncClient(timeout=30) as client:
             made: list[str] = []
@@ -129,10 +133,11 @@ async def test_a_plain_get_waiting_on_its_worker_past_the_grace_gets_a_json_503(
     worker.router.add_get("/v1/responses/{id}", hanging_get)
     worker.router.add_get("/v1/models", models)
     async with serving_app(worker) as worker_url:
-        settings = router_settings(tmp_path, [("w0", worker_url)], port=free_port(),
+        listener = reserved_socket()
+        settings = router_settings(tmp_path, [("w0", worker_url)], port=listener.getsockname()[1],
                                    http_shutdown_grace_s=0.5)
         try:
-            app, server, serve = await _started(settings)
+            app, server, serve = await _started(settings, listener)
             # An id minted for w0 as a POST would have been (found by any replica).
             response_id = app.state.responses.codec.mint("default", "w0", None, False)
             async with httpx.AsyncClient(timeout=30) as client:

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 import uvicorn
 
 from conftest import StubWorker, router_settings, serving
-from kvhint.router.devstack.nats_server import free_port
+from kvhint.router.devstack.ports import reserved_socket
 from kvhint.router.server_cli import uvicorn_config
 from kvhint.router.service.app import create_app
 
@@ -27,10 +27,12 @@ async def test_a_stream_open_past_the_grace_ends_with_an_error_event_and_the_sto
         tmp_path: Path, tiny_model_dir: Path) -> None:
     async with serving([StubWorker(model_root=str(tiny_model_dir))]) as (worker,):
         # A flush interval far past the test: what the store holds is the stop's flush.
-        settings = router_settings(tmp_path, [("w0", worker.url)], port=free_port(),
+        listener = reserved_socket()  # bound now: a port found free may be taken before a bind
+        settings = router_settings(tmp_path, [("w0", worker.url)],
+                                   port=listener.getsockname()[1],
                                    http_shutdown_grace_s=0.5, store_flush_interval_s=60)
         server = uvicorn.Server(uvicorn_config(create_app(settings), settings))
-        serve = asyncio.create_task(server.serve())
+        serve = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started:
             assert not serve.done()
             await asyncio.sleep(0.02)
