@@ -157,6 +157,9 @@ SESSION_REFRESHES = (
 RESPONSE_ID_OPS = ("get", "cancel")
 # kvhint_router_responses_router_ends_total{reason} (responses_cancels.py): a bounded set.
 RESPONSES_ROUTER_END_REASONS = ("unterminated", "background_idle", "event_too_large")
+# kvhint_router_responses_read_failed_total{reason} (responses_background.py).
+RESPONSES_READ_FAILED_REASONS = ("worker_gone", "worker_restarted", "worker_forgot",
+                                 "stream_error")
 # kvhint_router_responses_cancel_notices_total{outcome} (responses_cancel_notices.py).
 RESPONSES_CANCEL_NOTICE_OUTCOMES = ("sent", "applied", "no_stream",
                                     "recovered",  # responses_cancel_rechecks.py

@@ -23,6 +23,7 @@ from kvhint.router.service.metric_labels import (
     HINT_API_REJECTIONS,
     NATS_ERROR_KINDS,
     RESPONSES_CANCEL_NOTICE_OUTCOMES,
+    RESPONSES_READ_FAILED_REASONS,
     RESPONSES_ROUTER_END_REASONS,
     RESPONSE_ID_MISSES,
     RESPONSE_SESSION_READS,
@@ -310,6 +311,13 @@ class RouterMetrics:
             "event), background_idle (a background response's stream sent no event "
             "within responses.background_idle_s), event_too_large (one event past "
             "stream_event_max_bytes without its end)", ["reason"], registry=r), RESPONSES_ROUTER_END_REASONS)
+        self.responses_read_failed = _preset(Counter(
+            "kvhint_router_responses_read_failed",
+            "GET /v1/responses/{id} of a background response this router relayed queued "
+            "answered failed by the router, its run known to have ended without its "
+            "answer, by reason: worker_gone, worker_restarted, worker_forgot (its worker "
+            "lost the response), stream_error (a stream of it relayed vLLM's error event; "
+            "vLLM keeps it queued)", ["reason"], registry=r), RESPONSES_READ_FAILED_REASONS)
         self.responses_cancel_notices = _preset(Counter(
             "kvhint_router_responses_cancel_notices",
             "Cancels of background responses told between router replicas over NATS "

@@ -24,7 +24,10 @@ response's streams are ended by the router where vLLM leaves them open: after a 
 relayed by any replica (responses_cancels.py, responses_cancel_notices.py), an ``error``
 event, or ``responses.background_idle_s`` without an event (its background task died);
 one its worker breaks, closes before a terminal event, or leaves silent for
-``request_timeout_s`` ends with ``response.failed``, as a POST's stream does.
+``request_timeout_s`` ends with ``response.failed``, as a POST's stream does. A GET of a
+background response this router relayed queued whose run it knows ended without its
+answer (its worker lost it, its stream relayed vLLM's ``error``) reads ``failed``
+(responses_background.py).
 
 A GET and a cancel are bounded per tenant: a streamed GET holds its worker's connection
 while the response lasts, so it takes one of the tenant's ``max_in_flight`` slots
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -50,6 +54,7 @@ from kvhint.router.service.forwarding import SHUTTING_DOWN, WORKER_HEADER, unava
 from kvhint.router.service.inbound import InboundRequest, error_response
 from kvhint.router.service.relay_response import RelayResponse
 from kvhint.router.service.request_fields import runs_in_background, stores_response
+from kvhint.router.service.responses_background import BackgroundReads
 from kvhint.router.service.responses_cancel_rechecks import recheck_streams
 from kvhint.router.service.responses_get_stream import Slot, streamed_get
 from kvhint.router.service.responses_id_codec import ResponseIdCodec
@@ -89,6 +94,8 @@ class ResponsesGateway:
                                runtime.metrics, self.codec)
         self.sessions = ResponseSessions(runtime.engine, runtime.writer, runtime.metrics,
                                          runtime.settings.responses.session_read_timeout_s)
+        # GETs of background responses that ended without their answer.
+        self.background = BackgroundReads(self.ids, runtime.metrics)
         # The background responses' streams relayed now, for their cancels.
         self.cancels = CancelWatches(
             runtime.settings.responses.cancel_grace_s,
@@ -171,10 +178,13 @@ class ResponsesGateway:
                 observation.on_end = learn
             else:  # answered whole, or a background one: stored queued before its answer
                 learn(observation)
+            if background:  # running until seen ended (responses_background.py)
+                self.ids.running(response_id, inbound.model, int(time.time()))
             if isinstance(response, RelayResponse) and background:
                 # Its cancel may leave its stream open for good (responses_cancels.py).
                 observation.watch_cancel = partial(self.cancels.watch, response_id,
                                                    worker_id=worker_id)
+                self.background.follow(observation, response_id)
         if observation.background:
             runtime.metrics.responses_background.inc()
         return response
@@ -240,7 +250,8 @@ class ResponsesGateway:
             return over.answer()
         found = self.ids.find(response_id, tenant.name)
         if isinstance(found, IdMiss):
-            answer = _miss_answer(response_id, found)
+            answer = (self.background.lost(response_id, tenant.name, found.reason, streamed)
+                      if op == "get" else None) or _miss_answer(response_id, found)
             counted.labels(op, str(answer.status_code)).inc()
             return answer
         slots = runtime.forwarder.slots
@@ -292,17 +303,20 @@ class ResponsesGateway:
         worker.note_answered()
         return await self._relayed(upstream, lambda code: counted.labels(op, str(code)).inc(),
                                    response_id, op, query.get("starting_after"),
-                                   found.cancelled, slot, found.tenant)
+                                   found, slot)
 
     async def _relayed(self, upstream: UpstreamResponse, count: Callable[[int], None],
                        response_id: str, op: str, starting_after: str | None,
-                       cancelled: bool, slot: Slot, tenant: str) -> Response:
+                       found: IdEntry, slot: Slot) -> Response:
         """The worker's answer to a GET or cancel, as it is: whole, or an event stream (a
         background response's events, ``?stream=true``) relayed as it comes, each event
         whole, ended by the router where a cancel left it open (responses_cancels.py). A
         cancel the worker accepted starts the grace of that response's streams, here and
         on every other replica (responses_cancel_notices.py); a stream of a response
-        cancelled before (``cancelled``, or a cancel seen lately) starts in it."""
+        cancelled before (``found.cancelled``, or a cancel seen lately) starts in it. A
+        GET of a background response the router knows ended without its answer is
+        answered ``failed`` (responses_background.py)."""
+        tenant = found.tenant
         headers = dict(upstream.headers)
         headers[WORKER_HEADER] = upstream.worker_id
         if not headers.get("content-type", "").startswith("text/event-stream"):
@@ -314,6 +328,11 @@ class ResponsesGateway:
                 code = 504 if exc.timed_out else 502
                 count(code)
                 return error_response(f"worker failed while responding: {exc}", code)
+            if op == "get" and (answer := self.background.read_back(
+                    response_id, tenant, upstream.status, payload,
+                    slot.streamed)) is not None:
+                count(answer.status_code)
+                return answer
             count(upstream.status)
             if op == "cancel" and 200 <= upstream.status < 300:
                 self._cancelled(response_id, _json_object(payload))
@@ -324,9 +343,12 @@ class ResponsesGateway:
         # vLLM numbers a GET's events on from starting_after (the router's own last one
         # goes on from there).
         first = int(starting_after) + 1 if starting_after and starting_after.isdigit() else 0
-        relay = ResponsesRelay(ResponsesObservation(events=first))
+        observation = ResponsesObservation(events=first)
+        if (held := self.ids.held(response_id, tenant)) and held.running_since is not None:
+            self.background.follow(observation, response_id)
+        relay = ResponsesRelay(observation)
         watch = self.cancels.watch(response_id, upstream.close, upstream.worker_id)
-        if cancelled or self.cancels.was_cancelled(response_id):
+        if found.cancelled or self.cancels.was_cancelled(response_id):
             watch.cancelled(None, self.cancels.grace_s)
         slot.relayed = True  # given back by the stream, at its end
         return streamed_get(upstream, headers, count, relay, watch, self._runtime, slot)

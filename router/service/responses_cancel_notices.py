@@ -12,9 +12,10 @@ Counted (``kvhint_router_responses_cancel_notices_total{outcome}``): ``sent``; `
 (heard, none here: the common case). Lost ones are drops: ``response_cancel_notice_unsent``
 (no NATS link now, or the publish failed: kept, at most MAX_UNSENT_KEPT, and sent once
 the link is up again, counted ``resent``; until then, and for good for one discarded
-past the bound, ``response_cancel_notice_unsent_discarded``, or kept at a shutdown,
-other replicas' streams of it end at their own bounds, ``responses.background_idle_s`` /
-``request_timeout_s``),
+past the bound, ``response_cancel_notice_unsent_discarded``, other replicas' streams of
+it end at their own bounds, ``responses.background_idle_s`` / ``request_timeout_s``; kept
+at the router's stop: published then where the link is up, before NATS's drain sends
+them on (:meth:`CancelNotices.close`), else lost, ``response_cancel_notice_unsent_at_stop``),
 ``response_cancel_notice_malformed`` (not a ResponseCancelled 1.x),
 ``response_cancel_notice_unverified`` (its id not minted for its tenant and worker under
 this fleet's ``salt_secret``: a foreign publisher, or replicas configured apart; nothing
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 # Notices kept to send once the link is back (~200 bytes each); past it the oldest is
 # discarded, counted (``response_cancel_notice_unsent_discarded``).
 MAX_UNSENT_KEPT = 1_000
+# At the router's stop, how long publishing the notices still kept may take (each is a
+# write into the NATS client's buffer, sent by the link's drain after it; a full buffer
+# waits for the socket). A link down then is not waited for: an outage seldom ends
+# within a stop, whose budget is the store's flush (launch.py STOP_AFTER_GRACE_S).
+STOP_FLUSH_S = 2.0
 
 # The notice's handler on this replica: ResponseCancelled -> how many streams it reached
 # (the Responses gateway's, set once it exists).
@@ -104,6 +110,24 @@ class CancelNotices:
                 return  # down again: the next link-up goes on
             self._unsent.popleft()
             self._metrics.responses_cancel_notices.labels("resent").inc()
+
+    async def close(self, timeout_s: float = STOP_FLUSH_S) -> int:
+        """At the router's stop, after its tasks (the resend among them) ended and before
+        the link's drain: the notices still kept published if the link is up (within
+        ``timeout_s``); the rest lost for good, counted
+        (``response_cancel_notice_unsent_at_stop``), how many returned."""
+        if self._unsent and self._link is not None and self._link.connected:
+            try:
+                await asyncio.wait_for(self._resend(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        lost = len(self._unsent)
+        if lost:
+            self._metrics.drop("response_cancel_notice_unsent_at_stop", lost)
+            log.warning("%d response cancel notices never told to the other replicas "
+                        "(no NATS link at the router's stop)", lost)
+            self._unsent.clear()
+        return lost
 
     async def publish(self, response_id: str, tenant: str, worker_id: str) -> bool:
         """Tell the other replicas ``worker_id`` accepted a cancel of ``response_id``."""

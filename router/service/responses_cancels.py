@@ -26,9 +26,10 @@ relays of these streams end them once they relayed a terminal event, whichever.
 Nor one whose background task died of any other exception (an engine that died, a
 parser's bug: only ``GenerationError`` becomes an ``error`` event): the task's
 ``finally`` wakes the generator, which finds no new event and waits again, for good
-(``_run_background_request_stream``); the response stays ``in_progress`` in vLLM's
-store too. Nothing the worker answers tells such a stream from a slow one, so each
-stream of a background response waits at most ``responses.background_idle_s`` for its
+(``_run_background_request_stream``); the response stays ``queued`` in vLLM's store
+too (stored so at its creation, replaced by its final response only). Nothing the
+worker answers tells such a stream from a slow one, so each stream of a background
+response waits at most ``responses.background_idle_s`` for its
 next event; past it the router closes the worker's stream and ends the client's with
 ``response.failed`` (``ResponsesRelay.failure_event``, 504), counted
 (``kvhint_router_responses_router_ends_total{reason="background_idle"}``). Unset, a

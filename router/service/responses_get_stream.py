@@ -22,6 +22,8 @@ class Slot:
 
     def __init__(self, give_back: Callable[[], None] | None) -> None:
         self._give_back = give_back
+        # A streamed GET's (one that took a slot).
+        self.streamed = give_back is not None
         # Its stream's relay gives it back (:func:`streamed_get`), not the call.
         self.relayed = False
 

@@ -97,6 +97,15 @@ class IdEntry:
     # Its worker accepted a cancel of it (relayed here): a stream of it opened later
     # gets no terminal event from vLLM either (responses_cancels.py).
     cancelled: bool = False
+    # A background response this router answered queued and has not seen end (None:
+    # not one, or seen ended: a terminal status or event relayed, a cancel accepted):
+    # when it was answered (s since 1970) and the model it was asked of, what a GET
+    # answering it ``failed`` says (responses_background.py).
+    running_since: int | None = None
+    model: str | None = None
+    # Its stream relayed vLLM's ``error`` event (a failed generation): vLLM keeps it
+    # ``queued`` for good; (code, message), the GET's ``failed`` answer's error.
+    error: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +175,33 @@ class ResponseIds:
         map holds it (:attr:`IdEntry.cancelled`); its use order unchanged."""
         entry = self._entries.get(response_id)
         if entry is not None:
-            self._entries[response_id] = replace(entry, cancelled=True)
+            self._entries[response_id] = replace(entry, cancelled=True, running_since=None,
+                                                 error=None)
+
+    def running(self, response_id: str, model: str | None, since: int) -> None:
+        """``response_id`` was answered queued (a background response) at ``since``:
+        running, as far as this router knows, until :meth:`settled`."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries[response_id] = replace(entry, running_since=since, model=model)
+
+    def settled(self, response_id: str) -> None:
+        """A terminal status or event of ``response_id`` was relayed: no longer running."""
+        entry = self._entries.get(response_id)
+        if entry is not None and entry.running_since is not None:
+            self._entries[response_id] = replace(entry, running_since=None, error=None)
+
+    def failed(self, response_id: str, code: str, message: str) -> None:
+        """A stream of running ``response_id`` relayed vLLM's ``error`` event."""
+        entry = self._entries.get(response_id)
+        if entry is not None and entry.running_since is not None:
+            self._entries[response_id] = replace(entry, error=(code, message))
+
+    def held(self, response_id: str, tenant: str) -> IdEntry | None:
+        """``tenant``'s entry for ``response_id`` where this map holds it (not counted,
+        its use order unchanged)."""
+        entry = self._entries.get(response_id)
+        return entry if entry is not None and entry.tenant == tenant else None
 
     def _remove(self, response_id: str) -> None:
         tenant = self._entries.pop(response_id).tenant

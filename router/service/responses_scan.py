@@ -79,6 +79,7 @@ class _Event(msgspec.Struct):
     type: str | None = None
     response: _Response | None = None
     code: Any = None
+    message: Any = None
 
 
 _response_decoder = msgspec.json.Decoder(_Response)
@@ -120,6 +121,9 @@ class ResponsesObservation(ResponseObservation):
     # Called at a stream's terminal event carrying the response (vLLM has stored a
     # streamed response then, not before: responses_api.py), before its usage is read.
     on_end: Callable[[ResponsesObservation], None] | None = None
+    # Called at a stream's ``error`` event with its code and message (a background
+    # response's then stays queued in vLLM's store for good: responses_background.py).
+    on_error: Callable[[Any, Any], None] | None = None
     # Starts watching the stream for a cancel of its response, given what closes the
     # worker's side (a background response's stream: responses_cancels.py).
     watch_cancel: Callable[[Callable[[], None]], CancelWatch] | None = None
@@ -144,6 +148,8 @@ class ResponsesObservation(ResponseObservation):
         elif kind == "error":
             if self.error_status is None:
                 self.error_status = _code_status(event.code)
+            if self.on_error is not None:
+                self.on_error(event.code, event.message)
         elif event.response is not None:
             if self.on_end is not None:
                 self.on_end(self)

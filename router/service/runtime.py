@@ -283,6 +283,8 @@ class RouterRuntime:
         await asyncio.gather(*self._loops, return_exceptions=True)
         # Before the link and the pool they use; none starts after (task_set.py).
         await self.tasks.close()
+        if self.cancel_notices is not None:  # those kept unsent, before the link's drain
+            await self.cancel_notices.close()
         if self.recorder is not None:
             await self.recorder.close()
         if self.feed is not None:

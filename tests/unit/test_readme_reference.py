@@ -223,6 +223,8 @@ def _bounded_labels() -> dict[str, dict[str, set[str]]]:
             "outcome": set(m.SESSION_SAVE_CONFLICTS)},
         "kvhint_router_responses_router_ends_total": {
             "reason": set(m.RESPONSES_ROUTER_END_REASONS)},
+        "kvhint_router_responses_read_failed_total": {
+            "reason": set(m.RESPONSES_READ_FAILED_REASONS)},
         "kvhint_router_responses_cancel_notices_total": {
             "outcome": set(m.RESPONSES_CANCEL_NOTICE_OUTCOMES)},
     }

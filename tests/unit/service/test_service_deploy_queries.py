@@ -341,6 +341,8 @@ _DROP_LOSSES = {
     # response end at responses.background_idle_s / request_timeout_s, not the grace.
     "response_cancel_notice_unsent", "response_cancel_notice_malformed",
     "response_cancel_notice_unverified", "response_cancel_notice_unsent_discarded",
+    # One still kept unsent when the router stopped without a NATS link: never told.
+    "response_cancel_notice_unsent_at_stop",
     # After a NATS outage, a stream's response its worker did not say the status of (a
     # cancel missed then stays missed: that stream ends at its own bounds).
     "response_cancel_recheck_failed"}
