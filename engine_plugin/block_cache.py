@@ -46,6 +46,12 @@ class BlockCache(Protocol):
         """The other KV cache groups a prefix hit needs blocks of (a hybrid model's);
         empty with one group, where a handle's ``blocks`` are all a hit needs."""
 
+    @property
+    def unheld_groups(self) -> tuple[str, ...]:
+        """KV cache groups a prefix hit needs whose blocks no hold can take (a kind or
+        block size :attr:`hit_groups` cannot describe), each ``"<id> (<why>)"``: a hold
+        there keeps no hit. Empty on a one-group model."""
+
     def side_block(self, handle: BlockHandle, group_id: int) -> BlockHandle | None:
         """Group ``group_id``'s block cached under ``handle.key`` now (``side``), or None."""
 

@@ -61,7 +61,7 @@ from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle
 from kvhint.engine_plugin.config import PluginConfig
 from kvhint.engine_plugin.demote_apply import DemoteMixin
 from kvhint.engine_plugin.demotion import PendingDemote
-from kvhint.engine_plugin.group_holds import claim_blocks, with_side_blocks
+from kvhint.engine_plugin.group_holds import claim_blocks, unheld_reason, with_side_blocks
 from kvhint.engine_plugin.hold_records import PIN, ClaimKey, DonorClaim, claim_action_id
 from kvhint.engine_plugin.holds import HoldLedger
 from kvhint.engine_plugin.host_tier import NO_HOST_TIER, HostTier
@@ -278,6 +278,9 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
                                     "here; nothing changed")
         if isinstance(payload, DemotePayload) and self.host_tier is None:
             return answer(REJECTED, f"{REJECTED_NO_HOST_TIER}: {NO_HOST_TIER}; nothing changed")
+        if (isinstance(payload, PinPayload) or isinstance(payload, RetainPayload)
+                and payload.priority > 0) and (reason := unheld_reason(self.cache)):
+            return answer(REJECTED, reason)  # a Retain at priority 0 releases: applied
         resolved = self._resolve(payload.target)
         if isinstance(resolved, tuple):
             keys, requested_blocks = resolved

@@ -31,7 +31,10 @@ Cost: one hit's tail a tail group, whatever the target's length; Gemma 3's layou
 (5 or 6 sliding-window groups of 1024 tokens, block size 16) holds 320 or 384 more pool
 blocks a claim of 64 positions or more; gpt-oss (one of 128) 8.
 
-A one-group model has no ``hit_groups``: its handles pass through unchanged.
+A one-group model has no ``hit_groups``: its handles pass through unchanged. A model with
+a group no hold can take (the cache port's ``unheld_groups``: a kind or block size vLLM's
+hit rules here do not cover) keeps no hit whatever is held: its Pins and Retains are
+refused (:func:`unheld_reason`), not answered ``accepted`` with that group left out.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle, GroupNeed
+from kvhint.schemas.outcomes import REJECTED_UNHELD_GROUPS
 
 # The ledger's budget clip: (whether a block id is not held yet, room for such blocks) ->
 # the blocks to hold.
@@ -56,6 +60,17 @@ def claim_blocks(cache: BlockCache, handles: list[BlockHandle]
         return handles, None, None
     shape = _Shape(cache, needs, handles)
     return shape.blocks(len(shape.primary)), shape.clip, shape.note()
+
+
+def unheld_reason(cache: BlockCache) -> str | None:
+    """Why a Pin or Retain is refused on this model (a capability rejection: the router
+    stops sending them to the worker), or None when holds can keep its hit."""
+    unheld = cache.unheld_groups
+    if not unheld:
+        return None
+    return (f"{REJECTED_UNHELD_GROUPS}: vLLM's prefix hit also needs the blocks of KV cache "
+            f"groups {', '.join(unheld)}, of a kind or block size no hold can take; "
+            "nothing held")
 
 
 def positions(handles: list[BlockHandle]) -> int:

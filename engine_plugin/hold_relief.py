@@ -102,11 +102,22 @@ class HoldReliefMixin:
         in pressure order, noting the claims' losses as ``reason``;
         returns how many. ``only_freeing``: pass over (and keep) holds on blocks in use
         elsewhere. ``keep``: block ids passed over (kept) whatever the reason (relief: the
-        allocating request's own hits; displacement: the displacing Retain's targets)."""
+        allocating request's own hits; displacement: the displacing Retain's targets).
+
+        On a hybrid model a dropped hold's claims may let go of more of their blocks
+        (:mod:`.hold_cuts`), ``keep`` ones among them: those are released (their claims
+        lost them) but make no room, since the displacing Retain takes them again or the
+        allocating request reads them back (vLLM counts a free hit block as one to
+        allocate); under ``only_freeing`` neither does a block a request still uses. So
+        the loop runs until ``num_blocks`` released blocks make room (before, every
+        release counted: a cut that released the displacing Retain's own positions
+        stopped displacement short, and the Retain was clipped though lower ranks still
+        held room). Returns every block released."""
         heap = self._pressure_heap
         released: list[BlockHandle] = []
         passed_over: list[tuple[int, int, int, int, int]] = []
-        while heap and len(released) < num_blocks:
+        made_room = 0
+        while heap and made_room < num_blocks:
             priority, _, _, block_id, version = heap[0]
             hold = self._holds.get(block_id)
             if hold is None or hold.version != version or hold.pins or not hold.retains:
@@ -118,7 +129,10 @@ class HoldReliefMixin:
             if block_id in keep or (only_freeing and self.cache.in_use(hold.handle)):
                 passed_over.append(entry)
                 continue
+            first = len(released)
             self._drop_hold(hold, released, lost_to=reason)
+            made_room += sum(1 for h in released[first:] if h.block_id not in keep and not (
+                only_freeing and self.cache.in_use(h)))
         for entry in passed_over:
             heapq.heappush(heap, entry)
         if only_freeing:

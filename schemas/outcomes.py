@@ -73,8 +73,9 @@ def is_transient_rejection(reason: str) -> bool:
 
 # Stable openings of a ``rejected`` outcome's reason that say what the worker cannot do at
 # all, whatever the action's target or sender: an action type, version or protocol it
-# does not know (schemas.hints), no host tier to Demote to, no tier a Share could use, or
-# vLLM running without prefix caching (engine_plugin). They change only with a new engine
+# does not know (schemas.hints), no host tier to Demote to, no tier a Share could use,
+# vLLM running without prefix caching, or a hybrid model with KV cache groups no hold can
+# take, so no Pin or Retain keeps a hit (engine_plugin). They change only with a new engine
 # (a new epoch). A router learns them for the worker, for every tenant; any other
 # rejection (a target that names too little, a Demote whose host copies did not finish, a
 # session's next turn superseding it) is learnt only for the tenant whose action it was
@@ -83,11 +84,13 @@ REJECTED_UNSUPPORTED = "unsupported "
 REJECTED_NO_HOST_TIER = "demote needs a host tier"
 REJECTED_NO_SHARED_TIER = "share needs a tier both workers can read"
 REJECTED_NO_PREFIX_CACHE = "prefix caching is off on this worker"
+REJECTED_UNHELD_GROUPS = "holds cannot keep this model's prefix hit"
 
 
 def is_capability_rejection(reason: str) -> bool:
     return reason.startswith((REJECTED_UNSUPPORTED, REJECTED_NO_HOST_TIER,
-                              REJECTED_NO_SHARED_TIER, REJECTED_NO_PREFIX_CACHE))
+                              REJECTED_NO_SHARED_TIER, REJECTED_NO_PREFIX_CACHE,
+                              REJECTED_UNHELD_GROUPS))
 
 
 def is_unknown_status(outcome: HintOutcome) -> bool:

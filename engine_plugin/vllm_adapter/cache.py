@@ -56,7 +56,8 @@ class VllmCacheAdapter:
         groups = kv_cache_manager.kv_cache_config.kv_cache_groups
         self._group_ids = self._full_attention_groups(groups)
         self._block_size = self._group_block_size(groups, self._group_ids[0])
-        self._hit_groups = hit_group_needs(kv_cache_manager, groups, self._group_ids)
+        self._hit_groups, self._unheld_groups = hit_group_needs(kv_cache_manager, groups,
+                                                                self._group_ids)
         self._hit_group_ids = frozenset(n.group_id for n in self._hit_groups)
         # The smallest group's: a floor of the blocks an allocation needs (need_reader).
         self._min_block_size = min(int(g.kv_cache_spec.block_size) for g in groups)
@@ -327,6 +328,11 @@ class VllmCacheAdapter:
     def hit_groups(self) -> tuple[GroupNeed, ...]:
         """A hybrid model's other KV cache groups a prefix hit needs (:mod:`.hit_groups`)."""
         return self._hit_groups
+
+    @property
+    def unheld_groups(self) -> tuple[str, ...]:
+        """The groups a prefix hit needs that no hold can take (:mod:`.hit_groups`)."""
+        return self._unheld_groups
 
     def side_removed(self, events: Iterable[Any]) -> list[int]:
         """The hashes of the :attr:`hit_groups`' blocks these vLLM events remove (a held

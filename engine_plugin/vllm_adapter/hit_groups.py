@@ -8,9 +8,12 @@ needs its blocks at the last ``_contiguous_blocks_for_hit(sliding_window, block_
 use_eagle)`` positions before N (``cdiv(sliding_window - 1, block_size)``, one more with
 EAGLE), or all of them when N is shorter; a MambaManager group its state block at
 position N only. Groups that opt out of prefix caching take no part in a hit. A group of
-another kind, or of a block size other than the followed group's (its blocks are cached
-under other hashes), is not supported: nothing is held for it (logged once at bind), and
-a hit on such a model may still miss after a hold.
+another kind (vLLM 0.32: chunked local attention, the host-pool group of HiSparse,
+any registered later), or of a block size other than the followed group's (its blocks
+are cached under other hashes), cannot be held: such a model's hit may miss whatever the
+plugin holds, so it refuses Pins and Retains there (``unheld``; logged once at bind,
+:func:`~kvhint.engine_plugin.group_holds.unheld_reason`). Before, it held the other
+groups' blocks it could and answered ``accepted``, though no hit was kept.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ logger = logging.getLogger(LOGGER_NAME)
 
 
 def hit_group_needs(manager: Any, groups: Sequence[Any], lookup_groups: Sequence[int]
-                    ) -> tuple[GroupNeed, ...]:
+                    ) -> tuple[tuple[GroupNeed, ...], tuple[str, ...]]:
     """The groups besides ``lookup_groups[0]`` (the followed one) a hit needs, and how
     much of each; empty for a one-group model. ``lookup_groups``: the groups the
-    adapter's lookup reads (full attention's): each needs every position."""
+    adapter's lookup reads (full attention's): each needs every position. Second: the
+    groups a hit needs that no hold can take, each ``"<id> (<why>)"``."""
     if len(groups) < 2:
-        return ()
+        return (), ()
     from vllm.v1.core import single_type_kv_cache_manager as stm
 
     followed = lookup_groups[0]
@@ -60,9 +64,10 @@ def hit_group_needs(manager: Any, groups: Sequence[Any], lookup_groups: Sequence
         else:
             skipped.append(f"{gid} ({getattr(kind, '__name__', 'unknown')})")
     if skipped:
-        logger.warning("kvhint: holds take no blocks of KV cache groups %s: a Pin or Retain "
-                       "on this model may not keep its prefix hit", ", ".join(skipped))
-    return tuple(needs)
+        logger.warning("kvhint: holds cannot take the blocks of KV cache groups %s, which "
+                       "vLLM's prefix hit needs: Pins and Retains on this model are refused",
+                       ", ".join(skipped))
+    return tuple(needs), tuple(skipped)
 
 
 def _window_blocks(manager: Any, spec: Any, block_size: int) -> int:

@@ -26,9 +26,17 @@ def claim_cost(positions: int, cost: ClaimCost | None) -> int:
 def held_pool_blocks(positions: int, claims: int, cost: ClaimCost | None) -> int:
     """Pool blocks held, at most, by ``claims`` live claims over ``positions`` distinct
     target positions (the ledger's counts): each position ``per_position`` blocks, each
-    claim its whole tails. Over-counts (the safe side for a room check): a claim shorter
-    than a tail holds fewer of its blocks, and claims sharing their last positions (a
-    shared prefix's retain and a session's) share those blocks."""
+    claim its whole tails. Over-counts (the safe side for a room check), and only the
+    tails (positions are the ledger's distinct ones, as the plugin holds each group's
+    block at a position once): a claim of n positions holds ``min(hit, tail)`` blocks of
+    a tail, ``hit <= n`` its hit point (the furthest position whose tails are resident,
+    ``engine_plugin/group_holds.py``), so one shorter than a tail is counted up to
+    ``tail - n`` blocks too many (none once n reaches the longest tail: 64 positions of
+    16 tokens for Gemma 3's 1024-token window, 8 for gpt-oss's 128); and claims whose
+    hit points coincide hold the same tail blocks once, counted once per claim (one live
+    holding per scope and worker, so only a shared prefix's Retain ending where a
+    session's claim ends). Exact counts need each claim's length and end on the worker:
+    the ledger keeps a count of live claims only."""
     if cost is None:
         return positions
     return positions * cost.per_position + claims * sum(cost.tails)

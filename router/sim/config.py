@@ -38,12 +38,19 @@ class SimConfig:
     engine: str = "fast"
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
+    # Scheduler engine only, > 0: layer 0 attends a sliding window of this many tokens
+    # beside full attention (a hybrid model: two KV cache groups, headless.py), so the
+    # plugin's holds take both groups' blocks and its status carries a claim cost.
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r} (known: {', '.join(ENGINES)})")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.sliding_window < 0 or (self.sliding_window and self.engine != "scheduler"):
+            raise ValueError("sliding_window must be >= 0, and > 0 only with the scheduler "
+                             "engine")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
         if self.gpu_blocks < 2:

@@ -155,7 +155,10 @@ class Simulation(HintLoop):
                 worker_id=worker_id, block_size=config.block_size, budgets=core.budgets(),
                 supported_actions=frozenset(core.supported_actions()),
                 host_tier=worker.host is not None,
-                evict_rest_first=evict_rest_supported(core.supported_actions()))
+                evict_rest_first=evict_rest_supported(core.supported_actions()),
+                # Status 1.3, as the live router reads it (hint_dispatch): pins planned
+                # in pool blocks on a hybrid model; None (one a position) on one group.
+                claim_cost=core.claim_cost() or None)
             self.result.computed_by_worker[worker_id] = 0
 
     def _clock(self) -> float:

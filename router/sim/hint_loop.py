@@ -105,7 +105,8 @@ class HintLoop:
         views = {}
         for worker_id, static in self._static_views.items():
             views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
-                                       feedback=self.feedback[worker_id].view(tenant))
+                                       feedback=self.feedback[worker_id].view(tenant),
+                                       pinned_claims=self.ledger.claims(worker_id)[0])
         return PlannerContext(now=self.now, stats=self.learned.of(tenant), workers=views,
                               rng=self._plan_rng, config=self.config.planner)
 

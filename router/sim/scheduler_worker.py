@@ -203,14 +203,18 @@ def build_scheduler_worker(worker_id: str, config: SimConfig, clock: Callable[[]
     """vLLM's Scheduler with the plugin loaded as a server loads it (its connector,
     validating the same extra config), on the simulation's clock."""
     # The whole pool, as the fast engine's manager; vLLM caps it at the model's positions.
-    max_model_len = min(config.gpu_blocks * config.block_size,
+    # A sliding-window group shares the pool: vLLM reserves a request's window and a
+    # step's tokens in it, and one block more (a window straddling a block boundary).
+    window_blocks = (-(-(config.sliding_window + config.max_num_batched_tokens)
+                       // config.block_size) + 1 if config.sliding_window else 0)
+    max_model_len = min((config.gpu_blocks - window_blocks) * config.block_size,
                         int(MODEL_CONFIG["max_position_embeddings"]))
     engine = build_scheduler(HeadlessSchedulerSpec(
         block_size=config.block_size, num_blocks=config.gpu_blocks + 1,
         max_model_len=max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs, connector_module="kvhint.engine_plugin.connector",
         connector_extra_config={"worker_id": worker_id, **config.plugin},
-        host_blocks=config.host_blocks))
+        host_blocks=config.host_blocks, sliding_window=config.sliding_window))
     worker = SchedulerSimWorker(worker_id, engine, config.timing, max_model_len, on_events)
     worker.core.use_clock(clock)
     return worker

@@ -20,21 +20,33 @@ GEMMA_FULL_FIRST = "FWWWWW" * 2
 # Two full-attention layers a window one: vLLM forms two full-attention groups (layers
 # 0 and 3, 1 and 4) and one sliding-window group.
 TWO_FULL = "FFW" * 2
+# Full attention beside chunked local attention of 64 tokens (Llama 4's kind): vLLM forms
+# one full-attention group and two chunked-local groups, of a kind no hold can take.
+CHUNKED = "FCC" * 2
 
 
 def hybrid_manager(layout: str = GEMMA, num_blocks: int = 60):
     """vLLM's KVCacheManager over the groups vLLM forms for ``layout`` (one letter a
-    layer: ``F`` full attention, ``W`` a 32-token sliding window)."""
+    layer: ``F`` full attention, ``W`` a 32-token sliding window, ``C`` 64-token chunked
+    local attention)."""
     import torch
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        SlidingWindowSpec,
+    )
 
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
                              dtype=torch.float32)
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
                                dtype=torch.float32, sliding_window=2 * BLOCK)
-    layers = {f"model.layers.{i}.self_attn.attn": full if kind == "F" else window
+    chunked = ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                                        dtype=torch.float32, attention_chunk_size=4 * BLOCK)
+    specs = {"F": full, "W": window, "C": chunked}
+    layers = {f"model.layers.{i}.self_attn.attn": specs[kind]
               for i, kind in enumerate(layout)}
     groups = kcu._get_kv_cache_groups_uniform_page_size(layers)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)

@@ -11,7 +11,7 @@ bookkeeping, copies modelled): vLLM's offloading worker needs CUDA.
 
 from __future__ import annotations
 
-from hybrid_fixtures import GEMMA, GEMMA_FULL_FIRST, TWO_FULL, Bench
+from hybrid_fixtures import BLOCK, GEMMA, GEMMA_FULL_FIRST, TWO_FULL, Bench
 
 from kvhint.router.sim.host_tier import SimHostTier
 
@@ -134,3 +134,45 @@ def test_a_pinned_position_vllm_drops_takes_its_window_blocks_with_it() -> None:
     assert executor.holds.counters.released_gone == 6
     (loss,) = executor.take_releases()
     assert (loss.reason.value, loss.released.blocks, loss.held.blocks) == ("gone", 1, 3)
+
+
+def test_a_cut_that_releases_the_displacing_retains_own_positions_displaces_on() -> None:
+    """A block-hash Retain at priority 10 holds positions 1-2 and the window blocks of
+    their hit (depths 0-1); the session's Retain at priority 90 wants positions 1-4 and
+    the windows of depths 2-3: 12 new blocks, 6 of room. Displacing the low claim's depth-1
+    window block cuts that claim from depth 1 (:mod:`.hold_cuts`), releasing position 2
+    too, one of the displacing Retain's own targets: released, but it makes no room (the
+    Retain takes it back). Before, it counted as room made: displacement stopped after
+    6 releases with 5 of room made, and the Retain was clipped to 3 positions (its reason
+    blaming priorities of 90 or more, while priority 10 still held 6 blocks), its next
+    turn hitting 3 blocks, not 4."""
+    bench = Bench(GEMMA, retain_budget_fraction=0.31)
+    executor = bench.core.executor
+    assert executor.holds.max_retained == 18
+    keys = bench.core.index.session_prefix("s", 4)
+    low = bench.hint("kv.retain", {"target": {"block_hashes": keys[:2]}, "priority": 10,
+                                   "ttl_s": 600}, "low")
+    assert low.applied.blocks == 2 and executor.retained_blocks == 2 + 5 * 2
+    high = bench.hint("kv.retain", {"target": {"session_id": "s"}, "priority": 90,
+                                    "ttl_s": 600}, "high")
+    assert (high.status.value, high.applied.blocks) == ("accepted", 4), high.reason
+    assert executor.retained_blocks == HELD  # the low claim is all gone
+    (loss,) = executor.take_releases()
+    assert (loss.action_id, loss.reason.value, loss.released.blocks, loss.held.blocks) == (
+        "low", "displaced", 2, 0)
+    bench.traffic()
+    assert bench.next_turn_hit() == 4 * BLOCK
+
+
+def test_relief_counts_only_blocks_that_make_room() -> None:
+    """Relief for 6 blocks, the allocating request's hit being the last position: the
+    first window block relieved cuts the Retain from depth 3, releasing that position
+    too, which the request reads back (vLLM counts a free hit block as one to allocate).
+    Before, relief stopped there: 6 released, 5 of them room."""
+    bench = Bench(GEMMA, retain_budget_fraction=0.5)
+    executor, pool = bench.core.executor, bench.manager.block_pool
+    bench.hint("kv.retain", {"target": {"session_id": "s"}, "priority": 50, "ttl_s": 600})
+    last = bench.positions()[3]
+    free = pool.get_num_free_blocks()
+    assert executor.holds.relieve(6, keep=frozenset({last.block_id})) == 12  # depths 2-3
+    assert pool.get_num_free_blocks() - free - 1 >= 6  # less the request's own hit
