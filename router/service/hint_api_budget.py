@@ -53,6 +53,19 @@ class ApiBudgetGate:
                 return  # gone meanwhile (older than the minute)
             times.remove(at)
 
+    def rate_problem(self, tenant: str, actions: int, budget: TenantBudget,
+                     now: float) -> str | None:
+        """Why ``actions`` more API actions do not fit ``tenant``'s per-minute rate now
+        (its sends of the last minute), or None. Counts nothing: :meth:`problem` does.
+        Needs no session: the sessions API asks it before the session's store read."""
+        times = self._times.setdefault(tenant, deque())
+        while times and now - times[0] > 60.0:
+            times.popleft()
+        if len(times) + actions > budget.max_actions_per_minute:
+            return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
+                    "per minute")
+        return None
+
     def problem(self, tenant: str, budget: TenantBudget, worker_id: str,
                 planned: Sequence[PlannedAction], now: float,
                 chain: Sequence[int] = (), worker_share: float = 1.0) -> str | None:
@@ -64,12 +77,8 @@ class ApiBudgetGate:
         the tenant's own holdings, never what the worker holds for everyone (before, "worker
         w0 would hold 56 pinned blocks" told a tenant what every other tenant pinned
         there): only that the worker's shared budget has no room for these."""
-        times = self._times.setdefault(tenant, deque())
-        while times and now - times[0] > 60.0:
-            times.popleft()
-        if len(times) + len(planned) > budget.max_actions_per_minute:
-            return (f"tenant {tenant!r} may send {budget.max_actions_per_minute} hint actions "
-                    "per minute")
+        if (over := self.rate_problem(tenant, len(planned), budget, now)) is not None:
+            return over
         block_size = self._block_size(worker_id)
         # Blocks added: on the worker, on the tenant, by the tenant's API on the worker.
         pins, retains = [0, 0, 0], [0, 0, 0]
@@ -129,5 +138,5 @@ class ApiBudgetGate:
                     return (f"{who} has no room for these {kind} blocks (its limit {limit} "
                             "is shared by every tenant)")
                 return f"{who} would hold {current + asked} {kind} blocks (limit {limit})"
-        times.extend([now] * len(planned))
+        self._times[tenant].extend([now] * len(planned))
         return None

@@ -100,6 +100,9 @@ class HintDispatcher(HintResets):
         self.pending: dict[str, SentAction] = {}
         self.recent: deque[SentAction] = deque(maxlen=_RECENT_KEPT)
         self._recent_by_id: dict[str, SentAction] = {}
+        # The worker's clock of the answer of each holding restored from the store
+        # (HintResets.restore; pruned as their holdings go).
+        self._restored_answers: dict[str, float] = {}
         # Actions per tenant (None: actions of no tenant) and status they ended in.
         self._status_counts: dict[str | None, dict[str, int]] = {}
         self._api_gate = ApiBudgetGate(self.holdings, workers, self._block_size)
@@ -208,6 +211,11 @@ class HintDispatcher(HintResets):
         """:meth:`ApiBudgetGate.rate_wait_s`."""
         return self._api_gate.rate_wait_s(tenant, actions, budget, now)
 
+    def api_rate_problem(self, tenant: str, actions: int, budget: TenantBudget,
+                         now: float) -> str | None:
+        """:meth:`ApiBudgetGate.rate_problem`."""
+        return self._api_gate.rate_problem(tenant, actions, budget, now)
+
     def api_rate_refund(self, tenant: str, at: float, actions: int) -> None:
         """:meth:`ApiBudgetGate.refund`."""
         self._api_gate.refund(tenant, at, actions)
@@ -305,7 +313,6 @@ class HintDispatcher(HintResets):
             return record
         if record.answered_by_reset_engine(outcome.at):
             self._answered_by_new_engine(record)
-        record.answered_at = outcome.at
         for column, value in outcome_columns(outcome).items():
             setattr(record, column, value)
         record.updated_at = self._clock()

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET
 
+from kvhint.router.policy.holdings import waits_for_blocks
 from kvhint.schemas import (
     ActionType,
     Amount,
@@ -33,9 +35,9 @@ FAILED = "failed"
 HintStatus = Literal["pending", "expired", "failed", "accepted", "clipped", "deferred",
                      "rejected", "missing"]
 # The most a stored amount may be: the store's requested_/applied_ columns are 32-bit
-# integers (migrations 0001). A worker's answer past it (an older plugin echoed a
-# target's unbounded prefix_tokens) is kept at this bound, counted, rather than losing
-# the whole row to the store (store_row_rejected).
+# integers (migrations 0001), and so is waits_for_blocks (0008). A worker's answer past
+# it (an older plugin echoed a target's unbounded prefix_tokens) is kept at this bound,
+# counted, rather than losing the whole row to the store (store_row_rejected).
 MAX_STORED_AMOUNT = 2**31 - 1
 # An action with no terminal outcome this long past the time its worker must give one
 # (at once; a Prefetch at its deadline_s: worker_wait_s) is marked expired.
@@ -102,6 +104,16 @@ class SentAction:
     release_reason: str | None = None
     released_at: float | None = None
     held_after_release_blocks: int | None = None
+    # A deferred Prefetch whose wait its worker's prefetch budget clipped: the most it can
+    # hold when it settles (outcome 1.1 ``waits_for``; None: not clipped, not said).
+    waits_for_blocks: int | None = None
+    # The worker's clock (``at``) of its latest answer: which engine gave it
+    # (HintDispatcher.reset_worker).
+    answered_at: float | None = None
+    # When the engine whose new epoch let this action go unanswered started, by the
+    # worker's clock (None: no such reset, or an epoch without order): an answer at or
+    # after it is that engine's, which holds the action after all.
+    reset_by_engine_at: float | None = None
     waiter: asyncio.Future[SentAction] | None = None
     # When this router began waiting for the outcome (not stored): the send, or for an
     # action restored from the store, the restart.
@@ -109,13 +121,6 @@ class SentAction:
     # When this router stops waiting for the outcome, where something cut the wait short
     # (not stored; None: :meth:`outcome_due`'s rule): its worker's engine restarted.
     due_at: float | None = None
-    # The worker's clock (``at``) of its latest answer (not stored): which engine gave it
-    # (HintDispatcher.reset_worker).
-    answered_at: float | None = None
-    # When the engine whose new epoch let this action go unanswered started, by the
-    # worker's clock (not stored; None: no such reset, or an epoch without order): an
-    # answer at or after it is that engine's, which holds the action after all.
-    reset_by_engine_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -166,8 +171,11 @@ class SentAction:
 
     def still_held(self) -> int:
         """The blocks it holds as far as the router was told: what it applied (asked for,
-        while it waits for its answer), less what its worker since said it let go."""
+        while it waits for its answer: no more than a clipped Prefetch waits for), less
+        what its worker since said it let go."""
         asked = self.requested_blocks if not self.terminal else self.applied_blocks
+        if not self.terminal and self.waits_for_blocks is not None:
+            asked = min(asked, self.waits_for_blocks)
         released = self.held_after_release_blocks
         return asked if released is None else min(asked, released)
 
@@ -196,6 +204,8 @@ class SentAction:
             "scope": self.scope, "expires_at": self.expires_at,
             "release_reason": self.release_reason, "released_at": self.released_at,
             "held_after_release_blocks": self.held_after_release_blocks,
+            "waits_for_blocks": self.waits_for_blocks, "answered_at": self.answered_at,
+            "reset_by_engine_at": self.reset_by_engine_at,
         }
 
     @classmethod
@@ -206,23 +216,28 @@ class SentAction:
             "requested_blocks", "requested_tokens", "applied_blocks", "applied_tokens")}
         return cls(**fields, **{k: row.get(k) for k in (
             "scope", "expires_at", "release_reason", "released_at",
-            "held_after_release_blocks")})
+            "held_after_release_blocks", "waits_for_blocks", "answered_at",
+            "reset_by_engine_at")})
 
 
 def outcome_columns(outcome: HintOutcome) -> dict[str, Any]:
-    """What a worker's answer sets of its action's record (and store row)."""
+    """What a worker's answer sets of its action's record (and store row): its amounts,
+    what a clipped deferred Prefetch waits for, and when (the worker's clock) it came."""
     return {"status": outcome.status.value, "reason": outcome.reason,
             "requested_blocks": outcome.requested.blocks,
             "requested_tokens": outcome.requested.tokens,
-            "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens}
+            "applied_blocks": outcome.applied.blocks, "applied_tokens": outcome.applied.tokens,
+            "waits_for_blocks": waits_for_blocks(outcome), "answered_at": outcome.at}
 
 
 def clamped_amounts(outcome: HintOutcome) -> HintOutcome | None:
-    """``outcome`` with its amounts held to :data:`MAX_STORED_AMOUNT`, or None when they
-    are within it already."""
-    amounts = (outcome.requested, outcome.applied)
+    """``outcome`` with its amounts (``waits_for`` too) held to :data:`MAX_STORED_AMOUNT`,
+    or None when they are within it already."""
+    waits = () if outcome.waits_for is UNSET else (outcome.waits_for,)
+    amounts = (outcome.requested, outcome.applied, *waits)
     if all(max(a.blocks, a.tokens) <= MAX_STORED_AMOUNT for a in amounts):
         return None
-    requested, applied = (Amount(min(a.blocks, MAX_STORED_AMOUNT),
-                                 min(a.tokens, MAX_STORED_AMOUNT)) for a in amounts)
-    return msgspec.structs.replace(outcome, requested=requested, applied=applied)
+    requested, applied, *waits = (Amount(min(a.blocks, MAX_STORED_AMOUNT),
+                                         min(a.tokens, MAX_STORED_AMOUNT)) for a in amounts)
+    return msgspec.structs.replace(outcome, requested=requested, applied=applied,
+                                   waits_for=waits[0] if waits else UNSET)

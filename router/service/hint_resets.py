@@ -48,6 +48,7 @@ class HintResets:
     holdings: HoldingsLedger
     pending: dict[str, SentAction]
     _recent_by_id: dict[str, SentAction]
+    _restored_answers: dict[str, float]
 
     def _expire(self, record: SentAction, now: float, reason: str, save: bool = True) -> None:
         raise NotImplementedError  # the dispatcher's: the action ends expired, counted
@@ -73,8 +74,11 @@ class HintResets:
         but before this router heard it is its own: one it answered already (``at``, the
         worker's clock, at or after the epoch's start) is not let go; one still waiting
         is, but comes back with that engine's answer (:meth:`on_outcome`). Before, the
-        reset forgot both though the new engine held them. An epoch without order (an
-        older plugin's) tells nothing: all are let go, as before."""
+        reset forgot both though the new engine held them. Both survive a router restart:
+        the answer's ``at`` and the epoch's start are stored (``answered_at``,
+        ``reset_by_engine_at``; before, not: a restored router let go of what the new
+        engine had answered, and capped its later answer at the reset's 0). An epoch
+        without order (an older plugin's) tells nothing: all are let go, as before."""
         self._learning.reset_worker(worker_id)
         now = self._clock()
         started_ms = epoch_started_ms(epoch) if epoch is not None else None
@@ -82,8 +86,9 @@ class HintResets:
 
         def new_engines(action_id: str) -> bool:
             record = self.pending.get(action_id) or self._recent_by_id.get(action_id)
-            return (started is not None and record is not None
-                    and record.answered_at is not None and record.answered_at >= started)
+            at = (record.answered_at if record is not None
+                  else self._restored_answers.get(action_id))
+            return started is not None and at is not None and at >= started
 
         waiting = [r for r in self.pending.values()
                    if r.worker_id == worker_id and not new_engines(r.action_id)]
@@ -94,23 +99,33 @@ class HintResets:
         dropped = self.holdings.forget_worker(worker_id, keep=kept)
         if dropped:
             self._metrics.drop("hint_dropped:worker_restarted", dropped)
-        for action_id in let_go:
-            self._engine_restarted(action_id, now)
         for record in waiting:
             record.cut_wait(now)
             record.reset_by_engine_at = started
+        for action_id in let_go:
+            self._engine_restarted(action_id, now)
+        self._prune_restored_answers()
 
     def _engine_restarted(self, action_id: str, now: float) -> None:
         """The action's holds went with its worker's old engine: its record and row say
         so as a ``reset`` release would (a late answer is capped: :meth:`effective`)."""
         record = self.pending.get(action_id) or self._recent_by_id.get(action_id)
+        columns: dict[str, Any] = {"action_id": action_id,
+                                   "release_reason": ReleaseReason.RESET.value,
+                                   "released_at": now, "held_after_release_blocks": 0}
         if record is not None:
             record.release_reason, record.released_at = ReleaseReason.RESET.value, now
             record.held_after_release_blocks = 0
+            # Which engine's answer brings it back, for a restart's restore too (before,
+            # not stored: restored, that engine's answer was capped at this reset's 0).
+            columns["reset_by_engine_at"] = record.reset_by_engine_at
         if self._writer is not None:  # the action's row (a no-op for one never stored)
-            self._writer.update("hint_actions", (action_id,), {
-                "action_id": action_id, "release_reason": ReleaseReason.RESET.value,
-                "released_at": now, "held_after_release_blocks": 0})
+            self._writer.update("hint_actions", (action_id,), columns)
+
+    def _prune_restored_answers(self) -> None:
+        """Forget the answer times of restored holdings that are over."""
+        for action_id in [a for a in self._restored_answers if a not in self.holdings]:
+            del self._restored_answers[action_id]
 
     def forget_worker(self, worker_id: str) -> None:
         """The registry forgot the worker (heard only by its heartbeats, silent for good):
@@ -158,6 +173,7 @@ class HintResets:
         dropped = len(waiting) + self.holdings.forget_worker(worker_id) - held_too
         for record in waiting:
             self._expire(record, now, reason, save=save)
+        self._prune_restored_answers()
         return dropped
 
     def _answered_by_new_engine(self, record: SentAction) -> None:
@@ -186,12 +202,14 @@ class HintResets:
         oldest first; a Prefetch's retain until its deadline, each its own holding as
         before the restart), so budgets count them again (before, answered Prefetches
         were not read back). A pending Pin/Retain/Prefetch is held at what it asked for
-        until its outcome settles it. The actions of a worker the registry (filled before
-        this is called) does not hold are not restored (before, its holds counted against
-        their tenant's budget until their TTL); their rows go with the worker's own row
-        (by the foreign key). Each is counted (``hint_not_restored:worker_gone``), and so
-        is a held one whose holding cannot be rebuilt (``hint_not_restored:unscoped``:
-        a row that does not say what it protects)."""
+        until its outcome settles it (a Prefetch whose wait its worker clipped, at what it
+        waits for: ``waits_for_blocks``; before, at all it asked for). The actions of a
+        worker the registry (filled before this is called) does not hold are not restored
+        (before, its holds counted against their tenant's budget until their TTL); their
+        rows go with the worker's own row (by the foreign key). Each is counted
+        (``hint_not_restored:worker_gone``), and so is a held one whose holding cannot be
+        rebuilt (``hint_not_restored:unscoped``: a row that does not say what it
+        protects)."""
         self._learning.restore(learned)
         gone = sum(row["worker_id"] not in self._workers for row in (*held, *pending))
         if gone:
@@ -203,6 +221,11 @@ class HintResets:
             blocks = record.still_held()
             if blocks > 0 and not self._hold(record, blocks):
                 self._metrics.drop("hint_not_restored:unscoped")
+            elif blocks > 0 and record.answered_at is not None:
+                # Which engine answered it: a worker's new epoch heard after the restart
+                # keeps it if that engine did (:meth:`reset_worker`; before, not stored,
+                # the restored router let go of holds the new engine had).
+                self._restored_answers[record.action_id] = record.answered_at
         now = self._clock()
         for row in pending:
             record = SentAction.from_row(row)

@@ -55,6 +55,7 @@ from kvhint.router.service.inbound import (
 )
 from kvhint.router.service.runtime import RouterRuntime
 from kvhint.router.service.sessions import ENDED
+from kvhint.router.service.settings import TenantBudget
 from kvhint.router.service.tenancy import DEFAULT_TENANT, AuthError, Principal, api_key_of
 from kvhint.router.service.tenant_call_rate import CALL_RATE_REJECTION
 from kvhint.router.service.tenant_reasons import rows_for
@@ -225,11 +226,10 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
     tenant = runtime.directory.get(tenant_name)
     if tenant is None:
         raise _Rejected("unknown_session", f"unknown tenant {tenant_name!r}", 404)
-    await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
-    record = runtime.sessions.get(tenant_name, session_id)
-    if record is None:
-        raise _Rejected("unknown_session",
-                        f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
+    # What is refused whatever the session holds is refused before its store read (the
+    # recall below: a lookup by key, a read slot of the tenant's): the number of
+    # actions, their ids, the tenant's rate. Before, every such refusal read the session
+    # first (a refreshed one too), and an agent retrying over its rate cost a read a try.
     if not hint_request.actions or len(hint_request.actions) > MAX_ACTIONS_PER_CALL:
         raise _Rejected("invalid_action", f"send 1 to {MAX_ACTIONS_PER_CALL} actions", 422)
     action_ids, id_problems = call_action_ids(hint_request.actions, tenant_name, runtime)
@@ -239,6 +239,17 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                             actions=id_problems)
         raise _Rejected("invalid_action", "invalid action ids; nothing was sent", 422,
                         actions=id_problems)
+    now = time.time()
+    count = len(hint_request.actions)
+    if (over := runtime.hints.api_rate_problem(tenant_name, count, tenant.budget, now)) \
+            is not None and (rejected := _over_rate(runtime, tenant_name, tenant.budget,
+                                                    count, now, over)) is not None:
+        raise rejected
+    await runtime.lifecycle.recall(tenant_name, session_id)  # forgotten from memory
+    record = runtime.sessions.get(tenant_name, session_id)
+    if record is None:
+        raise _Rejected("unknown_session",
+                        f"unknown session {session_id!r} for tenant {tenant_name!r}", 404)
     worker_id = hint_request.worker_id or record.worker_id
     if worker_id is None:
         raise _Rejected("conflict", "the session has no worker yet (send a turn first, or "
@@ -277,21 +288,10 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
                                             planned, now, record.last_block_hashes,
                                             tenant.worker_share)
     if over is not None:
-        # Over the per-minute rate: when a retry fits (None: never, too many in one
-        # call); 0, the rate has room: a budget (budgets have no time).
-        wait_s = runtime.hints.api_rate_wait_s(tenant_name, len(planned), tenant.budget, now)
-        if wait_s is None:
-            # The call itself can never pass, now or later: a 422 (a 429, even with
-            # x-should-retry: false, says "later"), naming the bound.
-            rate = tenant.budget.max_actions_per_minute
-            raise _Rejected("invalid_action", f"{len(planned)} actions in one call: more "
-                            f"than tenant {tenant_name!r} may send in a minute (its "
-                            f"budget.max_actions_per_minute is {rate}); nothing was sent"
-                            + (", send fewer per call" if rate else ""), 422)
-        if wait_s:
-            raise _Rejected("over_rate", f"over its rate; nothing was sent: {over} (its "
-                            "budget.max_actions_per_minute): retry after Retry-After "
-                            "seconds", 429, {"retry-after": str(math.ceil(wait_s))})
+        # The rate filled while this call waited (the session's read, a heartbeat).
+        rejected = _over_rate(runtime, tenant_name, tenant.budget, len(planned), now, over)
+        if rejected is not None:
+            raise rejected
         # A budget: a retry passes only once room comes back, which no wait the router
         # knows says (holds end by their TTL, or when released): not retried for nothing
         # by OpenAI's SDKs, and told what frees room.
@@ -320,6 +320,27 @@ async def _send_hints(runtime: RouterRuntime, principal: Principal, tenant_name:
             "actions": rows_for(principal, [a.row() for a in sent])}
     status = 200 if all(a.terminal for a in sent) else 202
     return JSONResponse(body, status_code=status, headers=refusal_headers(status))
+
+
+def _over_rate(runtime: RouterRuntime, tenant_name: str, budget: TenantBudget,
+               actions: int, now: float, over: str) -> _Rejected | None:
+    """The refusal of a call of ``actions`` whose problem is ``over``, where that is the
+    tenant's per-minute rate: when a retry fits, or never (too many in one call). None:
+    the rate has room now (``over`` is a budget's: budgets have no time)."""
+    wait_s = runtime.hints.api_rate_wait_s(tenant_name, actions, budget, now)
+    if wait_s is None:
+        # The call itself can never pass, now or later: a 422 (a 429, even with
+        # x-should-retry: false, says "later"), naming the bound.
+        rate = budget.max_actions_per_minute
+        return _Rejected("invalid_action", f"{actions} actions in one call: more than "
+                         f"tenant {tenant_name!r} may send in a minute (its "
+                         f"budget.max_actions_per_minute is {rate}); nothing was sent"
+                         + (", send fewer per call" if rate else ""), 422)
+    if wait_s:
+        return _Rejected("over_rate", f"over its rate; nothing was sent: {over} (its "
+                         "budget.max_actions_per_minute): retry after Retry-After "
+                         "seconds", 429, {"retry-after": str(math.ceil(wait_s))})
+    return None
 
 
 def _heartbeat_wait_s(runtime: RouterRuntime) -> float:

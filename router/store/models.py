@@ -144,6 +144,12 @@ class HintActionRow(Base):
     release_reason: Mapped[str | None] = mapped_column(String(16))
     released_at: Mapped[float | None] = mapped_column(Float)
     held_after_release_blocks: Mapped[int | None] = mapped_column(Integer)
+    # Revision 0008 (service.hint_records.SentAction): a deferred Prefetch's clipped wait
+    # (outcome 1.1 waits_for: the most it can hold); the worker's clock of the latest
+    # answer; when the engine whose new epoch let it go while it waited started.
+    waits_for_blocks: Mapped[int | None] = mapped_column(Integer)
+    answered_at: Mapped[float | None] = mapped_column(Float)
+    reset_by_engine_at: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (
         Index("ix_hint_actions_status", "status"),
