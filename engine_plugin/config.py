@@ -7,6 +7,8 @@ unknown keys are errors too, so a typo does not silently fall back to a default.
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -163,12 +165,19 @@ class PluginConfig(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_switch_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+    def _only_a_json_number_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         # JSON true/false is not a number: lax mode read true as 1 (a priority of 1, a
-        # budget of all the blocks, a 1 s TTL) and false as 0, silently.
-        if isinstance(value, bool) and info.field_name is not None and (
-                cls.model_fields[info.field_name].annotation in (int, float)):
+        # budget of all the blocks, a 1 s TTL) and false as 0, silently. Nor is a quoted
+        # number: lax mode read "30" as 30, and "1_000" or " 30.0 " too, so a value
+        # written as a string (a template that quotes, a number that was meant to be a
+        # name) passed unseen; vLLM's --kv-transfer-config is typed JSON.
+        if info.field_name is None or (
+                cls.model_fields[info.field_name].annotation not in (int, float)):
+            return value
+        if isinstance(value, bool):
             raise ValueError("takes a number, not true or false")
+        if isinstance(value, str):
+            raise ValueError("takes a JSON number, not a string" + _unquoted(value))
         return value
 
     @field_validator("worker_id")
@@ -304,6 +313,18 @@ class PluginConfig(BaseModel):
             url_secret(server) is not None for server in self.nats_servers)
 
 
+def _unquoted(text: str) -> str:
+    """What to write instead of a quoted number: the number, where the string is one."""
+    try:
+        number = json.loads(text.strip())
+    except ValueError:
+        return ""
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or (
+            not math.isfinite(number)):
+        return ""
+    return f": write {text.strip()} without the quotes"
+
+
 def _key_error(key: str, message: str) -> PydanticCustomError:
     """A config-level refusal (a model validator's) that names ``key`` in the message, as
     a field's own refusal does (_problem reads it from the error's context)."""
@@ -338,3 +359,15 @@ def load_plugin_config(extra: Mapping[str, Any] | None) -> PluginConfig:
         if any(err["type"] == "extra_forbidden" for err in errors):
             message += "; the known keys: " + ", ".join(PluginConfig.model_fields)
         raise PluginConfigError("kvhint engine plugin: invalid config: " + message) from None
+
+
+def check_plugin_config_early(extra: Mapping[str, Any] | None) -> None:
+    """The checks of :func:`load_plugin_config` that hold in any process: for a check
+    made before the engine starts, in vLLM's API server (the connector's
+    ``requires_piecewise_for_cudagraph``). ``nats_url_env`` is left to the engine's own
+    check: it names a variable of the engine's environment, which a front end (e.g. of
+    a multi-node deployment) may not have. Raises PluginConfigError as that does."""
+    data = dict(extra or {})
+    if isinstance(data.get("nats_url_env"), str):
+        del data["nats_url_env"]
+    load_plugin_config(data)

@@ -55,7 +55,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvhint.engine_plugin.config import KV_ROLE, LOGGER_NAME, PluginConfig, load_plugin_config
+from kvhint.engine_plugin.config import (
+    KV_ROLE,
+    LOGGER_NAME,
+    PluginConfig,
+    check_plugin_config_early,
+    load_plugin_config,
+)
 from kvhint.engine_plugin.core import CoreCounters, EngineIdentity, PluginCore
 from kvhint.engine_plugin.counter_exports import read_counters
 from kvhint.engine_plugin.executor import ExecutorCounters
@@ -345,6 +351,22 @@ class KvHintConnector(KVConnectorBase_V1, SupportsHMA):
             LATENCY_KEY: latencies,
         })
         return out
+
+    # --- vLLM's config (front-end process, before any engine starts) -------------------------
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: the plugin runs nothing in the forward pass.
+
+        vLLM asks this while it builds its config (``VllmConfig.__post_init__``, in the
+        API-server process, before any engine starts; a MultiConnector asks each child
+        with its own extra config) on a platform with CUDA graphs whose mode has full
+        ones: CUDA's default, not CPU, ``--enforce-eager`` or a piecewise-only mode. The
+        plugin checks its config there (:func:`check_plugin_config_early`), so a bad value
+        stops ``vllm serve`` at once rather than after the model has loaded. The
+        constructor checks it again, in every case."""
+        check_plugin_config_early(extra_config)
+        return False
 
     # --- vLLM's metrics plumbing (front-end process) --------------------------------------------
 

@@ -37,6 +37,25 @@ def test_a_number_key_refuses_true_or_false(key: str, value: bool) -> None:
     assert f"kv_connector_extra_config[{key!r}]: " in says and "not true or false" in says
 
 
+@pytest.mark.parametrize("key", NUMBER_KEYS)
+def test_a_number_key_refuses_a_quoted_number_and_says_what_to_write(key: str) -> None:
+    """Before, lax mode read "30" as 30 (and "1_000" as 1000, " 30.0 " as 30): a value
+    written as a string passed unseen. vLLM's --kv-transfer-config is typed JSON."""
+    number = PluginConfig.model_fields[key].default
+    says = refusal({key: f" {number} "})
+    assert f"kv_connector_extra_config[{key!r}]: " in says
+    assert f"takes a JSON number, not a string: write {number} without the quotes" in says
+    assert getattr(load_plugin_config({key: number}), key) == number  # as advised
+
+
+@pytest.mark.parametrize(("value", "advice"), [
+    ("1e9", ": write 1e9 without the quotes"), ("0.5", ": write 0.5 without the quotes"),
+    ("1_000", ""), ("Infinity", ""), ("many", ""), ("true", "")])
+def test_the_advice_is_given_only_for_a_json_number(value: str, advice: str) -> None:
+    says = refusal({"max_sessions": value})
+    assert f"takes a JSON number, not a string{advice} (got {value!r})" in says
+
+
 @pytest.mark.parametrize("url", ["", " ", ",", " , "])
 def test_an_empty_or_blank_nats_url_is_refused(url: str) -> None:
     """Before, "" ran the engine without NATS (an unset template variable, said once in
