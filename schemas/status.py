@@ -30,8 +30,10 @@ over their budget: the worker clips); a 1.3 router reads its absence as "one blo
 position" (``worker_status_v1_3.json``).
 
 Every version's ``budgets`` are bounded (:data:`BudgetTtl`, :data:`BudgetBlocks`): TTLs in
-(0, 86400] s, block budgets in [0, 2**40]. The bounds are what every plugin ever sent, so
-they refuse no valid message; a status outside them is malformed (dropped and counted).
+(0, 86400] s, block budgets in [0, 2**40]; so is its ``usage`` (:data:`UsageCount`,
+:data:`UsageShare`): counts in [0, 2**40], ``kv_usage`` in [0, 1]. The bounds are what
+every plugin ever sent, so they refuse no valid message; a status outside them is
+malformed (dropped and counted).
 """
 
 from __future__ import annotations
@@ -110,17 +112,30 @@ class Budgets(msgspec.Struct, frozen=True, kw_only=True):
     max_retain_ttl_s: BudgetTtl
 
 
+# Bounds of a heartbeat's usage, as of its budgets (malformed outside them, counted the
+# same): every count is of blocks, sessions or requests of one engine, in [0, 2**40];
+# ``kv_usage`` is the used share of the GPU pool, in [0, 1] (the plugin sends
+# ``1 - free / total``, rounded). Before, a negative or absurd figure was taken: shown on
+# the dashboard and the admin API, stored with the worker's row, and a negative or absurd
+# ``gpu_blocks_total`` turned off the hints API's check of ``prefix_tokens`` against the
+# worker's pool. A usage above its budget is not refused: the router plans from its own
+# ledger, never from these figures, and refusing the heartbeat would have the worker
+# taken for dead.
+UsageCount = Annotated[int, Meta(ge=0, le=MAX_BUDGET_BLOCKS)]
+UsageShare = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
-    gpu_blocks_total: int
-    gpu_blocks_free: int
-    kv_usage: float
-    pinned_blocks: int = 0
-    retained_blocks: int = 0
-    host_blocks_used: int = 0
-    indexed_blocks: int = 0
-    sessions: int = 0
-    active_requests: int = 0
-    pending_hints: int = 0
+    gpu_blocks_total: UsageCount
+    gpu_blocks_free: UsageCount
+    kv_usage: UsageShare
+    pinned_blocks: UsageCount = 0
+    retained_blocks: UsageCount = 0
+    host_blocks_used: UsageCount = 0
+    indexed_blocks: UsageCount = 0
+    sessions: UsageCount = 0
+    active_requests: UsageCount = 0
+    pending_hints: UsageCount = 0
 
 
 class ClaimCost(msgspec.Struct, frozen=True, kw_only=True):

@@ -50,6 +50,9 @@ class AdapterCounters:
     unknown_events: int = 0
     other_group_events: int = 0
     unknown_medium_events: int = 0
+    # A session a snapshot listed again (on another page, or twice on one), or a frontier
+    # listed twice in one session's entry: read once (:func:`snapshot_to_event`).
+    snapshot_session_repeats: int = 0
 
 
 def _ints(values: Sequence[int | bytes]) -> Sequence[int]:
@@ -168,15 +171,40 @@ class EventBatchAdapter:
         return tier
 
 
-def snapshot_to_event(pages: Sequence[WorkerSnapshot]) -> SnapshotLoaded:
-    """Join a worker's snapshot pages into one ``SnapshotLoaded`` (pages in cursor order)."""
+def snapshot_to_event(pages: Sequence[WorkerSnapshot],
+                      counters: AdapterCounters | None = None) -> SnapshotLoaded:
+    """Join a worker's snapshot pages into one ``SnapshotLoaded`` (pages in cursor order).
+
+    A worker lists each session once, with each of its frontiers once. A session listed
+    again (pages read from two copies of the worker's index, as a plugin before paging by
+    ``seq`` served them; a worker's bug) is one session: its frontiers are those of every
+    listing, each once, at its last place (most recent last). Each session listed again,
+    and each frontier listed twice in one entry, is counted in
+    ``counters.snapshot_session_repeats``. Before, the listings were concatenated: the
+    session's placement named a frontier twice, and the copies took places of its
+    branches under the index's ``max_frontiers`` (counted as frontiers dropped, a real
+    branch lost with them). Blocks are taken as listed: a GPU block listed
+    twice is one (the index counts the repeat as a duplicate store), a block of another
+    medium listed twice two references (:class:`~kvhint.schemas.WorkerSnapshot`)."""
     if not pages:
         raise ValueError("a snapshot needs at least one page")
     worker_id = pages[0].worker_id
     blocks = [SnapshotBlock(b.block_hash, b.parent_hash, tier_of_medium(b.medium))
               for page in pages for b in page.blocks]
-    sessions: dict[str, list[int]] = {}
+    sessions: dict[str, dict[int, None]] = {}
+    repeats = 0
     for page in pages:
         for s in page.sessions:
-            sessions.setdefault(s.session_id, []).extend(s.frontiers)
-    return SnapshotLoaded(worker_id, blocks, tuple(sessions.items()))
+            frontiers = sessions.get(s.session_id)
+            if frontiers is None:
+                frontiers = sessions[s.session_id] = {}
+            else:
+                repeats += 1
+            repeats += len(s.frontiers) - len(set(s.frontiers))
+            for frontier in s.frontiers:
+                frontiers.pop(frontier, None)  # listed before: moved last
+                frontiers[frontier] = None
+    if counters is not None:
+        counters.snapshot_session_repeats += repeats
+    return SnapshotLoaded(worker_id, blocks,
+                          tuple((sid, list(f)) for sid, f in sessions.items()))

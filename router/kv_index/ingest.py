@@ -220,7 +220,7 @@ class KvEventIngestor:
         # A snapshot of a newer epoch: the old engine's view is purged (and noticed) first,
         # as for a live batch's new epoch; then the snapshot, then what was buffered.
         actions += self._carry_out(stream, replace(decision, resync_reason=None))
-        self.index.apply(snapshot_to_event(pages))  # type: ignore[arg-type]
+        self.index.apply(snapshot_to_event(pages, self._adapter.counters))  # type: ignore[arg-type]
         for batch in ready:
             actions += self._apply_payload(stream, batch)
         if decision.resync_reason:  # a hole after the snapshot

@@ -64,13 +64,32 @@ class WorkerFeedback:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> WorkerFeedback:
-        return cls(
-            worker_id=str(data["worker_id"]),
-            pin_ask_scale=float(data.get("pin_ask_scale", 1.0)),  # type: ignore[arg-type]
-            disabled_actions=frozenset(data.get("disabled_actions", ())),  # type: ignore[arg-type]
-            disabled_reasons=dict(data.get("disabled_reasons", {})),  # type: ignore[arg-type]
-            rejections_in_row=dict(data.get("rejections_in_row", {})),  # type: ignore[arg-type]
-        )
+        """Inverse of :meth:`to_dict`; raises ValueError on values :func:`apply_outcome`
+        never makes: a pin ask scale outside [0, 1] (NaN and infinities: PostgreSQL gives
+        back ``"NaN"``, a ``1e999``, SQLite a bare NaN), a rejection count that is not a
+        whole number >= 0, action types or reasons that are not strings. Before, such a
+        row (a hand edit, a restore from elsewhere) was taken: a NaN or negative scale
+        stopped every Pin on the worker for good (no Pin sent, none accepted to raise it
+        back), one over 1 planned Pins past the room left, and a count of another type
+        failed every later outcome of its action type."""
+        scale = float(data.get("pin_ask_scale", 1.0))  # type: ignore[arg-type]
+        if not 0.0 <= scale <= 1.0:  # NaN fails it too
+            raise ValueError(f"feedback: pin_ask_scale {scale!r} is not in [0, 1]")
+        actions = data.get("disabled_actions", ())
+        reasons = data.get("disabled_reasons", {})
+        counts = data.get("rejections_in_row", {})
+        if not (isinstance(actions, (list, tuple)) and isinstance(reasons, dict)
+                and isinstance(counts, dict)):
+            raise ValueError("feedback: disabled_actions must be a list, disabled_reasons "
+                             "and rejections_in_row objects")
+        if not all(isinstance(a, str) for a in (*actions, *reasons, *reasons.values(),
+                                                  *counts)):
+            raise ValueError("feedback: action types and reasons must be strings")
+        if not all(type(n) is int and n >= 0 for n in counts.values()):
+            raise ValueError("feedback: a rejection count is not a whole number >= 0")
+        return cls(worker_id=str(data["worker_id"]), pin_ask_scale=scale,
+                   disabled_actions=frozenset(actions), disabled_reasons=dict(reasons),
+                   rejections_in_row=dict(counts))
 
 
 def apply_outcome(
