@@ -229,6 +229,9 @@ class HeadlessSchedulerSpec:
     # > 0: layer 0 attends a sliding window of this many tokens beside the full-attention
     # layer (a hybrid model, gpt-oss's 1:1 pattern: two KV cache groups).
     sliding_window: int = 0
+    # vLLM's --prefix-cache-retention-interval (its default 0: a sliding-window group
+    # caches only the window before each prompt's end; None: every block).
+    prefix_cache_retention_interval: int | None = 0
 
 
 @dataclass
@@ -403,6 +406,8 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
         cache_config=CacheConfig(block_size=spec.block_size,
                                  enable_prefix_caching=spec.enable_prefix_caching,
                                  prefix_caching_hash_algo="sha256",
+                                 prefix_cache_retention_interval=(
+                                     spec.prefix_cache_retention_interval),
                                  num_gpu_blocks_override=spec.num_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,
                                          max_num_batched_tokens=max(spec.max_num_batched_tokens,
