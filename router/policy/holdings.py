@@ -297,6 +297,11 @@ class HoldingsLedger:
         elif still_held < held.blocks:
             self._set_blocks(held, still_held)
 
+    def blocks_of(self, action_id: str) -> int | None:
+        """The blocks the live holding of ``action_id`` holds (None: none is live)."""
+        held = self._by_id.get(action_id)
+        return None if held is None else held.blocks
+
     def held_on(self, worker_id: str) -> list[str]:
         """The action ids of the live holdings on the worker."""
         return [h.action_id for h in self._by_id.values() if h.worker_id == worker_id]
@@ -343,6 +348,14 @@ class HoldingsLedger:
             return worker, 0, 0
         return (worker, blocks - self._tenants.counted(tenant, worker_id, named, slot),
                 blocks - self._api.counted((tenant, worker_id), worker_id, named, slot))
+
+    def tenant_retain_added(self, tenant: str, worker_id: str, keys: Sequence[int]) -> int:
+        """Retained blocks a Retain naming ``keys`` (root first) on the worker would add
+        to ``tenant``'s count: its blocks another holding of the tenant there already
+        counts (a session's Retain over the system prompt a shared-prefix Retain names
+        too, or the prefix's own earlier Retain) add nothing (:meth:`added`'s tenant
+        figure). The planner reads it (``PlannerContext.tenant_retain_added``)."""
+        return len(keys) - self._tenants.counted(tenant, worker_id, keys, RETAINED)
 
     def worker(self, worker_id: str) -> Holdings:
         return _holdings(self._workers, worker_id)

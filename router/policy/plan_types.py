@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.feedback import WorkerFeedback
@@ -129,7 +129,13 @@ class WorkerPlanView:
 
 @dataclass(frozen=True, slots=True)
 class PlannerContext:
-    """Frozen inputs of one planning call. ``rng`` only draws action ids."""
+    """Frozen inputs of one planning call. ``rng`` only draws action ids.
+    ``tenant_retain_added``: how many retained blocks a Retain naming ``keys`` (block
+    hashes, root first) on a worker would add to a tenant's count in ``tenant_held``,
+    ``(tenant, worker_id, keys) -> blocks``, as the caller's holdings ledger counts them
+    (distinct blocks: one another holding of the tenant already holds adds nothing;
+    :meth:`~kvhint.router.policy.holdings.HoldingsLedger.tenant_retain_added`, read
+    only). None: every block adds one."""
 
     now: float
     stats: LearnedStats
@@ -137,6 +143,7 @@ class PlannerContext:
     rng: random.Random
     config: PlannerConfig = PlannerConfig()
     tenant_held: Mapping[str, Holdings] = field(default_factory=dict)
+    tenant_retain_added: Callable[[str, str, Sequence[int]], int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,7 +186,12 @@ def plan_shared_prefixes(
     :func:`session_chain`). Like a session's retain this is soft:
     the worker fits it into its retain budget by displacing lower priorities, so only the
     tenant's budget is checked here (checking the worker's budget against the planner's
-    ledger, which session retains routinely fill, kept every prefix out)."""
+    ledger, which session retains routinely fill, kept every prefix out). A prefix costs
+    the tenant only its blocks no other holding of the tenant already counts
+    (``ctx.tenant_retain_added``): the sessions whose Retains cover it, and its own
+    earlier Retain, hold them already. Before, it cost all its blocks, counted twice
+    with the sessions' (the ledger counts each block once), and a tenant near its cap
+    was refused the prefix's Retain that added nothing."""
     config = ctx.config
     actions = []
     tenant_blocks = {t: h.retained_blocks for t, h in ctx.tenant_held.items()}
@@ -205,11 +210,15 @@ def plan_shared_prefixes(
         ttl = min(config.horizon_s, worker.budgets.max_retain_ttl_s)
         blocks = len(prefix.block_hashes)
         held = tenant_blocks.get(prefix.tenant or "", 0)
-        if prefix.tenant is not None and blocks > room_left(
+        added = blocks
+        if prefix.tenant is not None and ctx.tenant_retain_added is not None:
+            added = ctx.tenant_retain_added(prefix.tenant, prefix.worker_id,
+                                            prefix.block_hashes)
+        if prefix.tenant is not None and added > room_left(
                 held, config.tenant_max_retained_blocks):
             continue
         if prefix.tenant is not None:
-            tenant_blocks[prefix.tenant] = held + blocks
+            tenant_blocks[prefix.tenant] = held + added
         payload = RetainPayload(
             target=Target(block_hashes=list(prefix.block_hashes)),
             priority=priority,

@@ -157,7 +157,8 @@ class HintDispatcher(HintResets):
                 config = replace(config, tenant_max_pinned_blocks=budget.max_pinned_blocks,
                                  tenant_max_retained_blocks=budget.max_retained_blocks)
         return PlannerContext(now=now, stats=self.learned.of(tenant), workers=views,
-                              rng=self._rng, config=config, tenant_held=tenant_held)
+                              rng=self._rng, config=config, tenant_held=tenant_held,
+                              tenant_retain_added=self.holdings.tenant_retain_added)
 
     def stats_of(self, tenant: str | None) -> LearnedStats:
         """What ``tenant``'s planning predicts from (read only; the priors for a tenant
@@ -255,7 +256,17 @@ class HintDispatcher(HintResets):
         possibly a hint action's) changes no hint action and is counted
         (``foreign_hint_messages{kind="donor_release"}``: the router keeps no record of
         advice); one of any other type is dropped, counted
-        (``release_unknown_type``)."""
+        (``release_unknown_type``).
+
+        Counted (``hold_releases``) is what the release takes from what the router last
+        knew the action held (:meth:`_release_removes`), at most the blocks it says it
+        released: a release heard again (JetStream replaying the stream from a cursor
+        behind what this router applied: a restart after another replica's older cursor
+        write, an overlap of plain and JetStream delivery) removes nothing and counts
+        nothing; each later release of the action counts its own blocks. Before, each
+        hearing counted its blocks again, while the holding itself shrank only once. A
+        release of an action this router does not know (another replica's) counts
+        ``foreign_hint_messages{kind="release"}`` per message heard, as before."""
         if release.action_type not in HINT_RELEASE_TYPES:
             if release.action_type == DONOR_ACTION_TYPE:
                 self._metrics.foreign_messages.labels("donor_release").inc()
@@ -269,7 +280,7 @@ class HintDispatcher(HintResets):
             # The label's value is the router's own record's, or a hint type (above).
             action = record.action_type if record is not None else release.action_type
             self._metrics.hold_releases.labels(action, release.reason.value).inc(
-                release.released.blocks)
+                self._release_removes(release, record))
         else:
             self._metrics.foreign_messages.labels("release").inc()
         held = release.held.blocks
@@ -284,6 +295,21 @@ class HintDispatcher(HintResets):
                 "released_at": now, "held_after_release_blocks": held})
         if pending is None:
             self.holdings.released(release.action_id, held)
+
+    def _release_removes(self, release: HoldRelease, record: SentAction | None) -> int:
+        """The blocks ``release`` takes from what the action held as this router last
+        knew it: its record's count after its latest release (stored, so a restart
+        knows it too), else its live holding's (an action restored from the store, or
+        past the recent records), else, for its first release, all it says it released.
+        Releases of one action reach the router in the order its worker sent them (one
+        subject, one ordered consumer), each holding less than the one before."""
+        before = None if record is None else record.held_after_release_blocks
+        if before is None and record is None:
+            before = self.holdings.blocks_of(release.action_id)
+        released = release.released.blocks
+        if before is None:
+            return released
+        return min(released, max(before - release.held.blocks, 0))
 
     def on_outcome(self, outcome: HintOutcome) -> SentAction | None:
         """A worker's answer to a hint action, looked up by its id; a donor advice's
