@@ -119,7 +119,9 @@ _INGEST_THROUGHPUT = {
     # that ended unreported (a rollout's overlap, most likely): bookkeeping.
     "stream_id_conflicts", "stream_id_conflicts_unconfirmed",
     # Heartbeats whose interval_s was out of the plugin's bounds: taken, at the bound.
-    "stream_status_interval_bounded"}
+    "stream_status_interval_bounded",
+    # A session a snapshot listed more than once: read once, every branch kept.
+    "adapter_snapshot_session_repeats"}
 
 
 def test_every_index_ingestion_loss_is_on_the_drops_panel() -> None:
