@@ -111,8 +111,13 @@ def uvicorn_config(app: Any, settings: RouterSettings) -> uvicorn.Config:
         if runtime is not None:
             runtime.metrics.client_timeouts.labels(phase).inc()
 
+    def malformed() -> None:
+        runtime = getattr(getattr(app, "state", None), "runtime", None)
+        if runtime is not None:
+            runtime.metrics.route_refusals.labels("malformed_request").inc()
+
     protocol = deadline_protocol(settings.http_header_timeout_s, settings.http_body_timeout_s,
-                                 timed_out)
+                                 timed_out, malformed)
     return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, loop="auto", http=protocol or "h11",

@@ -248,6 +248,8 @@ async def _models(request: Request) -> Response:
     try:
         tenant = runtime.directory.client(api_key_of(request.headers))
     except AuthError as exc:
+        # Counted as every other refusal is (before, counted nowhere).
+        runtime.metrics.route_refusals.labels("unauthorized").inc()
         return error_response(exc.message, exc.status)
     workers = [w for w in runtime.workers.routable() if w.url]
     if not workers:
@@ -340,6 +342,7 @@ async def _metrics(request: Request) -> Response:
     runtime = runtime_of(request)
     token = runtime.settings.metrics_token
     if token is not None and not bearer_matches(request.headers.get("authorization"), token):
+        runtime.metrics.route_refusals.labels("unauthorized").inc()  # before: uncounted
         return error_response("/metrics needs the metrics token (Authorization: Bearer <token>)", 401)
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
 

@@ -14,7 +14,10 @@ part of its headers and then nothing (slowloris) held its connection, and a
   rest read and discarded by uvicorn; that must end within ``body_timeout_s`` too.
 
 The body a handler reads is bounded by the handler (``inbound.read_body_within``, which
-answers 408). Each close is reported through ``on_timeout(phase)``.
+answers 408). Each close is reported through ``on_timeout(phase)``. A request h11 cannot
+parse (its framing, request line or headers; headers over ``max_header_bytes``), which
+uvicorn answers with a plain 400 and a close before any app sees it, is reported through
+``on_malformed()``: before, such refusals were counted nowhere.
 
 Only uvicorn's protocol methods (``connection_made``, ``connection_lost``,
 ``data_received``, ``on_response_complete``), its ``conn``/``transport``/``loop``
@@ -38,7 +41,9 @@ _HOOKS = ("connection_made", "connection_lost", "data_received", "on_response_co
 
 
 def deadline_protocol(header_timeout_s: float, body_timeout_s: float,
-                      on_timeout: Callable[[str], None]) -> type[asyncio.Protocol] | None:
+                      on_timeout: Callable[[str], None],
+                      on_malformed: Callable[[], None] | None = None
+                      ) -> type[asyncio.Protocol] | None:
     """uvicorn's ``H11Protocol`` with the deadlines (pass it as ``uvicorn.Config(http=)``),
     or None when this uvicorn does not have the hooks it needs (logged as an error)."""
     try:
@@ -78,6 +83,12 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float,
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._follow()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to h11's RemoteProtocolError (module doc).
+            if on_malformed is not None:
+                on_malformed()
+            super().send_400_response(msg)
 
         def _follow(self) -> None:
             """(Re)arm or disarm after uvicorn handled what came in or went out."""

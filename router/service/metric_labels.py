@@ -59,6 +59,13 @@ ROUTE_REFUSALS = (
     "unknown_path",        # 404: no route has that path
     "method_not_allowed",  # 405: a route without that method (a GET of an inference path)
     "ambiguous_length",    # 400: Content-Length and Transfer-Encoding both (app.py)
+    # 401: GET /v1/models without a client key the router knows, GET /metrics without
+    # its metrics_token (app.py)
+    "unauthorized",
+    # 400: a request the HTTP server could not parse (its framing, request line or
+    # headers), answered by uvicorn before any route, the connection closed
+    # (client_deadlines.py)
+    "malformed_request",
 )
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
 CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints", "responses_cancel")

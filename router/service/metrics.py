@@ -181,7 +181,10 @@ class RouterMetrics:
             "kvhint_router_route_refusals",
             "Requests outside /admin that no route serves, by reason (unknown_path: 404; "
             "method_not_allowed: 405; ambiguous_length: 400, Content-Length and "
-            "Transfer-Encoding both, on any path)", ["reason"], registry=r), ROUTE_REFUSALS)
+            "Transfer-Encoding both, on any path; unauthorized: 401, /v1/models without "
+            "a known client key, /metrics without its token; malformed_request: 400, a "
+            "request the HTTP server could not parse)", ["reason"], registry=r),
+            ROUTE_REFUSALS)
         self.session_end_skips = _preset(Counter(
             "kvhint_router_session_end_skips",
             "Turns with X-Session-End that did not end their session because the turn did "
