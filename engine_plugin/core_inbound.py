@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kvhint.engine_plugin.inbound_checks import INTERNAL_ERROR_REASON, type_name
@@ -67,6 +68,24 @@ class InboundMixin:
             return [self._rejected(decoded.message_id, "", "", INTERNAL_ERROR_REASON)]
         return [self._rejected(decoded.message_id, a.action_id, type_name(a),
                                INTERNAL_ERROR_REASON) for a in decoded.actions]
+
+    def _within_step(self, item: Inbound, room: int) -> int:
+        """The actions of ``item`` this step applies (at least one): a hints message
+        with more than ``room`` keeps the first ``room`` and the rest go back to the head
+        of the inbox, taken (no early ``deferred``), for the next step."""
+        if item.kind != "hints":
+            return 1
+        if item.decoded is None:
+            item.decoded = self._decode_hints(item.data)
+        decoded: DecodedHints = item.decoded
+        if len(decoded.actions) <= room:
+            return max(len(decoded.actions), 1)
+        assert self.mailbox is not None
+        item.decoded = replace(decoded, actions=decoded.actions[:room])
+        self.mailbox.put_back(Inbound("hints", b"", item.received_at, item.reply_to,
+                                      taken=True,
+                                      decoded=replace(decoded, actions=decoded.actions[room:])))
+        return room
 
     def _handle(self, item: Inbound) -> list[HintOutcome]:
         if item.kind == "hints":

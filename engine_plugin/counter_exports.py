@@ -69,6 +69,7 @@ EXPORTS: dict[type, dict[str, Export]] = {
         "queued_publish_errors": Export("publish_errors", "queued"),
         "heartbeat_publish_errors": Export("publish_errors", "heartbeat"),
         "snapshot_reply_errors": Export("publish_errors", "snapshot_reply"),
+        "oversize_dropped": Export("publish_errors", "oversize"),
         "nats_slow_consumer_errors": Export("nats_errors", "slow_consumer"),
         "nats_other_errors": Export("nats_errors", "other"),
         "snapshots_dropped": Export("snapshots_dropped"),

@@ -269,18 +269,32 @@ class Mailbox:
                 item.taken = True
         return item
 
-    def put_outcomes(self, outcomes: list[HintOutcome], remember: bool = True) -> None:
+    def put_back(self, item: Inbound) -> None:
+        """Put the rest of a message the scheduler thread took in part (its step's action
+        budget spent) back at the head of the inbox, for the next step."""
+        with self.lock:
+            self.inbound.appendleft(item)
+
+    def put_outcomes(self, outcomes: list[HintOutcome], remember: bool = True,
+                     advice: bool = False) -> None:
         """Queue outcomes (the oldest queued go when full, counted). ``remember``: the
         terminal ones are the answers repeats get (False for the transport's inbox-full
-        rejections: transient, a retry under the same id is applied)."""
+        rejections: transient, a retry under the same id is applied). ``advice``: they
+        answer a donor advice (remembered under its :func:`answer_key`), not a hints
+        message's actions. Before, the key was taken from each outcome's action_type: a
+        hints message's action naming ``kv.donor`` (answered rejected, that type echoed)
+        was remembered as an advice's, its id stayed in flight for good (a repeat of it
+        finding the inbox full got no answer at all) and an advice of that id finding the
+        inbox full got the hint action's rejection as its own."""
         if not outcomes:
             return
         if remember:
+            kind = DONOR_ACTION_TYPE if advice else ""
             with self.lock:
                 answered, in_flight = self.answered, self.in_flight
                 for outcome in outcomes:
                     if outcome.status is not OutcomeStatus.DEFERRED and outcome.action_id:
-                        key = answer_key(outcome.action_id, outcome.action_type)
+                        key = answer_key(outcome.action_id, kind)
                         answered[key] = outcome
                         answered.move_to_end(key)
                         in_flight.pop(key, None)

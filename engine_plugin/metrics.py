@@ -117,10 +117,12 @@ COUNTERS = {
 # build's) is shown as OTHER_LABEL, so /metrics stays bounded.
 OTHER_LABEL = OTHER_ACTION_TYPE
 LABELLED_COUNTERS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "publish_errors": ("what", ("queued", "heartbeat", "snapshot_reply", OTHER_LABEL),
+    "publish_errors": ("what", ("queued", "heartbeat", "snapshot_reply", "oversize",
+                                OTHER_LABEL),
                        "Publishes NATS refused, by what: a queued outcome, release report "
                        "or event batch is put back and retried; a heartbeat or a snapshot "
-                       "page is lost."),
+                       "page is lost; oversize: an outcome or release report past NATS "
+                       "max_payload even made smaller is lost."),
     "nats_errors": ("kind", ("slow_consumer", OTHER_LABEL),
                     "NATS client errors by kind; slow_consumer: the client discarded an "
                     "inbound hint, advice or snapshot request."),

@@ -4,9 +4,9 @@ the :class:`~kvhint.engine_plugin.mailbox.Mailbox`.
 Lifetimes live in :meth:`NatsTransport._main`: connect (retrying until stopped:
 :mod:`.transport_connect`), then the publisher's loop: subscribe to hints, advice and
 snapshot requests and ensure the JetStream events stream (:mod:`.transport_setup`,
-which looks for it again every minute), then
-publish outcomes, hold releases, event batches (vLLM's msgpack ``KVEventBatch`` with
-``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
+which looks for it again every minute), then publish outcomes, hold releases (past
+``max_payload``: :mod:`.transport_oversize`), event batches (vLLM's msgpack
+``KVEventBatch``, ``EventBatchMeta`` headers) and the status heartbeat until stopped, then drain.
 
 NATS being down or slow never blocks the engine: the scheduler thread only appends to
 bounded deques; while disconnected, batches wait there (the oldest are dropped, counted,
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from nats.errors import Error as NatsError
+from nats.errors import Error as NatsError, MaxPayloadError
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.counter_exports import EXPORTS
@@ -62,6 +62,7 @@ from kvhint.engine_plugin.transport_inbound import (
     decoder_failed,
     deferred_outcomes,
 )
+from kvhint.engine_plugin.transport_oversize import smaller
 from kvhint.engine_plugin.transport_setup import (
     EventsStreamWatch,
     ensure_events_stream,
@@ -338,8 +339,9 @@ class NatsTransport:
                 return
             # A repeat of an action already answered gets that terminal outcome again,
             # and a "deferred" must never follow a terminal outcome.
+            kind = DONOR_ACTION_TYPE if item.kind == "advice" else ""  # put_outcomes' key
             outcomes = [o for o in outcomes
-                        if answer_key(o.action_id, o.action_type) not in mailbox.answered]
+                        if answer_key(o.action_id, kind) not in mailbox.answered]
             outcomes = mailbox.put_deferred(outcomes)
             self.counters.outcomes.update((counted_action_type(o.action_type), o.status.value)
                                           for o in outcomes)
@@ -438,6 +440,9 @@ class NatsTransport:
         while nc.is_connected and (item := pop_oldest(queue)) is not None:
             try:
                 await nc.publish(subject, encode(item))
+            except MaxPayloadError:  # never fits as it is: smaller, or dropped (counted)
+                queue.extendleft(reversed(smaller(item, self.counters, subject)))
+                continue
             except (NatsError, OSError) as exc:
                 queue.appendleft(item)
                 await self._publish_failed(exc)

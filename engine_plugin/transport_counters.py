@@ -43,6 +43,9 @@ class TransportCounters:
     queued_publish_errors: int = 0
     heartbeat_publish_errors: int = 0
     snapshot_reply_errors: int = 0
+    # Queued outcomes and release reports past NATS max_payload even made smaller
+    # (transport_oversize): lost.
+    oversize_dropped: int = 0
     # nats-py's async errors (error_cb), by kind: a slow consumer's message is discarded.
     nats_slow_consumer_errors: int = 0
     nats_other_errors: int = 0

@@ -104,7 +104,7 @@ def answer_full_inbox_advice(mailbox: Mailbox, counters: TransportCounters, work
     sorted_ids = mailbox.repeat_answers([answer_key(advice.advice_id, DONOR_ACTION_TYPE)]
                                         if advice.advice_id else [""])
     if sorted_ids.again:
-        mailbox.put_outcomes(sorted_ids.again)
+        mailbox.put_outcomes(sorted_ids.again, advice=True)
     counters.repeats_answered_again += len(sorted_ids.again)
     counters.repeats_in_flight += len(sorted_ids.in_flight)
     if not sorted_ids.new:

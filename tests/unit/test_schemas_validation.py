@@ -167,6 +167,20 @@ def test_wrong_protocol_version_rejects_every_action_by_id() -> None:
     assert isinstance(result, s.InvalidAction) and result.action_id == "a1"
 
 
+def test_a_message_id_too_long_to_echo_rejects_every_action_by_id() -> None:
+    """Each action's outcome echoes the message_id: one past MAX_MESSAGE_ID_CHARS is
+    refused and not echoed (a 500 KB one on 6k actions made 3 GB of outcomes)."""
+    limit = s.hints.MAX_MESSAGE_ID_CHARS
+    action = _action("kv.pin", {"target": {"session_id": "x"}})
+    decoded = s.decode_hints(_envelope([action], message_id="m" * (limit + 1)))
+    assert decoded.message_id == "" and decoded.error == (
+        f"message_id is longer than {limit} characters")
+    (result,) = decoded.actions
+    assert isinstance(result, s.InvalidAction) and result.action_id == "a1"
+    fits = s.decode_hints(_envelope([action], message_id="m" * limit))
+    assert fits.error is None and isinstance(fits.actions[0], s.ParsedAction)
+
+
 def test_typed_decoders_raise_wire_decode_error() -> None:
     with pytest.raises(s.WireDecodeError, match="invalid hint outcome.*status"):
         s.decode_outcome(b'{"message_id":"m","action_id":"a","worker_id":"w",'

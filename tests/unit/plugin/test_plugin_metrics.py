@@ -198,7 +198,7 @@ def test_every_series_is_on_metrics_at_zero_before_anything_happens() -> None:
     assert all(s.value == 0 for s in samples if not s.name.endswith("_created"))
     dropped = {s.labels["what"] for s in samples if s.name == "kvhint:publish_errors_total"
                and s.labels["engine"] == "0"}
-    assert dropped == {"queued", "heartbeat", "snapshot_reply", "other"}
+    assert dropped == {"queued", "heartbeat", "snapshot_reply", "oversize", "other"}
 
 
 def test_labelled_counters_take_deltas_and_stay_bounded() -> None:

@@ -115,7 +115,7 @@ def test_failed_publishes_are_counted_by_what_was_lost_or_retried(
     asyncio.run(run())
     assert len(mailbox.outcomes) == 1  # put back for the next try
     assert _exported(transport.counters)["publish_errors"] == {
-        "queued": 1, "heartbeat": 1, "snapshot_reply": 1}
+        "queued": 1, "heartbeat": 1, "snapshot_reply": 1, "oversize": 0}
 
 
 def test_snapshot_requests_no_page_can_answer_are_counted_and_cost_no_copy() -> None:
