@@ -18,7 +18,8 @@ which planner function it asks for hints.
 - a turn in flight when its session ends (a DELETE while the worker answers) only
   updates the counters: nothing is planned for a session that ended;
 - tick: :func:`plan_idle` for sessions awaiting a return (decay, release, abandon) when
-  :func:`next_idle_review` says one is due, the same schedule the simulator keeps; hint
+  :func:`next_idle_review` says one is due, the same schedule the simulator keeps (of
+  the sessions whose latest event this replica saw: idle_reviews.py); hint
   deadlines, learned statistics saved; ended sessions (an idle one ends when abandoned)
   and sessions awaiting nothing are forgotten from memory once long gone; every
   ``PlannerConfig.shared_prefix_scan_s`` prefixes shared by many sessions are retained
@@ -58,6 +59,7 @@ from kvhint.router.policy import (
 )
 from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
 from kvhint.router.service.hint_records import HINT_RELEASE_TYPES
+from kvhint.router.service.idle_reviews import reviewed_elsewhere
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import (
@@ -151,8 +153,11 @@ class SessionLifecycle:
         record = self.sessions.open(tenant, session_id, now)
         if record.open_gap is not None:
             gap = record.open_gap
+            # Never below 0: a gap another replica opened is stamped by its clock, which
+            # may be ahead of this one's (the planner's own measure is kept so too).
             record.gaps.append({"tools": gap.get("tools", []),
-                                "seconds": round(now - gap.get("started_at", now), 3),
+                                "seconds": round(max(now - gap.get("started_at", now), 0.0),
+                                                 3),
                                 "depth": record.turns})
             del record.gaps[:-MAX_GAPS_KEPT]  # the stored row keeps as many
             record.open_gap = None
@@ -161,6 +166,7 @@ class SessionLifecycle:
         record.state = ACTIVE
         record.ended_at = None
         record.last_activity = now
+        record.latest_elsewhere = False  # this replica serves its latest turn
         record.inflight += 1
         return record
 
@@ -224,6 +230,7 @@ class SessionLifecycle:
                 record.plan = replace(record.plan, turns=record.turns)
         record.inflight = max(record.inflight - 1, 0)
         record.last_activity = now
+        record.latest_elsewhere = False
         if observation is not None and observation.prompt_tokens is not None:
             record.prompt_tokens += observation.prompt_tokens
             record.cached_tokens += observation.cached_tokens or 0
@@ -285,6 +292,7 @@ class SessionLifecycle:
                 # (sessions._ended_explicitly_before_the_flag).
                 now = self._clock()
                 record.ended_at = now
+                record.latest_elsewhere = False
                 record.plan = replace(record.plan, ended_explicitly=True, last_activity=now)
                 self.sessions.save(record)
                 # The client's end is told as every explicit end is, once (a repeated
@@ -299,6 +307,7 @@ class SessionLifecycle:
         # with a claim the release, already under way, does not cover.
         record.plan = replace(record.plan, ended_explicitly=True)
         record.ended_at = now
+        record.latest_elsewhere = False
         record.open_gap = None
         self._told_of_end(record)
         return now
@@ -422,6 +431,11 @@ class SessionLifecycle:
             since = max(record.idle_reviewed_at or plan.gap_opened_at, plan.gap_opened_at)
             due = next_idle_review(config, plan, since)
             if due is None or now < due:
+                continue
+            if await reviewed_elsewhere(record, self.sessions, self.hints.holdings,
+                                        self._latest_session, self._metrics):
+                continue
+            if record.inflight or record.plan is not plan:  # changed while read
                 continue
             record.idle_reviewed_at = now
             context = contexts.get(record.tenant)

@@ -288,6 +288,11 @@ class RouterMetrics:
             "Store reads of a session's row before a turn, end or hints call of a session "
             "this router holds a record of, by outcome (merged: another replica's saves "
             "since merged in)", ["outcome"], registry=r), SESSION_REFRESHES)
+        self.idle_reviews_yielded = Counter(
+            "kvhint_router_idle_reviews_yielded",
+            "Idle reviews of a session this router left to the replica that saw its "
+            "latest event (served its latest turn): the record forgotten here",
+            registry=r)
         self.session_save_conflicts = _preset(Counter(
             "kvhint_router_session_save_conflicts",
             "Saves of a session whose row another replica saved since this router read "

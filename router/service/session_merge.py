@@ -27,7 +27,17 @@ replica saw is dropped:
   activity, and the planner's state) is the record with the later latest event's (its
   last activity, or an end its client asked for: not an abandonment, which a replica
   behind would decide from its older record), whichever replica saw it (this one's on a
-  tie); the planner's depth then shifted by the turns the other record did not count;
+  tie); the planner's depth then shifted by the turns the other record did not count.
+  Later by what each record saw since the row this one was made from (its base, which
+  the stored row descends from: every save is written over the revision it was made
+  from), not by the replicas' clocks where that tells: a record whose latest event is
+  still its base's saw nothing since, and the other is later (or the same). Only where
+  both saw an event since (turns on both replicas since the last save either read) are
+  the two clock readings compared, so a replica's clock ahead or behind can order only
+  such concurrent events. Before, the readings were compared always: a replica whose
+  clock was behind by more than the time between two turns on two replicas made the
+  merge keep the earlier turn's state (its open gap, planner state, worker);
+  :attr:`SessionRecord.latest_elsewhere` records which one it took;
 - its creation is the earlier of the two.
 """
 
@@ -55,6 +65,8 @@ class SessionBase:
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
     gaps: tuple[dict[str, Any], ...] = ()
+    # The row's latest event (:func:`latest_event`); None: not known (never stored).
+    latest: float | None = None
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> SessionBase:
@@ -62,7 +74,7 @@ class SessionBase:
         stats = row.get("tool_gap_stats") or {}
         return cls(row.get("turns") or 0, row.get("prompt_tokens") or 0,
                    row.get("cached_tokens") or 0, row.get("predicted_cached_tokens") or 0,
-                   tuple(stats.get("gaps") or ()))
+                   tuple(stats.get("gaps") or ()), _row_latest(row))
 
 
 NO_BASE = SessionBase()  # a record never stored: all it holds is its own
@@ -87,7 +99,7 @@ def merge_into(record: SessionRecord, theirs: SessionRecord) -> None:
     added = [gap for gap in record.gaps
              if _gap_key(gap) not in known and gap.get("depth") not in depths]
     gaps = [*theirs.gaps, *added]
-    later = _latest_event(theirs) > _latest_event(record)
+    later = _theirs_later(record, theirs, base.latest)
     # The open gap of the record that does not say where the session is now, closed by
     # a turn the other record began after it opened (module docstring).
     behind, ahead, depth = ((record, theirs, mine_turns) if later
@@ -105,6 +117,7 @@ def merge_into(record: SessionRecord, theirs: SessionRecord) -> None:
         record.ended_at = theirs.ended_at
         record.open_gap = theirs.open_gap
         record.last_activity = theirs.last_activity
+        record.latest_elsewhere = True
         plan, shift = theirs.plan, record.turns - theirs.turns
     else:
         plan, shift = record.plan, record.turns - mine_turns
@@ -133,7 +146,33 @@ def _closed_by(gap: dict[str, Any] | None, depth: int, ahead: SessionRecord,
             "depth": depth}
 
 
-def _latest_event(record: SessionRecord) -> float:
+def _theirs_later(record: SessionRecord, theirs: SessionRecord, base: float | None) -> bool:
+    """Whether ``theirs`` (the stored row now, descended from ``record``'s base, whose
+    latest event is ``base``) saw the session's latest event (module docstring): the
+    one of the two that saw an event since the base, where only one did; else the later
+    clock reading (``record`` on a tie)."""
+    mine, their = latest_event(record), latest_event(theirs)
+    if base is not None:
+        mine_moved, theirs_moved = mine != base, their != base
+        if mine_moved != theirs_moved:
+            return theirs_moved
+    return their > mine
+
+
+def _row_latest(row: dict[str, Any]) -> float | None:
+    """:func:`latest_event` of a stored row (or the values written as one)."""
+    activity = row.get("last_activity")
+    if not isinstance(activity, (int, float)):
+        return None
+    plan = row.get("plan")
+    ended = row.get("ended_at")
+    if (isinstance(plan, dict) and plan.get("ended_explicitly")
+            and isinstance(ended, (int, float))):
+        return max(float(activity), float(ended))
+    return float(activity)
+
+
+def latest_event(record: SessionRecord) -> float:
     """When ``record`` saw its session's latest event: its last activity, or its end
     when its client asked for it (``SessionLifecycle.end`` stamps ``ended_at`` alone)."""
     ended = record.ended_at if record.plan.ended_explicitly else None

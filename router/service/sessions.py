@@ -24,6 +24,7 @@ from kvhint.router.service.session_merge import (
     MAX_BEGINS_KEPT,
     MAX_GAPS_KEPT,
     SessionBase,
+    latest_event,
     merge_into,
 )
 from kvhint.router.store.writer import NOT_STORED, StoreWriter
@@ -78,6 +79,11 @@ class SessionRecord:
     # written only over that revision, else merged (session_merge.py).
     revision: int = NOT_STORED
     base: SessionBase | None = None
+    # Whether the record's latest event (where the session is now) is one another
+    # replica saw, merged in from its save (memory only; this replica's next turn or
+    # end of it makes it this one's again): the session's idle review is that
+    # replica's (``SessionLifecycle.tick``), not this one's.
+    latest_elsewhere: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -120,7 +126,7 @@ class SessionRecord:
         if _ended_explicitly_before_the_flag(row, plan_data, plan):
             plan = replace(plan, ended_explicitly=True)
         stats = row.get("tool_gap_stats") or {}
-        return cls(
+        record = cls(
             tenant=row["tenant"],
             session_id=row["session_id"],
             created_at=row["created_at"],
@@ -139,6 +145,10 @@ class SessionRecord:
             revision=row.get("revision") or 0,
             base=SessionBase.of(row),
         )
+        # Its latest event as this router reads it (an end by a router from before the
+        # flag included), which a merge compares the record's with (session_merge.py).
+        record.base = replace(record.base, latest=latest_event(record))
+        return record
 
 
 def readable_row(row: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -444,8 +454,9 @@ class SessionRegistry:
 def _merge_stored(record: SessionRecord, stored: dict[str, Any]) -> None:
     """``stored`` (another replica's save) merged into ``record``, which is now made
     from it (session_merge.py)."""
-    merge_into(record, SessionRecord.from_row(stored))
-    record.revision, record.base = stored.get("revision") or 0, SessionBase.of(stored)
+    theirs = SessionRecord.from_row(stored)
+    merge_into(record, theirs)
+    record.revision, record.base = theirs.revision, theirs.base
 
 
 class _VersionedSession:

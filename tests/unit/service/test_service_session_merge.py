@@ -151,3 +151,38 @@ def test_an_open_gap_no_turn_began_after_stays_unclosed() -> None:
     same.base = SessionBase(turns=2, prompt_tokens=80)
     merge_into(same, _record(2, 25.0, [], state="tool_gap", open_gap=_open(25.0)))
     assert same.gaps == [] and same.open_gap == _open(25.0)
+
+
+def test_a_record_that_saw_nothing_since_its_base_takes_theirs_whatever_the_clocks() -> None:
+    """The other replica served a turn since the row this record was made from, its
+    clock 5 s behind (its reading 45 against this record's 50): its state is taken. Before,
+    the larger reading (this record's older one) kept the stale state."""
+    mine = _record(2, 50.0, [_gap(1)], worker_id="w0", state="tool_gap",
+                   open_gap={"tools": ["x"], "started_at": 50.0, "worker_id": "w0"})
+    mine.base = SessionBase(turns=2, prompt_tokens=80, gaps=(_gap(1),), latest=50.0)
+    theirs = _record(3, 45.0, [_gap(1), _gap(2)], worker_id="w1", state="tool_gap",
+                     open_gap={"tools": ["y"], "started_at": 45.0, "worker_id": "w1"})
+    merge_into(mine, theirs)
+    assert (mine.worker_id, mine.last_activity, mine.open_gap) == ("w1", 45.0, theirs.open_gap)
+    assert mine.latest_elsewhere and mine.plan.worker_id == "w1" and mine.turns == 3
+
+
+def test_a_row_that_saw_nothing_since_this_records_base_leaves_this_record_later() -> None:
+    """Only this record saw an event since its base (a turn here, its clock behind): it
+    stays where it is, though the row's reading is the larger."""
+    mine = _record(3, 40.0, [_gap(1), _gap(2)], worker_id="w0", state="active")
+    mine.base = SessionBase(turns=2, prompt_tokens=80, gaps=(_gap(1),), latest=50.0)
+    theirs = _record(2, 50.0, [_gap(1)], worker_id="w1", state="tool_gap")
+    merge_into(mine, theirs)
+    assert (mine.worker_id, mine.state, mine.last_activity) == ("w0", "active", 40.0)
+    assert not mine.latest_elsewhere
+
+
+def test_events_on_both_replicas_since_the_base_are_ordered_by_the_clocks() -> None:
+    """Turns on both replicas since the base: concurrent, the larger reading wins (a
+    replica's clock skew orders only these; docs/router.md)."""
+    mine = _record(3, 55.0, [_gap(1)], worker_id="w0", state="active")
+    mine.base = SessionBase(turns=2, prompt_tokens=80, gaps=(_gap(1),), latest=50.0)
+    theirs = _record(3, 58.0, [_gap(1)], worker_id="w1", state="tool_gap")
+    merge_into(mine, theirs)
+    assert (mine.worker_id, mine.last_activity) == ("w1", 58.0) and mine.turns == 4
