@@ -12,8 +12,12 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvhint.router.service.log_throttle import LOG_EVERY_S, PerKeyLogThrottle
 
 if TYPE_CHECKING:
     import uvicorn
@@ -118,7 +122,7 @@ def uvicorn_config(app: Any, settings: RouterSettings) -> uvicorn.Config:
 
     protocol = deadline_protocol(settings.http_header_timeout_s, settings.http_body_timeout_s,
                                  timed_out, malformed)
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=False, loop="auto", http=protocol or "h11",
         h11_max_incomplete_event_size=settings.max_header_bytes,
@@ -126,3 +130,46 @@ def uvicorn_config(app: Any, settings: RouterSettings) -> uvicorn.Config:
         timeout_graceful_shutdown=settings.http_shutdown_grace_s,
         limit_concurrency=settings.http_max_concurrency,
         proxy_headers=False, server_header=False)
+    # After the Config: it (re)configures uvicorn's loggers (which leaves filters be).
+    throttle_client_warnings(logging.getLogger("uvicorn.error"))
+    return config
+
+
+# uvicorn's warnings that any client causes, one per request it sends (uvicorn's
+# h11_impl.py logs each on "uvicorn.error"), and what a throttled line adds.
+CLIENT_CAUSED_WARNINGS = {
+    "Invalid HTTP request received.":
+        'each a 400, counted in kvhint_router_route_refusals_total{reason="malformed_request"}',
+    "Unsupported upgrade request.": "each served as plain HTTP/1.1",
+}
+
+
+class ClientWarningThrottle(logging.Filter):
+    """Of each of :data:`CLIENT_CAUSED_WARNINGS`, the first logged, then at most one per
+    ``every_s``, saying how many were held back in between (log_throttle.py): before,
+    every malformed request was a WARNING line, so a client could flood the log. Other
+    records pass untouched."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._throttle = PerKeyLogThrottle(every_s, clock=clock)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg
+        if not isinstance(message, str) or message not in CLIENT_CAUSED_WARNINGS:
+            return True
+        held = self._throttle.admit(message)
+        if held is None:
+            return False
+        record.msg = (f"{message} (at most one such line per {self._throttle.every_s:g} s; "
+                      f"{held} more since the last one; {CLIENT_CAUSED_WARNINGS[message]})")
+        return True
+
+
+def throttle_client_warnings(logger: logging.Logger) -> None:
+    """:class:`ClientWarningThrottle` on ``logger``, in place of any earlier one (a
+    logger outlives the Config that filtered it: one throttle, not one per Config)."""
+    for earlier in [f for f in logger.filters if isinstance(f, ClientWarningThrottle)]:
+        logger.removeFilter(earlier)
+    logger.addFilter(ClientWarningThrottle())

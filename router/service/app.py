@@ -147,6 +147,7 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.router.add_route("/v1/responses/{response_id}/cancel", _response_cancel,
                          methods=["POST"])
     app.router.add_route("/v1/models", _models, methods=["GET"])
+    _no_head(app, ("/v1/responses/{response_id}", "/v1/models"))
     app.router.add_route("/health", _health, methods=["GET"])
     app.router.add_route("/ready", _ready, methods=["GET"])
     app.router.add_route("/metrics", _metrics, methods=["GET"])
@@ -161,6 +162,19 @@ def create_app(settings: RouterSettings) -> RouterApp:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
     return RouterApp(app, OriginPolicy(settings, error_response))
+
+
+def _no_head(app: FastAPI, paths: tuple[str, ...]) -> None:
+    """HEAD off on the GET routes at ``paths``: a 405 (with ``Allow: GET``), counted
+    as ``method_not_allowed``, as on the admin and dashboard routes. Starlette adds
+    HEAD to every GET route and runs the GET handler for it: a HEAD of a stored
+    response made the worker call a GET does and took one of its tenant's
+    ``api_calls``, a HEAD of ``/v1/models`` asked every worker, all for a body
+    thrown away. HEAD stays where a GET calls no worker (``/health``, ``/ready``,
+    ``/metrics``: what probes send)."""
+    for route in app.router.routes:
+        if getattr(route, "path", None) in paths and isinstance(route.methods, set):
+            route.methods.discard("HEAD")
 
 
 def _path_parameters_take_line_breaks(app: FastAPI) -> None:
@@ -253,6 +267,9 @@ async def _models(request: Request) -> Response:
         return error_response(exc.message, exc.status)
     workers = [w for w in runtime.workers.routable() if w.url]
     if not workers:
+        # Counted (before: nowhere) as every refusal outside /admin is; an inference
+        # request's 503 is requests_total's, whose error ratio a listing stays out of.
+        runtime.metrics.route_refusals.labels("no_worker").inc()
         return error_response("no worker available", 503)
     results = await asyncio.gather(
         *(runtime.pool.get_json(w.url + "/v1/models", timeout_s=5.0, worker_id=w.worker_id)
@@ -273,6 +290,7 @@ async def _models(request: Request) -> Response:
                     and tenant.may_use(item["id"])):
                 merged.setdefault(item["id"], _client_model_card(item))
     if not answered:
+        runtime.metrics.route_refusals.labels("no_worker_answered").inc()
         return error_response("no worker answered /v1/models", 502)
     return JSONResponse({"object": "list", "data": list(merged.values())})
 

@@ -66,6 +66,8 @@ ROUTE_REFUSALS = (
     # headers), answered by uvicorn before any route, the connection closed
     # (client_deadlines.py)
     "malformed_request",
+    "no_worker",           # 503: GET /v1/models with no routable worker (app.py)
+    "no_worker_answered",  # 502: GET /v1/models that no worker answered with a listing
 )
 # kvhint_router_cross_site_refusals_total{endpoint, reason} (cross_site.py): bounded sets.
 CROSS_SITE_ENDPOINTS = ("admin", "session_end", "session_hints", "responses_cancel")

@@ -183,7 +183,9 @@ class RouterMetrics:
             "method_not_allowed: 405; ambiguous_length: 400, Content-Length and "
             "Transfer-Encoding both, on any path; unauthorized: 401, /v1/models without "
             "a known client key, /metrics without its token; malformed_request: 400, a "
-            "request the HTTP server could not parse)", ["reason"], registry=r),
+            "request the HTTP server could not parse; no_worker: 503, /v1/models with no "
+            "routable worker; no_worker_answered: 502, /v1/models no worker listed)",
+            ["reason"], registry=r),
             ROUTE_REFUSALS)
         self.session_end_skips = _preset(Counter(
             "kvhint_router_session_end_skips",

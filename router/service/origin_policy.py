@@ -53,7 +53,7 @@ log = logging.getLogger("kvhint.router")
 CORS_PATHS: dict[str, frozenset[str]] = {
     "/v1/chat/completions": frozenset({"POST"}),
     "/v1/completions": frozenset({"POST"}),
-    "/v1/models": frozenset({"GET", "HEAD"}),
+    "/v1/models": frozenset({"GET"}),  # HEAD: a 405 (app.py _no_head)
     "/v1/responses": frozenset({"POST"}),
 }
 # A stored response's own paths (responses_api.py): one path segment for its id.
@@ -67,7 +67,7 @@ def cors_methods(path: str) -> frozenset[str] | None:
     if methods is not None or not path.startswith("/v1/responses/"):
         return methods
     if _RESPONSE_ID_PATH.fullmatch(path):
-        return frozenset({"GET", "HEAD"})
+        return frozenset({"GET"})
     if path.endswith("/cancel") and _RESPONSE_ID_PATH.fullmatch(path[:-len("/cancel")]):
         return frozenset({"POST"})
     return None
