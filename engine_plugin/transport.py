@@ -17,9 +17,10 @@ one round of the publisher or in its setup (a bug) is logged, counted
 cancels a setup step in progress. One that ends the whole loop (outside a round: the
 connect, the drain) is counted the same way and the loop starts again, connect first,
 after a pause: before, the thread ended and the engine ran without NATS for good, with
-one log line and no counter. Inbound hints and advice are decoded here, off the
-scheduler thread; advice that cannot be decoded, and hints that find the engine's inbox
-full, are answered ``rejected`` from here (:mod:`.transport_inbound`). Snapshot pages:
+one log line and no counter. Inbound hints and advice are decoded on this thread, off
+the scheduler's (:mod:`.transport_intake`); advice that cannot be decoded, and hints and
+advice that find the engine's inbox full, are answered ``rejected`` from here, a snapshot
+request that finds it full an error reply at once (:mod:`.transport_inbound`). Snapshot pages:
 :mod:`.snapshot_pages`. An idle engine is woken for its deadlines and for a change of
 what the transport exports (:mod:`.transport_wake`).
 """
@@ -38,16 +39,7 @@ from nats.errors import Error as NatsError, MaxPayloadError
 
 from kvhint.engine_plugin.config import LOGGER_NAME, PluginConfig
 from kvhint.engine_plugin.counter_exports import EXPORTS
-from kvhint.engine_plugin.inbound_checks import decode_hints_safely
-from kvhint.engine_plugin.mailbox import (
-    EventBatchOut,
-    Inbound,
-    Mailbox,
-    SnapshotOut,
-    answer_key,
-    pop_oldest,
-)
-from kvhint.engine_plugin.outcome_counts import counted_action_type
+from kvhint.engine_plugin.mailbox import EventBatchOut, Mailbox, SnapshotOut, pop_oldest
 from kvhint.engine_plugin.snapshot_pages import KeptSnapshots, snapshot_page
 from kvhint.engine_plugin.transport_connect import connect_until_stopped, wait_or_stop
 from kvhint.engine_plugin.transport_counters import (
@@ -55,13 +47,7 @@ from kvhint.engine_plugin.transport_counters import (
     TransportCounters,
     note_internal_error,
 )
-from kvhint.engine_plugin.transport_inbound import (
-    answer_full_inbox,
-    answer_full_inbox_advice,
-    decode_advice_or_reject,
-    decoder_failed,
-    deferred_outcomes,
-)
+from kvhint.engine_plugin.transport_intake import IntakeMixin
 from kvhint.engine_plugin.transport_oversize import smaller
 from kvhint.engine_plugin.transport_setup import (
     EventsStreamWatch,
@@ -70,17 +56,15 @@ from kvhint.engine_plugin.transport_setup import (
 )
 from kvhint.engine_plugin.transport_wake import EngineWaker
 from kvhint.schemas import (
-    DONOR_ACTION_TYPE,
     EventBatchMeta,
     Subjects,
     Usage,
     WorkerStatus,
-    decode_snapshot_request,
     encode_outcome,
     encode_releases,
     encode_status,
 )
-from kvhint.schemas._codec import WireDecodeError, encode_json
+from kvhint.schemas._codec import encode_json
 from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -89,7 +73,7 @@ logger = logging.getLogger(LOGGER_NAME)
 ROUND_ERROR_PAUSE_S = 0.5
 
 
-class NatsTransport:
+class NatsTransport(IntakeMixin):
     """Owns the NATS connection and its thread. ``status_of(usage, seq)`` builds the
     heartbeat from the figures the scheduler thread last left in the mailbox;
     ``encode_events(ts, events)`` turns a drained batch into vLLM's msgpack bytes."""
@@ -272,81 +256,6 @@ class NatsTransport:
     async def _ensure_stream(self, nc: Any) -> None:
         self._stream.kept = bool(
             await ensure_events_stream(nc, self.config, self.subjects, self.counters))
-
-    # --- inbound --------------------------------------------------------------------------------
-
-    async def _on_hints(self, msg: Any) -> None:
-        self._post("hints", msg)
-
-    async def _on_advice(self, msg: Any) -> None:
-        self._post("advice", msg)
-
-    async def _on_snapshot(self, msg: Any) -> None:
-        if not msg.reply:  # a plain publish: no page could reach anyone, copy nothing
-            self.counters.snapshot_requests_unanswered += 1
-            return
-        try:
-            request = decode_snapshot_request(msg.data)
-        except WireDecodeError:
-            request = None
-        if request is not None and request.cursor > 0:
-            kept = self.snapshots.get(request.seq)
-            if kept is not None:
-                await self._reply_page(kept.snapshot, kept.blocks, msg.reply, request.cursor,
-                                       request.limit)
-                return
-        # A first page, or one of a snapshot no longer kept: a new snapshot answers it.
-        self._post("snapshot", msg)
-
-    def _post(self, kind: str, msg: Any) -> None:
-        """Decode hints and advice here, off the scheduler thread, and queue them for it;
-        malformed advice is answered ``rejected`` here (nothing for the engine to do)."""
-        item = Inbound(kind, msg.data, time.monotonic(), msg.reply or None)
-        action_ids: list[str] = []
-        if kind == "hints":
-            item.decoded, failure = decode_hints_safely(msg.data)
-            if failure is not None:  # answered rejected by the engine, in order
-                decoder_failed(self.counters, failure)
-            action_ids = [a.action_id for a in item.decoded.actions]
-        elif kind == "advice":
-            item.decoded = decode_advice_or_reject(msg.data, self.mailbox, self.counters,
-                                                   self.worker_id)
-            if item.decoded is None:
-                return
-            if item.decoded.advice_id:
-                action_ids = [answer_key(item.decoded.advice_id, DONOR_ACTION_TYPE)]
-        if self.mailbox.post(item, action_ids):
-            if kind in ("hints", "advice"):
-                self._loop.call_later(self.config.defer_after_s, self._defer_if_waiting, item)
-            return
-        self.counters.inbound_rejected += 1
-        if kind == "hints":
-            answer_full_inbox(self.mailbox, self.counters, self.worker_id, item.decoded)
-        elif kind == "advice":
-            # Before, only counted: the advice got no outcome at all.
-            answer_full_inbox_advice(self.mailbox, self.counters, self.worker_id,
-                                     item.decoded)
-
-    def _defer_if_waiting(self, item: Inbound) -> None:
-        """The engine has not taken ``item`` yet (busy in a long step, or not wakeable):
-        answer ``deferred`` now, ahead of the final outcome."""
-        if item.taken:
-            return
-        mailbox = self.mailbox
-        outcomes = deferred_outcomes(item, self.worker_id, self.config.defer_after_s)
-        with mailbox.lock:  # the scheduler marks items taken under the same lock
-            if item.taken:
-                return
-            # A repeat of an action already answered gets that terminal outcome again,
-            # and a "deferred" must never follow a terminal outcome.
-            kind = DONOR_ACTION_TYPE if item.kind == "advice" else ""  # put_outcomes' key
-            outcomes = [o for o in outcomes
-                        if answer_key(o.action_id, kind) not in mailbox.answered]
-            outcomes = mailbox.put_deferred(outcomes)
-            self.counters.outcomes.update((counted_action_type(o.action_type), o.status.value)
-                                          for o in outcomes)
-        self.counters.deferred_at_once += len(outcomes)
-        self._notify()
 
     # --- outbound -------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The answers the NATS transport gives inbound messages itself, on its own thread:
 ``rejected`` for advice that cannot be decoded and for hints and advice that find the
-engine's inbox full, early ``deferred`` for a message the engine has not taken in time.
+engine's inbox full, an error reply for a snapshot request that finds it full, early
+``deferred`` for a message the engine has not taken in time.
 
-Every one is queued in the mailbox and counted in the transport's ``outcomes`` (under the
+Every outcome is queued in the mailbox and counted in the transport's ``outcomes`` (under the
 mailbox's lock), which ``kvhint:hints_total`` adds to the engine's.
 """
 
@@ -12,7 +13,13 @@ import time
 from collections.abc import Sequence
 
 from kvhint.engine_plugin.inbound_checks import INTERNAL_ERROR_REASON, decode_hints_safely
-from kvhint.engine_plugin.mailbox import Inbound, Mailbox, answer_key, peek_advice_id
+from kvhint.engine_plugin.mailbox import (
+    Inbound,
+    Mailbox,
+    SnapshotOut,
+    answer_key,
+    peek_advice_id,
+)
 from kvhint.engine_plugin.outcome_counts import counted_action_type
 from kvhint.engine_plugin.transport_counters import TransportCounters, note_internal_error
 from kvhint.schemas import (
@@ -30,6 +37,10 @@ from kvhint.schemas._codec import WireDecodeError
 # The reason of a hint the full inbox turned away (transient: the router may retry it).
 FULL_INBOX_REASON = (REJECTED_INBOX_FULL
                      + " ({limit} messages waiting for the scheduler); not applied")
+# The error a snapshot request the full inbox turned away is answered (retry soon).
+FULL_SNAPSHOT_REASON = (REJECTED_INBOX_FULL
+                        + " ({limit} messages waiting for the scheduler); no snapshot "
+                          "taken, ask again")
 
 
 def count_answers(mailbox: Mailbox, counters: TransportCounters,
@@ -116,6 +127,15 @@ def answer_full_inbox_advice(mailbox: Mailbox, counters: TransportCounters, work
                           at=time.time())
     mailbox.put_outcomes([outcome], remember=False)
     count_answers(mailbox, counters, [outcome])
+
+
+def busy_snapshot(mailbox: Mailbox, reply_to: str | None) -> SnapshotOut:
+    """The answer to a snapshot request the full inbox turned away: the error reply
+    (``{"error": ...}``, as for a request the engine failed on), sent at once; the router
+    takes it for a failed request and asks again soon (``snapshot_retry_s``, doubled for
+    each failure in a row, bounded), not after its whole snapshot timeout."""
+    return SnapshotOut(0, [], [], reply_to, -1, 0,
+                       error=FULL_SNAPSHOT_REASON.format(limit=mailbox.inbound_limit))
 
 
 def deferred_outcomes(item: Inbound, worker_id: str, defer_after_s: float

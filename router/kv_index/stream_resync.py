@@ -98,7 +98,8 @@ class Resync(Generic[T]):
     """
 
     __slots__ = ("reason", "started_at", "cursor", "awaiting_since", "retry_at", "page_epoch",
-                 "base_seq", "pages", "view_purged", "buffer", "_config", "_counters")
+                 "base_seq", "pages", "view_purged", "buffer", "failures_in_row", "_config",
+                 "_counters")
 
     def __init__(self, reason: str, started_at: float, config: StreamConfig,
                  counters: StreamCounters, held: Iterable[BufferedBatch[T]] = ()) -> None:
@@ -107,6 +108,7 @@ class Resync(Generic[T]):
         self.cursor = 0
         self.awaiting_since: float | None = None  # a page request is out
         self.retry_at: float | None = None        # set after a failure
+        self.failures_in_row = 0                  # failed requests since the last page
         self.page_epoch: str | None = None
         self.base_seq: int | None = None          # the snapshot's seq (every page's)
         self.pages: list[object] = []
@@ -127,10 +129,17 @@ class Resync(Generic[T]):
         self.awaiting_since = now
 
     def request_failed(self, now: float) -> None:
-        """The page request failed: retried after ``snapshot_retry_s`` (from :meth:`due`)."""
+        """The page request failed (an error reply, such as a worker's "inbox full"
+        answered at once, or a NATS error): retried (from :meth:`due`) after
+        ``snapshot_retry_s``, doubled for each failure in a row since the last page, up to
+        ``snapshot_retry_max_s``: a busy worker is asked again soon, not hammered."""
         self._counters.snapshot_failures += 1
         self.awaiting_since = None
-        self.retry_at = now + self._config.snapshot_retry_s
+        config = self._config
+        delay = min(config.snapshot_retry_s * 2.0 ** min(self.failures_in_row, 30),
+                    max(config.snapshot_retry_s, config.snapshot_retry_max_s))
+        self.failures_in_row += 1
+        self.retry_at = now + delay
 
     def retry_soon(self, now: float) -> None:
         """The page request got a reply the stream refuses (another engine's under the
@@ -156,6 +165,7 @@ class Resync(Generic[T]):
         """
         self._counters.snapshot_pages += 1
         self.awaiting_since = None
+        self.failures_in_row = 0
         if next_cursor is not None and next_cursor <= cursor:
             self._counters.snapshot_pages_invalid += 1
             self._counters.snapshot_failures += 1

@@ -49,6 +49,9 @@ class StreamConfig:
     max_buffered_bytes: int = 128 << 20
     snapshot_page_limit: int = 20_000
     snapshot_retry_s: float = 1.0
+    # Failed page requests in a row (a worker answering "inbox full" at once, NATS
+    # errors) are asked again after snapshot_retry_s, doubled at each failure up to this.
+    snapshot_retry_max_s: float = 8.0
     snapshot_timeout_s: float = 10.0
     # How long a heartbeat's last_event_seq may run ahead of what we applied before we
     # treat the difference as lost batches. None: one heartbeat interval.
