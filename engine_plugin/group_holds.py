@@ -8,16 +8,24 @@ the last ``tail`` positions before N; a Mamba group its state at position N. Hol
 followed group's blocks alone (before) left the others to eviction, and a Pinned
 session's next turn hit nothing.
 
-A claim over target positions 1..N therefore holds (:func:`claim_blocks`):
-- the followed group's block at each position (as before: one per position, what
-  ``applied`` and the router count);
+A claim over target positions 1..N therefore holds, up to its *hit point* M: the
+furthest position (within the run of consecutive positions the target starts with) at
+which every group has what a hit needs resident now (:func:`claim_blocks`):
+- the followed group's block at each position 1..M (one per position, what ``applied``
+  and the router count);
 - each other full-attention group's block at each of those positions;
-- each tail group's blocks for the *hit point*: the furthest position M (within the run
-  of consecutive positions the target starts with) at which every group has what a hit
-  needs resident now, so vLLM finds a hit of at least M blocks while the claim holds.
+- each tail group's blocks for M, so vLLM finds a hit of at least M blocks while the
+  claim holds.
+Positions past M are not held: no hit reaches them (at vLLM's default
+``--prefix-cache-retention-interval`` 0 a response's window blocks are never cached, so a
+session's chain usually stops short at its last prompt's end). The claim is ``clipped``
+and says how far a hit reaches (:data:`~kvhint.schemas.outcomes.CLIPPED_HIT_REACH`);
+before, it held the followed and other full-attention groups' blocks past M and counted
+them in ``applied``, budgets and gauges, and the router counted them protected.
 Every ledger hold is then one pool block, so budgets, relief and the pinned/retained
 gauges count pool blocks. A budget that cannot take it all keeps the prefix whose hit,
-tail included, reaches furthest (:meth:`_Shape.clip`), never positions without their tail
+tail included, reaches furthest (:meth:`_Shape.clip`), with no position past that hit
+point (before, the longest prefix with that hit point), never positions without their tail
 (the ledger's own clip, root-most first, would fill the room with positions and leave
 some group's tail out: no hit at all). A claim's ``applied`` and the losses the router
 hears of count target positions only (``side`` blocks not). A claim losing a side block
@@ -43,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvhint.engine_plugin.block_cache import BlockCache, BlockHandle, GroupNeed
-from kvhint.schemas.outcomes import REJECTED_UNHELD_GROUPS
+from kvhint.schemas.outcomes import CLIPPED_HIT_REACH, REJECTED_UNHELD_GROUPS
 
 # The ledger's budget clip: (whether a block id is not held yet, room for such blocks) ->
 # the blocks to hold.
@@ -59,7 +67,11 @@ def claim_blocks(cache: BlockCache, handles: list[BlockHandle]
     if not needs or not handles:
         return handles, None, None
     shape = _Shape(cache, needs, handles)
-    return shape.blocks(len(shape.primary)), shape.clip, shape.note()
+    note = shape.note()
+    shape.cut_at_hit()
+    if not shape.primary:
+        return [], None, note  # no hit: nothing a hold keeps
+    return shape.blocks(len(shape.primary)), shape.clip, note
 
 
 def unheld_reason(cache: BlockCache) -> str | None:
@@ -105,6 +117,19 @@ class _Shape:
         self._looked_up: dict[tuple[int, int], BlockHandle | None] = {}
         self.hit = {len(handles): self.hit_at(len(handles))}
 
+    def cut_at_hit(self) -> None:
+        """Drop the positions past the target's hit point: no hit reaches them, so a
+        claim holds none of their blocks (before, it held the followed and other
+        full-attention groups' blocks there, counted them in ``applied``, budgets and
+        gauges, and the router counted them protected)."""
+        hit = self.hit[len(self.primary)]
+        if hit >= len(self.primary):
+            return
+        self.primary = self.primary[:hit]
+        self.full = [blocks[:hit] for blocks in self.full]
+        self.run = min(self.run, hit)
+        self.hit = {hit: hit}
+
     def _tail_block(self, t: int, i: int) -> BlockHandle | None:
         key = (t, i)
         if key not in self._looked_up:
@@ -147,8 +172,8 @@ class _Shape:
 
     def clip(self, fresh: Callable[[int], bool], room: int) -> list[BlockHandle]:
         """The blocks to hold when at most ``room`` may be ``fresh`` (not held yet): the
-        prefix of positions, with its hit point's blocks, whose hit reaches furthest
-        (then the longest such prefix), and the target's blocks already held. Reads
+        prefix of positions up to the furthest hit point that fits, with that hit
+        point's blocks, and the target's blocks already held. Reads
         every tail block of the run (the rare path: a short budget)."""
         prefix = [0] * (len(self.primary) + 1)
         for i, h in enumerate(self.primary):
@@ -172,16 +197,16 @@ class _Shape:
                     ok = ok and streaks[t] >= min(tail, i + 1)
                 hit = i + 1 if ok else hit
             self.hit[i + 1] = hit
-        best = (0, 0)  # (hit point, positions): no position costs nothing
+        best = 0  # the furthest hit point that fits, held with no position past it
         for num in range(len(self.primary), 0, -1):
-            hit = self.hit[num]
-            if (hit, num) <= best:
-                continue
-            cost = prefix[num] + sum(sums[hit] - sums[max(0, hit - tail)] for (tail, _), sums
+            if self.hit[num] != num:
+                continue  # positions past a hit point keep no hit
+            cost = prefix[num] + sum(sums[num] - sums[max(0, num - tail)] for (tail, _), sums
                                      in zip(self.tails, cumulative))
             if cost <= room:
-                best = (hit, num)
-        held = self.blocks(best[1])
+                best = num
+                break
+        held = self.blocks(best)
         ids = {b.block_id for b in held}
         held.extend(b for b in self.blocks(len(self.primary))
                     if b.block_id not in ids and not fresh(b.block_id))
@@ -192,7 +217,8 @@ class _Shape:
         if hit >= total:
             return None
         return (f"the other KV cache groups' blocks a prefix hit needs are resident for "
-                f"{hit} of {total} target blocks: holding those, a hit reaches {hit}")
+                f"{hit} of {total} target blocks: {CLIPPED_HIT_REACH}{hit}, and the "
+                f"{total - hit} past it are not held")
 
 
 def with_side_blocks(cache: BlockCache, handles: list[BlockHandle]) -> list[BlockHandle]:

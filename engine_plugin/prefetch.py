@@ -19,7 +19,7 @@ the router counted as held blocks the worker did not retain.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from kvhint.schemas import (
     OutcomeStatus,
     PrefetchPayload,
 )
+from kvhint.schemas.outcomes import CLIPPED_HIT_REACH
 
 if TYPE_CHECKING:
     from kvhint.engine_plugin.executor import ExecutorCounters
@@ -56,13 +57,21 @@ def _status(retained: int, handles: list[BlockHandle]) -> OutcomeStatus:
     return ACCEPTED if retained >= len(handles) else CLIPPED
 
 
-def _room(retained: int, handles: list[BlockHandle], due: bool = False) -> str:
+def _room(retained: int, handles: list[BlockHandle], due: bool = False,
+          clips: Sequence[str] = ()) -> str:
     """Why a Prefetch retains fewer blocks than are in G1 (no figures: a tenant reads
     it, router/service/tenant_reasons.py); ``due``: its deadline has come (nothing is
-    retained past it)."""
+    retained past it); ``clips``: what its retain said (on a hybrid model, a hit point
+    short of its target: no position past it is held)."""
     if retained >= len(handles):
         return ""
-    return " (its deadline has come)" if due else " (the retain budget had no room for the rest)"
+    if due:
+        return " (its deadline has come)"
+    reach = any(CLIPPED_HIT_REACH in c for c in clips)
+    if reach and not any(c.startswith("retain budget") for c in clips):
+        return (" (no prefix hit reaches further: the other KV cache groups' blocks it "
+                "needs are not resident past it)")
+    return " (the retain budget had no room for the rest)"
 
 
 @dataclass(slots=True)
@@ -104,10 +113,12 @@ class PrefetchMixin:
         type_ = ActionType.PREFETCH.value
         owner = payload.owner.value
         if requested.blocks and len(handles) >= requested.blocks:
-            retained = self._retain_until(action_id, handles, payload.deadline_s, owner)
+            clips: list[str] = []
+            retained = self._retain_until(action_id, handles, payload.deadline_s, owner, clips)
             return self._outcome(message_id, action_id, type_, _status(retained, handles),
                                  f"already resident in G1; {retained} of {len(handles)} "
-                                 f"blocks retained until the deadline{_room(retained, handles)}",
+                                 "blocks retained until the deadline"
+                                 f"{_room(retained, handles, clips=clips)}",
                                  requested, self._amount(retained))
         # Waiting is bounded (prefetch_budget_fraction): root-most blocks first, as a
         # prefix hit needs them; none left, the Prefetch is settled now with what is in G1.
@@ -116,12 +127,14 @@ class PrefetchMixin:
                   f"(max_prefetch_blocks={self.max_prefetch_blocks}, "
                   f"{self._prefetch_waiting} waiting)")
         if room <= 0:
-            retained = self._retain_until(action_id, handles, payload.deadline_s, owner)
+            clips = []
+            retained = self._retain_until(action_id, handles, payload.deadline_s, owner, clips)
             self.counters.prefetch_clipped_blocks += requested.blocks - len(handles)
             return self._outcome(
                 message_id, action_id, type_, CLIPPED,
                 f"{budget}; not waiting: {len(handles)} of {requested.blocks} blocks in G1 "
-                f"({retained} retained until the deadline{_room(retained, handles)})",
+                f"({retained} retained until the deadline"
+                f"{_room(retained, handles, clips=clips)})",
                 requested, self._amount(retained))
         clipped = None
         if len(keys) > room:
@@ -177,10 +190,11 @@ class PrefetchMixin:
             del self._pending[action_id]
             self._prefetch_waiting -= pending.cost
             if complete:
+                clips = []
                 retained = self._retain_until(action_id, handles, pending.deadline - now,
-                                              pending.owner)
+                                              pending.owner, clips)
                 held = (f"{retained} of {len(handles)} blocks retained until the deadline"
-                        f"{_room(retained, handles, now >= pending.deadline)}")
+                        f"{_room(retained, handles, now >= pending.deadline, clips)}")
                 if pending.clipped is None:
                     outcome = self._outcome(
                         pending.message_id, action_id, type_, _status(retained, handles),
@@ -206,12 +220,13 @@ class PrefetchMixin:
         return done
 
     def _retain_until(self, action_id: str, handles: list[BlockHandle], ttl_s: float,
-                      owner: str) -> int:
+                      owner: str, clips: list[str]) -> int:
         """Retain a Prefetch's blocks until its deadline, at ``prefetch_retain_priority``
         as ``owner``'s claim (an agent runtime's Prefetch ranks with its Retains, above
-        every planner claim: hold_records.AGENT_RANK); returns how many the retain budget
-        took."""
+        every planner claim: hold_records.AGENT_RANK); returns how many the retain took
+        (its budget; on a hybrid model no position past the hit point), what clipped it
+        added to ``clips``."""
         if ttl_s <= 0:
             return 0
         return self._retain(action_id, self.config.prefetch_retain_priority, ttl_s, handles,
-                            [], None, owner)
+                            clips, None, owner)

@@ -93,6 +93,24 @@ def is_capability_rejection(reason: str) -> bool:
                               REJECTED_UNHELD_GROUPS))
 
 
+# A ``clipped`` Pin or Retain on a hybrid model whose other KV cache groups let vLLM's
+# prefix hit reach only part of its target says how far with this phrase and the hit
+# point in target blocks (``... a prefix hit reaches 4, ...``; engine_plugin.group_holds):
+# it holds and applies no position past that point. A router reads such a clip as
+# residency, not as a budget too small (kvhint.router.policy.feedback).
+CLIPPED_HIT_REACH = "a prefix hit reaches "
+
+
+def clipped_hit_reach(reason: str) -> int | None:
+    """The hit point (target blocks) a ``clipped`` outcome's reason says a prefix hit
+    reaches (:data:`CLIPPED_HIT_REACH`), or None when it says none."""
+    at = reason.find(CLIPPED_HIT_REACH)
+    if at < 0:
+        return None
+    digits = reason[at + len(CLIPPED_HIT_REACH):].split(",", 1)[0].split(" ", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
 def is_unknown_status(outcome: HintOutcome) -> bool:
     """Whether ``outcome`` is a receiver's reading of a status it did not know (for
     counting them)."""

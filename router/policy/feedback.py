@@ -9,7 +9,11 @@ more). Rules:
   ``min_pin_scale``): the planner then counts only that share of the pin room its ledger
   shows left on the worker (a session whose chain does not fit is retained at top
   priority, not pinned in part); each ``accepted`` Pin raises it back by
-  ``pin_recovery``;
+  ``pin_recovery``. On a hybrid model a Pin clipped at the hit point its other KV cache
+  groups allow (:func:`~kvhint.schemas.outcomes.clipped_hit_reach`: it applies no
+  position past it) counts the fraction of that hit point, so a clip for residency
+  alone leaves the scale as it is (the budget took all it could hold); before the
+  worker applied only the hit point, it applied every position and this was 1 too;
 - ``reject_disable_after`` consecutive ``rejected`` outcomes of one action type disable
   that type for this worker (a worker without a host tier answers Demote ``rejected``:
   the planner stops sending it); any ``accepted``/``clipped`` of that type resets the count.
@@ -29,7 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvhint.schemas.hints import ActionType
-from kvhint.schemas.outcomes import HintOutcome, OutcomeStatus, is_transient_rejection
+from kvhint.schemas.outcomes import (
+    HintOutcome,
+    OutcomeStatus,
+    clipped_hit_reach,
+    is_transient_rejection,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +126,14 @@ def apply_outcome(
     rejections = {k: v for k, v in feedback.rejections_in_row.items() if k != kind}
     scale = feedback.pin_ask_scale
     if kind == ActionType.PIN.value:
-        if status is OutcomeStatus.CLIPPED and outcome.requested.blocks > 0:
-            fraction = outcome.applied.blocks / outcome.requested.blocks
+        # A hybrid model's Pin holds no position past the hit point the other KV cache
+        # groups' resident blocks allow, and says it: the applied fraction of that, not
+        # of the target, is what its budget took (a clip for residency alone is 1).
+        asked = outcome.requested.blocks
+        if (reach := clipped_hit_reach(outcome.reason)) is not None:
+            asked = min(asked, reach)
+        if status is OutcomeStatus.CLIPPED and asked > 0:
+            fraction = outcome.applied.blocks / asked
             scale = max(config.min_pin_scale, min(scale, scale * fraction))
         elif status is OutcomeStatus.ACCEPTED:
             scale = min(1.0, scale * config.pin_recovery)

@@ -98,8 +98,9 @@ def test_losses_are_reported_in_target_positions_and_relief_frees_pool_blocks() 
 def test_a_hold_takes_the_furthest_hit_the_window_blocks_allow() -> None:
     """One sliding-window group's block of the last position gone from vLLM's cache
     (``evict_blocks``, vLLM's path after a failed KV load): a hit reaches 3 blocks, so
-    the Pin holds the window of position 3 and says so (``clipped``), its 4 positions
-    still applied."""
+    the Pin holds 3 positions and the window of position 3 and says so (``clipped``,
+    ``applied`` 3). Before, it held and applied all 4 positions, the 4th reaching no
+    hit."""
     bench = _Bench(pin_budget_fraction=0.5)
     manager, adapter = bench.manager, bench.core.adapter
     (last,) = [adapter.lookup(k) for k in bench.core.index.session_prefix("s", 4)[3:]]
@@ -108,10 +109,10 @@ def test_a_hold_takes_the_furthest_hit_the_window_blocks_allow() -> None:
     manager.block_pool.evict_blocks({gone.block_id})
     bench.core.sync()
     outcome = bench.hint("kv.pin", {"target": {"session_id": "s"}, "ttl_s": 600})
-    assert outcome.status.value == "clipped" and outcome.applied.blocks == 4
+    assert outcome.status.value == "clipped" and outcome.applied.blocks == 3
     assert "resident for 3 of 4 target blocks" in outcome.reason
     bench.traffic()
-    assert bench.core.executor.pinned_blocks == 4 + 5 * 2  # positions 2 and 3's windows
+    assert bench.core.executor.pinned_blocks == 3 + 5 * 2  # positions 2 and 3's windows
     assert bench.next_turn_hit() == 3 * BLOCK
 
 

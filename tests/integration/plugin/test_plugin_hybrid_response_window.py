@@ -6,9 +6,9 @@ At 0, vLLM's SlidingWindowManager caches only the window before each prompt's en
 replay boundary, ``reachable_block_mask``), never a response's blocks: the next turn hits
 at most the previous prompt's full blocks, in plain vLLM too. A Pin on the session's
 whole chain (the response's blocks included, as the router sends it) is then answered
-``clipped`` ("resident for 4 of 6": found in the simulator's hybrid run, where about
-half the Pins were, and checked there: each next turn on the worker hit exactly the
-clip's hit point). This shows the clip is honest and the best a hold can do: the next
+``clipped`` ("resident for 4 of 6", holding and applying those 4: found in the
+simulator's hybrid run, where about half the Pins were, and checked there: each next
+turn on the worker hit exactly the clip's hit point). This shows the clip is honest and the best a hold can do: the next
 turn, after unrelated traffic, hits exactly that; and with every block retained the
 same Pin is ``accepted`` and the next turn hits the whole chain.
 """
@@ -57,10 +57,13 @@ def test_a_pin_after_a_turn_holds_the_hit_vllm_gives_the_next_turn(retention) ->
     assert h.kv_cache_manager.get_computed_blocks(next_turn())[1] == reach * BS
 
     outcome = _pin(core, "p1")
-    assert outcome.applied.blocks == outcome.requested.blocks == 6
+    # Applied: the positions held, none past the hit point (before, all 6 at 0;
+    # test_plugin_hybrid_hit_point_claims.py).
+    assert (outcome.requested.blocks, outcome.applied.blocks) == (6, reach)
     if retention == 0:
         assert outcome.status.value == "clipped", outcome
-        assert "resident for 4 of 6" in outcome.reason and "a hit reaches 4" in outcome.reason
+        assert "resident for 4 of 6" in outcome.reason
+        assert "a prefix hit reaches 4" in outcome.reason
     else:
         assert outcome.status.value == "accepted", outcome
     for _ in range(20):  # unrelated traffic: evicts every block nothing holds
