@@ -37,7 +37,13 @@ from kvhint.router.policy.donor import (
     choose_donor,
 )
 from kvhint.router.policy.feedback import FeedbackConfig, WorkerFeedback, apply_outcome
-from kvhint.router.policy.holdings import Holdings, HoldingsLedger, agent_scope, target_keys
+from kvhint.router.policy.holdings import (
+    HoldingChange,
+    Holdings,
+    HoldingsLedger,
+    agent_scope,
+    target_keys,
+)
 from kvhint.router.policy.plan_types import (
     ALL_ACTIONS,
     PlannedAction,
@@ -116,6 +122,7 @@ __all__ = [
     "FeedbackConfig",
     "FinishReason",
     "GapObserved",
+    "HoldingChange",
     "Holdings",
     "HoldingsLedger",
     "LearnedStats",

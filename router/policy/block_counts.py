@@ -69,6 +69,25 @@ class BlockCounts:
                 count += 1
         return count
 
+    def replaced(self, owner: Hashable, worker_id: str, old: Sequence[int], old_slot: int,
+                 new: Sequence[int], new_slot: int) -> tuple[list[int], list[int]]:
+        """What a holding naming ``new`` (type ``new_slot``) that supersedes one naming
+        ``old`` (type ``old_slot``; empty: none) on the worker does to the owner's
+        [pinned, retained] totals: (freed, added), the first what dropping the old one
+        takes off them (a block another holding holds too stays), the second what the new
+        one then adds (a block another holding already counts so adds nothing; a Pin over
+        one only retained moves it, +1 pinned and -1 retained). Read only; the named blocks
+        only (a holding's unnamed ones are its own, one each)."""
+        refs_of = self._refs.get((owner, worker_id), {})
+        freed, added = [0, 0], [0, 0]
+        after: dict[int, list[int]] = {}  # key -> its refs once the old holding is gone
+        for key in old:
+            _shift(refs_of, after, key, old_slot, -1, freed)
+        for key in new:
+            _shift(refs_of, after, key, new_slot, +1, added)
+        # freed counts what the old holding's drop takes off, so as positive figures.
+        return [-freed[0], -freed[1]], added
+
     def own(self, owner: Hashable, blocks: int, slot: int) -> None:
         """``blocks`` (negative: fewer) that no other holding can share."""
         if blocks:
@@ -80,3 +99,21 @@ class BlockCounts:
         counts[slot] += sign
         if not any(counts):
             del self.claims[owner]
+
+
+def _shift(refs_of: dict[int, list[int]], after: dict[int, list[int]], key: int, slot: int,
+           sign: int, change: list[int]) -> None:
+    """One more (``sign`` +1) or fewer (-1) holding of type ``slot`` on ``key`` in the
+    working copy ``after`` of ``refs_of`` (:meth:`BlockCounts.replaced`); ``change`` takes
+    the owner's totals' change."""
+    refs = after.get(key)
+    if refs is None:
+        refs = after[key] = list(refs_of.get(key, (0, 0)))
+    before = PINNED if refs[PINNED] else (RETAINED if refs[RETAINED] else None)
+    refs[slot] = max(refs[slot] + sign, 0)
+    now = PINNED if refs[PINNED] else (RETAINED if refs[RETAINED] else None)
+    if before != now:
+        if before is not None:
+            change[before] -= 1
+        if now is not None:
+            change[now] += 1

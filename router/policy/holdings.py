@@ -45,8 +45,8 @@ from kvhint.schemas.hints import ActionType
 from kvhint.schemas.outcomes import HintOutcome
 
 # The rules moved to holding_rules.py stay importable from here, as before the split.
-__all__ = ["AGENT_SCOPE", "BLOCK_HASH_SCOPE_TYPES", "PREFETCH_SCOPE", "Holdings",
-           "HoldingsLedger", "agent_scope", "block_hash_scope", "held_blocks",
+__all__ = ["AGENT_SCOPE", "BLOCK_HASH_SCOPE_TYPES", "PREFETCH_SCOPE", "HoldingChange",
+           "Holdings", "HoldingsLedger", "agent_scope", "block_hash_scope", "held_blocks",
            "prefetch_held_until", "prefetch_scope", "room_left", "target_keys",
            "waits_for_blocks"]
 
@@ -55,6 +55,17 @@ __all__ = ["AGENT_SCOPE", "BLOCK_HASH_SCOPE_TYPES", "PREFETCH_SCOPE", "Holdings"
 class Holdings:
     pinned_blocks: int = 0
     retained_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HoldingChange:
+    """What a new holding of a scope does to one owner's counts (a worker's or a
+    tenant's), per kind: ``freed`` the blocks the scope's live holding it supersedes
+    stops counting, ``added`` what it then adds (a Pin over blocks only retained moves
+    them: +1 pinned, -1 retained each). :meth:`HoldingsLedger.replacing`."""
+
+    freed: Holdings = Holdings()
+    added: Holdings = Holdings()
 
 
 @dataclass(slots=True)
@@ -356,6 +367,40 @@ class HoldingsLedger:
         too, or the prefix's own earlier Retain) add nothing (:meth:`added`'s tenant
         figure). The planner reads it (``PlannerContext.tenant_retain_added``)."""
         return len(keys) - self._tenants.counted(tenant, worker_id, keys, RETAINED)
+
+    def replacing(self, worker_id: str, tenant: str | None, scope: str, action_type: str,
+                  blocks: int, keys: Sequence[int]) -> tuple[HoldingChange, HoldingChange]:
+        """(worker, tenant): what recording a Pin/Retain/Prefetch of ``blocks`` on
+        ``scope`` naming ``keys`` (root first) would do to the worker's and ``tenant``'s
+        counts, as :meth:`record` counts them: the scope's live holding on the worker
+        goes (a Prefetch supersedes none: its scope is its own), and the new one adds its
+        named blocks no other holding counts, and its unnamed ones. ``tenant`` None: the
+        tenant's change is none. The planner reads it for a session's Pin/Retain
+        (``PlannerContext.holding_change``): a first protection of a session whose system
+        prompt other holdings hold costs its own blocks only. Read only."""
+        slot = PINNED if action_type == ActionType.PIN.value else RETAINED
+        named = tuple(named_keys(action_type, scope, blocks, keys)[:blocks])
+        old = None
+        if action_type != ActionType.PREFETCH.value:
+            old_id = self._by_scope.get((worker_id, scope))
+            old = self._by_id[old_id] if old_id is not None else None
+        old_named = old.named() if old is not None else ()
+        old_slot = old.slot if old is not None else slot
+        old_own = old.blocks - len(old_named) if old is not None else 0
+        changes = []
+        for counts, owner, its_old in ((self._workers, worker_id, True),
+                                       (self._tenants, tenant, old is not None
+                                        and old.tenant == tenant)):
+            if owner is None:
+                changes.append(HoldingChange())
+                continue
+            freed, added = counts.replaced(owner, worker_id,
+                                           old_named if its_old else (), old_slot, named, slot)
+            if its_old:
+                freed[old_slot] += old_own
+            added[slot] += blocks - len(named)
+            changes.append(HoldingChange(Holdings(*freed), Holdings(*added)))
+        return changes[0], changes[1]
 
     def worker(self, worker_id: str) -> Holdings:
         return _holdings(self._workers, worker_id)

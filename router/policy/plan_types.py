@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvhint.router.policy.feedback import WorkerFeedback
-from kvhint.router.policy.holdings import Holdings
+from kvhint.router.policy.holdings import HoldingChange, Holdings
 from kvhint.router.policy.session import SessionPlanState
 from kvhint.router.policy.stats import LearnedStats, Observation
 from kvhint.schemas.hints import ActionType, HintPayload, KvHintAction, make_action
@@ -135,7 +135,20 @@ class PlannerContext:
     ``(tenant, worker_id, keys) -> blocks``, as the caller's holdings ledger counts them
     (distinct blocks: one another holding of the tenant already holds adds nothing;
     :meth:`~kvhint.router.policy.holdings.HoldingsLedger.tenant_retain_added`, read
-    only). None: every block adds one."""
+    only). None: every block adds one.
+
+    ``chain``: the block hashes (root first) of the last prompt of the session this call
+    plans, on its worker (the live router's session record's ``last_block_hashes``, the
+    simulator's the same): the blocks its Pin/Retain/Prefetch names, as the caller's
+    ledger records them (:func:`~kvhint.router.policy.holdings.target_keys`).
+    ``holding_change``: what such an action would free and add in the worker's and the
+    tenant's counts, ``(worker_id, tenant, scope, action_type, blocks, keys) ->
+    (worker, tenant)``
+    (:meth:`~kvhint.router.policy.holdings.HoldingsLedger.replacing`, read only; tenant
+    None: none for it), so a session's protection costs the budgets only the blocks no
+    other holding counts (a system prompt a shared prefix's Retain or other sessions
+    hold). None: every block adds one, and the session's own live protection of the
+    kind is all freed."""
 
     now: float
     stats: LearnedStats
@@ -144,6 +157,9 @@ class PlannerContext:
     config: PlannerConfig = PlannerConfig()
     tenant_held: Mapping[str, Holdings] = field(default_factory=dict)
     tenant_retain_added: Callable[[str, str, Sequence[int]], int] | None = None
+    chain: Sequence[int] = ()
+    holding_change: Callable[[str, str | None, str, str, int, Sequence[int]],
+                             tuple[HoldingChange, HoldingChange]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvhint.router.policy.claim_cost import claim_cost, held_pool_blocks
+from kvhint.router.policy.claim_cost import added_pool_blocks, held_pool_blocks
 from kvhint.router.policy.coverage import completion_read, protected_tokens
-from kvhint.router.policy.holdings import Holdings, room_left
+from kvhint.router.policy.holdings import HoldingChange, Holdings, room_left
 from kvhint.router.policy.plan_types import (
     PlannedAction,
     PlannerConfig,
@@ -264,7 +264,6 @@ def _protect(
     remaining = max(session.gap_predicted_s - idle_s, config.min_ttl_s)
     current = session.protection
     own_pinned = _own_held(ctx, current, ActionType.PIN)
-    own_retained = _own_held(ctx, current, ActionType.RETAIN)
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
 
     if not is_user_kind(kind) and not overdue and remaining <= config.pin_max_gap_s and worker.can_send(
@@ -284,15 +283,22 @@ def _protect(
         # The worker's room is in pool blocks, its budget's unit: on a hybrid model a
         # claim of n positions takes more (status 1.3 claim_cost; before, positions were
         # checked against pool blocks and the worker clipped the pins it was sent). The
-        # tenant's budget stays in positions.
+        # tenant's budget stays in positions. Both count distinct blocks, as the ledger
+        # and the worker do: the pin costs the blocks no other pin there holds
+        # (_change; before, a session's first pin was charged its whole chain, a system
+        # prompt other sessions' pins hold included).
         scale = worker.feedback.pin_ask_scale if worker.feedback is not None else 1.0
         cost = worker.claim_cost
-        held = held_pool_blocks(worker.held.pinned_blocks - own_pinned,
+        on_worker, of_tenant = _change(ctx, session, worker, ActionType.PIN, blocks,
+                                       config.tenant_max_pinned_blocks)
+        held = held_pool_blocks(worker.held.pinned_blocks - on_worker.freed.pinned_blocks,
                                 max(worker.pinned_claims - (own_pinned > 0), 0), cost)
         room = room_left(held, worker.budgets.max_pinned_blocks)
-        tenant_room = room_left(tenant.pinned_blocks - own_pinned,
+        tenant_room = room_left(tenant.pinned_blocks - of_tenant.freed.pinned_blocks,
                                 config.tenant_max_pinned_blocks)
-        if claim_cost(blocks, cost) <= room * scale and blocks <= tenant_room * scale:
+        added = on_worker.added.pinned_blocks
+        if added_pool_blocks(added, (blocks,), cost) <= room * scale and (
+                of_tenant.added.pinned_blocks <= tenant_room * scale):
             ttl = min(remaining * config.pin_ttl_margin, worker.budgets.max_pin_ttl_s)
             payload = PinPayload(target=_chain_target(session, worker, blocks), ttl_s=ttl,
                                  evict_rest_first=worker.evict_rest_first)
@@ -319,8 +325,7 @@ def _protect(
             return PlanResult(session)
         # Retains are soft: the worker enforces its own retain budget by displacing lower
         # priorities, so only the tenant's share is checked here.
-        room = room_left(tenant.retained_blocks - own_retained, config.tenant_max_retained_blocks)
-        if room >= blocks:
+        if _tenant_retain_fits(ctx, session, worker, ActionType.RETAIN, blocks):
             # Cover at least until the next idle review, which re-plans the retain.
             review = next_idle_review(config, session, ctx.now)
             until_review = (review - ctx.now) * 1.25 if review is not None else 0.0
@@ -347,9 +352,9 @@ def _end(ctx: PlannerContext, session: SessionPlanState, reason: str) -> PlanRes
         payload = DemotePayload(target=Target(session_id=session.session_id))
         result = _send(ctx, ended, worker, payload, blocks, 0, 0.0, f"{reason}:demote")
         return PlanResult(replace(result.session, demoted=True), result.actions)
-    if blocks and ctx.config.ended_retain_ttl_s > 0 and _tenant_retain_room(
-            ctx, session, _own_held(ctx, session.protection, ActionType.RETAIN)
-    ) >= blocks and worker.can_send(ActionType.RETAIN, ctx.config):
+    if blocks and ctx.config.ended_retain_ttl_s > 0 and _tenant_retain_fits(
+            ctx, session, worker, ActionType.RETAIN, blocks
+    ) and worker.can_send(ActionType.RETAIN, ctx.config):
         # Lowest class, not a release: its blocks go first, while a prefix it shares with
         # live sessions keeps their priority (a release would queue the blocks behind
         # every other free block, as the most recently used). Within the tenant's retain
@@ -396,8 +401,8 @@ def _plan_move(
         new_worker is not None
         and new_worker.host_tier
         and new_worker.can_send(ActionType.PREFETCH, config)
-        and (blocks := _blocks_of(ctx, session, new_worker.block_size)) <= _tenant_retain_room(
-            ctx, session)
+        and _tenant_retain_fits(ctx, session, new_worker, ActionType.PREFETCH,
+                                blocks := _blocks_of(ctx, session, new_worker.block_size))
     ):
         # A Prefetch retains what it brings into G1 until its deadline: the holdings
         # ledger and the sessions API's budget check count that as retained, so it fits
@@ -433,11 +438,40 @@ def _own_held(ctx: PlannerContext, protection: Protection | None, kind: ActionTy
     return protection.blocks
 
 
-def _tenant_retain_room(ctx: PlannerContext, session: SessionPlanState, own: int = 0) -> int:
-    """The retained blocks the session's tenant has left: its live holdings all counted
-    but ``own`` (the session's own retain, which a new one supersedes)."""
+def _change(ctx: PlannerContext, session: SessionPlanState, worker: WorkerPlanView,
+            kind: ActionType, blocks: int, tenant_cap: int | None
+            ) -> tuple[HoldingChange, HoldingChange]:
+    """(worker, tenant): what a ``kind`` (Pin, Retain, Prefetch) of the session's first
+    ``blocks`` on ``worker`` frees and adds in their counts, as the caller's ledger counts
+    them (``ctx.holding_change``, its blocks named by ``ctx.chain``; the tenant's only
+    where ``tenant_cap`` bounds it): blocks other holdings hold add nothing (before, a
+    first Pin/Retain was charged its whole chain, a system prompt held already too).
+    Without a ledger: every block adds one, a Pin/Retain frees the session's own."""
+    if ctx.holding_change is not None:
+        return ctx.holding_change(worker.worker_id,
+                                  session.tenant if tenant_cap is not None else None,
+                                  session.session_id, kind.value, blocks,
+                                  tuple(ctx.chain[:blocks]))
+    own = 0 if kind is ActionType.PREFETCH else _own_held(ctx, session.protection, kind)
+    if kind is ActionType.PIN:
+        change = HoldingChange(Holdings(own, 0), Holdings(blocks, 0))
+    else:
+        change = HoldingChange(Holdings(0, own), Holdings(0, blocks))
+    return change, change
+
+
+def _tenant_retain_fits(ctx: PlannerContext, session: SessionPlanState,
+                        worker: WorkerPlanView, kind: ActionType, blocks: int) -> bool:
+    """Whether a Retain (or a Prefetch, which retains what it brings) of the session's
+    first ``blocks`` on ``worker`` fits its tenant's retain budget: what it adds
+    (:func:`_change`) within the room left once the holding it supersedes is gone."""
+    cap = ctx.config.tenant_max_retained_blocks
+    if cap is None:
+        return True
+    _, change = _change(ctx, session, worker, kind, blocks, cap)
     tenant = ctx.tenant_held.get(session.tenant, Holdings())
-    return room_left(tenant.retained_blocks - own, ctx.config.tenant_max_retained_blocks)
+    return change.added.retained_blocks <= room_left(
+        tenant.retained_blocks - change.freed.retained_blocks, cap)
 
 
 def _send(

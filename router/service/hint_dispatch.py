@@ -122,9 +122,14 @@ class HintDispatcher(HintResets):
 
     # --- planner context ----------------------------------------------------------------
 
-    def context(self, now: float | None = None, tenant: str | None = None) -> PlannerContext:
+    def context(self, now: float | None = None, tenant: str | None = None,
+                chain: Sequence[int] = ()) -> PlannerContext:
         """The planner's frozen view; with ``tenant``, that tenant's budget and outcome
-        feedback apply (no other tenant's outcomes turn its hints off or shrink them)."""
+        feedback apply (no other tenant's outcomes turn its hints off or shrink them).
+        ``chain``: the block hashes of the last prompt of the session planned (its
+        record's ``last_block_hashes``, which :meth:`send` records its Pin/Retain by), so
+        its protection is charged the blocks it adds to the ledger's counts
+        (``PlannerContext.holding_change``)."""
         now = self._clock() if now is None else now
         # Holdings past their TTL go first: the planner counts a session's own protection
         # as held only until its TTL (planner._own_held), so the ledger must agree at now.
@@ -158,7 +163,8 @@ class HintDispatcher(HintResets):
                                  tenant_max_retained_blocks=budget.max_retained_blocks)
         return PlannerContext(now=now, stats=self.learned.of(tenant), workers=views,
                               rng=self._rng, config=config, tenant_held=tenant_held,
-                              tenant_retain_added=self.holdings.tenant_retain_added)
+                              tenant_retain_added=self.holdings.tenant_retain_added,
+                              chain=tuple(chain), holding_change=self.holdings.replacing)
 
     def stats_of(self, tenant: str | None) -> LearnedStats:
         """What ``tenant``'s planning predicts from (read only; the priors for a tenant

@@ -194,7 +194,7 @@ class SessionLifecycle:
         event = TurnRouted(record.worker_session_id, record.tenant, worker_id, prompt_tokens, now,
                            predicted_cached if prediction_exact else None,
                            depth=record.turns + 1)
-        context = self.hints.context(now, record.tenant)
+        context = self.hints.context(now, record.tenant, record.last_block_hashes)
         await self._apply(record, plan_turn_routed(context, record.plan, event))
         self.sessions.save(record)
 
@@ -251,7 +251,8 @@ class SessionLifecycle:
                 observation.completion_tokens_per_choice, now,
                 tuple(sorted(set(observation.tool_names))))
             await self._apply(record, plan_response_finished(
-                self.hints.context(now, record.tenant), record.plan, event))
+                self.hints.context(now, record.tenant, record.last_block_hashes),
+                record.plan, event))
         if session_end:
             await self.end(record)
             return
@@ -323,7 +324,8 @@ class SessionLifecycle:
         # First, so that the planner's Demote that may follow can let go of those blocks.
         sent = await self._release_agent_claims(record, now, record.plan.worker_id)
         sent += await self._apply(record, plan_session_end(
-            self.hints.context(now, record.tenant), record.plan, event))
+            self.hints.context(now, record.tenant, record.last_block_hashes), record.plan,
+            event))
         self.sessions.save(record)
         return sent
 
@@ -441,7 +443,8 @@ class SessionLifecycle:
             context = contexts.get(record.tenant)
             if context is None:
                 context = contexts[record.tenant] = self.hints.context(now, record.tenant)
-            result = plan_idle(context, plan)
+            # The tenant's context, with this session's chain (what its Pin/Retain names).
+            result = plan_idle(replace(context, chain=record.last_block_hashes), plan)
             if result.session is not plan or result.actions:
                 await self._apply(record, result)
                 if result.actions:

@@ -295,7 +295,7 @@ class Simulation(HintLoop):
             event = TurnRouted(session_key, request.tenant, decision.worker_id,
                                request.input_length, self.now,
                                decision.predicted_cached_tokens)
-            self._apply_plan(plan_turn_routed(self._planner_ctx(request.tenant),
+            self._apply_plan(plan_turn_routed(self._planner_ctx(request.tenant, session_key),
                                               self.sessions.get(session_key), event),
                              request.tenant)
         job = Job(request, session_key, vllm_request, hashes, decision.worker_id,
@@ -395,8 +395,9 @@ class Simulation(HintLoop):
                 event = ResponseFinished(job.session_key, FinishReason.parse(request.finish_reason),
                                          request.input_length, request.output_length, self.now,
                                          request.tool_names)
-                self._apply_plan(plan_response_finished(self._planner_ctx(state.tenant), state,
-                                                        event), state.tenant)
+                self._apply_plan(plan_response_finished(
+                    self._planner_ctx(state.tenant, job.session_key), state, event),
+                    state.tenant)
                 if request.end:
                     self._on_session_end(job.session_key)
                 elif request.end_at_s is not None:  # ended later, through the sessions API
@@ -413,7 +414,7 @@ class Simulation(HintLoop):
             self.sessions[session_key] = replace(state, ended_explicitly=True,
                                                  last_activity=self.now)
             return
-        self._apply_plan(plan_session_end(self._planner_ctx(state.tenant), state,
+        self._apply_plan(plan_session_end(self._planner_ctx(state.tenant, session_key), state,
                                           SessionEnded(session_key, self.now)), state.tenant)
 
     def _record_admission(self, job: Job) -> None:

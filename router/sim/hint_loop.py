@@ -96,9 +96,12 @@ class HintLoop:
             if chain is not None:
                 yield chain
 
-    def _planner_ctx(self, tenant: str | None) -> PlannerContext:
+    def _planner_ctx(self, tenant: str | None, session_key: str | None = None
+                     ) -> PlannerContext:
         """The planner's view for a session of ``tenant`` (its statistics and outcome
-        feedback only, and what each worker cannot do)."""
+        feedback only, and what each worker cannot do); with ``session_key``, that
+        session's chain (the hashes its Pin/Retain is recorded by, :meth:`_send`), so it
+        is charged what it adds to the ledger's counts, as the live router's context."""
         # As the live router's context: holdings past their TTL go first (the planner
         # counts a session's own protection only until its TTL, planner._own_held).
         self.ledger.expire(self.now)
@@ -107,8 +110,10 @@ class HintLoop:
             views[worker_id] = replace(static, held=self.ledger.worker(worker_id),
                                        feedback=self.feedback[worker_id].view(tenant),
                                        pinned_claims=self.ledger.claims(worker_id)[0])
+        chain = self._last_hashes.get(session_key, ()) if session_key is not None else ()
         return PlannerContext(now=self.now, stats=self.learned.of(tenant), workers=views,
-                              rng=self._plan_rng, config=self.config.planner)
+                              rng=self._plan_rng, config=self.config.planner, chain=chain,
+                              holding_change=self.ledger.replacing)
 
     def _apply_plan(self, result: PlanResult, tenant: str) -> None:
         if result.session is not None:
@@ -136,7 +141,7 @@ class HintLoop:
         session = self.sessions.get(session_key)
         if session is None or not session.awaiting_return or session.gap_opened_at != opened_at:
             return
-        result = plan_idle(self._planner_ctx(session.tenant), session)
+        result = plan_idle(self._planner_ctx(session.tenant, session_key), session)
         self._apply_plan(result, session.tenant)
         if result.session is not None and result.session.awaiting_return:
             review_at = next_idle_review(self.config.planner, result.session, self.now)

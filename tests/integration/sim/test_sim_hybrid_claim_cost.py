@@ -37,8 +37,8 @@ def test_hybrid_workers_pins_are_planned_in_pool_blocks(tmp_path: Path) -> None:
     views: Counter[str] = Counter()
     plan, settle = sim._planner_ctx, sim._on_outcomes  # observed, not replaced
 
-    def observed_plan(tenant):
-        ctx = plan(tenant)
+    def observed_plan(tenant, session_key=None):
+        ctx = plan(tenant, session_key)
         for worker_id, view in ctx.workers.items():
             assert view.claim_cost == advertised[worker_id]
             assert view.pinned_claims == sim.ledger.claims(worker_id)[0]
