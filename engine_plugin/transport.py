@@ -57,14 +57,15 @@ from kvhint.engine_plugin.transport_setup import (
 from kvhint.engine_plugin.transport_wake import EngineWaker
 from kvhint.schemas import (
     EventBatchMeta,
+    SnapshotRefused,
     Subjects,
     Usage,
     WorkerStatus,
     encode_outcome,
     encode_releases,
+    encode_snapshot_refused,
     encode_status,
 )
-from kvhint.schemas._codec import encode_json
 from kvhint.schemas.nats_address import loggable_nats_url
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -396,7 +397,10 @@ class NatsTransport(IntakeMixin):
             self.counters.snapshot_requests_unanswered += 1
             return
         if snapshot.error is not None:
-            body = encode_json({"error": snapshot.error})
+            # A router counts it refused and asks again (one before SnapshotRefused
+            # reads no page in it: a failed request, asked again as well).
+            body = encode_snapshot_refused(SnapshotRefused(worker_id=self.worker_id,
+                                                           error=snapshot.error))
         else:
             body = snapshot_page(snapshot, blocks, cursor, limit, int(nc.max_payload * 0.9),
                                  self.worker_id, self.epoch, self._block_size)

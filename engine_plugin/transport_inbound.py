@@ -1,7 +1,7 @@
 """The answers the NATS transport gives inbound messages itself, on its own thread:
 ``rejected`` for advice that cannot be decoded and for hints and advice that find the
-engine's inbox full, an error reply for a snapshot request that finds it full, early
-``deferred`` for a message the engine has not taken in time.
+engine's inbox full, a refusal (``SnapshotRefused``) for a snapshot request that finds
+it full, early ``deferred`` for a message the engine has not taken in time.
 
 Every outcome is queued in the mailbox and counted in the transport's ``outcomes`` (under the
 mailbox's lock), which ``kvhint:hints_total`` adds to the engine's.
@@ -130,10 +130,10 @@ def answer_full_inbox_advice(mailbox: Mailbox, counters: TransportCounters, work
 
 
 def busy_snapshot(mailbox: Mailbox, reply_to: str | None) -> SnapshotOut:
-    """The answer to a snapshot request the full inbox turned away: the error reply
-    (``{"error": ...}``, as for a request the engine failed on), sent at once; the router
-    takes it for a failed request and asks again soon (``snapshot_retry_s``, doubled for
-    each failure in a row, bounded), not after its whole snapshot timeout."""
+    """The answer to a snapshot request the full inbox turned away: a refusal
+    (``SnapshotRefused``, as for a request the engine failed on), sent at once; the router
+    counts it refused and asks again soon (``snapshot_retry_s``, doubled for each failure
+    in a row, up to its ``snapshot_retry_max_s``), not after its whole snapshot timeout."""
     return SnapshotOut(0, [], [], reply_to, -1, 0,
                        error=FULL_SNAPSHOT_REASON.format(limit=mailbox.inbound_limit))
 

@@ -33,7 +33,7 @@ from kvhint.schemas._codec import WireDecodeError
 
 class IntakeMixin:
     """The transport's inbound callbacks; the transport sets these up and supplies
-    ``_reply_page`` (one snapshot page, or an error, published) and ``_notify`` (wake its
+    ``_reply_page`` (one snapshot page, or a refusal, published) and ``_notify`` (wake its
     publisher)."""
 
     config: PluginConfig
@@ -71,7 +71,7 @@ class IntakeMixin:
         # A first page, or one of a snapshot no longer kept: a new snapshot answers it.
         if not self._post("snapshot", msg):
             # Turned away by the full inbox (counted, inbound_dropped): answered at once
-            # with an error, which the router retries soon (snapshot_retry_s). Before, no
+            # with a refusal, which the router retries soon (snapshot_retry_s). Before, no
             # reply: the router waited out its snapshot timeout, the worker's view stale.
             await self._reply_page(busy_snapshot(self.mailbox, msg.reply), [], msg.reply,
                                    -1, 0)

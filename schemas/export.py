@@ -19,7 +19,7 @@ from kvhint.schemas.hints import (
 )
 from kvhint.schemas.outcomes import HintOutcome
 from kvhint.schemas.releases import HoldsReleased
-from kvhint.schemas.snapshot import SnapshotRequest, WorkerSnapshot
+from kvhint.schemas.snapshot import SnapshotRefused, SnapshotRequest, WorkerSnapshot
 from kvhint.schemas.status import WorkerStatus
 
 MESSAGES: dict[str, type] = {
@@ -36,6 +36,7 @@ MESSAGES: dict[str, type] = {
     "WorkerStatus": WorkerStatus,
     "SnapshotRequest": SnapshotRequest,
     "WorkerSnapshot": WorkerSnapshot,
+    "SnapshotRefused": SnapshotRefused,
 }
 
 

@@ -2,7 +2,8 @@
 
 A router that starts late, sees a sequence gap or a new epoch asks for the worker's full
 residency and session index, page by page (NATS messages are bounded), then continues
-from the event stream after ``seq``.
+from the event stream after ``seq``. A request the worker cannot serve now is answered
+:class:`SnapshotRefused` (:func:`decode_snapshot_reply` reads either reply).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvhint.schemas._codec import decode_json, encode_json
+from kvhint.schemas._codec import WireDecodeError, decode_json, encode_json
 from kvhint.schemas.status import Epoch
 
 MAX_SNAPSHOT_PAGE = 50_000
+SNAPSHOT_REFUSED_VERSION = "1.0"
 
 
 class SnapshotRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +70,26 @@ class WorkerSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     next_cursor: int | None = None
 
 
+class SnapshotRefused(msgspec.Struct, frozen=True, kw_only=True):
+    """The reply to a snapshot request the worker cannot serve now: its inbox full
+    (``REJECTED_INBOX_FULL`` ...), the request malformed, or the plugin failing on it.
+    The router counts it (``resyncs{result="refused"}``), logs ``error`` and asks again
+    (after 1 s, doubled at each failure in a row up to its ``snapshot_retry_max_s``).
+
+    Versions: 1.0 (this). ``error`` is the key of the untyped reply plugins sent before
+    it (``{"error": "..."}``, nothing else): a router reads that as a refusal too (no
+    ``version`` on the wire: read as 1.0; ``worker_id`` None). A router before it reads
+    this reply as a page, which it is not (no ``epoch``, ``seq``, ``blocks``...): its
+    request failed, asked again as before. New optional fields may follow (a receiver
+    ignores fields it does not know). Golden JSON: ``tests/golden/snapshot_refused.json``."""
+
+    version: str = SNAPSHOT_REFUSED_VERSION
+    # None: the untyped reply of a plugin before 1.0.
+    worker_id: str | None = None
+    # Why, for the router's log (free text; the sender's, so shown repr'd and cut short).
+    error: str
+
+
 def encode_snapshot_request(request: SnapshotRequest) -> bytes:
     return encode_json(request)
 
@@ -84,3 +106,26 @@ def encode_snapshot(snapshot: WorkerSnapshot) -> bytes:
 
 def decode_snapshot(data: bytes | str) -> WorkerSnapshot:
     return decode_json(data, WorkerSnapshot, "worker snapshot")
+
+
+def encode_snapshot_refused(refused: SnapshotRefused) -> bytes:
+    return encode_json(refused)
+
+
+def decode_snapshot_refused(data: bytes | str) -> SnapshotRefused:
+    return decode_json(data, SnapshotRefused, "snapshot refusal")
+
+
+def decode_snapshot_reply(data: bytes | str) -> WorkerSnapshot | SnapshotRefused:
+    """A snapshot request's reply: a page, or the worker's refusal (1.0, or the untyped
+    ``{"error": ...}`` before it).
+    Anything else raises the page's :class:`WireDecodeError`. A page is tried first (a
+    refusal is decoded again only once that failed: the page is the large one)."""
+    try:
+        return decode_snapshot(data)
+    except WireDecodeError as exc:
+        page_error = exc
+    try:
+        return decode_snapshot_refused(data)
+    except WireDecodeError:
+        raise page_error from page_error.__cause__

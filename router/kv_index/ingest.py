@@ -19,7 +19,8 @@ Typical wiring (the service owns NATS)::
     ingestor.replay_started()             # before heartbeats are taken
     actions = ingestor.replay_caught_up() # the consumer reached the stream's end
     # for RequestSnapshot(w, cursor, limit): request snapshot.<w> and then
-    actions = ingestor.on_snapshot_page(decode_snapshot(reply.data))   # or on_snapshot_failed
+    # (decode_snapshot_reply: a page, or the worker's SnapshotRefused)
+    actions = ingestor.on_snapshot_page(page)   # or on_snapshot_failed (refused, timed out)
 """
 
 from __future__ import annotations
@@ -228,7 +229,8 @@ class KvEventIngestor:
         return actions
 
     def on_snapshot_failed(self, worker_id: str, reason: str = "") -> list[IngestAction]:
-        """The snapshot request failed or timed out; it is retried from :meth:`tick`."""
+        """The snapshot request failed, was refused or timed out; it is retried from
+        :meth:`tick`."""
         stream = self._streams.get(worker_id)
         if stream is not None:
             stream.on_snapshot_failed(self._clock())

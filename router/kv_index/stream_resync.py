@@ -129,8 +129,8 @@ class Resync(Generic[T]):
         self.awaiting_since = now
 
     def request_failed(self, now: float) -> None:
-        """The page request failed (an error reply, such as a worker's "inbox full"
-        answered at once, or a NATS error): retried (from :meth:`due`) after
+        """The page request failed (the worker's refusal, such as its "inbox full"
+        answered at once, a NATS error, a timeout): retried (from :meth:`due`) after
         ``snapshot_retry_s``, doubled for each failure in a row since the last page, up to
         ``snapshot_retry_max_s``: a busy worker is asked again soon, not hammered."""
         self._counters.snapshot_failures += 1

@@ -4,7 +4,10 @@ does with each list of actions the ingestor (``kvhint.router.kv_index``) returns
 - :class:`~kvhint.router.kv_index.RequestSnapshot`: the worker's snapshot page, asked by
   request/reply on ``<prefix>.v1.snapshot.<w>`` (a task of the feed's), fed back to the
   ingestor (or its failure); counted in ``kvhint_router_resyncs_total{worker, reason,
-  result}`` (requested, loaded, failed, purged);
+  result}`` (requested, loaded, purged; refused: the worker's ``SnapshotRefused``, its
+  reason logged; failed: a timeout, a NATS error, a reply that is neither page nor
+  refusal, that one logged too; both logs throttled per worker). Either is asked again (``snapshot_retry_s``, doubled for each
+  failure in a row up to ``snapshot_retry_max_s``);
 - :class:`~kvhint.router.kv_index.WorkerDead` / ``WorkerAlive``: the registry's
   ``plugin_alive``;
 - ``WorkerPurgedNotice``, ``WorkerIdConflict``: counted, logged.
@@ -30,13 +33,15 @@ from kvhint.router.kv_index import (
     WorkerIdConflict,
     WorkerPurgedNotice,
 )
+from kvhint.router.service.log_throttle import PerKeyLogThrottle
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.nats_link import NatsLink
 from kvhint.router.service.workers import WorkerRegistry
 from kvhint.schemas import (
+    SnapshotRefused,
     SnapshotRequest,
     WireDecodeError,
-    decode_snapshot,
+    decode_snapshot_reply,
     encode_snapshot_request,
 )
 
@@ -56,6 +61,9 @@ class IndexActions:
         self._metrics = metrics
         self._snapshot_timeout_s = snapshot_timeout_s
         self._spawn = spawn
+        # Refused and failed snapshot requests logged per worker and kind, throttled:
+        # a busy worker refuses each retry (every failure is counted).
+        self.failure_log = PerKeyLogThrottle()
 
     def perform(self, actions: list[IngestAction]) -> None:
         for action in actions:
@@ -96,11 +104,22 @@ class IndexActions:
         try:
             reply = await self._link.request(self._link.subjects.snapshot(request.worker_id),
                                              payload, self._snapshot_timeout_s)
-            page = decode_snapshot(reply)
+            page = decode_snapshot_reply(reply)
         except (NatsError, asyncio.TimeoutError, WireDecodeError, RuntimeError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             self._metrics.resyncs.labels(request.worker_id, "snapshot", "failed").inc()
+            if isinstance(exc, WireDecodeError):  # neither a page nor a refusal
+                self._log_failure(request.worker_id, "undecodable",
+                                  "answered with no snapshot page nor refusal", reason)
             self.perform(self._ingestor.on_snapshot_failed(request.worker_id, reason))
+            return
+        if isinstance(page, SnapshotRefused):
+            # The worker could not serve it now (its inbox full...): asked again soon.
+            self._metrics.resyncs.labels(request.worker_id, "snapshot", "refused").inc()
+            self._log_failure(request.worker_id, "refused", "refused its snapshot request",
+                              page.error)
+            self.perform(self._ingestor.on_snapshot_failed(
+                request.worker_id, f"snapshot refused: {page.error}"))
             return
         if page.worker_id != request.worker_id:
             # A plugin answering under another worker's id would overwrite that worker's
@@ -113,6 +132,14 @@ class IndexActions:
         if page.next_cursor is None:
             self._metrics.resyncs.labels(request.worker_id, "snapshot", "loaded").inc()
         self.perform(actions)
+
+    def _log_failure(self, worker_id: str, kind: str, what: str, reason: str) -> None:
+        held = self.failure_log.admit(f"{kind}:{worker_id}")
+        if held is None:
+            return
+        # The reason is the worker's text: repr'd (no raw newline or control), cut short.
+        log.warning("worker %s %s: %r (asked again; %d more like it not logged since the "
+                    "last)", worker_id, what, reason[:300], held)
 
 
 def _reason_label(reason: str) -> str:

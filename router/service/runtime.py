@@ -182,6 +182,7 @@ class RouterRuntime:
                                        forget_dead_after_s=max(
                                            3600.0, settings.events_stream_max_age_s),
                                        replay_wait_s=settings.replay_wait_s,
+                                       snapshot_retry_max_s=settings.snapshot_retry_max_s,
                                        conflict_hold_s=settings.conflict_hold_s,
                                        conflict_confirm_s=settings.conflict_confirm_s))
         stored_sessions = StoredSessions(engine, metrics,

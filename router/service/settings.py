@@ -145,6 +145,9 @@ class RouterSettings(BaseSettings):
     # taken as over and those workers resync. A full default stream (1 GiB) replays in
     # ~30 s on 2 cores: raise it with a larger events_stream_max_bytes or a slower host.
     replay_wait_s: float = Field(60.0, gt=0, le=3600)
+    # A worker's snapshot request that failed (refused: its inbox full; a NATS error, a
+    # timeout) is asked again after 1 s, doubled at each failure in a row up to this.
+    snapshot_retry_max_s: float = Field(8.0, ge=1, le=600)
     # How long a conflict over a worker's id (two engines heartbeating under it) stays
     # held, reported (kvhint_router_worker_id_conflict, /admin/workers' "conflict") and
     # the followed engine kept, after the other engine was last heard: longer than a vLLM

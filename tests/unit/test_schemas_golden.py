@@ -158,6 +158,9 @@ SAMPLES: dict[str, tuple[object, type]] = {
         blocks=[s.SnapshotBlock(11, None, "GPU"), s.SnapshotBlock(12, 11, "GPU")],
         sessions=[s.SnapshotSession("tenant-a/sess-1", [12])], next_cursor=None),
         s.WorkerSnapshot),
+    "snapshot_refused": (s.SnapshotRefused(
+        worker_id="w0", error="worker inbox full (1 messages waiting for the scheduler); "
+                              "no snapshot taken, ask again"), s.SnapshotRefused),
 }
 
 
@@ -265,3 +268,39 @@ def test_worker_status_1_2_and_1_3_read_both_ways() -> None:
         raw["claim_cost"] = bad
         with pytest.raises(s.WireDecodeError):
             s.decode_status(msgspec.json.encode(raw))
+
+
+class _WorkerSnapshotBefore(msgspec.Struct, frozen=True, kw_only=True):
+    """WorkerSnapshot as a router before SnapshotRefused declares it (its decoder)."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    block_size: int
+    blocks: list[s.SnapshotBlock]
+    sessions: list[s.SnapshotSession]
+    next_cursor: int | None = None
+
+
+# The whole reply of a plugin before SnapshotRefused 1.0 to a request it could not serve.
+_REFUSAL_BEFORE_1_0 = (b'{"error":"worker inbox full (1 messages waiting for the scheduler)'
+                       b'; no snapshot taken, ask again"}')
+
+
+def test_snapshot_refused_1_0_and_the_error_reply_before_it_read_both_ways() -> None:
+    """A router before 1.0 reads a 1.0 refusal as no page (a failed request: asked again,
+    as it did the ``{"error"}`` reply); a 1.0 router reads the ``{"error"}`` reply of a
+    plugin before it as a refusal, its reason kept, and a page as a page."""
+    new = (GOLDEN / "snapshot_refused.json").read_bytes()
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(new, type=_WorkerSnapshotBefore)
+    with pytest.raises(s.WireDecodeError):
+        s.decode_snapshot(new)
+    assert s.decode_snapshot_reply(new) == SAMPLES["snapshot_refused"][0]
+    old = s.decode_snapshot_reply(_REFUSAL_BEFORE_1_0)
+    assert old == s.SnapshotRefused(worker_id=None, error=SAMPLES["snapshot_refused"][0].error)
+    page = (GOLDEN / "worker_snapshot.json").read_bytes()
+    assert s.decode_snapshot_reply(page) == SAMPLES["worker_snapshot"][0]
+    for bad in (b'{"error": 5}', b'{"worker_id": "w0"}', b"[]", b"not json"):
+        with pytest.raises(s.WireDecodeError, match="worker snapshot"):
+            s.decode_snapshot_reply(bad)

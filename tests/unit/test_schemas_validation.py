@@ -393,7 +393,7 @@ _DEEP = "[" * 5000 + "]" * 5000  # valid JSON; msgspec raises RecursionError dec
 
 @pytest.mark.parametrize("decode", [
     s.decode_advice, s.decode_snapshot_request, s.decode_outcome, s.decode_releases,
-    s.decode_status, s.decode_snapshot])
+    s.decode_status, s.decode_snapshot, s.decode_snapshot_refused, s.decode_snapshot_reply])
 @pytest.mark.parametrize("data", [
     ('{"x": ' + _DEEP + "}").encode(),  # deeply nested (an unknown field, or anywhere)
     '{"x": "\ud800"}',  # a str with a lone surrogate (UnicodeEncodeError)

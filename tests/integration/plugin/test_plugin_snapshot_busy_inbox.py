@@ -3,8 +3,9 @@ real scheduler and the router's real ingestor, NATS link and snapshot requester.
 
 The full inbox turns the request away (counted, ``inbound_dropped``). Before, it got no
 reply: the router waited out its whole snapshot timeout before asking again, the worker's
-view stale all that while. It is now answered at once with the error reply the router
-already takes for a failed request (``{"error": ...}``), and the router asks again after
+view stale all that while. It is now answered at once with a refusal (``SnapshotRefused``;
+an ``{"error": ...}`` reply before it, which routers took for a failed request; see
+test_plugin_snapshot_refused.py), and the router asks again after
 ``snapshot_retry_s`` and completes its resync once the engine has room. The test steps the
 headless scheduler itself where the engine would; while it does not, the inbox stays full.
 """
@@ -53,7 +54,8 @@ async def test_a_snapshot_request_finding_the_inbox_full_is_answered_at_once(
             reply = await nc.request(subjects.snapshot("w0"), b"", timeout=5)
             assert time.monotonic() - started < 2.0
             body = json.loads(reply.data)
-            assert set(body) == {"error"} and "inbox full" in body["error"], body
+            assert set(body) == {"version", "worker_id", "error"}, body
+            assert "inbox full" in body["error"], body
             assert mailbox.counters.inbound_dropped == 1
             assert h.connector.transport.counters.inbound_rejected == 1
 
@@ -99,9 +101,9 @@ async def test_the_router_asks_again_soon_and_resyncs_once_the_engine_has_room(
                 assert await link.wait_connected(5.0)
                 await link.subscribe(subjects.status("w0"), on_status)
                 # The first heartbeat asks for a snapshot; the full inbox answers it at
-                # once, and the router counts a failure (not a timeout 30 s later).
-                failed = metrics.resyncs.labels("w0", "snapshot", "failed")
-                await until(lambda: failed._value.get() >= 1, timeout_s=5.0)
+                # once, and the router counts a refusal (not a timeout 30 s later).
+                refused = metrics.resyncs.labels("w0", "snapshot", "refused")
+                await until(lambda: refused._value.get() >= 1, timeout_s=5.0)
                 assert mailbox.counters.inbound_dropped >= 1
                 # The engine steps (room in the inbox); the router's ticks ask again.
                 deadline = time.monotonic() + 8.0
