@@ -80,7 +80,10 @@ class GroupNeed:
     """What vLLM's hybrid prefix hit needs of one KV cache group besides the followed one
     (:attr:`BlockCache.hit_groups`): its block at every position before the hit point
     (``tail`` None: full attention), or at the last ``tail`` positions only (a sliding
-    window's blocks, one Mamba state)."""
+    window's blocks, one Mamba state), those ending ``lag`` positions before the hit
+    point's last (a Mamba state with EAGLE: vLLM's full-attention hit drops its last
+    matched block, and the Mamba state is looked up at the shorter length)."""
 
     group_id: int
     tail: int | None
+    lag: int = 0

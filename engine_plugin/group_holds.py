@@ -4,7 +4,9 @@ prefix hit at the claim's end needs, not only the followed (full-attention) grou
 vLLM's hybrid coordinator accepts a hit of N blocks only when every group has what it
 needs (the cache port's ``hit_groups``, read from vLLM by the adapter): another
 full-attention group its blocks at all N positions; a sliding-window group its blocks at
-the last ``tail`` positions before N; a Mamba group its state at position N. Holding the
+the last ``tail`` positions before N; a Mamba group its state at position N (N - 1 with
+EAGLE, whose hit of N - 1 matches the followed group's N and drops the last: the tail's
+``lag``). Holding the
 followed group's blocks alone (before) left the others to eviction, and a Pinned
 session's next turn hit nothing.
 
@@ -113,7 +115,7 @@ class _Shape:
                 run = i
                 break
         self.run = run
-        self.tails = [(n.tail, n.group_id) for n in needs if n.tail is not None]
+        self.tails = [(n.tail, n.lag, n.group_id) for n in needs if n.tail is not None]
         self._looked_up: dict[tuple[int, int], BlockHandle | None] = {}
         self.hit = {len(handles): self.hit_at(len(handles))}
 
@@ -133,31 +135,33 @@ class _Shape:
     def _tail_block(self, t: int, i: int) -> BlockHandle | None:
         key = (t, i)
         if key not in self._looked_up:
-            self._looked_up[key] = self.cache.side_block(self.primary[i], self.tails[t][1])
+            self._looked_up[key] = self.cache.side_block(self.primary[i], self.tails[t][2])
         return self._looked_up[key]
 
     def hit_at(self, num: int) -> int:
         """The furthest hit point at or before ``num`` positions (0: none) that every
         group's resident blocks allow. A missing tail block at position j rules out every
-        hit point whose window covers it, so the search goes on below j (vLLM's)."""
+        hit point whose window (ending ``lag`` positions before it) covers it, so the
+        search goes on below j + lag (vLLM's)."""
         i = min(num, self.run) - 1
         while i >= 0:
-            missing = -1
-            for t, (tail, _) in enumerate(self.tails):
-                for j in range(i, max(0, i + 1 - tail) - 1, -1):
-                    if j <= missing:
+            cut = -1  # the furthest hit point (its last index) a missing block rules out
+            for t, (tail, lag, _) in enumerate(self.tails):
+                top = i - lag
+                for j in range(top, max(0, top + 1 - tail) - 1, -1):
+                    if j + lag <= cut:
                         break
                     if self._tail_block(t, j) is None:
-                        missing = j
+                        cut = j + lag
                         break
-            if missing < 0:
+            if cut < 0:
                 return i + 1
-            i = missing - 1
+            i = cut - 1
         return 0
 
     def _tail(self, hit: int) -> list[BlockHandle]:
-        return [b for t, (tail, _) in enumerate(self.tails)
-                for i in range(max(0, hit - tail), hit)
+        return [b for t, (tail, lag, _) in enumerate(self.tails)
+                for i in range(max(0, hit - lag - tail), hit - lag)
                 if (b := self._tail_block(t, i)) is not None]
 
     def blocks(self, num: int) -> list[BlockHandle]:
@@ -186,23 +190,30 @@ class _Shape:
                 b = self._tail_block(t, i)
                 sums.append(sums[-1] + (b is not None and fresh(b.block_id)))
             cumulative.append(sums)
-        # Every prefix's hit point, left to right: one streak of resident blocks a group.
-        streaks = [0] * len(self.tails)
+        # Every prefix's hit point, left to right: a group's streak of resident blocks
+        # ending at each position.
+        streaks = []
+        for t in range(len(self.tails)):
+            streak = [0]
+            for i in range(self.run):
+                streak.append(streak[-1] + 1 if self._tail_block(t, i) is not None else 0)
+            streaks.append(streak)
         hit = 0
         for i in range(len(self.primary)):
             if i < self.run:
                 ok = True
-                for t, (tail, _) in enumerate(self.tails):
-                    streaks[t] = streaks[t] + 1 if self._tail_block(t, i) is not None else 0
-                    ok = ok and streaks[t] >= min(tail, i + 1)
+                for (tail, lag, _), streak in zip(self.tails, streaks):
+                    end = i + 1 - lag  # positions up to the window's end
+                    ok = ok and (end <= 0 or streak[end] >= min(tail, end))
                 hit = i + 1 if ok else hit
             self.hit[i + 1] = hit
         best = 0  # the furthest hit point that fits, held with no position past it
         for num in range(len(self.primary), 0, -1):
             if self.hit[num] != num:
                 continue  # positions past a hit point keep no hit
-            cost = prefix[num] + sum(sums[num] - sums[max(0, num - tail)] for (tail, _), sums
-                                     in zip(self.tails, cumulative))
+            ends = [(tail, max(0, num - lag)) for tail, lag, _ in self.tails]
+            cost = prefix[num] + sum(sums[end] - sums[max(0, end - tail)]
+                                     for (tail, end), sums in zip(ends, cumulative))
             if cost <= room:
                 best = num
                 break

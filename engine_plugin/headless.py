@@ -116,6 +116,15 @@ def _full_attention_spec(block_size: int) -> Any:
                              head_size=_HEAD_DIM, dtype=torch.float32)
 
 
+def _mamba_spec(block_size: int, mode: str) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(block_size=block_size, shapes=((_NUM_KV_HEADS, _HEAD_DIM),),
+                     dtypes=(torch.float32,), mamba_cache_mode=mode,
+                     page_size_padded=_full_attention_spec(block_size).page_size_bytes)
+
+
 def _sliding_window_spec(block_size: int, window: int) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
@@ -232,6 +241,10 @@ class HeadlessSchedulerSpec:
     # vLLM's --prefix-cache-retention-interval (its default 0: a sliding-window group
     # caches only the window before each prompt's end; None: every block).
     prefix_cache_retention_interval: int | None = 0
+    # True: layer 0 is a Mamba layer beside the full-attention one (Jamba's, Granite 4's
+    # kind: two KV cache groups), in vLLM's "align" cache mode as vLLM sets it with
+    # prefix caching on: the state's block size is attention's, its page padded to it.
+    mamba: bool = False
 
 
 @dataclass
@@ -322,6 +335,16 @@ class HeadlessScheduler:
         return request
 
 
+def _mamba_cache_args(spec: HeadlessSchedulerSpec) -> dict[str, Any]:
+    """What vLLM's MambaModelConfig sets for a Mamba model: "align" with prefix caching
+    (the state cached at block boundaries, the block size attention's), else "none"."""
+    if not spec.mamba:
+        return {}
+    if spec.enable_prefix_caching:
+        return {"mamba_cache_mode": "align", "mamba_block_size": spec.block_size}
+    return {"mamba_cache_mode": "none"}
+
+
 def _offload_jobs_done(metadatas: Sequence[Any]) -> Any:
     """The worker's report for these steps' OffloadingConnector jobs: every store and load
     done (the host link keeps up, as the simulator models it).
@@ -408,7 +431,8 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
                                  prefix_caching_hash_algo="sha256",
                                  prefix_cache_retention_interval=(
                                      spec.prefix_cache_retention_interval),
-                                 num_gpu_blocks_override=spec.num_blocks),
+                                 num_gpu_blocks_override=spec.num_blocks,
+                                 **_mamba_cache_args(spec)),
         scheduler_config=SchedulerConfig(max_num_seqs=spec.max_num_seqs,
                                          max_num_batched_tokens=max(spec.max_num_batched_tokens,
                                                                     spec.block_size),
@@ -428,6 +452,9 @@ def build_scheduler(spec: HeadlessSchedulerSpec = HeadlessSchedulerSpec()) -> He
     if spec.sliding_window > 0:
         layer_specs["model.layers.0.self_attn.attn"] = _sliding_window_spec(
             spec.block_size, spec.sliding_window)
+    if spec.mamba:
+        layer_specs["model.layers.0.self_attn.attn"] = _mamba_spec(
+            spec.block_size, vllm_config.cache_config.mamba_cache_mode)
     memory = attention.page_size_bytes * _NUM_LAYERS * (spec.num_blocks + 1)
     resolve_kv_cache_layout(vllm_config, [["LBHNC"]], list(layer_specs.values()))
     kv_cache_config = generate_scheduler_kv_cache_config(

@@ -7,7 +7,12 @@ full attention needs its block at each of the N positions; a SlidingWindowManage
 needs its blocks at the last ``_contiguous_blocks_for_hit(sliding_window, block_size,
 use_eagle)`` positions before N (``cdiv(sliding_window - 1, block_size)``, one more with
 EAGLE), or all of them when N is shorter; a MambaManager group its state block at
-position N only. Groups that opt out of prefix caching take no part in a hit. A group of
+position N only, or with EAGLE at N - 1: the full-attention group matches N blocks and
+drops the last, and the Mamba state is looked up at N - 1 with no such drop (vLLM's
+``HybridKVCacheCoordinator.find_longest_cache_hit``; so a hit of N - 1 blocks needs the
+full-attention blocks of 1..N and the state at N - 1, ``GroupNeed.lag``). Before, the
+state at N was held: with EAGLE no hit found it, and after other traffic a Pinned
+session hit nothing. Groups that opt out of prefix caching take no part in a hit. A group of
 another kind (vLLM 0.32: chunked local attention, the host-pool group of HiSparse,
 any registered later), or of a block size other than the followed group's (its blocks
 are cached under other hashes), cannot be held: such a model's hit may miss whatever the
@@ -44,6 +49,8 @@ def hit_group_needs(manager: Any, groups: Sequence[Any], lookup_groups: Sequence
     sliding = getattr(stm, "SlidingWindowManager", None)
     mamba = getattr(stm, "MambaManager", None)
     full = getattr(stm, "FullAttentionManager", None)
+    # EAGLE's last-block drop (the flag vLLM's coordinator sets on its managers).
+    eagle = followed < len(managers) and bool(getattr(managers[followed], "use_eagle", False))
     needs: list[GroupNeed] = []
     skipped: list[str] = []
     for gid, group in enumerate(groups):
@@ -60,7 +67,7 @@ def hit_group_needs(manager: Any, groups: Sequence[Any], lookup_groups: Sequence
         elif sliding is not None and kind is not None and issubclass(kind, sliding):
             needs.append(GroupNeed(gid, _window_blocks(managers[gid], spec, block_size)))
         elif mamba is not None and kind is not None and issubclass(kind, mamba):
-            needs.append(GroupNeed(gid, 1))
+            needs.append(GroupNeed(gid, 1, int(eagle)))
         else:
             skipped.append(f"{gid} ({getattr(kind, '__name__', 'unknown')})")
     if skipped:
