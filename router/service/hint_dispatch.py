@@ -38,6 +38,7 @@ from kvhint.router.policy import (
     WorkerPlanView,
 )
 from kvhint.router.policy.holdings import prefetch_held_until
+from kvhint.router.service.agent_releases import released_claim
 from kvhint.router.service.hint_api_budget import ApiBudgetGate
 from kvhint.router.service.hint_learned import LearnedState
 from kvhint.router.service.hint_records import (
@@ -335,6 +336,9 @@ class HintDispatcher(HintResets):
             # that replica, restarted from the shared cursor after this message, does not
             # wait for it. A no-op for a row never stored.
             self._metrics.foreign_messages.labels("outcome").inc()
+            if (claim := released_claim(outcome)) is not None:
+                # Another replica's end released this replica's claim (agent_releases.py).
+                self.holdings.released(claim, 0)
             if self._writer is not None:
                 self._writer.update("hint_actions", (outcome.action_id,), {
                     "action_id": outcome.action_id, **outcome_columns(outcome),

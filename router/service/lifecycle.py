@@ -49,7 +49,6 @@ from kvhint.router.policy import (
     TurnRouted,
     agent_scope,
     find_shared_prefixes,
-    next_idle_review,
     plan_idle,
     plan_response_finished,
     plan_shared_prefixes,
@@ -57,9 +56,15 @@ from kvhint.router.policy import (
     plan_turn_routed,
     session_chain,
 )
+from kvhint.router.service.agent_releases import end_release_id, release_targets
 from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
 from kvhint.router.service.hint_records import HINT_RELEASE_TYPES
-from kvhint.router.service.idle_reviews import reviewed_elsewhere
+from kvhint.router.service.idle_reviews import (
+    SessionRevisions,
+    due_reviews,
+    reviewed_elsewhere,
+    saved_elsewhere,
+)
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.response_scan import ResponseObservation
 from kvhint.router.service.sessions import (
@@ -73,7 +78,6 @@ from kvhint.router.service.sessions import (
 )
 from kvhint.schemas import (
     HintOutcome,
-    HintOwner,
     HoldRelease,
     RetainPayload,
     Target,
@@ -94,7 +98,9 @@ class SessionLifecycle:
                  max_prompt_blocks: int | None = None,
                  latest_session: Callable[[str, str],
                                           Awaitable[tuple[str, dict[str, Any] | None]]]
-                 | None = None) -> None:
+                 | None = None,
+                 agent_claims: Callable[[str, str, float], Awaitable[list[dict[str, Any]]]]
+                 | None = None, session_revisions: SessionRevisions | None = None) -> None:
         """``on_end(tenant, session_id)``: told of every end by a client or an admin,
         once each (the trace recorder), an abandoned session's too; never of the
         planner's abandonment.
@@ -105,7 +111,8 @@ class SessionLifecycle:
         session keeps of its last prompt (the longest prompt the workers take).
         ``latest_session(tenant, session_id)``: the read's outcome and the stored row of
         a session held in memory (session_reads.StoredSessions.latest), asked by
-        :meth:`recall` before each turn."""
+        :meth:`recall` before each turn. ``agent_claims(tenant, session_id, now)``: the
+        session's live agent claims in the store, any replica's (agent_releases.py)."""
         self.sessions = sessions
         self.hints = hints
         self._metrics = metrics
@@ -116,6 +123,10 @@ class SessionLifecycle:
         self._on_end = on_end
         self._load_session = load_session
         self._latest_session = latest_session
+        # A tick's due idle reviews' row revisions (StoredSessions.revisions; None: each
+        # review with ``latest_session`` reads its row).
+        self._session_revisions = session_revisions
+        self._agent_claims = agent_claims
         self._index_exact = index_exact
         self._max_prompt_blocks = max_prompt_blocks
         # Each session's end in progress (:meth:`end`): a concurrent end joins it.
@@ -341,27 +352,30 @@ class SessionLifecycle:
                                     planner_ends_on: str | None) -> list[SentAction]:
         """An ended session needs nothing an agent runtime asked a worker to hold for it:
         release them on every worker that holds some (the session's own, an earlier one
-        it moved from, one the agent named), since the planner's own end never touches
-        an agent's claims. Two forms, as the claims went out: the agent's own (``owner:
-        agent``, 1.2) where the worker keeps owners apart; the session's, with no owner
-        (1.0), where the agent's claim went out in the old form (a 1.0/1.1 worker) and is
-        still the session's latest holding there. ``planner_ends_on``: the worker the
-        planner's end goes to next (its Demote or Retain supersedes an old-form claim
-        there), left to it."""
+        it moved from, one the agent named), any replica's (agent_releases.py), since the
+        planner's own end never touches an agent's claims. Two forms, as the claims went
+        out: the agent's own (``owner: agent``, 1.2); the session's, with no owner (1.0:
+        an old-form claim, a 1.0/1.1 worker's), not on ``planner_ends_on`` (the worker
+        the planner's end goes to next: its Demote or Retain supersedes it)."""
         session_scope = record.worker_session_id
         scope = agent_scope(session_scope)
+        if not self._hints_enabled:
+            return []
+        stored = ([] if self._agent_claims is None else
+                  await self._agent_claims(record.tenant, record.session_id, now))
         holdings = self.hints.holdings
-        old_form = [w for w in holdings.api_holders(session_scope) if w != planner_ends_on]
-        targets = [(w, scope, HintOwner.AGENT) for w in holdings.workers_holding(scope)]
-        targets += [(w, session_scope, HintOwner.PLANNER) for w in old_form]
-        if not self._hints_enabled or not targets:
+        targets = release_targets(holdings, session_scope, planner_ends_on, stored,
+                                  self.hints.pending)
+        if not targets:
             return []
         ttl = self.hints.planner_config.release_ttl_s
         actions = []
-        for worker_id, held_scope, owner in targets:
+        for worker_id, held_scope, owner, claim_id in targets:
             payload = RetainPayload(target=Target(session_id=session_scope), priority=0,
                                     ttl_s=ttl, owner=owner)
-            action = make_action(f"kvh-{self.hints.new_id()}", payload)
+            action_id = (f"kvh-{self.hints.new_id()}" if claim_id is None
+                         else end_release_id(claim_id, self.hints.new_id()))
+            action = make_action(action_id, payload)
             actions.append(PlannedAction(worker_id, action, held_scope, record.tenant, 0,
                                          now + ttl, "end:agent_release"))
         # The agent's actions, not the planner's: sent as "api" like the claims they end,
@@ -416,26 +430,16 @@ class SessionLifecycle:
         await self._retain_shared_prefixes(now)
         contexts: dict[str, PlannerContext] = {}  # per tenant, rebuilt after sends
         config = self.hints.planner_config
-        for record in self.sessions:
-            if record.state == ENDED:
-                if record.ended_at is not None and now - record.ended_at > self._forget_after_s:
-                    self.sessions.forget(record)
+        due_now = due_reviews(self.sessions, config, now, self._forget_after_s)
+        # One read of their rows' revisions; a row read only where it moved (idle_reviews.py).
+        saved = (await saved_elsewhere([r for r, _ in due_now], self._session_revisions)
+                 if self._latest_session is not None and due_now else None)
+        for record, plan in due_now:
+            if record.inflight or record.plan is not plan:  # changed meanwhile
                 continue
-            if record.inflight:
-                continue
-            plan = record.plan
-            if not plan.awaiting_return or plan.gap_opened_at is None:
-                # A session awaiting a return is kept until plan_idle abandons it (its
-                # holds released, its non-return learnt), however long that takes.
-                if now - record.last_activity > self._forget_after_s:
-                    self.sessions.forget(record)
-                continue
-            since = max(record.idle_reviewed_at or plan.gap_opened_at, plan.gap_opened_at)
-            due = next_idle_review(config, plan, since)
-            if due is None or now < due:
-                continue
-            if await reviewed_elsewhere(record, self.sessions, self.hints.holdings,
-                                        self._latest_session, self._metrics):
+            read = self._latest_session if saved is None or record.key in saved else None
+            if await reviewed_elsewhere(record, self.sessions, self.hints.holdings, read,
+                                        self._metrics):
                 continue
             if record.inflight or record.plan is not plan:  # changed while read
                 continue

@@ -192,6 +192,10 @@ class RouterRuntime:
             on_end=recorder.session_ended if recorder else None,
             load_session=stored_sessions.row, latest_session=stored_sessions.latest
             if _refreshes_sessions(settings.routing.session_refresh, engine) else None,
+            session_revisions=stored_sessions.revisions,  # with latest_session only
+            # Replicas (as the reads above): an end releases their agent claims too.
+            agent_claims=stored_sessions.agent_claims
+            if _refreshes_sessions(settings.routing.session_refresh, engine) else None,
             max_prompt_blocks=-(-settings.routing.max_prompt_tokens // settings.block_size),
             # Without NATS nothing feeds the index: its (empty) view says nothing either way.
             index_exact=ingestor.view_exact if link is not None else None)

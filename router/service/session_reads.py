@@ -47,7 +47,11 @@ from sqlalchemy import Engine
 
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.read_slots import TenantReadSlots
-from kvhint.router.store.reader import get_session_within
+from kvhint.router.store.reader import (
+    get_session_within,
+    live_agent_claims_within,
+    session_revisions_within,
+)
 
 # Reads not over yet (those given up on included: each keeps its thread and a connection
 # until the store answers; PostgreSQL gives up the statement after the same timeout) at
@@ -64,6 +68,9 @@ MAX_READS_PER_TENANT = MAX_READS_IN_FLIGHT - 1
 
 Row = dict[str, Any]
 T = TypeVar("T")
+# Whose slots a tick's read of its due idle reviews' revisions takes (:meth:`revisions`):
+# one read at a time, never one of a tenant's own.
+_IDLE_REVIEWS = "\x00idle-reviews"
 
 
 class StoredSessions:
@@ -103,6 +110,37 @@ class StoredSessions:
             return "busy", None
         return await _joined(self._refreshing, (tenant, session_id),
                              lambda: self._read(tenant, session_id, wait=False))
+
+    async def agent_claims(self, tenant: str, session_id: str, now: float) -> list[Row]:
+        """The live agent claims the store holds of the session, any replica's
+        (``store.reader.live_agent_claims_within``), read as an end needs them
+        (service.agent_releases), waiting for a slot as a first sight does. Not read
+        (failed, slow, busy): none, counted (``drops_total{what="agent_claims_unread"}``):
+        another replica's claims are then left to their TTL."""
+        outcome, rows = await self._slots.read(
+            tenant, self._timeout_s, live_agent_claims_within, self._engine, tenant,
+            session_id, now, self._timeout_s, wait=True,
+            what=f"agent claims of session {tenant}/{session_id}")
+        if outcome != "read":
+            self._metrics.drop("agent_claims_unread")
+            return []
+        return list(rows)
+
+    async def revisions(self, keys: list[tuple[str, str]]
+                        ) -> dict[tuple[str, str], int] | None:
+        """The stored revision of each of ``keys``'s rows (sessions held in memory whose
+        idle review is due: idle_reviews.py), one read for them all, slot included
+        within the timeout (a tick can wait that long for one: a slot free now only, a
+        busy moment would leave every due review unread); None: not read (busy,
+        timeout, error). Not counted: the reviews are decided from the records then, as
+        where a session's own read is not answered."""
+        if not keys:
+            return {}
+        outcome, found = await self._slots.read(
+            _IDLE_REVIEWS, self._timeout_s, session_revisions_within, self._engine,
+            list(keys), self._timeout_s, wait=True,
+            what=f"the revisions of {len(keys)} sessions")
+        return found if outcome == "read" else None
 
     async def _counted(self, tenant: str, session_id: str) -> Row | None:
         outcome, row = await self._read(tenant, session_id)

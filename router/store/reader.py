@@ -5,7 +5,7 @@ Synchronous (SQLAlchemy Core); the service runs them in a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +213,33 @@ def get_session_within(engine: Engine, tenant: str, session_id: str, timeout_s: 
     return rows[0] if rows else None
 
 
+# Session ids per statement of :func:`session_revisions_within` (bound parameters: far
+# under SQLite's and PostgreSQL's limits).
+_REVISIONS_CHUNK = 500
+
+
+def session_revisions_within(engine: Engine, keys: Sequence[tuple[str, str]],
+                             timeout_s: float) -> dict[tuple[str, str], int]:
+    """The ``revision`` of each stored row of ``keys`` ((tenant, session id) pairs; one
+    without a row is absent), in one transaction, a statement per tenant and 500 ids,
+    each given up past ``timeout_s`` on PostgreSQL (:func:`_statement_timeout`): which
+    of a tick's due idle reviews another replica saved since (service.idle_reviews)."""
+    by_tenant: dict[str, list[str]] = {}
+    for tenant, session_id in keys:
+        by_tenant.setdefault(tenant, []).append(session_id)
+    found: dict[tuple[str, str], int] = {}
+    with engine.connect() as conn, conn.begin():
+        _statement_timeout(conn, timeout_s)
+        for tenant, ids in by_tenant.items():
+            for at in range(0, len(ids), _REVISIONS_CHUNK):
+                statement = select(SessionRow.session_id, SessionRow.revision).where(
+                    SessionRow.tenant == tenant,
+                    SessionRow.session_id.in_(ids[at:at + _REVISIONS_CHUNK]))
+                for session_id, revision in conn.execute(statement):
+                    found[(tenant, session_id)] = revision or 0
+    return found
+
+
 def _statement_timeout(conn: Connection, timeout_s: float) -> None:
     """On PostgreSQL the statements of ``conn``'s transaction give up past ``timeout_s``
     (``statement_timeout``, this transaction's only), so a read its caller stopped
@@ -221,6 +248,27 @@ def _statement_timeout(conn: Connection, timeout_s: float) -> None:
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT set_config('statement_timeout', :value, true)"),
                      {"value": f"{max(1, round(timeout_s * 1000))}ms"})
+
+
+def live_agent_claims_within(engine: Engine, tenant: str, session_id: str, now: float,
+                             timeout_s: float) -> list[dict[str, Any]]:
+    """The agent runtimes' claims on ``tenant``'s session ``session_id`` that may still
+    hold at ``now``, whichever replica sent them: its rows sent by the hints API (source
+    and trigger ``api``: not the releases an end sent), a holding type, pending or
+    holding, with a TTL not over; (action id, worker, scope), oldest
+    first. One range of the (tenant, session) index, given up past ``timeout_s`` on
+    PostgreSQL (:func:`_statement_timeout`; service.agent_releases)."""
+    statement = (select(HintActionRow.action_id, HintActionRow.worker_id, HintActionRow.scope)
+                 .where(HintActionRow.tenant == tenant,
+                        HintActionRow.session_id == session_id,
+                        HintActionRow.source == "api", HintActionRow.trigger == "api",
+                        HintActionRow.action_type.in_(HOLDING_TYPES),
+                        HintActionRow.status.in_(HOLDING_STATUSES + NON_TERMINAL),
+                        HintActionRow.expires_at > now)
+                 .order_by(HintActionRow.created_at))
+    with engine.connect() as conn, conn.begin():
+        _statement_timeout(conn, timeout_s)
+        return _read(conn, statement)
 
 
 def get_response_session(engine: Engine, response_id: str, timeout_s: float

@@ -326,6 +326,9 @@ _DROP_LOSSES = {
     # A turn of a session id this router holds no record of, whose stored row the store
     # could not give in time (slow, busy): a record of its own overwrites the row.
     "session_unread",
+    # A session's end whose read of its agent claims in the store failed or was slow:
+    # claims sent through another replica stay on their workers until their TTL.
+    "agent_claims_unread",
     # A stored session row with a JSON column this router cannot read: that column (its
     # planner state, open gap or gap history) is lost, the rest of the row kept.
     "session_row_unreadable",
