@@ -21,11 +21,18 @@ the release applied (``HintDispatcher.on_outcome``, :func:`released_claim`).
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
-from kvhint.router.policy import HoldingsLedger, agent_scope
-from kvhint.schemas import HintOwner, HintOutcome, OutcomeStatus
+from kvhint.router.policy import HoldingsLedger, PlannedAction, agent_scope
+from kvhint.schemas import (
+    HintOutcome,
+    HintOwner,
+    OutcomeStatus,
+    RetainPayload,
+    Target,
+    make_action,
+)
 
 # An end's release of another replica's claim: this, a nonce of 8 hex digits, "-", and
 # the claim's id past its prefix (an API claim's id is ``kva-<tenant>:<id>``, at most
@@ -80,3 +87,20 @@ def release_targets(holdings: HoldingsLedger, session_scope: str,
             targets[(worker_id, session_scope)] = (HintOwner.PLANNER, claim_id)
     return [(worker_id, held_scope, owner, claim_id)
             for (worker_id, held_scope), (owner, claim_id) in targets.items()]
+
+
+def release_actions(targets: Sequence[ReleaseTarget], session_scope: str, tenant: str,
+                    ttl_s: float, now: float, new_id: Callable[[], str]
+                    ) -> list[PlannedAction]:
+    """The end's release of each of ``targets`` (:func:`release_targets`): a Retain of
+    priority 0 of the session, as the claim's owner, under an id of its own or, for
+    another replica's claim, one naming it (:func:`end_release_id`)."""
+    actions = []
+    for worker_id, held_scope, owner, claim_id in targets:
+        payload = RetainPayload(target=Target(session_id=session_scope), priority=0,
+                                ttl_s=ttl_s, owner=owner)
+        action_id = (f"kvh-{new_id()}" if claim_id is None
+                     else end_release_id(claim_id, new_id()))
+        actions.append(PlannedAction(worker_id, make_action(action_id, payload), held_scope,
+                                     tenant, 0, now + ttl_s, "end:agent_release"))
+    return actions

@@ -41,7 +41,6 @@ from kvhint.router.policy import (
     FinishReason,
     PlannerContext,
     PlanResult,
-    PlannedAction,
     ResponseFinished,
     SessionEnded,
     SharedPrefix,
@@ -56,7 +55,7 @@ from kvhint.router.policy import (
     plan_turn_routed,
     session_chain,
 )
-from kvhint.router.service.agent_releases import end_release_id, release_targets
+from kvhint.router.service.agent_releases import release_actions, release_targets
 from kvhint.router.service.hint_dispatch import API_SOURCE, FAILED, HintDispatcher, SentAction
 from kvhint.router.service.hint_records import HINT_RELEASE_TYPES
 from kvhint.router.service.idle_reviews import (
@@ -76,13 +75,7 @@ from kvhint.router.service.sessions import (
     SessionRecord,
     SessionRegistry,
 )
-from kvhint.schemas import (
-    HintOutcome,
-    HoldRelease,
-    RetainPayload,
-    Target,
-    make_action,
-)
+from kvhint.schemas import HintOutcome, HoldRelease
 
 log = logging.getLogger(__name__)
 
@@ -368,16 +361,9 @@ class SessionLifecycle:
                                   self.hints.pending)
         if not targets:
             return []
-        ttl = self.hints.planner_config.release_ttl_s
-        actions = []
-        for worker_id, held_scope, owner, claim_id in targets:
-            payload = RetainPayload(target=Target(session_id=session_scope), priority=0,
-                                    ttl_s=ttl, owner=owner)
-            action_id = (f"kvh-{self.hints.new_id()}" if claim_id is None
-                         else end_release_id(claim_id, self.hints.new_id()))
-            action = make_action(action_id, payload)
-            actions.append(PlannedAction(worker_id, action, held_scope, record.tenant, 0,
-                                         now + ttl, "end:agent_release"))
+        actions = release_actions(targets, session_scope, record.tenant,
+                                  self.hints.planner_config.release_ttl_s, now,
+                                  self.hints.new_id)
         # The agent's actions, not the planner's: sent as "api" like the claims they end,
         # so their outcomes never reach the planner's feedback (a worker rejecting an
         # agent-owned release must not turn Retain off for the planner there) and the
