@@ -45,6 +45,7 @@ from kvhint.schemas import (
     decode_advice,
     new_epoch,
 )
+from kvhint.schemas.advice import echoed_advice_id
 from kvhint.schemas.hints import one_per_action_id
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -380,6 +381,7 @@ class PluginCore(InboundMixin, StatusMixin):
             self.mailbox.put_releases(message)
 
     def _rejected_advice(self, advice_id: str, reason: str) -> HintOutcome:
+        advice_id = echoed_advice_id(advice_id)  # "" for one too long to echo
         return self._rejected(advice_id, advice_id, DONOR_ACTION_TYPE, reason)
 
     def _rejected(self, message_id: str, action_id: str, action_type: str, reason: str

@@ -116,12 +116,12 @@ class StatusMixin:
 
     def supported_actions(self) -> dict[str, list[str]]:
         """What this worker applies (Demote and Share need a host tier; nothing without
-        prefix caching; no Pin or Retain where a KV cache group no hold can take keeps
-        any hit from being kept, ``group_holds.unheld_reason``)."""
+        prefix caching; no Pin, Retain or Prefetch where a KV cache group no hold can take
+        keeps any hit from being kept, ``group_holds.unheld_reason``)."""
         if not self.adapter.prefix_caching:
             return {}
         skip = {"kv.share"} if self.executor.host_tier is not None else {"kv.share", "kv.demote"}
         if self.adapter.unheld_groups:
-            skip |= {"kv.pin", "kv.retain"}
+            skip |= {"kv.pin", "kv.retain", "kv.prefetch"}
         return {action: list(versions) for action, versions in SUPPORTED_VERSIONS.items()
                 if action not in skip}

@@ -89,6 +89,8 @@ from kvhint.schemas import (
     SharePayload,
     Target,
 )
+from kvhint.schemas._codec import quoted
+from kvhint.schemas.advice import echoed_advice_id
 from kvhint.schemas.hints import one_per_action_id
 from kvhint.schemas.outcomes import REJECTED_NO_HOST_TIER, REJECTED_NO_SHARED_TIER
 
@@ -199,7 +201,7 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
 
     def advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
         """Check a donor's residency (and retain it for ``ttl_s``); answer ``kv.donor``."""
-        key = ("donor", advice.advice_id)
+        key = ("donor", echoed_advice_id(advice.advice_id))  # "": not remembered
         if key in self._memory:
             self.counters.duplicates += 1
             return self._memory[key]
@@ -278,8 +280,11 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
                                     "here; nothing changed")
         if isinstance(payload, DemotePayload) and self.host_tier is None:
             return answer(REJECTED, f"{REJECTED_NO_HOST_TIER}: {NO_HOST_TIER}; nothing changed")
-        if (isinstance(payload, PinPayload) or isinstance(payload, RetainPayload)
-                and payload.priority > 0) and (reason := unheld_reason(self.cache)):
+        # A Prefetch retains what it brings until its deadline: on such a model that keeps
+        # no hit either (before, it held blocks and answered accepted).
+        if (isinstance(payload, (PinPayload, PrefetchPayload)) or isinstance(
+                payload, RetainPayload) and payload.priority > 0) and (
+                reason := unheld_reason(self.cache)):
             return answer(REJECTED, reason)  # a Retain at priority 0 releases: applied
         resolved = self._resolve(payload.target)
         if isinstance(resolved, tuple):
@@ -405,15 +410,16 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
     def _advise(self, advice: DonorAdvice, namespace: str) -> HintOutcome:
         def answer(status: OutcomeStatus, reason: str, requested: Amount = Amount(),
                    applied: Amount = Amount()) -> HintOutcome:
-            return self._outcome(advice.advice_id, advice.advice_id, DONOR_ACTION_TYPE,
+            advice_id = echoed_advice_id(advice.advice_id)
+            return self._outcome(advice_id, advice_id, DONOR_ACTION_TYPE,
                                  status, reason, requested, applied)
 
         problem = advice.problem()
         if problem is not None:
             return answer(REJECTED, problem)
         if advice.namespace != namespace:
-            return answer(REJECTED, f"namespace {advice.namespace!r} is not this worker's "
-                                    f"({namespace!r})")
+            return answer(REJECTED, f"namespace {quoted(advice.namespace)} is not this "
+                                    f"worker's ({namespace!r})")
         keys = list(dict.fromkeys(advice.donor_block_hashes))
         requested = self._amount(len(keys))
         handles = [h for h in map(self.cache.lookup, keys) if h is not None]
@@ -422,6 +428,9 @@ class HintExecutor(PrefetchMixin, DemoteMixin):
         notes = []
         if len(handles) < len(keys):
             notes.append(f"{len(handles)} of {len(keys)} donor blocks resident")
+        if self.config.donor_retain and (reason := unheld_reason(self.cache)):
+            # As a Retain is (before: "N donor blocks retained", no hit kept).
+            return answer(REJECTED, reason, requested)
         if self.config.donor_retain:
             # Under its own key: never a hint action's claim (nor a Prefetch's). What
             # clipped the retain (max_retain_ttl_s, the retain budget) is said, and the

@@ -43,8 +43,9 @@ blocks a claim of 64 positions or more; gpt-oss (one of 128) 8.
 
 A one-group model has no ``hit_groups``: its handles pass through unchanged. A model with
 a group no hold can take (the cache port's ``unheld_groups``: a kind or block size vLLM's
-hit rules here do not cover) keeps no hit whatever is held: its Pins and Retains are
-refused (:func:`unheld_reason`), not answered ``accepted`` with that group left out.
+hit rules here do not cover) keeps no hit whatever is held: its Pins, Retains, Prefetches
+and donor advice's retains are refused (:func:`unheld_reason`), not answered ``accepted``
+with that group left out.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def claim_blocks(cache: BlockCache, handles: list[BlockHandle]
 
 
 def unheld_reason(cache: BlockCache) -> str | None:
-    """Why a Pin or Retain is refused on this model (a capability rejection: the router
-    stops sending them to the worker), or None when holds can keep its hit."""
+    """Why a Pin, Retain, Prefetch or retained donor advice is refused on this model (a
+    capability rejection: the router stops sending them to the worker), or None when
+    holds can keep its hit."""
     unheld = cache.unheld_groups
     if not unheld:
         return None

@@ -23,6 +23,7 @@ import msgspec
 
 from kvhint.schemas import DONOR_ACTION_TYPE, HintOutcome, HoldsReleased, OutcomeStatus
 from kvhint.schemas._codec import HOSTILE_INPUT_ERRORS
+from kvhint.schemas.advice import echoed_advice_id
 
 # What an answer is remembered under (``Mailbox.answered``, ``Mailbox.in_flight``): a hint
 # action's id, or a donor advice's id kept apart from it, as the executor keeps them (an
@@ -122,12 +123,13 @@ def _noop() -> None:
 
 
 def peek_advice_id(data: bytes | str) -> str:
-    """The ``advice_id`` of a (possibly malformed) advice message, or ""."""
+    """The ``advice_id`` of a (possibly malformed) advice message, or "" (also for one
+    too long to echo: ``schemas.advice.echoed_advice_id``)."""
     try:
         raw = msgspec.json.decode(data)
     except (msgspec.DecodeError, *HOSTILE_INPUT_ERRORS):  # not JSON, nested too deeply
         return ""
-    return str(raw.get("advice_id", "")) if isinstance(raw, dict) else ""
+    return echoed_advice_id(str(raw.get("advice_id", ""))) if isinstance(raw, dict) else ""
 
 
 def pop_oldest(queue: deque[Any]) -> Any:

@@ -48,7 +48,7 @@ from kvhint.engine_plugin.transport_counters import (
     note_internal_error,
 )
 from kvhint.engine_plugin.transport_intake import IntakeMixin
-from kvhint.engine_plugin.transport_oversize import smaller
+from kvhint.engine_plugin.transport_oversize import header_bytes, smaller
 from kvhint.engine_plugin.transport_setup import (
     EventsStreamWatch,
     ensure_events_stream,
@@ -367,14 +367,17 @@ class NatsTransport(IntakeMixin):
 
     async def _publish_batch(self, nc: Any, batch: EventBatchOut) -> None:
         payload = self._encode_events(batch.ts, batch.events)
-        if len(payload) > nc.max_payload:
-            logger.warning("kvhint: event batch %d (%d bytes) exceeds NATS max_payload; "
-                           "dropped", batch.seq, len(payload))
+        headers = EventBatchMeta(self.worker_id, self.epoch, batch.seq,
+                                 self._event_group).to_headers()
+        # The server counts the headers too (the client checks the payload alone): before,
+        # a batch within ~100 bytes of the limit made the server close the connection.
+        size = len(payload) + header_bytes(headers)
+        if size > nc.max_payload:
+            logger.warning("kvhint: event batch %d (%d bytes with its headers) exceeds NATS "
+                           "max_payload; dropped", batch.seq, size)
             self.mailbox.drop_event_batch(batch)
             return
-        meta = EventBatchMeta(self.worker_id, self.epoch, batch.seq, self._event_group)
-        await nc.publish(self.subjects.events(self.worker_id), payload,
-                         headers=meta.to_headers())
+        await nc.publish(self.subjects.events(self.worker_id), payload, headers=headers)
         self.counters.event_batches_published += 1
         self.counters.events_published += len(batch.events)
 

@@ -42,6 +42,15 @@ def smaller(item: Any, counters: TransportCounters, subject: str) -> list[Any]:
     return []
 
 
+def header_bytes(headers: dict[str, str]) -> int:
+    """What ``headers`` take of a message on the wire, as the NATS client encodes them
+    (``NATS/1.0\\r\\n``, ``key: value\\r\\n`` each, ``\\r\\n``): the server checks
+    ``max_payload`` against headers and payload together."""
+    return (len(b"NATS/1.0\r\n\r\n")
+            + sum(len(k.strip().encode()) + len(v.strip().encode()) + 4
+                  for k, v in headers.items() if k.strip()))
+
+
 def note_oversize_dropped(counters: TransportCounters, item: Any, subject: str) -> None:
     """``item`` cannot be made to fit (an outcome whose ids alone pass max_payload, one
     release of such an id): lost, counted, logged (warning the first time)."""

@@ -57,6 +57,31 @@ def convert(obj: Any, type_: type[T], what: str) -> T:
         raise WireDecodeError(f"invalid {what}: {exc}") from exc
 
 
+# The longest action id, advice id or action type a receiver echoes (the router's are
+# 20-126 characters: ``kve-<nonce>-<claim>`` at most). Each final answer is remembered
+# with its id and type (the plugin's Mailbox.answered, up to 100,000 by count): before,
+# 1 MB ids made a publisher's ~100k answers hold ~100 GB. One longer is answered
+# ``rejected`` under an empty id (not remembered), its start quoted in the reason.
+MAX_ID_CHARS = 256
+# The most of a sender's text a reason quotes (a msgspec error quotes the bad value).
+MAX_QUOTED_CHARS = 64
+MAX_REASON_CHARS = 1024
+
+
+def quoted(value: str) -> str:
+    """``value``'s repr, its start only when longer than MAX_QUOTED_CHARS."""
+    if len(value) <= MAX_QUOTED_CHARS:
+        return repr(value)
+    return f"{value[:MAX_QUOTED_CHARS]!r}... ({len(value)} characters)"
+
+
+def clipped_reason(reason: str) -> str:
+    """A reason made from a sender's input, at most MAX_REASON_CHARS long."""
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    return reason[:MAX_REASON_CHARS - 20] + f"... ({len(reason)} chars)"
+
+
 def encode_json(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
 

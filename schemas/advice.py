@@ -23,9 +23,31 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from kvhint.schemas._codec import U64_MAX, decode_json, encode_json
+from kvhint.schemas._codec import (
+    MAX_ID_CHARS,
+    U64_MAX,
+    WireDecodeError,
+    decode_json,
+    encode_json,
+    quoted,
+)
 
 DONOR_ACTION_TYPE = "kv.donor"
+# The longest advice_id a worker echoes (schemas._codec.MAX_ID_CHARS): advice with a
+# longer one is answered ``rejected`` under an empty id (remembered by no receiver).
+MAX_ADVICE_ID_CHARS = MAX_ID_CHARS
+
+
+def echoed_advice_id(advice_id: str) -> str:
+    """What an answer to advice of ``advice_id`` carries: "" for one too long to echo."""
+    return "" if len(advice_id) > MAX_ADVICE_ID_CHARS else advice_id
+
+
+def advice_id_too_long(advice_id: str) -> str | None:
+    if len(advice_id) <= MAX_ADVICE_ID_CHARS:
+        return None
+    return (f"advice_id is longer than {MAX_ADVICE_ID_CHARS} characters (starts "
+            f"{quoted(advice_id)}; not echoed)")
 
 
 class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,6 +67,8 @@ class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
         """Why a worker must reject this advice, or None."""
         if not self.advice_id:
             return "advice_id is empty"
+        if (too_long := advice_id_too_long(self.advice_id)) is not None:
+            return too_long
         if not self.donor_block_hashes:
             return "donor_block_hashes is empty"
         if any(h > U64_MAX for h in self.donor_block_hashes):
@@ -57,4 +81,9 @@ def encode_advice(advice: DonorAdvice) -> bytes:
 
 
 def decode_advice(data: bytes | str) -> DonorAdvice:
-    return decode_json(data, DonorAdvice, "donor advice")
+    """Raises WireDecodeError also for an advice_id too long to echo (the receiver's
+    rejection carries no id: ``echoed_advice_id``)."""
+    advice = decode_json(data, DonorAdvice, "donor advice")
+    if (too_long := advice_id_too_long(advice.advice_id)) is not None:
+        raise WireDecodeError(f"invalid donor advice: {too_long}")
+    return advice

@@ -26,12 +26,15 @@ import msgspec
 from msgspec import Meta
 
 from kvhint.schemas._codec import (
+    MAX_ID_CHARS,
     U64_MAX,
     WORKER_ID_PATTERN,
     WireDecodeError,
+    clipped_reason,
     convert,
     decode_json,
     encode_json,
+    quoted,
 )
 
 PROTOCOL_VERSION = "1"
@@ -50,6 +53,11 @@ DUPLICATE_ACTION_ID = "invalid envelope: duplicate action_id"
 # The longest message_id a receiver takes (a router's is 20 characters): every outcome of
 # the message echoes it.
 MAX_MESSAGE_ID_CHARS = 256
+# The longest action_id and action_type a receiver echoes (schemas._codec.MAX_ID_CHARS):
+# an action with a longer one is answered ``rejected`` under an empty id or type (an
+# outcome of no id is remembered by no receiver), the start of it quoted in the reason.
+MAX_ACTION_ID_CHARS = MAX_ID_CHARS
+ID_TOO_LONG = "is longer than"
 
 # Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
 MAX_TTL_S = 86_400.0
@@ -226,8 +234,23 @@ class InvalidAction:
     reason: str
 
 
+def _too_long(action_id: str, action_type: str) -> InvalidAction | None:
+    """The rejection of an action whose id or type is too long to echo, or None."""
+    problems = [f"{name} {ID_TOO_LONG} {MAX_ACTION_ID_CHARS} characters (starts "
+                f"{quoted(value)}; not echoed)"
+                for name, value in (("action_id", action_id), ("action_type", action_type))
+                if len(value) > MAX_ACTION_ID_CHARS]
+    if not problems:
+        return None
+    return InvalidAction("" if len(action_id) > MAX_ACTION_ID_CHARS else action_id,
+                         "" if len(action_type) > MAX_ACTION_ID_CHARS else action_type,
+                         "; ".join(problems))
+
+
 def parse_action(action: KvHintAction) -> ParsedAction | InvalidAction:
     """Type an action's payload; never raises for bad input."""
+    if (too_long := _too_long(action.action_id, action.action_type)) is not None:
+        return too_long
     if not action.action_id:
         return InvalidAction(action.action_id, action.action_type, "action_id is empty")
     try:
@@ -243,13 +266,13 @@ def parse_action(action: KvHintAction) -> ParsedAction | InvalidAction:
         return InvalidAction(
             action.action_id,
             action.action_type,
-            f"unsupported action_version {action.action_version!r} for {action_type.value} "
-            f"(supported: {', '.join(SUPPORTED_VERSIONS[action_type.value])})",
+            f"unsupported action_version {quoted(action.action_version)} for "
+            f"{action_type.value} (supported: {', '.join(SUPPORTED_VERSIONS[action_type.value])})",
         )
     try:
         payload = convert(action.payload, PAYLOAD_TYPES[action_type], "payload")
-    except WireDecodeError as exc:
-        return InvalidAction(action.action_id, action.action_type, str(exc))
+    except WireDecodeError as exc:  # a msgspec error quotes the bad value: clipped
+        return InvalidAction(action.action_id, action.action_type, clipped_reason(str(exc)))
     problem = payload.target.problem() or _version_problem(action.action_version, payload)
     if problem is not None:
         return InvalidAction(action.action_id, action.action_type, f"invalid payload: {problem}")
@@ -302,15 +325,15 @@ def decode_hints(data: bytes | str) -> DecodedHints:
         except WireDecodeError as exc:
             action_id = raw.get("action_id", "") if isinstance(raw, dict) else ""
             action_type = raw.get("action_type", "") if isinstance(raw, dict) else ""
-            actions.append(
-                InvalidAction(str(action_id or ""), str(action_type or ""), str(exc))
-            )
+            action_id, action_type = str(action_id or ""), str(action_type or "")
+            actions.append(_too_long(action_id, action_type)
+                           or InvalidAction(action_id, action_type, clipped_reason(str(exc))))
             continue
         actions.append(parse_action(action))
     actions = one_per_action_id(actions)
     if loose.protocol_version != PROTOCOL_VERSION:
         reason = (
-            f"unsupported protocol_version {loose.protocol_version!r} "
+            f"unsupported protocol_version {quoted(loose.protocol_version)} "
             f"(supported: {PROTOCOL_VERSION!r})"
         )
         rejected = [InvalidAction(a.action_id, _type_name(a), reason) for a in actions]

@@ -25,8 +25,14 @@ from kvhint.engine_plugin.core import PluginCore
 from kvhint.engine_plugin.metrics import HINTS_KEY
 from kvhint.engine_plugin.transport_oversize import CUT_NOTE, REASON_KEPT_CHARS
 from kvhint.schemas import (
+    ActionType,
+    DecodedHints,
     DonorAdvice,
     HintOutcome,
+    OutcomeStatus,
+    ParsedAction,
+    PinPayload,
+    Target,
     Subjects,
     decode_outcome,
     decode_releases,
@@ -105,8 +111,11 @@ async def test_a_hint_action_typed_kv_donor_is_remembered_as_a_hint_not_an_advic
             assert core.counters.internal_errors == 0
 
 
-async def test_an_outcome_past_max_payload_is_cut_or_dropped_and_the_rest_go_out(
+async def test_a_long_action_type_or_advice_id_is_rejected_unechoed_and_not_remembered(
         nats_url: str, subject_prefix: str) -> None:
+    """A 530 KB action_type and a 600 KB advice_id (schemas._codec.MAX_ID_CHARS). Before,
+    each answer echoed them (the advice's twice: 1.2 MB, past max_payload, dropped) and
+    ``Mailbox.answered`` kept the hint's at full length: ~100k such answers held ~100 GB."""
     subjects = Subjects(subject_prefix)
     async with nats_client(nats_url) as nc:
         outcomes = await collect(nc, subjects.outcomes("w0"))
@@ -120,23 +129,63 @@ async def test_an_outcome_past_max_payload_is_cut_or_dropped_and_the_rest_go_out
             await nc.publish(subjects.hints("w0"), huge_type)
             await nc.publish(subjects.advice("w0"), huge_id)
             await nc.publish(subjects.hints("w0"), pin_message("after"))
-            await until(lambda: len(core.mailbox.inbound) == 3)
-            while core.mailbox.inbound:  # a step takes ~1 MB of messages at most
+            # The advice is answered by the transport on decoding (nothing to apply).
+            await until(lambda: len(core.mailbox.inbound) == 2)
+            while core.mailbox.inbound:
                 h.step()
+            got = {}
+            for _ in range(3):
+                outcome = await _next(outcomes)
+                got[outcome.action_id] = outcome
+            typed, advised, after = got["big"], got[""], got["after"]
+            assert (typed.action_type, typed.status.value) == ("", "rejected")
+            assert typed.reason.startswith("action_type is longer than 256 characters")
+            assert (advised.action_type, advised.status.value) == ("kv.donor", "rejected")
+            assert "advice_id is longer than 256 characters" in advised.reason
+            assert max(len(typed.reason), len(advised.reason)) < 500
+            assert after.status.value == "accepted", after.reason
+            remembered = core.mailbox.answered
+            assert set(remembered) == {"big", "after"}  # an empty id is remembered by none
+            assert max(len(o.action_type) + len(o.reason) for o in remembered.values()) < 500
+            assert transport.counters.oversize_dropped == 0
+            hints = h.connector._read_stats()[HINTS_KEY]
+            assert hints["kv.donor|rejected"] == 1  # each answer counted
+            assert sum(n for key, n in hints.items() if key.endswith("|rejected")) == 2
+
+
+async def test_an_outcome_past_max_payload_is_cut_or_dropped_and_the_rest_go_out(
+        nats_url: str, subject_prefix: str) -> None:
+    """The wire can no longer make such outcomes (ids, types and quoted text are bounded:
+    the test above), so they are queued as the engine queues its own: the transport's
+    guard for a path not foreseen. Before the guard, an oversize one went back to the head
+    of the outcome queue for good: nothing of that worker was published again."""
+    subjects = Subjects(subject_prefix)
+    async with nats_client(nats_url) as nc:
+        outcomes = await collect(nc, subjects.outcomes("w0"))
+        with plugin(nats_url, subject_prefix, create_events_stream=False) as h:
+            core, transport = h.connector.core, h.connector.transport
+            await until(lambda: transport.set_up)
+            big = HintOutcome(message_id="m", action_id="big", action_type="kv.pin",
+                              worker_id="w0", status=OutcomeStatus.REJECTED,
+                              reason="R" * 1_100_000, at=time.time())
+            ids = HintOutcome(message_id="A" * 600_000, action_id="A" * 600_000,
+                              action_type="kv.donor", worker_id="w0",
+                              status=OutcomeStatus.REJECTED, reason="r", at=time.time())
+            core.mailbox.put_outcomes([big, ids], remember=False)
+            turn(h, "s", [1, 2, 3])
+            await nc.publish(subjects.hints("w0"), pin_message("after"))
+            await until(lambda: len(core.mailbox.inbound) == 1)
+            h.step()
             cut = await _next(outcomes)
             assert (cut.action_id, cut.status.value) == ("big", "rejected")
-            assert cut.action_type == "T" * 530_000
-            assert cut.reason.startswith("unsupported action_type 'TTT")
             assert cut.reason.endswith(CUT_NOTE)
             assert len(cut.reason) == REASON_KEPT_CHARS + len(CUT_NOTE)
-            # The advice's answer names its id twice (1.2 MB): it cannot go out.
+            # The second names its id twice (1.2 MB): it cannot go out.
             after = await _next(outcomes)  # before: neither, nor anything later
             assert (after.action_id, after.status.value) == ("after", "accepted"), after.reason
             assert transport.counters.oversize_dropped == 1
             assert h.connector._read_stats()["publish_errors"]["oversize"] == 1
             assert not core.mailbox.outcomes
-            hints = h.connector._read_stats()[HINTS_KEY]
-            assert hints["kv.donor|accepted"] == 1  # counted by the engine, as applied
 
 
 async def test_a_release_report_past_max_payload_goes_out_in_parts(
@@ -156,11 +205,11 @@ async def test_a_release_report_past_max_payload_goes_out_in_parts(
             assert len(hashes) == 30
             ids = [f"{i:02d}" + "p" * 40_000 for i in range(30)]
             for action_id, block_hash in zip(ids, hashes):
-                (pin,) = core.apply_hints(json.dumps({
-                    "protocol_version": "1", "message_id": "m", "actions": [{
-                        "action_id": action_id, "action_type": "kv.pin",
-                        "action_version": "1.0",
-                        "payload": {"target": {"block_hashes": [block_hash]}}}]}).encode())
+                # In-process (the wire bounds ids: schemas._codec.MAX_ID_CHARS); the
+                # transport's guard is for a path not foreseen.
+                (pin,) = core.apply_hints(DecodedHints("m", [ParsedAction(
+                    action_id, ActionType.PIN,
+                    PinPayload(target=Target(block_hashes=[block_hash])))]))
                 assert pin.status.value == "accepted", pin.reason
             assert h.kv_cache_manager.reset_prefix_cache()
             got: list[str] = []
