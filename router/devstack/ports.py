@@ -10,6 +10,7 @@ here move that way: a port a user chose stays that port, or the start fails.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 from typing import IO, TypeVar
@@ -63,6 +64,16 @@ def says_port_taken(output: IO[bytes], offset: int = 0) -> bool:
     ``offset``: this start's part) says its bind failed on a taken port."""
     output.seek(offset)
     return _ADDRESS_IN_USE in output.read().decode(errors="replace").lower()
+
+
+def log_says_port_taken(log_path: str | os.PathLike[str], offset: int = 0) -> bool:
+    """:func:`says_port_taken` of the log file at ``log_path`` (False where it cannot be
+    read)."""
+    try:
+        with open(log_path, "rb") as log:
+            return says_port_taken(log, offset)
+    except OSError:
+        return False
 
 
 def on_free_port(start: Callable[[int], T], first: int | None = None,

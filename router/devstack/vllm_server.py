@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from kvhint.router.devstack.ports import says_port_taken
+from kvhint.router.devstack.ports import log_says_port_taken
 from kvhint.router.devstack.process_groups import stop_process_groups
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -213,11 +213,7 @@ class VllmServer:
         says so): another process bound the port after it was picked."""
         if self.exit_code is None:
             return False
-        try:
-            with open(self.log_path, "rb") as log:
-                return says_port_taken(log, self._log_from)
-        except OSError:
-            return False
+        return log_says_port_taken(self.log_path, self._log_from)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

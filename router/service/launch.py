@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from kvhint.router.devstack.ports import PortTaken, free_port, on_free_port, says_port_taken
+from kvhint.router.devstack.ports import PortTaken, free_port, on_free_port, log_says_port_taken
 
 # How long the router's own stop (runtime.RouterRuntime.stop, the app's lifespan end) may
 # take after its HTTP server's grace for open connections (``http_shutdown_grace_s``,
@@ -86,11 +86,7 @@ class ChildProcess:
         says so)."""
         if self._proc is None or self._proc.poll() is None:
             return False
-        try:
-            with open(self.log_path, "rb") as log:
-                return says_port_taken(log, self._log_from)
-        except OSError:
-            return False
+        return log_says_port_taken(self.log_path, self._log_from)
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM the process group, then SIGKILL what is left."""
