@@ -63,6 +63,17 @@ def convert(obj: Any, type_: type[T], what: str) -> T:
 # 1 MB ids made a publisher's ~100k answers hold ~100 GB. One longer is answered
 # ``rejected`` under an empty id (not remembered), its start quoted in the reason.
 MAX_ID_CHARS = 256
+# The longest session id the wire carries (a hint's target, donor advice, a hold
+# release). A session-scoped hold keeps its session id in the plugin's memory for its
+# TTL, so a 500 KB id per action made a publisher's holds cost gigabytes. The router's
+# ids are ``<tenant>/<client session id>`` (Tenant.worker_session_id): a tenant name is
+# 1-64 characters (settings_tenants._TENANT_RE) and a client session id at most 256
+# (service/inbound.MAX_SESSION_ID_LEN), so at most 321: none is refused. One longer is
+# rejected, its start only quoted in the reason.
+MAX_SESSION_ID_CHARS = 600
+# The longest ``evidence`` a donor advice carries (operator text such as
+# "minhash:0.82 over 12 chunks"; the router sends none today).
+MAX_EVIDENCE_CHARS = 1024
 # The most of a sender's text a reason quotes (a msgspec error quotes the bad value).
 MAX_QUOTED_CHARS = 64
 MAX_REASON_CHARS = 1024
@@ -73,6 +84,14 @@ def quoted(value: str) -> str:
     if len(value) <= MAX_QUOTED_CHARS:
         return repr(value)
     return f"{value[:MAX_QUOTED_CHARS]!r}... ({len(value)} characters)"
+
+
+def too_long(field: str, value: str | None, limit: int, what: str = "not echoed"
+             ) -> str | None:
+    """Why ``value`` of ``field`` is refused for being longer than ``limit``, or None."""
+    if value is None or len(value) <= limit:
+        return None
+    return f"{field} is longer than {limit} characters (starts {quoted(value)}; {what})"
 
 
 def clipped_reason(reason: str) -> str:

@@ -24,12 +24,15 @@ import msgspec
 from msgspec import Meta
 
 from kvhint.schemas._codec import (
+    MAX_EVIDENCE_CHARS,
     MAX_ID_CHARS,
+    MAX_SESSION_ID_CHARS,
     U64_MAX,
     WireDecodeError,
     decode_json,
     encode_json,
     quoted,
+    too_long as field_too_long,
 )
 
 DONOR_ACTION_TYPE = "kv.donor"
@@ -48,6 +51,17 @@ def advice_id_too_long(advice_id: str) -> str | None:
         return None
     return (f"advice_id is longer than {MAX_ADVICE_ID_CHARS} characters (starts "
             f"{quoted(advice_id)}; not echoed)")
+
+
+def text_too_long(advice: DonorAdvice) -> str | None:
+    """Why the advice's session ids or evidence are refused for their length, or None
+    (schemas._codec.MAX_SESSION_ID_CHARS, MAX_EVIDENCE_CHARS: an advice waits in the
+    worker's inbox, and its retain is kept for its TTL)."""
+    return (field_too_long("session_id", advice.session_id, MAX_SESSION_ID_CHARS,
+                           "not held")
+            or field_too_long("donor_session_id", advice.donor_session_id,
+                              MAX_SESSION_ID_CHARS, "not held")
+            or field_too_long("evidence", advice.evidence, MAX_EVIDENCE_CHARS, "not held"))
 
 
 class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,6 +83,8 @@ class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
             return "advice_id is empty"
         if (too_long := advice_id_too_long(self.advice_id)) is not None:
             return too_long
+        if (long := text_too_long(self)) is not None:
+            return long
         if not self.donor_block_hashes:
             return "donor_block_hashes is empty"
         if any(h > U64_MAX for h in self.donor_block_hashes):
@@ -82,8 +98,11 @@ def encode_advice(advice: DonorAdvice) -> bytes:
 
 def decode_advice(data: bytes | str) -> DonorAdvice:
     """Raises WireDecodeError also for an advice_id too long to echo (the receiver's
-    rejection carries no id: ``echoed_advice_id``)."""
+    rejection carries no id: ``echoed_advice_id``), and for session ids or evidence too
+    long to keep (``text_too_long``; the rejection echoes the advice_id)."""
     advice = decode_json(data, DonorAdvice, "donor advice")
     if (too_long := advice_id_too_long(advice.advice_id)) is not None:
         raise WireDecodeError(f"invalid donor advice: {too_long}")
+    if (long := text_too_long(advice)) is not None:
+        raise WireDecodeError(f"invalid donor advice: {long}")
     return advice

@@ -27,6 +27,7 @@ from msgspec import Meta
 
 from kvhint.schemas._codec import (
     MAX_ID_CHARS,
+    MAX_SESSION_ID_CHARS,
     U64_MAX,
     WORKER_ID_PATTERN,
     WireDecodeError,
@@ -35,6 +36,7 @@ from kvhint.schemas._codec import (
     decode_json,
     encode_json,
     quoted,
+    too_long,
 )
 
 PROTOCOL_VERSION = "1"
@@ -136,6 +138,10 @@ class Target(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defau
             return "target: give session_id, block_hashes, or session_id with prefix_tokens"
         if not self.session_id:
             return "target: session_id is empty"
+        # schemas._codec.MAX_SESSION_ID_CHARS: a session-scoped hold keeps it in memory.
+        if (long := too_long("session_id", self.session_id, MAX_SESSION_ID_CHARS,
+                             "not held")) is not None:
+            return f"target: {long}"
         return None
 
 

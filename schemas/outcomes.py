@@ -97,7 +97,11 @@ def is_capability_rejection(reason: str) -> bool:
 # prefix hit reach only part of its target says how far with this phrase and the hit
 # point in target blocks (``... a prefix hit reaches 4, ...``; engine_plugin.group_holds):
 # it holds and applies no position past that point. A router reads such a clip as
-# residency, not as a budget too small (kvhint.router.policy.feedback).
+# residency, not as a budget too small (kvhint.router.policy.feedback): X, the number
+# after the phrase, counts target positions held (what ``applied`` counts), the
+# denominator of the applied fraction, not a hit length. With EAGLE or MTP vLLM drops
+# the last matched block, so a hold reaching X gives a hit of X - 1 blocks (in plain vLLM
+# too: a cached chain of N hits N - 1); X is still the positions held.
 CLIPPED_HIT_REACH = "a prefix hit reaches "
 
 

@@ -47,7 +47,14 @@ from typing import Any
 
 import msgspec
 
-from kvhint.schemas._codec import WireDecodeError, convert, decode_json, encode_json
+from kvhint.schemas._codec import (
+    MAX_SESSION_ID_CHARS,
+    WireDecodeError,
+    convert,
+    decode_json,
+    encode_json,
+    too_long,
+)
 from kvhint.schemas.outcomes import Amount
 
 
@@ -64,7 +71,8 @@ class ReleaseReason(str, enum.Enum):
 
 class HoldRelease(msgspec.Struct, frozen=True, kw_only=True):
     """Blocks one accepted Pin/Retain action lost. ``session_id``: the session its target
-    named (None for a block-hash target)."""
+    named (None for a block-hash target), at most schemas._codec.MAX_SESSION_ID_CHARS
+    long: a receiver drops a release with a longer one as unreadable."""
 
     action_id: str
     action_type: str
@@ -119,7 +127,15 @@ def decode_releases(data: bytes | str) -> DecodedReleases:
                                           and raw["reason"] in _KNOWN_REASONS):
             raw = {**raw, "reason": ReleaseReason.OTHER.value}
         try:
-            releases.append(convert(raw, HoldRelease, f"releases[{index}]"))
+            release = convert(raw, HoldRelease, f"releases[{index}]")
         except WireDecodeError as exc:
             unreadable.append(str(exc))
+            continue
+        # No session the router made has a longer id (schemas._codec.
+        # MAX_SESSION_ID_CHARS), and a plugin refuses such targets: a sender's bug.
+        if (long := too_long("session_id", release.session_id, MAX_SESSION_ID_CHARS,
+                             "dropped")) is not None:
+            unreadable.append(f"invalid releases[{index}]: {long}")
+            continue
+        releases.append(release)
     return DecodedReleases(message.worker_id, releases, message.at, tuple(unreadable))

@@ -11,7 +11,8 @@ more). Rules:
   priority, not pinned in part); each ``accepted`` Pin raises it back by
   ``pin_recovery``. On a hybrid model a Pin clipped at the hit point its other KV cache
   groups allow (:func:`~kvhint.schemas.outcomes.clipped_hit_reach`: it applies no
-  position past it) counts the fraction of that hit point, so a clip for residency
+  position past it) counts the fraction of that hit point (positions held; with EAGLE
+  vLLM's hit is one block shorter, never used here as a hit length), so a clip for residency
   alone leaves the scale as it is (the budget took all it could hold); before the
   worker applied only the hit point, it applied every position and this was 1 too;
 - ``reject_disable_after`` consecutive ``rejected`` outcomes of one action type disable

@@ -55,11 +55,26 @@ class SimConfig:
             raise ValueError("workers must be >= 1")
         if self.gpu_blocks < 2:
             raise ValueError("gpu_blocks must be >= 2")
+        if self.sliding_window and self.gpu_blocks <= self.window_blocks():
+            # Before, max_model_len came out at zero or below and vLLM failed inside.
+            raise ValueError(
+                f"gpu_blocks ({self.gpu_blocks}) must exceed the {self.window_blocks()} "
+                f"blocks the sliding window takes (sliding_window {self.sliding_window} "
+                f"plus max_num_batched_tokens {self.max_num_batched_tokens}, in blocks of "
+                f"{self.block_size}, plus one): no request would fit")
         if self.host_blocks < 0:
             raise ValueError("host_blocks must be >= 0")
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError("block_size must be a positive multiple of 32 (vLLM on the CPU)")
         self.plugin_config("w0")  # bad plugin overrides fail here, before any worker runs
+
+    def window_blocks(self) -> int:
+        """The pool's blocks a sliding-window group keeps from a request (scheduler
+        engine): vLLM reserves a request's window and a step's tokens, and one block more
+        (a window straddling a block boundary); 0 without a window."""
+        if not self.sliding_window:
+            return 0
+        return -(-(self.sliding_window + self.max_num_batched_tokens) // self.block_size) + 1
 
     def plugin_config(self, worker_id: str) -> PluginConfig:
         """The plugin's validated config for one simulated worker (its defaults, then

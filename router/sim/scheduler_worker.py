@@ -203,11 +203,9 @@ def build_scheduler_worker(worker_id: str, config: SimConfig, clock: Callable[[]
     """vLLM's Scheduler with the plugin loaded as a server loads it (its connector,
     validating the same extra config), on the simulation's clock."""
     # The whole pool, as the fast engine's manager; vLLM caps it at the model's positions.
-    # A sliding-window group shares the pool: vLLM reserves a request's window and a
-    # step's tokens in it, and one block more (a window straddling a block boundary).
-    window_blocks = (-(-(config.sliding_window + config.max_num_batched_tokens)
-                       // config.block_size) + 1 if config.sliding_window else 0)
-    max_model_len = min((config.gpu_blocks - window_blocks) * config.block_size,
+    # A sliding-window group shares the pool (SimConfig.window_blocks; SimConfig
+    # refuses a pool it would leave no block of).
+    max_model_len = min((config.gpu_blocks - config.window_blocks()) * config.block_size,
                         int(MODEL_CONFIG["max_position_embeddings"]))
     engine = build_scheduler(HeadlessSchedulerSpec(
         block_size=config.block_size, num_blocks=config.gpu_blocks + 1,

@@ -103,3 +103,31 @@ def test_a_short_budget_keeps_the_mamba_state_a_shorter_hit_reads() -> None:
     outcome = _pin(short)
     assert outcome.status.value == "clipped" and outcome.applied.blocks == 1
     assert short.core.executor.pinned_blocks == 1
+
+
+def test_a_hybrid_clip_with_eagle_reports_the_positions_held_and_the_router_reads_so(
+        ) -> None:
+    """A window block of the last position gone (``evict_blocks``): the Pin's hit point is
+    3 positions, and with EAGLE vLLM's hit at that point is 2 blocks. The clip says "a
+    prefix hit reaches 3" (``schemas.outcomes.CLIPPED_HIT_REACH``): positions held, as
+    ``applied`` counts them, not the hit; the router's pin feedback divides ``applied`` by
+    it (a clip for residency alone leaves ``pin_ask_scale`` as it is) and reads it as no
+    hit length."""
+    from kvhint.router.policy.feedback import FeedbackConfig, WorkerFeedback, apply_outcome
+    from kvhint.schemas.outcomes import clipped_hit_reach
+
+    bench = Bench(GEMMA, use_eagle=True, pin_budget_fraction=0.5)
+    adapter = bench.core.adapter
+    last = bench.positions()[3]
+    group = adapter.hit_groups[0].group_id
+    # Every cached copy (with EAGLE the Bench's second turn recomputed block N anew).
+    while (gone := adapter.side_block(last, group)) is not None:
+        bench.manager.block_pool.evict_blocks({gone.block_id})
+        bench.core.sync()
+    outcome = _pin(bench)
+    assert outcome.status.value == "clipped", outcome
+    assert clipped_hit_reach(outcome.reason) == outcome.applied.blocks == N - 1
+    bench.traffic()
+    assert bench.next_turn_hit() == (N - 2) * BLOCK  # EAGLE: the hit is X - 1
+    feedback = apply_outcome(WorkerFeedback("w0"), outcome, FeedbackConfig())
+    assert feedback.pin_ask_scale == 1.0
