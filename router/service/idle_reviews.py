@@ -4,7 +4,9 @@ Replicas share the store, and each holds its own records of the sessions it serv
 memory; a session's turns may alternate between them. Its idle review
 (``SessionLifecycle.tick``: decay, release, abandonment, the planner's idle hints) is
 the replica's that saw the session's latest event (served its latest turn, or ended it),
-as the merged record says (:attr:`SessionRecord.latest_elsewhere`, session_merge.py).
+as the merged record says (:attr:`SessionRecord.latest_elsewhere`, session_merge.py),
+or as its row names it (``sessions.latest_replica``, ``routing.replica_id``) where a
+restart restores it or a turn's recall reads it back (``SessionRegistry.restore``).
 Before a due review a replica reads the session's row (the read before a turn,
 ``routing.session_refresh``) and merges another replica's saves since; where that
 replica's later turn is merged in, this one forgets its record (the store keeps it; a

@@ -150,7 +150,8 @@ class RouterRuntime:
             writer, MAX_SESSIONS_IN_MEMORY, on_drop=metrics.drop,
             tenant_cap=lambda name: directory.session_cap(name, MAX_SESSIONS_IN_MEMORY),
             on_evict=lambda name: metrics.sessions_evicted.labels(name).inc(),
-            on_conflict=lambda outcome: metrics.session_save_conflicts.labels(outcome).inc())
+            on_conflict=lambda outcome: metrics.session_save_conflicts.labels(outcome).inc(),
+            replica_id=settings.routing.replica_id)
         for tenant in directory.tenants:
             metrics.sessions_evicted.labels(tenant.name)
             metrics.tenant_in_flight.labels(tenant.name)

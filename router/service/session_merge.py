@@ -118,6 +118,7 @@ def merge_into(record: SessionRecord, theirs: SessionRecord) -> None:
         record.open_gap = theirs.open_gap
         record.last_activity = theirs.last_activity
         record.latest_elsewhere = True
+        record.latest_replica = theirs.latest_replica
         plan, shift = theirs.plan, record.turns - theirs.turns
     else:
         plan, shift = record.plan, record.turns - mine_turns

@@ -82,8 +82,10 @@ class SessionRecord:
     # Whether the record's latest event (where the session is now) is one another
     # replica saw, merged in from its save (memory only; this replica's next turn or
     # end of it makes it this one's again): the session's idle review is that
-    # replica's (``SessionLifecycle.tick``), not this one's.
+    # replica's (``SessionLifecycle.tick``), not this one's; read so from a row naming
+    # another replica as ``latest_replica`` (``routing.replica_id``; None: not known).
     latest_elsewhere: bool = False
+    latest_replica: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -110,6 +112,7 @@ class SessionRecord:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "predicted_cached_tokens": self.predicted_cached_tokens,
+            "latest_replica": self.latest_replica,
         }
 
     @classmethod
@@ -144,6 +147,7 @@ class SessionRecord:
             predicted_cached_tokens=row.get("predicted_cached_tokens") or 0,
             revision=row.get("revision") or 0,
             base=SessionBase.of(row),
+            latest_replica=row.get("latest_replica"),
         )
         # Its latest event as this router reads it (an end by a router from before the
         # flag included), which a merge compares the record's with (session_merge.py).
@@ -265,7 +269,8 @@ class SessionRegistry:
                  on_drop: Callable[[str, int], None] | None = None,
                  tenant_cap: Callable[[str], int | None] | None = None,
                  on_evict: Callable[[str], None] | None = None,
-                 on_conflict: Callable[[str], None] | None = None) -> None:
+                 on_conflict: Callable[[str], None] | None = None,
+                 replica_id: str | None = None) -> None:
         # In opening order (least recently opened first): eviction takes from the front.
         self._sessions: OrderedDict[tuple[str, str], SessionRecord] = OrderedDict()
         # The same records per tenant, in the same order: a tenant's eviction scans only
@@ -277,6 +282,7 @@ class SessionRegistry:
         self._tenant_cap = tenant_cap
         self._on_evict = on_evict
         self._on_conflict = on_conflict
+        self._replica_id = replica_id  # routing.replica_id: a save's latest_replica
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -315,6 +321,8 @@ class SessionRegistry:
     def save(self, record: SessionRecord) -> None:
         """Queue ``record``'s row, written over the revision it was made from only
         (:class:`_VersionedSession`)."""
+        if not record.latest_elsewhere:
+            record.latest_replica = self._replica_id
         if self._writer is not None:
             self._writer.upsert_versioned("sessions", record.key, record.row(),
                                           _VersionedSession(self, record))
@@ -360,8 +368,9 @@ class SessionRegistry:
     def restore(self, rows: list[dict[str, Any]]) -> int:
         """The stored sessions ``rows`` in memory (at start-up). Any left out, or not in
         the store's recent rows, are read from the store on first sight
-        (``SessionLifecycle.recall``), as every session this registry does not hold is."""
-        records = [SessionRecord.from_row(self._readable(row)) for row in rows]
+        (``SessionLifecycle.recall``), as every session this registry does not hold is;
+        one another replica saw last is that replica's to review (:meth:`_record_of`)."""
+        records = [self._record_of(row) for row in rows]
         for record in sorted(records, key=lambda r: r.last_activity):
             self._put(record)
         # A tenant's cap may be lower than at the last run: trim to it (least recent first).
@@ -380,9 +389,19 @@ class SessionRegistry:
     def adopt(self, row: dict[str, Any]) -> SessionRecord:
         """The stored session ``row`` in memory again (a session evicted earlier that
         came back); a record already in memory is kept as it is."""
-        record = SessionRecord.from_row(self._readable(row))
+        record = self._record_of(row)
         current = self._sessions.get(record.key)
         return current if current is not None else self._add(record)
+
+    def _record_of(self, row: dict[str, Any]) -> SessionRecord:
+        """The record of a stored ``row``, its latest event another replica's where the
+        row names one not this (``routing.replica_id``). Before, a restarted replica
+        reviewed a session another served last as its own, beside that one."""
+        record = SessionRecord.from_row(self._readable(row))
+        named = record.latest_replica
+        record.latest_elsewhere = (named is not None and self._replica_id is not None
+                                   and named != self._replica_id)
+        return record
 
     def _add(self, record: SessionRecord) -> SessionRecord:
         """Put ``record`` in memory as the most recently opened, making room first."""

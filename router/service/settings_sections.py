@@ -70,6 +70,12 @@ class RoutingSettings(BaseModel, frozen=True, extra="forbid"):
     # balancer keeping each session on one replica, saves that read; saves still merge
     # another replica's (session_merge.py).
     session_refresh: bool | None = None
+    # This replica's name among those sharing the store, unique to it and kept across its
+    # restarts (a pod's name, a host's): a session's row names the replica that saw its
+    # latest event, and one restarting leaves the idle review of a session another
+    # replica served last to that replica (service/idle_reviews.py). None: rows name
+    # none, and a restart reviews every session it restores (as before the setting).
+    replica_id: str | None = Field(None, min_length=1, max_length=128)
     # The most sequences one prompt may ask to sample (``n``, or ``best_of``); more is a
     # 400 (sampling.py). Each is a sequence decoding on the worker beside every other
     # tenant's, and a session continues at most one of them (response_scan.py).

@@ -76,6 +76,10 @@ class SessionRow(Base):
     # service.session_merge). A router of the release before leaves it as it is; on
     # PostgreSQL a trigger (revision 0007) then moves it on, so its saves are merged too.
     revision: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The replica (``routing.replica_id``) that saw the session's latest event (revision
+    # 0009): a replica restarting leaves the idle review of a session another replica
+    # served last to that one. NULL: not known (no id set, or a router from before).
+    latest_replica: Mapped[str | None] = mapped_column(String(128))
 
     __table_args__ = (
         Index("ix_sessions_last_activity", "last_activity"),

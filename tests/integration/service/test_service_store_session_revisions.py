@@ -39,7 +39,8 @@ def test_a_store_of_the_release_before_gains_revisions_and_keeps_its_rows(
         assert migrate(engine) is True
         assert migrate(engine) is True  # idempotent
         for row in rows:
-            assert _stored(engine, row["session_id"]) == row | {"revision": 0}
+            assert _stored(engine, row["session_id"]) == row | {"revision": 0,
+                                                                "latest_replica": None}
 
         async def saves() -> list[str]:
             conflicts: list[str] = []

@@ -44,9 +44,11 @@ def _insert(engine: sa.Engine, workers: list[dict], sessions: list[dict]) -> Non
 
 def _sessions(engine: sa.Engine) -> dict[str, dict]:
     """Session id -> its stored row, as :func:`_session` writes it: without the
-    ``revision`` a later migration adds (0006, test_service_store_session_revisions)."""
+    ``revision`` and ``latest_replica`` later migrations add (0006,
+    test_service_store_session_revisions; 0009)."""
     with engine.connect() as conn:
-        return {row["session_id"]: {k: v for k, v in row.items() if k != "revision"}
+        return {row["session_id"]: {k: v for k, v in row.items()
+                                    if k not in ("revision", "latest_replica")}
                 for row in conn.execute(sa.select(SessionRow.__table__)).mappings()}
 
 
