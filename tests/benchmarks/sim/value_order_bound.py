@@ -197,6 +197,9 @@ class _Session:
     priority: float | None = None  # value_reviewed: the last value sent
     changed_at: float = 0.0
     reviews_done: int = 0
+    # return_predictor_bound.py: the turn that opened the gap, its predicted return odds
+    turn: Turn | None = None
+    p: float = 0.0
 
 
 @dataclass(slots=True)
@@ -234,12 +237,16 @@ class _ValueModel:
                 self.stats.apply(ReturnObserved(session.depth, True, session.kind))
         for block in turn.blocks:
             self.owners.setdefault(block, set()).add(turn.session)
-        self.sessions[turn.session] = _Session(list(turn.blocks), turn.at, turn.kind,
-                                               turn.depth, turn.returns)
+        self.sessions[turn.session] = self._new_session(turn)
         heapq.heappush(self.pending, (turn.at + self.config.return_window_s, turn.session,
                                       turn.at))
         self._evict(turn)
         return hits
+
+    def _new_session(self, turn: Turn) -> _Session:
+        """The state a turn opens (a hook for return_predictor_bound.py's predictors)."""
+        return _Session(list(turn.blocks), turn.at, turn.kind, turn.depth, turn.returns,
+                        turn=turn)
 
     def _close_windows(self, now: float) -> None:
         while self.pending and self.pending[0][0] <= now:
