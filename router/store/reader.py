@@ -250,19 +250,27 @@ def _statement_timeout(conn: Connection, timeout_s: float) -> None:
                      {"value": f"{max(1, round(timeout_s * 1000))}ms"})
 
 
+# The claims a session's release supersedes on the worker (live_agent_claims_within).
+_SESSION_CLAIM_TYPES = ("kv.pin", "kv.retain")
+
+
 def live_agent_claims_within(engine: Engine, tenant: str, session_id: str, now: float,
                              timeout_s: float) -> list[dict[str, Any]]:
     """The agent runtimes' claims on ``tenant``'s session ``session_id`` that may still
     hold at ``now``, whichever replica sent them: its rows sent by the hints API (source
-    and trigger ``api``: not the releases an end sent), a holding type, pending or
+    and trigger ``api``: not the releases an end sent), a Pin or Retain, pending or
     holding, with a TTL not over; (action id, worker, scope), oldest
-    first. One range of the (tenant, session) index, given up past ``timeout_s`` on
-    PostgreSQL (:func:`_statement_timeout`; service.agent_releases)."""
+    first. Not a Prefetch: its retain is a claim of no session on the worker (the ledger's
+    ``prefetch_scope``), which an end's session release leaves; before, a stored Prefetch
+    was named by the release (``kve-``), and its replica's ledger dropped a retain the
+    worker kept to its deadline (or a later Prefetch hid the Pin the release ended). One
+    range of the (tenant, session) index, given up past ``timeout_s`` on PostgreSQL
+    (:func:`_statement_timeout`; service.agent_releases)."""
     statement = (select(HintActionRow.action_id, HintActionRow.worker_id, HintActionRow.scope)
                  .where(HintActionRow.tenant == tenant,
                         HintActionRow.session_id == session_id,
                         HintActionRow.source == "api", HintActionRow.trigger == "api",
-                        HintActionRow.action_type.in_(HOLDING_TYPES),
+                        HintActionRow.action_type.in_(_SESSION_CLAIM_TYPES),
                         HintActionRow.status.in_(HOLDING_STATUSES + NON_TERMINAL),
                         HintActionRow.expires_at > now)
                  .order_by(HintActionRow.created_at))

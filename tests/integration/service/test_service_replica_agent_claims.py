@@ -138,9 +138,11 @@ def _dropped(metrics: RouterMetrics, what: str) -> float:
 
 def test_the_read_finds_live_api_claims_of_the_session_only(tmp_path: Path) -> None:
     """store.reader.live_agent_claims_within on a real (migrated SQLite) store: the
-    session's hints-API Pins/Retains/Prefetches pending or holding with a TTL not over,
+    session's hints-API Pins and Retains pending or holding with a TTL not over,
     oldest first; not an end's release (trigger ``end:agent_release``), a planner's
-    action, a rejected or expired one, another session's or another tenant's."""
+    action, a rejected or expired one, another session's or another tenant's, nor a
+    Prefetch (its retain is no session's claim on the worker: a release leaves it, so one
+    naming it made its replica's ledger drop a retain the worker kept)."""
     engine = create_store_engine(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         migrate(engine)
@@ -166,7 +168,7 @@ def test_the_read_finds_live_api_claims_of_the_session_only(tmp_path: Path) -> N
             conn.execute(sa.insert(WorkerRow), [{"worker_id": "w0"}])
             conn.execute(sa.insert(HintActionRow), rows)
         found = live_agent_claims_within(engine, "t", "s", 60.0, 3.0)
-        assert [r["action_id"] for r in found] == ["kva-a", "kva-b", "kva-prefetch"]
+        assert [r["action_id"] for r in found] == ["kva-a", "kva-b"]
         assert found[0] == {"action_id": "kva-a", "worker_id": "w0", "scope": "t/s#agent"}
     finally:
         engine.dispose()
