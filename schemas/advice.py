@@ -31,7 +31,6 @@ from kvhint.schemas._codec import (
     WireDecodeError,
     decode_json,
     encode_json,
-    quoted,
     too_long as field_too_long,
 )
 
@@ -46,19 +45,15 @@ def echoed_advice_id(advice_id: str) -> str:
     return "" if len(advice_id) > MAX_ADVICE_ID_CHARS else advice_id
 
 
-def advice_id_too_long(advice_id: str) -> str | None:
-    if len(advice_id) <= MAX_ADVICE_ID_CHARS:
-        return None
-    return (f"advice_id is longer than {MAX_ADVICE_ID_CHARS} characters (starts "
-            f"{quoted(advice_id)}; not echoed)")
-
-
-def text_too_long(advice: DonorAdvice) -> str | None:
-    """Why the advice's session ids or evidence are refused for their length, or None
-    (schemas._codec.MAX_SESSION_ID_CHARS, MAX_EVIDENCE_CHARS: an advice waits in the
-    worker's inbox, and its retain is kept for its TTL)."""
-    return (field_too_long("session_id", advice.session_id, MAX_SESSION_ID_CHARS,
-                           "not held")
+def length_problem(advice: DonorAdvice) -> str | None:
+    """Why the advice is refused for a field's length, or None: an advice_id too long to
+    echo (schemas._codec.MAX_ID_CHARS: the rejection carries no id,
+    :func:`echoed_advice_id`), session ids or evidence too long to keep
+    (MAX_SESSION_ID_CHARS, MAX_EVIDENCE_CHARS: an advice waits in the worker's inbox, and
+    its retain is kept for its TTL; the rejection echoes the advice_id)."""
+    return (field_too_long("advice_id", advice.advice_id, MAX_ADVICE_ID_CHARS)
+            or field_too_long("session_id", advice.session_id, MAX_SESSION_ID_CHARS,
+                              "not held")
             or field_too_long("donor_session_id", advice.donor_session_id,
                               MAX_SESSION_ID_CHARS, "not held")
             or field_too_long("evidence", advice.evidence, MAX_EVIDENCE_CHARS, "not held"))
@@ -81,9 +76,7 @@ class DonorAdvice(msgspec.Struct, frozen=True, kw_only=True):
         """Why a worker must reject this advice, or None."""
         if not self.advice_id:
             return "advice_id is empty"
-        if (too_long := advice_id_too_long(self.advice_id)) is not None:
-            return too_long
-        if (long := text_too_long(self)) is not None:
+        if (long := length_problem(self)) is not None:
             return long
         if not self.donor_block_hashes:
             return "donor_block_hashes is empty"
@@ -97,12 +90,8 @@ def encode_advice(advice: DonorAdvice) -> bytes:
 
 
 def decode_advice(data: bytes | str) -> DonorAdvice:
-    """Raises WireDecodeError also for an advice_id too long to echo (the receiver's
-    rejection carries no id: ``echoed_advice_id``), and for session ids or evidence too
-    long to keep (``text_too_long``; the rejection echoes the advice_id)."""
+    """Raises WireDecodeError also for a field too long (:func:`length_problem`)."""
     advice = decode_json(data, DonorAdvice, "donor advice")
-    if (too_long := advice_id_too_long(advice.advice_id)) is not None:
-        raise WireDecodeError(f"invalid donor advice: {too_long}")
-    if (long := text_too_long(advice)) is not None:
+    if (long := length_problem(advice)) is not None:
         raise WireDecodeError(f"invalid donor advice: {long}")
     return advice

@@ -59,7 +59,6 @@ MAX_MESSAGE_ID_CHARS = 256
 # an action with a longer one is answered ``rejected`` under an empty id or type (an
 # outcome of no id is remembered by no receiver), the start of it quoted in the reason.
 MAX_ACTION_ID_CHARS = MAX_ID_CHARS
-ID_TOO_LONG = "is longer than"
 
 # Upper bound on any TTL or deadline a hint may ask for (one day). Workers clip further.
 MAX_TTL_S = 86_400.0
@@ -242,10 +241,9 @@ class InvalidAction:
 
 def _too_long(action_id: str, action_type: str) -> InvalidAction | None:
     """The rejection of an action whose id or type is too long to echo, or None."""
-    problems = [f"{name} {ID_TOO_LONG} {MAX_ACTION_ID_CHARS} characters (starts "
-                f"{quoted(value)}; not echoed)"
-                for name, value in (("action_id", action_id), ("action_type", action_type))
-                if len(value) > MAX_ACTION_ID_CHARS]
+    problems = [problem for name, value in (("action_id", action_id),
+                                            ("action_type", action_type))
+                if (problem := too_long(name, value, MAX_ACTION_ID_CHARS)) is not None]
     if not problems:
         return None
     return InvalidAction("" if len(action_id) > MAX_ACTION_ID_CHARS else action_id,
