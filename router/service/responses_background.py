@@ -36,11 +36,9 @@ from starlette.responses import Response
 
 from kvhint.router.service.metrics import RouterMetrics
 from kvhint.router.service.responses_ids import IdEntry, ResponseIds
-from kvhint.router.service.responses_scan import ResponsesObservation
+from kvhint.router.service.responses_scan import RUNNING_STATUSES, ResponsesObservation
 
 _encode = msgspec.json.Encoder().encode
-# A stored response's status, read alone from a GET's answer.
-_RUNNING = frozenset({"queued", "in_progress"})
 # What each reason says of the response's run.
 _LOST = {
     "worker_gone": "left the fleet",
@@ -123,7 +121,7 @@ def status_of(payload: bytes) -> str | None:
 
 def is_running(status: str | None) -> bool:
     """Whether a stored response with ``status`` has not ended yet."""
-    return status in _RUNNING
+    return status in RUNNING_STATUSES
 
 
 def error_of(code: Any, message: Any) -> tuple[str, str]:

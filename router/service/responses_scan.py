@@ -97,7 +97,7 @@ _TOOL_CALL_ITEMS = frozenset({"function_call", "custom_tool_call"})
 # A failed response's error code (OpenAI's ResponseError codes) as a status.
 _FAILED_CODES = {"rate_limit_exceeded": 429, "invalid_prompt": 400}
 # A response still running when the answer came: one started with ``background: true``.
-_RUNNING = frozenset({"queued", "in_progress"})
+RUNNING_STATUSES = frozenset({"queued", "in_progress"})
 
 
 @dataclass(slots=True)
@@ -166,7 +166,7 @@ class ResponsesObservation(ResponseObservation):
 
     def _observe_response(self, response: _Response) -> None:
         status = response.status
-        if status in _RUNNING:
+        if status in RUNNING_STATUSES:
             self.background = True
             return
         if status == "failed":
